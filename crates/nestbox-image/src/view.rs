@@ -1,0 +1,20 @@
+//! The description of a box root that an image hands to the isolation layer.
+
+use std::path::PathBuf;
+
+/// One overlay of the box root: read-only `lowers` (top first) mounted at `target`
+/// (a path inside the box, `/` for the root itself) under a private writable layer.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Layer {
+    /// Where in the box this layer is mounted ("/" first, then sub-paths).
+    pub target: PathBuf,
+    /// Host directories stacked read-only, topmost first.
+    pub lowers: Vec<PathBuf>,
+}
+
+/// How to assemble a box root: the root layer first, then layers mounted on it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RootView {
+    /// The layers in mount order.
+    pub layers: Vec<Layer>,
+}

@@ -1,0 +1,103 @@
+//! Mount primitives with errors that name the mount and its target.
+
+use std::path::Path;
+
+use nix::mount::{mount, umount2, MntFlags, MsFlags};
+
+use crate::{IsolationError, Result};
+
+/// Mount a filesystem of `fstype` from `source` at `target`.
+pub fn mount_fs(source: &str, target: &Path, fstype: &str, flags: MsFlags, data: Option<&str>) -> Result<()> {
+    mount(Some(source), target, Some(fstype), flags, data)
+        .map_err(|e| IsolationError::at(format!("mount {fstype}"), target, e))
+}
+
+/// Bind-mount `source` on `target` (recursively when `recursive`).
+pub fn bind(source: &Path, target: &Path, recursive: bool) -> Result<()> {
+    let mut flags = MsFlags::MS_BIND;
+    if recursive {
+        flags |= MsFlags::MS_REC;
+    }
+    mount(Some(source), target, None::<&str>, flags, None::<&str>)
+        .map_err(|e| IsolationError::at(format!("bind {}", source.display()), target, e))
+}
+
+/// Make the mount at `target` read-only, keeping its other flags (nosuid, nodev…).
+pub fn remount_read_only(target: &Path) -> Result<()> {
+    let current = statvfs_flags(target)?;
+    let flags = MsFlags::MS_REMOUNT | MsFlags::MS_BIND | MsFlags::MS_RDONLY | current;
+    mount(None::<&str>, target, None::<&str>, flags, None::<&str>)
+        .map_err(|e| IsolationError::at("remount read-only", target, e))
+}
+
+/// The mount flags that must be preserved on a bind remount (locked in a user namespace).
+fn statvfs_flags(target: &Path) -> Result<MsFlags> {
+    use nix::sys::statvfs::{statvfs, FsFlags};
+    let st = statvfs(target).map_err(|e| IsolationError::at("statvfs", target, e))?;
+    let f = st.flags();
+    let mut out = MsFlags::empty();
+    for (fs, ms) in [
+        (FsFlags::ST_NOSUID, MsFlags::MS_NOSUID),
+        (FsFlags::ST_NODEV, MsFlags::MS_NODEV),
+        (FsFlags::ST_NOEXEC, MsFlags::MS_NOEXEC),
+        (FsFlags::ST_NOATIME, MsFlags::MS_NOATIME),
+        (FsFlags::ST_NODIRATIME, MsFlags::MS_NODIRATIME),
+        (FsFlags::ST_RELATIME, MsFlags::MS_RELATIME),
+    ] {
+        if f.contains(fs) {
+            out |= ms;
+        }
+    }
+    Ok(out)
+}
+
+/// Stop mount events from propagating between the box and the host.
+pub fn make_private_recursive(path: &Path) -> Result<()> {
+    mount(None::<&str>, path, None::<&str>, MsFlags::MS_REC | MsFlags::MS_PRIVATE, None::<&str>)
+        .map_err(|e| IsolationError::at("make mount private", path, e))
+}
+
+/// Lazily detach the mount at `target`.
+pub fn detach(target: &Path) -> Result<()> {
+    umount2(target, MntFlags::MNT_DETACH).map_err(|e| IsolationError::at("umount", target, e))
+}
+
+/// Overlay mount options for `lowers` (topmost first) and an optional writable layer.
+/// Paths may not contain the option separators `,` and `:`.
+pub fn overlay_options(lowers: &[&Path], upper: Option<(&Path, &Path)>, userxattr: bool) -> Result<String> {
+    let check = |p: &Path| -> Result<String> {
+        let s = p.to_str().ok_or_else(|| IsolationError::at("overlay path not UTF-8", p, nix::errno::Errno::EINVAL))?;
+        if s.contains([',', ':', '\\']) {
+            return Err(IsolationError::at("overlay path contains ',' ':' or '\\'", p, nix::errno::Errno::EINVAL));
+        }
+        Ok(s.to_string())
+    };
+    let lower: Vec<String> = lowers.iter().map(|p| check(p)).collect::<Result<_>>()?;
+    let mut opts = format!("lowerdir={}", lower.join(":"));
+    if let Some((up, work)) = upper {
+        opts.push_str(&format!(",upperdir={},workdir={}", check(up)?, check(work)?));
+    }
+    if userxattr {
+        opts.push_str(",userxattr");
+    }
+    Ok(opts)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn overlay_options_are_well_formed() {
+        let o = overlay_options(&[Path::new("/a"), Path::new("/b")], Some((Path::new("/u"), Path::new("/w"))), false).unwrap();
+        assert_eq!(o, "lowerdir=/a:/b,upperdir=/u,workdir=/w");
+        let o = overlay_options(&[Path::new("/a")], None, true).unwrap();
+        assert_eq!(o, "lowerdir=/a,userxattr");
+    }
+
+    #[test]
+    fn overlay_rejects_separator_in_path() {
+        let e = overlay_options(&[Path::new("/a:b")], None, false).unwrap_err();
+        assert!(e.to_string().contains("/a:b"));
+    }
+}

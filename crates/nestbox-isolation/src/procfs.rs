@@ -1,0 +1,72 @@
+//! `/proc` and `/sys` for a box: a fresh procfs of the box's pid namespace, a
+//! read-only sysfs, and the masked and read-only paths runc applies, so kernel
+//! interfaces that leak host information or allow host changes are out of reach.
+
+use std::path::Path;
+
+use nix::mount::MsFlags;
+
+use crate::{mounts, Result};
+
+/// Paths hidden from the box: files are covered by `/dev/null`, directories by an
+/// empty read-only tmpfs.
+pub const MASKED_PATHS: &[&str] = &[
+    "proc/acpi",
+    "proc/asound",
+    "proc/kcore",
+    "proc/keys",
+    "proc/latency_stats",
+    "proc/timer_list",
+    "proc/timer_stats",
+    "proc/sched_debug",
+    "proc/scsi",
+    "sys/firmware",
+    "sys/devices/virtual/powercap",
+];
+
+/// Paths the box may read but not write.
+pub const READ_ONLY_PATHS: &[&str] = &["proc/bus", "proc/fs", "proc/irq", "proc/sys", "proc/sysrq-trigger"];
+
+const KERNEL_FS_FLAGS: MsFlags = MsFlags::MS_NOSUID.union(MsFlags::MS_NODEV).union(MsFlags::MS_NOEXEC);
+
+/// Mount a procfs of the caller's pid namespace at `root/proc`.
+pub fn mount_proc(root: &Path) -> Result<()> {
+    mounts::mount_fs("proc", &root.join("proc"), "proc", KERNEL_FS_FLAGS, None)
+}
+
+/// Mount sysfs read-only at `root/sys`; where the kernel refuses a new sysfs (a user
+/// namespace that does not own the network namespace), bind the host's read-only.
+pub fn mount_sys(root: &Path) -> Result<()> {
+    let target = root.join("sys");
+    match mounts::mount_fs("sysfs", &target, "sysfs", KERNEL_FS_FLAGS | MsFlags::MS_RDONLY, None) {
+        Ok(()) => Ok(()),
+        Err(e) if e.errno == nix::errno::Errno::EPERM => {
+            mounts::bind(Path::new("/sys"), &target, true)?;
+            mounts::remount_read_only(&target)
+        }
+        Err(e) => Err(e),
+    }
+}
+
+/// Apply [`MASKED_PATHS`] and [`READ_ONLY_PATHS`] under `root` (needs `root/dev/null`).
+pub fn apply_masks(root: &Path) -> Result<()> {
+    let null = root.join("dev/null");
+    for rel in MASKED_PATHS {
+        let path = root.join(rel);
+        let Ok(meta) = path.symlink_metadata() else { continue };
+        if meta.is_dir() {
+            mounts::mount_fs("tmpfs", &path, "tmpfs", KERNEL_FS_FLAGS | MsFlags::MS_RDONLY, Some("size=0"))?;
+        } else {
+            mounts::bind(&null, &path, false)?;
+        }
+    }
+    for rel in READ_ONLY_PATHS {
+        let path = root.join(rel);
+        if path.symlink_metadata().is_err() {
+            continue;
+        }
+        mounts::bind(&path, &path, true)?;
+        mounts::remount_read_only(&path)?;
+    }
+    Ok(())
+}

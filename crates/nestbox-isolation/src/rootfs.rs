@@ -1,0 +1,204 @@
+//! The box root: overlay layers from the image, volumes, tmpfs mounts, `/dev`,
+//! `/proc`, `/sys`, then `pivot_root` into it with the old root detached.
+//!
+//! All of it is done by the box's first process inside its own, private mount
+//! namespace, so nothing is ever mounted on the host and nothing needs unmounting
+//! when the box ends: the namespace and its mounts vanish with its last process.
+
+use std::fs;
+use std::os::unix::fs::{DirBuilderExt, MetadataExt};
+use std::path::{Component, Path, PathBuf};
+
+use nix::mount::MsFlags;
+use nix::unistd::{chdir, pivot_root};
+
+use crate::{dev, mounts, procfs, IsolationError, Result};
+
+/// One overlay of the root: read-only lowers under a private writable layer.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LayerMount {
+    /// Path inside the box ("/" for the root).
+    pub target: PathBuf,
+    /// Read-only lower directories, topmost first.
+    pub lowers: Vec<PathBuf>,
+    /// The box's writable directory for this layer.
+    pub upper: PathBuf,
+    /// Overlayfs work directory (same filesystem as `upper`).
+    pub work: PathBuf,
+}
+
+/// A host path mounted into the box.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct Volume {
+    /// Host path (must exist).
+    pub source: PathBuf,
+    /// Absolute path in the box.
+    pub target: PathBuf,
+    /// Mounted read-only.
+    pub read_only: bool,
+}
+
+/// Everything needed to assemble a box root.
+#[derive(Debug, Clone)]
+pub struct RootfsPlan {
+    /// Host directory the root is assembled on (inside the private mount namespace).
+    pub mountpoint: PathBuf,
+    /// Overlay layers, root first.
+    pub layers: Vec<LayerMount>,
+    /// Host directories or files bound in.
+    pub volumes: Vec<Volume>,
+    /// Paths that get a fresh tmpfs.
+    pub tmpfs: Vec<PathBuf>,
+    /// Make the root (all layers) read-only.
+    pub read_only: bool,
+    /// Running in a user namespace (overlay uses user xattrs, no devpts gid).
+    pub userns: bool,
+}
+
+/// Assemble the root described by `plan` at `plan.mountpoint`.
+/// Must run in the box's new mount namespace, before [`pivot_into`].
+pub fn assemble(plan: &RootfsPlan) -> Result<()> {
+    mounts::make_private_recursive(Path::new("/"))?;
+    let root = &plan.mountpoint;
+    let writable_fs = MsFlags::MS_NODEV;
+    for layer in &plan.layers {
+        let target = secure_join(root, &layer.target)?;
+        let lowers: Vec<&Path> = layer.lowers.iter().map(PathBuf::as_path).collect();
+        let opts = mounts::overlay_options(&lowers, Some((&layer.upper, &layer.work)), plan.userns)?;
+        mounts::mount_fs("overlay", &target, "overlay", writable_fs, Some(&opts))?;
+    }
+    dev::populate(&root.join("dev"), plan.userns)?;
+    procfs::mount_proc(root)?;
+    procfs::mount_sys(root)?;
+    for vol in &plan.volumes {
+        let target = secure_join(root, &vol.target)?;
+        make_mountpoint(&target, vol.source.is_dir())?;
+        mounts::bind(&vol.source, &target, true)?;
+        if vol.read_only {
+            mounts::remount_read_only(&target)?;
+        }
+    }
+    for path in &plan.tmpfs {
+        let target = secure_join(root, path)?;
+        make_mountpoint(&target, true)?;
+        mounts::mount_fs("tmpfs", &target, "tmpfs", MsFlags::MS_NOSUID | MsFlags::MS_NODEV, Some("mode=1777"))?;
+    }
+    if plan.read_only {
+        for layer in &plan.layers {
+            mounts::remount_read_only(&secure_join(root, &layer.target)?)?;
+        }
+    }
+    procfs::apply_masks(root)?;
+    Ok(())
+}
+
+/// Make `root` the root of the calling process's mount namespace and detach the
+/// old root entirely, so no path leads back to the host (the chroot barrier).
+pub fn pivot_into(root: &Path) -> Result<()> {
+    chdir(root).map_err(|e| IsolationError::at("chdir", root, e))?;
+    // pivot_root(".", ".") stacks the old root on top of the new one at "/";
+    // detaching "." afterwards removes it without needing a put_old directory.
+    pivot_root(".", ".").map_err(|e| IsolationError::at("pivot_root", root, e))?;
+    mounts::detach(Path::new("."))?;
+    chdir("/").map_err(|e| IsolationError::at("chdir", "/", e))?;
+    Ok(())
+}
+
+/// Create a mount point (directory or empty file) if it does not exist yet.
+fn make_mountpoint(target: &Path, dir: bool) -> Result<()> {
+    if target.symlink_metadata().is_ok() {
+        return Ok(());
+    }
+    if let Some(parent) = target.parent() {
+        fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o755)
+            .create(parent)
+            .map_err(|e| IsolationError::io("mkdir", parent, e))?;
+    }
+    let made = if dir {
+        fs::DirBuilder::new().mode(0o755).create(target)
+    } else {
+        fs::File::create(target).map(|_| ())
+    };
+    made.map_err(|e| IsolationError::io("create mount point", target, e))
+}
+
+/// Join `path` (absolute, inside the box) onto `root`, resolving symlinks as if
+/// `root` were `/`, so no component can lead outside the box root.
+pub fn secure_join(root: &Path, path: &Path) -> Result<PathBuf> {
+    let mut resolved = PathBuf::new();
+    let mut pending: Vec<PathBuf> = components_rev(path);
+    let mut links = 0;
+    while let Some(part) = pending.pop() {
+        if part.as_os_str() == ".." {
+            resolved.pop();
+            continue;
+        }
+        let candidate = resolved.join(&part);
+        let host = root.join(&candidate);
+        match fs::symlink_metadata(&host) {
+            Ok(m) if m.file_type().is_symlink() => {
+                links += 1;
+                if links > 40 {
+                    return Err(IsolationError::at("resolve (too many symlinks)", host, nix::errno::Errno::ELOOP));
+                }
+                let target = fs::read_link(&host).map_err(|e| IsolationError::io("readlink", &host, e))?;
+                if target.is_absolute() {
+                    resolved = PathBuf::new();
+                }
+                pending.extend(components_rev(&target));
+            }
+            _ => resolved = candidate,
+        }
+    }
+    Ok(root.join(resolved))
+}
+
+/// Normal and parent components of `p`, reversed so they can be popped in order.
+fn components_rev(p: &Path) -> Vec<PathBuf> {
+    let mut v: Vec<PathBuf> = p
+        .components()
+        .filter_map(|c| match c {
+            Component::Normal(n) => Some(PathBuf::from(n)),
+            Component::ParentDir => Some(PathBuf::from("..")),
+            _ => None,
+        })
+        .collect();
+    v.reverse();
+    v
+}
+
+/// Owner (uid, gid) of `path`, for checks and tests.
+pub fn owner(path: &Path) -> Result<(u32, u32)> {
+    let m = fs::metadata(path).map_err(|e| IsolationError::io("stat", path, e))?;
+    Ok((m.uid(), m.gid()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::symlink;
+
+    #[test]
+    fn secure_join_stays_inside_root() {
+        let root = tempfile::tempdir().unwrap();
+        let r = root.path();
+        fs::create_dir_all(r.join("usr/bin")).unwrap();
+        symlink("usr/bin", r.join("bin")).unwrap();
+        symlink("/etc/passwd", r.join("usr/abs")).unwrap();
+        symlink("../../../../..", r.join("usr/up")).unwrap();
+        assert_eq!(secure_join(r, Path::new("/bin/x")).unwrap(), r.join("usr/bin/x"));
+        assert_eq!(secure_join(r, Path::new("/usr/abs")).unwrap(), r.join("etc/passwd"));
+        assert_eq!(secure_join(r, Path::new("/usr/up/etc")).unwrap(), r.join("etc"));
+        assert_eq!(secure_join(r, Path::new("/../../x")).unwrap(), r.join("x"));
+    }
+
+    #[test]
+    fn secure_join_detects_symlink_loops() {
+        let root = tempfile::tempdir().unwrap();
+        symlink("b", root.path().join("a")).unwrap();
+        symlink("a", root.path().join("b")).unwrap();
+        assert!(secure_join(root.path(), Path::new("/a/x")).is_err());
+    }
+}

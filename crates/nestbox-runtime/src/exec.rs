@@ -1,0 +1,137 @@
+//! `exec`: run another command in a running box. The new process joins all of the
+//! box's namespaces and its cgroup and gets the same user, capabilities,
+//! no_new_privs and seccomp filter as the box's own command.
+//!
+//! The caller forks a helper that joins the cgroup and namespaces; joining a pid
+//! namespace only applies to children, so the helper forks once more and the
+//! grandchild, now inside the box, becomes the command. The helper passes the
+//! command's exit status back.
+
+use std::os::fd::AsRawFd;
+use std::path::PathBuf;
+
+use nestbox_isolation::namespaces::NamespaceHandles;
+use nix::fcntl::OFlag;
+use nix::sys::signal::{signal, SigHandler, Signal};
+use nix::sys::wait::waitpid;
+use nix::unistd::{fork, pipe2, ForkResult, Pid};
+
+use crate::launch::{exec_command, read_report, CommandPlan};
+use crate::registry::Registry;
+use crate::spec::User;
+use crate::state::Status;
+use crate::{Result, RuntimeError};
+
+/// What to run, and overrides of the box's settings for this process.
+#[derive(Debug, Clone, Default)]
+pub struct ExecOptions {
+    /// Command and arguments.
+    pub command: Vec<String>,
+    /// Extra environment on top of the box's.
+    pub env: Vec<String>,
+    /// Working directory (default: the box's).
+    pub workdir: Option<PathBuf>,
+    /// User (default: the box's).
+    pub user: Option<User>,
+}
+
+/// Run `opts.command` in the running box `name`; returns its exit code.
+pub fn exec(reg: &Registry, name: &str, opts: &ExecOptions) -> Result<i32> {
+    if opts.command.is_empty() {
+        return Err(RuntimeError::Invalid("missing command: usage is nestbox exec BOX -- CMD [ARGS...]".into()));
+    }
+    let record = reg.load(name)?;
+    let init = match (record.state.effective_status(), record.state.init) {
+        (Status::Running, Some(init)) if init.alive() => init,
+        _ => return Err(RuntimeError::NotRunning(name.to_string())),
+    };
+    let mut spec = record.spec.clone();
+    spec.env.extend(opts.env.iter().cloned());
+    spec.validate()?;
+    let namespaces = NamespaceHandles::open(Pid::from_raw(init.pid))?;
+    let setgroups = record.state.idmap.is_none_or(|m| m.allows_setgroups());
+    let plan = CommandPlan::new(
+        &opts.command,
+        spec.environment(),
+        opts.workdir.clone().unwrap_or(spec.workdir.clone()),
+        opts.user.unwrap_or(spec.user),
+        spec.capabilities.clone(),
+        crate::monitor::seccomp_program(&spec)?,
+        setgroups,
+        false,
+    )?;
+    let (rep_r, rep_w) = pipe2(OFlag::O_CLOEXEC).map_err(RuntimeError::sys("pipe2"))?;
+    // While the command runs, a terminal's ^C reaches it directly; we only wait.
+    ignore_interrupts();
+    // SAFETY: the CLI is single-threaded, so the child may run arbitrary code.
+    let helper = match unsafe { fork() }.map_err(RuntimeError::sys("fork"))? {
+        ForkResult::Child => {
+            drop(rep_r);
+            helper_main(&record, &namespaces, &plan, rep_w.as_raw_fd())
+        }
+        ForkResult::Parent { child } => child,
+    };
+    drop(rep_w);
+    let report = read_report(rep_r);
+    let code = wait_code(helper);
+    if let Some((code, message)) = report {
+        return Err(RuntimeError::Launch { code, message });
+    }
+    Ok(code)
+}
+
+/// The forked helper: join, fork the command, relay its status. Never returns.
+fn helper_main(record: &crate::registry::BoxRecord, ns: &NamespaceHandles, plan: &CommandPlan, report: i32) -> ! {
+    let fail = |msg: String| -> ! {
+        let _ = nix::unistd::write(
+            // SAFETY: `report` stays open for the life of this process.
+            unsafe { std::os::fd::BorrowedFd::borrow_raw(report) },
+            format!("125\t{msg}").as_bytes(),
+        );
+        // SAFETY: a forked child must not run the parent's exit handlers.
+        unsafe { libc::_exit(125) }
+    };
+    if let Some(cg) = &record.state.cgroup {
+        if let Err(e) = cg.add_process(std::process::id() as i32) {
+            fail(format!("join the box cgroup: {e}"));
+        }
+    }
+    if let Err(e) = ns.join() {
+        fail(format!("join the box namespaces: {e}"));
+    }
+    // SAFETY: single-threaded process (forked from the single-threaded CLI).
+    match unsafe { fork() } {
+        Err(e) => fail(format!("fork: {e}")),
+        Ok(ForkResult::Child) => {
+            let _ = nix::sys::prctl::set_pdeathsig(Signal::SIGKILL);
+            exec_command(plan, report)
+        }
+        Ok(ForkResult::Parent { child }) => {
+            // SAFETY: closing our copy of the report pipe; the command keeps its own.
+            unsafe { libc::close(report) };
+            // SAFETY: as above, no exit handlers in a forked child.
+            unsafe { libc::_exit(wait_code(child)) }
+        }
+    }
+}
+
+fn ignore_interrupts() {
+    for s in [Signal::SIGINT, Signal::SIGQUIT] {
+        // SAFETY: SIG_IGN runs no handler code.
+        let _ = unsafe { signal(s, SigHandler::SigIgn) };
+    }
+}
+
+fn wait_code(pid: Pid) -> i32 {
+    loop {
+        match waitpid(pid, None) {
+            Ok(st) => {
+                if let Some(code) = crate::init::exit_code(st) {
+                    return code;
+                }
+            }
+            Err(nix::errno::Errno::EINTR) => continue,
+            Err(_) => return crate::error::EXIT_NESTBOX_ERROR,
+        }
+    }
+}

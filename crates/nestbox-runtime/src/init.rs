@@ -1,0 +1,104 @@
+//! The box's pid 1: forwards every signal it receives to the command, reaps
+//! orphaned processes, and exits with the command's status (128+N when the command
+//! was killed by signal N). When it exits, the kernel kills whatever else is left
+//! in the box's pid namespace.
+//!
+//! It keeps only CAP_KILL (to signal a command running as another user) and marks
+//! itself non-dumpable, so processes in the box can neither ptrace it nor read its
+//! memory.
+
+use nix::sys::signal::{kill, SigSet, Signal};
+use nix::sys::signalfd::{SfdFlags, SignalFd};
+use nix::sys::wait::{waitpid, WaitPidFlag, WaitStatus};
+use nix::unistd::Pid;
+
+/// Run as init until `command` exits, then exit with its status.
+/// All signals must already be blocked (they are read through a signalfd).
+pub fn run(command: Pid) -> ! {
+    let _ = nix::sys::prctl::set_dumpable(false);
+    quiet_stdio();
+    keep_only_kill_capability();
+    let Ok(sfd) = SignalFd::with_flags(&SigSet::all(), SfdFlags::SFD_CLOEXEC) else {
+        // Without a signalfd init can still reap: wait for the command directly.
+        exit_with(wait_command(command))
+    };
+    loop {
+        // A missed read only delays reaping until the next signal.
+        if let Ok(Some(info)) = sfd.read_signal() {
+            let sig = Signal::try_from(info.ssi_signo as i32).ok();
+            match sig {
+                Some(Signal::SIGCHLD) => {
+                    if let Some(code) = reap(command) {
+                        exit_with(code);
+                    }
+                }
+                Some(s) => {
+                    let _ = kill(command, s);
+                }
+                None => {}
+            }
+        }
+    }
+}
+
+/// Reap every exited child; the command's exit code once it is among them.
+fn reap(command: Pid) -> Option<i32> {
+    let mut result = None;
+    loop {
+        match waitpid(None, Some(WaitPidFlag::WNOHANG)) {
+            Ok(WaitStatus::StillAlive) | Err(_) => return result,
+            Ok(status) => {
+                if status.pid() == Some(command) {
+                    if let Some(code) = exit_code(status) {
+                        result = Some(code);
+                    }
+                }
+            }
+        }
+    }
+}
+
+fn wait_command(command: Pid) -> i32 {
+    loop {
+        match waitpid(None, None) {
+            Ok(status) if status.pid() == Some(command) => {
+                if let Some(code) = exit_code(status) {
+                    return code;
+                }
+            }
+            Ok(_) => {}
+            Err(_) => return crate::error::EXIT_NESTBOX_ERROR,
+        }
+    }
+}
+
+/// The shell-style exit code of a wait status (None while merely stopped).
+pub fn exit_code(status: WaitStatus) -> Option<i32> {
+    match status {
+        WaitStatus::Exited(_, code) => Some(code),
+        WaitStatus::Signaled(_, sig, _) => Some(128 + sig as i32),
+        _ => None,
+    }
+}
+
+fn exit_with(code: i32) -> ! {
+    // SAFETY: _exit ends the process without running handlers from the monitor's
+    // address space that this forked process inherited.
+    unsafe { libc::_exit(code) }
+}
+
+fn quiet_stdio() {
+    if let Ok(null) = std::fs::OpenOptions::new().read(true).write(true).open("/dev/null") {
+        use std::os::fd::AsRawFd;
+        for fd in 0..3 {
+            let _ = nix::unistd::dup2(null.as_raw_fd(), fd);
+        }
+    }
+}
+
+fn keep_only_kill_capability() {
+    use nestbox_isolation::caps::{apply_process_sets, restrict_bounding, CapNames};
+    let keep: CapNames = ["CAP_KILL".to_string()].into_iter().collect();
+    // Best effort: failing to shed capabilities leaves init as privileged as before.
+    let _ = restrict_bounding(&keep).and_then(|()| apply_process_sets(&keep, true));
+}

@@ -1,0 +1,271 @@
+//! What happens inside a new box before its command runs, and how a command is
+//! started in a box (shared by `run` and `exec`).
+//!
+//! The box's first process waits for its monitor's go-ahead (the monitor first
+//! writes id maps and moves it into the box cgroup), enters a new cgroup
+//! namespace, sets the hostname, assembles the root and pivots into it, then
+//! forks the command and becomes the box's [`init`](crate::init).
+//!
+//! Errors before the command's `execve` are reported to the monitor over a
+//! close-on-exec pipe as `CODE\tMESSAGE`; a successful exec closes the pipe.
+
+use std::ffi::CString;
+use std::os::fd::{AsRawFd, BorrowedFd, OwnedFd, RawFd};
+use std::path::PathBuf;
+
+use nestbox_isolation::caps::{self, CapNames};
+use nestbox_isolation::rootfs::{self, RootfsPlan};
+use nestbox_seccomp::Program;
+use nix::errno::Errno;
+use nix::sched::{unshare, CloneFlags};
+use nix::sys::signal::{sigprocmask, SigSet, SigmaskHow, Signal};
+use nix::unistd::{ForkResult, Gid, Pid, Uid};
+
+use crate::error::{EXIT_CANNOT_EXECUTE, EXIT_NESTBOX_ERROR, EXIT_NOT_FOUND};
+use crate::spec::User;
+
+/// How to start a command inside a box (already entered or being set up).
+#[derive(Debug)]
+pub struct CommandPlan {
+    /// Program and arguments.
+    pub argv: Vec<CString>,
+    /// Complete environment.
+    pub env: Vec<CString>,
+    /// Directories of the box's PATH, searched when argv\[0\] has no slash.
+    pub path_dirs: Vec<String>,
+    /// Working directory (created if missing when `create_workdir`).
+    pub workdir: PathBuf,
+    /// Create the working directory if it does not exist.
+    pub create_workdir: bool,
+    /// User and group.
+    pub user: User,
+    /// Capability bounding set.
+    pub caps: CapNames,
+    /// Seccomp filter, if any.
+    pub seccomp: Option<Program>,
+    /// Whether `setgroups` is permitted (not in a user namespace mapped by a non-root user).
+    pub setgroups: bool,
+    /// Start a new session (for the box's main command; not for `exec`).
+    pub new_session: bool,
+}
+
+impl CommandPlan {
+    /// Build from strings; fails on interior NUL bytes.
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        command: &[String],
+        env: Vec<String>,
+        workdir: PathBuf,
+        user: User,
+        caps: CapNames,
+        seccomp: Option<Program>,
+        setgroups: bool,
+        new_session: bool,
+    ) -> crate::Result<Self> {
+        let cstr = |s: &String| {
+            CString::new(s.as_bytes()).map_err(|_| crate::RuntimeError::Invalid(format!("argument or variable contains a NUL byte: {s:?}")))
+        };
+        let path_dirs = env
+            .iter()
+            .find_map(|e| e.strip_prefix("PATH="))
+            .unwrap_or(crate::spec::DEFAULT_PATH)
+            .split(':')
+            .filter(|d| !d.is_empty())
+            .map(String::from)
+            .collect();
+        Ok(CommandPlan {
+            argv: command.iter().map(cstr).collect::<crate::Result<_>>()?,
+            env: env.iter().map(cstr).collect::<crate::Result<_>>()?,
+            path_dirs,
+            workdir,
+            create_workdir: new_session,
+            user,
+            caps,
+            seccomp,
+            setgroups,
+            new_session,
+        })
+    }
+}
+
+/// Everything the box's first process needs, prepared by the monitor before the fork.
+#[derive(Debug)]
+pub struct LaunchPlan {
+    /// The root to assemble.
+    pub rootfs: RootfsPlan,
+    /// Hostname of the box.
+    pub hostname: String,
+    /// The command.
+    pub command: CommandPlan,
+}
+
+/// File descriptors the box's first process is given.
+#[derive(Debug)]
+pub struct ChildFds {
+    /// Becomes the command's stdin.
+    pub stdin: OwnedFd,
+    /// Becomes stdout.
+    pub stdout: OwnedFd,
+    /// Becomes stderr.
+    pub stderr: OwnedFd,
+    /// The monitor writes one byte here when the child may proceed.
+    pub go: OwnedFd,
+    /// Error reports to the monitor (close-on-exec).
+    pub report: OwnedFd,
+}
+
+/// Body of the box's first process (pid 1 of the new pid namespace). Never returns.
+pub fn box_first_process(plan: &LaunchPlan, fds: ChildFds) -> ! {
+    let report = fds.report.as_raw_fd();
+    match setup_box(plan, fds) {
+        Ok(command) => {
+            // The command holds its own copy until exec; init must not keep the pipe open.
+            // SAFETY: `report` is an fd this process owns and never uses again.
+            unsafe { libc::close(report) };
+            crate::init::run(command)
+        }
+        Err((code, message)) => fail(report, code, &message),
+    }
+}
+
+type Failure = (i32, String);
+
+fn setup_box(plan: &LaunchPlan, fds: ChildFds) -> Result<Pid, Failure> {
+    let e125 = |what: &str, e: &dyn std::fmt::Display| (EXIT_NESTBOX_ERROR, format!("{what}: {e}"));
+    // Die with the monitor. Had it died before this took effect, the go pipe below
+    // reads end-of-file and the child leaves.
+    nix::sys::prctl::set_pdeathsig(Signal::SIGKILL).map_err(|e| e125("prctl(PDEATHSIG)", &e))?;
+    for (fd, target) in [(&fds.stdin, 0), (&fds.stdout, 1), (&fds.stderr, 2)] {
+        nix::unistd::dup2(fd.as_raw_fd(), target).map_err(|e| e125("dup2", &e))?;
+    }
+    let mut go = [0u8; 1];
+    match nix::unistd::read(fds.go.as_raw_fd(), &mut go) {
+        Ok(1) => {}
+        // The monitor gave up on the box (or died): leave quietly.
+        // SAFETY: _exit in a forked child avoids running the parent's exit handlers.
+        _ => unsafe { libc::_exit(EXIT_NESTBOX_ERROR) },
+    }
+    drop(fds.go);
+    unshare(CloneFlags::CLONE_NEWCGROUP).map_err(|e| e125("unshare(cgroup namespace)", &e))?;
+    nix::unistd::sethostname(&plan.hostname).map_err(|e| e125("sethostname", &e))?;
+    rootfs::assemble(&plan.rootfs).map_err(|e| e125("box root", &e))?;
+    rootfs::pivot_into(&plan.rootfs.mountpoint).map_err(|e| e125("box root", &e))?;
+    // Block every signal before forking, so init sees each one through its signalfd.
+    sigprocmask(SigmaskHow::SIG_SETMASK, Some(&SigSet::all()), None).map_err(|e| e125("sigprocmask", &e))?;
+    let report = fds.report.as_raw_fd();
+    // SAFETY: this process is single-threaded (a fresh fork of the single-threaded
+    // monitor), so the child may run arbitrary code.
+    match unsafe { nix::unistd::fork() }.map_err(|e| e125("fork", &e))? {
+        ForkResult::Child => exec_command(&plan.command, report),
+        ForkResult::Parent { child } => Ok(child),
+    }
+}
+
+/// Turn the calling process into the command: session, signals, fds, working
+/// directory, credentials, capabilities, no_new_privs, seccomp, then execve.
+/// On failure reports `CODE\tMESSAGE` on `report` and exits with CODE.
+pub fn exec_command(plan: &CommandPlan, report: RawFd) -> ! {
+    let err = match prepare_credentials(plan) {
+        Ok(()) => exec_path_search(plan),
+        Err(e) => e,
+    };
+    fail(report, err.0, &err.1)
+}
+
+fn prepare_credentials(plan: &CommandPlan) -> Result<(), Failure> {
+    let e125 = |what: &str, e: &dyn std::fmt::Display| (EXIT_NESTBOX_ERROR, format!("{what}: {e}"));
+    if plan.new_session {
+        nix::unistd::setsid().map_err(|e| e125("setsid", &e))?;
+    }
+    reset_signals();
+    // Nothing the caller had open may leak into the box.
+    // SAFETY: close_range only changes flags of this process's own descriptors.
+    unsafe { libc::syscall(libc::SYS_close_range, 3u32, u32::MAX, libc::CLOSE_RANGE_CLOEXEC) };
+    if plan.create_workdir && !plan.workdir.exists() {
+        std::fs::create_dir_all(&plan.workdir).map_err(|e| e125(&format!("create working directory {}", plan.workdir.display()), &e))?;
+    }
+    nix::unistd::chdir(&plan.workdir)
+        .map_err(|e| e125(&format!("working directory {} in the box", plan.workdir.display()), &e.desc()))?;
+    caps::restrict_bounding(&plan.caps).map_err(|e| e125("capabilities", &e))?;
+    if plan.setgroups {
+        nix::unistd::setgroups(&[]).map_err(|e| e125("setgroups", &e))?;
+    }
+    let (uid, gid) = (Uid::from_raw(plan.user.uid), Gid::from_raw(plan.user.gid));
+    nix::unistd::setresgid(gid, gid, gid).map_err(|e| e125(&format!("setgid {gid}"), &e))?;
+    nix::unistd::setresuid(uid, uid, uid).map_err(|e| e125(&format!("setuid {uid}"), &e))?;
+    caps::apply_process_sets(&plan.caps, plan.user.uid == 0).map_err(|e| e125("capabilities", &e))?;
+    nix::sys::prctl::set_no_new_privs().map_err(|e| e125("prctl(NO_NEW_PRIVS)", &e))?;
+    if let Some(filter) = &plan.seccomp {
+        filter.install().map_err(|e| e125("seccomp", &e))?;
+    }
+    Ok(())
+}
+
+/// Default dispositions and an empty mask, as a freshly started program expects
+/// (Rust ignores SIGPIPE, and init blocked everything).
+fn reset_signals() {
+    for sig in Signal::iterator() {
+        if matches!(sig, Signal::SIGKILL | Signal::SIGSTOP) {
+            continue;
+        }
+        // SAFETY: installing SIG_DFL involves no handler code at all.
+        let _ = unsafe { nix::sys::signal::signal(sig, nix::sys::signal::SigHandler::SigDfl) };
+    }
+    let _ = sigprocmask(SigmaskHow::SIG_SETMASK, Some(&SigSet::empty()), None);
+}
+
+/// execve argv\[0\], searching PATH when it has no slash; returns the failure.
+fn exec_path_search(plan: &CommandPlan) -> Failure {
+    let prog = plan.argv[0].to_bytes();
+    let name = String::from_utf8_lossy(prog).to_string();
+    let candidates: Vec<CString> = if prog.contains(&b'/') {
+        vec![plan.argv[0].clone()]
+    } else {
+        plan.path_dirs.iter().filter_map(|d| CString::new(format!("{d}/{name}")).ok()).collect()
+    };
+    let mut denied: Option<Errno> = None;
+    for path in &candidates {
+        let e = match nix::unistd::execve(path, &plan.argv, &plan.env) {
+            Err(e) => e,
+            Ok(never) => match never {},
+        };
+        match e {
+            Errno::ENOENT | Errno::ENOTDIR => continue,
+            other => {
+                denied = Some(other);
+                if !matches!(other, Errno::EACCES) {
+                    break;
+                }
+            }
+        }
+    }
+    match denied {
+        None => (EXIT_NOT_FOUND, format!("command not found in the box: {name}")),
+        Some(e) => (EXIT_CANNOT_EXECUTE, format!("cannot execute {name} in the box: {}", e.desc())),
+    }
+}
+
+/// Report a failure to the monitor and exit with its code.
+fn fail(report: RawFd, code: i32, message: &str) -> ! {
+    let line = format!("{code}\t{message}");
+    // SAFETY: `report` is a valid open fd owned by this process until exit.
+    let fd = unsafe { BorrowedFd::borrow_raw(report) };
+    let _ = nix::unistd::write(fd, line.as_bytes());
+    // SAFETY: _exit skips atexit handlers and buffered-stdio flushing, which a
+    // forked child must not run twice.
+    unsafe { libc::_exit(code) }
+}
+
+/// Read a failure report (`CODE\tMESSAGE`) until EOF; `None` when the pipe closed
+/// silently (the command's exec succeeded).
+pub fn read_report(report: OwnedFd) -> Option<(i32, String)> {
+    use std::io::Read;
+    let mut text = String::new();
+    let mut f = std::fs::File::from(report);
+    let _ = f.read_to_string(&mut text);
+    if text.is_empty() {
+        return None;
+    }
+    let (code, msg) = text.split_once('\t').unwrap_or(("125", text.as_str()));
+    Some((code.parse().unwrap_or(EXIT_NESTBOX_ERROR), msg.to_string()))
+}

@@ -1,0 +1,67 @@
+//! Whether a recorded process is still the same process: a pid plus its start
+//! time (field 22 of `/proc/PID/stat`), so a recycled pid is never mistaken for it.
+
+use serde::{Deserialize, Serialize};
+
+/// A process identity that survives pid reuse.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ProcRef {
+    /// The pid (in the namespace of whoever recorded it).
+    pub pid: i32,
+    /// Start time in clock ticks after boot.
+    pub start_time: u64,
+}
+
+impl ProcRef {
+    /// The identity of the live process `pid`, if it exists.
+    pub fn of(pid: i32) -> Option<ProcRef> {
+        start_time(pid).map(|start_time| ProcRef { pid, start_time })
+    }
+
+    /// The identity of the calling process.
+    pub fn current() -> ProcRef {
+        Self::of(std::process::id() as i32).unwrap_or(ProcRef { pid: std::process::id() as i32, start_time: 0 })
+    }
+
+    /// Whether this exact process is still alive (zombies count as dead).
+    pub fn alive(&self) -> bool {
+        match std::fs::read_to_string(format!("/proc/{}/stat", self.pid)) {
+            Ok(stat) => parse_stat(&stat).is_some_and(|(state, st)| st == self.start_time && state != 'Z' && state != 'X'),
+            Err(_) => false,
+        }
+    }
+}
+
+fn start_time(pid: i32) -> Option<u64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    parse_stat(&stat).map(|(_, st)| st)
+}
+
+/// (state, start time) from a `/proc/PID/stat` line; the command name may contain
+/// spaces and parentheses, so fields are counted from the last `)`.
+fn parse_stat(stat: &str) -> Option<(char, u64)> {
+    let rest = &stat[stat.rfind(')')? + 2..];
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    // rest starts at field 3 (state); start time is field 22.
+    let state = fields.first()?.chars().next()?;
+    Some((state, fields.get(19)?.parse().ok()?))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn current_process_is_alive_and_a_changed_start_is_not() {
+        let me = ProcRef::current();
+        assert!(me.alive());
+        assert!(!ProcRef { start_time: me.start_time + 1, ..me }.alive());
+        assert!(!ProcRef { pid: i32::MAX, start_time: 1 }.alive());
+    }
+
+    #[test]
+    fn parses_names_with_parentheses() {
+        let line = "42 (a) b) c) S 1 42 42 0 -1 4194560 1 0 0 0 0 0 0 0 20 0 1 0 98765 0 0";
+        assert_eq!(parse_stat(line), Some(('S', 98765)));
+    }
+}

@@ -1,0 +1,383 @@
+//! The monitor: the per-box supervising process, parent of the box's init.
+//!
+//! It prepares what the box owns (cgroup, writable layers), forks the box's first
+//! process into new namespaces, lets it proceed once id maps and cgroup are in
+//! place, relays the command's output to the log (and, in the foreground, to the
+//! caller), forwards signals it receives to the box, and when init exits records
+//! the exit status, the OOM verdict and the final resource figures, then removes
+//! the cgroup. In the foreground the `nestbox run` process is the monitor; with
+//! `--detach` it is a forked child in its own session.
+//!
+//! If anything fails before the command runs, everything made so far is removed
+//! again (cgroup, layers, record) and the error is returned.
+
+use std::fs::File;
+use std::io::{Read, Write};
+use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd};
+use std::os::unix::fs::DirBuilderExt;
+use std::time::{Duration, Instant};
+
+use nestbox_cgroup::{BoxCgroup, Hierarchies};
+use nestbox_isolation::idmap::IdMap;
+use nestbox_isolation::namespaces::{fork_into, Forked, BOX_NAMESPACES};
+use nestbox_isolation::rootfs::{LayerMount, RootfsPlan};
+use nix::fcntl::OFlag;
+use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
+use nix::sched::CloneFlags;
+use nix::sys::signal::{kill, sigprocmask, SigSet, SigmaskHow, Signal};
+use nix::sys::signalfd::{SfdFlags, SignalFd};
+use nix::sys::wait::waitpid;
+use nix::unistd::{pipe2, Pid};
+
+use crate::launch::{box_first_process, read_report, ChildFds, CommandPlan, LaunchPlan};
+use crate::liveness::ProcRef;
+use crate::logs::{LogWriter, Stream};
+use crate::registry::{BoxRecord, Registry};
+use crate::spec::{BoxSpec, SeccompChoice};
+use crate::state::{now, Status};
+use crate::{Result, RuntimeError};
+
+/// Signals the monitor passes on to the box.
+pub const FORWARDED: &[Signal] =
+    &[Signal::SIGINT, Signal::SIGTERM, Signal::SIGHUP, Signal::SIGQUIT, Signal::SIGUSR1, Signal::SIGUSR2];
+
+/// How the monitor talks to whoever started the box.
+#[derive(Debug)]
+pub enum Mode {
+    /// The caller waits: output goes to its stdout/stderr as well as the log.
+    Foreground,
+    /// The caller left: report "started" or the start error on this pipe, then go on alone.
+    Detached(OwnedFd),
+}
+
+/// How a box ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Outcome {
+    /// Exit code of the command (128+N if killed by signal N).
+    pub exit_code: i32,
+    /// Killed by the kernel's OOM killer at the box's memory limit.
+    pub oom_killed: bool,
+}
+
+/// A started box, as the monitor holds it.
+struct Running {
+    init: Pid,
+    pidfd: OwnedFd,
+    stdout: File,
+    stderr: File,
+    cgroup: Option<BoxCgroup>,
+}
+
+/// Start the box of `record` and supervise it until it ends.
+pub fn run_box(reg: &Registry, record: &BoxRecord, mode: Mode) -> Result<Outcome> {
+    let signals = block_forwarded_signals()?;
+    let started = start(reg, record);
+    let ready = match mode {
+        Mode::Foreground => None,
+        Mode::Detached(fd) => Some(File::from(fd)),
+    };
+    let running = match started {
+        Ok(r) => r,
+        Err(e) => {
+            if let Some(mut ready) = ready {
+                let _ = write!(ready, "{}\t{}", e.exit_code(), e);
+            }
+            return Err(e);
+        }
+    };
+    let foreground = ready.is_none();
+    if let Some(mut ready) = ready {
+        let _ = ready.write_all(b"ok");
+    }
+    let exit_code = supervise(record, &running, signals, foreground);
+    finish(reg, record, running, exit_code)
+}
+
+/// Prepare and start; on failure remove everything made for the box.
+fn start(reg: &Registry, record: &BoxRecord) -> Result<Running> {
+    let mut cgroup = None;
+    let result = start_inner(reg, record, &mut cgroup);
+    if result.is_err() {
+        if let Some(cg) = &cgroup {
+            let _ = cg.kill_all();
+            let _ = cg.remove();
+        }
+        let _ = reg.remove(record);
+    }
+    result
+}
+
+fn start_inner(reg: &Registry, record: &BoxRecord, cgroup_slot: &mut Option<BoxCgroup>) -> Result<Running> {
+    let spec = &record.spec;
+    let idmap = spec.userns.then(IdMap::for_caller);
+    let cgroup = create_cgroup(spec, &record.state.id)?;
+    *cgroup_slot = cgroup.clone();
+    // Record what the box owns before it can be orphaned by a crash (ownership).
+    reg.update(record.name(), |s| {
+        s.cgroup = cgroup.clone();
+        s.idmap = idmap;
+        s.monitor = Some(ProcRef::current());
+    })?;
+    let plan = launch_plan(reg, record, idmap)?;
+
+    let (go_r, go_w) = pipe2(OFlag::O_CLOEXEC).map_err(RuntimeError::sys("pipe2"))?;
+    let (rep_r, rep_w) = pipe2(OFlag::O_CLOEXEC).map_err(RuntimeError::sys("pipe2"))?;
+    let (out_r, out_w) = pipe2(OFlag::O_CLOEXEC).map_err(RuntimeError::sys("pipe2"))?;
+    let (err_r, err_w) = pipe2(OFlag::O_CLOEXEC).map_err(RuntimeError::sys("pipe2"))?;
+    let stdin: OwnedFd = if spec.interactive {
+        nix::unistd::dup(0).map(|fd| {
+            // SAFETY: dup returned a fresh descriptor that nothing else owns.
+            unsafe { OwnedFd::from_raw_fd(fd) }
+        })
+        .map_err(RuntimeError::sys("dup stdin"))?
+    } else {
+        File::open("/dev/null").map_err(RuntimeError::io("open", "/dev/null"))?.into()
+    };
+
+    let mut flags = BOX_NAMESPACES;
+    if idmap.is_some() {
+        flags |= CloneFlags::CLONE_NEWUSER;
+    }
+    let child = match fork_into(flags)? {
+        Forked::Child => {
+            drop((go_w, rep_r, out_r, err_r));
+            let fds = ChildFds { stdin, stdout: out_w, stderr: err_w, go: go_r, report: rep_w };
+            box_first_process(&plan, fds)
+        }
+        Forked::Parent(pid) => pid,
+    };
+    drop((go_r, rep_w, out_w, err_w, stdin));
+    let abandon = |e: RuntimeError| {
+        let _ = kill(child, Signal::SIGKILL);
+        let _ = waitpid(child, None);
+        e
+    };
+    if let Some(map) = idmap {
+        map.apply(child).map_err(|e| abandon(e.into()))?;
+    }
+    if let Some(cg) = &cgroup {
+        cg.add_process(child.as_raw()).map_err(|e| abandon(e.into()))?;
+    }
+    let pidfd = pidfd_open(child).map_err(abandon)?;
+    nix::unistd::write(&go_w, b"g").map_err(|e| abandon(RuntimeError::sys("start box")(e)))?;
+    drop(go_w);
+    if let Some((code, message)) = read_report(rep_r) {
+        let _ = waitpid(child, None);
+        return Err(RuntimeError::Launch { code, message });
+    }
+    let init = ProcRef::of(child.as_raw());
+    reg.update(record.name(), |s| {
+        s.status = Status::Running;
+        s.init = init;
+        s.started_at = Some(now());
+    })?;
+    Ok(Running { init: child, pidfd, stdout: File::from(out_r), stderr: File::from(err_r), cgroup })
+}
+
+/// Create the box cgroup. Without root, a box with no limits may run without one.
+fn create_cgroup(spec: &BoxSpec, id: &str) -> Result<Option<BoxCgroup>> {
+    let wants_limits = spec.limits != nestbox_cgroup::Limits::default();
+    let attempt = Hierarchies::detect().and_then(|h| BoxCgroup::create(&h, id, &spec.limits));
+    match attempt {
+        Ok(cg) => Ok(Some(cg)),
+        Err(e) if !nix::unistd::geteuid().is_root() && !wants_limits => {
+            let _ = e;
+            Ok(None)
+        }
+        Err(e) if !nix::unistd::geteuid().is_root() => Err(RuntimeError::Invalid(format!(
+            "resource limits need a cgroup this user can write (run as root or in a delegated cgroup): {e}"
+        ))),
+        Err(e) => Err(e.into()),
+    }
+}
+
+/// Build the launch plan: root view, writable layers, command.
+fn launch_plan(reg: &Registry, record: &BoxRecord, idmap: Option<IdMap>) -> Result<LaunchPlan> {
+    let spec = &record.spec;
+    let owner = idmap.map(|m| m.host_root());
+    let image = nestbox_image::open_image(&spec.image, &reg.roots().images())?;
+    let view = image.root_view(owner)?;
+    let mut layers = Vec::new();
+    for (i, layer) in view.layers.into_iter().enumerate() {
+        let (upper, work) = record.layer_dirs(i);
+        for d in [&upper, &work] {
+            std::fs::DirBuilder::new().recursive(true).mode(0o755).create(d).map_err(RuntimeError::io("mkdir", d))?;
+            if let Some((uid, gid)) = owner {
+                nix::unistd::chown(d, Some(uid.into()), Some(gid.into())).map_err(RuntimeError::sys(format!("chown {}", d.display())))?;
+            }
+        }
+        layers.push(LayerMount { target: layer.target, lowers: layer.lowers, upper, work });
+    }
+    let rootfs = RootfsPlan {
+        mountpoint: record.rootfs_mountpoint(),
+        layers,
+        volumes: spec.volumes.clone(),
+        tmpfs: spec.tmpfs.clone(),
+        read_only: spec.read_only,
+        userns: idmap.is_some(),
+    };
+    let command = CommandPlan::new(
+        &spec.command,
+        spec.environment(),
+        spec.workdir.clone(),
+        spec.user,
+        spec.capabilities.clone(),
+        seccomp_program(spec)?,
+        idmap.is_none_or(|m| m.allows_setgroups()),
+        true,
+    )?;
+    Ok(LaunchPlan { rootfs, hostname: spec.hostname.clone(), command })
+}
+
+/// Compile the box's seccomp filter (None when unconfined).
+pub fn seccomp_program(spec: &BoxSpec) -> Result<Option<nestbox_seccomp::Program>> {
+    let profile = match &spec.seccomp {
+        SeccompChoice::Unconfined => return Ok(None),
+        SeccompChoice::Default => nestbox_seccomp::default_profile(default_opts(spec)),
+        SeccompChoice::Profile { text, .. } => nestbox_seccomp::Profile::from_docker_json(text)?,
+    };
+    Ok(Some(profile.compile()?))
+}
+
+fn default_opts(spec: &BoxSpec) -> nestbox_seccomp::DefaultOpts {
+    nestbox_seccomp::DefaultOpts::from_capabilities(spec.capabilities.iter().map(String::as_str))
+}
+
+fn pidfd_open(pid: Pid) -> Result<OwnedFd> {
+    // SAFETY: pidfd_open takes a pid and flags and returns a new descriptor or -1.
+    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid.as_raw(), 0) };
+    if fd < 0 {
+        return Err(RuntimeError::sys(format!("pidfd_open({pid})"))(nix::errno::Errno::last()));
+    }
+    // SAFETY: the kernel just returned this descriptor; nothing else owns it.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd as i32) })
+}
+
+fn block_forwarded_signals() -> Result<SignalFd> {
+    let mut set = SigSet::empty();
+    for s in FORWARDED {
+        set.add(*s);
+    }
+    sigprocmask(SigmaskHow::SIG_BLOCK, Some(&set), None).map_err(RuntimeError::sys("sigprocmask"))?;
+    SignalFd::with_flags(&set, SfdFlags::SFD_CLOEXEC | SfdFlags::SFD_NONBLOCK).map_err(RuntimeError::sys("signalfd"))
+}
+
+/// Relay output and signals until init exits; returns its exit code.
+fn supervise(record: &BoxRecord, run: &Running, signals: SignalFd, foreground: bool) -> i32 {
+    let mut log = LogWriter::open(&record.log_path()).ok();
+    let mut open = [true, true];
+    let mut buf = vec![0u8; 64 * 1024];
+    let mut relay = |which: usize, file: &File, log: &mut Option<LogWriter>| -> bool {
+        let stream = if which == 0 { Stream::Stdout } else { Stream::Stderr };
+        match (&*file).read(&mut buf) {
+            Ok(0) | Err(_) => false,
+            Ok(n) => {
+                if let Some(l) = log.as_mut() {
+                    let _ = l.append(stream, &buf[..n]);
+                }
+                if foreground {
+                    let _ = if which == 0 { std::io::stdout().write_all(&buf[..n]) } else { std::io::stderr().write_all(&buf[..n]) };
+                }
+                true
+            }
+        }
+    };
+    loop {
+        let mut fds = vec![PollFd::new(run.pidfd.as_fd(), PollFlags::POLLIN), PollFd::new(signals.as_fd(), PollFlags::POLLIN)];
+        if open[0] {
+            fds.push(PollFd::new(run.stdout.as_fd(), PollFlags::POLLIN));
+        }
+        if open[1] {
+            fds.push(PollFd::new(run.stderr.as_fd(), PollFlags::POLLIN));
+        }
+        if poll(&mut fds, PollTimeout::NONE).is_err() {
+            continue;
+        }
+        let ready: Vec<bool> = fds.iter().map(|f| f.revents().is_some_and(|r| !r.is_empty())).collect();
+        drop(fds);
+        let mut idx = 2;
+        for (which, file) in [(0, &run.stdout), (1, &run.stderr)] {
+            if open[which] {
+                if ready[idx] && !relay(which, file, &mut log) {
+                    open[which] = false;
+                }
+                idx += 1;
+            }
+        }
+        if ready[1] {
+            while let Ok(Some(info)) = signals.read_signal() {
+                if let Ok(sig) = Signal::try_from(info.ssi_signo as i32) {
+                    let _ = kill(run.init, sig);
+                }
+            }
+        }
+        if ready[0] {
+            break;
+        }
+    }
+    let code = loop {
+        match waitpid(run.init, None) {
+            Ok(status) => {
+                if let Some(code) = crate::init::exit_code(status) {
+                    break code;
+                }
+            }
+            Err(nix::errno::Errno::EINTR) => continue,
+            Err(_) => break crate::error::EXIT_NESTBOX_ERROR,
+        }
+    };
+    // The box's processes are gone with its init; drain what they wrote (bounded).
+    let deadline = Instant::now() + Duration::from_secs(2);
+    for (which, file) in [(0, &run.stdout), (1, &run.stderr)] {
+        while open[which] && Instant::now() < deadline {
+            let mut fds = [PollFd::new(file.as_fd(), PollFlags::POLLIN)];
+            if poll(&mut fds, PollTimeout::from(100u8)).unwrap_or(0) == 0 || !relay(which, file, &mut log) {
+                open[which] = false;
+            }
+        }
+    }
+    if foreground {
+        let _ = std::io::stdout().flush();
+    }
+    code
+}
+
+/// Record the end of the box and release its cgroup.
+fn finish(reg: &Registry, record: &BoxRecord, run: Running, exit_code: i32) -> Result<Outcome> {
+    let mut oom_kills = 0;
+    let mut stats = None;
+    if let Some(cg) = &run.cgroup {
+        oom_kills = cg.oom_kills().unwrap_or(0);
+        stats = cg.stats().ok();
+        let _ = cg.kill_all();
+        let _ = cg.remove();
+    }
+    let oom_killed = oom_kills > 0 && exit_code == 128 + Signal::SIGKILL as i32;
+    reg.update(record.name(), |s| {
+        s.status = Status::Exited;
+        s.exit_code = Some(exit_code);
+        s.finished_at = Some(now());
+        s.oom_killed = oom_killed;
+        s.final_stats = stats;
+        s.cgroup = None;
+        if oom_killed {
+            s.error = Some(oom_message(&record.spec));
+        }
+    })?;
+    if record.spec.remove_on_exit {
+        reg.remove(record)?;
+    }
+    Ok(Outcome { exit_code, oom_killed })
+}
+
+/// The one line that reports an OOM kill.
+pub fn oom_message(spec: &BoxSpec) -> String {
+    match spec.limits.memory {
+        Some(m) => format!(
+            "box {:?} was killed by the kernel's OOM killer: its memory limit of {} was reached",
+            spec.name,
+            crate::size::format_size(m)
+        ),
+        None => format!("box {:?} was killed by the kernel's OOM killer", spec.name),
+    }
+}

@@ -1,0 +1,255 @@
+//! The operations the CLI offers on boxes: run (foreground or detached), stop,
+//! kill, rm, logs, inspect, stats and gc. Each works from the recorded state, so
+//! any nestbox process can act on any box of the same root.
+
+use std::fs::File;
+use std::io::Read;
+use std::os::fd::OwnedFd;
+use std::time::{Duration, Instant};
+
+use nestbox_cgroup::{Hierarchies, Stats};
+use nix::fcntl::OFlag;
+use nix::sys::signal::{kill, Signal};
+use nix::unistd::{fork, pipe2, ForkResult, Pid};
+use serde_json::json;
+
+use crate::monitor::{run_box, Mode, Outcome};
+use crate::registry::{BoxRecord, Registry};
+use crate::spec::BoxSpec;
+use crate::state::Status;
+use crate::{Result, RuntimeError};
+
+/// Run a box in the foreground: returns how it ended.
+pub fn run_foreground(reg: &Registry, spec: &BoxSpec) -> Result<Outcome> {
+    spec.validate()?;
+    let record = reg.create(spec)?;
+    run_box(reg, &record, Mode::Foreground)
+}
+
+/// Start a box in the background under a detached monitor; returns once the
+/// command runs (or with the reason it could not start).
+pub fn run_detached(reg: &Registry, spec: &BoxSpec) -> Result<()> {
+    spec.validate()?;
+    let record = reg.create(spec)?;
+    let (ready_r, ready_w) = pipe2(OFlag::O_CLOEXEC).map_err(RuntimeError::sys("pipe2"))?;
+    // SAFETY: the CLI is single-threaded, so the child may run arbitrary code.
+    match unsafe { fork() } {
+        Err(e) => {
+            let _ = reg.remove(&record);
+            Err(RuntimeError::sys("fork monitor")(e))
+        }
+        Ok(ForkResult::Child) => {
+            drop(ready_r);
+            become_daemon();
+            let code = match run_box(reg, &record, Mode::Detached(ready_w)) {
+                Ok(o) => o.exit_code,
+                Err(e) => e.exit_code(),
+            };
+            std::process::exit(code)
+        }
+        Ok(ForkResult::Parent { .. }) => {
+            drop(ready_w);
+            wait_ready(reg, &record, ready_r)
+        }
+    }
+}
+
+/// Leave the caller's session and terminal; stdio to /dev/null.
+fn become_daemon() {
+    let _ = nix::unistd::setsid();
+    let _ = nix::unistd::chdir("/");
+    if let Ok(null) = std::fs::OpenOptions::new().read(true).write(true).open("/dev/null") {
+        use std::os::fd::AsRawFd;
+        for fd in 0..3 {
+            let _ = nix::unistd::dup2(null.as_raw_fd(), fd);
+        }
+    }
+}
+
+fn wait_ready(reg: &Registry, record: &BoxRecord, ready: OwnedFd) -> Result<()> {
+    let mut text = String::new();
+    let _ = File::from(ready).read_to_string(&mut text);
+    if text == "ok" {
+        return Ok(());
+    }
+    if let Some((code, msg)) = text.split_once('\t') {
+        return Err(RuntimeError::Launch { code: code.parse().unwrap_or(125), message: msg.to_string() });
+    }
+    // The monitor died before saying anything: clean up what it left.
+    let _ = cleanup_dead(reg, record);
+    Err(RuntimeError::Launch { code: 125, message: format!("the monitor of box {:?} died while starting it", record.name()) })
+}
+
+/// Stop a box: SIGTERM to its command (through init), SIGKILL after `timeout`.
+/// Stopping a box that is not running does nothing.
+pub fn stop(reg: &Registry, name: &str, timeout: Duration) -> Result<()> {
+    let record = reg.load(name)?;
+    let Some(init) = running_init(&record) else {
+        return settle(reg, &record);
+    };
+    let _ = kill(init, Signal::SIGTERM);
+    if !wait_until(timeout, || !record.state.init.is_some_and(|p| p.alive())) {
+        let _ = kill(init, Signal::SIGKILL);
+    }
+    settle(reg, &record)
+}
+
+/// Send `signal` to the box's command (SIGKILL ends the whole box at once).
+pub fn kill_box(reg: &Registry, name: &str, signal: Signal) -> Result<()> {
+    let record = reg.load(name)?;
+    let init = running_init(&record).ok_or_else(|| RuntimeError::NotRunning(name.to_string()))?;
+    kill(init, signal).map_err(RuntimeError::sys(format!("kill box {name:?}")))
+}
+
+/// Remove a box; a running one only with `force` (it is killed first).
+pub fn remove(reg: &Registry, name: &str, force: bool) -> Result<()> {
+    let record = reg.load(name)?;
+    if let Some(init) = running_init(&record) {
+        if !force {
+            return Err(RuntimeError::StillRunning(name.to_string()));
+        }
+        let _ = kill(init, Signal::SIGKILL);
+    } else if record.state.effective_status() == Status::Creating && !force {
+        return Err(RuntimeError::StillRunning(name.to_string()));
+    }
+    settle(reg, &record)?;
+    let record = reg.load(name)?;
+    if let Some(cg) = &record.state.cgroup {
+        let _ = cg.kill_all();
+        cg.remove()?;
+    }
+    reg.remove(&record)
+}
+
+/// The host pid of a running box's init.
+fn running_init(record: &BoxRecord) -> Option<Pid> {
+    match (record.state.effective_status(), record.state.init) {
+        (Status::Running, Some(p)) if p.alive() => Some(Pid::from_raw(p.pid)),
+        _ => None,
+    }
+}
+
+/// Wait for the monitor to record the end of a box whose init is gone; if the
+/// monitor is dead too, release the box's resources here.
+fn settle(reg: &Registry, record: &BoxRecord) -> Result<()> {
+    let name = record.name();
+    let monitor_gone = || !reg.load(name).ok().and_then(|r| r.state.monitor).is_some_and(|m| m.alive());
+    let recorded = |r: &Registry| reg_status(r, name) == Some(Status::Exited);
+    if wait_until(Duration::from_secs(10), || recorded(reg) || monitor_gone()) && recorded(reg) {
+        return Ok(());
+    }
+    let record = reg.load(name)?;
+    if record.state.effective_status() == Status::Dead {
+        cleanup_dead(reg, &record)?;
+    }
+    Ok(())
+}
+
+fn reg_status(reg: &Registry, name: &str) -> Option<Status> {
+    reg.load(name).ok().map(|r| r.state.status)
+}
+
+/// Free what a dead box (monitor gone) still holds and mark it dead.
+fn cleanup_dead(reg: &Registry, record: &BoxRecord) -> Result<()> {
+    if let Some(cg) = &record.state.cgroup {
+        let _ = cg.kill_all();
+        cg.remove()?;
+    }
+    reg.update(record.name(), |s| {
+        s.status = Status::Dead;
+        s.cgroup = None;
+        s.error.get_or_insert_with(|| "its monitor died".into());
+    })
+    .map(|_| ())
+}
+
+fn wait_until(limit: Duration, mut done: impl FnMut() -> bool) -> bool {
+    let end = Instant::now() + limit;
+    let mut pause = Duration::from_millis(2);
+    while Instant::now() < end {
+        if done() {
+            return true;
+        }
+        std::thread::sleep(pause);
+        pause = (pause * 2).min(Duration::from_millis(50));
+    }
+    done()
+}
+
+/// Resource figures: live from the cgroup while running, else the last recorded.
+pub fn stats(reg: &Registry, name: &str) -> Result<Stats> {
+    let record = reg.load(name)?;
+    if let (Some(cg), Some(_)) = (&record.state.cgroup, running_init(&record)) {
+        return Ok(cg.stats()?);
+    }
+    record.state.final_stats.clone().ok_or_else(|| RuntimeError::NotRunning(name.to_string()))
+}
+
+/// Everything known about a box, as JSON.
+pub fn inspect(reg: &Registry, name: &str) -> Result<serde_json::Value> {
+    let record = reg.load(name)?;
+    let status = record.state.effective_status();
+    let pids = match (&record.state.cgroup, running_init(&record)) {
+        (Some(cg), Some(_)) => cg.procs().unwrap_or_default(),
+        _ => vec![],
+    };
+    let mut state = serde_json::to_value(&record.state).unwrap_or_default();
+    state["status"] = json!(status.as_str());
+    state["monitor_pid"] = json!(record.state.monitor.map(|m| m.pid));
+    state["init_pid"] = json!(record.state.init.map(|m| m.pid));
+    Ok(json!({
+        "name": record.name(),
+        "id": record.state.id,
+        "spec": record.spec,
+        "state": state,
+        "pids": pids,
+        "cgroup": record.state.cgroup.as_ref().map(|c| c.paths()),
+        "limits": record.spec.limits,
+        "exit_code": record.state.exit_code,
+        "oom_killed": record.state.oom_killed,
+        "log_path": record.log_path(),
+    }))
+}
+
+/// What `gc` removed.
+#[derive(Debug, Default)]
+pub struct GcReport {
+    /// Dead boxes removed with all they held.
+    pub boxes: Vec<String>,
+    /// Cgroups no box owns.
+    pub cgroups: Vec<String>,
+    /// Record or data directories no box owns.
+    pub dirs: Vec<String>,
+}
+
+/// Remove every box whose monitor died, and every leftover no live box owns:
+/// cgroups named after unknown ids, half-made or half-removed records, data
+/// directories of unknown ids. Boxes that exited normally are kept (use `rm`).
+pub fn gc(reg: &Registry) -> Result<GcReport> {
+    let mut report = GcReport::default();
+    let mut live_ids = Vec::new();
+    for record in reg.list()? {
+        if record.state.effective_status() == Status::Dead {
+            cleanup_dead(reg, &record)?;
+            reg.remove(&record)?;
+            report.boxes.push(record.name().to_string());
+        } else {
+            live_ids.push(record.state.id.clone());
+        }
+    }
+    if let Ok(h) = Hierarchies::detect() {
+        let live = |id: &str| live_ids.iter().any(|l| l == id);
+        for cg in nestbox_cgroup::find_stale(&h, &live) {
+            let _ = cg.kill_all();
+            cg.remove()?;
+            report.cgroups.extend(cg.paths().into_values().map(|p| p.display().to_string()));
+        }
+    }
+    for dir in reg.orphans(&live_ids) {
+        std::fs::remove_dir_all(&dir).map_err(RuntimeError::io("remove", &dir))?;
+        report.dirs.push(dir.display().to_string());
+    }
+    report.cgroups.sort();
+    report.cgroups.dedup();
+    Ok(report)
+}

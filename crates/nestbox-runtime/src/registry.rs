@@ -1,0 +1,286 @@
+//! The registry of boxes under one root: one record directory per box name
+//! (spec, state, lock, root mount point) and one data directory per box id
+//! (writable layers, log). Records appear atomically (built under a temporary
+//! name, then renamed without replacing) and are changed under a per-box lock,
+//! so concurrent commands on different boxes never interfere and two commands
+//! racing for one name cannot both win.
+
+use std::fs;
+use std::os::unix::fs::DirBuilderExt;
+use std::path::{Path, PathBuf};
+
+use nix::fcntl::{Flock, FlockArg};
+
+use crate::paths::Roots;
+use crate::spec::BoxSpec;
+use crate::state::{read_json, write_json, BoxState};
+use crate::{Result, RuntimeError};
+
+/// Access to the boxes of one nestbox root.
+#[derive(Debug, Clone)]
+pub struct Registry {
+    roots: Roots,
+}
+
+/// A box as recorded: its spec and its current state.
+#[derive(Debug, Clone)]
+pub struct BoxRecord {
+    /// The spec it was created from.
+    pub spec: BoxSpec,
+    /// Its current state.
+    pub state: BoxState,
+    run_dir: PathBuf,
+    lib_dir: PathBuf,
+}
+
+impl BoxRecord {
+    /// The box name.
+    pub fn name(&self) -> &str {
+        &self.spec.name
+    }
+    /// Record directory.
+    pub fn run_dir(&self) -> &Path {
+        &self.run_dir
+    }
+    /// Data directory (layers, log).
+    pub fn lib_dir(&self) -> &Path {
+        &self.lib_dir
+    }
+    /// The output log.
+    pub fn log_path(&self) -> PathBuf {
+        self.lib_dir.join("log")
+    }
+    /// Writable layer `index` of the root view: (upper, work).
+    pub fn layer_dirs(&self, index: usize) -> (PathBuf, PathBuf) {
+        let base = self.lib_dir.join("layers").join(index.to_string());
+        (base.join("upper"), base.join("work"))
+    }
+    /// Where the root is assembled (inside the box's own mount namespace only).
+    pub fn rootfs_mountpoint(&self) -> PathBuf {
+        self.run_dir.join("rootfs")
+    }
+}
+
+/// An exclusive lock on one box record, released on drop.
+#[derive(Debug)]
+pub struct BoxLock {
+    _lock: Flock<fs::File>,
+}
+
+impl Registry {
+    /// The registry under `roots`.
+    pub fn new(roots: Roots) -> Self {
+        Registry { roots }
+    }
+
+    /// The roots it lives under.
+    pub fn roots(&self) -> &Roots {
+        &self.roots
+    }
+
+    /// Record a new box. Fails with [`RuntimeError::NameInUse`] if the name exists.
+    pub fn create(&self, spec: &BoxSpec) -> Result<BoxRecord> {
+        let boxes = self.roots.boxes();
+        mkdir_p(&boxes)?;
+        let final_dir = boxes.join(&spec.name);
+        if final_dir.exists() {
+            return Err(RuntimeError::NameInUse(spec.name.clone()));
+        }
+        let id = new_id();
+        let tmp = boxes.join(format!(".new-{id}"));
+        mkdir_p(&tmp)?;
+        let state = BoxState::creating(id.clone());
+        let built = (|| {
+            write_json(&tmp.join("spec.json"), spec)?;
+            write_json(&tmp.join("state.json"), &state)?;
+            fs::File::create(tmp.join("lock")).map_err(RuntimeError::io("create", tmp.join("lock")))?;
+            fs::DirBuilder::new().mode(0o755).create(tmp.join("rootfs")).map_err(RuntimeError::io("mkdir", tmp.join("rootfs")))?;
+            nix::fcntl::renameat2(None, &tmp, None, &final_dir, nix::fcntl::RenameFlags::RENAME_NOREPLACE).map_err(|e| {
+                if e == nix::errno::Errno::EEXIST {
+                    RuntimeError::NameInUse(spec.name.clone())
+                } else {
+                    RuntimeError::sys(format!("rename {} to {}", tmp.display(), final_dir.display()))(e)
+                }
+            })
+        })();
+        if let Err(e) = built {
+            let _ = fs::remove_dir_all(&tmp);
+            return Err(e);
+        }
+        let lib_dir = self.roots.box_lib(&id);
+        if let Err(e) = mkdir_p(&lib_dir) {
+            let _ = fs::remove_dir_all(&final_dir);
+            return Err(e);
+        }
+        Ok(BoxRecord { spec: spec.clone(), state, run_dir: final_dir, lib_dir })
+    }
+
+    /// Load the record of `name`.
+    pub fn load(&self, name: &str) -> Result<BoxRecord> {
+        if crate::spec::validate_name(name).is_err() {
+            return Err(RuntimeError::NoSuchBox(name.to_string()));
+        }
+        let dir = self.roots.box_run(name);
+        let spec: BoxSpec = match read_json(&dir.join("spec.json")) {
+            Ok(s) => s,
+            Err(RuntimeError::Io { source, .. }) if source.kind() == std::io::ErrorKind::NotFound => {
+                return Err(RuntimeError::NoSuchBox(name.to_string()))
+            }
+            Err(e) => return Err(e),
+        };
+        let state: BoxState = match read_json(&dir.join("state.json")) {
+            Ok(s) => s,
+            Err(RuntimeError::Io { source, .. }) if source.kind() == std::io::ErrorKind::NotFound => {
+                return Err(RuntimeError::NoSuchBox(name.to_string()))
+            }
+            Err(e) => return Err(e),
+        };
+        let lib_dir = self.roots.box_lib(&state.id);
+        Ok(BoxRecord { spec, state, run_dir: dir, lib_dir })
+    }
+
+    /// All boxes, sorted by creation time. Records that vanish while listing are skipped.
+    pub fn list(&self) -> Result<Vec<BoxRecord>> {
+        let boxes = self.roots.boxes();
+        let entries = match fs::read_dir(&boxes) {
+            Ok(e) => e,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(vec![]),
+            Err(e) => return Err(RuntimeError::io("list", &boxes)(e)),
+        };
+        let mut out = Vec::new();
+        for entry in entries.flatten() {
+            let name = entry.file_name().to_string_lossy().to_string();
+            if name.starts_with('.') {
+                continue;
+            }
+            match self.load(&name) {
+                Ok(r) => out.push(r),
+                Err(RuntimeError::NoSuchBox(_)) => continue,
+                Err(e) => return Err(e),
+            }
+        }
+        out.sort_by(|a, b| a.state.created_at.total_cmp(&b.state.created_at));
+        Ok(out)
+    }
+
+    /// Take the exclusive lock of `name`'s record.
+    pub fn lock(&self, name: &str) -> Result<BoxLock> {
+        let path = self.roots.box_run(name).join("lock");
+        let file = fs::OpenOptions::new().read(true).write(true).open(&path).map_err(|e| {
+            if e.kind() == std::io::ErrorKind::NotFound {
+                RuntimeError::NoSuchBox(name.to_string())
+            } else {
+                RuntimeError::io("open", &path)(e)
+            }
+        })?;
+        let lock = Flock::lock(file, FlockArg::LockExclusive).map_err(|(_, e)| RuntimeError::sys(format!("flock {}", path.display()))(e))?;
+        Ok(BoxLock { _lock: lock })
+    }
+
+    /// Change `name`'s state under its lock and return the new state.
+    pub fn update(&self, name: &str, change: impl FnOnce(&mut BoxState)) -> Result<BoxState> {
+        let _lock = self.lock(name)?;
+        let path = self.roots.box_run(name).join("state.json");
+        let mut state: BoxState = read_json(&path)?;
+        change(&mut state);
+        write_json(&path, &state)?;
+        Ok(state)
+    }
+
+    /// Delete the record and data of a box (its processes and cgroup must be gone).
+    pub fn remove(&self, record: &BoxRecord) -> Result<()> {
+        let _ = fs::remove_dir_all(&record.lib_dir);
+        // Rename first so the name is free at once and a half-deleted record is never listed.
+        let tomb = self.roots.boxes().join(format!(".rm-{}", record.state.id));
+        match fs::rename(&record.run_dir, &tomb) {
+            Ok(()) => fs::remove_dir_all(&tomb).map_err(RuntimeError::io("remove", &tomb)),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+            Err(e) => Err(RuntimeError::io("rename", &record.run_dir)(e)),
+        }
+    }
+
+    /// Leftovers not belonging to any record: half-created or half-removed record
+    /// directories and data directories of unknown ids. Used by garbage collection.
+    pub fn orphans(&self, live_ids: &[String]) -> Vec<PathBuf> {
+        let mut out = Vec::new();
+        if let Ok(entries) = fs::read_dir(self.roots.boxes()) {
+            for e in entries.flatten() {
+                let n = e.file_name().to_string_lossy().to_string();
+                if n.starts_with(".rm-") || (n.starts_with(".new-") && !live_ids.iter().any(|id| n.ends_with(id.as_str()))) {
+                    out.push(e.path());
+                }
+            }
+        }
+        if let Ok(entries) = fs::read_dir(self.roots.lib.join("boxes")) {
+            for e in entries.flatten() {
+                let n = e.file_name().to_string_lossy().to_string();
+                if !live_ids.contains(&n) {
+                    out.push(e.path());
+                }
+            }
+        }
+        out
+    }
+}
+
+/// A new random box id: 12 lowercase hex digits.
+pub fn new_id() -> String {
+    let mut b = [0u8; 6];
+    getrandom::getrandom(&mut b).expect("the kernel's random source is available");
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+/// A generated box name.
+pub fn generated_name() -> String {
+    format!("box-{}", &new_id()[..8])
+}
+
+fn mkdir_p(p: &Path) -> Result<()> {
+    fs::DirBuilder::new().recursive(true).mode(0o711).create(p).map_err(RuntimeError::io("mkdir", p))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::spec::tests_support::sample;
+
+    #[test]
+    fn create_load_list_remove() {
+        let dir = tempfile::tempdir().unwrap();
+        let reg = Registry::new(Roots::under(dir.path()));
+        let rec = reg.create(&sample("a")).unwrap();
+        assert!(matches!(reg.create(&sample("a")), Err(RuntimeError::NameInUse(_))));
+        reg.create(&sample("b")).unwrap();
+        let names: Vec<_> = reg.list().unwrap().iter().map(|r| r.name().to_string()).collect();
+        assert_eq!(names, ["a", "b"]);
+        reg.update("a", |s| s.exit_code = Some(3)).unwrap();
+        assert_eq!(reg.load("a").unwrap().state.exit_code, Some(3));
+        reg.remove(&rec).unwrap();
+        assert!(matches!(reg.load("a"), Err(RuntimeError::NoSuchBox(_))));
+        assert!(!rec.lib_dir().exists());
+        assert_eq!(reg.list().unwrap().len(), 1);
+    }
+
+    #[test]
+    fn concurrent_creates_of_one_name_have_one_winner() {
+        let dir = tempfile::tempdir().unwrap();
+        let reg = Registry::new(Roots::under(dir.path()));
+        let wins: usize = std::thread::scope(|s| {
+            let hs: Vec<_> = (0..8).map(|_| s.spawn(|| reg.create(&sample("same")).is_ok())).collect();
+            hs.into_iter().map(|h| h.join().unwrap() as usize).sum()
+        });
+        assert_eq!(wins, 1);
+        let ids: Vec<String> = reg.list().unwrap().iter().map(|r| r.state.id.clone()).collect();
+        // the losers' data directories were never made, and no temporary record is left
+        assert_eq!(fs::read_dir(dir.path().join("lib/boxes")).unwrap().count(), 1);
+        assert!(reg.orphans(&ids).is_empty());
+    }
+
+    #[test]
+    fn unknown_and_invalid_names_are_no_such_box() {
+        let dir = tempfile::tempdir().unwrap();
+        let reg = Registry::new(Roots::under(dir.path()));
+        assert!(matches!(reg.load("nope"), Err(RuntimeError::NoSuchBox(_))));
+        assert!(matches!(reg.load("../etc"), Err(RuntimeError::NoSuchBox(_))));
+    }
+}

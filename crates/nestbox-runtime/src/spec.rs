@@ -1,0 +1,294 @@
+//! The spec of a box: everything needed to (re)create it, as plain data
+//! (exportability). The CLI builds it from options; `validate` turns every bad
+//! input into one clear line before anything is created.
+
+use std::path::{Path, PathBuf};
+
+use nestbox_cgroup::Limits;
+pub use nestbox_isolation::caps::CapNames;
+use nestbox_isolation::rootfs::Volume;
+use serde::{Deserialize, Serialize};
+
+use crate::{Result, RuntimeError};
+
+/// The seccomp policy of a box.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum SeccompChoice {
+    /// nestbox's default filter (blocks at least what Docker's default blocks).
+    #[default]
+    Default,
+    /// No filter at all.
+    Unconfined,
+    /// A Docker/OCI-format profile loaded from this file (its text is kept in the spec).
+    Profile {
+        /// Where it was loaded from.
+        path: PathBuf,
+        /// The profile text.
+        text: String,
+    },
+}
+
+/// User and group the command runs as, inside the box.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+pub struct User {
+    /// Uid inside the box.
+    pub uid: u32,
+    /// Gid inside the box.
+    pub gid: u32,
+}
+
+/// Everything that defines a box.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct BoxSpec {
+    /// Name, unique among the boxes of one root.
+    pub name: String,
+    /// The image the root is built from.
+    pub image: String,
+    /// Command and arguments.
+    pub command: Vec<String>,
+    /// Extra environment, `KEY=VALUE`.
+    pub env: Vec<String>,
+    /// Working directory in the box.
+    pub workdir: PathBuf,
+    /// User of the command.
+    pub user: User,
+    /// Hostname (defaults to the box name).
+    pub hostname: String,
+    /// Root filesystem read-only.
+    pub read_only: bool,
+    /// Host paths mounted in.
+    pub volumes: Vec<Volume>,
+    /// Paths with a fresh tmpfs.
+    pub tmpfs: Vec<PathBuf>,
+    /// Capabilities of the box (bounding set), resolved from the defaults and add/drop.
+    pub capabilities: CapNames,
+    /// Seccomp policy.
+    pub seccomp: SeccompChoice,
+    /// Run in a user namespace.
+    pub userns: bool,
+    /// Resource limits.
+    pub limits: Limits,
+    /// Pass the caller's stdin to the command.
+    pub interactive: bool,
+    /// Remove the box as soon as it exits (`--rm`).
+    #[serde(default)]
+    pub remove_on_exit: bool,
+}
+
+/// The PATH a box gets unless its spec sets one.
+pub const DEFAULT_PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
+/// The smallest memory limit a box can start and run a shell with.
+pub const MIN_MEMORY: u64 = 6 << 20;
+
+impl BoxSpec {
+    /// Check everything that can be checked before creating anything.
+    pub fn validate(&self) -> Result<()> {
+        validate_name(&self.name)?;
+        if self.command.is_empty() || self.command[0].is_empty() {
+            return Err(invalid("missing command: usage is nestbox run [OPTIONS] -- CMD [ARGS...]"));
+        }
+        if let Some(m) = self.limits.memory {
+            if m < MIN_MEMORY {
+                return Err(invalid(format!(
+                    "--memory {} is below the minimum of {} a box needs",
+                    crate::size::format_size(m),
+                    crate::size::format_size(MIN_MEMORY)
+                )));
+            }
+        }
+        self.limits.validate()?;
+        for kv in &self.env {
+            if !kv.contains('=') || kv.starts_with('=') {
+                return Err(invalid(format!("invalid --env {kv:?}: expected KEY=VALUE")));
+            }
+        }
+        if !self.workdir.is_absolute() {
+            return Err(invalid(format!("--workdir {:?} must be an absolute path", self.workdir)));
+        }
+        validate_hostname(&self.hostname)?;
+        for v in &self.volumes {
+            if !v.target.is_absolute() {
+                return Err(invalid(format!("volume target {:?} must be an absolute path", v.target)));
+            }
+            if v.target == Path::new("/") {
+                return Err(invalid("a volume cannot be mounted on / of the box"));
+            }
+            if std::fs::symlink_metadata(&v.source).is_err() {
+                return Err(invalid(format!("volume source {:?} does not exist", v.source)));
+            }
+        }
+        for t in &self.tmpfs {
+            if !t.is_absolute() || t == Path::new("/") {
+                return Err(invalid(format!("--tmpfs {t:?} must be an absolute path other than /")));
+            }
+        }
+        Ok(())
+    }
+
+    /// The environment the command gets: defaults, then the spec's `env` on top.
+    pub fn environment(&self) -> Vec<String> {
+        let home = if self.user.uid == 0 { "/root" } else { "/" };
+        let mut env = vec![format!("PATH={DEFAULT_PATH}"), format!("HOSTNAME={}", self.hostname), format!("HOME={home}")];
+        for kv in &self.env {
+            let key = kv.split('=').next().unwrap_or_default();
+            env.retain(|e| e.split('=').next() != Some(key));
+            env.push(kv.clone());
+        }
+        env
+    }
+}
+
+/// Docker's default capabilities plus `add` minus `drop` (names like NET_ADMIN or ALL).
+pub fn resolve_capabilities(add: &[String], drop: &[String]) -> Result<CapNames> {
+    nestbox_isolation::caps::resolve(add, drop).map_err(|e| invalid(e.to_string()))
+}
+
+fn invalid(msg: impl Into<String>) -> RuntimeError {
+    RuntimeError::Invalid(msg.into())
+}
+
+/// Box names: 1–64 of letters, digits, `_`, `.`, `-`, starting with a letter or digit.
+pub fn validate_name(name: &str) -> Result<()> {
+    let ok = !name.is_empty()
+        && name.len() <= 64
+        && name.chars().next().is_some_and(|c| c.is_ascii_alphanumeric())
+        && name.chars().all(|c| c.is_ascii_alphanumeric() || "_.-".contains(c));
+    if ok {
+        Ok(())
+    } else {
+        Err(invalid(format!(
+            "invalid box name {name:?}: use 1-64 letters, digits, '_', '.' or '-', starting with a letter or digit"
+        )))
+    }
+}
+
+fn validate_hostname(h: &str) -> Result<()> {
+    let ok = !h.is_empty()
+        && h.len() <= 64
+        && h.split('.').all(|l| {
+            !l.is_empty() && !l.starts_with('-') && !l.ends_with('-') && l.chars().all(|c| c.is_ascii_alphanumeric() || c == '-')
+        });
+    if ok {
+        Ok(())
+    } else {
+        Err(invalid(format!("invalid --hostname {h:?}")))
+    }
+}
+
+/// Parse `-v HOST:BOX[:ro|:rw]`. The host path is made absolute.
+pub fn parse_volume(text: &str) -> Result<Volume> {
+    let parts: Vec<&str> = text.split(':').collect();
+    let (src, dst, ro) = match parts.as_slice() {
+        [s, d] => (*s, *d, false),
+        [s, d, "ro"] => (*s, *d, true),
+        [s, d, "rw"] => (*s, *d, false),
+        _ => return Err(invalid(format!("invalid --volume {text:?}: expected HOST:BOX[:ro]"))),
+    };
+    if src.is_empty() || dst.is_empty() {
+        return Err(invalid(format!("invalid --volume {text:?}: expected HOST:BOX[:ro]")));
+    }
+    let source = std::path::absolute(src).map_err(RuntimeError::io("resolve volume source", src))?;
+    Ok(Volume { source, target: PathBuf::from(dst), read_only: ro })
+}
+
+/// Parse `-u UID[:GID]` (numeric; the gid defaults to the uid).
+pub fn parse_user(text: &str) -> Result<User> {
+    let bad = || invalid(format!("invalid --user {text:?}: expected UID[:GID] (numbers)"));
+    let mut it = text.splitn(2, ':');
+    let uid: u32 = it.next().unwrap_or_default().parse().map_err(|_| bad())?;
+    let gid: u32 = match it.next() {
+        Some(g) => g.parse().map_err(|_| bad())?,
+        None => uid,
+    };
+    Ok(User { uid, gid })
+}
+
+/// Specs for unit tests of this crate.
+#[cfg(test)]
+pub(crate) mod tests_support {
+    use super::*;
+
+    /// A valid spec named `name` running /bin/true.
+    pub(crate) fn sample(name: &str) -> BoxSpec {
+        BoxSpec {
+            name: name.into(),
+            image: "host".into(),
+            command: vec!["/bin/true".into()],
+            env: vec![],
+            workdir: "/".into(),
+            user: User::default(),
+            hostname: name.into(),
+            read_only: false,
+            volumes: vec![],
+            tmpfs: vec![],
+            capabilities: nestbox_isolation::caps::resolve(&[], &[]).unwrap(),
+            seccomp: SeccompChoice::Default,
+            userns: false,
+            limits: Limits::default(),
+            interactive: false,
+            remove_on_exit: false,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::tests_support::sample as named;
+    use super::*;
+
+    fn sample() -> BoxSpec {
+        named("web-1")
+    }
+
+    #[test]
+    fn valid_spec_passes_and_round_trips() {
+        let s = sample();
+        s.validate().unwrap();
+        let json = serde_json::to_string(&s).unwrap();
+        assert_eq!(serde_json::from_str::<BoxSpec>(&json).unwrap(), s);
+    }
+
+    #[test]
+    fn bad_inputs_name_the_problem() {
+        let mut s = sample();
+        s.command.clear();
+        assert!(s.validate().unwrap_err().to_string().contains("missing command"));
+        let mut s = sample();
+        s.limits.memory = Some(1024);
+        assert!(s.validate().unwrap_err().to_string().contains("--memory 1024 B is below"));
+        let mut s = sample();
+        s.name = "../x".into();
+        assert!(s.validate().unwrap_err().to_string().contains("invalid box name"));
+        let mut s = sample();
+        s.volumes.push(Volume { source: "/nonexistent/zz".into(), target: "/data".into(), read_only: false });
+        assert!(s.validate().unwrap_err().to_string().contains("does not exist"));
+        let mut s = sample();
+        s.env.push("NOEQUALS".into());
+        assert!(s.validate().unwrap_err().to_string().contains("KEY=VALUE"));
+        let mut s = sample();
+        s.hostname = "bad_host!".into();
+        assert!(s.validate().is_err());
+    }
+
+    #[test]
+    fn environment_overrides_defaults() {
+        let mut s = sample();
+        s.env = vec!["PATH=/x".into(), "A=1".into()];
+        let env = s.environment();
+        assert!(env.contains(&"PATH=/x".to_string()));
+        assert!(env.contains(&"A=1".to_string()));
+        assert_eq!(env.iter().filter(|e| e.starts_with("PATH=")).count(), 1);
+    }
+
+    #[test]
+    fn volumes_and_users_parse() {
+        let v = parse_volume("/tmp:/data:ro").unwrap();
+        assert_eq!((v.source, v.target, v.read_only), ("/tmp".into(), "/data".into(), true));
+        assert!(parse_volume("/tmp").is_err());
+        assert!(parse_volume("/tmp:/d:xx").is_err());
+        assert_eq!(parse_user("1000").unwrap(), User { uid: 1000, gid: 1000 });
+        assert_eq!(parse_user("1000:5").unwrap(), User { uid: 1000, gid: 5 });
+        assert!(parse_user("bob").is_err());
+    }
+}

@@ -1,0 +1,154 @@
+//! The recorded state of a box (status, processes, cgroup, exit) and how it is
+//! stored: JSON written to a temporary file and renamed into place, so a reader
+//! sees either the old or the new state, never half of one; read-modify-write
+//! under the box's lock.
+
+use std::fs;
+use std::io::Write;
+use std::path::Path;
+
+use nestbox_cgroup::{BoxCgroup, Stats};
+use nestbox_isolation::idmap::IdMap;
+use serde::{de::DeserializeOwned, Deserialize, Serialize};
+
+use crate::liveness::ProcRef;
+use crate::{Result, RuntimeError};
+
+/// Where a box is in its life.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Status {
+    /// Being set up; its monitor (or the creating command) is alive.
+    Creating,
+    /// Its command runs.
+    Running,
+    /// It ended and its exit status is recorded.
+    Exited,
+    /// Its monitor died without recording an end (found by a later command).
+    Dead,
+}
+
+impl Status {
+    /// Lower-case name, as shown by `ps`.
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            Status::Creating => "creating",
+            Status::Running => "running",
+            Status::Exited => "exited",
+            Status::Dead => "dead",
+        }
+    }
+}
+
+/// The mutable record of a box.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct BoxState {
+    /// Unique id (names of its cgroups and data directory).
+    pub id: String,
+    /// Lifecycle status.
+    pub status: Status,
+    /// Unix time of creation, start and end (seconds).
+    pub created_at: f64,
+    /// When the command started.
+    pub started_at: Option<f64>,
+    /// When the box ended.
+    pub finished_at: Option<f64>,
+    /// The monitor process (the process that owns the box while it runs).
+    pub monitor: Option<ProcRef>,
+    /// Host pid of the box's init (pid 1 inside).
+    pub init: Option<ProcRef>,
+    /// The box's cgroup while it exists.
+    pub cgroup: Option<BoxCgroup>,
+    /// The user-namespace id maps, when the box has a user namespace.
+    pub idmap: Option<IdMap>,
+    /// Exit code of the command (128+N when killed by signal N).
+    pub exit_code: Option<i32>,
+    /// The command was killed by the kernel's OOM killer.
+    pub oom_killed: bool,
+    /// Why the box failed to start or ended abnormally.
+    pub error: Option<String>,
+    /// Last resource figures, taken just before the cgroup was removed.
+    pub final_stats: Option<Stats>,
+}
+
+impl BoxState {
+    /// A fresh record for a box being created by the calling process.
+    pub fn creating(id: String) -> Self {
+        BoxState {
+            id,
+            status: Status::Creating,
+            created_at: now(),
+            started_at: None,
+            finished_at: None,
+            monitor: Some(ProcRef::current()),
+            init: None,
+            cgroup: None,
+            idmap: None,
+            exit_code: None,
+            oom_killed: false,
+            error: None,
+            final_stats: None,
+        }
+    }
+
+    /// The status as it really is: a creating/running box whose monitor is gone is dead.
+    pub fn effective_status(&self) -> Status {
+        match self.status {
+            Status::Creating | Status::Running if !self.monitor.is_some_and(|m| m.alive()) => Status::Dead,
+            s => s,
+        }
+    }
+}
+
+/// Seconds since the Unix epoch.
+pub fn now() -> f64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs_f64()).unwrap_or(0.0)
+}
+
+/// Write `value` as JSON to `path` atomically (temporary file + rename).
+/// No fsync: runtime state lives on a per-boot filesystem and only has to survive
+/// the death of a process, not of the machine.
+pub fn write_json<T: Serialize>(path: &Path, value: &T) -> Result<()> {
+    let tmp = path.with_extension(format!("tmp{}", std::process::id()));
+    let data = serde_json::to_vec_pretty(value).map_err(|source| RuntimeError::State { path: path.into(), source })?;
+    let mut f = fs::File::create(&tmp).map_err(RuntimeError::io("create", &tmp))?;
+    f.write_all(&data).map_err(RuntimeError::io("write", &tmp))?;
+    drop(f);
+    fs::rename(&tmp, path).map_err(|e| {
+        let _ = fs::remove_file(&tmp);
+        RuntimeError::io("rename", path)(e)
+    })
+}
+
+/// Read JSON from `path`.
+pub fn read_json<T: DeserializeOwned>(path: &Path) -> Result<T> {
+    let data = fs::read(path).map_err(RuntimeError::io("read", path))?;
+    serde_json::from_slice(&data).map_err(|source| RuntimeError::State { path: path.into(), source })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn json_round_trip_is_atomic_and_leaves_no_temp() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("state.json");
+        let s = BoxState::creating("abc".into());
+        write_json(&p, &s).unwrap();
+        let back: BoxState = read_json(&p).unwrap();
+        assert_eq!(back.id, "abc");
+        assert_eq!(fs::read_dir(dir.path()).unwrap().count(), 1);
+    }
+
+    #[test]
+    fn dead_monitor_means_dead_box() {
+        let mut s = BoxState::creating("x".into());
+        assert_eq!(s.effective_status(), Status::Creating);
+        s.monitor = Some(ProcRef { pid: i32::MAX, start_time: 1 });
+        s.status = Status::Running;
+        assert_eq!(s.effective_status(), Status::Dead);
+        s.status = Status::Exited;
+        assert_eq!(s.effective_status(), Status::Exited);
+    }
+}

@@ -1,0 +1,333 @@
+//! Command-line syntax (Docker-like) and dispatch to the runtime.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::{bail, Context, Result};
+use clap::{Args, Parser, Subcommand};
+use nestbox_cgroup::Limits;
+use nestbox_runtime::exec::ExecOptions;
+use nestbox_runtime::paths::Roots;
+use nestbox_runtime::registry::{generated_name, Registry};
+use nestbox_runtime::size::parse_size;
+use nestbox_runtime::spec::{parse_user, parse_volume, BoxSpec, SeccompChoice};
+use nestbox_runtime::{ops, RuntimeError};
+
+use crate::output;
+
+/// Lightweight, strongly isolated Linux sandboxes.
+#[derive(Debug, Parser)]
+#[command(name = "nestbox", version, about, long_about = None)]
+pub struct Cli {
+    /// Keep all state under DIR (DIR/run and DIR/lib) instead of /run/nestbox and
+    /// /var/lib/nestbox. Also set by NESTBOX_ROOT.
+    #[arg(long, global = true, value_name = "DIR")]
+    root: Option<PathBuf>,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Run a command in a new box.
+    Run(RunArgs),
+    /// List boxes (running ones; -a for all).
+    Ps {
+        /// Show all boxes, not just running ones.
+        #[arg(short, long)]
+        all: bool,
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Show everything known about a box, as JSON.
+    Inspect {
+        /// Box name.
+        name: String,
+    },
+    /// Print a box's output.
+    Logs {
+        /// Keep printing new output until the box exits.
+        #[arg(short, long)]
+        follow: bool,
+        /// Box name.
+        name: String,
+    },
+    /// Run another command in a running box.
+    Exec(ExecArgs),
+    /// Stop a box: SIGTERM, then SIGKILL after the timeout.
+    Stop {
+        /// Seconds to wait before SIGKILL.
+        #[arg(short = 't', long = "time", default_value_t = 10)]
+        time: u64,
+        /// Box name.
+        name: String,
+    },
+    /// Send a signal to a box's command.
+    Kill {
+        /// Signal name or number.
+        #[arg(short, long, default_value = "KILL")]
+        signal: String,
+        /// Box name.
+        name: String,
+    },
+    /// Remove a box (a running one only with -f).
+    Rm {
+        /// Kill the box first if it is running.
+        #[arg(short, long)]
+        force: bool,
+        /// Box names.
+        #[arg(required = true)]
+        names: Vec<String>,
+    },
+    /// Resource use of a box: CPU time, memory, pids.
+    Stats {
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+        /// Box name.
+        name: String,
+    },
+    /// Remove dead boxes and every leftover no live box owns.
+    Gc,
+}
+
+#[derive(Debug, Args)]
+struct RunArgs {
+    /// Run in the background and print the box name.
+    #[arg(short, long)]
+    detach: bool,
+    /// Box name (default: generated).
+    #[arg(long)]
+    name: Option<String>,
+    /// Remove the box when it exits.
+    #[arg(long)]
+    rm: bool,
+    /// Keep stdin open and pass it to the command.
+    #[arg(short, long)]
+    interactive: bool,
+    /// Image to build the root from.
+    #[arg(long, default_value = nestbox_image::HOST_IMAGE)]
+    image: String,
+    /// Memory limit (e.g. 64m); the OOM killer acts inside the box only.
+    #[arg(long, value_name = "SIZE")]
+    memory: Option<String>,
+    /// Memory plus swap limit (SIZE, or -1 for unlimited swap).
+    #[arg(long, value_name = "SIZE", allow_hyphen_values = true)]
+    memory_swap: Option<String>,
+    /// Maximum number of processes and threads.
+    #[arg(long, value_name = "N")]
+    pids: Option<u64>,
+    /// CPU hard cap in CPUs (e.g. 0.5).
+    #[arg(long, value_name = "X")]
+    cpus: Option<f64>,
+    /// CPU fair-share weight (2..262144, default 1024).
+    #[arg(long, value_name = "N")]
+    cpu_shares: Option<u64>,
+    /// CPUs the box may run on (e.g. 0-1,3).
+    #[arg(long, value_name = "LIST")]
+    cpuset_cpus: Option<String>,
+    /// Block-IO weight (10..1000).
+    #[arg(long, value_name = "N")]
+    io_weight: Option<u16>,
+    /// Hostname (default: the box name).
+    #[arg(long)]
+    hostname: Option<String>,
+    /// Environment variable KEY=VALUE (repeatable).
+    #[arg(short, long = "env", value_name = "K=V")]
+    env: Vec<String>,
+    /// Working directory in the box.
+    #[arg(short, long, value_name = "DIR", default_value = "/")]
+    workdir: PathBuf,
+    /// User to run as: UID[:GID].
+    #[arg(short, long, value_name = "UID[:GID]")]
+    user: Option<String>,
+    /// Make the root filesystem read-only.
+    #[arg(long)]
+    read_only: bool,
+    /// Mount a host path: HOST:BOX[:ro] (repeatable).
+    #[arg(short, long = "volume", value_name = "HOST:BOX[:ro]")]
+    volume: Vec<String>,
+    /// Mount a fresh tmpfs at PATH (repeatable).
+    #[arg(long, value_name = "PATH")]
+    tmpfs: Vec<PathBuf>,
+    /// Add a capability (repeatable, or ALL).
+    #[arg(long, value_name = "CAP")]
+    cap_add: Vec<String>,
+    /// Drop a capability (repeatable, or ALL).
+    #[arg(long, value_name = "CAP")]
+    cap_drop: Vec<String>,
+    /// Security options: seccomp=unconfined or seccomp=PROFILE.json.
+    #[arg(long, value_name = "OPT")]
+    security_opt: Vec<String>,
+    /// Give the box a user namespace (always on without root).
+    #[arg(long)]
+    userns: bool,
+    /// The command and its arguments (after --).
+    #[arg(trailing_var_arg = true, allow_hyphen_values = true, value_name = "CMD")]
+    command: Vec<String>,
+}
+
+#[derive(Debug, Args)]
+struct ExecArgs {
+    /// Environment variable KEY=VALUE (repeatable).
+    #[arg(short, long = "env", value_name = "K=V")]
+    env: Vec<String>,
+    /// Working directory.
+    #[arg(short, long, value_name = "DIR")]
+    workdir: Option<PathBuf>,
+    /// User: UID[:GID].
+    #[arg(short, long, value_name = "UID[:GID]")]
+    user: Option<String>,
+    /// Accepted for Docker compatibility: stdin is always passed through.
+    #[arg(short, long)]
+    interactive: bool,
+    /// Box name.
+    name: String,
+    /// The command and its arguments (after --).
+    #[arg(trailing_var_arg = true, allow_hyphen_values = true, value_name = "CMD")]
+    command: Vec<String>,
+}
+
+/// Run the parsed command; returns the process exit code.
+pub fn dispatch(cli: Cli) -> Result<i32> {
+    let reg = Registry::new(Roots::resolve(cli.root.as_deref()));
+    match cli.command {
+        Command::Run(args) => run(&reg, args),
+        Command::Ps { all, json } => output::ps(&reg, all, json).map(|_| 0),
+        Command::Inspect { name } => {
+            println!("{}", serde_json::to_string_pretty(&ops::inspect(&reg, &name)?)?);
+            Ok(0)
+        }
+        Command::Logs { follow, name } => output::logs(&reg, &name, follow).map(|_| 0),
+        Command::Exec(args) => {
+            let opts = ExecOptions {
+                command: args.command,
+                env: args.env,
+                workdir: args.workdir,
+                user: args.user.as_deref().map(parse_user).transpose()?,
+            };
+            Ok(nestbox_runtime::exec::exec(&reg, &args.name, &opts)?)
+        }
+        Command::Stop { time, name } => {
+            ops::stop(&reg, &name, Duration::from_secs(time))?;
+            Ok(0)
+        }
+        Command::Kill { signal, name } => {
+            ops::kill_box(&reg, &name, parse_signal(&signal)?)?;
+            Ok(0)
+        }
+        Command::Rm { force, names } => {
+            let mut failed = None;
+            for name in names {
+                if let Err(e) = ops::remove(&reg, &name, force) {
+                    eprintln!("nestbox: error: {e}");
+                    failed = Some(e.exit_code());
+                }
+            }
+            Ok(failed.unwrap_or(0))
+        }
+        Command::Stats { json, name } => output::stats(&reg, &name, json).map(|_| 0),
+        Command::Gc => output::gc(&reg).map(|_| 0),
+    }
+}
+
+fn run(reg: &Registry, args: RunArgs) -> Result<i32> {
+    let detach = args.detach;
+    let spec = build_spec(args)?;
+    if detach {
+        ops::run_detached(reg, &spec)?;
+        println!("{}", spec.name);
+        return Ok(0);
+    }
+    let outcome = ops::run_foreground(reg, &spec)?;
+    if outcome.oom_killed {
+        eprintln!("nestbox: {}", nestbox_runtime::monitor::oom_message(&spec));
+    }
+    Ok(outcome.exit_code)
+}
+
+fn build_spec(a: RunArgs) -> Result<BoxSpec> {
+    if a.command.is_empty() {
+        bail!(RuntimeError::Invalid("missing command: usage is nestbox run [OPTIONS] -- CMD [ARGS...]".into()));
+    }
+    let root = nix::unistd::geteuid().is_root();
+    if !root {
+        check_userns_available()?;
+    }
+    let name = a.name.unwrap_or_else(generated_name);
+    let limits = Limits {
+        memory: a.memory.as_deref().map(parse_size).transpose().context("--memory")?,
+        memory_swap: match a.memory_swap.as_deref() {
+            None => None,
+            Some("-1") => Some(-1),
+            Some(s) => Some(parse_size(s).context("--memory-swap")? as i64),
+        },
+        pids: a.pids,
+        cpus: a.cpus,
+        cpu_shares: a.cpu_shares,
+        cpuset_cpus: a.cpuset_cpus,
+        io_weight: a.io_weight,
+    };
+    let mut seccomp = SeccompChoice::Default;
+    for opt in &a.security_opt {
+        match opt.split_once(['=', ':']) {
+            Some(("seccomp", "unconfined")) => seccomp = SeccompChoice::Unconfined,
+            Some(("seccomp", path)) => {
+                let text = std::fs::read_to_string(path)
+                    .map_err(|e| RuntimeError::Invalid(format!("--security-opt seccomp={path}: {e}")))?;
+                seccomp = SeccompChoice::Profile { path: path.into(), text };
+            }
+            _ if opt == "no-new-privileges" || opt == "no-new-privileges=true" => {}
+            _ => bail!(RuntimeError::Invalid(format!(
+                "unsupported --security-opt {opt:?} (supported: seccomp=unconfined, seccomp=FILE, no-new-privileges)"
+            ))),
+        }
+    }
+    let capabilities = nestbox_runtime::spec::resolve_capabilities(&a.cap_add, &a.cap_drop)?;
+    let spec = BoxSpec {
+        hostname: a.hostname.unwrap_or_else(|| name.clone()),
+        name,
+        image: a.image,
+        command: a.command,
+        env: a.env,
+        workdir: a.workdir,
+        user: a.user.as_deref().map(parse_user).transpose()?.unwrap_or_default(),
+        read_only: a.read_only,
+        volumes: a.volume.iter().map(|v| parse_volume(v)).collect::<Result<_, _>>()?,
+        tmpfs: a.tmpfs,
+        capabilities,
+        seccomp,
+        userns: a.userns || !root,
+        limits,
+        interactive: a.interactive,
+        remove_on_exit: a.rm,
+    };
+    spec.validate()?;
+    Ok(spec)
+}
+
+/// Without root a box needs an unprivileged user namespace.
+fn check_userns_available() -> Result<()> {
+    let read = |p: &str| std::fs::read_to_string(p).ok().map(|s| s.trim().to_string());
+    let max = read("/proc/sys/user/max_user_namespaces");
+    let clone = read("/proc/sys/kernel/unprivileged_userns_clone");
+    if max.as_deref() == Some("0") || clone.as_deref() == Some("0") {
+        bail!(RuntimeError::Invalid(
+            "running without root needs unprivileged user namespaces, which this kernel has disabled \
+             (user.max_user_namespaces / kernel.unprivileged_userns_clone)"
+                .into()
+        ));
+    }
+    Ok(())
+}
+
+fn parse_signal(s: &str) -> Result<nix::sys::signal::Signal> {
+    use std::str::FromStr;
+    if let Ok(n) = s.parse::<i32>() {
+        return nix::sys::signal::Signal::try_from(n).map_err(|_| RuntimeError::Invalid(format!("unknown signal {s:?}")).into());
+    }
+    let up = s.to_ascii_uppercase();
+    let full = if up.starts_with("SIG") { up } else { format!("SIG{up}") };
+    nix::sys::signal::Signal::from_str(&full).map_err(|_| RuntimeError::Invalid(format!("unknown signal {s:?}")).into())
+}

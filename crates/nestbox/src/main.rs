@@ -1,0 +1,38 @@
+//! `nestbox`: the command-line front end. It parses options into a box spec or an
+//! operation, calls the runtime, and turns any error into one line on stderr with
+//! Docker's exit codes (125 nestbox error, 126 cannot execute, 127 not found,
+//! otherwise the command's own status).
+
+mod cli;
+mod output;
+
+use std::process::ExitCode;
+
+use clap::Parser;
+
+fn main() -> ExitCode {
+    let args = cli::Cli::parse();
+    match cli::dispatch(args) {
+        Ok(code) => ExitCode::from(code.clamp(0, 255) as u8),
+        Err(e) => {
+            let code = e
+                .downcast_ref::<nestbox_runtime::RuntimeError>()
+                .map(|r| r.exit_code())
+                .unwrap_or(nestbox_runtime::error::EXIT_NESTBOX_ERROR);
+            eprintln!("nestbox: error: {}", one_line(&e));
+            ExitCode::from(code as u8)
+        }
+    }
+}
+
+/// The error and its causes on one line.
+fn one_line(e: &anyhow::Error) -> String {
+    let mut parts: Vec<String> = Vec::new();
+    for cause in e.chain() {
+        let s = cause.to_string();
+        if !parts.iter().any(|p| p.contains(&s)) {
+            parts.push(s);
+        }
+    }
+    parts.join(": ").replace('\n', " ")
+}

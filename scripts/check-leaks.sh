@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# After the test suite: nothing of nestbox may be left on this machine — no mount,
+# cgroup, process, network link or state directory. Exits non-zero and lists what
+# is left otherwise.
+set -uo pipefail
+left=()
+while read -r mp; do left+=("mount $mp"); done < <(grep -i nestbox /proc/self/mountinfo | awk '{print $5}')
+while read -r cg; do left+=("cgroup $cg"); done < <(find /sys/fs/cgroup -mindepth 1 -maxdepth 8 -type d -name 'nestbox-*' 2>/dev/null)
+while read -r p; do left+=("process $p"); done < <(ps -eo pid=,comm=,args= | awk '$2 ~ /nestbox/ && $0 !~ /check-leaks/ {print $1" "$3}')
+while read -r l; do left+=("link $l"); done < <(ip -o link show 2>/dev/null | awk -F': ' 'tolower($2) ~ /nestbox|^nb/ {print $2}')
+for d in /run/nestbox/boxes /var/lib/nestbox/boxes; do
+  [ -d "$d" ] && [ -n "$(ls -A "$d" 2>/dev/null)" ] && left+=("state $d: $(ls -A "$d" | tr '\n' ' ')")
+done
+for d in /tmp/nestbox-test-*; do [ -e "$d" ] && left+=("test root $d"); done
+if [ "${#left[@]}" -gt 0 ]; then
+  echo "leak check: FAILED, left on the machine:" >&2
+  printf '  %s\n' "${left[@]}" >&2
+  exit 1
+fi
+echo "leak check: nothing of nestbox left (mounts, cgroups, processes, links, state)"
