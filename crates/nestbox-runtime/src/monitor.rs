@@ -13,7 +13,7 @@
 
 use std::fs::File;
 use std::io::{Read, Write};
-use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsFd, FromRawFd, OwnedFd};
 use std::os::unix::fs::DirBuilderExt;
 use std::time::{Duration, Instant};
 
@@ -240,7 +240,7 @@ pub fn seccomp_program(spec: &BoxSpec) -> Result<Option<nestbox_seccomp::Program
 }
 
 fn default_opts(spec: &BoxSpec) -> nestbox_seccomp::DefaultOpts {
-    nestbox_seccomp::DefaultOpts::from_capabilities(spec.capabilities.iter().map(String::as_str))
+    nestbox_seccomp::DefaultOpts::from_capability_names(spec.capabilities.iter())
 }
 
 fn pidfd_open(pid: Pid) -> Result<OwnedFd> {

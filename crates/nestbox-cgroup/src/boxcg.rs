@@ -1,0 +1,534 @@
+//! The cgroup(s) of one box: creation with limits, process membership,
+//! statistics, freezing, killing and removal — one interface over v1, v2 and
+//! hybrid layouts.
+//!
+//! A box owns one directory `nestbox-<id>` under the invoking process's
+//! cgroup in every hierarchy that carries a controller it uses. Which
+//! hierarchy serves a controller is decided per controller: a v1 hierarchy
+//! carrying it wins, else the v2 hierarchy if it lists it. The v2 directory
+//! also provides the "core" features (freezing, CPU usage) when no v1
+//! `freezer`/`cpuacct` hierarchy exists.
+//!
+//! [`BoxCgroup`] only holds `(version, controllers, directory)` triples, so it
+//! serialises to JSON and another process can re-open it from saved state.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use nix::errno::Errno;
+use nix::sys::signal::{kill, Signal};
+use nix::unistd::Pid;
+use serde::{Deserialize, Serialize};
+
+use crate::detect::{Hierarchies, Hierarchy, Version};
+use crate::error::{CgroupError, CgroupWarning};
+use crate::limits::Limits;
+use crate::stats::{self, Stats};
+use crate::{fsutil, v1, v2};
+
+/// Prefix of every box cgroup directory name.
+pub const DIR_PREFIX: &str = "nestbox-";
+/// How long [`BoxCgroup::freeze`] and [`BoxCgroup::thaw`] wait.
+pub const FREEZE_TIMEOUT: Duration = Duration::from_secs(2);
+/// How long [`BoxCgroup::kill_all`] waits for the processes to go.
+pub const KILL_TIMEOUT: Duration = Duration::from_secs(5);
+/// Longest accepted box id.
+pub const MAX_ID_LEN: usize = 128;
+
+/// v1 controllers a box uses.
+const V1_USED: &[&str] = &[
+    "cpu", "cpuacct", "cpuset", "memory", "devices", "freezer", "blkio", "pids",
+];
+/// v1 names of the controllers that v2 can provide.
+const V2_BACKED: &[&str] = &["cpu", "cpuset", "blkio", "memory", "pids"];
+
+/// Checks that `id` is usable in `nestbox-<id>`: 1 to [`MAX_ID_LEN`]
+/// characters of `a-z`, `0-9` and `-`.
+pub fn validate_id(id: &str) -> Result<(), CgroupError> {
+    let err = |reason: &str| CgroupError::InvalidId {
+        id: id.to_string(),
+        reason: reason.to_string(),
+    };
+    if id.is_empty() {
+        return Err(err("must not be empty"));
+    }
+    if id.len() > MAX_ID_LEN {
+        return Err(err("is longer than 128 characters"));
+    }
+    if !id
+        .bytes()
+        .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+    {
+        return Err(err("may only contain a-z, 0-9 and '-'"));
+    }
+    Ok(())
+}
+
+/// The directory name of box `id`: `nestbox-<id>`.
+pub fn dir_name(id: &str) -> String {
+    format!("{DIR_PREFIX}{id}")
+}
+
+/// One directory of a box cgroup.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
+pub struct CgroupDir {
+    /// The hierarchy version.
+    pub version: Version,
+    /// The controllers the box uses through this directory (v1 names for
+    /// v1; for v2 the controllers enabled for it, e.g. `io`).
+    pub controllers: Vec<String>,
+    /// The absolute directory.
+    pub path: PathBuf,
+}
+
+/// The cgroup(s) of one box.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
+pub struct BoxCgroup {
+    id: String,
+    dirs: Vec<CgroupDir>,
+    #[serde(default)]
+    warnings: Vec<CgroupWarning>,
+}
+
+/// Where a controller's files of the box are.
+enum Loc<'a> {
+    V1(&'a Path),
+    V2(&'a Path),
+}
+
+/// What [`BoxCgroup::create`] will make.
+struct Plan<'a> {
+    v1: Vec<(&'a Hierarchy, Vec<String>)>,
+    /// The v2 hierarchy and the (available) controllers wanted from it.
+    v2: Option<(&'a Hierarchy, Vec<&'static str>)>,
+    /// v2 controllers needed by a requested limit.
+    required_v2: BTreeSet<&'static str>,
+    warnings: Vec<CgroupWarning>,
+}
+
+fn plan<'a>(h: &'a Hierarchies, limits: &Limits) -> Result<Plan<'a>, CgroupError> {
+    let v1: Vec<(&Hierarchy, Vec<String>)> = h
+        .v1()
+        .filter_map(|hi| {
+            let used: Vec<String> = hi
+                .controllers()
+                .iter()
+                .filter(|c| V1_USED.contains(&c.as_str()))
+                .cloned()
+                .collect();
+            (!used.is_empty()).then_some((hi, used))
+        })
+        .collect();
+    let v1_has = |c: &str| v1.iter().any(|(_, used)| used.iter().any(|u| u == c));
+    let requested = limits.requested();
+    let mut warnings = Vec::new();
+    let mut required_v2 = BTreeSet::new();
+    let mut v2_plan = None;
+    match h.v2() {
+        Some(v2h) => {
+            let available = v2::available(v2h.invoking_dir())?
+                .unwrap_or_else(|| v2h.controllers().iter().cloned().collect());
+            let mut wanted = Vec::new();
+            for &c in V2_BACKED.iter().filter(|c| !v1_has(c)) {
+                let name = v2::v2_name(c);
+                if available.contains(name) {
+                    wanted.push(name);
+                } else {
+                    warnings.push(CgroupWarning::ControllerUnavailable {
+                        controller: name.to_string(),
+                    });
+                }
+            }
+            for &(option, c) in &requested {
+                if v1_has(c) {
+                    continue;
+                }
+                let name = v2::v2_name(c);
+                if !available.contains(name) {
+                    return Err(CgroupError::ControllerUnavailable {
+                        option,
+                        controller: name.to_string(),
+                        reason: format!(
+                            "no cgroup v1 hierarchy carries it and it is not listed in {}",
+                            v2h.invoking_dir().join("cgroup.controllers").display()
+                        ),
+                    });
+                }
+                required_v2.insert(name);
+            }
+            let core_needed = !v1_has("freezer") || !v1_has("cpuacct");
+            if core_needed || !wanted.is_empty() {
+                v2_plan = Some((v2h, wanted));
+            }
+        }
+        None => {
+            for c in V2_BACKED.iter().chain(&["freezer"]).filter(|c| !v1_has(c)) {
+                warnings.push(CgroupWarning::ControllerUnavailable {
+                    controller: c.to_string(),
+                });
+            }
+            if let Some((option, c)) = requested.iter().find(|(_, c)| !v1_has(c)) {
+                return Err(CgroupError::ControllerUnavailable {
+                    option,
+                    controller: c.to_string(),
+                    reason: "no cgroup v1 hierarchy carries it and cgroup v2 is not mounted".into(),
+                });
+            }
+        }
+    }
+    Ok(Plan {
+        v1,
+        v2: v2_plan,
+        required_v2,
+        warnings,
+    })
+}
+
+impl BoxCgroup {
+    /// Creates the cgroup of box `id` under the invoking process's cgroup in
+    /// every hierarchy carrying a controller the box uses, and writes
+    /// `limits`. On v2 the needed controllers are enabled in the parent's
+    /// `cgroup.subtree_control` first (that change is not undone). On v1
+    /// the cpuset is initialised from the parent and devices are restricted
+    /// to [`v1::DEFAULT_DEVICE_RULES`].
+    ///
+    /// Errors: an invalid id or limit, a requested limit whose controller is
+    /// not usable, an existing directory, or any failed write. On error every
+    /// directory made so far is removed again.
+    pub fn create(h: &Hierarchies, id: &str, limits: &Limits) -> Result<BoxCgroup, CgroupError> {
+        validate_id(id)?;
+        limits.validate()?;
+        limits.validate_cpuset_against(h)?;
+        let plan = plan(h, limits)?;
+        let name = dir_name(id);
+        let targets = plan
+            .v2
+            .iter()
+            .map(|(hi, _)| *hi)
+            .chain(plan.v1.iter().map(|(hi, _)| *hi))
+            .map(|hi| hi.invoking_dir().join(&name));
+        for t in targets {
+            if t.symlink_metadata().is_ok() {
+                return Err(CgroupError::AlreadyExists { path: t });
+            }
+        }
+        let mut warnings = plan.warnings.clone();
+        let mut made = Vec::new();
+        match build(&plan, &name, limits, &mut made, &mut warnings) {
+            Ok(dirs) => Ok(BoxCgroup {
+                id: id.to_string(),
+                dirs,
+                warnings,
+            }),
+            Err(e) => {
+                for d in made.iter().rev() {
+                    let _ = fsutil::remove_dir(d);
+                }
+                Err(e)
+            }
+        }
+    }
+
+    /// Re-assembles a box cgroup from its parts (e.g. found on disk).
+    pub fn from_dirs(id: &str, dirs: Vec<CgroupDir>) -> Result<BoxCgroup, CgroupError> {
+        validate_id(id)?;
+        Ok(BoxCgroup {
+            id: id.to_string(),
+            dirs,
+            warnings: Vec::new(),
+        })
+    }
+
+    /// The box id.
+    pub fn id(&self) -> &str {
+        &self.id
+    }
+
+    /// The box's directories.
+    pub fn dirs(&self) -> &[CgroupDir] {
+        &self.dirs
+    }
+
+    /// Non-fatal problems met by [`Self::create`].
+    pub fn warnings(&self) -> &[CgroupWarning] {
+        &self.warnings
+    }
+
+    /// Controller name → directory. On v2 every enabled controller maps to
+    /// the one directory, which is also listed as `unified`.
+    pub fn paths(&self) -> BTreeMap<String, PathBuf> {
+        let mut m = BTreeMap::new();
+        for d in &self.dirs {
+            for c in &d.controllers {
+                m.entry(c.clone()).or_insert_with(|| d.path.clone());
+            }
+            if d.version == Version::V2 {
+                m.insert("unified".to_string(), d.path.clone());
+            }
+        }
+        m
+    }
+
+    /// True when any of the box's directories still exists.
+    pub fn exists(&self) -> bool {
+        self.dirs.iter().any(|d| d.path.exists())
+    }
+
+    /// Moves process `pid` into the box (writes `cgroup.procs` in every
+    /// directory).
+    pub fn add_process(&self, pid: i32) -> Result<(), CgroupError> {
+        if pid <= 0 {
+            return Err(CgroupError::InvalidPid { pid });
+        }
+        for d in &self.dirs {
+            fsutil::write(&d.path.join("cgroup.procs"), &pid.to_string())?;
+        }
+        Ok(())
+    }
+
+    /// The processes in the box: the sorted union of every `cgroup.procs`.
+    /// Directories that are gone count as empty.
+    pub fn procs(&self) -> Result<Vec<i32>, CgroupError> {
+        let mut all = BTreeSet::new();
+        for d in &self.dirs {
+            let file = d.path.join("cgroup.procs");
+            let Some(text) = fsutil::read_opt(&file)? else {
+                continue;
+            };
+            for line in text.lines().map(str::trim).filter(|l| !l.is_empty()) {
+                let pid = line.parse::<i32>().map_err(|_| CgroupError::Parse {
+                    path: file.clone(),
+                    content: line.to_string(),
+                    reason: "expected a pid".into(),
+                })?;
+                all.insert(pid);
+            }
+        }
+        Ok(all.into_iter().collect())
+    }
+
+    fn v1_dir(&self, controller: &str) -> Option<&Path> {
+        self.dirs
+            .iter()
+            .find(|d| d.version == Version::V1 && d.controllers.iter().any(|c| c == controller))
+            .map(|d| d.path.as_path())
+    }
+
+    fn v2_dir(&self) -> Option<&CgroupDir> {
+        self.dirs.iter().find(|d| d.version == Version::V2)
+    }
+
+    /// Where the files of `v1` (or, on v2, of `v2`; `None` = core files that
+    /// need no controller) are.
+    fn locate(&self, v1: &str, v2: Option<&str>) -> Option<Loc<'_>> {
+        if let Some(p) = self.v1_dir(v1) {
+            return Some(Loc::V1(p));
+        }
+        let d = self.v2_dir()?;
+        match v2 {
+            None => Some(Loc::V2(&d.path)),
+            Some(c) => d
+                .controllers
+                .iter()
+                .any(|x| x == c)
+                .then_some(Loc::V2(&d.path)),
+        }
+    }
+
+    /// Current resource usage. Controllers the box has no cgroup for give 0.
+    pub fn stats(&self) -> Result<Stats, CgroupError> {
+        let cpu_usage_ns = match self.locate("cpuacct", None) {
+            Some(Loc::V1(d)) => stats::read_u64(&d.join("cpuacct.usage"))?,
+            Some(Loc::V2(d)) => stats::v2_cpu_usage_ns(&d.join("cpu.stat"))?,
+            None => 0,
+        };
+        let (memory_current, memory_peak) = match self.locate("memory", Some("memory")) {
+            Some(Loc::V1(d)) => (
+                stats::read_u64(&d.join("memory.usage_in_bytes"))?,
+                stats::read_u64(&d.join("memory.max_usage_in_bytes"))?,
+            ),
+            Some(Loc::V2(d)) => {
+                let current = stats::read_u64(&d.join("memory.current"))?;
+                let peak_file = d.join("memory.peak");
+                let peak = match fsutil::read_opt(&peak_file)? {
+                    Some(text) => stats::parse_u64(&peak_file, &text)?,
+                    None => current,
+                };
+                (current, peak)
+            }
+            None => (0, 0),
+        };
+        let pids_current = match self.locate("pids", Some("pids")) {
+            Some(Loc::V1(d) | Loc::V2(d)) => stats::read_u64(&d.join("pids.current"))?,
+            None => 0,
+        };
+        Ok(Stats {
+            cpu_usage_ns,
+            memory_current,
+            memory_peak,
+            pids_current,
+            oom_kills: self.oom_kills()?,
+        })
+    }
+
+    /// Number of OOM kills in the box: v1 `oom_kill` of `memory.oom_control`
+    /// (0 on kernels without it), v2 `oom_kill` of `memory.events`.
+    pub fn oom_kills(&self) -> Result<u64, CgroupError> {
+        match self.locate("memory", Some("memory")) {
+            Some(Loc::V1(d)) => stats::read_keyed(&d.join("memory.oom_control"), "oom_kill"),
+            Some(Loc::V2(d)) => stats::read_keyed(&d.join("memory.events"), "oom_kill"),
+            None => Ok(0),
+        }
+    }
+
+    /// Freezes every process of the box, waiting up to [`FREEZE_TIMEOUT`].
+    pub fn freeze(&self) -> Result<(), CgroupError> {
+        self.set_frozen(true, FREEZE_TIMEOUT)
+    }
+
+    /// Thaws the box, waiting up to [`FREEZE_TIMEOUT`].
+    pub fn thaw(&self) -> Result<(), CgroupError> {
+        self.set_frozen(false, FREEZE_TIMEOUT)
+    }
+
+    /// Freezes (`frozen`) or thaws the box, waiting up to `timeout` for the
+    /// kernel to confirm. A freeze that times out is undone.
+    pub fn set_frozen(&self, frozen: bool, timeout: Duration) -> Result<(), CgroupError> {
+        match self.locate("freezer", None) {
+            Some(Loc::V1(d)) => v1::set_frozen(d, frozen, timeout),
+            Some(Loc::V2(d)) => v2::set_frozen(d, frozen, timeout),
+            None => Err(CgroupError::NoController { what: "freezer" }),
+        }
+    }
+
+    /// Refuses to act on directories not named `nestbox-<id>` (a tampered or
+    /// corrupt saved state must not make us kill or remove anything else).
+    fn check_dirs(&self) -> Result<(), CgroupError> {
+        let want = dir_name(&self.id);
+        for d in &self.dirs {
+            if d.path.file_name().and_then(|n| n.to_str()) != Some(want.as_str())
+                || !d.path.is_absolute()
+            {
+                return Err(CgroupError::NotBoxDir {
+                    path: d.path.clone(),
+                    id: self.id.clone(),
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// Sends SIGKILL to every process of the box (never to pid 1 or to the
+    /// calling process). A vanished process is fine.
+    fn signal_all(&self) -> Result<(), CgroupError> {
+        let me = std::process::id() as i32;
+        for pid in self.procs()? {
+            if pid <= 1 || pid == me {
+                continue;
+            }
+            match kill(Pid::from_raw(pid), Signal::SIGKILL) {
+                Ok(()) | Err(Errno::ESRCH) => {}
+                Err(err) => return Err(CgroupError::Signal { pid, err }),
+            }
+        }
+        Ok(())
+    }
+
+    /// Kills every process of the box and waits (up to [`KILL_TIMEOUT`])
+    /// until none is left. Uses v2 `cgroup.kill` when the kernel has it;
+    /// else freezes the box (so nothing can fork), SIGKILLs every process
+    /// and thaws. Directories not named `nestbox-<id>` are refused.
+    pub fn kill_all(&self) -> Result<(), CgroupError> {
+        self.check_dirs()?;
+        let by_kernel = match self.v2_dir() {
+            Some(d) if d.path.exists() => v2::kill(&d.path)?,
+            _ => false,
+        };
+        if !by_kernel && !self.procs()?.is_empty() {
+            let frozen = self.freeze().is_ok();
+            let sent = self.signal_all();
+            if frozen {
+                self.thaw()?;
+            }
+            sent?;
+        }
+        let mut left = Vec::new();
+        let done = fsutil::poll_until(KILL_TIMEOUT, Duration::from_millis(10), |round| {
+            left = self.procs()?;
+            if !left.is_empty() && round % 10 == 9 {
+                self.signal_all()?;
+            }
+            Ok(left.is_empty())
+        })?;
+        if done {
+            return Ok(());
+        }
+        Err(CgroupError::Timeout {
+            what: format!("processes {left:?} to exit"),
+            path: self
+                .dirs
+                .first()
+                .map(|d| d.path.clone())
+                .unwrap_or_default(),
+            waited: KILL_TIMEOUT,
+        })
+    }
+
+    /// Removes every directory of the box (and any child cgroups in them).
+    /// Directories not named `nestbox-<id>` are refused.
+    /// Missing directories are fine, so this is idempotent; `EBUSY` is
+    /// retried briefly. All directories are attempted; the first error is
+    /// returned.
+    pub fn remove(&self) -> Result<(), CgroupError> {
+        self.check_dirs()?;
+        let mut first = None;
+        for d in &self.dirs {
+            if let Err(e) = fsutil::remove_dir(&d.path) {
+                first.get_or_insert(e);
+            }
+        }
+        first.map_or(Ok(()), Err)
+    }
+}
+
+/// Makes the directories of `plan`, recording each in `made`.
+fn build(
+    plan: &Plan<'_>,
+    name: &str,
+    limits: &Limits,
+    made: &mut Vec<PathBuf>,
+    warnings: &mut Vec<CgroupWarning>,
+) -> Result<Vec<CgroupDir>, CgroupError> {
+    let mut dirs = Vec::new();
+    if let Some((hi, wanted)) = &plan.v2 {
+        let parent = hi.invoking_dir();
+        let enabled = if wanted.is_empty() {
+            Vec::new()
+        } else {
+            v2::enable_controllers(parent, wanted, &plan.required_v2, warnings)?
+        };
+        let dir = parent.join(name);
+        fsutil::make_dir(&dir)?;
+        made.push(dir.clone());
+        v2::apply(&dir, &enabled, limits)?;
+        dirs.push(CgroupDir {
+            version: Version::V2,
+            controllers: enabled,
+            path: dir,
+        });
+    }
+    for (hi, used) in &plan.v1 {
+        let parent = hi.invoking_dir();
+        let dir = parent.join(name);
+        fsutil::make_dir(&dir)?;
+        made.push(dir.clone());
+        v1::apply(&dir, parent, used, limits)?;
+        dirs.push(CgroupDir {
+            version: Version::V1,
+            controllers: used.clone(),
+            path: dir,
+        });
+    }
+    Ok(dirs)
+}

@@ -1,0 +1,247 @@
+//! Small filesystem helpers for cgroup control files and directories.
+//!
+//! All helpers turn `io::Error`s into [`CgroupError::Io`] with the path, the
+//! operation and (for writes) the value.
+//!
+//! Control files are opened for writing with `O_WRONLY|O_TRUNC` and never
+//! created: a missing control file is an error, as it is on the kernel's
+//! cgroupfs. To let unit tests run on a *fake* cgroup tree (plain directories
+//! and files in a temp dir), directory creation and removal behave like the
+//! kernel when the directory is not on a cgroup filesystem:
+//!
+//! * [`make_dir`] seeds the new directory with empty copies of the parent's
+//!   regular files, the way the kernel populates a new cgroup with control
+//!   files;
+//! * [`remove_dir`] removes those plain files (not recursively), which
+//!   cgroupfs does by itself.
+//!
+//! On a real cgroup filesystem (checked with `statfs`) only `mkdir`/`rmdir`
+//! are used.
+
+use std::fs;
+use std::io::{self, Write};
+use std::path::{Path, PathBuf};
+use std::thread;
+use std::time::{Duration, Instant};
+
+use crate::error::{CgroupError, Op};
+
+/// Reads a control file.
+pub(crate) fn read(path: &Path) -> Result<String, CgroupError> {
+    fs::read_to_string(path).map_err(|e| CgroupError::io(Op::Read, path, e))
+}
+
+/// Reads a control file; a missing file (or directory) gives `None`.
+pub(crate) fn read_opt(path: &Path) -> Result<Option<String>, CgroupError> {
+    match fs::read_to_string(path) {
+        Ok(s) => Ok(Some(s)),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(None),
+        Err(e) => Err(CgroupError::io(Op::Read, path, e)),
+    }
+}
+
+/// Writes `value` to an existing control file in one `write(2)`.
+pub(crate) fn write(path: &Path, value: &str) -> Result<(), CgroupError> {
+    write_with_hint(path, value, None)
+}
+
+/// Like [`write`], attaching `hint` to the error.
+pub(crate) fn write_with_hint(
+    path: &Path,
+    value: &str,
+    hint: Option<&str>,
+) -> Result<(), CgroupError> {
+    let res = fs::OpenOptions::new()
+        .write(true)
+        .truncate(true)
+        .open(path)
+        .and_then(|mut f| f.write_all(value.as_bytes()));
+    res.map_err(|err| CgroupError::Io {
+        op: Op::Write,
+        path: path.to_path_buf(),
+        value: Some(value.to_string()),
+        err,
+        hint: hint.map(str::to_string),
+    })
+}
+
+/// True when `path` is on a cgroup v1 or v2 filesystem.
+pub(crate) fn is_cgroupfs(path: &Path) -> bool {
+    use nix::sys::statfs::{statfs, CGROUP2_SUPER_MAGIC, CGROUP_SUPER_MAGIC};
+    match statfs(path) {
+        Ok(st) => {
+            let t = st.filesystem_type();
+            t == CGROUP_SUPER_MAGIC || t == CGROUP2_SUPER_MAGIC
+        }
+        Err(_) => false,
+    }
+}
+
+/// Creates the cgroup directory `dir`. An existing directory gives
+/// [`CgroupError::AlreadyExists`]. On a fake (non-cgroup) tree the new
+/// directory is seeded with empty copies of the parent's regular files.
+pub(crate) fn make_dir(dir: &Path) -> Result<(), CgroupError> {
+    match fs::create_dir(dir) {
+        Ok(()) => {}
+        Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {
+            return Err(CgroupError::AlreadyExists {
+                path: dir.to_path_buf(),
+            })
+        }
+        Err(e) => return Err(CgroupError::io(Op::Mkdir, dir, e)),
+    }
+    let Some(parent) = dir.parent() else {
+        return Ok(());
+    };
+    if is_cgroupfs(parent) {
+        return Ok(());
+    }
+    let seed = || -> Result<(), CgroupError> {
+        for entry in fs::read_dir(parent).map_err(|e| CgroupError::io(Op::ReadDir, parent, e))? {
+            let entry = entry.map_err(|e| CgroupError::io(Op::ReadDir, parent, e))?;
+            let is_file = entry.file_type().map(|t| t.is_file()).unwrap_or(false);
+            if is_file {
+                let target = dir.join(entry.file_name());
+                fs::File::create(&target).map_err(|e| CgroupError::io(Op::Write, &target, e))?;
+            }
+        }
+        Ok(())
+    };
+    if let Err(e) = seed() {
+        let _ = fs::remove_dir_all(dir);
+        return Err(e);
+    }
+    Ok(())
+}
+
+/// How long [`remove_dir`] retries `EBUSY`.
+const RMDIR_RETRY: Duration = Duration::from_millis(1000);
+
+/// Removes the cgroup directory `dir` and any child cgroups below it.
+/// A missing directory is fine. `EBUSY` (processes still exiting) is retried
+/// for about a second.
+pub(crate) fn remove_dir(dir: &Path) -> Result<(), CgroupError> {
+    if !is_cgroupfs(dir) {
+        return remove_plain_dir(dir);
+    }
+    // Child cgroups first (depth first). Control files cannot be unlinked
+    // and need not be: rmdir of a cgroup removes them.
+    match fs::read_dir(dir) {
+        Ok(entries) => {
+            for entry in entries.flatten() {
+                if entry.file_type().map(|t| t.is_dir()).unwrap_or(false) {
+                    remove_dir(&entry.path())?;
+                }
+            }
+        }
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(()),
+        Err(e) => return Err(CgroupError::io(Op::ReadDir, dir, e)),
+    }
+    let start = Instant::now();
+    loop {
+        match fs::remove_dir(dir) {
+            Ok(()) => return Ok(()),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(()),
+            Err(e) if e.raw_os_error() == Some(libc::EBUSY) && start.elapsed() < RMDIR_RETRY => {
+                thread::sleep(Duration::from_millis(10));
+            }
+            Err(e) => {
+                let hint = (e.raw_os_error() == Some(libc::EBUSY))
+                    .then(|| "the cgroup still has processes or child cgroups".to_string());
+                return Err(CgroupError::Io {
+                    op: Op::Rmdir,
+                    path: dir.to_path_buf(),
+                    value: None,
+                    err: e,
+                    hint,
+                });
+            }
+        }
+    }
+}
+
+/// Removes a directory of a fake (non-cgroup) tree: its plain files, then
+/// the directory. Deliberately not recursive.
+fn remove_plain_dir(dir: &Path) -> Result<(), CgroupError> {
+    let entries = match fs::read_dir(dir) {
+        Ok(e) => e,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(()),
+        Err(e) => return Err(CgroupError::io(Op::ReadDir, dir, e)),
+    };
+    for entry in entries.flatten() {
+        if entry.file_type().map(|t| t.is_file()).unwrap_or(false) {
+            let _ = fs::remove_file(entry.path());
+        }
+    }
+    match fs::remove_dir(dir) {
+        Ok(()) => Ok(()),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
+        Err(e) => Err(CgroupError::io(Op::Rmdir, dir, e)),
+    }
+}
+
+/// Calls `check` every `step` until it returns `true` or `timeout` passes.
+/// Returns `Ok(true)` on success, `Ok(false)` on timeout.
+pub(crate) fn poll_until(
+    timeout: Duration,
+    step: Duration,
+    mut check: impl FnMut(u32) -> Result<bool, CgroupError>,
+) -> Result<bool, CgroupError> {
+    let start = Instant::now();
+    let mut round = 0u32;
+    loop {
+        if check(round)? {
+            return Ok(true);
+        }
+        if start.elapsed() >= timeout {
+            return Ok(false);
+        }
+        thread::sleep(step);
+        round = round.wrapping_add(1);
+    }
+}
+
+/// Joins a cgroup path relative to a hierarchy (`/a/b` or `a/b`) onto `base`,
+/// without adding a trailing separator for `/`.
+pub(crate) fn join_rel(base: &Path, rel: &str) -> PathBuf {
+    let rel = rel.trim_start_matches('/');
+    if rel.is_empty() {
+        base.to_path_buf()
+    } else {
+        base.join(rel)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn fake_mkdir_seeds_and_remove_cleans() {
+        let tmp = tempfile::tempdir().unwrap();
+        fs::write(tmp.path().join("pids.max"), "max").unwrap();
+        fs::create_dir(tmp.path().join("other")).unwrap();
+        let d = tmp.path().join("child");
+        make_dir(&d).unwrap();
+        assert_eq!(fs::read_to_string(d.join("pids.max")).unwrap(), "");
+        assert!(!d.join("other").exists());
+        assert!(matches!(
+            make_dir(&d),
+            Err(CgroupError::AlreadyExists { .. })
+        ));
+        write(&d.join("pids.max"), "10").unwrap();
+        write(&d.join("pids.max"), "7").unwrap();
+        assert_eq!(read(&d.join("pids.max")).unwrap(), "7");
+        let err = write(&d.join("nope"), "1").unwrap_err();
+        assert!(err.is_not_found());
+        remove_dir(&d).unwrap();
+        assert!(!d.exists());
+        remove_dir(&d).unwrap();
+    }
+
+    #[test]
+    fn join_rel_root() {
+        assert_eq!(join_rel(Path::new("/m"), "/"), PathBuf::from("/m"));
+        assert_eq!(join_rel(Path::new("/m"), "/a/b"), PathBuf::from("/m/a/b"));
+    }
+}

@@ -1,0 +1,486 @@
+//! Resource limits of a box, their validation and unit conversions.
+//!
+//! [`Limits`] is the version-independent description of what a box may use;
+//! `v1.rs` and `v2.rs` translate it into control-file writes. Validation
+//! happens before anything is created: [`Limits::validate`] checks values on
+//! their own, [`Limits::validate_against`] additionally checks the cpuset
+//! against the parent cgroup.
+
+use std::path::Path;
+
+use serde::{Deserialize, Serialize};
+
+use crate::detect::{Hierarchies, Version};
+use crate::error::CgroupError;
+use crate::fsutil;
+
+/// CFS period used for CPU caps, in microseconds (`cpu.cfs_period_us`, the
+/// second field of `cpu.max`).
+pub const CFS_PERIOD_US: u64 = 100_000;
+/// The smallest CFS quota the kernel accepts, in microseconds.
+pub const MIN_CFS_QUOTA_US: u64 = 1_000;
+/// Bounds of v1 `cpu.shares`.
+pub const CPU_SHARES_RANGE: std::ops::RangeInclusive<u64> = 2..=262_144;
+/// Bounds of the I/O weight.
+pub const IO_WEIGHT_RANGE: std::ops::RangeInclusive<u16> = 10..=1000;
+/// Largest CPU number accepted in a CPU list.
+const MAX_CPU: u32 = 65_535;
+
+/// Resource limits of a box. `None` means "not limited".
+#[derive(Serialize, Deserialize, Default, Clone, Debug, PartialEq)]
+#[serde(default)]
+pub struct Limits {
+    /// Memory limit in bytes: v1 `memory.limit_in_bytes`, v2 `memory.max`.
+    pub memory: Option<u64>,
+    /// Docker semantics: memory + swap in bytes, `-1` for unlimited swap.
+    /// Needs `memory`. v1 `memory.memsw.limit_in_bytes` (needs swap
+    /// accounting), v2 `memory.swap.max` = `memory_swap - memory`.
+    /// When unset, swap is left as the kernel default.
+    pub memory_swap: Option<i64>,
+    /// Maximum number of tasks: `pids.max`.
+    pub pids: Option<u64>,
+    /// Hard cap in CPUs (e.g. `0.5`): v1 `cpu.cfs_quota_us` with a
+    /// [`CFS_PERIOD_US`] period, v2 `cpu.max`.
+    pub cpus: Option<f64>,
+    /// Relative CPU weight: v1 `cpu.shares`, v2 `cpu.weight` converted with
+    /// [`shares_to_weight`].
+    pub cpu_shares: Option<u64>,
+    /// CPUs the box may run on, kernel list syntax (`"0-2,4"`).
+    pub cpuset_cpus: Option<String>,
+    /// I/O weight 10..=1000: v2 `io.weight`, v1 `blkio.weight` or
+    /// `blkio.bfq.weight`.
+    pub io_weight: Option<u16>,
+}
+
+/// Converts v1 `cpu.shares` to v2 `cpu.weight` the way runc and crun do:
+/// `1 + ((shares - 2) * 9999) / 262142`.
+pub fn shares_to_weight(shares: u64) -> u64 {
+    let shares = shares.clamp(*CPU_SHARES_RANGE.start(), *CPU_SHARES_RANGE.end());
+    1 + ((shares - 2) * 9999) / 262_142
+}
+
+/// Number of online CPUs: `/sys/devices/system/cpu/online`, else
+/// [`std::thread::available_parallelism`].
+pub fn online_cpus() -> usize {
+    std::fs::read_to_string("/sys/devices/system/cpu/online")
+        .ok()
+        .and_then(|s| parse_cpu_list(&s).ok())
+        .map(|v| v.len())
+        .filter(|n| *n > 0)
+        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
+}
+
+/// Parses a kernel CPU list such as `"0-2,4"` (whitespace around it is
+/// ignored) into sorted, de-duplicated CPU numbers. The empty list gives an
+/// empty vector.
+pub fn parse_cpu_list(s: &str) -> Result<Vec<u32>, CgroupError> {
+    let err = |reason: String| CgroupError::CpuList {
+        value: s.to_string(),
+        reason,
+    };
+    let num = |t: &str| -> Result<u32, CgroupError> {
+        if t.is_empty() || !t.bytes().all(|b| b.is_ascii_digit()) {
+            return Err(err(format!("{t:?} is not a CPU number")));
+        }
+        let n: u32 = t
+            .parse()
+            .map_err(|_| err(format!("{t:?} is not a CPU number")))?;
+        if n > MAX_CPU {
+            return Err(err(format!("CPU {n} is out of range (max {MAX_CPU})")));
+        }
+        Ok(n)
+    };
+    let trimmed = s.trim();
+    let mut out = Vec::new();
+    if trimmed.is_empty() {
+        return Ok(out);
+    }
+    for part in trimmed.split(',') {
+        match part.split_once('-') {
+            Some((a, b)) => {
+                let (a, b) = (num(a)?, num(b)?);
+                if a > b {
+                    return Err(err(format!("range {part:?} is reversed")));
+                }
+                out.extend(a..=b);
+            }
+            None => out.push(num(part)?),
+        }
+    }
+    out.sort_unstable();
+    out.dedup();
+    Ok(out)
+}
+
+fn invalid(option: &'static str, value: impl ToString, reason: impl Into<String>) -> CgroupError {
+    CgroupError::InvalidLimit {
+        option,
+        value: value.to_string(),
+        reason: reason.into(),
+    }
+}
+
+impl Limits {
+    /// True when no limit is set.
+    pub fn is_empty(&self) -> bool {
+        *self == Limits::default()
+    }
+
+    /// Checks every value on its own (ranges, syntax, CPUs online). Call it
+    /// before creating anything; [`crate::BoxCgroup::create`] calls it too.
+    pub fn validate(&self) -> Result<(), CgroupError> {
+        self.validate_with_online(online_cpus())
+    }
+
+    pub(crate) fn validate_with_online(&self, online: usize) -> Result<(), CgroupError> {
+        if let Some(m) = self.memory {
+            if m == 0 {
+                return Err(invalid("memory", m, "must be > 0 bytes"));
+            }
+        }
+        if let Some(s) = self.memory_swap {
+            match self.memory {
+                None => {
+                    return Err(invalid(
+                        "memory_swap",
+                        s,
+                        "needs memory to be set too (memory_swap is memory + swap)",
+                    ))
+                }
+                Some(_) if s == -1 => {}
+                Some(_) if s < 0 => {
+                    return Err(invalid(
+                        "memory_swap",
+                        s,
+                        "must be -1 (unlimited) or >= memory",
+                    ))
+                }
+                Some(m) if (s as u64) < m => {
+                    return Err(invalid(
+                        "memory_swap",
+                        s,
+                        format!("must be >= memory ({m}) since it is memory + swap"),
+                    ))
+                }
+                Some(_) => {}
+            }
+        }
+        if let Some(p) = self.pids {
+            if p < 1 {
+                return Err(invalid("pids", p, "must be >= 1"));
+            }
+        }
+        if let Some(c) = self.cpus {
+            if !c.is_finite() || c <= 0.0 || c > online as f64 {
+                return Err(invalid(
+                    "cpus",
+                    c,
+                    format!("must be > 0 and <= {online} (online CPUs)"),
+                ));
+            }
+            if self.cfs_quota_us().unwrap_or(0) < MIN_CFS_QUOTA_US {
+                return Err(invalid(
+                    "cpus",
+                    c,
+                    format!(
+                        "must be >= {} (the kernel's minimum CFS quota is {MIN_CFS_QUOTA_US}us per {CFS_PERIOD_US}us)",
+                        MIN_CFS_QUOTA_US as f64 / CFS_PERIOD_US as f64
+                    ),
+                ));
+            }
+        }
+        if let Some(s) = self.cpu_shares {
+            if !CPU_SHARES_RANGE.contains(&s) {
+                return Err(invalid("cpu_shares", s, "must be in 2..=262144"));
+            }
+        }
+        if let Some(list) = &self.cpuset_cpus {
+            let cpus = parse_cpu_list(list)
+                .map_err(|e| invalid("cpuset_cpus", format!("{list:?}"), cpu_list_reason(e)))?;
+            if cpus.is_empty() {
+                return Err(invalid("cpuset_cpus", format!("{list:?}"), "names no CPU"));
+            }
+        }
+        if let Some(w) = self.io_weight {
+            if !IO_WEIGHT_RANGE.contains(&w) {
+                return Err(invalid("io_weight", w, "must be in 10..=1000"));
+            }
+        }
+        Ok(())
+    }
+
+    /// [`Self::validate`], plus: the cpuset CPUs must all be in the parent
+    /// cgroup's cpuset (v1 `cpuset.cpus`, v2 `cpuset.cpus.effective`).
+    pub fn validate_against(&self, h: &Hierarchies) -> Result<(), CgroupError> {
+        self.validate()?;
+        self.validate_cpuset_against(h)
+    }
+
+    pub(crate) fn validate_cpuset_against(&self, h: &Hierarchies) -> Result<(), CgroupError> {
+        let Some(list) = &self.cpuset_cpus else {
+            return Ok(());
+        };
+        let Some(hier) = h.find("cpuset") else {
+            // Reported as an unavailable controller by create().
+            return Ok(());
+        };
+        let (file, allowed) = parent_cpus(hier.version(), hier.invoking_dir())?;
+        let wanted = parse_cpu_list(list)
+            .map_err(|e| invalid("cpuset_cpus", format!("{list:?}"), cpu_list_reason(e)))?;
+        let missing: Vec<String> = wanted
+            .iter()
+            .filter(|c| !allowed.contains(c))
+            .map(u32::to_string)
+            .collect();
+        if !missing.is_empty() {
+            return Err(invalid(
+                "cpuset_cpus",
+                format!("{list:?}"),
+                format!(
+                    "CPU(s) {} not in the parent's cpuset {:?} ({})",
+                    missing.join(","),
+                    fsutil::read(&file).unwrap_or_default().trim(),
+                    file.display()
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    /// `cpus` as a CFS quota in microseconds per [`CFS_PERIOD_US`].
+    pub fn cfs_quota_us(&self) -> Option<u64> {
+        self.cpus.map(|c| (c * CFS_PERIOD_US as f64).round() as u64)
+    }
+
+    /// `(option, v1 controller)` for every limit that is set.
+    pub(crate) fn requested(&self) -> Vec<(&'static str, &'static str)> {
+        let mut v = Vec::new();
+        if self.memory.is_some() {
+            v.push(("memory", "memory"));
+        }
+        if self.memory_swap.is_some() {
+            v.push(("memory_swap", "memory"));
+        }
+        if self.pids.is_some() {
+            v.push(("pids", "pids"));
+        }
+        if self.cpus.is_some() {
+            v.push(("cpus", "cpu"));
+        }
+        if self.cpu_shares.is_some() {
+            v.push(("cpu_shares", "cpu"));
+        }
+        if self.cpuset_cpus.is_some() {
+            v.push(("cpuset_cpus", "cpuset"));
+        }
+        if self.io_weight.is_some() {
+            v.push(("io_weight", "blkio"));
+        }
+        v
+    }
+}
+
+fn cpu_list_reason(e: CgroupError) -> String {
+    match e {
+        CgroupError::CpuList { reason, .. } => reason,
+        other => other.to_string(),
+    }
+}
+
+/// The CPUs of the parent cgroup `dir` and the file they came from.
+fn parent_cpus(
+    version: Version,
+    dir: &Path,
+) -> Result<(std::path::PathBuf, Vec<u32>), CgroupError> {
+    let candidates: &[&str] = match version {
+        Version::V1 => &["cpuset.cpus", "cpuset.effective_cpus"],
+        Version::V2 => &["cpuset.cpus.effective", "cpuset.cpus"],
+    };
+    let mut last = None;
+    for name in candidates {
+        let file = dir.join(name);
+        if let Some(text) = fsutil::read_opt(&file)? {
+            let cpus = parse_cpu_list(&text)?;
+            if !cpus.is_empty() {
+                return Ok((file, cpus));
+            }
+        }
+        last = Some(file);
+    }
+    // Nothing readable: fall back to the online CPUs.
+    let online = std::fs::read_to_string("/sys/devices/system/cpu/online").unwrap_or_default();
+    Ok((
+        last.unwrap_or_else(|| dir.to_path_buf()),
+        parse_cpu_list(&online)?,
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cpu_lists() {
+        assert_eq!(parse_cpu_list("0-2,4").unwrap(), vec![0, 1, 2, 4]);
+        assert_eq!(parse_cpu_list(" 3,1,1-2\n").unwrap(), vec![1, 2, 3]);
+        assert_eq!(parse_cpu_list("7").unwrap(), vec![7]);
+        assert_eq!(parse_cpu_list("\n").unwrap(), Vec::<u32>::new());
+        for bad in [
+            "a",
+            "1-",
+            "-1",
+            "3-1",
+            "1,,2",
+            "1 2",
+            "0-99999999",
+            "+1",
+            "1-2-3",
+        ] {
+            let e = parse_cpu_list(bad).unwrap_err();
+            assert!(matches!(e, CgroupError::CpuList { .. }), "{bad}: {e}");
+        }
+    }
+
+    #[test]
+    fn weight_conversion() {
+        assert_eq!(shares_to_weight(2), 1);
+        assert_eq!(shares_to_weight(1024), 39);
+        assert_eq!(shares_to_weight(512), 20);
+        assert_eq!(shares_to_weight(262_144), 10_000);
+    }
+
+    #[test]
+    fn quota() {
+        let l = Limits {
+            cpus: Some(0.5),
+            ..Default::default()
+        };
+        assert_eq!(l.cfs_quota_us(), Some(50_000));
+    }
+
+    fn msg(l: Limits) -> String {
+        l.validate_with_online(2).unwrap_err().to_string()
+    }
+
+    #[test]
+    fn validation_errors() {
+        assert!(Limits::default().validate_with_online(2).is_ok());
+        assert_eq!(
+            msg(Limits {
+                cpus: Some(3.0),
+                ..Default::default()
+            }),
+            "cgroup: invalid cpus=3: must be > 0 and <= 2 (online CPUs)"
+        );
+        assert!(msg(Limits {
+            cpus: Some(0.0),
+            ..Default::default()
+        })
+        .starts_with("cgroup: invalid cpus=0:"));
+        assert!(msg(Limits {
+            cpus: Some(f64::NAN),
+            ..Default::default()
+        })
+        .contains("cpus=NaN"));
+        assert!(msg(Limits {
+            cpus: Some(0.001),
+            ..Default::default()
+        })
+        .contains("minimum CFS quota"));
+        assert_eq!(
+            msg(Limits {
+                cpu_shares: Some(1),
+                ..Default::default()
+            }),
+            "cgroup: invalid cpu_shares=1: must be in 2..=262144"
+        );
+        assert!(msg(Limits {
+            cpu_shares: Some(262_145),
+            ..Default::default()
+        })
+        .contains("cpu_shares=262145"));
+        assert_eq!(
+            msg(Limits {
+                pids: Some(0),
+                ..Default::default()
+            }),
+            "cgroup: invalid pids=0: must be >= 1"
+        );
+        assert_eq!(
+            msg(Limits {
+                io_weight: Some(5),
+                ..Default::default()
+            }),
+            "cgroup: invalid io_weight=5: must be in 10..=1000"
+        );
+        assert!(msg(Limits {
+            cpuset_cpus: Some("0-".into()),
+            ..Default::default()
+        })
+        .starts_with("cgroup: invalid cpuset_cpus=\"0-\":"));
+        assert!(msg(Limits {
+            memory: Some(100),
+            memory_swap: Some(50),
+            ..Default::default()
+        })
+        .contains("memory_swap=50: must be >= memory (100)"));
+        assert!(msg(Limits {
+            memory_swap: Some(50),
+            ..Default::default()
+        })
+        .contains("needs memory"));
+        assert!(msg(Limits {
+            memory: Some(100),
+            memory_swap: Some(-2),
+            ..Default::default()
+        })
+        .contains("memory_swap=-2"));
+        assert!(Limits {
+            memory: Some(100),
+            memory_swap: Some(-1),
+            cpus: Some(2.0),
+            cpuset_cpus: Some("0-1".into()),
+            ..Default::default()
+        }
+        .validate_with_online(2)
+        .is_ok());
+    }
+
+    #[test]
+    fn serde_roundtrip_and_defaults() {
+        let l = Limits {
+            memory: Some(1),
+            cpus: Some(0.5),
+            ..Default::default()
+        };
+        let s = serde_json::to_string(&l).unwrap();
+        assert_eq!(serde_json::from_str::<Limits>(&s).unwrap(), l);
+        assert_eq!(
+            serde_json::from_str::<Limits>(r#"{"pids": 5}"#).unwrap(),
+            Limits {
+                pids: Some(5),
+                ..Default::default()
+            }
+        );
+    }
+
+    #[test]
+    fn cpuset_against_parent() {
+        let tmp = tempfile::tempdir().unwrap();
+        let h = crate::testfs::pure_v1(tmp.path());
+        let ok = Limits {
+            cpuset_cpus: Some("1-3".into()),
+            ..Default::default()
+        };
+        ok.validate_cpuset_against(&h).unwrap();
+        let bad = Limits {
+            cpuset_cpus: Some("2-5".into()),
+            ..Default::default()
+        };
+        let e = bad.validate_cpuset_against(&h).unwrap_err().to_string();
+        assert!(
+            e.contains("cpuset_cpus=\"2-5\": CPU(s) 4,5 not in the parent's cpuset \"0-3\""),
+            "{e}"
+        );
+    }
+}

@@ -1,0 +1,663 @@
+//! Unit tests of box cgroups on fake cgroup trees (v1, v2 and this machine's
+//! hybrid layout): created files and their exact contents, rollback, stats,
+//! freezing, killing, removal and stale-cgroup discovery.
+
+use std::fs;
+use std::path::Path;
+use std::time::Duration;
+
+use crate::testfs::{self, read};
+use crate::*;
+
+fn full_limits() -> Limits {
+    Limits {
+        memory: Some(64 << 20),
+        memory_swap: Some(128 << 20),
+        pids: Some(10),
+        cpus: Some(0.5),
+        cpu_shares: Some(512),
+        cpuset_cpus: Some("0-1".into()),
+        io_weight: Some(500),
+    }
+}
+
+fn assert_no_box_dirs(h: &Hierarchies, id: &str) {
+    for hi in h.hierarchies() {
+        let d = hi.invoking_dir().join(dir_name(id));
+        assert!(!d.exists(), "{} left behind", d.display());
+    }
+}
+
+#[test]
+fn create_v1_writes_exact_files() {
+    let tmp = tempfile::tempdir().unwrap();
+    let h = testfs::pure_v1(tmp.path());
+    let cg = BoxCgroup::create(&h, "abc-1", &full_limits()).unwrap();
+    assert!(cg.warnings().is_empty(), "{:?}", cg.warnings());
+    let p = cg.paths();
+    let base = tmp.path().join("sys/fs/cgroup");
+    assert_eq!(p["cpu"], base.join("cpu,cpuacct/docker/abc/nestbox-abc-1"));
+    assert_eq!(p["cpuacct"], p["cpu"]);
+    assert_eq!(p["memory"], base.join("memory/nestbox-abc-1"));
+    assert!(!p.contains_key("unified"));
+    assert!(!p.contains_key("net_cls"));
+    assert_eq!(
+        p.keys().cloned().collect::<Vec<_>>(),
+        ["blkio", "cpu", "cpuacct", "cpuset", "devices", "freezer", "memory", "pids"]
+    );
+    // One dir per hierarchy: cpu,cpuacct is a single one.
+    assert_eq!(cg.dirs().len(), 7);
+    assert_eq!(read(p["memory"].join("memory.limit_in_bytes")), "67108864");
+    assert_eq!(
+        read(p["memory"].join("memory.memsw.limit_in_bytes")),
+        "134217728"
+    );
+    assert_eq!(read(p["cpu"].join("cpu.cfs_period_us")), "100000");
+    assert_eq!(read(p["cpu"].join("cpu.cfs_quota_us")), "50000");
+    assert_eq!(read(p["cpu"].join("cpu.shares")), "512");
+    assert_eq!(read(p["pids"].join("pids.max")), "10");
+    assert_eq!(read(p["cpuset"].join("cpuset.cpus")), "0-1");
+    assert_eq!(read(p["cpuset"].join("cpuset.mems")), "0");
+    assert_eq!(read(p["blkio"].join("blkio.bfq.weight")), "500");
+    assert_eq!(read(p["devices"].join("devices.deny")), "a");
+    // Rules are written one at a time; the fake file keeps the last one.
+    assert_eq!(read(p["devices"].join("devices.allow")), "b *:* m");
+    // Untouched files stay as the "kernel" made them.
+    assert_eq!(read(p["freezer"].join("freezer.state")), "");
+
+    // Already exists → error, and the existing dirs are left alone.
+    let e = BoxCgroup::create(&h, "abc-1", &Limits::default()).unwrap_err();
+    assert!(matches!(e, CgroupError::AlreadyExists { .. }), "{e}");
+    assert!(p["memory"].exists());
+
+    cg.remove().unwrap();
+    assert!(!cg.exists());
+    assert_no_box_dirs(&h, "abc-1");
+    cg.remove().unwrap();
+}
+
+#[test]
+fn create_v1_cpuset_copied_from_parent_without_limit() {
+    let tmp = tempfile::tempdir().unwrap();
+    let h = testfs::pure_v1(tmp.path());
+    let cg = BoxCgroup::create(&h, "c", &Limits::default()).unwrap();
+    let p = cg.paths();
+    assert_eq!(read(p["cpuset"].join("cpuset.cpus")), "0-3");
+    assert_eq!(read(p["cpuset"].join("cpuset.mems")), "0");
+    // No limits → limit files untouched.
+    assert_eq!(read(p["memory"].join("memory.limit_in_bytes")), "");
+    assert_eq!(read(p["pids"].join("pids.max")), "");
+    cg.remove().unwrap();
+}
+
+#[test]
+fn create_hybrid_layout_of_this_machine() {
+    let tmp = tempfile::tempdir().unwrap();
+    let h = testfs::hybrid(tmp.path());
+    let limits = Limits {
+        memory: Some(1 << 20),
+        cpus: Some(1.0),
+        ..Default::default()
+    };
+    let cg = BoxCgroup::create(&h, "h1", &limits).unwrap();
+    let p = cg.paths();
+    // Everything is v1 here; the v2 hierarchy only has hugetlb: no v2 dir.
+    assert!(cg.dirs().iter().all(|d| d.version == Version::V1));
+    assert_eq!(cg.dirs().len(), 8);
+    assert!(!tmp.path().join("sys/fs/cgroup/unified/nestbox-h1").exists());
+    assert_eq!(
+        p["memory"],
+        tmp.path()
+            .join("sys/fs/cgroup/memory/process_api/8a4fc6f47409c39973b09d59b9138c45/nestbox-h1")
+    );
+    assert_eq!(p["cpu"], tmp.path().join("sys/fs/cgroup/cpu/nestbox-h1"));
+    assert_ne!(p["cpu"], p["cpuacct"]);
+    assert_eq!(read(p["memory"].join("memory.limit_in_bytes")), "1048576");
+    assert_eq!(read(p["cpu"].join("cpu.cfs_quota_us")), "100000");
+    cg.remove().unwrap();
+    assert_no_box_dirs(&h, "h1");
+}
+
+#[test]
+fn create_v2_writes_exact_files() {
+    let tmp = tempfile::tempdir().unwrap();
+    let h = testfs::pure_v2(tmp.path());
+    let cg = BoxCgroup::create(&h, "v2box", &full_limits()).unwrap();
+    assert!(cg.warnings().is_empty(), "{:?}", cg.warnings());
+    let parent = tmp.path().join(testfs::V2_REL);
+    let dir = parent.join("nestbox-v2box");
+    assert_eq!(
+        read(parent.join("cgroup.subtree_control")),
+        "+cpu +cpuset +io +memory +pids"
+    );
+    assert_eq!(cg.dirs().len(), 1);
+    assert_eq!(cg.dirs()[0].version, Version::V2);
+    let p = cg.paths();
+    assert_eq!(
+        p.keys().cloned().collect::<Vec<_>>(),
+        ["cpu", "cpuset", "io", "memory", "pids", "unified"]
+    );
+    assert!(p.values().all(|v| *v == dir));
+    assert_eq!(read(dir.join("memory.max")), "67108864");
+    assert_eq!(read(dir.join("memory.swap.max")), "67108864");
+    assert_eq!(read(dir.join("cpu.max")), "50000 100000");
+    assert_eq!(read(dir.join("cpu.weight")), "20");
+    assert_eq!(read(dir.join("pids.max")), "10");
+    assert_eq!(read(dir.join("cpuset.cpus")), "0-1");
+    assert_eq!(read(dir.join("io.weight")), "default 500");
+    cg.remove().unwrap();
+    assert!(!dir.exists());
+}
+
+#[test]
+fn v2_unlimited_swap_and_enabled_controllers_kept() {
+    let tmp = tempfile::tempdir().unwrap();
+    let h = testfs::pure_v2(tmp.path());
+    let parent = tmp.path().join(testfs::V2_REL);
+    fs::write(parent.join("cgroup.subtree_control"), "cpu memory\n").unwrap();
+    let cg = BoxCgroup::create(
+        &h,
+        "s",
+        &Limits {
+            memory: Some(4096),
+            memory_swap: Some(-1),
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    // Only the missing ones are enabled.
+    assert_eq!(
+        read(parent.join("cgroup.subtree_control")),
+        "+cpuset +io +pids"
+    );
+    let dir = &cg.dirs()[0].path;
+    assert_eq!(read(dir.join("memory.swap.max")), "max");
+    assert_eq!(read(dir.join("memory.max")), "4096");
+    cg.remove().unwrap();
+}
+
+#[test]
+fn v2_unavailable_controller_warns_or_errors() {
+    let tmp = tempfile::tempdir().unwrap();
+    let h = testfs::pure_v2(tmp.path());
+    let parent = tmp.path().join(testfs::V2_REL);
+    fs::write(parent.join("cgroup.controllers"), "cpu memory pids\n").unwrap();
+    // Not requested → warnings.
+    let cg = BoxCgroup::create(&h, "w", &Limits::default()).unwrap();
+    assert_eq!(
+        cg.warnings(),
+        [
+            CgroupWarning::ControllerUnavailable {
+                controller: "cpuset".into()
+            },
+            CgroupWarning::ControllerUnavailable {
+                controller: "io".into()
+            },
+        ]
+    );
+    assert_eq!(
+        cg.paths().keys().cloned().collect::<Vec<_>>(),
+        ["cpu", "memory", "pids", "unified"]
+    );
+    cg.remove().unwrap();
+    // Requested → error, nothing made.
+    let e = BoxCgroup::create(
+        &h,
+        "w",
+        &Limits {
+            io_weight: Some(100),
+            ..Default::default()
+        },
+    )
+    .unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        format!(
+            "cgroup: io_weight requested but the io controller is not usable: no cgroup v1 hierarchy carries it and it is not listed in {}",
+            parent.join("cgroup.controllers").display()
+        )
+    );
+    assert!(!parent.join("nestbox-w").exists());
+}
+
+/// Replaces `parent/cgroup.subtree_control` with a file that reads fine but
+/// rejects every write (`/proc/version` fails writes with EIO).
+fn unwritable_subtree_control(parent: &Path) {
+    let sc = parent.join("cgroup.subtree_control");
+    let _ = fs::remove_file(&sc);
+    std::os::unix::fs::symlink("/proc/version", sc).unwrap();
+}
+
+#[test]
+fn v2_enable_failure_is_error_only_when_requested() {
+    let tmp = tempfile::tempdir().unwrap();
+    let h = testfs::pure_v2(tmp.path());
+    let parent = tmp.path().join(testfs::V2_REL);
+    unwritable_subtree_control(&parent);
+    // Requested → error naming the file, the value and the rule; nothing made.
+    let e = BoxCgroup::create(
+        &h,
+        "e",
+        &Limits {
+            pids: Some(5),
+            ..Default::default()
+        },
+    )
+    .unwrap_err();
+    let msg = e.to_string();
+    assert!(
+        msg.contains("cgroup.subtree_control = \"+pids\": "),
+        "{msg}"
+    );
+    assert!(msg.contains("no internal processes"), "{msg}");
+    assert!(!parent.join("nestbox-e").exists());
+    // Not requested → typed warnings; the box is still made (freezer, stats).
+    let cg = BoxCgroup::create(&h, "e", &Limits::default()).unwrap();
+    let names: Vec<&str> = cg
+        .warnings()
+        .iter()
+        .map(|w| match w {
+            CgroupWarning::ControllerNotEnabled { controller, .. } => controller.as_str(),
+            other => panic!("{other:?}"),
+        })
+        .collect();
+    assert_eq!(names, ["cpu", "cpuset", "io", "memory", "pids"]);
+    assert_eq!(cg.dirs()[0].controllers, Vec::<String>::new());
+    assert_eq!(cg.paths().keys().cloned().collect::<Vec<_>>(), ["unified"]);
+    cg.remove().unwrap();
+}
+
+#[test]
+fn enable_controllers_mixed_required_and_optional() {
+    let tmp = tempfile::tempdir().unwrap();
+    unwritable_subtree_control(tmp.path());
+    let mut warnings = Vec::new();
+    let required = ["memory"].into_iter().collect();
+    let e = crate::v2::enable_controllers(tmp.path(), &["cpu", "memory"], &required, &mut warnings)
+        .unwrap_err();
+    assert!(e.to_string().contains("= \"+memory\": I/O error"), "{e}");
+    assert!(matches!(
+        &warnings[..],
+        [CgroupWarning::ControllerNotEnabled { controller, .. }] if controller == "cpu"
+    ));
+}
+
+#[test]
+fn rollback_removes_every_dir_made() {
+    let tmp = tempfile::tempdir().unwrap();
+    let h = testfs::pure_v1(tmp.path());
+    // pids is the last hierarchy: every other dir is made before it fails.
+    let pids_parent = h.find("pids").unwrap().invoking_dir().to_path_buf();
+    fs::remove_file(pids_parent.join("pids.max")).unwrap();
+    let limits = Limits {
+        memory: Some(1 << 20),
+        pids: Some(3),
+        ..Default::default()
+    };
+    let e = BoxCgroup::create(&h, "rb", &limits).unwrap_err();
+    assert!(e.is_not_found(), "{e}");
+    assert!(e.to_string().starts_with("cgroup: write "), "{e}");
+    assert!(e.to_string().contains("pids.max = \"3\""), "{e}");
+    assert_no_box_dirs(&h, "rb");
+
+    // A directory in place of a control file.
+    let h = testfs::hybrid(&tmp.path().join("hy"));
+    let mem = h.find("memory").unwrap().invoking_dir().to_path_buf();
+    fs::remove_file(mem.join("memory.limit_in_bytes")).unwrap();
+    let e = BoxCgroup::create(&h, "rb", &limits).unwrap_err();
+    assert!(e.is_not_found(), "{e}");
+    assert_no_box_dirs(&h, "rb");
+}
+
+#[test]
+fn v1_missing_swap_accounting_and_blkio_weight() {
+    let tmp = tempfile::tempdir().unwrap();
+    let h = testfs::hybrid(tmp.path());
+    let mem = h.find("memory").unwrap().invoking_dir().to_path_buf();
+    fs::remove_file(mem.join("memory.memsw.limit_in_bytes")).unwrap();
+    let e = BoxCgroup::create(
+        &h,
+        "sw",
+        &Limits {
+            memory: Some(1 << 20),
+            memory_swap: Some(2 << 20),
+            ..Default::default()
+        },
+    )
+    .unwrap_err();
+    let msg = e.to_string();
+    assert!(
+        msg.starts_with("cgroup: memory_swap: the kernel has no swap accounting"),
+        "{msg}"
+    );
+    assert!(
+        msg.contains("memory.memsw.limit_in_bytes is missing"),
+        "{msg}"
+    );
+    assert_no_box_dirs(&h, "sw");
+
+    let blkio = h.find("blkio").unwrap().invoking_dir().to_path_buf();
+    fs::remove_file(blkio.join("blkio.bfq.weight")).unwrap();
+    let e = BoxCgroup::create(
+        &h,
+        "io",
+        &Limits {
+            io_weight: Some(300),
+            ..Default::default()
+        },
+    )
+    .unwrap_err();
+    assert!(
+        e.to_string()
+            .contains("the kernel's blkio controller offers no weight file"),
+        "{e}"
+    );
+    assert_no_box_dirs(&h, "io");
+
+    // blkio.weight is preferred when present.
+    fs::write(blkio.join("blkio.weight"), "500").unwrap();
+    fs::write(blkio.join("blkio.bfq.weight"), "100").unwrap();
+    let cg = BoxCgroup::create(
+        &h,
+        "io",
+        &Limits {
+            io_weight: Some(300),
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    assert_eq!(read(cg.paths()["blkio"].join("blkio.weight")), "300");
+    assert_eq!(read(cg.paths()["blkio"].join("blkio.bfq.weight")), "");
+    cg.remove().unwrap();
+}
+
+#[test]
+fn invalid_input_creates_nothing() {
+    let tmp = tempfile::tempdir().unwrap();
+    let h = testfs::pure_v1(tmp.path());
+    for id in ["", "UPPER", "a/b", "a_b", "..", &"x".repeat(129)] {
+        let e = BoxCgroup::create(&h, id, &Limits::default()).unwrap_err();
+        assert!(matches!(e, CgroupError::InvalidId { .. }), "{id}: {e}");
+    }
+    let e = BoxCgroup::create(
+        &h,
+        "ok",
+        &Limits {
+            cpuset_cpus: Some("7".into()),
+            ..Default::default()
+        },
+    )
+    .unwrap_err();
+    assert!(
+        e.to_string().contains("not in the parent's cpuset \"0-3\""),
+        "{e}"
+    );
+    let e = BoxCgroup::create(
+        &h,
+        "ok",
+        &Limits {
+            pids: Some(0),
+            ..Default::default()
+        },
+    )
+    .unwrap_err();
+    assert_eq!(e.to_string(), "cgroup: invalid pids=0: must be >= 1");
+    assert_no_box_dirs(&h, "ok");
+}
+
+#[test]
+fn v1_missing_controller_is_error_when_requested() {
+    let tmp = tempfile::tempdir().unwrap();
+    // Only memory is mounted, no cgroup2.
+    let mi = "35 31 0:32 / /sys/fs/cgroup/memory rw - cgroup cgroup rw,memory\n";
+    let h = Hierarchies::from_proc_text(mi, "4:memory:/\n", tmp.path()).unwrap();
+    fs::create_dir_all(h.find("memory").unwrap().invoking_dir()).unwrap();
+    let e = BoxCgroup::create(
+        &h,
+        "m",
+        &Limits {
+            pids: Some(4),
+            ..Default::default()
+        },
+    )
+    .unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        "cgroup: pids requested but the pids controller is not usable: no cgroup v1 hierarchy carries it and cgroup v2 is not mounted"
+    );
+    let cg = BoxCgroup::create(&h, "m", &Limits::default()).unwrap();
+    assert!(cg
+        .warnings()
+        .contains(&CgroupWarning::ControllerUnavailable {
+            controller: "freezer".into()
+        }));
+    assert!(matches!(
+        cg.freeze().unwrap_err(),
+        CgroupError::NoController { what: "freezer" }
+    ));
+    cg.remove().unwrap();
+}
+
+#[test]
+fn json_roundtrip_reopens() {
+    let tmp = tempfile::tempdir().unwrap();
+    let h = testfs::pure_v1(tmp.path());
+    let cg = BoxCgroup::create(&h, "j", &Limits::default()).unwrap();
+    let json = serde_json::to_string(&cg).unwrap();
+    assert!(json.contains("\"version\":\"v1\""), "{json}");
+    let back: BoxCgroup = serde_json::from_str(&json).unwrap();
+    assert_eq!(back, cg);
+    assert_eq!(back.paths(), cg.paths());
+    back.remove().unwrap();
+    assert!(!cg.exists());
+}
+
+#[test]
+fn add_process_and_procs() {
+    let tmp = tempfile::tempdir().unwrap();
+    let h = testfs::hybrid(tmp.path());
+    let cg = BoxCgroup::create(&h, "p", &Limits::default()).unwrap();
+    cg.add_process(424_242).unwrap();
+    for d in cg.dirs() {
+        assert_eq!(read(d.path.join("cgroup.procs")), "424242");
+    }
+    // One dir with a different list: the union is returned.
+    fs::write(cg.paths()["pids"].join("cgroup.procs"), "7\n424242\n").unwrap();
+    assert_eq!(cg.procs().unwrap(), vec![7, 424_242]);
+    assert!(matches!(
+        cg.add_process(0).unwrap_err(),
+        CgroupError::InvalidPid { pid: 0 }
+    ));
+    fs::write(cg.paths()["pids"].join("cgroup.procs"), "x\n").unwrap();
+    assert!(matches!(cg.procs().unwrap_err(), CgroupError::Parse { .. }));
+    cg.remove().unwrap();
+    assert_eq!(cg.procs().unwrap(), Vec::<i32>::new());
+}
+
+#[test]
+fn stats_v1() {
+    let tmp = tempfile::tempdir().unwrap();
+    let h = testfs::hybrid(tmp.path());
+    let cg = BoxCgroup::create(&h, "st", &Limits::default()).unwrap();
+    let p = cg.paths();
+    fs::write(p["cpuacct"].join("cpuacct.usage"), "123456789\n").unwrap();
+    fs::write(p["memory"].join("memory.usage_in_bytes"), "4096\n").unwrap();
+    fs::write(p["memory"].join("memory.max_usage_in_bytes"), "8192\n").unwrap();
+    fs::write(
+        p["memory"].join("memory.oom_control"),
+        "oom_kill_disable 0\nunder_oom 0\noom_kill 3\n",
+    )
+    .unwrap();
+    fs::write(p["pids"].join("pids.current"), "2\n").unwrap();
+    assert_eq!(
+        cg.stats().unwrap(),
+        Stats {
+            cpu_usage_ns: 123_456_789,
+            memory_current: 4096,
+            memory_peak: 8192,
+            pids_current: 2,
+            oom_kills: 3,
+        }
+    );
+    // Older kernels: no oom_kill line.
+    fs::write(
+        p["memory"].join("memory.oom_control"),
+        "oom_kill_disable 0\n",
+    )
+    .unwrap();
+    assert_eq!(cg.oom_kills().unwrap(), 0);
+    fs::write(p["pids"].join("pids.current"), "lots\n").unwrap();
+    let e = cg.stats().unwrap_err().to_string();
+    assert!(
+        e.contains("pids.current: expected an unsigned number"),
+        "{e}"
+    );
+    cg.remove().unwrap();
+}
+
+#[test]
+fn stats_v2() {
+    let tmp = tempfile::tempdir().unwrap();
+    let h = testfs::pure_v2(tmp.path());
+    let cg = BoxCgroup::create(&h, "st", &Limits::default()).unwrap();
+    let d = cg.paths()["unified"].clone();
+    fs::write(d.join("cpu.stat"), "usage_usec 2500\nuser_usec 2000\n").unwrap();
+    fs::write(d.join("memory.current"), "1000\n").unwrap();
+    fs::write(d.join("memory.peak"), "5000\n").unwrap();
+    fs::write(d.join("memory.events"), "low 0\nmax 4\noom 2\noom_kill 2\n").unwrap();
+    fs::write(d.join("pids.current"), "1\n").unwrap();
+    assert_eq!(
+        cg.stats().unwrap(),
+        Stats {
+            cpu_usage_ns: 2_500_000,
+            memory_current: 1000,
+            memory_peak: 5000,
+            pids_current: 1,
+            oom_kills: 2,
+        }
+    );
+    // No memory.peak on older kernels → current.
+    fs::remove_file(d.join("memory.peak")).unwrap();
+    assert_eq!(cg.stats().unwrap().memory_peak, 1000);
+    cg.remove().unwrap();
+}
+
+#[test]
+fn freeze_thaw_v1_and_v2() {
+    let tmp = tempfile::tempdir().unwrap();
+    let h = testfs::hybrid(tmp.path());
+    let cg = BoxCgroup::create(&h, "f", &Limits::default()).unwrap();
+    cg.freeze().unwrap();
+    assert_eq!(read(cg.paths()["freezer"].join("freezer.state")), "FROZEN");
+    cg.thaw().unwrap();
+    assert_eq!(read(cg.paths()["freezer"].join("freezer.state")), "THAWED");
+    cg.remove().unwrap();
+
+    let h = testfs::pure_v2(&tmp.path().join("v2"));
+    let cg = BoxCgroup::create(&h, "f", &Limits::default()).unwrap();
+    let d = cg.paths()["unified"].clone();
+    fs::write(d.join("cgroup.events"), "populated 0\nfrozen 1\n").unwrap();
+    cg.freeze().unwrap();
+    assert_eq!(read(d.join("cgroup.freeze")), "1");
+    fs::write(d.join("cgroup.events"), "populated 0\nfrozen 0\n").unwrap();
+    cg.thaw().unwrap();
+    assert_eq!(read(d.join("cgroup.freeze")), "0");
+    // The "kernel" never confirms: timeout, and the freeze is undone.
+    let e = cg
+        .set_frozen(true, Duration::from_millis(50))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("timed out after 50ms waiting for \"frozen 1\""),
+        "{e}"
+    );
+    assert_eq!(read(d.join("cgroup.freeze")), "0");
+    cg.remove().unwrap();
+}
+
+#[test]
+fn kill_all_on_fake_trees() {
+    let tmp = tempfile::tempdir().unwrap();
+    let h = testfs::pure_v2(tmp.path());
+    let cg = BoxCgroup::create(&h, "k", &Limits::default()).unwrap();
+    cg.kill_all().unwrap();
+    assert_eq!(read(cg.paths()["unified"].join("cgroup.kill")), "1");
+    cg.remove().unwrap();
+
+    let h = testfs::hybrid(&tmp.path().join("hy"));
+    let cg = BoxCgroup::create(&h, "k", &Limits::default()).unwrap();
+    cg.kill_all().unwrap();
+    cg.remove().unwrap();
+}
+
+#[test]
+fn find_stale_groups_by_id() {
+    let tmp = tempfile::tempdir().unwrap();
+    let h = testfs::hybrid(tmp.path());
+    let live = BoxCgroup::create(&h, "live1", &Limits::default()).unwrap();
+    let dead = BoxCgroup::create(&h, "dead1", &Limits::default()).unwrap();
+    // A half-removed box: only in memory.
+    let mem = h.find("memory").unwrap().invoking_dir().to_path_buf();
+    fs::create_dir(mem.join("nestbox-dead2")).unwrap();
+    // Not ours / not a valid id / a file.
+    fs::create_dir(mem.join("other")).unwrap();
+    fs::create_dir(mem.join("nestbox-BAD")).unwrap();
+    fs::write(mem.join("nestbox-file"), "").unwrap();
+    let stale = find_stale(&h, &|id| id == "live1");
+    let ids: Vec<&str> = stale.iter().map(|b| b.id()).collect();
+    assert_eq!(ids, ["dead1", "dead2"]);
+    assert_eq!(stale[0].paths(), dead.paths());
+    assert_eq!(stale[1].dirs().len(), 1);
+    assert_eq!(stale[1].dirs()[0].controllers, ["memory"]);
+    for s in &stale {
+        s.kill_all().unwrap();
+        s.remove().unwrap();
+    }
+    assert!(find_stale(&h, &|id| id == "live1").is_empty());
+    assert!(live.exists());
+    live.remove().unwrap();
+
+    let h = testfs::pure_v2(&tmp.path().join("v2"));
+    let cg = BoxCgroup::create(&h, "gone", &Limits::default()).unwrap();
+    let stale = find_stale(&h, &|_| false);
+    assert_eq!(stale.len(), 1);
+    assert_eq!(stale[0].paths(), cg.paths());
+    stale[0].remove().unwrap();
+    assert!(!cg.exists());
+}
+
+#[test]
+fn foreign_dirs_are_refused() {
+    let tmp = tempfile::tempdir().unwrap();
+    let victim = tmp.path().join("precious");
+    fs::create_dir(&victim).unwrap();
+    fs::write(victim.join("cgroup.procs"), "1\n").unwrap();
+    let json = format!(
+        r#"{{"id":"x","dirs":[{{"version":"v1","controllers":["memory"],"path":{:?}}}]}}"#,
+        victim
+    );
+    let cg: BoxCgroup = serde_json::from_str(&json).unwrap();
+    let e = cg.remove().unwrap_err();
+    assert!(matches!(e, CgroupError::NotBoxDir { .. }), "{e}");
+    assert!(matches!(
+        cg.kill_all().unwrap_err(),
+        CgroupError::NotBoxDir { .. }
+    ));
+    assert!(victim.join("cgroup.procs").exists());
+}
+
+#[test]
+fn remove_is_idempotent_and_ignores_missing() {
+    let tmp = tempfile::tempdir().unwrap();
+    let cg = BoxCgroup::from_dirs(
+        "x",
+        vec![CgroupDir {
+            version: Version::V1,
+            controllers: vec!["memory".into()],
+            path: tmp.path().join("nope/nestbox-x"),
+        }],
+    )
+    .unwrap();
+    cg.remove().unwrap();
+    assert!(!Path::new(&tmp.path().join("nope")).exists());
+}

@@ -1,0 +1,177 @@
+//! cgroup v1 control-file writes: limits, device rules, cpuset
+//! initialisation and the freezer.
+//!
+//! Each function works on one box directory of one v1 hierarchy and only
+//! touches the controllers that hierarchy carries, so co-mounted hierarchies
+//! (`cpu,cpuacct`) and separate ones are handled alike.
+
+use std::path::Path;
+use std::time::Duration;
+
+use crate::error::CgroupError;
+use crate::fsutil;
+use crate::limits::{Limits, CFS_PERIOD_US};
+
+/// The device rules of a box on v1: deny everything (`a`), then allow these
+/// (written one at a time to `devices.allow`). The standard container set:
+/// null, zero, full, random, urandom, tty, ptmx, the pts devices, and
+/// `mknod` of any device node.
+pub const DEFAULT_DEVICE_RULES: &[&str] = &[
+    "c 1:3 rwm",
+    "c 1:5 rwm",
+    "c 1:7 rwm",
+    "c 1:8 rwm",
+    "c 1:9 rwm",
+    "c 5:0 rwm",
+    "c 5:2 rwm",
+    "c 136:* rwm",
+    "c *:* m",
+    "b *:* m",
+];
+
+/// Writes `limits` (and the cpuset/devices set-up every box needs) into the
+/// new box directory `dir` of a hierarchy carrying `controllers`; `parent`
+/// is the invoking process's cgroup in that hierarchy.
+pub(crate) fn apply(
+    dir: &Path,
+    parent: &Path,
+    controllers: &[String],
+    limits: &Limits,
+) -> Result<(), CgroupError> {
+    let has = |c: &str| controllers.iter().any(|x| x == c);
+    if has("cpuset") {
+        init_cpuset(dir, parent)?;
+        if let Some(cpus) = &limits.cpuset_cpus {
+            fsutil::write(&dir.join("cpuset.cpus"), cpus)?;
+        }
+    }
+    if has("memory") {
+        apply_memory(dir, limits)?;
+    }
+    if has("cpu") {
+        if let Some(quota) = limits.cfs_quota_us() {
+            fsutil::write(&dir.join("cpu.cfs_period_us"), &CFS_PERIOD_US.to_string())?;
+            fsutil::write(&dir.join("cpu.cfs_quota_us"), &quota.to_string())?;
+        }
+        if let Some(shares) = limits.cpu_shares {
+            fsutil::write(&dir.join("cpu.shares"), &shares.to_string())?;
+        }
+    }
+    if has("pids") {
+        if let Some(p) = limits.pids {
+            fsutil::write(&dir.join("pids.max"), &p.to_string())?;
+        }
+    }
+    if has("blkio") {
+        if let Some(w) = limits.io_weight {
+            apply_blkio_weight(dir, w)?;
+        }
+    }
+    if has("devices") {
+        apply_devices(dir)?;
+    }
+    Ok(())
+}
+
+/// A new v1 cpuset cgroup starts with empty `cpuset.cpus`/`cpuset.mems`,
+/// and no process can join it until they are set: copy the parent's values.
+fn init_cpuset(dir: &Path, parent: &Path) -> Result<(), CgroupError> {
+    for (file, effective) in [
+        ("cpuset.cpus", "cpuset.effective_cpus"),
+        ("cpuset.mems", "cpuset.effective_mems"),
+    ] {
+        let mut value = fsutil::read(&parent.join(file))?.trim().to_string();
+        if value.is_empty() {
+            if let Some(eff) = fsutil::read_opt(&parent.join(effective))? {
+                value = eff.trim().to_string();
+            }
+        }
+        if value.is_empty() {
+            return Err(CgroupError::Unsupported {
+                option: "cpuset",
+                reason: format!(
+                    "the parent cgroup {} has an empty {file}; cannot initialise the box's cpuset",
+                    parent.display()
+                ),
+            });
+        }
+        fsutil::write(&dir.join(file), &value)?;
+    }
+    Ok(())
+}
+
+fn apply_memory(dir: &Path, limits: &Limits) -> Result<(), CgroupError> {
+    if let Some(m) = limits.memory {
+        fsutil::write(&dir.join("memory.limit_in_bytes"), &m.to_string())?;
+    }
+    if let Some(swap) = limits.memory_swap {
+        let file = dir.join("memory.memsw.limit_in_bytes");
+        if !file.exists() {
+            return Err(CgroupError::Unsupported {
+                option: "memory_swap",
+                reason: format!(
+                    "the kernel has no swap accounting ({} is missing; boot with swapaccount=1)",
+                    file.display()
+                ),
+            });
+        }
+        // memsw must stay >= limit_in_bytes: the memory limit is written first.
+        fsutil::write(&file, &swap.to_string())?;
+    }
+    Ok(())
+}
+
+fn apply_blkio_weight(dir: &Path, weight: u16) -> Result<(), CgroupError> {
+    for name in ["blkio.weight", "blkio.bfq.weight"] {
+        let file = dir.join(name);
+        if file.exists() {
+            return fsutil::write(&file, &weight.to_string());
+        }
+    }
+    Err(CgroupError::Unsupported {
+        option: "io_weight",
+        reason: format!(
+            "the kernel's blkio controller offers no weight file (neither blkio.weight nor blkio.bfq.weight in {}); io_weight={weight} cannot be applied",
+            dir.display()
+        ),
+    })
+}
+
+fn apply_devices(dir: &Path) -> Result<(), CgroupError> {
+    fsutil::write(&dir.join("devices.deny"), "a")?;
+    let allow = dir.join("devices.allow");
+    for rule in DEFAULT_DEVICE_RULES {
+        fsutil::write_with_hint(
+            &allow,
+            rule,
+            Some("a v1 devices cgroup can only allow what its parent allows"),
+        )?;
+    }
+    Ok(())
+}
+
+/// Freezes (`frozen`) or thaws the v1 freezer cgroup `dir` and waits until
+/// `freezer.state` reports the new state. Freezing is retried by rewriting
+/// the state; on timeout a freeze is undone (thawed) and an error returned.
+pub(crate) fn set_frozen(dir: &Path, frozen: bool, timeout: Duration) -> Result<(), CgroupError> {
+    let file = dir.join("freezer.state");
+    let want = if frozen { "FROZEN" } else { "THAWED" };
+    fsutil::write(&file, want)?;
+    let done = fsutil::poll_until(timeout, Duration::from_millis(10), |round| {
+        if round > 0 && round % 10 == 0 {
+            fsutil::write(&file, want)?;
+        }
+        Ok(fsutil::read(&file)?.trim() == want)
+    })?;
+    if done {
+        return Ok(());
+    }
+    if frozen {
+        let _ = fsutil::write(&file, "THAWED");
+    }
+    Err(CgroupError::Timeout {
+        what: format!("freezer.state {want}"),
+        path: dir.to_path_buf(),
+        waited: timeout,
+    })
+}
