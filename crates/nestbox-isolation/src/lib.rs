@@ -9,6 +9,7 @@ pub mod dev;
 mod error;
 pub mod idmap;
 pub mod mounts;
+pub mod net;
 pub mod namespaces;
 pub mod procfs;
 pub mod rootfs;

@@ -16,6 +16,7 @@ use nix::unistd::Pid;
 /// All signals must already be blocked (they are read through a signalfd).
 pub fn run(command: Pid) -> ! {
     let _ = nix::sys::prctl::set_dumpable(false);
+    set_process_title(INIT_TITLE);
     quiet_stdio();
     keep_only_kill_capability();
     let Ok(sfd) = SignalFd::with_flags(&SigSet::all(), SfdFlags::SFD_CLOEXEC) else {
@@ -85,6 +86,35 @@ fn exit_with(code: i32) -> ! {
     // SAFETY: _exit ends the process without running handlers from the monitor's
     // address space that this forked process inherited.
     unsafe { libc::_exit(code) }
+}
+
+/// How init shows up in the box's `ps`.
+pub const INIT_TITLE: &str = "nestbox-init";
+
+/// Replace the command line inherited from the nestbox CLI (which names host
+/// paths such as the state root) with `title`, in place, and set the thread name.
+fn set_process_title(title: &str) {
+    let _ = nix::sys::prctl::set_name(&std::ffi::CString::new(title).unwrap_or_default());
+    let Ok(stat) = std::fs::read_to_string("/proc/self/stat") else { return };
+    let Some(rest) = stat.rfind(')').map(|i| &stat[i + 2..]) else { return };
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    // arg_start and arg_end are fields 48 and 49 of the stat line (index 45/46 after ')').
+    let (Some(start), Some(end)) = (
+        fields.get(45).and_then(|f| f.parse::<usize>().ok()),
+        fields.get(46).and_then(|f| f.parse::<usize>().ok()),
+    ) else {
+        return;
+    };
+    if end <= start || title.len() >= end - start {
+        return;
+    }
+    // SAFETY: [arg_start, arg_end) is this process's own argv string area, mapped
+    // writable on its stack; it is only overwritten with bytes and stays within bounds.
+    unsafe {
+        let area = std::slice::from_raw_parts_mut(start as *mut u8, end - start);
+        area.fill(0);
+        area[..title.len()].copy_from_slice(title.as_bytes());
+    }
 }
 
 fn quiet_stdio() {

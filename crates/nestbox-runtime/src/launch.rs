@@ -116,49 +116,89 @@ pub struct ChildFds {
 
 /// Body of the box's first process (pid 1 of the new pid namespace). Never returns.
 pub fn box_first_process(plan: &LaunchPlan, fds: ChildFds) -> ! {
-    let report = fds.report.as_raw_fd();
     match setup_box(plan, fds) {
         Ok(command) => {
             // The command holds its own copy until exec; init must not keep the pipe open.
-            // SAFETY: `report` is an fd this process owns and never uses again.
-            unsafe { libc::close(report) };
+            // SAFETY: REPORT_FD is this process's own descriptor, never used again.
+            unsafe { libc::close(REPORT_FD) };
             crate::init::run(command)
         }
-        Err((code, message)) => fail(report, code, &message),
+        Err((code, message)) => fail(REPORT_FD, code, &message),
     }
 }
 
 type Failure = (i32, String);
+
+/// Where the go pipe and the report pipe end up in the box's first process.
+const GO_FD: RawFd = 3;
+const REPORT_FD: RawFd = 4;
+
+/// Put stdio on 0-2, the go and report pipes on 3 and 4, and close every other
+/// descriptor: init never execs, so close-on-exec alone would let it keep the
+/// caller's descriptors (a detached CLI's ready pipe, a test harness's pipes...)
+/// open for the whole life of the box.
+fn keep_only_box_fds(fds: ChildFds) -> nix::Result<(RawFd, RawFd)> {
+    use nix::fcntl::{fcntl, FcntlArg};
+    // Move the pipes out of the way first so the dup2s below cannot clobber them.
+    let go = fcntl(fds.go.as_raw_fd(), FcntlArg::F_DUPFD_CLOEXEC(16))?;
+    let report = fcntl(fds.report.as_raw_fd(), FcntlArg::F_DUPFD_CLOEXEC(16))?;
+    for (fd, target) in [(&fds.stdin, 0), (&fds.stdout, 1), (&fds.stderr, 2)] {
+        nix::unistd::dup2(fd.as_raw_fd(), target)?;
+    }
+    nix::unistd::dup3(go, GO_FD, nix::fcntl::OFlag::O_CLOEXEC)?;
+    nix::unistd::dup3(report, REPORT_FD, nix::fcntl::OFlag::O_CLOEXEC)?;
+    std::mem::forget(fds);
+    // SAFETY: closes descriptors of this process only; everything it still needs
+    // lives on 0-4.
+    let rc = unsafe { libc::syscall(libc::SYS_close_range, (REPORT_FD + 1) as u32, u32::MAX, 0u32) };
+    if rc != 0 {
+        return Err(nix::errno::Errno::last());
+    }
+    Ok((GO_FD, REPORT_FD))
+}
 
 fn setup_box(plan: &LaunchPlan, fds: ChildFds) -> Result<Pid, Failure> {
     let e125 = |what: &str, e: &dyn std::fmt::Display| (EXIT_NESTBOX_ERROR, format!("{what}: {e}"));
     // Die with the monitor. Had it died before this took effect, the go pipe below
     // reads end-of-file and the child leaves.
     nix::sys::prctl::set_pdeathsig(Signal::SIGKILL).map_err(|e| e125("prctl(PDEATHSIG)", &e))?;
-    for (fd, target) in [(&fds.stdin, 0), (&fds.stdout, 1), (&fds.stderr, 2)] {
-        nix::unistd::dup2(fd.as_raw_fd(), target).map_err(|e| e125("dup2", &e))?;
-    }
-    let mut go = [0u8; 1];
-    match nix::unistd::read(fds.go.as_raw_fd(), &mut go) {
+    let (go, _) = keep_only_box_fds(fds).map_err(|e| e125("set up descriptors", &e))?;
+    let mut byte = [0u8; 1];
+    match nix::unistd::read(go, &mut byte) {
         Ok(1) => {}
         // The monitor gave up on the box (or died): leave quietly.
         // SAFETY: _exit in a forked child avoids running the parent's exit handlers.
         _ => unsafe { libc::_exit(EXIT_NESTBOX_ERROR) },
     }
-    drop(fds.go);
+    // SAFETY: `go` is this process's own descriptor and is not used again.
+    unsafe { libc::close(go) };
+    if plan.rootfs.userns {
+        become_namespace_root(plan.command.setgroups).map_err(|e| e125("become root of the user namespace", &e))?;
+    }
     unshare(CloneFlags::CLONE_NEWCGROUP).map_err(|e| e125("unshare(cgroup namespace)", &e))?;
     nix::unistd::sethostname(&plan.hostname).map_err(|e| e125("sethostname", &e))?;
+    nestbox_isolation::net::loopback_up().map_err(|e| e125("network", &e))?;
     rootfs::assemble(&plan.rootfs).map_err(|e| e125("box root", &e))?;
     rootfs::pivot_into(&plan.rootfs.mountpoint).map_err(|e| e125("box root", &e))?;
     // Block every signal before forking, so init sees each one through its signalfd.
     sigprocmask(SigmaskHow::SIG_SETMASK, Some(&SigSet::all()), None).map_err(|e| e125("sigprocmask", &e))?;
-    let report = fds.report.as_raw_fd();
     // SAFETY: this process is single-threaded (a fresh fork of the single-threaded
     // monitor), so the child may run arbitrary code.
     match unsafe { nix::unistd::fork() }.map_err(|e| e125("fork", &e))? {
-        ForkResult::Child => exec_command(&plan.command, report),
+        ForkResult::Child => exec_command(&plan.command, REPORT_FD),
         ForkResult::Parent { child } => Ok(child),
     }
+}
+
+/// Take the ids of root in the (freshly mapped) user namespace, so files the box
+/// creates belong to its mapped root rather than to an unmapped host id.
+fn become_namespace_root(setgroups: bool) -> nix::Result<()> {
+    if setgroups {
+        nix::unistd::setgroups(&[])?;
+    }
+    let (uid, gid) = (Uid::from_raw(0), Gid::from_raw(0));
+    nix::unistd::setresgid(gid, gid, gid)?;
+    nix::unistd::setresuid(uid, uid, uid)
 }
 
 /// Turn the calling process into the command: session, signals, fds, working

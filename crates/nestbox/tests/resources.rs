@@ -1,0 +1,284 @@
+//! Resource limits and accounting: the memory limit OOM-kills only the box, the
+//! pids limit stops a fork bomb, limits reach the box cgroups, stats are plausible,
+//! --io-weight fails clearly where the kernel cannot do it, runs without root, and
+//! (timing-sensitive, `serial_`) the CPU cap and CPU shares hold.
+
+mod common;
+
+use std::path::Path;
+use std::time::Duration;
+
+use common::*;
+
+const START: Duration = Duration::from_secs(20);
+const NOBODY: u32 = 65534;
+
+#[test]
+fn memory_limit_oom_kills_only_the_box() {
+    let Some(root) = TestRoot::new("memory_limit_oom_kills_only_the_box") else {
+        return;
+    };
+    root.detached_sh("res-neighbour", &[], "echo ready; sleep 60");
+    root.wait_log("res-neighbour", "ready", START);
+    let out = root.py(
+        &["--name", "res-oom", "--memory", "32m"],
+        "b = b'x' * (200 << 20)\nprint('allocated')",
+    );
+    assert_eq!(
+        out.code, 137,
+        "the box must be killed (SIGKILL) by the OOM killer\n{out}"
+    );
+    assert!(!out.stdout.contains("allocated"), "{out}");
+    assert!(
+        out.stderr.contains("OOM"),
+        "stderr must report the OOM kill\n{out}"
+    );
+    let v = root.inspect("res-oom");
+    assert_eq!(v["oom_killed"], true, "{v}");
+    assert_eq!(v["state"]["oom_killed"], true, "{v}");
+    assert_eq!(v["exit_code"], 137, "{v}");
+    // Only the box: its neighbour still runs, and new boxes start fine.
+    assert_eq!(root.status("res-neighbour").as_deref(), Some("running"));
+    assert_eq!(root.sh(&[], "echo fine").ok().stdout, "fine\n");
+}
+
+#[test]
+fn fork_bomb_is_stopped_by_the_pids_limit() {
+    let Some(root) = TestRoot::new("fork_bomb_is_stopped_by_the_pids_limit") else {
+        return;
+    };
+    // Fork until the kernel refuses, report, hold the children until SIGUSR1, then
+    // release them and show the box can fork again.
+    let code = "import os, signal, time
+signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGUSR1])
+kids, err = [], None
+for _ in range(500):
+    try:
+        pid = os.fork()
+    except OSError as e:
+        err = e.errno
+        break
+    if pid == 0:
+        time.sleep(120)
+        os._exit(0)
+    kids.append(pid)
+print('forks', len(kids), 'errno', err, flush=True)
+signal.sigwait([signal.SIGUSR1])
+for k in kids:
+    os.kill(k, signal.SIGKILL)
+for k in kids:
+    os.waitpid(k, 0)
+pid = os.fork()
+if pid == 0:
+    os._exit(0)
+os.waitpid(pid, 0)
+print('recovered', flush=True)
+";
+    root.run(&[
+        "run",
+        "-d",
+        "--name",
+        "res-forkbomb",
+        "--pids",
+        "20",
+        "--",
+        "python3",
+        "-c",
+        code,
+    ])
+    .ok();
+    let log = root.wait_log("res-forkbomb", "forks", Duration::from_secs(30));
+    let f: Vec<&str> = log.split_whitespace().collect();
+    let (forks, errno): (u32, &str) = (f[1].parse().unwrap(), f[3]);
+    assert_eq!(
+        errno, "11",
+        "fork must fail with EAGAIN at the limit\nlog: {log:?}"
+    );
+    assert!(
+        (10..=18).contains(&forks),
+        "init + python + {forks} children does not fit a limit of 20\nlog: {log:?}"
+    );
+    let stats = root.stats("res-forkbomb");
+    assert!(stats["pids_current"].as_u64().unwrap() <= 20, "{stats}");
+    let v = root.inspect("res-forkbomb");
+    let current = cgroup_file(&v, "pids.current").expect("pids.current");
+    assert!(read_trimmed(&current).parse::<u64>().unwrap() <= 20);
+    assert_eq!(read_trimmed(&cgroup_file(&v, "pids.max").unwrap()), "20");
+    root.run(&["kill", "-s", "USR1", "res-forkbomb"]).ok();
+    assert_eq!(
+        root.wait_exited("res-forkbomb", START),
+        0,
+        "the box survives its fork bomb"
+    );
+    assert!(root.ok(&["logs", "res-forkbomb"]).contains("recovered"));
+}
+
+#[test]
+fn limits_are_written_to_the_box_cgroups() {
+    let Some(root) = TestRoot::new("limits_are_written_to_the_box_cgroups") else {
+        return;
+    };
+    let opts = [
+        "--memory",
+        "64m",
+        "--pids",
+        "50",
+        "--cpus",
+        "0.5",
+        "--cpu-shares",
+        "512",
+        "--cpuset-cpus",
+        "0",
+    ];
+    root.detached_sh("res-limits", &opts, "sleep 60");
+    let v = root.inspect("res-limits");
+    let file = |names: &[&str]| {
+        names
+            .iter()
+            .find_map(|n| cgroup_file(&v, n))
+            .unwrap_or_else(|| panic!("no {names:?} in the box cgroups: {v}"))
+    };
+    assert_eq!(
+        read_trimmed(&file(&["memory.limit_in_bytes", "memory.max"])),
+        (64u64 << 20).to_string()
+    );
+    assert_eq!(read_trimmed(&file(&["pids.max"])), "50");
+    let quota: f64 = read_trimmed(&file(&["cpu.cfs_quota_us"])).parse().unwrap();
+    let period: f64 = read_trimmed(&file(&["cpu.cfs_period_us"])).parse().unwrap();
+    assert!(
+        (quota / period - 0.5).abs() < 1e-6,
+        "quota {quota} / period {period} is not 0.5"
+    );
+    assert_eq!(read_trimmed(&file(&["cpu.shares"])), "512");
+    assert_eq!(read_trimmed(&file(&["cpuset.cpus"])), "0");
+    let limits = &v["limits"];
+    assert_eq!(limits["pids"], 50, "{v}");
+    assert_eq!(limits["cpus"], 0.5, "{v}");
+}
+
+#[test]
+fn stats_of_a_running_box_are_plausible() {
+    let Some(root) = TestRoot::new("stats_of_a_running_box_are_plausible") else {
+        return;
+    };
+    root.detached_sh("res-stats", &[], "echo ready; sleep 60");
+    root.wait_log("res-stats", "ready", START);
+    let s = root.stats("res-stats");
+    let n = |k: &str| {
+        s[k].as_u64()
+            .unwrap_or_else(|| panic!("stats has no number {k}: {s}"))
+    };
+    assert!(n("memory_current") > 0, "{s}");
+    assert!(n("memory_peak") >= n("memory_current"), "{s}");
+    assert!(n("pids_current") >= 2, "init and the command at least: {s}");
+    assert!(n("cpu_usage_ns") > 0, "{s}");
+    assert_eq!(n("oom_kills"), 0, "{s}");
+    let table = root.ok(&["stats", "res-stats"]);
+    assert!(
+        table.lines().any(|l| l.starts_with("res-stats")),
+        "stats table:\n{table}"
+    );
+}
+
+#[test]
+fn io_weight_fails_clearly_where_the_kernel_cannot_do_it() {
+    let Some(root) = TestRoot::new("io_weight_fails_clearly_where_the_kernel_cannot_do_it") else {
+        return;
+    };
+    let blkio = Path::new("/sys/fs/cgroup/blkio");
+    let v1_weight = ["blkio.weight", "blkio.bfq.weight"]
+        .iter()
+        .any(|f| blkio.join(f).exists());
+    let v2_io = std::fs::read_to_string("/sys/fs/cgroup/unified/cgroup.controllers")
+        .or_else(|_| std::fs::read_to_string("/sys/fs/cgroup/cgroup.controllers"))
+        .is_ok_and(|c| c.split_whitespace().any(|x| x == "io"));
+    let out = root.run(&["run", "--rm", "--io-weight", "500", "--", "true"]);
+    if v1_weight || v2_io {
+        assert_eq!(out.code, 0, "this kernel can weight IO\n{out}");
+    } else {
+        assert_error(&out, 125, "weight");
+        root.assert_no_boxes();
+    }
+}
+
+#[test]
+fn run_without_root_uses_a_user_namespace() {
+    let Some(root) = TestRoot::as_user("run_without_root_uses_a_user_namespace", NOBODY, NOBODY)
+    else {
+        return;
+    };
+    let out = root.sh(&[], "echo $$; id -u").ok();
+    assert_eq!(
+        out.lines(),
+        ["2", "0"],
+        "pid 2 and root, in the box's own namespaces\n{out}"
+    );
+}
+
+#[test]
+fn memory_limit_without_root_fails_clearly() {
+    let Some(root) = TestRoot::as_user("memory_limit_without_root_fails_clearly", NOBODY, NOBODY)
+    else {
+        return;
+    };
+    let out = root.run(&["run", "--memory", "64m", "--", "true"]);
+    assert_error(&out, 125, "cgroup");
+    root.assert_no_boxes();
+}
+
+#[test]
+fn serial_cpus_half_caps_busy_loop() {
+    let Some(root) = TestRoot::new("serial_cpus_half_caps_busy_loop") else {
+        return;
+    };
+    let code = "import time
+t0 = time.monotonic(); c0 = time.process_time()
+while time.monotonic() - t0 < 3:
+    pass
+print((time.process_time() - c0) / (time.monotonic() - t0))
+";
+    let out = root.py(&["--cpus", "0.5"], code).ok();
+    let ratio: f64 = out
+        .stdout
+        .trim()
+        .parse()
+        .unwrap_or_else(|_| panic!("{out}"));
+    assert!(
+        (0.45..=0.55).contains(&ratio),
+        "--cpus 0.5 gave {ratio:.3} CPU per wall second"
+    );
+}
+
+#[test]
+fn serial_cpu_shares_2_to_1() {
+    let Some(root) = TestRoot::new("serial_cpu_shares_2_to_1") else {
+        return;
+    };
+    for (name, shares) in [("res-shares-hi", "2048"), ("res-shares-lo", "1024")] {
+        let args = [
+            "run",
+            "-d",
+            "--name",
+            name,
+            "--cpuset-cpus",
+            "0",
+            "--cpu-shares",
+            shares,
+            "--",
+            "python3",
+            "-c",
+            "while True: pass",
+        ];
+        root.run(&args).ok();
+    }
+    let cpu = |name: &str| root.stats(name)["cpu_usage_ns"].as_u64().unwrap() as f64;
+    std::thread::sleep(Duration::from_secs(1)); // both busy and competing
+    let (hi0, lo0) = (cpu("res-shares-hi"), cpu("res-shares-lo"));
+    std::thread::sleep(Duration::from_secs(4));
+    let (hi1, lo1) = (cpu("res-shares-hi"), cpu("res-shares-lo"));
+    let ratio = (hi1 - hi0) / (lo1 - lo0);
+    assert!(
+        (1.8..=2.2).contains(&ratio),
+        "shares 2048:1024 on one CPU gave a CPU-time ratio of {ratio:.3}"
+    );
+}
