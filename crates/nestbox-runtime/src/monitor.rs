@@ -110,7 +110,7 @@ fn start(reg: &Registry, record: &BoxRecord) -> Result<Running> {
 fn start_inner(reg: &Registry, record: &BoxRecord, cgroup_slot: &mut Option<BoxCgroup>) -> Result<Running> {
     let spec = &record.spec;
     let idmap = spec.userns.then(IdMap::for_caller);
-    let cgroup = create_cgroup(spec, &record.state.id)?;
+    let cgroup = create_cgroup(spec, &reg.roots().cgroup_id(&record.state.id))?;
     *cgroup_slot = cgroup.clone();
     // Record what the box owns before it can be orphaned by a crash (ownership).
     reg.update(record.name(), |s| {

@@ -238,7 +238,9 @@ pub fn gc(reg: &Registry) -> Result<GcReport> {
         }
     }
     if let Ok(h) = Hierarchies::detect() {
-        let live = |id: &str| live_ids.iter().any(|l| l == id);
+        // Cgroups of other roots count as live: only this root's own are collected.
+        let roots = reg.roots();
+        let live = |cg_id: &str| roots.box_id_of_cgroup(cg_id).is_none_or(|id| live_ids.iter().any(|l| l == id));
         for cg in nestbox_cgroup::find_stale(&h, &live) {
             let _ = cg.kill_all();
             cg.remove()?;

@@ -58,6 +58,28 @@ impl Roots {
     pub fn images(&self) -> PathBuf {
         self.lib.join("images")
     }
+
+    /// A short tag naming this root (FNV-1a of its runtime directory), put in the
+    /// names of the cgroups its boxes own, so garbage collection of one root never
+    /// touches the boxes of another root under the same parent cgroup.
+    pub fn tag(&self) -> String {
+        let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+        for b in self.run.as_os_str().as_encoded_bytes() {
+            h ^= u64::from(*b);
+            h = h.wrapping_mul(0x0100_0000_01b3);
+        }
+        format!("{:08x}", h as u32)
+    }
+
+    /// The cgroup id of box `box_id` of this root: `<tag>-<box id>`.
+    pub fn cgroup_id(&self, box_id: &str) -> String {
+        format!("{}-{box_id}", self.tag())
+    }
+
+    /// The box id inside a cgroup id, if the cgroup belongs to this root.
+    pub fn box_id_of_cgroup<'a>(&self, cgroup_id: &'a str) -> Option<&'a str> {
+        cgroup_id.strip_prefix(&self.tag())?.strip_prefix('-')
+    }
 }
 
 #[cfg(test)]
@@ -70,5 +92,15 @@ mod tests {
         assert_eq!(r.run, PathBuf::from("/x/run"));
         assert_eq!(r.box_run("a"), PathBuf::from("/x/run/boxes/a"));
         assert_eq!(r.box_lib("id"), PathBuf::from("/x/lib/boxes/id"));
+    }
+
+    #[test]
+    fn cgroup_ids_are_tagged_by_root() {
+        let a = Roots::under(Path::new("/a"));
+        let b = Roots::under(Path::new("/b"));
+        assert_ne!(a.tag(), b.tag());
+        let id = a.cgroup_id("0123456789ab");
+        assert_eq!(a.box_id_of_cgroup(&id), Some("0123456789ab"));
+        assert_eq!(b.box_id_of_cgroup(&id), None);
     }
 }
