@@ -3,10 +3,11 @@
 //! The box root is an overlay over a small *skeleton* directory that holds the
 //! top-level names of a Linux root: the host's `/usr`, `/etc` (and `/bin`, `/sbin`,
 //! `/lib*` when they are real directories rather than merged-usr symlinks) become
-//! mount points with an overlay of the host directory each; `/tmp`, `/var`, `/run`,
+//! mount points for read-only binds of the host directories; `/tmp`, `/var`, `/run`,
 //! `/home` and `/root` are empty and private to the box; `/proc`, `/sys` and `/dev`
-//! are mount points for the isolation layer. Nothing else of the host — its data,
-//! home directories, nestbox's own state — exists in the box.
+//! are mount points for the isolation layer. Everything a box writes lands in its
+//! private writable layer of the root. Nothing else of the host — its data, home
+//! directories, nestbox's own state — exists in the box.
 //!
 //! The skeleton is built once and cached; it is created under a temporary name and
 //! renamed into place, so concurrent first runs never see a half-made one.
@@ -15,7 +16,7 @@ use std::fs;
 use std::os::unix::fs::{symlink, DirBuilderExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 
-use crate::{Image, ImageError, Layer, RootView, HOST_IMAGE};
+use crate::{Image, ImageError, Layer, ReadOnlyBind, RootView, HOST_IMAGE};
 
 /// Top-level host entries shared read-only with boxes (directory or symlink).
 const SYSTEM_DIRS: &[&str] = &["usr", "bin", "sbin", "lib", "lib32", "lib64", "libx32", "etc"];
@@ -135,14 +136,13 @@ impl Image for HostImage {
 
     fn root_view(&self, owner: Option<(u32, u32)>) -> Result<RootView, ImageError> {
         let skel = self.ensure_skeleton(owner)?;
-        let mut layers = vec![Layer { target: PathBuf::from("/"), lowers: vec![skel] }];
-        for dir in self.shared_dirs() {
-            layers.push(Layer {
-                target: PathBuf::from("/").join(dir),
-                lowers: vec![self.host_root.join(dir)],
-            });
-        }
-        Ok(RootView { layers })
+        let layers = vec![Layer { target: PathBuf::from("/"), lowers: vec![skel] }];
+        let read_only = self
+            .shared_dirs()
+            .into_iter()
+            .map(|dir| ReadOnlyBind { source: self.host_root.join(dir), target: PathBuf::from("/").join(dir) })
+            .collect();
+        Ok(RootView { layers, read_only })
     }
 }
 
@@ -161,13 +161,15 @@ mod tests {
     }
 
     #[test]
-    fn view_overlays_real_system_dirs_and_mirrors_symlinks() {
+    fn view_binds_real_system_dirs_read_only_and_mirrors_symlinks() {
         let host = fake_host();
         let cache = tempfile::tempdir().unwrap();
         let img = HostImage::with_host_root(cache.path().into(), host.path().into());
         let view = img.root_view(None).unwrap();
         let targets: Vec<_> = view.layers.iter().map(|l| l.target.clone()).collect();
-        assert_eq!(targets, vec![PathBuf::from("/"), "/usr".into(), "/etc".into()]);
+        assert_eq!(targets, vec![PathBuf::from("/")]);
+        let binds: Vec<_> = view.read_only.iter().map(|b| (b.source.clone(), b.target.clone())).collect();
+        assert_eq!(binds, vec![(host.path().join("usr"), "/usr".into()), (host.path().join("etc"), "/etc".into())]);
         let skel = &view.layers[0].lowers[0];
         assert_eq!(fs::read_link(skel.join("bin")).unwrap(), PathBuf::from("usr/bin"));
         assert!(skel.join("usr").is_dir());

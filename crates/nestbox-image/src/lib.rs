@@ -1,8 +1,8 @@
 //! Images: what a box's root filesystem is made of.
 //!
-//! An image yields a [`RootView`]: the list of read-only lower trees a box root is
+//! An image yields a [`RootView`]: the read-only lower trees a box root is
 //! assembled from, each mounted at a path of the box root under a private,
-//! per-box writable overlay layer. Every image kind (the built-in host image today,
+//! per-box writable overlay layer, plus directories shared strictly read-only. Every image kind (the built-in host image today,
 //! store-backed imported images later) goes through this one interface, so the code
 //! that builds a box root never needs to know where an image came from.
 
@@ -12,7 +12,7 @@ mod view;
 
 pub use error::ImageError;
 pub use host::HostImage;
-pub use view::{Layer, RootView};
+pub use view::{Layer, ReadOnlyBind, RootView};
 
 /// Something a box root can be built from.
 pub trait Image {

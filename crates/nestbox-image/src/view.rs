@@ -12,9 +12,21 @@ pub struct Layer {
     pub lowers: Vec<PathBuf>,
 }
 
-/// How to assemble a box root: the root layer first, then layers mounted on it.
+/// A host directory shown read-only at `target` in the box (no writable layer).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ReadOnlyBind {
+    /// Host directory.
+    pub source: PathBuf,
+    /// Path in the box.
+    pub target: PathBuf,
+}
+
+/// How to assemble a box root: the root layer first, then layers mounted on it,
+/// then read-only binds.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RootView {
-    /// The layers in mount order.
+    /// The overlay layers in mount order (each gets a private writable layer).
     pub layers: Vec<Layer>,
+    /// Directories shared read-only, mounted after the layers.
+    pub read_only: Vec<ReadOnlyBind>,
 }

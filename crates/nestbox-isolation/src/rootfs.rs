@@ -45,6 +45,8 @@ pub struct RootfsPlan {
     pub mountpoint: PathBuf,
     /// Overlay layers, root first.
     pub layers: Vec<LayerMount>,
+    /// Host directories bound read-only (source, target in the box), after the layers.
+    pub read_only_binds: Vec<(PathBuf, PathBuf)>,
     /// Host directories or files bound in.
     pub volumes: Vec<Volume>,
     /// Paths that get a fresh tmpfs.
@@ -66,6 +68,11 @@ pub fn assemble(plan: &RootfsPlan) -> Result<()> {
         let lowers: Vec<&Path> = layer.lowers.iter().map(PathBuf::as_path).collect();
         let opts = mounts::overlay_options(&lowers, Some((&layer.upper, &layer.work)), plan.userns)?;
         mounts::mount_fs("overlay", &target, "overlay", writable_fs, Some(&opts))?;
+    }
+    for (source, target) in &plan.read_only_binds {
+        let target = secure_join(root, target)?;
+        mounts::bind(source, &target, false)?;
+        mounts::remount_read_only(&target)?;
     }
     dev::populate(&root.join("dev"), plan.userns)?;
     procfs::mount_proc(root)?;

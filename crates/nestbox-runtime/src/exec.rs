@@ -92,7 +92,7 @@ fn helper_main(record: &crate::registry::BoxRecord, ns: &NamespaceHandles, plan:
         unsafe { libc::_exit(125) }
     };
     if let Some(cg) = &record.state.cgroup {
-        if let Err(e) = cg.add_process(std::process::id() as i32) {
+        if let Err(e) = cg.join_self() {
             fail(format!("join the box cgroup: {e}"));
         }
     }

@@ -95,6 +95,9 @@ pub struct LaunchPlan {
     pub rootfs: RootfsPlan,
     /// Hostname of the box.
     pub hostname: String,
+    /// Files to write `0` to, moving the process into the box cgroup (see
+    /// `BoxCgroup::self_join_files`); empty when the box has no cgroup.
+    pub cgroup_join: Vec<PathBuf>,
     /// The command.
     pub command: CommandPlan,
 }
@@ -172,6 +175,11 @@ fn setup_box(plan: &LaunchPlan, fds: ChildFds) -> Result<Pid, Failure> {
     }
     // SAFETY: `go` is this process's own descriptor and is not used again.
     unsafe { libc::close(go) };
+    // Join the box cgroup by moving ourselves (still host root, single-threaded):
+    // the cheap path, see BoxCgroup::self_join_files.
+    for file in &plan.cgroup_join {
+        std::fs::write(file, "0").map_err(|e| e125(&format!("join cgroup {}", file.display()), &e))?;
+    }
     if plan.rootfs.userns {
         become_namespace_root(plan.command.setgroups).map_err(|e| e125("become root of the user namespace", &e))?;
     }

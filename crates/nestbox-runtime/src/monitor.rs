@@ -69,6 +69,9 @@ struct Running {
 }
 
 /// Start the box of `record` and supervise it until it ends.
+///
+/// The monitor does not write the child's pid into the cgroup: the child moves
+/// itself (see `LaunchPlan::cgroup_join`) before it does anything else.
 pub fn run_box(reg: &Registry, record: &BoxRecord, mode: Mode) -> Result<Outcome> {
     let signals = block_forwarded_signals()?;
     let started = start(reg, record);
@@ -112,13 +115,10 @@ fn start_inner(reg: &Registry, record: &BoxRecord, cgroup_slot: &mut Option<BoxC
     let idmap = spec.userns.then(IdMap::for_caller);
     let cgroup = create_cgroup(spec, &reg.roots().cgroup_id(&record.state.id))?;
     *cgroup_slot = cgroup.clone();
-    // Record what the box owns before it can be orphaned by a crash (ownership).
-    reg.update(record.name(), |s| {
-        s.cgroup = cgroup.clone();
-        s.idmap = idmap;
-        s.monitor = Some(ProcRef::current());
-    })?;
-    let plan = launch_plan(reg, record, idmap)?;
+    // The cgroup is recorded with the Running state below; until then a crash
+    // leaves it to `gc`, which finds it by this root's tag in its name.
+    let mut plan = launch_plan(reg, record, idmap)?;
+    plan.cgroup_join = cgroup.as_ref().map(BoxCgroup::self_join_files).unwrap_or_default();
 
     let (go_r, go_w) = pipe2(OFlag::O_CLOEXEC).map_err(RuntimeError::sys("pipe2"))?;
     let (rep_r, rep_w) = pipe2(OFlag::O_CLOEXEC).map_err(RuntimeError::sys("pipe2"))?;
@@ -155,9 +155,6 @@ fn start_inner(reg: &Registry, record: &BoxRecord, cgroup_slot: &mut Option<BoxC
     if let Some(map) = idmap {
         map.apply(child).map_err(|e| abandon(e.into()))?;
     }
-    if let Some(cg) = &cgroup {
-        cg.add_process(child.as_raw()).map_err(|e| abandon(e.into()))?;
-    }
     let pidfd = pidfd_open(child).map_err(abandon)?;
     nix::unistd::write(&go_w, b"g").map_err(|e| abandon(RuntimeError::sys("start box")(e)))?;
     drop(go_w);
@@ -170,7 +167,11 @@ fn start_inner(reg: &Registry, record: &BoxRecord, cgroup_slot: &mut Option<BoxC
         s.status = Status::Running;
         s.init = init;
         s.started_at = Some(now());
-    })?;
+        s.cgroup = cgroup.clone();
+        s.idmap = idmap;
+        s.monitor = Some(ProcRef::current());
+    })
+    .map_err(abandon)?;
     Ok(Running { init: child, pidfd, stdout: File::from(out_r), stderr: File::from(err_r), cgroup })
 }
 
@@ -211,6 +212,7 @@ fn launch_plan(reg: &Registry, record: &BoxRecord, idmap: Option<IdMap>) -> Resu
     let rootfs = RootfsPlan {
         mountpoint: record.rootfs_mountpoint(),
         layers,
+        read_only_binds: view.read_only.into_iter().map(|b| (b.source, b.target)).collect(),
         volumes: spec.volumes.clone(),
         tmpfs: spec.tmpfs.clone(),
         read_only: spec.read_only,
@@ -226,7 +228,7 @@ fn launch_plan(reg: &Registry, record: &BoxRecord, idmap: Option<IdMap>) -> Resu
         idmap.is_none_or(|m| m.allows_setgroups()),
         true,
     )?;
-    Ok(LaunchPlan { rootfs, hostname: spec.hostname.clone(), command })
+    Ok(LaunchPlan { rootfs, hostname: spec.hostname.clone(), cgroup_join: Vec::new(), command })
 }
 
 /// Compile the box's seccomp filter (None when unconfined).
@@ -353,6 +355,10 @@ fn finish(reg: &Registry, record: &BoxRecord, run: Running, exit_code: i32) -> R
         let _ = cg.remove();
     }
     let oom_killed = oom_kills > 0 && exit_code == 128 + Signal::SIGKILL as i32;
+    if record.spec.remove_on_exit {
+        reg.remove(record)?;
+        return Ok(Outcome { exit_code, oom_killed });
+    }
     reg.update(record.name(), |s| {
         s.status = Status::Exited;
         s.exit_code = Some(exit_code);
@@ -364,9 +370,6 @@ fn finish(reg: &Registry, record: &BoxRecord, run: Running, exit_code: i32) -> R
             s.error = Some(oom_message(&record.spec));
         }
     })?;
-    if record.spec.remove_on_exit {
-        reg.remove(record)?;
-    }
     Ok(Outcome { exit_code, oom_killed })
 }
 

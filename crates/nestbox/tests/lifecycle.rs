@@ -145,7 +145,7 @@ fn inspect_describes_a_running_box() {
             dir.display()
         );
         assert!(
-            dir.ends_with(format!("nestbox-{id}")),
+            is_box_cgroup_name(&dir.file_name().unwrap().to_string_lossy(), id),
             "cgroup dir {} is not named after the box id",
             dir.display()
         );

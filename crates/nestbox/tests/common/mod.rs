@@ -243,9 +243,17 @@ pub fn pid_alive(pid: i32) -> bool {
         .unwrap_or(false)
 }
 
-/// Every existing `nestbox-<id>` cgroup directory under this process's cgroups, in
-/// every mounted hierarchy (where nestbox creates box cgroups for its callers).
-pub fn cgroup_dirs_of(id: &str) -> Vec<PathBuf> {
+/// Whether `name` is the cgroup directory name of box `id`: `nestbox-<id>`, or
+/// `nestbox-<root tag>-<id>`.
+pub fn is_box_cgroup_name(name: &str, id: &str) -> bool {
+    name.strip_prefix("nestbox-")
+        .is_some_and(|rest| rest == id || rest.ends_with(&format!("-{id}")))
+}
+
+/// Every existing cgroup directory under this process's cgroups, in every mounted
+/// hierarchy (where nestbox creates box cgroups for its callers), whose name
+/// satisfies `wanted`.
+pub fn cgroup_dirs_named(wanted: impl Fn(&str) -> bool) -> Vec<PathBuf> {
     let own: BTreeSet<String> = std::fs::read_to_string("/proc/self/cgroup")
         .unwrap_or_default()
         .lines()
@@ -259,17 +267,22 @@ pub fn cgroup_dirs_of(id: &str) -> Vec<PathBuf> {
     if let Ok(entries) = std::fs::read_dir("/sys/fs/cgroup") {
         hierarchies.extend(entries.flatten().map(|e| e.path()).filter(|p| p.is_dir()));
     }
-    let name = format!("nestbox-{id}");
     let mut found = BTreeSet::new();
     for h in &hierarchies {
         for p in &own {
-            let d = h.join(p).join(&name);
-            if d.is_dir() {
-                found.insert(d.canonicalize().unwrap_or(d));
+            for e in std::fs::read_dir(h.join(p)).into_iter().flatten().flatten() {
+                if wanted(&e.file_name().to_string_lossy()) && e.path().is_dir() {
+                    found.insert(e.path().canonicalize().unwrap_or(e.path()));
+                }
             }
         }
     }
     found.into_iter().collect()
+}
+
+/// Every existing cgroup directory of box `id`.
+pub fn cgroup_dirs_of(id: &str) -> Vec<PathBuf> {
+    cgroup_dirs_named(|n| is_box_cgroup_name(n, id))
 }
 
 /// The cgroup paths of a box from its `inspect` JSON (controller → directory).
@@ -316,6 +329,9 @@ pub struct TestRoot {
     ids: Mutex<BTreeSet<String>>,
     /// Monitor and init processes of every box seen (they must be gone at the end).
     procs: Mutex<BTreeSet<ProcId>>,
+    /// Root tags seen in box cgroup names (`nestbox-<tag>-<id>`): every cgroup with
+    /// one of them belongs to this root and must be gone at the end.
+    tags: Mutex<BTreeSet<String>>,
 }
 
 impl TestRoot {
@@ -353,6 +369,7 @@ impl TestRoot {
             test: test.to_string(),
             ids: Mutex::new(BTreeSet::new()),
             procs: Mutex::new(BTreeSet::new()),
+            tags: Mutex::new(BTreeSet::new()),
         }
     }
 
@@ -461,6 +478,15 @@ impl TestRoot {
     fn remember(&self, v: &Value) {
         if let Some(id) = v["id"].as_str() {
             self.ids.lock().unwrap().insert(id.to_string());
+            for dir in cgroup_paths(v).values() {
+                let name = dir.file_name().unwrap_or_default().to_string_lossy();
+                let tag = name
+                    .strip_prefix("nestbox-")
+                    .and_then(|r| r.strip_suffix(&format!("-{id}")));
+                if let Some(tag) = tag.filter(|t| !t.is_empty()) {
+                    self.tags.lock().unwrap().insert(tag.to_string());
+                }
+            }
         }
         let state = if v["state"].is_object() {
             &v["state"]
@@ -552,6 +578,20 @@ impl TestRoot {
             .unwrap_or_else(|e| panic!("stats --json is not JSON: {e}\n{out}"))
     }
 
+    /// Every existing cgroup directory of this root's boxes (those seen by
+    /// `inspect` and, through the root tag their names carry, all others).
+    pub fn cgroup_dirs(&self) -> Vec<PathBuf> {
+        let ids: Vec<String> = self.ids.lock().unwrap().iter().cloned().collect();
+        let tags: Vec<String> = self.tags.lock().unwrap().iter().cloned().collect();
+        cgroup_dirs_named(|n| {
+            ids.iter().any(|id| is_box_cgroup_name(n, id))
+                || tags.iter().any(|t| {
+                    n.strip_prefix("nestbox-")
+                        .is_some_and(|r| r.starts_with(&format!("{t}-")))
+                })
+        })
+    }
+
     /// Entries of the root's box record and box data directories (should be empty
     /// when no box exists).
     pub fn state_entries(&self) -> Vec<PathBuf> {
@@ -610,16 +650,13 @@ impl TestRoot {
         if out.code != 0 {
             left.push(format!("gc failed: {out}"));
         }
-        let ids: Vec<String> = self.ids.lock().unwrap().iter().cloned().collect();
         let procs: Vec<ProcId> = self.procs.lock().unwrap().iter().copied().collect();
         let gone = wait_until(Duration::from_secs(10), || {
-            ids.iter().all(|id| cgroup_dirs_of(id).is_empty()) && procs.iter().all(|p| !p.alive())
+            self.cgroup_dirs().is_empty() && procs.iter().all(|p| !p.alive())
         });
         if !gone {
-            for id in &ids {
-                for d in cgroup_dirs_of(id) {
-                    left.push(format!("cgroup {}", d.display()));
-                }
+            for d in self.cgroup_dirs() {
+                left.push(format!("cgroup {}", d.display()));
             }
             for p in procs.iter().filter(|p| p.alive()) {
                 left.push(format!("process {} still runs", p.pid));
