@@ -21,7 +21,10 @@ pub enum ImageError {
 }
 
 impl ImageError {
-    pub(crate) fn io(op: &'static str, path: impl Into<PathBuf>) -> impl FnOnce(std::io::Error) -> Self {
+    pub(crate) fn io(
+        op: &'static str,
+        path: impl Into<PathBuf>,
+    ) -> impl FnOnce(std::io::Error) -> Self {
         let path = path.into();
         move |source| ImageError::Io { op, path, source }
     }

@@ -19,7 +19,9 @@ use std::path::{Path, PathBuf};
 use crate::{Image, ImageError, Layer, ReadOnlyBind, RootView, HOST_IMAGE};
 
 /// Top-level host entries shared read-only with boxes (directory or symlink).
-const SYSTEM_DIRS: &[&str] = &["usr", "bin", "sbin", "lib", "lib32", "lib64", "libx32", "etc"];
+const SYSTEM_DIRS: &[&str] = &[
+    "usr", "bin", "sbin", "lib", "lib32", "lib64", "libx32", "etc",
+];
 /// Empty, private top-level directories, with their modes.
 const PRIVATE_DIRS: &[(&str, u32)] = &[
     ("tmp", 0o1777),
@@ -44,7 +46,10 @@ pub struct HostImage {
 impl HostImage {
     /// An image whose prepared skeleton lives under `cache`.
     pub fn new(cache: PathBuf) -> Self {
-        HostImage { cache, host_root: PathBuf::from("/") }
+        HostImage {
+            cache,
+            host_root: PathBuf::from("/"),
+        }
     }
 
     /// Same, reading system directories from `host_root` instead of `/` (tests).
@@ -55,7 +60,9 @@ impl HostImage {
     fn skeleton_path(&self, owner: Option<(u32, u32)>) -> PathBuf {
         match owner {
             None => self.cache.join(format!("skeleton-v{SKELETON_VERSION}")),
-            Some((u, g)) => self.cache.join(format!("skeleton-v{SKELETON_VERSION}-{u}-{g}")),
+            Some((u, g)) => self
+                .cache
+                .join(format!("skeleton-v{SKELETON_VERSION}-{u}-{g}")),
         }
     }
 
@@ -65,7 +72,9 @@ impl HostImage {
             .iter()
             .copied()
             .filter(|d| {
-                fs::symlink_metadata(self.host_root.join(d)).map(|m| m.is_dir()).unwrap_or(false)
+                fs::symlink_metadata(self.host_root.join(d))
+                    .map(|m| m.is_dir())
+                    .unwrap_or(false)
             })
             .collect()
     }
@@ -76,7 +85,9 @@ impl HostImage {
             return Ok(skel);
         }
         fs::create_dir_all(&self.cache).map_err(ImageError::io("create", &self.cache))?;
-        let tmp = self.cache.join(format!(".skeleton-tmp-{}", std::process::id()));
+        let tmp = self
+            .cache
+            .join(format!(".skeleton-tmp-{}", std::process::id()));
         let _ = fs::remove_dir_all(&tmp);
         self.build_skeleton(&tmp, owner).inspect_err(|_| {
             let _ = fs::remove_dir_all(&tmp);
@@ -103,27 +114,35 @@ impl HostImage {
         builder.create(dir).map_err(ImageError::io("mkdir", dir))?;
         for name in SYSTEM_DIRS {
             let host = self.host_root.join(name);
-            let Ok(meta) = fs::symlink_metadata(&host) else { continue };
+            let Ok(meta) = fs::symlink_metadata(&host) else {
+                continue;
+            };
             let path = dir.join(name);
             if meta.file_type().is_symlink() {
                 let target = fs::read_link(&host).map_err(ImageError::io("readlink", &host))?;
                 symlink(&target, &path).map_err(ImageError::io("symlink", &path))?;
             } else if meta.is_dir() {
-                builder.create(&path).map_err(ImageError::io("mkdir", &path))?;
+                builder
+                    .create(&path)
+                    .map_err(ImageError::io("mkdir", &path))?;
             }
         }
         for (name, mode) in PRIVATE_DIRS {
             let path = dir.join(name);
-            builder.create(&path).map_err(ImageError::io("mkdir", &path))?;
+            builder
+                .create(&path)
+                .map_err(ImageError::io("mkdir", &path))?;
             fs::set_permissions(&path, fs::Permissions::from_mode(*mode))
                 .map_err(ImageError::io("chmod", &path))?;
         }
         if let Some((uid, gid)) = owner {
             for (name, _) in PRIVATE_DIRS {
                 let path = dir.join(name);
-                std::os::unix::fs::chown(&path, Some(uid), Some(gid)).map_err(ImageError::io("chown", &path))?;
+                std::os::unix::fs::chown(&path, Some(uid), Some(gid))
+                    .map_err(ImageError::io("chown", &path))?;
             }
-            std::os::unix::fs::chown(dir, Some(uid), Some(gid)).map_err(ImageError::io("chown", dir))?;
+            std::os::unix::fs::chown(dir, Some(uid), Some(gid))
+                .map_err(ImageError::io("chown", dir))?;
         }
         Ok(())
     }
@@ -136,11 +155,17 @@ impl Image for HostImage {
 
     fn root_view(&self, owner: Option<(u32, u32)>) -> Result<RootView, ImageError> {
         let skel = self.ensure_skeleton(owner)?;
-        let layers = vec![Layer { target: PathBuf::from("/"), lowers: vec![skel] }];
+        let layers = vec![Layer {
+            target: PathBuf::from("/"),
+            lowers: vec![skel],
+        }];
         let read_only = self
             .shared_dirs()
             .into_iter()
-            .map(|dir| ReadOnlyBind { source: self.host_root.join(dir), target: PathBuf::from("/").join(dir) })
+            .map(|dir| ReadOnlyBind {
+                source: self.host_root.join(dir),
+                target: PathBuf::from("/").join(dir),
+            })
             .collect();
         Ok(RootView { layers, read_only })
     }
@@ -168,12 +193,28 @@ mod tests {
         let view = img.root_view(None).unwrap();
         let targets: Vec<_> = view.layers.iter().map(|l| l.target.clone()).collect();
         assert_eq!(targets, vec![PathBuf::from("/")]);
-        let binds: Vec<_> = view.read_only.iter().map(|b| (b.source.clone(), b.target.clone())).collect();
-        assert_eq!(binds, vec![(host.path().join("usr"), "/usr".into()), (host.path().join("etc"), "/etc".into())]);
+        let binds: Vec<_> = view
+            .read_only
+            .iter()
+            .map(|b| (b.source.clone(), b.target.clone()))
+            .collect();
+        assert_eq!(
+            binds,
+            vec![
+                (host.path().join("usr"), "/usr".into()),
+                (host.path().join("etc"), "/etc".into())
+            ]
+        );
         let skel = &view.layers[0].lowers[0];
-        assert_eq!(fs::read_link(skel.join("bin")).unwrap(), PathBuf::from("usr/bin"));
+        assert_eq!(
+            fs::read_link(skel.join("bin")).unwrap(),
+            PathBuf::from("usr/bin")
+        );
         assert!(skel.join("usr").is_dir());
-        assert!(!skel.join("work").exists(), "host data must not be in the skeleton");
+        assert!(
+            !skel.join("work").exists(),
+            "host data must not be in the skeleton"
+        );
         let tmp_mode = fs::metadata(skel.join("tmp")).unwrap().permissions().mode();
         assert_eq!(tmp_mode & 0o7777, 0o1777);
         assert_eq!(fs::read_dir(skel.join("root")).unwrap().count(), 0);

@@ -37,12 +37,19 @@ pub type CapNames = BTreeSet<String>;
 
 fn parse_one(name: &str) -> std::result::Result<Capability, UnknownCapability> {
     let upper = name.trim().to_ascii_uppercase();
-    let full = if upper.starts_with("CAP_") { upper } else { format!("CAP_{upper}") };
+    let full = if upper.starts_with("CAP_") {
+        upper
+    } else {
+        format!("CAP_{upper}")
+    };
     Capability::from_str(&full).map_err(|_| UnknownCapability(name.to_string()))
 }
 
 /// Docker's defaults plus `add` minus `drop`; `ALL` stands for every capability.
-pub fn resolve(add: &[String], drop: &[String]) -> std::result::Result<CapNames, UnknownCapability> {
+pub fn resolve(
+    add: &[String],
+    drop: &[String],
+) -> std::result::Result<CapNames, UnknownCapability> {
     let mut set: CapsHashSet = DEFAULT_CAPS.iter().copied().collect();
     for name in add {
         if name.eq_ignore_ascii_case("ALL") {
@@ -62,7 +69,10 @@ pub fn resolve(add: &[String], drop: &[String]) -> std::result::Result<CapNames,
 }
 
 fn to_set(names: &CapNames) -> CapsHashSet {
-    names.iter().filter_map(|n| Capability::from_str(n).ok()).collect()
+    names
+        .iter()
+        .filter_map(|n| Capability::from_str(n).ok())
+        .collect()
 }
 
 /// Drop every capability outside `names` from the bounding set. Needs CAP_SETPCAP,
@@ -71,8 +81,12 @@ pub fn restrict_bounding(names: &CapNames) -> Result<()> {
     let keep = to_set(names);
     for cap in caps::all() {
         if !keep.contains(&cap) && caps::has_cap(None, CapSet::Bounding, cap).unwrap_or(false) {
-            caps::drop(None, CapSet::Bounding, cap)
-                .map_err(|_| IsolationError::call(format!("drop {cap} from bounding set"), nix::errno::Errno::last()))?;
+            caps::drop(None, CapSet::Bounding, cap).map_err(|_| {
+                IsolationError::call(
+                    format!("drop {cap} from bounding set"),
+                    nix::errno::Errno::last(),
+                )
+            })?;
         }
     }
     Ok(())
@@ -81,8 +95,17 @@ pub fn restrict_bounding(names: &CapNames) -> Result<()> {
 /// Set the effective, permitted and inheritable sets after the user change: the box
 /// set for uid 0, nothing for other users (as Docker does). No ambient capabilities.
 pub fn apply_process_sets(names: &CapNames, uid_is_root: bool) -> Result<()> {
-    let wanted = if uid_is_root { to_set(names) } else { CapsHashSet::new() };
-    let fail = |what: &str| IsolationError::call(format!("set {what} capabilities"), nix::errno::Errno::last());
+    let wanted = if uid_is_root {
+        to_set(names)
+    } else {
+        CapsHashSet::new()
+    };
+    let fail = |what: &str| {
+        IsolationError::call(
+            format!("set {what} capabilities"),
+            nix::errno::Errno::last(),
+        )
+    };
     caps::clear(None, CapSet::Ambient).map_err(|_| fail("ambient"))?;
     let permitted = caps::read(None, CapSet::Permitted).map_err(|_| fail("read permitted"))?;
     let target: CapsHashSet = wanted.intersection(&permitted).copied().collect();

@@ -29,8 +29,18 @@ pub fn populate(dev: &Path, userns: bool) -> Result<()> {
     }
     let pts = dev.join("pts");
     mkdir(&pts, 0o755)?;
-    let pts_opts = if userns { "newinstance,ptmxmode=0666,mode=620" } else { "newinstance,ptmxmode=0666,mode=620,gid=5" };
-    mounts::mount_fs("devpts", &pts, "devpts", MsFlags::MS_NOSUID | MsFlags::MS_NOEXEC, Some(pts_opts))?;
+    let pts_opts = if userns {
+        "newinstance,ptmxmode=0666,mode=620"
+    } else {
+        "newinstance,ptmxmode=0666,mode=620,gid=5"
+    };
+    mounts::mount_fs(
+        "devpts",
+        &pts,
+        "devpts",
+        MsFlags::MS_NOSUID | MsFlags::MS_NOEXEC,
+        Some(pts_opts),
+    )?;
     let shm = dev.join("shm");
     mkdir(&shm, 0o1777)?;
     mounts::mount_fs(
@@ -55,6 +65,10 @@ pub fn populate(dev: &Path, userns: bool) -> Result<()> {
 
 fn mkdir(path: &Path, mode: u32) -> Result<()> {
     use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
-    fs::DirBuilder::new().mode(mode).create(path).map_err(|e| IsolationError::io("mkdir", path, e))?;
-    fs::set_permissions(path, fs::Permissions::from_mode(mode)).map_err(|e| IsolationError::io("chmod", path, e))
+    fs::DirBuilder::new()
+        .mode(mode)
+        .create(path)
+        .map_err(|e| IsolationError::io("mkdir", path, e))?;
+    fs::set_permissions(path, fs::Permissions::from_mode(mode))
+        .map_err(|e| IsolationError::io("chmod", path, e))
 }

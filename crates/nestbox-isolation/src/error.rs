@@ -28,11 +28,19 @@ impl fmt::Display for IsolationError {
 impl IsolationError {
     /// An error of `call` on `path`.
     pub fn at(call: impl Into<String>, path: impl Into<PathBuf>, errno: Errno) -> Self {
-        IsolationError { call: call.into(), path: Some(path.into()), errno }
+        IsolationError {
+            call: call.into(),
+            path: Some(path.into()),
+            errno,
+        }
     }
     /// An error of `call` with no path.
     pub fn call(call: impl Into<String>, errno: Errno) -> Self {
-        IsolationError { call: call.into(), path: None, errno }
+        IsolationError {
+            call: call.into(),
+            path: None,
+            errno,
+        }
     }
     /// From an `io::Error` of `call` on `path`.
     pub fn io(call: impl Into<String>, path: impl Into<PathBuf>, e: std::io::Error) -> Self {

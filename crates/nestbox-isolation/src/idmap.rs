@@ -36,12 +36,24 @@ impl IdMap {
         let uid = nix::unistd::geteuid().as_raw();
         let gid = nix::unistd::getegid().as_raw();
         if uid == 0 {
-            let r = IdRange { inside: 0, outside: ROOT_USERNS_BASE, count: ROOT_USERNS_SIZE };
+            let r = IdRange {
+                inside: 0,
+                outside: ROOT_USERNS_BASE,
+                count: ROOT_USERNS_SIZE,
+            };
             IdMap { uid: r, gid: r }
         } else {
             IdMap {
-                uid: IdRange { inside: 0, outside: uid, count: 1 },
-                gid: IdRange { inside: 0, outside: gid, count: 1 },
+                uid: IdRange {
+                    inside: 0,
+                    outside: uid,
+                    count: 1,
+                },
+                gid: IdRange {
+                    inside: 0,
+                    outside: gid,
+                    count: 1,
+                },
             }
         }
     }

@@ -9,8 +9,8 @@ pub mod dev;
 mod error;
 pub mod idmap;
 pub mod mounts;
-pub mod net;
 pub mod namespaces;
+pub mod net;
 pub mod procfs;
 pub mod rootfs;
 

@@ -7,7 +7,13 @@ use nix::mount::{mount, umount2, MntFlags, MsFlags};
 use crate::{IsolationError, Result};
 
 /// Mount a filesystem of `fstype` from `source` at `target`.
-pub fn mount_fs(source: &str, target: &Path, fstype: &str, flags: MsFlags, data: Option<&str>) -> Result<()> {
+pub fn mount_fs(
+    source: &str,
+    target: &Path,
+    fstype: &str,
+    flags: MsFlags,
+    data: Option<&str>,
+) -> Result<()> {
     mount(Some(source), target, Some(fstype), flags, data)
         .map_err(|e| IsolationError::at(format!("mount {fstype}"), target, e))
 }
@@ -53,8 +59,14 @@ fn statvfs_flags(target: &Path) -> Result<MsFlags> {
 
 /// Stop mount events from propagating between the box and the host.
 pub fn make_private_recursive(path: &Path) -> Result<()> {
-    mount(None::<&str>, path, None::<&str>, MsFlags::MS_REC | MsFlags::MS_PRIVATE, None::<&str>)
-        .map_err(|e| IsolationError::at("make mount private", path, e))
+    mount(
+        None::<&str>,
+        path,
+        None::<&str>,
+        MsFlags::MS_REC | MsFlags::MS_PRIVATE,
+        None::<&str>,
+    )
+    .map_err(|e| IsolationError::at("make mount private", path, e))
 }
 
 /// Lazily detach the mount at `target`.
@@ -64,18 +76,32 @@ pub fn detach(target: &Path) -> Result<()> {
 
 /// Overlay mount options for `lowers` (topmost first) and an optional writable layer.
 /// Paths may not contain the option separators `,` and `:`.
-pub fn overlay_options(lowers: &[&Path], upper: Option<(&Path, &Path)>, userxattr: bool) -> Result<String> {
+pub fn overlay_options(
+    lowers: &[&Path],
+    upper: Option<(&Path, &Path)>,
+    userxattr: bool,
+) -> Result<String> {
     let check = |p: &Path| -> Result<String> {
-        let s = p.to_str().ok_or_else(|| IsolationError::at("overlay path not UTF-8", p, nix::errno::Errno::EINVAL))?;
+        let s = p.to_str().ok_or_else(|| {
+            IsolationError::at("overlay path not UTF-8", p, nix::errno::Errno::EINVAL)
+        })?;
         if s.contains([',', ':', '\\']) {
-            return Err(IsolationError::at("overlay path contains ',' ':' or '\\'", p, nix::errno::Errno::EINVAL));
+            return Err(IsolationError::at(
+                "overlay path contains ',' ':' or '\\'",
+                p,
+                nix::errno::Errno::EINVAL,
+            ));
         }
         Ok(s.to_string())
     };
     let lower: Vec<String> = lowers.iter().map(|p| check(p)).collect::<Result<_>>()?;
     let mut opts = format!("lowerdir={}", lower.join(":"));
     if let Some((up, work)) = upper {
-        opts.push_str(&format!(",upperdir={},workdir={}", check(up)?, check(work)?));
+        opts.push_str(&format!(
+            ",upperdir={},workdir={}",
+            check(up)?,
+            check(work)?
+        ));
     }
     if userxattr {
         opts.push_str(",userxattr");
@@ -89,7 +115,12 @@ mod tests {
 
     #[test]
     fn overlay_options_are_well_formed() {
-        let o = overlay_options(&[Path::new("/a"), Path::new("/b")], Some((Path::new("/u"), Path::new("/w"))), false).unwrap();
+        let o = overlay_options(
+            &[Path::new("/a"), Path::new("/b")],
+            Some((Path::new("/u"), Path::new("/w"))),
+            false,
+        )
+        .unwrap();
         assert_eq!(o, "lowerdir=/a:/b,upperdir=/u,workdir=/w");
         let o = overlay_options(&[Path::new("/a")], None, true).unwrap();
         assert_eq!(o, "lowerdir=/a,userxattr");

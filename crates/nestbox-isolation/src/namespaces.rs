@@ -39,7 +39,10 @@ pub fn fork_into(flags: CloneFlags) -> Result<Forked> {
     // contract), so no lock can be held by another thread in the child.
     let ret = unsafe { libc::syscall(libc::SYS_clone, raw, 0usize, 0usize, 0usize, 0usize) };
     match ret {
-        -1 => Err(IsolationError::call(format!("clone({flags:?})"), Errno::last())),
+        -1 => Err(IsolationError::call(
+            format!("clone({flags:?})"),
+            Errno::last(),
+        )),
         0 => Ok(Forked::Child),
         pid => Ok(Forked::Parent(Pid::from_raw(pid as i32))),
     }
@@ -81,7 +84,8 @@ impl NamespaceHandles {
             if same {
                 continue;
             }
-            let file = File::open(&theirs).map_err(|e| IsolationError::io("open namespace", &theirs, e))?;
+            let file = File::open(&theirs)
+                .map_err(|e| IsolationError::io("open namespace", &theirs, e))?;
             handles.push((*name, *flag, file));
         }
         Ok(NamespaceHandles { handles })
@@ -96,7 +100,8 @@ impl NamespaceHandles {
     /// children forked afterwards.
     pub fn join(&self) -> Result<()> {
         for (name, flag, file) in &self.handles {
-            setns(file.as_fd(), *flag).map_err(|e| IsolationError::call(format!("setns({name})"), e))?;
+            setns(file.as_fd(), *flag)
+                .map_err(|e| IsolationError::call(format!("setns({name})"), e))?;
         }
         Ok(())
     }

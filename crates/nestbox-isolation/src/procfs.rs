@@ -25,9 +25,17 @@ pub const MASKED_PATHS: &[&str] = &[
 ];
 
 /// Paths the box may read but not write.
-pub const READ_ONLY_PATHS: &[&str] = &["proc/bus", "proc/fs", "proc/irq", "proc/sys", "proc/sysrq-trigger"];
+pub const READ_ONLY_PATHS: &[&str] = &[
+    "proc/bus",
+    "proc/fs",
+    "proc/irq",
+    "proc/sys",
+    "proc/sysrq-trigger",
+];
 
-const KERNEL_FS_FLAGS: MsFlags = MsFlags::MS_NOSUID.union(MsFlags::MS_NODEV).union(MsFlags::MS_NOEXEC);
+const KERNEL_FS_FLAGS: MsFlags = MsFlags::MS_NOSUID
+    .union(MsFlags::MS_NODEV)
+    .union(MsFlags::MS_NOEXEC);
 
 /// Mount a procfs of the caller's pid namespace at `root/proc`.
 pub fn mount_proc(root: &Path) -> Result<()> {
@@ -38,7 +46,13 @@ pub fn mount_proc(root: &Path) -> Result<()> {
 /// namespace that does not own the network namespace), bind the host's read-only.
 pub fn mount_sys(root: &Path) -> Result<()> {
     let target = root.join("sys");
-    match mounts::mount_fs("sysfs", &target, "sysfs", KERNEL_FS_FLAGS | MsFlags::MS_RDONLY, None) {
+    match mounts::mount_fs(
+        "sysfs",
+        &target,
+        "sysfs",
+        KERNEL_FS_FLAGS | MsFlags::MS_RDONLY,
+        None,
+    ) {
         Ok(()) => Ok(()),
         Err(e) if e.errno == nix::errno::Errno::EPERM => {
             mounts::bind(Path::new("/sys"), &target, true)?;
@@ -53,9 +67,17 @@ pub fn apply_masks(root: &Path) -> Result<()> {
     let null = root.join("dev/null");
     for rel in MASKED_PATHS {
         let path = root.join(rel);
-        let Ok(meta) = path.symlink_metadata() else { continue };
+        let Ok(meta) = path.symlink_metadata() else {
+            continue;
+        };
         if meta.is_dir() {
-            mounts::mount_fs("tmpfs", &path, "tmpfs", KERNEL_FS_FLAGS | MsFlags::MS_RDONLY, Some("size=0"))?;
+            mounts::mount_fs(
+                "tmpfs",
+                &path,
+                "tmpfs",
+                KERNEL_FS_FLAGS | MsFlags::MS_RDONLY,
+                Some("size=0"),
+            )?;
         } else {
             mounts::bind(&null, &path, false)?;
         }

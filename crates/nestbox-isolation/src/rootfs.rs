@@ -66,7 +66,8 @@ pub fn assemble(plan: &RootfsPlan) -> Result<()> {
     for layer in &plan.layers {
         let target = secure_join(root, &layer.target)?;
         let lowers: Vec<&Path> = layer.lowers.iter().map(PathBuf::as_path).collect();
-        let opts = mounts::overlay_options(&lowers, Some((&layer.upper, &layer.work)), plan.userns)?;
+        let opts =
+            mounts::overlay_options(&lowers, Some((&layer.upper, &layer.work)), plan.userns)?;
         mounts::mount_fs("overlay", &target, "overlay", writable_fs, Some(&opts))?;
     }
     for (source, target) in &plan.read_only_binds {
@@ -88,7 +89,13 @@ pub fn assemble(plan: &RootfsPlan) -> Result<()> {
     for path in &plan.tmpfs {
         let target = secure_join(root, path)?;
         make_mountpoint(&target, true)?;
-        mounts::mount_fs("tmpfs", &target, "tmpfs", MsFlags::MS_NOSUID | MsFlags::MS_NODEV, Some("mode=1777"))?;
+        mounts::mount_fs(
+            "tmpfs",
+            &target,
+            "tmpfs",
+            MsFlags::MS_NOSUID | MsFlags::MS_NODEV,
+            Some("mode=1777"),
+        )?;
     }
     if plan.read_only {
         for layer in &plan.layers {
@@ -148,9 +155,14 @@ pub fn secure_join(root: &Path, path: &Path) -> Result<PathBuf> {
             Ok(m) if m.file_type().is_symlink() => {
                 links += 1;
                 if links > 40 {
-                    return Err(IsolationError::at("resolve (too many symlinks)", host, nix::errno::Errno::ELOOP));
+                    return Err(IsolationError::at(
+                        "resolve (too many symlinks)",
+                        host,
+                        nix::errno::Errno::ELOOP,
+                    ));
                 }
-                let target = fs::read_link(&host).map_err(|e| IsolationError::io("readlink", &host, e))?;
+                let target =
+                    fs::read_link(&host).map_err(|e| IsolationError::io("readlink", &host, e))?;
                 if target.is_absolute() {
                     resolved = PathBuf::new();
                 }
@@ -195,9 +207,18 @@ mod tests {
         symlink("usr/bin", r.join("bin")).unwrap();
         symlink("/etc/passwd", r.join("usr/abs")).unwrap();
         symlink("../../../../..", r.join("usr/up")).unwrap();
-        assert_eq!(secure_join(r, Path::new("/bin/x")).unwrap(), r.join("usr/bin/x"));
-        assert_eq!(secure_join(r, Path::new("/usr/abs")).unwrap(), r.join("etc/passwd"));
-        assert_eq!(secure_join(r, Path::new("/usr/up/etc")).unwrap(), r.join("etc"));
+        assert_eq!(
+            secure_join(r, Path::new("/bin/x")).unwrap(),
+            r.join("usr/bin/x")
+        );
+        assert_eq!(
+            secure_join(r, Path::new("/usr/abs")).unwrap(),
+            r.join("etc/passwd")
+        );
+        assert_eq!(
+            secure_join(r, Path::new("/usr/up/etc")).unwrap(),
+            r.join("etc")
+        );
         assert_eq!(secure_join(r, Path::new("/../../x")).unwrap(), r.join("x"));
     }
 

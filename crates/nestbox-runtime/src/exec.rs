@@ -38,7 +38,9 @@ pub struct ExecOptions {
 /// Run `opts.command` in the running box `name`; returns its exit code.
 pub fn exec(reg: &Registry, name: &str, opts: &ExecOptions) -> Result<i32> {
     if opts.command.is_empty() {
-        return Err(RuntimeError::Invalid("missing command: usage is nestbox exec BOX -- CMD [ARGS...]".into()));
+        return Err(RuntimeError::Invalid(
+            "missing command: usage is nestbox exec BOX -- CMD [ARGS...]".into(),
+        ));
     }
     let record = reg.load(name)?;
     let init = match (record.state.effective_status(), record.state.init) {
@@ -81,7 +83,12 @@ pub fn exec(reg: &Registry, name: &str, opts: &ExecOptions) -> Result<i32> {
 }
 
 /// The forked helper: join, fork the command, relay its status. Never returns.
-fn helper_main(record: &crate::registry::BoxRecord, ns: &NamespaceHandles, plan: &CommandPlan, report: i32) -> ! {
+fn helper_main(
+    record: &crate::registry::BoxRecord,
+    ns: &NamespaceHandles,
+    plan: &CommandPlan,
+    report: i32,
+) -> ! {
     let fail = |msg: String| -> ! {
         let _ = nix::unistd::write(
             // SAFETY: `report` stays open for the life of this process.

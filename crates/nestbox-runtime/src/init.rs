@@ -95,8 +95,12 @@ pub const INIT_TITLE: &str = "nestbox-init";
 /// paths such as the state root) with `title`, in place, and set the thread name.
 fn set_process_title(title: &str) {
     let _ = nix::sys::prctl::set_name(&std::ffi::CString::new(title).unwrap_or_default());
-    let Ok(stat) = std::fs::read_to_string("/proc/self/stat") else { return };
-    let Some(rest) = stat.rfind(')').map(|i| &stat[i + 2..]) else { return };
+    let Ok(stat) = std::fs::read_to_string("/proc/self/stat") else {
+        return;
+    };
+    let Some(rest) = stat.rfind(')').map(|i| &stat[i + 2..]) else {
+        return;
+    };
     let fields: Vec<&str> = rest.split_whitespace().collect();
     // arg_start and arg_end are fields 48 and 49 of the stat line (index 45/46 after ')').
     let (Some(start), Some(end)) = (
@@ -118,7 +122,11 @@ fn set_process_title(title: &str) {
 }
 
 fn quiet_stdio() {
-    if let Ok(null) = std::fs::OpenOptions::new().read(true).write(true).open("/dev/null") {
+    if let Ok(null) = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open("/dev/null")
+    {
         use std::os::fd::AsRawFd;
         for fd in 0..3 {
             let _ = nix::unistd::dup2(null.as_raw_fd(), fd);

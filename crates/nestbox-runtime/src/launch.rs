@@ -63,7 +63,11 @@ impl CommandPlan {
         new_session: bool,
     ) -> crate::Result<Self> {
         let cstr = |s: &String| {
-            CString::new(s.as_bytes()).map_err(|_| crate::RuntimeError::Invalid(format!("argument or variable contains a NUL byte: {s:?}")))
+            CString::new(s.as_bytes()).map_err(|_| {
+                crate::RuntimeError::Invalid(format!(
+                    "argument or variable contains a NUL byte: {s:?}"
+                ))
+            })
         };
         let path_dirs = env
             .iter()
@@ -153,7 +157,14 @@ fn keep_only_box_fds(fds: ChildFds) -> nix::Result<(RawFd, RawFd)> {
     std::mem::forget(fds);
     // SAFETY: closes descriptors of this process only; everything it still needs
     // lives on 0-4.
-    let rc = unsafe { libc::syscall(libc::SYS_close_range, (REPORT_FD + 1) as u32, u32::MAX, 0u32) };
+    let rc = unsafe {
+        libc::syscall(
+            libc::SYS_close_range,
+            (REPORT_FD + 1) as u32,
+            u32::MAX,
+            0u32,
+        )
+    };
     if rc != 0 {
         return Err(nix::errno::Errno::last());
     }
@@ -178,10 +189,12 @@ fn setup_box(plan: &LaunchPlan, fds: ChildFds) -> Result<Pid, Failure> {
     // Join the box cgroup by moving ourselves (still host root, single-threaded):
     // the cheap path, see BoxCgroup::self_join_files.
     for file in &plan.cgroup_join {
-        std::fs::write(file, "0").map_err(|e| e125(&format!("join cgroup {}", file.display()), &e))?;
+        std::fs::write(file, "0")
+            .map_err(|e| e125(&format!("join cgroup {}", file.display()), &e))?;
     }
     if plan.rootfs.userns {
-        become_namespace_root(plan.command.setgroups).map_err(|e| e125("become root of the user namespace", &e))?;
+        become_namespace_root(plan.command.setgroups)
+            .map_err(|e| e125("become root of the user namespace", &e))?;
     }
     unshare(CloneFlags::CLONE_NEWCGROUP).map_err(|e| e125("unshare(cgroup namespace)", &e))?;
     nix::unistd::sethostname(&plan.hostname).map_err(|e| e125("sethostname", &e))?;
@@ -189,7 +202,8 @@ fn setup_box(plan: &LaunchPlan, fds: ChildFds) -> Result<Pid, Failure> {
     rootfs::assemble(&plan.rootfs).map_err(|e| e125("box root", &e))?;
     rootfs::pivot_into(&plan.rootfs.mountpoint).map_err(|e| e125("box root", &e))?;
     // Block every signal before forking, so init sees each one through its signalfd.
-    sigprocmask(SigmaskHow::SIG_SETMASK, Some(&SigSet::all()), None).map_err(|e| e125("sigprocmask", &e))?;
+    sigprocmask(SigmaskHow::SIG_SETMASK, Some(&SigSet::all()), None)
+        .map_err(|e| e125("sigprocmask", &e))?;
     // SAFETY: this process is single-threaded (a fresh fork of the single-threaded
     // monitor), so the child may run arbitrary code.
     match unsafe { nix::unistd::fork() }.map_err(|e| e125("fork", &e))? {
@@ -228,12 +242,28 @@ fn prepare_credentials(plan: &CommandPlan) -> Result<(), Failure> {
     reset_signals();
     // Nothing the caller had open may leak into the box.
     // SAFETY: close_range only changes flags of this process's own descriptors.
-    unsafe { libc::syscall(libc::SYS_close_range, 3u32, u32::MAX, libc::CLOSE_RANGE_CLOEXEC) };
+    unsafe {
+        libc::syscall(
+            libc::SYS_close_range,
+            3u32,
+            u32::MAX,
+            libc::CLOSE_RANGE_CLOEXEC,
+        )
+    };
     if plan.create_workdir && !plan.workdir.exists() {
-        std::fs::create_dir_all(&plan.workdir).map_err(|e| e125(&format!("create working directory {}", plan.workdir.display()), &e))?;
+        std::fs::create_dir_all(&plan.workdir).map_err(|e| {
+            e125(
+                &format!("create working directory {}", plan.workdir.display()),
+                &e,
+            )
+        })?;
     }
-    nix::unistd::chdir(&plan.workdir)
-        .map_err(|e| e125(&format!("working directory {} in the box", plan.workdir.display()), &e.desc()))?;
+    nix::unistd::chdir(&plan.workdir).map_err(|e| {
+        e125(
+            &format!("working directory {} in the box", plan.workdir.display()),
+            &e.desc(),
+        )
+    })?;
     caps::restrict_bounding(&plan.caps).map_err(|e| e125("capabilities", &e))?;
     if plan.setgroups {
         nix::unistd::setgroups(&[]).map_err(|e| e125("setgroups", &e))?;
@@ -241,7 +271,8 @@ fn prepare_credentials(plan: &CommandPlan) -> Result<(), Failure> {
     let (uid, gid) = (Uid::from_raw(plan.user.uid), Gid::from_raw(plan.user.gid));
     nix::unistd::setresgid(gid, gid, gid).map_err(|e| e125(&format!("setgid {gid}"), &e))?;
     nix::unistd::setresuid(uid, uid, uid).map_err(|e| e125(&format!("setuid {uid}"), &e))?;
-    caps::apply_process_sets(&plan.caps, plan.user.uid == 0).map_err(|e| e125("capabilities", &e))?;
+    caps::apply_process_sets(&plan.caps, plan.user.uid == 0)
+        .map_err(|e| e125("capabilities", &e))?;
     nix::sys::prctl::set_no_new_privs().map_err(|e| e125("prctl(NO_NEW_PRIVS)", &e))?;
     if let Some(filter) = &plan.seccomp {
         filter.install().map_err(|e| e125("seccomp", &e))?;
@@ -269,7 +300,10 @@ fn exec_path_search(plan: &CommandPlan) -> Failure {
     let candidates: Vec<CString> = if prog.contains(&b'/') {
         vec![plan.argv[0].clone()]
     } else {
-        plan.path_dirs.iter().filter_map(|d| CString::new(format!("{d}/{name}")).ok()).collect()
+        plan.path_dirs
+            .iter()
+            .filter_map(|d| CString::new(format!("{d}/{name}")).ok())
+            .collect()
     };
     let mut denied: Option<Errno> = None;
     for path in &candidates {
@@ -288,8 +322,14 @@ fn exec_path_search(plan: &CommandPlan) -> Failure {
         }
     }
     match denied {
-        None => (EXIT_NOT_FOUND, format!("command not found in the box: {name}")),
-        Some(e) => (EXIT_CANNOT_EXECUTE, format!("cannot execute {name} in the box: {}", e.desc())),
+        None => (
+            EXIT_NOT_FOUND,
+            format!("command not found in the box: {name}"),
+        ),
+        Some(e) => (
+            EXIT_CANNOT_EXECUTE,
+            format!("cannot execute {name} in the box: {}", e.desc()),
+        ),
     }
 }
 

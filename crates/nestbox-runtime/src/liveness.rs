@@ -20,13 +20,17 @@ impl ProcRef {
 
     /// The identity of the calling process.
     pub fn current() -> ProcRef {
-        Self::of(std::process::id() as i32).unwrap_or(ProcRef { pid: std::process::id() as i32, start_time: 0 })
+        Self::of(std::process::id() as i32).unwrap_or(ProcRef {
+            pid: std::process::id() as i32,
+            start_time: 0,
+        })
     }
 
     /// Whether this exact process is still alive (zombies count as dead).
     pub fn alive(&self) -> bool {
         match std::fs::read_to_string(format!("/proc/{}/stat", self.pid)) {
-            Ok(stat) => parse_stat(&stat).is_some_and(|(state, st)| st == self.start_time && state != 'Z' && state != 'X'),
+            Ok(stat) => parse_stat(&stat)
+                .is_some_and(|(state, st)| st == self.start_time && state != 'Z' && state != 'X'),
             Err(_) => false,
         }
     }
@@ -55,8 +59,16 @@ mod tests {
     fn current_process_is_alive_and_a_changed_start_is_not() {
         let me = ProcRef::current();
         assert!(me.alive());
-        assert!(!ProcRef { start_time: me.start_time + 1, ..me }.alive());
-        assert!(!ProcRef { pid: i32::MAX, start_time: 1 }.alive());
+        assert!(!ProcRef {
+            start_time: me.start_time + 1,
+            ..me
+        }
+        .alive());
+        assert!(!ProcRef {
+            pid: i32::MAX,
+            start_time: 1
+        }
+        .alive());
     }
 
     #[test]

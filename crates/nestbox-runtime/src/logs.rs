@@ -30,7 +30,11 @@ pub struct LogWriter {
 impl LogWriter {
     /// Open (creating) the log at `path` for appending.
     pub fn open(path: &Path) -> Result<Self> {
-        let file = OpenOptions::new().create(true).append(true).open(path).map_err(RuntimeError::io("open log", path))?;
+        let file = OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(path)
+            .map_err(RuntimeError::io("open log", path))?;
         Ok(LogWriter { file })
     }
 
@@ -74,7 +78,11 @@ impl LogReader {
             return Ok(None);
         }
         self.pos += (HEADER + len) as u64;
-        let stream = if header[0] == Stream::Stderr as u8 { Stream::Stderr } else { Stream::Stdout };
+        let stream = if header[0] == Stream::Stderr as u8 {
+            Stream::Stderr
+        } else {
+            Stream::Stdout
+        };
         Ok(Some((stream, data)))
     }
 }

@@ -38,8 +38,14 @@ use crate::state::{now, Status};
 use crate::{Result, RuntimeError};
 
 /// Signals the monitor passes on to the box.
-pub const FORWARDED: &[Signal] =
-    &[Signal::SIGINT, Signal::SIGTERM, Signal::SIGHUP, Signal::SIGQUIT, Signal::SIGUSR1, Signal::SIGUSR2];
+pub const FORWARDED: &[Signal] = &[
+    Signal::SIGINT,
+    Signal::SIGTERM,
+    Signal::SIGHUP,
+    Signal::SIGQUIT,
+    Signal::SIGUSR1,
+    Signal::SIGUSR2,
+];
 
 /// How the monitor talks to whoever started the box.
 #[derive(Debug)]
@@ -110,7 +116,11 @@ fn start(reg: &Registry, record: &BoxRecord) -> Result<Running> {
     result
 }
 
-fn start_inner(reg: &Registry, record: &BoxRecord, cgroup_slot: &mut Option<BoxCgroup>) -> Result<Running> {
+fn start_inner(
+    reg: &Registry,
+    record: &BoxRecord,
+    cgroup_slot: &mut Option<BoxCgroup>,
+) -> Result<Running> {
     let spec = &record.spec;
     let idmap = spec.userns.then(IdMap::for_caller);
     let cgroup = create_cgroup(spec, &reg.roots().cgroup_id(&record.state.id))?;
@@ -118,20 +128,26 @@ fn start_inner(reg: &Registry, record: &BoxRecord, cgroup_slot: &mut Option<BoxC
     // The cgroup is recorded with the Running state below; until then a crash
     // leaves it to `gc`, which finds it by this root's tag in its name.
     let mut plan = launch_plan(reg, record, idmap)?;
-    plan.cgroup_join = cgroup.as_ref().map(BoxCgroup::self_join_files).unwrap_or_default();
+    plan.cgroup_join = cgroup
+        .as_ref()
+        .map(BoxCgroup::self_join_files)
+        .unwrap_or_default();
 
     let (go_r, go_w) = pipe2(OFlag::O_CLOEXEC).map_err(RuntimeError::sys("pipe2"))?;
     let (rep_r, rep_w) = pipe2(OFlag::O_CLOEXEC).map_err(RuntimeError::sys("pipe2"))?;
     let (out_r, out_w) = pipe2(OFlag::O_CLOEXEC).map_err(RuntimeError::sys("pipe2"))?;
     let (err_r, err_w) = pipe2(OFlag::O_CLOEXEC).map_err(RuntimeError::sys("pipe2"))?;
     let stdin: OwnedFd = if spec.interactive {
-        nix::unistd::dup(0).map(|fd| {
-            // SAFETY: dup returned a fresh descriptor that nothing else owns.
-            unsafe { OwnedFd::from_raw_fd(fd) }
-        })
-        .map_err(RuntimeError::sys("dup stdin"))?
+        nix::unistd::dup(0)
+            .map(|fd| {
+                // SAFETY: dup returned a fresh descriptor that nothing else owns.
+                unsafe { OwnedFd::from_raw_fd(fd) }
+            })
+            .map_err(RuntimeError::sys("dup stdin"))?
     } else {
-        File::open("/dev/null").map_err(RuntimeError::io("open", "/dev/null"))?.into()
+        File::open("/dev/null")
+            .map_err(RuntimeError::io("open", "/dev/null"))?
+            .into()
     };
 
     let mut flags = BOX_NAMESPACES;
@@ -141,7 +157,13 @@ fn start_inner(reg: &Registry, record: &BoxRecord, cgroup_slot: &mut Option<BoxC
     let child = match fork_into(flags)? {
         Forked::Child => {
             drop((go_w, rep_r, out_r, err_r));
-            let fds = ChildFds { stdin, stdout: out_w, stderr: err_w, go: go_r, report: rep_w };
+            let fds = ChildFds {
+                stdin,
+                stdout: out_w,
+                stderr: err_w,
+                go: go_r,
+                report: rep_w,
+            };
             box_first_process(&plan, fds)
         }
         Forked::Parent(pid) => pid,
@@ -172,7 +194,13 @@ fn start_inner(reg: &Registry, record: &BoxRecord, cgroup_slot: &mut Option<BoxC
         s.monitor = Some(ProcRef::current());
     })
     .map_err(abandon)?;
-    Ok(Running { init: child, pidfd, stdout: File::from(out_r), stderr: File::from(err_r), cgroup })
+    Ok(Running {
+        init: child,
+        pidfd,
+        stdout: File::from(out_r),
+        stderr: File::from(err_r),
+        cgroup,
+    })
 }
 
 /// Create the box cgroup. Without root, a box with no limits may run without one.
@@ -202,17 +230,31 @@ fn launch_plan(reg: &Registry, record: &BoxRecord, idmap: Option<IdMap>) -> Resu
     for (i, layer) in view.layers.into_iter().enumerate() {
         let (upper, work) = record.layer_dirs(i);
         for d in [&upper, &work] {
-            std::fs::DirBuilder::new().recursive(true).mode(0o755).create(d).map_err(RuntimeError::io("mkdir", d))?;
+            std::fs::DirBuilder::new()
+                .recursive(true)
+                .mode(0o755)
+                .create(d)
+                .map_err(RuntimeError::io("mkdir", d))?;
             if let Some((uid, gid)) = owner {
-                nix::unistd::chown(d, Some(uid.into()), Some(gid.into())).map_err(RuntimeError::sys(format!("chown {}", d.display())))?;
+                nix::unistd::chown(d, Some(uid.into()), Some(gid.into()))
+                    .map_err(RuntimeError::sys(format!("chown {}", d.display())))?;
             }
         }
-        layers.push(LayerMount { target: layer.target, lowers: layer.lowers, upper, work });
+        layers.push(LayerMount {
+            target: layer.target,
+            lowers: layer.lowers,
+            upper,
+            work,
+        });
     }
     let rootfs = RootfsPlan {
         mountpoint: record.rootfs_mountpoint(),
         layers,
-        read_only_binds: view.read_only.into_iter().map(|b| (b.source, b.target)).collect(),
+        read_only_binds: view
+            .read_only
+            .into_iter()
+            .map(|b| (b.source, b.target))
+            .collect(),
         volumes: spec.volumes.clone(),
         tmpfs: spec.tmpfs.clone(),
         read_only: spec.read_only,
@@ -228,7 +270,12 @@ fn launch_plan(reg: &Registry, record: &BoxRecord, idmap: Option<IdMap>) -> Resu
         idmap.is_none_or(|m| m.allows_setgroups()),
         true,
     )?;
-    Ok(LaunchPlan { rootfs, hostname: spec.hostname.clone(), cgroup_join: Vec::new(), command })
+    Ok(LaunchPlan {
+        rootfs,
+        hostname: spec.hostname.clone(),
+        cgroup_join: Vec::new(),
+        command,
+    })
 }
 
 /// Compile the box's seccomp filter (None when unconfined).
@@ -249,7 +296,9 @@ fn pidfd_open(pid: Pid) -> Result<OwnedFd> {
     // SAFETY: pidfd_open takes a pid and flags and returns a new descriptor or -1.
     let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid.as_raw(), 0) };
     if fd < 0 {
-        return Err(RuntimeError::sys(format!("pidfd_open({pid})"))(nix::errno::Errno::last()));
+        return Err(RuntimeError::sys(format!("pidfd_open({pid})"))(
+            nix::errno::Errno::last(),
+        ));
     }
     // SAFETY: the kernel just returned this descriptor; nothing else owns it.
     Ok(unsafe { OwnedFd::from_raw_fd(fd as i32) })
@@ -260,8 +309,10 @@ fn block_forwarded_signals() -> Result<SignalFd> {
     for s in FORWARDED {
         set.add(*s);
     }
-    sigprocmask(SigmaskHow::SIG_BLOCK, Some(&set), None).map_err(RuntimeError::sys("sigprocmask"))?;
-    SignalFd::with_flags(&set, SfdFlags::SFD_CLOEXEC | SfdFlags::SFD_NONBLOCK).map_err(RuntimeError::sys("signalfd"))
+    sigprocmask(SigmaskHow::SIG_BLOCK, Some(&set), None)
+        .map_err(RuntimeError::sys("sigprocmask"))?;
+    SignalFd::with_flags(&set, SfdFlags::SFD_CLOEXEC | SfdFlags::SFD_NONBLOCK)
+        .map_err(RuntimeError::sys("signalfd"))
 }
 
 /// Relay output and signals until init exits; returns its exit code.
@@ -270,7 +321,11 @@ fn supervise(record: &BoxRecord, run: &Running, signals: SignalFd, foreground: b
     let mut open = [true, true];
     let mut buf = vec![0u8; 64 * 1024];
     let mut relay = |which: usize, file: &File, log: &mut Option<LogWriter>| -> bool {
-        let stream = if which == 0 { Stream::Stdout } else { Stream::Stderr };
+        let stream = if which == 0 {
+            Stream::Stdout
+        } else {
+            Stream::Stderr
+        };
         match (&*file).read(&mut buf) {
             Ok(0) | Err(_) => false,
             Ok(n) => {
@@ -278,14 +333,21 @@ fn supervise(record: &BoxRecord, run: &Running, signals: SignalFd, foreground: b
                     let _ = l.append(stream, &buf[..n]);
                 }
                 if foreground {
-                    let _ = if which == 0 { std::io::stdout().write_all(&buf[..n]) } else { std::io::stderr().write_all(&buf[..n]) };
+                    let _ = if which == 0 {
+                        std::io::stdout().write_all(&buf[..n])
+                    } else {
+                        std::io::stderr().write_all(&buf[..n])
+                    };
                 }
                 true
             }
         }
     };
     loop {
-        let mut fds = vec![PollFd::new(run.pidfd.as_fd(), PollFlags::POLLIN), PollFd::new(signals.as_fd(), PollFlags::POLLIN)];
+        let mut fds = vec![
+            PollFd::new(run.pidfd.as_fd(), PollFlags::POLLIN),
+            PollFd::new(signals.as_fd(), PollFlags::POLLIN),
+        ];
         if open[0] {
             fds.push(PollFd::new(run.stdout.as_fd(), PollFlags::POLLIN));
         }
@@ -295,7 +357,10 @@ fn supervise(record: &BoxRecord, run: &Running, signals: SignalFd, foreground: b
         if poll(&mut fds, PollTimeout::NONE).is_err() {
             continue;
         }
-        let ready: Vec<bool> = fds.iter().map(|f| f.revents().is_some_and(|r| !r.is_empty())).collect();
+        let ready: Vec<bool> = fds
+            .iter()
+            .map(|f| f.revents().is_some_and(|r| !r.is_empty()))
+            .collect();
         drop(fds);
         let mut idx = 2;
         for (which, file) in [(0, &run.stdout), (1, &run.stderr)] {
@@ -333,7 +398,9 @@ fn supervise(record: &BoxRecord, run: &Running, signals: SignalFd, foreground: b
     for (which, file) in [(0, &run.stdout), (1, &run.stderr)] {
         while open[which] && Instant::now() < deadline {
             let mut fds = [PollFd::new(file.as_fd(), PollFlags::POLLIN)];
-            if poll(&mut fds, PollTimeout::from(100u8)).unwrap_or(0) == 0 || !relay(which, file, &mut log) {
+            if poll(&mut fds, PollTimeout::from(100u8)).unwrap_or(0) == 0
+                || !relay(which, file, &mut log)
+            {
                 open[which] = false;
             }
         }
@@ -357,7 +424,10 @@ fn finish(reg: &Registry, record: &BoxRecord, run: Running, exit_code: i32) -> R
     let oom_killed = oom_kills > 0 && exit_code == 128 + Signal::SIGKILL as i32;
     if record.spec.remove_on_exit {
         reg.remove(record)?;
-        return Ok(Outcome { exit_code, oom_killed });
+        return Ok(Outcome {
+            exit_code,
+            oom_killed,
+        });
     }
     reg.update(record.name(), |s| {
         s.status = Status::Exited;
@@ -370,7 +440,10 @@ fn finish(reg: &Registry, record: &BoxRecord, run: Running, exit_code: i32) -> R
             s.error = Some(oom_message(&record.spec));
         }
     })?;
-    Ok(Outcome { exit_code, oom_killed })
+    Ok(Outcome {
+        exit_code,
+        oom_killed,
+    })
 }
 
 /// The one line that reports an OOM kill.

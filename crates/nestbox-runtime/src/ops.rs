@@ -58,7 +58,11 @@ pub fn run_detached(reg: &Registry, spec: &BoxSpec) -> Result<()> {
 fn become_daemon() {
     let _ = nix::unistd::setsid();
     let _ = nix::unistd::chdir("/");
-    if let Ok(null) = std::fs::OpenOptions::new().read(true).write(true).open("/dev/null") {
+    if let Ok(null) = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open("/dev/null")
+    {
         use std::os::fd::AsRawFd;
         for fd in 0..3 {
             let _ = nix::unistd::dup2(null.as_raw_fd(), fd);
@@ -73,11 +77,20 @@ fn wait_ready(reg: &Registry, record: &BoxRecord, ready: OwnedFd) -> Result<()> 
         return Ok(());
     }
     if let Some((code, msg)) = text.split_once('\t') {
-        return Err(RuntimeError::Launch { code: code.parse().unwrap_or(125), message: msg.to_string() });
+        return Err(RuntimeError::Launch {
+            code: code.parse().unwrap_or(125),
+            message: msg.to_string(),
+        });
     }
     // The monitor died before saying anything: clean up what it left.
     let _ = cleanup_dead(reg, record);
-    Err(RuntimeError::Launch { code: 125, message: format!("the monitor of box {:?} died while starting it", record.name()) })
+    Err(RuntimeError::Launch {
+        code: 125,
+        message: format!(
+            "the monitor of box {:?} died while starting it",
+            record.name()
+        ),
+    })
 }
 
 /// Stop a box: SIGTERM to its command (through init), SIGKILL after `timeout`.
@@ -133,7 +146,12 @@ fn running_init(record: &BoxRecord) -> Option<Pid> {
 /// monitor is dead too, release the box's resources here.
 fn settle(reg: &Registry, record: &BoxRecord) -> Result<()> {
     let name = record.name();
-    let monitor_gone = || !reg.load(name).ok().and_then(|r| r.state.monitor).is_some_and(|m| m.alive());
+    let monitor_gone = || {
+        !reg.load(name)
+            .ok()
+            .and_then(|r| r.state.monitor)
+            .is_some_and(|m| m.alive())
+    };
     let recorded = |r: &Registry| reg_status(r, name) == Some(Status::Exited);
     if wait_until(Duration::from_secs(10), || recorded(reg) || monitor_gone()) && recorded(reg) {
         return Ok(());
@@ -182,7 +200,11 @@ pub fn stats(reg: &Registry, name: &str) -> Result<Stats> {
     if let (Some(cg), Some(_)) = (&record.state.cgroup, running_init(&record)) {
         return Ok(cg.stats()?);
     }
-    record.state.final_stats.clone().ok_or_else(|| RuntimeError::NotRunning(name.to_string()))
+    record
+        .state
+        .final_stats
+        .clone()
+        .ok_or_else(|| RuntimeError::NotRunning(name.to_string()))
 }
 
 /// Everything known about a box, as JSON.
@@ -240,15 +262,21 @@ pub fn gc(reg: &Registry) -> Result<GcReport> {
     if let Ok(h) = Hierarchies::detect() {
         // Cgroups of other roots count as live: only this root's own are collected.
         let roots = reg.roots();
-        let live = |cg_id: &str| roots.box_id_of_cgroup(cg_id).is_none_or(|id| live_ids.iter().any(|l| l == id));
+        let live = |cg_id: &str| {
+            roots
+                .box_id_of_cgroup(cg_id)
+                .is_none_or(|id| live_ids.iter().any(|l| l == id))
+        };
         for cg in nestbox_cgroup::find_stale(&h, &live) {
             let _ = cg.kill_all();
             cg.remove()?;
-            report.cgroups.extend(cg.paths().into_values().map(|p| p.display().to_string()));
+            report
+                .cgroups
+                .extend(cg.paths().into_values().map(|p| p.display().to_string()));
         }
     }
     for dir in reg.orphans(&live_ids) {
-        std::fs::remove_dir_all(&dir).map_err(RuntimeError::io("remove", &dir))?;
+        crate::registry::remove_tree(&dir)?;
         report.dirs.push(dir.display().to_string());
     }
     report.cgroups.sort();

@@ -16,7 +16,10 @@ pub struct Roots {
 impl Roots {
     /// `DIR/run` and `DIR/lib` for an explicit root.
     pub fn under(dir: &Path) -> Self {
-        Roots { run: dir.join("run"), lib: dir.join("lib") }
+        Roots {
+            run: dir.join("run"),
+            lib: dir.join("lib"),
+        }
     }
 
     /// `--root` if given, else `NESTBOX_ROOT`, else the system locations
@@ -30,7 +33,10 @@ impl Roots {
             return Self::under(Path::new(&dir));
         }
         if nix::unistd::geteuid().is_root() {
-            return Roots { run: "/run/nestbox".into(), lib: "/var/lib/nestbox".into() };
+            return Roots {
+                run: "/run/nestbox".into(),
+                lib: "/var/lib/nestbox".into(),
+            };
         }
         let uid = nix::unistd::geteuid();
         let run = std::env::var_os("XDG_RUNTIME_DIR")

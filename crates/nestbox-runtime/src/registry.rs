@@ -93,13 +93,28 @@ impl Registry {
         let built = (|| {
             write_json(&tmp.join("spec.json"), spec)?;
             write_json(&tmp.join("state.json"), &state)?;
-            fs::File::create(tmp.join("lock")).map_err(RuntimeError::io("create", tmp.join("lock")))?;
-            fs::DirBuilder::new().mode(0o755).create(tmp.join("rootfs")).map_err(RuntimeError::io("mkdir", tmp.join("rootfs")))?;
-            nix::fcntl::renameat2(None, &tmp, None, &final_dir, nix::fcntl::RenameFlags::RENAME_NOREPLACE).map_err(|e| {
+            fs::File::create(tmp.join("lock"))
+                .map_err(RuntimeError::io("create", tmp.join("lock")))?;
+            fs::DirBuilder::new()
+                .mode(0o755)
+                .create(tmp.join("rootfs"))
+                .map_err(RuntimeError::io("mkdir", tmp.join("rootfs")))?;
+            nix::fcntl::renameat2(
+                None,
+                &tmp,
+                None,
+                &final_dir,
+                nix::fcntl::RenameFlags::RENAME_NOREPLACE,
+            )
+            .map_err(|e| {
                 if e == nix::errno::Errno::EEXIST {
                     RuntimeError::NameInUse(spec.name.clone())
                 } else {
-                    RuntimeError::sys(format!("rename {} to {}", tmp.display(), final_dir.display()))(e)
+                    RuntimeError::sys(format!(
+                        "rename {} to {}",
+                        tmp.display(),
+                        final_dir.display()
+                    ))(e)
                 }
             })
         })();
@@ -112,7 +127,12 @@ impl Registry {
             let _ = fs::remove_dir_all(&final_dir);
             return Err(e);
         }
-        Ok(BoxRecord { spec: spec.clone(), state, run_dir: final_dir, lib_dir })
+        Ok(BoxRecord {
+            spec: spec.clone(),
+            state,
+            run_dir: final_dir,
+            lib_dir,
+        })
     }
 
     /// Load the record of `name`.
@@ -123,20 +143,29 @@ impl Registry {
         let dir = self.roots.box_run(name);
         let spec: BoxSpec = match read_json(&dir.join("spec.json")) {
             Ok(s) => s,
-            Err(RuntimeError::Io { source, .. }) if source.kind() == std::io::ErrorKind::NotFound => {
+            Err(RuntimeError::Io { source, .. })
+                if source.kind() == std::io::ErrorKind::NotFound =>
+            {
                 return Err(RuntimeError::NoSuchBox(name.to_string()))
             }
             Err(e) => return Err(e),
         };
         let state: BoxState = match read_json(&dir.join("state.json")) {
             Ok(s) => s,
-            Err(RuntimeError::Io { source, .. }) if source.kind() == std::io::ErrorKind::NotFound => {
+            Err(RuntimeError::Io { source, .. })
+                if source.kind() == std::io::ErrorKind::NotFound =>
+            {
                 return Err(RuntimeError::NoSuchBox(name.to_string()))
             }
             Err(e) => return Err(e),
         };
         let lib_dir = self.roots.box_lib(&state.id);
-        Ok(BoxRecord { spec, state, run_dir: dir, lib_dir })
+        Ok(BoxRecord {
+            spec,
+            state,
+            run_dir: dir,
+            lib_dir,
+        })
     }
 
     /// All boxes, sorted by creation time. Records that vanish while listing are skipped.
@@ -166,14 +195,19 @@ impl Registry {
     /// Take the exclusive lock of `name`'s record.
     pub fn lock(&self, name: &str) -> Result<BoxLock> {
         let path = self.roots.box_run(name).join("lock");
-        let file = fs::OpenOptions::new().read(true).write(true).open(&path).map_err(|e| {
-            if e.kind() == std::io::ErrorKind::NotFound {
-                RuntimeError::NoSuchBox(name.to_string())
-            } else {
-                RuntimeError::io("open", &path)(e)
-            }
-        })?;
-        let lock = Flock::lock(file, FlockArg::LockExclusive).map_err(|(_, e)| RuntimeError::sys(format!("flock {}", path.display()))(e))?;
+        let file = fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(&path)
+            .map_err(|e| {
+                if e.kind() == std::io::ErrorKind::NotFound {
+                    RuntimeError::NoSuchBox(name.to_string())
+                } else {
+                    RuntimeError::io("open", &path)(e)
+                }
+            })?;
+        let lock = Flock::lock(file, FlockArg::LockExclusive)
+            .map_err(|(_, e)| RuntimeError::sys(format!("flock {}", path.display()))(e))?;
         Ok(BoxLock { _lock: lock })
     }
 
@@ -189,7 +223,7 @@ impl Registry {
 
     /// Delete the record and data of a box (its processes and cgroup must be gone).
     pub fn remove(&self, record: &BoxRecord) -> Result<()> {
-        let _ = fs::remove_dir_all(&record.lib_dir);
+        remove_tree(&record.lib_dir)?;
         // Rename first so the name is free at once and a half-deleted record is never listed.
         let tomb = self.roots.boxes().join(format!(".rm-{}", record.state.id));
         match fs::rename(&record.run_dir, &tomb) {
@@ -206,7 +240,10 @@ impl Registry {
         if let Ok(entries) = fs::read_dir(self.roots.boxes()) {
             for e in entries.flatten() {
                 let n = e.file_name().to_string_lossy().to_string();
-                if n.starts_with(".rm-") || (n.starts_with(".new-") && !live_ids.iter().any(|id| n.ends_with(id.as_str()))) {
+                if n.starts_with(".rm-")
+                    || (n.starts_with(".new-")
+                        && !live_ids.iter().any(|id| n.ends_with(id.as_str())))
+                {
                     out.push(e.path());
                 }
             }
@@ -235,8 +272,50 @@ pub fn generated_name() -> String {
     format!("box-{}", &new_id()[..8])
 }
 
+/// Remove a directory tree that may hold directories without permissions
+/// (overlayfs leaves `work/work` with mode 000, which a caller without
+/// CAP_DAC_OVERRIDE cannot list): on EACCES, open up the modes and retry.
+/// A tree that does not exist is fine.
+pub fn remove_tree(path: &Path) -> Result<()> {
+    match fs::remove_dir_all(path) {
+        Ok(()) => return Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+        Err(e) if e.kind() != std::io::ErrorKind::PermissionDenied => {
+            return Err(RuntimeError::io("remove", path)(e))
+        }
+        Err(_) => {}
+    }
+    open_up(path);
+    match fs::remove_dir_all(path) {
+        Ok(()) => Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+        Err(e) => Err(RuntimeError::io("remove", path)(e)),
+    }
+}
+
+/// Give the owner full access to every directory below `dir` (best effort).
+fn open_up(dir: &Path) {
+    use std::os::unix::fs::PermissionsExt;
+    let Ok(meta) = fs::symlink_metadata(dir) else {
+        return;
+    };
+    if !meta.is_dir() {
+        return;
+    }
+    let _ = fs::set_permissions(dir, fs::Permissions::from_mode(0o700));
+    if let Ok(entries) = fs::read_dir(dir) {
+        for e in entries.flatten() {
+            open_up(&e.path());
+        }
+    }
+}
+
 fn mkdir_p(p: &Path) -> Result<()> {
-    fs::DirBuilder::new().recursive(true).mode(0o711).create(p).map_err(RuntimeError::io("mkdir", p))
+    fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o711)
+        .create(p)
+        .map_err(RuntimeError::io("mkdir", p))
 }
 
 #[cfg(test)]
@@ -249,9 +328,17 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let reg = Registry::new(Roots::under(dir.path()));
         let rec = reg.create(&sample("a")).unwrap();
-        assert!(matches!(reg.create(&sample("a")), Err(RuntimeError::NameInUse(_))));
+        assert!(matches!(
+            reg.create(&sample("a")),
+            Err(RuntimeError::NameInUse(_))
+        ));
         reg.create(&sample("b")).unwrap();
-        let names: Vec<_> = reg.list().unwrap().iter().map(|r| r.name().to_string()).collect();
+        let names: Vec<_> = reg
+            .list()
+            .unwrap()
+            .iter()
+            .map(|r| r.name().to_string())
+            .collect();
         assert_eq!(names, ["a", "b"]);
         reg.update("a", |s| s.exit_code = Some(3)).unwrap();
         assert_eq!(reg.load("a").unwrap().state.exit_code, Some(3));
@@ -266,14 +353,36 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let reg = Registry::new(Roots::under(dir.path()));
         let wins: usize = std::thread::scope(|s| {
-            let hs: Vec<_> = (0..8).map(|_| s.spawn(|| reg.create(&sample("same")).is_ok())).collect();
+            let hs: Vec<_> = (0..8)
+                .map(|_| s.spawn(|| reg.create(&sample("same")).is_ok()))
+                .collect();
             hs.into_iter().map(|h| h.join().unwrap() as usize).sum()
         });
         assert_eq!(wins, 1);
-        let ids: Vec<String> = reg.list().unwrap().iter().map(|r| r.state.id.clone()).collect();
+        let ids: Vec<String> = reg
+            .list()
+            .unwrap()
+            .iter()
+            .map(|r| r.state.id.clone())
+            .collect();
         // the losers' data directories were never made, and no temporary record is left
-        assert_eq!(fs::read_dir(dir.path().join("lib/boxes")).unwrap().count(), 1);
+        assert_eq!(
+            fs::read_dir(dir.path().join("lib/boxes")).unwrap().count(),
+            1
+        );
         assert!(reg.orphans(&ids).is_empty());
+    }
+
+    #[test]
+    fn remove_tree_handles_directories_without_permissions() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        let locked = dir.path().join("t/work/work");
+        fs::create_dir_all(locked.join("inner")).unwrap();
+        fs::set_permissions(&locked, fs::Permissions::from_mode(0o000)).unwrap();
+        remove_tree(&dir.path().join("t")).unwrap();
+        assert!(!dir.path().join("t").exists());
+        remove_tree(&dir.path().join("t")).unwrap();
     }
 
     #[test]
@@ -281,6 +390,9 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let reg = Registry::new(Roots::under(dir.path()));
         assert!(matches!(reg.load("nope"), Err(RuntimeError::NoSuchBox(_))));
-        assert!(matches!(reg.load("../etc"), Err(RuntimeError::NoSuchBox(_))));
+        assert!(matches!(
+            reg.load("../etc"),
+            Err(RuntimeError::NoSuchBox(_))
+        ));
     }
 }

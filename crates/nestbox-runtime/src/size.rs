@@ -5,10 +5,16 @@ use crate::{Result, RuntimeError};
 /// Parse a size in bytes: a number with an optional unit b, k, m, g, t (powers of
 /// 1024, case-insensitive, an optional trailing `b`/`ib` accepted: `64MiB`).
 pub fn parse_size(text: &str) -> Result<u64> {
-    let bad = || RuntimeError::Invalid(format!("invalid size {text:?} (expected e.g. 64m, 1.5g, 512k or a byte count)"));
+    let bad = || {
+        RuntimeError::Invalid(format!(
+            "invalid size {text:?} (expected e.g. 64m, 1.5g, 512k or a byte count)"
+        ))
+    };
     let t = text.trim().to_ascii_lowercase();
     let t = t.strip_suffix("ib").map(|s| s.to_string()).unwrap_or(t);
-    let split = t.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(t.len());
+    let split = t
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(t.len());
     let (num, unit) = t.split_at(split);
     if num.is_empty() {
         return Err(bad());

@@ -86,7 +86,9 @@ impl BoxSpec {
     pub fn validate(&self) -> Result<()> {
         validate_name(&self.name)?;
         if self.command.is_empty() || self.command[0].is_empty() {
-            return Err(invalid("missing command: usage is nestbox run [OPTIONS] -- CMD [ARGS...]"));
+            return Err(invalid(
+                "missing command: usage is nestbox run [OPTIONS] -- CMD [ARGS...]",
+            ));
         }
         if let Some(m) = self.limits.memory {
             if m < MIN_MEMORY {
@@ -104,23 +106,34 @@ impl BoxSpec {
             }
         }
         if !self.workdir.is_absolute() {
-            return Err(invalid(format!("--workdir {:?} must be an absolute path", self.workdir)));
+            return Err(invalid(format!(
+                "--workdir {:?} must be an absolute path",
+                self.workdir
+            )));
         }
         validate_hostname(&self.hostname)?;
         for v in &self.volumes {
             if !v.target.is_absolute() {
-                return Err(invalid(format!("volume target {:?} must be an absolute path", v.target)));
+                return Err(invalid(format!(
+                    "volume target {:?} must be an absolute path",
+                    v.target
+                )));
             }
             if v.target == Path::new("/") {
                 return Err(invalid("a volume cannot be mounted on / of the box"));
             }
             if std::fs::symlink_metadata(&v.source).is_err() {
-                return Err(invalid(format!("volume source {:?} does not exist", v.source)));
+                return Err(invalid(format!(
+                    "volume source {:?} does not exist",
+                    v.source
+                )));
             }
         }
         for t in &self.tmpfs {
             if !t.is_absolute() || t == Path::new("/") {
-                return Err(invalid(format!("--tmpfs {t:?} must be an absolute path other than /")));
+                return Err(invalid(format!(
+                    "--tmpfs {t:?} must be an absolute path other than /"
+                )));
             }
         }
         Ok(())
@@ -129,7 +142,11 @@ impl BoxSpec {
     /// The environment the command gets: defaults, then the spec's `env` on top.
     pub fn environment(&self) -> Vec<String> {
         let home = if self.user.uid == 0 { "/root" } else { "/" };
-        let mut env = vec![format!("PATH={DEFAULT_PATH}"), format!("HOSTNAME={}", self.hostname), format!("HOME={home}")];
+        let mut env = vec![
+            format!("PATH={DEFAULT_PATH}"),
+            format!("HOSTNAME={}", self.hostname),
+            format!("HOME={home}"),
+        ];
         for kv in &self.env {
             let key = kv.split('=').next().unwrap_or_default();
             env.retain(|e| e.split('=').next() != Some(key));
@@ -152,8 +169,13 @@ fn invalid(msg: impl Into<String>) -> RuntimeError {
 pub fn validate_name(name: &str) -> Result<()> {
     let ok = !name.is_empty()
         && name.len() <= 64
-        && name.chars().next().is_some_and(|c| c.is_ascii_alphanumeric())
-        && name.chars().all(|c| c.is_ascii_alphanumeric() || "_.-".contains(c));
+        && name
+            .chars()
+            .next()
+            .is_some_and(|c| c.is_ascii_alphanumeric())
+        && name
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || "_.-".contains(c));
     if ok {
         Ok(())
     } else {
@@ -167,7 +189,10 @@ fn validate_hostname(h: &str) -> Result<()> {
     let ok = !h.is_empty()
         && h.len() <= 64
         && h.split('.').all(|l| {
-            !l.is_empty() && !l.starts_with('-') && !l.ends_with('-') && l.chars().all(|c| c.is_ascii_alphanumeric() || c == '-')
+            !l.is_empty()
+                && !l.starts_with('-')
+                && !l.ends_with('-')
+                && l.chars().all(|c| c.is_ascii_alphanumeric() || c == '-')
         });
     if ok {
         Ok(())
@@ -183,18 +208,33 @@ pub fn parse_volume(text: &str) -> Result<Volume> {
         [s, d] => (*s, *d, false),
         [s, d, "ro"] => (*s, *d, true),
         [s, d, "rw"] => (*s, *d, false),
-        _ => return Err(invalid(format!("invalid --volume {text:?}: expected HOST:BOX[:ro]"))),
+        _ => {
+            return Err(invalid(format!(
+                "invalid --volume {text:?}: expected HOST:BOX[:ro]"
+            )))
+        }
     };
     if src.is_empty() || dst.is_empty() {
-        return Err(invalid(format!("invalid --volume {text:?}: expected HOST:BOX[:ro]")));
+        return Err(invalid(format!(
+            "invalid --volume {text:?}: expected HOST:BOX[:ro]"
+        )));
     }
-    let source = std::path::absolute(src).map_err(RuntimeError::io("resolve volume source", src))?;
-    Ok(Volume { source, target: PathBuf::from(dst), read_only: ro })
+    let source =
+        std::path::absolute(src).map_err(RuntimeError::io("resolve volume source", src))?;
+    Ok(Volume {
+        source,
+        target: PathBuf::from(dst),
+        read_only: ro,
+    })
 }
 
 /// Parse `-u UID[:GID]` (numeric; the gid defaults to the uid).
 pub fn parse_user(text: &str) -> Result<User> {
-    let bad = || invalid(format!("invalid --user {text:?}: expected UID[:GID] (numbers)"));
+    let bad = || {
+        invalid(format!(
+            "invalid --user {text:?}: expected UID[:GID] (numbers)"
+        ))
+    };
     let mut it = text.splitn(2, ':');
     let uid: u32 = it.next().unwrap_or_default().parse().map_err(|_| bad())?;
     let gid: u32 = match it.next() {
@@ -253,16 +293,36 @@ mod tests {
     fn bad_inputs_name_the_problem() {
         let mut s = sample();
         s.command.clear();
-        assert!(s.validate().unwrap_err().to_string().contains("missing command"));
+        assert!(s
+            .validate()
+            .unwrap_err()
+            .to_string()
+            .contains("missing command"));
         let mut s = sample();
         s.limits.memory = Some(1024);
-        assert!(s.validate().unwrap_err().to_string().contains("--memory 1024 B is below"));
+        assert!(s
+            .validate()
+            .unwrap_err()
+            .to_string()
+            .contains("--memory 1 KiB is below the minimum of 6 MiB"));
         let mut s = sample();
         s.name = "../x".into();
-        assert!(s.validate().unwrap_err().to_string().contains("invalid box name"));
+        assert!(s
+            .validate()
+            .unwrap_err()
+            .to_string()
+            .contains("invalid box name"));
         let mut s = sample();
-        s.volumes.push(Volume { source: "/nonexistent/zz".into(), target: "/data".into(), read_only: false });
-        assert!(s.validate().unwrap_err().to_string().contains("does not exist"));
+        s.volumes.push(Volume {
+            source: "/nonexistent/zz".into(),
+            target: "/data".into(),
+            read_only: false,
+        });
+        assert!(s
+            .validate()
+            .unwrap_err()
+            .to_string()
+            .contains("does not exist"));
         let mut s = sample();
         s.env.push("NOEQUALS".into());
         assert!(s.validate().unwrap_err().to_string().contains("KEY=VALUE"));
@@ -284,10 +344,19 @@ mod tests {
     #[test]
     fn volumes_and_users_parse() {
         let v = parse_volume("/tmp:/data:ro").unwrap();
-        assert_eq!((v.source, v.target, v.read_only), ("/tmp".into(), "/data".into(), true));
+        assert_eq!(
+            (v.source, v.target, v.read_only),
+            ("/tmp".into(), "/data".into(), true)
+        );
         assert!(parse_volume("/tmp").is_err());
         assert!(parse_volume("/tmp:/d:xx").is_err());
-        assert_eq!(parse_user("1000").unwrap(), User { uid: 1000, gid: 1000 });
+        assert_eq!(
+            parse_user("1000").unwrap(),
+            User {
+                uid: 1000,
+                gid: 1000
+            }
+        );
         assert_eq!(parse_user("1000:5").unwrap(), User { uid: 1000, gid: 5 });
         assert!(parse_user("bob").is_err());
     }

@@ -94,7 +94,9 @@ impl BoxState {
     /// The status as it really is: a creating/running box whose monitor is gone is dead.
     pub fn effective_status(&self) -> Status {
         match self.status {
-            Status::Creating | Status::Running if !self.monitor.is_some_and(|m| m.alive()) => Status::Dead,
+            Status::Creating | Status::Running if !self.monitor.is_some_and(|m| m.alive()) => {
+                Status::Dead
+            }
             s => s,
         }
     }
@@ -102,7 +104,10 @@ impl BoxState {
 
 /// Seconds since the Unix epoch.
 pub fn now() -> f64 {
-    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs_f64()).unwrap_or(0.0)
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs_f64())
+        .unwrap_or(0.0)
 }
 
 /// Write `value` as JSON to `path` atomically (temporary file + rename).
@@ -110,9 +115,13 @@ pub fn now() -> f64 {
 /// the death of a process, not of the machine.
 pub fn write_json<T: Serialize>(path: &Path, value: &T) -> Result<()> {
     let tmp = path.with_extension(format!("tmp{}", std::process::id()));
-    let data = serde_json::to_vec_pretty(value).map_err(|source| RuntimeError::State { path: path.into(), source })?;
+    let data = serde_json::to_vec_pretty(value).map_err(|source| RuntimeError::State {
+        path: path.into(),
+        source,
+    })?;
     let mut f = fs::File::create(&tmp).map_err(RuntimeError::io("create", &tmp))?;
-    f.write_all(&data).map_err(RuntimeError::io("write", &tmp))?;
+    f.write_all(&data)
+        .map_err(RuntimeError::io("write", &tmp))?;
     drop(f);
     fs::rename(&tmp, path).map_err(|e| {
         let _ = fs::remove_file(&tmp);
@@ -123,7 +132,10 @@ pub fn write_json<T: Serialize>(path: &Path, value: &T) -> Result<()> {
 /// Read JSON from `path`.
 pub fn read_json<T: DeserializeOwned>(path: &Path) -> Result<T> {
     let data = fs::read(path).map_err(RuntimeError::io("read", path))?;
-    serde_json::from_slice(&data).map_err(|source| RuntimeError::State { path: path.into(), source })
+    serde_json::from_slice(&data).map_err(|source| RuntimeError::State {
+        path: path.into(),
+        source,
+    })
 }
 
 #[cfg(test)]
@@ -145,7 +157,10 @@ mod tests {
     fn dead_monitor_means_dead_box() {
         let mut s = BoxState::creating("x".into());
         assert_eq!(s.effective_status(), Status::Creating);
-        s.monitor = Some(ProcRef { pid: i32::MAX, start_time: 1 });
+        s.monitor = Some(ProcRef {
+            pid: i32::MAX,
+            start_time: 1,
+        });
         s.status = Status::Running;
         assert_eq!(s.effective_status(), Status::Dead);
         s.status = Status::Exited;

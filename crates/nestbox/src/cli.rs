@@ -30,7 +30,7 @@ pub struct Cli {
 #[derive(Debug, Subcommand)]
 enum Command {
     /// Run a command in a new box.
-    Run(RunArgs),
+    Run(Box<RunArgs>),
     /// List boxes (running ones; -a for all).
     Ps {
         /// Show all boxes, not just running ones.
@@ -164,7 +164,11 @@ struct RunArgs {
     #[arg(long)]
     userns: bool,
     /// The command and its arguments (after --).
-    #[arg(trailing_var_arg = true, allow_hyphen_values = true, value_name = "CMD")]
+    #[arg(
+        trailing_var_arg = true,
+        allow_hyphen_values = true,
+        value_name = "CMD"
+    )]
     command: Vec<String>,
 }
 
@@ -185,7 +189,11 @@ struct ExecArgs {
     /// Box name.
     name: String,
     /// The command and its arguments (after --).
-    #[arg(trailing_var_arg = true, allow_hyphen_values = true, value_name = "CMD")]
+    #[arg(
+        trailing_var_arg = true,
+        allow_hyphen_values = true,
+        value_name = "CMD"
+    )]
     command: Vec<String>,
 }
 
@@ -193,10 +201,13 @@ struct ExecArgs {
 pub fn dispatch(cli: Cli) -> Result<i32> {
     let reg = Registry::new(Roots::resolve(cli.root.as_deref()));
     match cli.command {
-        Command::Run(args) => run(&reg, args),
+        Command::Run(args) => run(&reg, *args),
         Command::Ps { all, json } => output::ps(&reg, all, json).map(|_| 0),
         Command::Inspect { name } => {
-            println!("{}", serde_json::to_string_pretty(&ops::inspect(&reg, &name)?)?);
+            println!(
+                "{}",
+                serde_json::to_string_pretty(&ops::inspect(&reg, &name)?)?
+            );
             Ok(0)
         }
         Command::Logs { follow, name } => output::logs(&reg, &name, follow).map(|_| 0),
@@ -249,7 +260,9 @@ fn run(reg: &Registry, args: RunArgs) -> Result<i32> {
 
 fn build_spec(a: RunArgs) -> Result<BoxSpec> {
     if a.command.is_empty() {
-        bail!(RuntimeError::Invalid("missing command: usage is nestbox run [OPTIONS] -- CMD [ARGS...]".into()));
+        bail!(RuntimeError::Invalid(
+            "missing command: usage is nestbox run [OPTIONS] -- CMD [ARGS...]".into()
+        ));
     }
     let root = nix::unistd::geteuid().is_root();
     if !root {
@@ -257,7 +270,12 @@ fn build_spec(a: RunArgs) -> Result<BoxSpec> {
     }
     let name = a.name.unwrap_or_else(generated_name);
     let limits = Limits {
-        memory: a.memory.as_deref().map(parse_size).transpose().context("--memory")?,
+        memory: a
+            .memory
+            .as_deref()
+            .map(parse_size)
+            .transpose()
+            .context("--memory")?,
         memory_swap: match a.memory_swap.as_deref() {
             None => None,
             Some("-1") => Some(-1),
@@ -292,9 +310,18 @@ fn build_spec(a: RunArgs) -> Result<BoxSpec> {
         command: a.command,
         env: a.env,
         workdir: a.workdir,
-        user: a.user.as_deref().map(parse_user).transpose()?.unwrap_or_default(),
+        user: a
+            .user
+            .as_deref()
+            .map(parse_user)
+            .transpose()?
+            .unwrap_or_default(),
         read_only: a.read_only,
-        volumes: a.volume.iter().map(|v| parse_volume(v)).collect::<Result<_, _>>()?,
+        volumes: a
+            .volume
+            .iter()
+            .map(|v| parse_volume(v))
+            .collect::<Result<_, _>>()?,
         tmpfs: a.tmpfs,
         capabilities,
         seccomp,
@@ -309,7 +336,11 @@ fn build_spec(a: RunArgs) -> Result<BoxSpec> {
 
 /// Without root a box needs an unprivileged user namespace.
 fn check_userns_available() -> Result<()> {
-    let read = |p: &str| std::fs::read_to_string(p).ok().map(|s| s.trim().to_string());
+    let read = |p: &str| {
+        std::fs::read_to_string(p)
+            .ok()
+            .map(|s| s.trim().to_string())
+    };
     let max = read("/proc/sys/user/max_user_namespaces");
     let clone = read("/proc/sys/kernel/unprivileged_userns_clone");
     if max.as_deref() == Some("0") || clone.as_deref() == Some("0") {
@@ -325,9 +356,15 @@ fn check_userns_available() -> Result<()> {
 fn parse_signal(s: &str) -> Result<nix::sys::signal::Signal> {
     use std::str::FromStr;
     if let Ok(n) = s.parse::<i32>() {
-        return nix::sys::signal::Signal::try_from(n).map_err(|_| RuntimeError::Invalid(format!("unknown signal {s:?}")).into());
+        return nix::sys::signal::Signal::try_from(n)
+            .map_err(|_| RuntimeError::Invalid(format!("unknown signal {s:?}")).into());
     }
     let up = s.to_ascii_uppercase();
-    let full = if up.starts_with("SIG") { up } else { format!("SIG{up}") };
-    nix::sys::signal::Signal::from_str(&full).map_err(|_| RuntimeError::Invalid(format!("unknown signal {s:?}")).into())
+    let full = if up.starts_with("SIG") {
+        up
+    } else {
+        format!("SIG{up}")
+    };
+    nix::sys::signal::Signal::from_str(&full)
+        .map_err(|_| RuntimeError::Invalid(format!("unknown signal {s:?}")).into())
 }

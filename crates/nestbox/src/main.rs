@@ -14,11 +14,17 @@ use clap::Parser;
 fn main() -> ExitCode {
     let args = match cli::Cli::try_parse() {
         Ok(args) => args,
-        Err(e) if matches!(e.kind(), ErrorKind::DisplayHelp | ErrorKind::DisplayVersion) => e.exit(),
+        Err(e) if matches!(e.kind(), ErrorKind::DisplayHelp | ErrorKind::DisplayVersion) => {
+            e.exit()
+        }
         Err(e) => {
             // One line, like every other error, with Docker's exit code for bad usage.
             let text = e.to_string();
-            let first = text.lines().next().unwrap_or_default().trim_start_matches("error: ");
+            let first = text
+                .lines()
+                .next()
+                .unwrap_or_default()
+                .trim_start_matches("error: ");
             eprintln!("nestbox: error: {first}");
             return ExitCode::from(nestbox_runtime::error::EXIT_NESTBOX_ERROR as u8);
         }

@@ -29,14 +29,20 @@ pub fn ps(reg: &Registry, all: bool, as_json: bool) -> Result<()> {
         println!("{}", serde_json::to_string_pretty(&rows)?);
         return Ok(());
     }
-    println!("{:<20} {:<14} {:<12} {:>8} {:<12} COMMAND", "NAME", "ID", "STATUS", "PID", "CREATED");
+    println!(
+        "{:<20} {:<14} {:<12} {:>8} {:<12} COMMAND",
+        "NAME", "ID", "STATUS", "PID", "CREATED"
+    );
     for row in rows {
         let status = match (row["status"].as_str(), row["exit_code"].as_i64()) {
             (Some("exited"), Some(c)) => format!("exited ({c})"),
             (Some(s), _) => s.to_string(),
             _ => String::new(),
         };
-        let pid = row["pid"].as_i64().map(|p| p.to_string()).unwrap_or_else(|| "-".into());
+        let pid = row["pid"]
+            .as_i64()
+            .map(|p| p.to_string())
+            .unwrap_or_else(|| "-".into());
         let age = ago(row["created"].as_f64().unwrap_or(0.0));
         println!(
             "{:<20} {:<14} {:<12} {:>8} {:<12} {}",
@@ -66,10 +72,21 @@ pub fn logs(reg: &Registry, name: &str, follow: bool) -> Result<()> {
     let record = reg.load(name)?;
     let finished = || {
         reg.load(name)
-            .map(|r| !matches!(r.state.effective_status(), Status::Running | Status::Creating))
+            .map(|r| {
+                !matches!(
+                    r.state.effective_status(),
+                    Status::Running | Status::Creating
+                )
+            })
             .unwrap_or(true)
     };
-    logs::replay(&record.log_path(), follow, &finished, &mut std::io::stdout(), &mut std::io::stderr())?;
+    logs::replay(
+        &record.log_path(),
+        follow,
+        &finished,
+        &mut std::io::stdout(),
+        &mut std::io::stderr(),
+    )?;
     Ok(())
 }
 
@@ -80,7 +97,10 @@ pub fn stats(reg: &Registry, name: &str, as_json: bool) -> Result<()> {
         println!("{}", serde_json::to_string_pretty(&s)?);
         return Ok(());
     }
-    println!("{:<20} {:>12} {:>12} {:>12} {:>6}", "NAME", "CPU", "MEM", "MEM PEAK", "PIDS");
+    println!(
+        "{:<20} {:>12} {:>12} {:>12} {:>6}",
+        "NAME", "CPU", "MEM", "MEM PEAK", "PIDS"
+    );
     println!(
         "{:<20} {:>11.3}s {:>12} {:>12} {:>6}",
         name,
