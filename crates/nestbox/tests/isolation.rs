@@ -154,27 +154,56 @@ fn private_dirs_start_empty() {
 }
 
 #[test]
-fn writes_to_system_dirs_do_not_reach_the_host() {
-    let Some(root) = TestRoot::new("writes_to_system_dirs_do_not_reach_the_host") else {
+fn system_dirs_are_read_only_and_writes_elsewhere_do_not_reach_the_host() {
+    let Some(root) =
+        TestRoot::new("system_dirs_are_read_only_and_writes_elsewhere_do_not_reach_the_host")
+    else {
         return;
     };
     let name = unique("nestbox-leak");
-    let targets = [
+    // The host's system directories are shared read-only: every write is refused.
+    let system = [
         format!("/etc/{name}"),
         format!("/usr/{name}"),
         format!("/usr/lib/{name}"),
     ];
-    let script: String = targets
+    let script: String = system
         .iter()
-        .map(|t| format!("echo leak > {t} && cat {t} && "))
+        .map(|t| {
+            format!(
+                "if echo leak > {t} 2>/dev/null; then echo wrote {t}; else echo refused {t}; fi; "
+            )
+        })
+        .collect();
+    let out = root.sh(&[], &script).ok();
+    for t in &system {
+        assert!(
+            out.stdout.contains(&format!("refused {t}")),
+            "a write to {t} was not refused\n{out}"
+        );
+        assert!(
+            !std::path::Path::new(t).exists(),
+            "a write to {t} in the box reached the host"
+        );
+    }
+    // Everywhere else the box writes to its private layer, never to the host.
+    let private = [
+        format!("/tmp/{name}"),
+        format!("/root/{name}"),
+        format!("/var/{name}"),
+        format!("/{name}"),
+    ];
+    let script: String = private
+        .iter()
+        .map(|t| format!("echo data > {t} && cat {t} && "))
         .collect();
     let out = root.sh(&[], &format!("{script} echo written")).ok();
     assert_eq!(
         out.stdout.lines().last(),
         Some("written"),
-        "the box can write its own copy of /etc and /usr\n{out}"
+        "the box can write its private dirs\n{out}"
     );
-    for t in &targets {
+    for t in &private {
         assert!(
             !std::path::Path::new(t).exists(),
             "a write to {t} in the box reached the host"
@@ -187,7 +216,7 @@ fn writes_in_one_box_are_invisible_to_another() {
     let Some(root) = TestRoot::new("writes_in_one_box_are_invisible_to_another") else {
         return;
     };
-    let file = format!("/etc/{}", unique("nestbox-shared"));
+    let file = format!("/root/{}", unique("nestbox-shared"));
     root.detached_sh(
         "iso-writer",
         &[],
@@ -198,7 +227,7 @@ fn writes_in_one_box_are_invisible_to_another() {
         .sh(
             &["--name", "iso-reader"],
             &format!(
-                "test -e {file} && echo seen-etc; test -e /tmp/secret && echo seen-tmp; echo done"
+                "test -e {file} && echo seen-root; test -e /tmp/secret && echo seen-tmp; echo done"
             ),
         )
         .ok();
