@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# Shared helpers for the bench/*.sh scripts. Source it; it defines:
+#   BENCH_DIR, REPO_DIR, RESULTS_DIR, NESTBOX (binary path; env NESTBOX_BIN)
+#   log, die, require_root, require_nestbox, make_tmpdir, remove_tmpdir,
+#   nestbox_box_names ROOT
+
+BENCH_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+REPO_DIR=$(cd "$BENCH_DIR/.." && pwd)
+RESULTS_DIR=${RESULTS_DIR:-$BENCH_DIR/results}
+NESTBOX=${NESTBOX_BIN:-$REPO_DIR/target/release/nestbox}
+
+# Never wait on a terminal.
+export CI=${CI:-true}
+exec </dev/null
+
+log() { printf '[%s] %s\n' "$(basename "$0")" "$*" >&2; }
+die() { log "ERROR: $*"; exit 1; }
+
+require_root() {
+    [[ $(id -u) -eq 0 ]] || die "must run as root (namespaces, cgroups, mounts)"
+}
+
+# Fail unless the nestbox binary exists and can run a trivial box.
+require_nestbox() {
+    local root=$1
+    [[ -x $NESTBOX ]] || die "nestbox binary not found at $NESTBOX (cargo build --release, or set NESTBOX_BIN)"
+    "$NESTBOX" --root "$root" run --rm -- /bin/true ||
+        die "'$NESTBOX --root $root run --rm -- /bin/true' failed; nestbox is not usable yet"
+}
+
+# make_tmpdir PREFIX: print a new temp dir.
+make_tmpdir() { mktemp -d "${TMPDIR:-/tmp}/$1.XXXXXX"; }
+
+# remove_tmpdir DIR: unmount whatever is still mounted below DIR (deepest
+# first), then delete it without crossing into other filesystems, so a
+# leftover bind mount of a host directory can never be recursed into.
+remove_tmpdir() {
+    local dir=$1 mnt
+    [[ -n $dir && -d $dir ]] || return 0
+    dir=$(realpath "$dir")
+    # mountinfo field 5 is the mount point (octal escapes for spaces etc.).
+    while read -r mnt; do
+        umount -l "$mnt" 2>/dev/null || log "warning: cannot unmount $mnt"
+    done < <(awk -v d="$dir" '$5 == d || index($5, d "/") == 1 { print $5 }' /proc/self/mountinfo | sort -r)
+    if awk -v d="$dir" '$5 == d || index($5, d "/") == 1 { found = 1 } END { exit !found }' /proc/self/mountinfo; then
+        log "warning: mounts remain under $dir; leaving it in place"
+        return 0
+    fi
+    rm -rf --one-file-system "$dir"
+}
+
+# nestbox_box_names ROOT: print the names of all boxes under ROOT, running or
+# not (`nestbox ps -a --json`), one per line. Accepts a JSON array of boxes or an object
+# with a "boxes" array; a box is a string or an object with "name"/"id".
+nestbox_box_names() {
+    "$NESTBOX" --root "$1" ps -a --json |
+        jq -r '(if type == "array" then . else (.boxes // []) end)[]
+               | if type == "string" then . else (.name // .id) end'
+}

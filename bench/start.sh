@@ -1,0 +1,114 @@
+#!/usr/bin/env bash
+# Box start latency: wall-clock time of a complete "start a sandbox, run
+# /bin/true in it, tear it down" cycle, for
+#   nestbox  nestbox run --rm -- /bin/true
+#            (pid/mount/uts/ipc/net/cgroup namespaces, a cgroup, overlay root
+#             over the host's /usr and /etc; --rm removes the box's record at
+#             exit, as `runc run` deletes its container)
+#   runc     runc run of an equivalent OCI bundle (same namespaces, a cgroup,
+#            read-only root with /usr and /etc bind-mounted read-only); runc
+#            deletes the container when it exits
+#   bwrap    bwrap --unshare-all with /usr and /etc bound read-only, fresh
+#            /proc and /dev (no cgroup)
+# measured interleaved round-robin (see lib/timing.py).
+#
+# Env: N (runs per command, default 200), WARMUP (default 10),
+#      BENCHES (subset/order of "nestbox runc bwrap"; the first is the one
+#      the ratios are relative to), NESTBOX_RUN_FLAGS (default "--rm"),
+#      NESTBOX_BIN, RESULTS_DIR.
+# Writes: $RESULTS_DIR/start-samples.csv, start-summary.json, start.md
+set -euo pipefail
+# shellcheck source-path=SCRIPTDIR
+
+# shellcheck source=lib/common.sh
+source "$(dirname "${BASH_SOURCE[0]}")/lib/common.sh"
+# shellcheck source=lib/runc-bundle.sh
+source "$(dirname "${BASH_SOURCE[0]}")/lib/runc-bundle.sh"
+
+N=${N:-200}
+WARMUP=${WARMUP:-10}
+NESTBOX_RUN_FLAGS=${NESTBOX_RUN_FLAGS---rm}
+read -r -a benches <<<"${BENCHES:-nestbox runc bwrap}"
+
+require_root
+command -v python3 >/dev/null || die "python3 missing (run bench/setup.sh)"
+
+work=$(make_tmpdir nestbox-bench-start)
+nb_root=$work/nestbox-root
+runc_root=$work/runc-state
+bundle=$work/bundle
+
+cleanup() {
+    local status=$? name id
+    if [[ -d $nb_root && -x $NESTBOX ]]; then
+        while read -r name; do
+            [[ -z $name ]] || "$NESTBOX" --root "$nb_root" rm -f "$name" >/dev/null 2>&1 || true
+        done < <(nestbox_box_names "$nb_root" 2>/dev/null || true)
+        "$NESTBOX" --root "$nb_root" gc >/dev/null 2>&1 || true
+    fi
+    if [[ -d $runc_root ]]; then
+        while read -r id; do
+            [[ -z $id ]] || runc --root "$runc_root" delete -f "$id" >/dev/null 2>&1 || true
+        done < <(runc --root "$runc_root" list -q 2>/dev/null || true)
+    fi
+    remove_tmpdir "$work"
+    exit "$status"
+}
+trap cleanup EXIT
+trap 'exit 130' INT TERM
+
+args=()
+for b in "${benches[@]}"; do
+    case $b in
+    nestbox)
+        require_nestbox "$nb_root"
+        args+=(--bench nestbox "$NESTBOX --root $nb_root run $NESTBOX_RUN_FLAGS -- /bin/true")
+        ;;
+    runc)
+        command -v runc >/dev/null || die "runc missing (run bench/setup.sh)"
+        make_runc_bundle "$bundle"
+        args+=(--bench runc "runc --root $runc_root run --bundle $bundle bench-{i}")
+        ;;
+    bwrap)
+        command -v bwrap >/dev/null || die "bwrap missing (run bench/setup.sh)"
+        bw=(bwrap --unshare-all --ro-bind /usr /usr --ro-bind /etc /etc)
+        for d in bin lib lib64 sbin; do
+            if [[ -L /$d ]]; then
+                bw+=(--symlink "$(readlink "/$d")" "/$d")
+            elif [[ -d /$d ]]; then
+                bw+=(--ro-bind "/$d" "/$d")
+            fi
+        done
+        bw+=(--proc /proc --dev /dev /bin/true)
+        args+=(--bench bwrap "${bw[*]}")
+        ;;
+    *) die "unknown benchmark '$b' in BENCHES (nestbox, runc, bwrap)" ;;
+    esac
+done
+((${#args[@]})) || die "BENCHES is empty"
+
+log "start latency: ${benches[*]}; N=$N, warm-up $WARMUP each, interleaved"
+mkdir -p "$RESULTS_DIR"
+table=$(python3 "$BENCH_DIR/lib/timing.py" --runs "$N" --warmup "$WARMUP" \
+    --out "$RESULTS_DIR" --tag start "${args[@]}")
+
+# Everything must have cleaned up after itself.
+if [[ " ${benches[*]} " == *" nestbox "* && " $NESTBOX_RUN_FLAGS " == *" --rm "* ]]; then
+    left=$(nestbox_box_names "$nb_root" | wc -l)
+    ((left == 0)) || die "nestbox run --rm left $left box(es) behind"
+fi
+if [[ " ${benches[*]} " == *" runc "* ]]; then
+    left=$(runc --root "$runc_root" list -q | wc -l)
+    ((left == 0)) || die "runc left $left container(s) behind"
+fi
+
+{
+    echo "### Start latency (\`/bin/true\` in a new sandbox), N=$N per command, interleaved"
+    echo
+    echo "$table"
+    echo
+    for b in "${benches[@]}"; do
+        jq -r --arg b "$b" '"- `\($b)`: `\(.commands[$b])`"' "$RESULTS_DIR/start-summary.json"
+    done
+} | sed -e "s#$work#\$TMP#g" -e "s#$REPO_DIR/##g" >"$RESULTS_DIR/start.md"
+cat "$RESULTS_DIR/start.md"
