@@ -6,7 +6,12 @@ set -uo pipefail
 left=()
 while read -r mp; do left+=("mount $mp"); done < <(grep -i nestbox /proc/self/mountinfo | awk '{print $5}')
 while read -r cg; do left+=("cgroup $cg"); done < <(find /sys/fs/cgroup -mindepth 1 -maxdepth 8 -type d -name 'nestbox-*' 2>/dev/null)
-while read -r p; do left+=("process $p"); done < <(ps -eo pid=,comm=,args= | awk '$2 ~ /nestbox/ && $0 !~ /check-leaks/ {print $1" "$3}')
+# Monitors of detached boxes end reparented to the machine's init, which may take a
+# few seconds to reap them: give that a bounded grace period; whatever is still
+# there afterwards (zombie or not) is a leak.
+procs() { ps -eo pid=,stat=,comm=,args= | awk '$3 ~ /nestbox/ && $0 !~ /check-leaks/ {print $1" "$2" "$4}'; }
+for _ in $(seq 30); do [ -z "$(procs)" ] && break; sleep 0.5; done
+while read -r p; do left+=("process $p"); done < <(procs)
 while read -r l; do left+=("link $l"); done < <(ip -o link show 2>/dev/null | awk -F': ' 'tolower($2) ~ /nestbox|^nb/ {print $2}')
 for d in /run/nestbox/boxes /var/lib/nestbox/boxes; do
   [ -d "$d" ] && [ -n "$(ls -A "$d" 2>/dev/null)" ] && left+=("state $d: $(ls -A "$d" | tr '\n' ' ')")
