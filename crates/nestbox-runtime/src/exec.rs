@@ -13,7 +13,6 @@ use std::path::PathBuf;
 use nestbox_isolation::namespaces::NamespaceHandles;
 use nix::fcntl::OFlag;
 use nix::sys::signal::{signal, SigHandler, Signal};
-use nix::sys::wait::waitpid;
 use nix::unistd::{fork, pipe2, ForkResult, Pid};
 
 use crate::launch::{exec_command, read_report, CommandPlan};
@@ -75,7 +74,7 @@ pub fn exec(reg: &Registry, name: &str, opts: &ExecOptions) -> Result<i32> {
     };
     drop(rep_w);
     let report = read_report(rep_r);
-    let code = wait_code(helper);
+    let code = crate::process::wait_exit_code(helper);
     if let Some((code, message)) = report {
         return Err(RuntimeError::Launch { code, message });
     }
@@ -117,7 +116,7 @@ fn helper_main(
             // SAFETY: closing our copy of the report pipe; the command keeps its own.
             unsafe { libc::close(report) };
             // SAFETY: as above, no exit handlers in a forked child.
-            unsafe { libc::_exit(wait_code(child)) }
+            unsafe { libc::_exit(crate::process::wait_exit_code(child)) }
         }
     }
 }
@@ -126,19 +125,5 @@ fn ignore_interrupts() {
     for s in [Signal::SIGINT, Signal::SIGQUIT] {
         // SAFETY: SIG_IGN runs no handler code.
         let _ = unsafe { signal(s, SigHandler::SigIgn) };
-    }
-}
-
-fn wait_code(pid: Pid) -> i32 {
-    loop {
-        match waitpid(pid, None) {
-            Ok(st) => {
-                if let Some(code) = crate::init::exit_code(st) {
-                    return code;
-                }
-            }
-            Err(nix::errno::Errno::EINTR) => continue,
-            Err(_) => return crate::error::EXIT_NESTBOX_ERROR,
-        }
     }
 }

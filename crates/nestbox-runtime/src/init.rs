@@ -17,11 +17,11 @@ use nix::unistd::Pid;
 pub fn run(command: Pid) -> ! {
     let _ = nix::sys::prctl::set_dumpable(false);
     set_process_title(INIT_TITLE);
-    quiet_stdio();
+    crate::process::stdio_to_dev_null();
     keep_only_kill_capability();
     let Ok(sfd) = SignalFd::with_flags(&SigSet::all(), SfdFlags::SFD_CLOEXEC) else {
-        // Without a signalfd init can still reap: wait for the command directly.
-        exit_with(wait_command(command))
+        // Without a signalfd init cannot see signals: just wait for the command.
+        exit_with(crate::process::wait_exit_code(command))
     };
     loop {
         // A missed read only delays reaping until the next signal.
@@ -50,35 +50,12 @@ fn reap(command: Pid) -> Option<i32> {
             Ok(WaitStatus::StillAlive) | Err(_) => return result,
             Ok(status) => {
                 if status.pid() == Some(command) {
-                    if let Some(code) = exit_code(status) {
+                    if let Some(code) = crate::process::exit_code(status) {
                         result = Some(code);
                     }
                 }
             }
         }
-    }
-}
-
-fn wait_command(command: Pid) -> i32 {
-    loop {
-        match waitpid(None, None) {
-            Ok(status) if status.pid() == Some(command) => {
-                if let Some(code) = exit_code(status) {
-                    return code;
-                }
-            }
-            Ok(_) => {}
-            Err(_) => return crate::error::EXIT_NESTBOX_ERROR,
-        }
-    }
-}
-
-/// The shell-style exit code of a wait status (None while merely stopped).
-pub fn exit_code(status: WaitStatus) -> Option<i32> {
-    match status {
-        WaitStatus::Exited(_, code) => Some(code),
-        WaitStatus::Signaled(_, sig, _) => Some(128 + sig as i32),
-        _ => None,
     }
 }
 
@@ -118,19 +95,6 @@ fn set_process_title(title: &str) {
         let area = std::slice::from_raw_parts_mut(start as *mut u8, end - start);
         area.fill(0);
         area[..title.len()].copy_from_slice(title.as_bytes());
-    }
-}
-
-fn quiet_stdio() {
-    if let Ok(null) = std::fs::OpenOptions::new()
-        .read(true)
-        .write(true)
-        .open("/dev/null")
-    {
-        use std::os::fd::AsRawFd;
-        for fd in 0..3 {
-            let _ = nix::unistd::dup2(null.as_raw_fd(), fd);
-        }
     }
 }
 

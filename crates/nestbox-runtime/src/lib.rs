@@ -17,6 +17,7 @@ pub mod logs;
 pub mod monitor;
 pub mod ops;
 pub mod paths;
+pub mod process;
 pub mod registry;
 pub mod size;
 pub mod spec;

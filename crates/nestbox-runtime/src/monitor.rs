@@ -382,17 +382,7 @@ fn supervise(record: &BoxRecord, run: &Running, signals: SignalFd, foreground: b
             break;
         }
     }
-    let code = loop {
-        match waitpid(run.init, None) {
-            Ok(status) => {
-                if let Some(code) = crate::init::exit_code(status) {
-                    break code;
-                }
-            }
-            Err(nix::errno::Errno::EINTR) => continue,
-            Err(_) => break crate::error::EXIT_NESTBOX_ERROR,
-        }
-    };
+    let code = crate::process::wait_exit_code(run.init);
     // The box's processes are gone with its init; drain what they wrote (bounded).
     let deadline = Instant::now() + Duration::from_secs(2);
     for (which, file) in [(0, &run.stdout), (1, &run.stderr)] {

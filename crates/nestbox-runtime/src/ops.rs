@@ -58,16 +58,7 @@ pub fn run_detached(reg: &Registry, spec: &BoxSpec) -> Result<()> {
 fn become_daemon() {
     let _ = nix::unistd::setsid();
     let _ = nix::unistd::chdir("/");
-    if let Ok(null) = std::fs::OpenOptions::new()
-        .read(true)
-        .write(true)
-        .open("/dev/null")
-    {
-        use std::os::fd::AsRawFd;
-        for fd in 0..3 {
-            let _ = nix::unistd::dup2(null.as_raw_fd(), fd);
-        }
-    }
+    crate::process::stdio_to_dev_null();
 }
 
 fn wait_ready(reg: &Registry, record: &BoxRecord, ready: OwnedFd) -> Result<()> {

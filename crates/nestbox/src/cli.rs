@@ -330,7 +330,7 @@ fn build_spec(a: RunArgs) -> Result<BoxSpec> {
         interactive: a.interactive,
         remove_on_exit: a.rm,
     };
-    spec.validate()?;
+    // Validated by the runtime (ops::run_*) before anything is created.
     Ok(spec)
 }
 
