@@ -90,6 +90,19 @@ enum Command {
     },
     /// Remove dead boxes and every leftover no live box owns.
     Gc,
+    /// Manage images in the content-addressed store.
+    #[command(subcommand)]
+    Image(crate::store_cmd::ImageCommand),
+    /// Turn a box's current root filesystem into a new image.
+    Commit(crate::store_cmd::CommitArgs),
+    /// Inspect and maintain the object store.
+    #[command(subcommand)]
+    Store(crate::store_cmd::StoreCommand),
+    /// Merge identical files across images and box layers into shared objects.
+    Dedup(crate::store_cmd::DedupArgs),
+    /// Inspect box networks.
+    #[command(subcommand)]
+    Network(crate::network_cmd::NetworkCommand),
 }
 
 #[derive(Debug, Args)]
@@ -240,6 +253,11 @@ pub fn dispatch(cli: Cli) -> Result<i32> {
         }
         Command::Stats { json, name } => output::stats(&reg, &name, json).map(|_| 0),
         Command::Gc => output::gc(&reg).map(|_| 0),
+        Command::Image(cmd) => crate::store_cmd::image(&reg, cmd),
+        Command::Commit(args) => crate::store_cmd::commit(&reg, args),
+        Command::Store(cmd) => crate::store_cmd::store(&reg, cmd),
+        Command::Dedup(args) => crate::store_cmd::dedup(&reg, args),
+        Command::Network(cmd) => crate::network_cmd::network(&reg, cmd),
     }
 }
 

@@ -4,7 +4,9 @@
 //! otherwise the command's own status).
 
 mod cli;
+mod network_cmd;
 mod output;
+mod store_cmd;
 
 use std::process::ExitCode;
 
