@@ -17,6 +17,8 @@ declare -A wanted=(
     [bubblewrap]=bwrap
     [jq]=jq
     [python3]=python3
+    [iperf3]=iperf3
+    [nftables]=nft
 )
 optional=(hyperfine)
 

@@ -12,7 +12,14 @@ while read -r cg; do left+=("cgroup $cg"); done < <(find /sys/fs/cgroup -mindept
 procs() { ps -eo pid=,stat=,comm=,args= | awk '$3 ~ /nestbox/ && $0 !~ /check-leaks/ {print $1" "$2" "$4}'; }
 for _ in $(seq 30); do [ -z "$(procs)" ] && break; sleep 0.5; done
 while read -r p; do left+=("process $p"); done < <(procs)
-while read -r l; do left+=("link $l"); done < <(ip -o link show 2>/dev/null | awk -F': ' 'tolower($2) ~ /nestbox|^nb/ {print $2}')
+# Links: box veths (nbv*), test-root bridges and IFB devices (nb<8 hex>[ifb]), the
+# network crate's own test links (nbt*, nbo*). The machine-wide network (nbx0) is
+# persistent by design, like docker0, and not counted.
+while read -r l; do left+=("link $l"); done < <(ip -o link show 2>/dev/null | awk -F': ' '{sub(/@.*/, "", $2)} tolower($2) ~ /nestbox|^nbv|^nbt|^nbo|^nb[0-9a-f]{8}(ifb)?$/ {print $2}')
+if command -v nft >/dev/null; then
+  while read -r t; do left+=("nft table $t"); done < <(nft list tables 2>/dev/null | awk '$3 ~ /^nestbox-nb([0-9a-f]{8}|t)/ {print $2" "$3}')
+fi
+for d in /tmp/nestbox-net-test-*; do [ -e "$d" ] && left+=("network test dir $d"); done
 for d in /run/nestbox/boxes /var/lib/nestbox/boxes; do
   [ -d "$d" ] && [ -n "$(ls -A "$d" 2>/dev/null)" ] && left+=("state $d: $(ls -A "$d" | tr '\n' ' ')")
 done
@@ -22,4 +29,4 @@ if [ "${#left[@]}" -gt 0 ]; then
   printf '  %s\n' "${left[@]}" >&2
   exit 1
 fi
-echo "leak check: nothing of nestbox left (mounts, cgroups, processes, links, state)"
+echo "leak check: nothing of nestbox left (mounts, cgroups, processes, links, nft tables, state)"

@@ -16,7 +16,7 @@ fi
 
 # Debian packages the test suite runs inside boxes or uses to check the host.
 need=()
-for pkg in python3 procps util-linux iproute2 ca-certificates; do
+for pkg in python3 procps util-linux iproute2 ca-certificates busybox-static nftables; do
   dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || need+=("$pkg")
 done
 if [ "${#need[@]}" -gt 0 ]; then

@@ -6,8 +6,21 @@ use std::path::PathBuf;
 #[derive(Debug, thiserror::Error)]
 pub enum ImageError {
     /// No image of that name exists.
-    #[error("image {0:?} not found (only the built-in \"host\" image exists yet)")]
+    #[error(
+        "image {0:?} not found (see `nestbox image ls`; import one with `nestbox image import`)"
+    )]
     Unknown(String),
+    /// The image exists but cannot serve this box.
+    #[error("image {image:?}: {why}")]
+    Unsupported {
+        /// The image.
+        image: String,
+        /// Why not.
+        why: String,
+    },
+    /// The image store failed.
+    #[error("image store: {0}")]
+    Store(#[from] nestbox_store::StoreError),
     /// A filesystem operation on a path failed.
     #[error("image: {op} {path}: {source}")]
     Io {

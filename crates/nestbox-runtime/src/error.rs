@@ -74,6 +74,9 @@ pub enum RuntimeError {
     /// Image failure.
     #[error(transparent)]
     Image(#[from] nestbox_image::ImageError),
+    /// Networking failure.
+    #[error(transparent)]
+    Network(#[from] nestbox_net::NetError),
 }
 
 impl RuntimeError {

@@ -57,7 +57,7 @@ pub fn exec(reg: &Registry, name: &str, opts: &ExecOptions) -> Result<i32> {
         opts.workdir.clone().unwrap_or(spec.workdir.clone()),
         opts.user.unwrap_or(spec.user),
         spec.capabilities.clone(),
-        crate::monitor::seccomp_program(&spec)?,
+        crate::monitor::seccomp_program(&spec, record.state.setns_cookie)?,
         setgroups,
         false,
     )?;

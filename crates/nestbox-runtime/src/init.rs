@@ -15,9 +15,25 @@ use nix::unistd::Pid;
 /// Run as init until `command` exits, then exit with its status.
 /// All signals must already be blocked (they are read through a signalfd).
 pub fn run(command: Pid) -> ! {
+    crate::process::stdio_to_dev_null();
+    serve(command)
+}
+
+/// The pid a clone's process has in its clone shell: the first process created in
+/// the shell's fresh pid namespace after init itself (init forks nothing).
+pub const ADOPTED_PID: i32 = 2;
+
+/// Init of a clone shell: wait for the process nestbox forks into the shell from a
+/// template (re-parented here as pid [`ADOPTED_PID`]), then serve it as its command.
+/// Standard output and error stay open: they are the clone's log pipes, which
+/// nestbox hands to the clone's process.
+pub fn adopt() -> ! {
+    serve(Pid::from_raw(ADOPTED_PID))
+}
+
+fn serve(command: Pid) -> ! {
     let _ = nix::sys::prctl::set_dumpable(false);
     set_process_title(INIT_TITLE);
-    crate::process::stdio_to_dev_null();
     keep_only_kill_capability();
     let Ok(sfd) = SignalFd::with_flags(&SigSet::all(), SfdFlags::SFD_CLOEXEC) else {
         // Without a signalfd init cannot see signals: just wait for the command.
@@ -30,6 +46,7 @@ pub fn run(command: Pid) -> ! {
             match sig {
                 Some(Signal::SIGCHLD) => {
                     if let Some(code) = reap(command) {
+                        linger_for_clones(&sfd);
                         exit_with(code);
                     }
                 }
@@ -40,6 +57,48 @@ pub fn run(command: Pid) -> ! {
             }
         }
     }
+}
+
+/// A template's clones live in pid namespaces nested in the template's: were this
+/// init to exit, the kernel would kill them all. So while any process of a nested
+/// pid namespace exists, keep reaping and wait (checking twice a second).
+fn linger_for_clones(sfd: &SignalFd) {
+    use std::os::fd::AsFd;
+    while nested_namespace_processes() {
+        let mut fds = [nix::poll::PollFd::new(
+            sfd.as_fd(),
+            nix::poll::PollFlags::POLLIN,
+        )];
+        if nix::poll::poll(&mut fds, nix::poll::PollTimeout::from(500u16)).unwrap_or(0) > 0 {
+            let _ = sfd.read_signal();
+            let _ = reap(Pid::from_raw(0));
+        }
+    }
+}
+
+/// Whether a process of a pid namespace nested in this one is alive (its `NSpid`
+/// line in /proc lists more than one pid).
+fn nested_namespace_processes() -> bool {
+    let Ok(dir) = std::fs::read_dir("/proc") else {
+        return false;
+    };
+    dir.flatten()
+        .filter(|e| {
+            e.file_name()
+                .to_string_lossy()
+                .bytes()
+                .all(|b| b.is_ascii_digit())
+        })
+        .any(|e| {
+            std::fs::read_to_string(e.path().join("status"))
+                .ok()
+                .and_then(|s| {
+                    s.lines()
+                        .find_map(|l| l.strip_prefix("NSpid:"))
+                        .map(|v| v.split_whitespace().count() > 1)
+                })
+                .unwrap_or(false)
+        })
 }
 
 /// Reap every exited child; the command's exit code once it is among them.

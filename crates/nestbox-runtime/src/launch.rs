@@ -102,8 +102,13 @@ pub struct LaunchPlan {
     /// Files to write `0` to, moving the process into the box cgroup (see
     /// `BoxCgroup::self_join_files`); empty when the box has no cgroup.
     pub cgroup_join: Vec<PathBuf>,
-    /// The command.
-    pub command: CommandPlan,
+    /// The box has its own network namespace (bring its loopback up).
+    pub own_network: bool,
+    /// Whether `setgroups` is permitted in the box (see [`CommandPlan::setgroups`]).
+    pub setgroups: bool,
+    /// The command; `None` for a clone shell, whose init adopts the process that
+    /// nestbox forks into it from a template.
+    pub command: Option<CommandPlan>,
 }
 
 /// File descriptors the box's first process is given.
@@ -124,11 +129,16 @@ pub struct ChildFds {
 /// Body of the box's first process (pid 1 of the new pid namespace). Never returns.
 pub fn box_first_process(plan: &LaunchPlan, fds: ChildFds) -> ! {
     match setup_box(plan, fds) {
-        Ok(command) => {
+        Ok(Some(command)) => {
             // The command holds its own copy until exec; init must not keep the pipe open.
             // SAFETY: REPORT_FD is this process's own descriptor, never used again.
             unsafe { libc::close(REPORT_FD) };
             crate::init::run(command)
+        }
+        Ok(None) => {
+            // SAFETY: REPORT_FD is this process's own descriptor, never used again.
+            unsafe { libc::close(REPORT_FD) };
+            crate::init::adopt()
         }
         Err((code, message)) => fail(REPORT_FD, code, &message),
     }
@@ -171,7 +181,7 @@ fn keep_only_box_fds(fds: ChildFds) -> nix::Result<(RawFd, RawFd)> {
     Ok((GO_FD, REPORT_FD))
 }
 
-fn setup_box(plan: &LaunchPlan, fds: ChildFds) -> Result<Pid, Failure> {
+fn setup_box(plan: &LaunchPlan, fds: ChildFds) -> Result<Option<Pid>, Failure> {
     let e125 = |what: &str, e: &dyn std::fmt::Display| (EXIT_NESTBOX_ERROR, format!("{what}: {e}"));
     // Die with the monitor. Had it died before this took effect, the go pipe below
     // reads end-of-file and the child leaves.
@@ -193,22 +203,27 @@ fn setup_box(plan: &LaunchPlan, fds: ChildFds) -> Result<Pid, Failure> {
             .map_err(|e| e125(&format!("join cgroup {}", file.display()), &e))?;
     }
     if plan.rootfs.userns {
-        become_namespace_root(plan.command.setgroups)
+        become_namespace_root(plan.setgroups)
             .map_err(|e| e125("become root of the user namespace", &e))?;
     }
     unshare(CloneFlags::CLONE_NEWCGROUP).map_err(|e| e125("unshare(cgroup namespace)", &e))?;
     nix::unistd::sethostname(&plan.hostname).map_err(|e| e125("sethostname", &e))?;
-    nestbox_isolation::net::loopback_up().map_err(|e| e125("network", &e))?;
+    if plan.own_network {
+        nestbox_isolation::net::loopback_up().map_err(|e| e125("network", &e))?;
+    }
     rootfs::assemble(&plan.rootfs).map_err(|e| e125("box root", &e))?;
     rootfs::pivot_into(&plan.rootfs.mountpoint).map_err(|e| e125("box root", &e))?;
     // Block every signal before forking, so init sees each one through its signalfd.
     sigprocmask(SigmaskHow::SIG_SETMASK, Some(&SigSet::all()), None)
         .map_err(|e| e125("sigprocmask", &e))?;
+    let Some(command) = &plan.command else {
+        return Ok(None);
+    };
     // SAFETY: this process is single-threaded (a fresh fork of the single-threaded
     // monitor), so the child may run arbitrary code.
     match unsafe { nix::unistd::fork() }.map_err(|e| e125("fork", &e))? {
-        ForkResult::Child => exec_command(&plan.command, REPORT_FD),
-        ForkResult::Parent { child } => Ok(child),
+        ForkResult::Child => exec_command(command, REPORT_FD),
+        ForkResult::Parent { child } => Ok(Some(child)),
     }
 }
 

@@ -8,6 +8,7 @@
 //! monitor relays output to the [`logs`], and records the exit status in the
 //! [`state`].
 
+pub mod clone;
 pub mod error;
 pub mod exec;
 pub mod init;
@@ -15,6 +16,7 @@ pub mod launch;
 pub mod liveness;
 pub mod logs;
 pub mod monitor;
+pub mod network;
 pub mod ops;
 pub mod paths;
 pub mod process;
@@ -22,5 +24,6 @@ pub mod registry;
 pub mod size;
 pub mod spec;
 pub mod state;
+pub mod template;
 
 pub use error::{Result, RuntimeError};

@@ -33,7 +33,7 @@ use crate::launch::{box_first_process, read_report, ChildFds, CommandPlan, Launc
 use crate::liveness::ProcRef;
 use crate::logs::{LogWriter, Stream};
 use crate::registry::{BoxRecord, Registry};
-use crate::spec::{BoxSpec, SeccompChoice};
+use crate::spec::{BoxSpec, NetworkMode, SeccompChoice};
 use crate::state::{now, Status};
 use crate::{Result, RuntimeError};
 
@@ -111,6 +111,7 @@ fn start(reg: &Registry, record: &BoxRecord) -> Result<Running> {
             let _ = cg.kill_all();
             let _ = cg.remove();
         }
+        let _ = crate::network::release(reg.roots(), &record.state.id);
         let _ = reg.remove(record);
     }
     result
@@ -122,12 +123,36 @@ fn start_inner(
     cgroup_slot: &mut Option<BoxCgroup>,
 ) -> Result<Running> {
     let spec = &record.spec;
-    let idmap = spec.userns.then(IdMap::for_caller);
+    let template = match &spec.clone_of {
+        Some(src) => Some(crate::template::load_template(reg, &src.template_box)?),
+        None => None,
+    };
+    let (idmap, owner, cookie) = match &template {
+        Some(t) => crate::template::shell_identity(t)?,
+        None => {
+            let idmap = spec.userns.then(IdMap::for_caller);
+            (
+                idmap,
+                idmap.map(|m| m.host_root()),
+                Some(new_setns_cookie()?),
+            )
+        }
+    };
     let cgroup = create_cgroup(spec, &reg.roots().cgroup_id(&record.state.id))?;
     *cgroup_slot = cgroup.clone();
     // The cgroup is recorded with the Running state below; until then a crash
     // leaves it to `gc`, which finds it by this root's tag in its name.
-    let mut plan = launch_plan(reg, record, idmap)?;
+    let net = crate::network::Pending::lease(reg.roots(), &record.state.id, spec)?;
+    let net_volumes = net.as_ref().map(|n| n.volumes()).unwrap_or_default();
+    let mut plan = launch_plan(
+        reg,
+        record,
+        idmap,
+        owner,
+        cookie,
+        template.as_ref(),
+        net_volumes,
+    )?;
     plan.cgroup_join = cgroup
         .as_ref()
         .map(BoxCgroup::self_join_files)
@@ -151,10 +176,19 @@ fn start_inner(
     };
 
     let mut flags = BOX_NAMESPACES;
+    if spec.network.mode == NetworkMode::Host {
+        flags.remove(CloneFlags::CLONE_NEWNET);
+    }
     if idmap.is_some() {
         flags |= CloneFlags::CLONE_NEWUSER;
     }
-    let child = match fork_into(flags)? {
+    let forked = match &template {
+        // A clone's pid namespace must be nested in its template's: that is the
+        // only place a process forked from the template can be moved into.
+        Some(t) => fork_nested_in(t, flags)?,
+        None => fork_into(flags)?,
+    };
+    let child = match forked {
         Forked::Child => {
             drop((go_w, rep_r, out_r, err_r));
             let fds = ChildFds {
@@ -177,7 +211,11 @@ fn start_inner(
     if let Some(map) = idmap {
         map.apply(child).map_err(|e| abandon(e.into()))?;
     }
-    let pidfd = pidfd_open(child).map_err(abandon)?;
+    let network = match &net {
+        Some(n) => Some(n.attach(child, spec).map_err(abandon)?),
+        None => None,
+    };
+    let pidfd = crate::process::pidfd_open(child.as_raw()).map_err(abandon)?;
     nix::unistd::write(&go_w, b"g").map_err(|e| abandon(RuntimeError::sys("start box")(e)))?;
     drop(go_w);
     if let Some((code, message)) = read_report(rep_r) {
@@ -192,6 +230,8 @@ fn start_inner(
         s.cgroup = cgroup.clone();
         s.idmap = idmap;
         s.monitor = Some(ProcRef::current());
+        s.setns_cookie = cookie;
+        s.network = network.clone();
     })
     .map_err(abandon)?;
     Ok(Running {
@@ -201,6 +241,44 @@ fn start_inner(
         stderr: File::from(err_r),
         cgroup,
     })
+}
+
+/// Fork the box's first process into new namespaces (`flags`) with its pid
+/// namespace nested in template `t`'s. The kernel creates a new pid namespace only
+/// under the creator's own, so a helper is forked into the template's namespace
+/// first; it creates the box process as the monitor's child (`CLONE_PARENT`) and
+/// leaves. The new child is then the monitor's only child.
+fn fork_nested_in(t: &BoxRecord, flags: CloneFlags) -> Result<Forked> {
+    crate::template::enter_pid_namespace_of(t)?;
+    match fork_into(CloneFlags::empty())? {
+        Forked::Child => match fork_into(flags | CloneFlags::CLONE_PARENT) {
+            Ok(Forked::Child) => Ok(Forked::Child),
+            // SAFETY: _exit in a forked helper skips the monitor's exit handlers.
+            Ok(Forked::Parent(_)) => unsafe { libc::_exit(0) },
+            // SAFETY: as above.
+            Err(_) => unsafe { libc::_exit(crate::error::EXIT_NESTBOX_ERROR) },
+        },
+        Forked::Parent(helper) => {
+            let code = crate::process::wait_exit_code(helper);
+            if code != 0 {
+                return Err(RuntimeError::Invalid(format!(
+                    "could not create the clone's namespaces under template {:?}",
+                    t.name()
+                )));
+            }
+            let me = nix::unistd::getpid();
+            let path = format!("/proc/{me}/task/{me}/children");
+            let text = std::fs::read_to_string(&path).map_err(RuntimeError::io("read", &path))?;
+            let pid = text
+                .split_whitespace()
+                .filter_map(|p| p.parse::<i32>().ok())
+                .next_back()
+                .ok_or_else(|| {
+                    RuntimeError::Invalid("the clone's first process vanished".into())
+                })?;
+            Ok(Forked::Parent(Pid::from_raw(pid)))
+        }
+    }
 }
 
 /// Create the box cgroup. Without root, a box with no limits may run without one.
@@ -221,11 +299,25 @@ fn create_cgroup(spec: &BoxSpec, id: &str) -> Result<Option<BoxCgroup>> {
 }
 
 /// Build the launch plan: root view, writable layers, command.
-fn launch_plan(reg: &Registry, record: &BoxRecord, idmap: Option<IdMap>) -> Result<LaunchPlan> {
+/// `owner` is the host (uid, gid) the box's root maps to; a clone's root view is
+/// its template's, with the template's (frozen) writable layers as extra lowers.
+fn launch_plan(
+    reg: &Registry,
+    record: &BoxRecord,
+    idmap: Option<IdMap>,
+    owner: Option<(u32, u32)>,
+    cookie: Option<[u64; 2]>,
+    template: Option<&BoxRecord>,
+    net_volumes: Vec<nestbox_isolation::rootfs::Volume>,
+) -> Result<LaunchPlan> {
     let spec = &record.spec;
-    let owner = idmap.map(|m| m.host_root());
     let image = nestbox_image::open_image(&spec.image, &reg.roots().images())?;
-    let view = image.root_view(owner)?;
+    let mut view = image.root_view(owner)?;
+    if let Some(t) = template {
+        for (i, layer) in view.layers.iter_mut().enumerate() {
+            layer.lowers.insert(0, t.layer_dirs(i).0);
+        }
+    }
     let mut layers = Vec::new();
     for (i, layer) in view.layers.into_iter().enumerate() {
         let (upper, work) = record.layer_dirs(i);
@@ -255,7 +347,7 @@ fn launch_plan(reg: &Registry, record: &BoxRecord, idmap: Option<IdMap>) -> Resu
             .into_iter()
             .map(|b| (b.source, b.target))
             .collect(),
-        volumes: spec.volumes.clone(),
+        volumes: with_machine_id(record, &net_volumes, &spec.volumes)?,
         tmpfs: spec.tmpfs.clone(),
         read_only: spec.read_only,
         userns: idmap.is_some(),
@@ -266,7 +358,7 @@ fn launch_plan(reg: &Registry, record: &BoxRecord, idmap: Option<IdMap>) -> Resu
         spec.workdir.clone(),
         spec.user,
         spec.capabilities.clone(),
-        seccomp_program(spec)?,
+        seccomp_program(spec, cookie)?,
         idmap.is_none_or(|m| m.allows_setgroups()),
         true,
     )?;
@@ -274,34 +366,74 @@ fn launch_plan(reg: &Registry, record: &BoxRecord, idmap: Option<IdMap>) -> Resu
         rootfs,
         hostname: spec.hostname.clone(),
         cgroup_join: Vec::new(),
-        command,
+        own_network: spec.network.mode != NetworkMode::Host,
+        setgroups: idmap.is_none_or(|m| m.allows_setgroups()),
+        // A clone shell's init waits for the process forked into it from the template.
+        command: template.is_none().then_some(command),
     })
 }
 
-/// Compile the box's seccomp filter (None when unconfined).
-pub fn seccomp_program(spec: &BoxSpec) -> Result<Option<nestbox_seccomp::Program>> {
-    let profile = match &spec.seccomp {
+/// The box's volumes plus a fresh /etc/machine-id of its own (read-only), so no
+/// box sees the host's id and every clone gets a new one.
+fn with_machine_id(
+    record: &BoxRecord,
+    net_volumes: &[nestbox_isolation::rootfs::Volume],
+    volumes: &[nestbox_isolation::rootfs::Volume],
+) -> Result<Vec<nestbox_isolation::rootfs::Volume>> {
+    let mut bytes = [0u8; 16];
+    getrandom::getrandom(&mut bytes)
+        .map_err(|e| RuntimeError::Invalid(format!("no randomness for a machine id: {e}")))?;
+    let id: String = bytes.iter().map(|b| format!("{b:02x}")).collect();
+    let path = record.run_dir().join("machine-id");
+    std::fs::write(&path, format!("{id}\n")).map_err(RuntimeError::io("write", &path))?;
+    let mut all = vec![nestbox_isolation::rootfs::Volume {
+        source: path,
+        target: "/etc/machine-id".into(),
+        read_only: true,
+    }];
+    all.extend(net_volumes.iter().cloned());
+    all.extend(volumes.iter().cloned());
+    Ok(all)
+}
+
+/// Compile the box's seccomp filter (None when unconfined). With a `cookie`, the
+/// filter lets `setns` and `clone3` through when their (otherwise unused) third and
+/// fourth arguments carry the cookie: the door nestbox's clone machinery uses to
+/// steer a forked process into its clone's namespaces (and to give the clone its
+/// template's pid there). The cookie never enters the box,
+/// and the filter cannot be read from inside (that needs CAP_SYS_ADMIN on the host).
+pub fn seccomp_program(
+    spec: &BoxSpec,
+    cookie: Option<[u64; 2]>,
+) -> Result<Option<nestbox_seccomp::Program>> {
+    let mut profile = match &spec.seccomp {
         SeccompChoice::Unconfined => return Ok(None),
         SeccompChoice::Default => nestbox_seccomp::default_profile(default_opts(spec)),
         SeccompChoice::Profile { text, .. } => nestbox_seccomp::Profile::from_docker_json(text)?,
     };
+    if let Some([a, b]) = cookie {
+        for call in [libc::SYS_setns, libc::SYS_clone3] {
+            let door = nestbox_seccomp::Rule::new(call as u32, nestbox_seccomp::Action::Allow)
+                .when(2, nestbox_seccomp::CmpOp::Eq, a)
+                .when(3, nestbox_seccomp::CmpOp::Eq, b);
+            profile.rules.insert(0, door);
+        }
+    }
     Ok(Some(profile.compile()?))
+}
+
+/// A fresh random setns cookie.
+pub fn new_setns_cookie() -> Result<[u64; 2]> {
+    let mut bytes = [0u8; 16];
+    getrandom::getrandom(&mut bytes)
+        .map_err(|e| RuntimeError::Invalid(format!("no randomness for the box's cookie: {e}")))?;
+    let (a, b) = bytes.split_at(8);
+    let word = |s: &[u8]| u64::from_ne_bytes(s.try_into().unwrap_or([0; 8]));
+    Ok([word(a), word(b)])
 }
 
 fn default_opts(spec: &BoxSpec) -> nestbox_seccomp::DefaultOpts {
     nestbox_seccomp::DefaultOpts::from_capability_names(spec.capabilities.iter())
-}
-
-fn pidfd_open(pid: Pid) -> Result<OwnedFd> {
-    // SAFETY: pidfd_open takes a pid and flags and returns a new descriptor or -1.
-    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid.as_raw(), 0) };
-    if fd < 0 {
-        return Err(RuntimeError::sys(format!("pidfd_open({pid})"))(
-            nix::errno::Errno::last(),
-        ));
-    }
-    // SAFETY: the kernel just returned this descriptor; nothing else owns it.
-    Ok(unsafe { OwnedFd::from_raw_fd(fd as i32) })
 }
 
 fn block_forwarded_signals() -> Result<SignalFd> {
@@ -411,8 +543,13 @@ fn finish(reg: &Registry, record: &BoxRecord, run: Running, exit_code: i32) -> R
         let _ = cg.kill_all();
         let _ = cg.remove();
     }
+    let _ = crate::network::release(reg.roots(), &record.state.id);
     let oom_killed = oom_kills > 0 && exit_code == 128 + Signal::SIGKILL as i32;
-    if record.spec.remove_on_exit {
+    // A template removed while clones depended on it goes once its init has.
+    let removed_template = reg
+        .load(record.name())
+        .is_ok_and(|r| r.state.template.is_some_and(|t| t.removed));
+    if record.spec.remove_on_exit || removed_template {
         reg.remove(record)?;
         return Ok(Outcome {
             exit_code,

@@ -88,12 +88,22 @@ fn wait_ready(reg: &Registry, record: &BoxRecord, ready: OwnedFd) -> Result<()> 
 /// Stopping a box that is not running does nothing.
 pub fn stop(reg: &Registry, name: &str, timeout: Duration) -> Result<()> {
     let record = reg.load(name)?;
-    let Some(init) = running_init(&record) else {
+    let Some(target) = signal_target(&record) else {
         return settle(reg, &record);
     };
-    let _ = kill(init, Signal::SIGTERM);
-    if !wait_until(timeout, || !record.state.init.is_some_and(|p| p.alive())) {
-        let _ = kill(init, Signal::SIGKILL);
+    let _ = kill(target, Signal::SIGTERM);
+    let watched = match record.state.effective_status() {
+        Status::Frozen => record.state.template.as_ref().map(|t| t.process),
+        _ => record.state.init,
+    };
+    if !wait_until(timeout, || !watched.is_some_and(|p| p.alive())) {
+        let _ = kill(target, Signal::SIGKILL);
+    }
+    if record.state.effective_status() == Status::Frozen
+        && !crate::template::clones_of(reg, name)?.is_empty()
+    {
+        // Its init stays for the clones; the monitor records the end when it goes.
+        return Ok(());
     }
     settle(reg, &record)
 }
@@ -101,13 +111,44 @@ pub fn stop(reg: &Registry, name: &str, timeout: Duration) -> Result<()> {
 /// Send `signal` to the box's command (SIGKILL ends the whole box at once).
 pub fn kill_box(reg: &Registry, name: &str, signal: Signal) -> Result<()> {
     let record = reg.load(name)?;
-    let init = running_init(&record).ok_or_else(|| RuntimeError::NotRunning(name.to_string()))?;
-    kill(init, signal).map_err(RuntimeError::sys(format!("kill box {name:?}")))
+    let target =
+        signal_target(&record).ok_or_else(|| RuntimeError::NotRunning(name.to_string()))?;
+    kill(target, signal).map_err(RuntimeError::sys(format!("kill box {name:?}")))
 }
 
-/// Remove a box; a running one only with `force` (it is killed first).
+/// Where a box's signals go: its init, which forwards them to the command. A
+/// frozen box is thawed first (a frozen process takes no signal), and a template's
+/// signals go straight to its process: its init must stay, for its clones' sake.
+fn signal_target(record: &BoxRecord) -> Option<Pid> {
+    let init = running_init(record)?;
+    if record.state.effective_status() != Status::Frozen {
+        return Some(init);
+    }
+    if let Some(cg) = &record.state.cgroup {
+        let _ = cg.set_frozen(false, Duration::from_secs(5));
+    }
+    match &record.state.template {
+        Some(t) if t.process.alive() => Some(Pid::from_raw(t.process.pid)),
+        _ => Some(init),
+    }
+}
+
+/// Remove a box; a running one only with `force` (it is killed first). A frozen
+/// box is thawed first (a frozen process cannot die); a template with live clones
+/// keeps its init until they are gone (see [`crate::template::remove_box`]).
 pub fn remove(reg: &Registry, name: &str, force: bool) -> Result<()> {
     let record = reg.load(name)?;
+    if record.state.effective_status() == Status::Frozen {
+        if !force {
+            return Err(RuntimeError::StillRunning(name.to_string()));
+        }
+        if record.state.template.is_some() && !crate::template::clones_of(reg, name)?.is_empty() {
+            return crate::template::remove_box(reg, &record);
+        }
+        if let Some(cg) = &record.state.cgroup {
+            let _ = cg.set_frozen(false, Duration::from_secs(5));
+        }
+    }
     if let Some(init) = running_init(&record) {
         if !force {
             return Err(RuntimeError::StillRunning(name.to_string()));
@@ -122,13 +163,14 @@ pub fn remove(reg: &Registry, name: &str, force: bool) -> Result<()> {
         let _ = cg.kill_all();
         cg.remove()?;
     }
+    crate::network::release(reg.roots(), &record.state.id)?;
     reg.remove(&record)
 }
 
 /// The host pid of a running box's init.
 fn running_init(record: &BoxRecord) -> Option<Pid> {
     match (record.state.effective_status(), record.state.init) {
-        (Status::Running, Some(p)) if p.alive() => Some(Pid::from_raw(p.pid)),
+        (Status::Running | Status::Frozen, Some(p)) if p.alive() => Some(Pid::from_raw(p.pid)),
         _ => None,
     }
 }
@@ -164,6 +206,7 @@ fn cleanup_dead(reg: &Registry, record: &BoxRecord) -> Result<()> {
         let _ = cg.kill_all();
         cg.remove()?;
     }
+    crate::network::release(reg.roots(), &record.state.id)?;
     reg.update(record.name(), |s| {
         s.status = Status::Dead;
         s.cgroup = None;
@@ -221,6 +264,7 @@ pub fn inspect(reg: &Registry, name: &str) -> Result<serde_json::Value> {
         "exit_code": record.state.exit_code,
         "oom_killed": record.state.oom_killed,
         "log_path": record.log_path(),
+        "memory_sharing": crate::clone::sharing(reg, &record),
     }))
 }
 
@@ -233,6 +277,8 @@ pub struct GcReport {
     pub cgroups: Vec<String>,
     /// Record or data directories no box owns.
     pub dirs: Vec<String>,
+    /// Boxes whose network leftovers (veth, address, rules, classes) were released.
+    pub network: Vec<String>,
 }
 
 /// Remove every box whose monitor died, and every leftover no live box owns:
@@ -265,6 +311,9 @@ pub fn gc(reg: &Registry) -> Result<GcReport> {
                 .cgroups
                 .extend(cg.paths().into_values().map(|p| p.display().to_string()));
         }
+    }
+    for id in crate::network::gc(reg.roots(), &live_ids)? {
+        report.network.push(id);
     }
     for dir in reg.orphans(&live_ids) {
         crate::registry::remove_tree(&dir)?;

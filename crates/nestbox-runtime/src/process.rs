@@ -2,7 +2,7 @@
 //! start: shell-style exit codes from wait statuses, waiting for one child, and
 //! pointing stdio at `/dev/null`.
 
-use std::os::fd::AsRawFd;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 
 use nix::sys::wait::{waitpid, WaitStatus};
 use nix::unistd::Pid;
@@ -45,4 +45,32 @@ pub fn stdio_to_dev_null() {
             let _ = nix::unistd::dup2(null.as_raw_fd(), fd);
         }
     }
+}
+
+/// A pidfd for `pid`.
+pub fn pidfd_open(pid: i32) -> crate::Result<OwnedFd> {
+    // SAFETY: pidfd_open takes a pid and flags and returns a new descriptor or -1.
+    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
+    if fd < 0 {
+        return Err(crate::RuntimeError::sys(format!("pidfd_open({pid})"))(
+            nix::errno::Errno::last(),
+        ));
+    }
+    // SAFETY: the kernel just returned this descriptor; nothing else owns it.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd as i32) })
+}
+
+/// A duplicate of descriptor `target` of the process behind `pidfd` (`pid`, for
+/// the error message).
+pub fn pidfd_getfd(pidfd: &OwnedFd, target: i32, pid: i32) -> crate::Result<OwnedFd> {
+    // SAFETY: pidfd_getfd duplicates descriptor `target` of the process behind the
+    // pidfd into this process and returns the new descriptor or -1.
+    let fd = unsafe { libc::syscall(libc::SYS_pidfd_getfd, pidfd.as_raw_fd(), target, 0) };
+    if fd < 0 {
+        return Err(crate::RuntimeError::sys(format!(
+            "pidfd_getfd(pid {pid}, fd {target})"
+        ))(nix::errno::Errno::last()));
+    }
+    // SAFETY: the kernel just returned this descriptor; nothing else owns it.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd as i32) })
 }

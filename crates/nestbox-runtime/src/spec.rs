@@ -74,6 +74,77 @@ pub struct BoxSpec {
     /// Remove the box as soon as it exits (`--rm`).
     #[serde(default)]
     pub remove_on_exit: bool,
+    /// Set for a clone: the box is a shell its process is forked into from a template.
+    #[serde(default)]
+    pub clone_of: Option<CloneSource>,
+    /// Networking.
+    #[serde(default)]
+    pub network: NetSpec,
+}
+
+/// How a box is connected.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum NetworkMode {
+    /// Its own network namespace on a host bridge, with an address (the default as root).
+    Bridge,
+    /// Its own network namespace with loopback only.
+    #[default]
+    None,
+    /// The host's network namespace.
+    Host,
+}
+
+impl NetworkMode {
+    /// Parse `bridge`, `none` or `host`.
+    pub fn parse(text: &str) -> Result<Self> {
+        match text {
+            "bridge" => Ok(NetworkMode::Bridge),
+            "none" => Ok(NetworkMode::None),
+            "host" => Ok(NetworkMode::Host),
+            other => Err(RuntimeError::Invalid(format!(
+                "unknown --network {other:?} (use bridge, none or host)"
+            ))),
+        }
+    }
+}
+
+/// The box's network: mode, published ports and bandwidth (bridge mode only).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, Default)]
+pub struct NetSpec {
+    /// Mode.
+    pub mode: NetworkMode,
+    /// Host ports forwarded to the box (`-p`).
+    pub publish: Vec<nestbox_net::PortMapping>,
+    /// Egress cap (`--net-rate`).
+    pub rate: Option<nestbox_net::Rate>,
+    /// Egress reservation (`--net-reserve`).
+    pub reserve: Option<nestbox_net::Rate>,
+    /// Share of what is left (`--net-share`).
+    pub share: Option<u32>,
+    /// Ingress cap (`--net-ingress-rate`).
+    pub ingress_rate: Option<nestbox_net::Rate>,
+}
+
+impl NetSpec {
+    /// Whether any bridge-only option is set.
+    pub fn has_bridge_options(&self) -> bool {
+        !self.publish.is_empty()
+            || self.rate.is_some()
+            || self.reserve.is_some()
+            || self.share.is_some()
+            || self.ingress_rate.is_some()
+    }
+}
+
+/// The template a clone is forked from (the clone's root is a copy-on-write view of
+/// the template's files; its pid and user namespaces are nested in the template's).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CloneSource {
+    /// Box name of the template.
+    pub template_box: String,
+    /// Template name.
+    pub template: String,
 }
 
 /// The PATH a box gets unless its spec sets one.
@@ -112,6 +183,19 @@ impl BoxSpec {
             )));
         }
         validate_hostname(&self.hostname)?;
+        if self.network.mode != NetworkMode::Bridge && self.network.has_bridge_options() {
+            return Err(invalid(
+                "-p, --net-rate, --net-reserve, --net-share and --net-ingress-rate need --network bridge",
+            ));
+        }
+        if self.network.mode == NetworkMode::Bridge
+            && self.userns
+            && !nix::unistd::geteuid().is_root()
+        {
+            return Err(invalid(
+                "--network bridge needs root (without root a box gets --network none)",
+            ));
+        }
         for v in &self.volumes {
             if !v.target.is_absolute() {
                 return Err(invalid(format!(
@@ -268,6 +352,8 @@ pub(crate) mod tests_support {
             limits: Limits::default(),
             interactive: false,
             remove_on_exit: false,
+            clone_of: None,
+            network: NetSpec::default(),
         }
     }
 }

@@ -22,6 +22,8 @@ pub enum Status {
     Creating,
     /// Its command runs.
     Running,
+    /// Frozen by `nestbox freeze`: a template clones are forked from.
+    Frozen,
     /// It ended and its exit status is recorded.
     Exited,
     /// Its monitor died without recording an end (found by a later command).
@@ -34,6 +36,7 @@ impl Status {
         match self {
             Status::Creating => "creating",
             Status::Running => "running",
+            Status::Frozen => "frozen",
             Status::Exited => "exited",
             Status::Dead => "dead",
         }
@@ -69,6 +72,49 @@ pub struct BoxState {
     pub error: Option<String>,
     /// Last resource figures, taken just before the cgroup was removed.
     pub final_stats: Option<Stats>,
+    /// Secret that lets nestbox's injected `setns` calls through the box's seccomp
+    /// filter (arguments 3 and 4 of the call); never visible inside the box.
+    #[serde(default)]
+    pub setns_cookie: Option<[u64; 2]>,
+    /// Set when the box was frozen into a template.
+    #[serde(default)]
+    pub template: Option<TemplateInfo>,
+    /// Set when the box is a clone: its process forked from the template.
+    #[serde(default)]
+    pub clone: Option<CloneInfo>,
+    /// The box's attachment to its network (address, veth, ports, rates).
+    #[serde(default)]
+    pub network: Option<serde_json::Value>,
+}
+
+/// What freezing a box recorded.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct TemplateInfo {
+    /// The name clones are made from (the box name unless `--as` gave another).
+    pub name: String,
+    /// The process clones are forked from (host pid).
+    pub process: ProcRef,
+    /// When it was frozen.
+    pub frozen_at: f64,
+    /// How long quiescing took, in milliseconds.
+    pub freeze_ms: f64,
+    /// Removed by the user while clones still depended on its pid namespace: only
+    /// its init is left, and it goes when the last clone does.
+    #[serde(default)]
+    pub removed: bool,
+}
+
+/// Where a clone came from.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct CloneInfo {
+    /// Template name.
+    pub template: String,
+    /// Box name of the template.
+    pub template_box: String,
+    /// The clone's process (host pid), once forked.
+    pub process: Option<ProcRef>,
+    /// Time from the start of the fork to the clone running, in milliseconds.
+    pub fork_ms: Option<f64>,
 }
 
 impl BoxState {
@@ -88,13 +134,19 @@ impl BoxState {
             oom_killed: false,
             error: None,
             final_stats: None,
+            setns_cookie: None,
+            template: None,
+            clone: None,
+            network: None,
         }
     }
 
     /// The status as it really is: a creating/running box whose monitor is gone is dead.
     pub fn effective_status(&self) -> Status {
         match self.status {
-            Status::Creating | Status::Running if !self.monitor.is_some_and(|m| m.alive()) => {
+            Status::Creating | Status::Running | Status::Frozen
+                if !self.monitor.is_some_and(|m| m.alive()) =>
+            {
                 Status::Dead
             }
             s => s,

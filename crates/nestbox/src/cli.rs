@@ -10,7 +10,9 @@ use nestbox_runtime::exec::ExecOptions;
 use nestbox_runtime::paths::Roots;
 use nestbox_runtime::registry::{generated_name, Registry};
 use nestbox_runtime::size::parse_size;
-use nestbox_runtime::spec::{parse_user, parse_volume, BoxSpec, SeccompChoice};
+use nestbox_runtime::spec::{
+    parse_user, parse_volume, BoxSpec, NetSpec, NetworkMode, SeccompChoice,
+};
 use nestbox_runtime::{ops, RuntimeError};
 
 use crate::output;
@@ -90,6 +92,19 @@ enum Command {
     },
     /// Remove dead boxes and every leftover no live box owns.
     Gc,
+    /// Freeze a running box into a template that clones are forked from.
+    Freeze {
+        /// Name the template (default: the box name).
+        #[arg(long = "as", value_name = "TEMPLATE")]
+        as_name: Option<String>,
+        /// Box name.
+        name: String,
+    },
+    /// List or remove templates.
+    #[command(subcommand)]
+    Template(TemplateCommand),
+    /// Fork boxes from a template: each continues from its frozen state.
+    Clone(CloneArgs),
     /// Manage images in the content-addressed store.
     #[command(subcommand)]
     Image(crate::store_cmd::ImageCommand),
@@ -105,23 +120,89 @@ enum Command {
     Network(crate::network_cmd::NetworkCommand),
 }
 
+#[derive(Debug, Subcommand)]
+enum TemplateCommand {
+    /// List templates.
+    Ls {
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Remove templates (with live clones, only the template's process goes; its
+    /// init stays until the last clone is gone).
+    Rm {
+        /// Template names.
+        #[arg(required = true)]
+        names: Vec<String>,
+    },
+}
+
 #[derive(Debug, Args)]
-struct RunArgs {
-    /// Run in the background and print the box name.
+struct CloneArgs {
+    /// Name of the clone (repeat with -n for several; default: generated).
+    #[arg(long)]
+    name: Vec<String>,
+    /// Number of clones.
+    #[arg(short = 'n', long = "count", default_value_t = 1)]
+    count: usize,
+    /// Print the clone names and return (otherwise a single clone is followed
+    /// like `run` in the foreground: its output, then its exit code).
     #[arg(short, long)]
     detach: bool,
-    /// Box name (default: generated).
-    #[arg(long)]
-    name: Option<String>,
-    /// Remove the box when it exits.
-    #[arg(long)]
-    rm: bool,
-    /// Keep stdin open and pass it to the command.
-    #[arg(short, long)]
-    interactive: bool,
-    /// Image to build the root from.
-    #[arg(long, default_value = nestbox_image::HOST_IMAGE)]
-    image: String,
+    /// Signal delivered to each clone's process right after the fork (so it can
+    /// reseed random state), e.g. USR1.
+    #[arg(long, value_name = "SIG")]
+    on_clone_signal: Option<String>,
+    #[command(flatten)]
+    resources: ResourceArgs,
+    /// Template name.
+    template: String,
+}
+
+/// Bandwidth options (bridge networking).
+#[derive(Debug, Args)]
+struct BandwidthArgs {
+    /// Hard cap of the box's egress (e.g. 10mbit).
+    #[arg(long, value_name = "RATE")]
+    net_rate: Option<String>,
+    /// Egress bandwidth reserved for the box (e.g. 5mbit).
+    #[arg(long, value_name = "RATE")]
+    net_reserve: Option<String>,
+    /// Weight of the box in sharing what is left of the link (1-1000, default 100).
+    #[arg(long, value_name = "WEIGHT")]
+    net_share: Option<u32>,
+    /// Hard cap of the box's ingress (e.g. 10mbit).
+    #[arg(long, value_name = "RATE")]
+    net_ingress_rate: Option<String>,
+}
+
+impl BandwidthArgs {
+    /// Put the parsed options into `net`.
+    fn apply(&self, net: &mut NetSpec) -> Result<()> {
+        let rate = |opt: &str, v: &Option<String>| -> Result<Option<nestbox_net::Rate>> {
+            v.as_deref()
+                .map(|t| nestbox_net::parse_rate(t).with_context(|| format!("--{opt}")))
+                .transpose()
+        };
+        if let Some(r) = rate("net-rate", &self.net_rate)? {
+            net.rate = Some(r);
+        }
+        if let Some(r) = rate("net-reserve", &self.net_reserve)? {
+            net.reserve = Some(r);
+        }
+        if let Some(r) = rate("net-ingress-rate", &self.net_ingress_rate)? {
+            net.ingress_rate = Some(r);
+        }
+        if self.net_share.is_some() {
+            net.share = self.net_share;
+        }
+        Ok(())
+    }
+}
+
+/// Resource options shared by `run` and `clone`.
+#[derive(Debug, Args)]
+struct ResourceArgs {
     /// Memory limit (e.g. 64m); the OOM killer acts inside the box only.
     #[arg(long, value_name = "SIZE")]
     memory: Option<String>,
@@ -143,6 +224,70 @@ struct RunArgs {
     /// Block-IO weight (10..1000).
     #[arg(long, value_name = "N")]
     io_weight: Option<u16>,
+}
+
+impl ResourceArgs {
+    fn limits(&self) -> Result<Limits> {
+        let a = self;
+        Ok(Limits {
+            memory: a
+                .memory
+                .as_deref()
+                .map(parse_size)
+                .transpose()
+                .context("--memory")?,
+            memory_swap: match a.memory_swap.as_deref() {
+                None => None,
+                Some("-1") => Some(-1),
+                Some(s) => Some(parse_size(s).context("--memory-swap")? as i64),
+            },
+            pids: a.pids,
+            cpus: a.cpus,
+            cpu_shares: a.cpu_shares,
+            cpuset_cpus: a.cpuset_cpus.clone(),
+            io_weight: a.io_weight,
+        })
+    }
+
+    fn any(&self) -> bool {
+        self.memory.is_some()
+            || self.memory_swap.is_some()
+            || self.pids.is_some()
+            || self.cpus.is_some()
+            || self.cpu_shares.is_some()
+            || self.cpuset_cpus.is_some()
+            || self.io_weight.is_some()
+    }
+}
+
+#[derive(Debug, Args)]
+struct RunArgs {
+    /// Run in the background and print the box name.
+    #[arg(short, long)]
+    detach: bool,
+    /// Box name (default: generated).
+    #[arg(long)]
+    name: Option<String>,
+    /// Remove the box when it exits.
+    #[arg(long)]
+    rm: bool,
+    /// Keep stdin open and pass it to the command.
+    #[arg(short, long)]
+    interactive: bool,
+    /// Image to build the root from.
+    #[arg(long, default_value = nestbox_image::HOST_IMAGE)]
+    image: String,
+    #[command(flatten)]
+    resources: ResourceArgs,
+    /// Network: bridge (own namespace on a host bridge, with an address; the
+    /// default as root), none (loopback only; the default without root) or host.
+    #[arg(long, value_name = "MODE")]
+    network: Option<String>,
+    /// Publish a port: HOSTPORT:BOXPORT[/tcp|udp] (repeatable; bridge only).
+    #[arg(short = 'p', long = "publish", value_name = "HOST:BOX[/PROTO]")]
+    publish: Vec<String>,
+    #[command(flatten)]
+    bandwidth: BandwidthArgs,
     /// Hostname (default: the box name).
     #[arg(long)]
     hostname: Option<String>,
@@ -253,6 +398,13 @@ pub fn dispatch(cli: Cli) -> Result<i32> {
         }
         Command::Stats { json, name } => output::stats(&reg, &name, json).map(|_| 0),
         Command::Gc => output::gc(&reg).map(|_| 0),
+        Command::Freeze { as_name, name } => {
+            let t = nestbox_runtime::template::freeze(&reg, &name, as_name.as_deref())?;
+            println!("{}", t.name);
+            Ok(0)
+        }
+        Command::Template(cmd) => template(&reg, cmd),
+        Command::Clone(args) => clone(&reg, args),
         Command::Image(cmd) => crate::store_cmd::image(&reg, cmd),
         Command::Commit(args) => crate::store_cmd::commit(&reg, args),
         Command::Store(cmd) => crate::store_cmd::store(&reg, cmd),
@@ -287,24 +439,7 @@ fn build_spec(a: RunArgs) -> Result<BoxSpec> {
         check_userns_available()?;
     }
     let name = a.name.unwrap_or_else(generated_name);
-    let limits = Limits {
-        memory: a
-            .memory
-            .as_deref()
-            .map(parse_size)
-            .transpose()
-            .context("--memory")?,
-        memory_swap: match a.memory_swap.as_deref() {
-            None => None,
-            Some("-1") => Some(-1),
-            Some(s) => Some(parse_size(s).context("--memory-swap")? as i64),
-        },
-        pids: a.pids,
-        cpus: a.cpus,
-        cpu_shares: a.cpu_shares,
-        cpuset_cpus: a.cpuset_cpus,
-        io_weight: a.io_weight,
-    };
+    let limits = a.resources.limits()?;
     let mut seccomp = SeccompChoice::Default;
     for opt in &a.security_opt {
         match opt.split_once(['=', ':']) {
@@ -321,6 +456,20 @@ fn build_spec(a: RunArgs) -> Result<BoxSpec> {
         }
     }
     let capabilities = nestbox_runtime::spec::resolve_capabilities(&a.cap_add, &a.cap_drop)?;
+    let mut network = NetSpec {
+        mode: match a.network.as_deref() {
+            Some(m) => NetworkMode::parse(m)?,
+            None if root => NetworkMode::Bridge,
+            None => NetworkMode::None,
+        },
+        publish: a
+            .publish
+            .iter()
+            .map(|p| nestbox_net::PortMapping::parse(p).with_context(|| format!("-p {p}")))
+            .collect::<Result<_>>()?,
+        ..NetSpec::default()
+    };
+    a.bandwidth.apply(&mut network)?;
     let spec = BoxSpec {
         hostname: a.hostname.unwrap_or_else(|| name.clone()),
         name,
@@ -347,9 +496,56 @@ fn build_spec(a: RunArgs) -> Result<BoxSpec> {
         limits,
         interactive: a.interactive,
         remove_on_exit: a.rm,
+        clone_of: None,
+        network,
     };
     // Validated by the runtime (ops::run_*) before anything is created.
     Ok(spec)
+}
+
+fn template(reg: &Registry, cmd: TemplateCommand) -> Result<i32> {
+    match cmd {
+        TemplateCommand::Ls { json } => output::templates(reg, json).map(|_| 0),
+        TemplateCommand::Rm { names } => {
+            let mut failed = None;
+            for name in names {
+                if let Err(e) = nestbox_runtime::template::remove(reg, &name) {
+                    eprintln!("nestbox: error: {e}");
+                    failed = Some(e.exit_code());
+                }
+            }
+            Ok(failed.unwrap_or(0))
+        }
+    }
+}
+
+fn clone(reg: &Registry, a: CloneArgs) -> Result<i32> {
+    let req = nestbox_runtime::clone::CloneRequest {
+        names: if a.name.is_empty() || a.name.len() == a.count {
+            a.name.clone()
+        } else if a.name.len() == 1 && a.count > 1 {
+            (1..=a.count)
+                .map(|i| format!("{}-{i}", a.name[0]))
+                .collect()
+        } else {
+            a.name.clone()
+        },
+        count: a.count,
+        limits: if a.resources.any() {
+            Some(a.resources.limits()?)
+        } else {
+            None
+        },
+        on_clone_signal: a.on_clone_signal.as_deref().map(parse_signal).transpose()?,
+    };
+    let made = nestbox_runtime::clone::clone_template(reg, &a.template, &req)?;
+    if a.detach || made.len() != 1 {
+        for c in &made {
+            println!("{}", c.name);
+        }
+        return Ok(0);
+    }
+    output::follow_to_end(reg, &made[0].name)
 }
 
 /// Without root a box needs an unprivileged user namespace.

@@ -1,18 +1,133 @@
-//! `nestbox network ls|inspect`: box networks from the CLI.
-//! (Being filled in by the networking work; the shapes below are the contract with cli.rs.)
+//! `nestbox network ls|inspect`: the box networks of this root (their state
+//! lives under `<lib>/network/<name>/`) and the boxes attached to them.
 
 use anyhow::{bail, Result};
 use clap::Subcommand;
+use nestbox_net::{list_networks, Network, NetworkConfig};
 use nestbox_runtime::registry::Registry;
+use serde_json::{json, Value};
 
 /// `nestbox network ...`
 #[derive(Debug, Subcommand)]
 pub enum NetworkCommand {
-    /// List networks.
-    Ls,
+    /// List networks: name, bridge, subnet, link rate, boxes.
+    Ls {
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Show a network (configuration, files, boxes) or a box's address and
+    /// attachment, as JSON.
+    Inspect {
+        /// A network name, or a box id or name.
+        name: String,
+    },
+    /// Remove the default network from the host (bridge, IFB device, NAT table,
+    /// state); refused while boxes hold addresses on it. It is made again on the
+    /// next bridged box.
+    Rm,
 }
 
 /// Run a `network` subcommand.
-pub fn network(_reg: &Registry, _cmd: NetworkCommand) -> Result<i32> {
-    bail!("networking not built yet")
+pub fn network(reg: &Registry, cmd: NetworkCommand) -> Result<i32> {
+    let root = reg.roots().lib.join("network");
+    match cmd {
+        NetworkCommand::Ls { json } => ls(&root, json),
+        NetworkCommand::Inspect { name } => inspect(&root, &name),
+        NetworkCommand::Rm => {
+            if !nestbox_runtime::network::remove(reg.roots())? {
+                println!("no network to remove");
+            }
+            Ok(0)
+        }
+    }
+}
+
+fn ls(root: &std::path::Path, as_json: bool) -> Result<i32> {
+    let mut rows = Vec::new();
+    for cfg in list_networks(root)? {
+        let boxes = Network::view(cfg.clone()).leases()?.len();
+        rows.push(json!({
+            "name": cfg.name,
+            "bridge": cfg.bridge,
+            "subnet": cfg.subnet,
+            "link_rate": cfg.link_rate,
+            "boxes": boxes,
+        }));
+    }
+    if as_json {
+        println!("{}", serde_json::to_string_pretty(&rows)?);
+        return Ok(0);
+    }
+    println!(
+        "{:<16} {:<14} {:<20} {:<12} BOXES",
+        "NAME", "BRIDGE", "SUBNET", "LINK RATE"
+    );
+    for r in rows {
+        let s = |k: &str| r[k].as_str().unwrap_or_default().to_string();
+        println!(
+            "{:<16} {:<14} {:<20} {:<12} {}",
+            s("name"),
+            s("bridge"),
+            s("subnet"),
+            s("link_rate"),
+            r["boxes"]
+        );
+    }
+    Ok(0)
+}
+
+fn network_json(net: &Network) -> Result<Value> {
+    let cfg: &NetworkConfig = net.config();
+    let attachments = net.attachments()?;
+    let boxes: Vec<Value> = net
+        .leases()?
+        .into_iter()
+        .map(|lease| {
+            match attachments.iter().find(|a| a.lease.box_id == lease.box_id) {
+                Some(a) => serde_json::to_value(a),
+                None => serde_json::to_value(&lease),
+            }
+            .unwrap_or(Value::Null)
+        })
+        .collect();
+    Ok(json!({
+        "name": cfg.name,
+        "bridge": cfg.bridge,
+        "ifb": cfg.ifb(),
+        "subnet": cfg.subnet,
+        "gateway": cfg.subnet.gateway(),
+        "link_rate": cfg.link_rate,
+        "ip_forward": cfg.ip_forward,
+        "hosts_file": net.hosts_path(),
+        "resolv_conf": net.resolv_path(),
+        "boxes": boxes,
+    }))
+}
+
+fn inspect(root: &std::path::Path, name: &str) -> Result<i32> {
+    let networks = list_networks(root)?;
+    if let Some(cfg) = networks.iter().find(|c| c.name == name) {
+        let net = Network::view(cfg.clone());
+        println!("{}", serde_json::to_string_pretty(&network_json(&net)?)?);
+        return Ok(0);
+    }
+    // A box: by id, or by one of the names it was given.
+    for cfg in networks {
+        let net = Network::view(cfg.clone());
+        let attachments = net.attachments()?;
+        for lease in net.leases()? {
+            if lease.box_id != name && !lease.names.iter().any(|n| n == name) {
+                continue;
+            }
+            let mut v = match attachments.iter().find(|a| a.lease.box_id == lease.box_id) {
+                Some(a) => serde_json::to_value(a)?,
+                None => serde_json::to_value(&lease)?,
+            };
+            v["network"] = json!(cfg.name);
+            println!("{}", serde_json::to_string_pretty(&v)?);
+            return Ok(0);
+        }
+    }
+    bail!("no network or box named {name}")
 }

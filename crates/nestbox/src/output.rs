@@ -12,7 +12,7 @@ pub fn ps(reg: &Registry, all: bool, as_json: bool) -> Result<()> {
     let mut rows = Vec::new();
     for r in reg.list()? {
         let status = r.state.effective_status();
-        if !all && !matches!(status, Status::Running | Status::Creating) {
+        if !all && !matches!(status, Status::Running | Status::Creating | Status::Frozen) {
             continue;
         }
         rows.push(json!({
@@ -75,7 +75,7 @@ pub fn logs(reg: &Registry, name: &str, follow: bool) -> Result<()> {
             .map(|r| {
                 !matches!(
                     r.state.effective_status(),
-                    Status::Running | Status::Creating
+                    Status::Running | Status::Creating | Status::Frozen
                 )
             })
             .unwrap_or(true)
@@ -93,8 +93,16 @@ pub fn logs(reg: &Registry, name: &str, follow: bool) -> Result<()> {
 /// `stats [--json]`.
 pub fn stats(reg: &Registry, name: &str, as_json: bool) -> Result<()> {
     let s = ops::stats(reg, name)?;
+    let sharing = reg
+        .load(name)
+        .ok()
+        .and_then(|r| nestbox_runtime::clone::sharing(reg, &r));
     if as_json {
-        println!("{}", serde_json::to_string_pretty(&s)?);
+        let mut v = serde_json::to_value(&s)?;
+        if let Some(sh) = sharing {
+            v["sharing"] = sh;
+        }
+        println!("{}", serde_json::to_string_pretty(&v)?);
         return Ok(());
     }
     println!(
@@ -109,7 +117,65 @@ pub fn stats(reg: &Registry, name: &str, as_json: bool) -> Result<()> {
         format_size(s.memory_peak),
         s.pids_current
     );
+    if let Some(sh) = sharing {
+        let bytes = |v: &serde_json::Value| format_size(v.as_u64().unwrap_or(0));
+        match sh["role"].as_str() {
+            Some("clone") => println!(
+                "clone of {}: private {}, shared with the template {}",
+                sh["template"].as_str().unwrap_or("?"),
+                bytes(&sh["private_bytes"]),
+                bytes(&sh["shared_with_template_bytes"])
+            ),
+            _ => println!(
+                "template with {} clones: resident {} in all, proportional {}, sharing ratio {:.2}",
+                sh["clones"],
+                bytes(&sh["total_rss_bytes"]),
+                bytes(&sh["total_pss_bytes"]),
+                sh["sharing_ratio"].as_f64().unwrap_or(1.0)
+            ),
+        }
+    }
     Ok(())
+}
+
+/// `template ls [--json]`.
+pub fn templates(reg: &Registry, as_json: bool) -> Result<()> {
+    let list = nestbox_runtime::template::list(reg)?;
+    if as_json {
+        println!("{}", serde_json::to_string_pretty(&list)?);
+        return Ok(());
+    }
+    println!(
+        "{:<24} {:<24} {:>8} {:>7}",
+        "TEMPLATE", "BOX", "PID", "CLONES"
+    );
+    for t in list {
+        let clones = if t.removed {
+            format!("{} (removed)", t.clones)
+        } else {
+            t.clones.to_string()
+        };
+        println!(
+            "{:<24} {:<24} {:>8} {:>7}",
+            t.name, t.box_name, t.pid, clones
+        );
+    }
+    Ok(())
+}
+
+/// Follow a box's output until it ends; its exit code.
+pub fn follow_to_end(reg: &Registry, name: &str) -> Result<i32> {
+    logs(reg, name, true)?;
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    loop {
+        let record = reg.load(name)?;
+        match record.state.effective_status() {
+            Status::Exited => return Ok(record.state.exit_code.unwrap_or(0)),
+            Status::Dead => return Ok(125),
+            _ if std::time::Instant::now() > deadline => return Ok(125),
+            _ => std::thread::sleep(std::time::Duration::from_millis(20)),
+        }
+    }
 }
 
 /// `gc`: say what was removed.
@@ -124,7 +190,10 @@ pub fn gc(reg: &Registry) -> Result<()> {
     for d in &r.dirs {
         println!("removed {d}");
     }
-    if r.boxes.is_empty() && r.cgroups.is_empty() && r.dirs.is_empty() {
+    for n in &r.network {
+        println!("released the network of box id {n}");
+    }
+    if r.boxes.is_empty() && r.cgroups.is_empty() && r.dirs.is_empty() && r.network.is_empty() {
         println!("nothing to collect");
     }
     Ok(())

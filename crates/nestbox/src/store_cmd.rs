@@ -1,15 +1,60 @@
-//! `nestbox image|commit|store|dedup`: the content-addressed image store from the CLI.
-//! (Being filled in by the image-store work; the shapes below are the contract with cli.rs.)
+//! `nestbox image|commit|store|dedup`: the content-addressed image store from the
+//! command line. The store lives under the images directory of the nestbox root
+//! (`$ROOT/lib/images/store`); box records come from the registry, which is how
+//! `image rm` refuses images still in use, `commit` finds a box's writable layer
+//! and `dedup` tells boxes that run (skipped) from boxes that do not.
 
-use anyhow::{bail, Result};
+use std::io::IsTerminal;
+use std::path::PathBuf;
+
+use anyhow::{bail, Context, Result};
 use clap::{Args, Subcommand};
-use nestbox_runtime::registry::Registry;
+use nestbox_runtime::registry::{BoxRecord, Registry};
+use nestbox_runtime::state::Status;
+use nestbox_store::{DedupLayer, DedupOptions, ImportOptions, Progress, Store};
 
 /// `nestbox image ...`
 #[derive(Debug, Subcommand)]
 pub enum ImageCommand {
+    /// Import a root filesystem: a directory, a tar/tar.gz/tar.zst, an OCI image
+    /// layout (directory or archive) or a docker save archive.
+    Import {
+        /// The source.
+        src: PathBuf,
+        /// Name of the new image.
+        #[arg(long)]
+        name: String,
+        /// No progress bar.
+        #[arg(short, long)]
+        quiet: bool,
+        /// Accept device nodes (root only).
+        #[arg(long)]
+        allow_devices: bool,
+    },
     /// List images.
-    Ls,
+    Ls {
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Show an image as JSON.
+    Inspect {
+        /// Image name.
+        name: String,
+    },
+    /// Remove images (refused while a box uses one; objects go at `store gc`).
+    Rm {
+        /// Image names.
+        #[arg(required = true)]
+        names: Vec<String>,
+    },
+    /// Write an image as a tar archive.
+    Export {
+        /// Image name.
+        name: String,
+        /// The archive to write.
+        file: PathBuf,
+    },
 }
 
 /// `nestbox commit BOX NAME`
@@ -19,13 +64,32 @@ pub struct CommitArgs {
     pub r#box: String,
     /// Name of the new image.
     pub name: String,
+    /// No progress bar.
+    #[arg(short, long)]
+    pub quiet: bool,
 }
 
 /// `nestbox store ...`
 #[derive(Debug, Subcommand)]
 pub enum StoreCommand {
-    /// Logical against physical size.
-    Df,
+    /// Logical size of images and box layers against physical bytes used.
+    Df {
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Re-hash every object; exit 1 if anything is corrupt.
+    Verify {
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Remove unreferenced objects, trees and stale staging areas.
+    Gc {
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
 }
 
 /// `nestbox dedup`
@@ -34,24 +98,381 @@ pub struct DedupArgs {
     /// Report only.
     #[arg(long)]
     pub dry_run: bool,
+    /// Print JSON.
+    #[arg(long)]
+    pub json: bool,
+    /// Sample sizes of the partial-hash levels, in bytes, comma-separated.
+    #[arg(long, value_name = "N,N,...", default_value = "4096,65536")]
+    pub samples: String,
+}
+
+fn open_store(reg: &Registry) -> Result<Store> {
+    Ok(Store::open(&nestbox_image::store_dir(
+        &reg.roots().images(),
+    ))?)
+}
+
+fn progress(quiet: bool, what: &str) -> Progress {
+    Progress::bytes(!quiet && std::io::stderr().is_terminal(), what, None)
+}
+
+fn human(bytes: u64) -> String {
+    let units = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut v = bytes as f64;
+    let mut u = 0;
+    while v >= 1024.0 && u + 1 < units.len() {
+        v /= 1024.0;
+        u += 1;
+    }
+    if u == 0 {
+        format!("{bytes} B")
+    } else {
+        format!("{v:.1} {}", units[u])
+    }
+}
+
+/// Boxes whose spec names image `name`.
+fn users_of(reg: &Registry, name: &str) -> Result<Vec<String>> {
+    Ok(reg
+        .list()?
+        .into_iter()
+        .filter(|r| r.spec.image == name)
+        .map(|r| r.name().to_string())
+        .collect())
 }
 
 /// Run an `image` subcommand.
-pub fn image(_reg: &Registry, _cmd: ImageCommand) -> Result<i32> {
-    bail!("image store not built yet")
+pub fn image(reg: &Registry, cmd: ImageCommand) -> Result<i32> {
+    let store = open_store(reg)?;
+    match cmd {
+        ImageCommand::Import {
+            src,
+            name,
+            quiet,
+            allow_devices,
+        } => {
+            if allow_devices && !nix::unistd::geteuid().is_root() {
+                bail!("--allow-devices needs root");
+            }
+            let p = progress(quiet, &format!("import {name}"));
+            let r =
+                nestbox_store::import(&store, &src, &name, &ImportOptions { allow_devices }, &p);
+            p.finish();
+            let r = r?;
+            println!(
+                "{} {} ({}: {} files, {}; {} new objects, {} stored, {} already shared)",
+                r.image.name,
+                r.image.id.short(),
+                r.format.name(),
+                r.image.files,
+                human(r.image.bytes),
+                r.stats.new_objects,
+                human(r.stats.new_bytes),
+                r.stats.reused_objects
+            );
+            Ok(0)
+        }
+        ImageCommand::Ls { json } => {
+            let images = store.images()?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&images)?);
+                return Ok(0);
+            }
+            println!(
+                "{:<24} {:<14} {:>9} {:>10}  SOURCE",
+                "NAME", "ID", "FILES", "SIZE"
+            );
+            for i in images {
+                println!(
+                    "{:<24} {:<14} {:>9} {:>10}  {}",
+                    i.name,
+                    i.id.short(),
+                    i.files,
+                    human(i.bytes),
+                    i.source
+                );
+            }
+            Ok(0)
+        }
+        ImageCommand::Inspect { name } => {
+            let i = store.image(&name)?;
+            let m = store.manifest(&i.id)?;
+            let v = serde_json::json!({
+                "name": i.name,
+                "id": i.id,
+                "created": i.created,
+                "source": i.source,
+                "files": i.files,
+                "bytes": i.bytes,
+                "entries": m.entries.len(),
+                "tree": store.tree_path(&i.id),
+                "used_by": users_of(reg, &name)?,
+            });
+            println!("{}", serde_json::to_string_pretty(&v)?);
+            Ok(0)
+        }
+        ImageCommand::Rm { names } => {
+            let mut code = 0;
+            for name in names {
+                let users = users_of(reg, &name)?;
+                let result = if let Some(b) = users.first() {
+                    Err(anyhow::anyhow!(
+                        "image {name:?} is used by box {b:?}{}; remove the box first",
+                        if users.len() > 1 {
+                            format!(" and {} more", users.len() - 1)
+                        } else {
+                            String::new()
+                        }
+                    ))
+                } else {
+                    store.remove_image(&name).map_err(anyhow::Error::from)
+                };
+                match result {
+                    Ok(()) => println!("{name}"),
+                    Err(e) => {
+                        eprintln!("nestbox: error: {e}");
+                        code = nestbox_runtime::error::EXIT_NESTBOX_ERROR;
+                    }
+                }
+            }
+            Ok(code)
+        }
+        ImageCommand::Export { name, file } => {
+            store.export(&name, &file)?;
+            Ok(0)
+        }
+    }
 }
 
 /// Run `commit`.
-pub fn commit(_reg: &Registry, _args: CommitArgs) -> Result<i32> {
-    bail!("image store not built yet")
+pub fn commit(reg: &Registry, args: CommitArgs) -> Result<i32> {
+    let record = reg.load(&args.r#box)?;
+    let base = &record.spec.image;
+    if base == nestbox_image::HOST_IMAGE {
+        bail!(
+            "box {:?} runs the built-in host image, which is not in the store: commit needs a box of a store image (import a root filesystem with `nestbox image import`)",
+            args.r#box
+        );
+    }
+    let store = open_store(reg)?;
+    let (upper, _) = record.layer_dirs(0);
+    let p = progress(args.quiet, &format!("commit {}", args.name));
+    let r = store.commit_upper(
+        base,
+        &upper,
+        &args.name,
+        &format!("commit of box {} (image {base})", args.r#box),
+        &p,
+    );
+    p.finish();
+    let (image, stats) = r.with_context(|| format!("commit box {:?}", args.r#box))?;
+    println!(
+        "{} {} ({} files, {}; {} new objects, {} stored)",
+        image.name,
+        image.id.short(),
+        image.files,
+        human(image.bytes),
+        stats.new_objects,
+        human(stats.new_bytes)
+    );
+    Ok(0)
+}
+
+/// Root-layer upper directories of every box.
+fn box_layers(records: &[BoxRecord]) -> Vec<PathBuf> {
+    records.iter().map(|r| r.layer_dirs(0).0).collect()
 }
 
 /// Run a `store` subcommand.
-pub fn store(_reg: &Registry, _cmd: StoreCommand) -> Result<i32> {
-    bail!("image store not built yet")
+pub fn store(reg: &Registry, cmd: StoreCommand) -> Result<i32> {
+    let store = open_store(reg)?;
+    match cmd {
+        StoreCommand::Df { json } => {
+            let u = store.usage(&box_layers(&reg.list()?))?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&u)?);
+                return Ok(0);
+            }
+            println!(
+                "images:    {:>4}  {:>9} files  {:>10} logical",
+                u.images,
+                u.image_files,
+                human(u.image_logical_bytes)
+            );
+            println!(
+                "box layers:{:>4}  {:>9} files  {:>10} logical",
+                u.layers,
+                u.layer_files,
+                human(u.layer_logical_bytes)
+            );
+            println!(
+                "total logical {}, physical {} (store {}, layers {}), {} objects, sharing ratio {:.2}",
+                human(u.logical_bytes),
+                human(u.physical_bytes),
+                human(u.store_physical_bytes),
+                human(u.layer_physical_bytes),
+                u.objects,
+                u.sharing_ratio
+            );
+            Ok(0)
+        }
+        StoreCommand::Verify { json } => {
+            let r = store.verify()?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&r)?);
+            } else {
+                for p in &r.problems {
+                    println!("{p}");
+                }
+                println!(
+                    "{}: {} objects ({}) re-hashed, {} images checked, {} problems",
+                    if r.problems.is_empty() {
+                        "ok"
+                    } else {
+                        "CORRUPT"
+                    },
+                    r.objects,
+                    human(r.bytes),
+                    r.images,
+                    r.problems.len()
+                );
+            }
+            Ok(if r.problems.is_empty() { 0 } else { 1 })
+        }
+        StoreCommand::Gc { json } => {
+            let r = store.gc()?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&r)?);
+            } else {
+                println!(
+                    "removed {} objects ({}), {} trees, {} stale staging areas",
+                    r.objects_removed,
+                    human(r.bytes_freed),
+                    r.trees_removed,
+                    r.staging_removed
+                );
+            }
+            Ok(0)
+        }
+    }
 }
 
 /// Run `dedup`.
-pub fn dedup(_reg: &Registry, _args: DedupArgs) -> Result<i32> {
-    bail!("image store not built yet")
+pub fn dedup(reg: &Registry, args: DedupArgs) -> Result<i32> {
+    let samples = args
+        .samples
+        .split(',')
+        .filter(|s| !s.trim().is_empty())
+        .map(|s| {
+            nestbox_runtime::size::parse_size(s.trim())
+                .map_err(|e| anyhow::anyhow!("--samples: {s:?}: {e}"))
+        })
+        .collect::<Result<Vec<u64>>>()?;
+    let store = open_store(reg)?;
+    let mut layers = Vec::new();
+    let mut skipped: Vec<(String, String)> = Vec::new();
+    // Hold the lock of every box taking part, so none changes state meanwhile.
+    let mut locks = Vec::new();
+    for r in reg.list()? {
+        let name = r.name().to_string();
+        let lock = reg.lock(&name);
+        let status = reg
+            .load(&name)
+            .map(|r| r.state.effective_status())
+            .unwrap_or(Status::Dead);
+        match status {
+            Status::Exited => {
+                locks.push(lock);
+                layers.push(DedupLayer {
+                    label: name,
+                    upper: r.layer_dirs(0).0,
+                });
+            }
+            Status::Dead => skipped.push((
+                name,
+                "dead (its monitor is gone; `nestbox gc` removes it)".to_string(),
+            )),
+            // Running, being created, frozen: its overlay is mounted.
+            other => skipped.push((
+                name,
+                format!(
+                    "{}: its overlay is mounted and overlayfs writes upper files in place, so they must not become shared inodes",
+                    other.as_str()
+                ),
+            )),
+        }
+    }
+    let report = store.dedup(
+        &layers,
+        &DedupOptions {
+            samples,
+            dry_run: args.dry_run,
+        },
+    )?;
+    drop(locks);
+    if args.json {
+        let mut v = serde_json::to_value(&report)?;
+        v["skipped_boxes"] = serde_json::json!(skipped
+            .iter()
+            .map(|(n, why)| serde_json::json!({"name": n, "reason": why}))
+            .collect::<Vec<_>>());
+        println!("{}", serde_json::to_string_pretty(&v)?);
+        return Ok(0);
+    }
+    println!(
+        "{} {} layers and {} store objects: {} candidate files, {}",
+        if report.dry_run {
+            "dry run over"
+        } else {
+            "deduplicated"
+        },
+        report.layers,
+        report.objects,
+        report.candidates,
+        human(report.candidate_bytes)
+    );
+    println!(
+        "{:<14} {:>9} {:>12} {:>9} {:>11}",
+        "LEVEL", "FILES", "BYTES READ", "MATCHED", "COLLISIONS"
+    );
+    for l in &report.levels {
+        println!(
+            "{:<14} {:>9} {:>12} {:>9} {:>11}",
+            l.level, l.files, l.bytes_read, l.matched, l.collisions
+        );
+    }
+    let pct = if report.unique_bytes == 0 {
+        0.0
+    } else {
+        100.0 * report.unique_bytes_read as f64 / report.unique_bytes as f64
+    };
+    println!(
+        "{} {} files ({}) into shared objects ({} new objects); {} identical files kept apart for different metadata; {} files skipped",
+        if report.dry_run { "would merge" } else { "merged" },
+        report.merged_files,
+        human(report.merged_bytes),
+        report.new_objects,
+        report.metadata_differs,
+        report.skipped_files
+    );
+    println!(
+        "unique files: {} ({}), {:.2}% of their bytes read; {:.3} s",
+        report.unique_files,
+        human(report.unique_bytes),
+        pct,
+        report.seconds
+    );
+    println!(
+        "skipped {} boxes{}",
+        skipped.len(),
+        if skipped.is_empty() {
+            String::new()
+        } else {
+            ":".into()
+        }
+    );
+    for (n, why) in &skipped {
+        println!("  {n}: {why}");
+    }
+    Ok(0)
 }

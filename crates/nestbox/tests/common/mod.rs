@@ -615,6 +615,41 @@ impl TestRoot {
     }
 
     /// Remove everything, then report what could not be removed.
+    /// Remove this root's network and check that its bridge, IFB device and NAT
+    /// table are gone from the host.
+    fn remove_network(&self) -> Vec<String> {
+        let mut left = Vec::new();
+        let bridges: Vec<String> = serde_json::from_str::<Value>(
+            &self
+                .run_timeout(&["network", "ls", "--json"], Duration::from_secs(30))
+                .stdout,
+        )
+        .ok()
+        .and_then(|v| v.as_array().cloned())
+        .unwrap_or_default()
+        .iter()
+        .filter_map(|n| n["bridge"].as_str().map(String::from))
+        .collect();
+        let out = self.run_timeout(&["network", "rm"], Duration::from_secs(60));
+        if out.code != 0 {
+            left.push(format!("network rm failed: {out}"));
+        }
+        for bridge in bridges {
+            for link in [bridge.clone(), format!("{bridge}ifb")] {
+                if Path::new("/sys/class/net").join(&link).exists() {
+                    left.push(format!("network link {link}"));
+                }
+            }
+            let table = std::process::Command::new("nft")
+                .args(["list", "table", "ip", &format!("nestbox-{bridge}")])
+                .output();
+            if table.is_ok_and(|o| o.status.success()) {
+                left.push(format!("nft table ip nestbox-{bridge}"));
+            }
+        }
+        left
+    }
+
     fn clean_up(&mut self) -> Vec<String> {
         let mut left = Vec::new();
         let names: Vec<String> =
@@ -650,6 +685,7 @@ impl TestRoot {
         if out.code != 0 {
             left.push(format!("gc failed: {out}"));
         }
+        left.extend(self.remove_network());
         let procs: Vec<ProcId> = self.procs.lock().unwrap().iter().copied().collect();
         let gone = wait_until(Duration::from_secs(10), || {
             self.cgroup_dirs().is_empty() && procs.iter().all(|p| !p.alive())

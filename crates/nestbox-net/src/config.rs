@@ -1,0 +1,184 @@
+//! The configuration of one box network: its name, bridge, subnet and link
+//! rate, kept as `config.json` in the network's state directory.
+
+use std::fs;
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::{NetError, Result};
+use crate::rate::Rate;
+use crate::subnet::Subnet;
+
+/// Name of the default network.
+pub const DEFAULT_NETWORK: &str = "default";
+/// Bridge of the default network.
+pub const DEFAULT_BRIDGE: &str = "nbx0";
+/// Link rate of the default network (100gbit): the parent class every box's
+/// egress class borrows from. High enough not to slow box-to-box traffic on a
+/// fast machine; set it to the real uplink rate for shares to divide it.
+pub const DEFAULT_LINK_RATE: u64 = 100_000_000_000;
+/// Subnets tried in order for a new default network; the first that overlaps
+/// neither a host route nor another network of the same root is taken.
+const CANDIDATES: &[&str] = &[
+    "10.88.0.0/16",
+    "10.89.0.0/16",
+    "10.90.0.0/16",
+    "10.91.0.0/16",
+    "172.30.0.0/16",
+    "172.29.0.0/16",
+    "192.168.232.0/22",
+];
+
+/// Configuration of one network.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NetworkConfig {
+    /// Network name (the name of its state directory under the root).
+    pub name: String,
+    /// Bridge interface on the host (at most 12 characters: the IFB device is
+    /// named after it with `ifb` appended).
+    pub bridge: String,
+    /// Addresses of the boxes; the first host address is the gateway on the bridge.
+    pub subnet: Subnet,
+    /// Rate of the parent class of the egress tree: what all boxes together may
+    /// send, and what shares divide.
+    pub link_rate: Rate,
+    /// Turn on the host's global IPv4 forwarding (`net.ipv4.ip_forward`) when the
+    /// bridge is created, as outbound traffic and published ports reached from
+    /// other machines need. Forwarding on the bridge itself is always on.
+    #[serde(default = "yes")]
+    pub ip_forward: bool,
+    /// Where the network keeps its state (not serialized: it is where the file is).
+    #[serde(skip)]
+    pub state_dir: PathBuf,
+}
+
+fn yes() -> bool {
+    true
+}
+
+impl NetworkConfig {
+    /// A configuration with the default link rate and forwarding on.
+    pub fn new(name: &str, bridge: &str, subnet: Subnet, state_dir: PathBuf) -> NetworkConfig {
+        NetworkConfig {
+            name: name.to_string(),
+            bridge: bridge.to_string(),
+            subnet,
+            link_rate: Rate::from_bits(DEFAULT_LINK_RATE).unwrap_or(Rate::MIN),
+            ip_forward: true,
+            state_dir,
+        }
+    }
+
+    /// The default network under `root` (`root/default`): its saved
+    /// configuration if there is one, else bridge `nbx0` on the first candidate
+    /// subnet that overlaps no host route and no other network under `root`.
+    pub fn default_in(root: &Path) -> Result<NetworkConfig> {
+        let candidates: Vec<Subnet> = CANDIDATES
+            .iter()
+            .map(|c| Subnet::parse(c))
+            .collect::<Result<_>>()?;
+        NetworkConfig::default_with(root, DEFAULT_BRIDGE, &candidates)
+    }
+
+    /// The default network of a private root (a test's, a nested nestbox's):
+    /// bridge `bridge`, and a /24 of 10.192.0.0/10 chosen from `seed` (then the
+    /// next ones) that overlaps no host route and no other network under `root`,
+    /// so roots that exist side by side get distinct bridges and subnets.
+    pub fn private_in(root: &Path, bridge: &str, seed: u32) -> Result<NetworkConfig> {
+        let candidates: Vec<Subnet> = (0..64u32)
+            .map(|i| {
+                let idx = seed.wrapping_add(i) % 16384;
+                let addr =
+                    std::net::Ipv4Addr::new(10, 192 + (idx / 256) as u8, (idx % 256) as u8, 0);
+                Subnet::new(addr, 24)
+            })
+            .collect::<Result<_>>()?;
+        NetworkConfig::default_with(root, bridge, &candidates)
+    }
+
+    fn default_with(root: &Path, bridge: &str, candidates: &[Subnet]) -> Result<NetworkConfig> {
+        let dir = root.join(DEFAULT_NETWORK);
+        if let Some(c) = NetworkConfig::load(&dir)? {
+            return Ok(c);
+        }
+        let routes = {
+            let mut nl = crate::netlink::Netlink::open()?;
+            crate::route::list_main(&mut nl)?
+        };
+        let others: Vec<Subnet> = crate::network::list_networks(root)?
+            .into_iter()
+            .map(|c| c.subnet)
+            .collect();
+        for s in candidates.iter().copied() {
+            let clash = routes.iter().any(|r| {
+                r.prefix > 0 && Subnet::new(r.dst, r.prefix).is_ok_and(|rs| rs.overlaps(&s))
+            }) || others.iter().any(|o| o.overlaps(&s));
+            if !clash {
+                return Ok(NetworkConfig::new(DEFAULT_NETWORK, bridge, s, dir));
+            }
+        }
+        Err(NetError::Invalid(format!(
+            "no free subnet for the default network (tried {} candidates from {}): configure one",
+            candidates.len(),
+            candidates
+                .first()
+                .map(|c| c.to_string())
+                .unwrap_or_default()
+        )))
+    }
+
+    /// The IFB device carrying the egress tree.
+    pub fn ifb(&self) -> String {
+        format!("{}ifb", self.bridge)
+    }
+
+    /// Check names and subnet.
+    pub fn validate(&self) -> Result<()> {
+        let ok_name = |s: &str| {
+            !s.is_empty()
+                && s.bytes()
+                    .all(|c| c.is_ascii_alphanumeric() || c == b'-' || c == b'_' || c == b'.')
+        };
+        if !ok_name(&self.name) || self.name.starts_with('.') {
+            return Err(NetError::Invalid(format!(
+                "invalid network name {:?}: use letters, digits, '-', '_' and '.'",
+                self.name
+            )));
+        }
+        if !ok_name(&self.bridge) || self.bridge.len() > 12 || self.bridge.contains('.') {
+            return Err(NetError::Invalid(format!(
+                "invalid bridge name {:?}: 1-12 letters, digits, '-' or '_'",
+                self.bridge
+            )));
+        }
+        self.subnet.check_usable()
+    }
+
+    /// Load `state_dir/config.json`, if it exists.
+    pub fn load(state_dir: &Path) -> Result<Option<NetworkConfig>> {
+        let path = state_dir.join("config.json");
+        let text = match fs::read_to_string(&path) {
+            Ok(t) => t,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+            Err(e) => return Err(NetError::io("read", path, e)),
+        };
+        let mut c: NetworkConfig = serde_json::from_str(&text).map_err(|e| NetError::State {
+            path: path.clone(),
+            message: e.to_string(),
+        })?;
+        c.state_dir = state_dir.to_path_buf();
+        Ok(Some(c))
+    }
+
+    /// Save to `state_dir/config.json` (atomically).
+    pub fn save(&self) -> Result<()> {
+        fs::create_dir_all(&self.state_dir)
+            .map_err(|e| NetError::io("create", &self.state_dir, e))?;
+        let json = serde_json::to_vec_pretty(self).map_err(|e| NetError::State {
+            path: self.state_dir.join("config.json"),
+            message: e.to_string(),
+        })?;
+        crate::state::write_atomic(&self.state_dir.join("config.json"), &json)
+    }
+}

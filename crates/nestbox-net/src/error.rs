@@ -1,0 +1,173 @@
+//! Typed errors of box networking. Every variant carries its context (the
+//! netlink request and the object it was about, the path, the box) and displays
+//! as one line a person can act on.
+
+use std::io;
+use std::path::PathBuf;
+
+/// A networking error.
+#[derive(Debug, thiserror::Error)]
+pub enum NetError {
+    /// A netlink request failed; `what` names the request and its object,
+    /// `detail` is the kernel's extended-ack message when it gave one.
+    #[error("netlink: {what}: {source}{}", detail.as_deref().map(|d| format!(" ({d})")).unwrap_or_default())]
+    Netlink {
+        /// The request and its object, e.g. `create veth nbv0a1b2c3d4e5f on bridge nbx0`.
+        what: String,
+        /// The errno the kernel answered with.
+        #[source]
+        source: io::Error,
+        /// Extended ack message.
+        detail: Option<String>,
+    },
+    /// A netlink answer could not be decoded.
+    #[error("netlink: {what}: cannot decode the kernel's answer: {message}")]
+    Decode {
+        /// The request.
+        what: String,
+        /// What went wrong.
+        message: String,
+    },
+    /// A system call failed.
+    #[error("{call}: {source}")]
+    Sys {
+        /// The call and its object, e.g. `setns(/proc/123/ns/net)`.
+        call: String,
+        /// The errno.
+        #[source]
+        source: io::Error,
+    },
+    /// A file could not be read or written.
+    #[error("{what} {}: {source}", path.display())]
+    Io {
+        /// What was being done: `read`, `write`, `lock`...
+        what: &'static str,
+        /// The file.
+        path: PathBuf,
+        /// The error.
+        #[source]
+        source: io::Error,
+    },
+    /// A state file holds something we cannot parse.
+    #[error("corrupt network state {}: {message}", path.display())]
+    State {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong.
+        message: String,
+    },
+    /// `nft` failed.
+    #[error("nft: {what}: {message}")]
+    Nft {
+        /// What the ruleset change was for.
+        what: String,
+        /// nft's own message (first line of its stderr) or the spawn error.
+        message: String,
+    },
+    /// A rate could not be parsed or is out of range.
+    #[error("invalid rate {0:?}: expected a number and a unit such as 100mbit, 1gbit, 10mbps")]
+    InvalidRate(String),
+    /// A port mapping could not be parsed.
+    #[error("invalid port mapping {0:?}: expected HOSTPORT:BOXPORT[/tcp|udp] with ports 1-65535")]
+    InvalidPort(String),
+    /// A subnet could not be parsed or is unsuitable.
+    #[error("invalid subnet {subnet:?}: {reason}")]
+    InvalidSubnet {
+        /// The subnet as given.
+        subnet: String,
+        /// Why it is refused.
+        reason: String,
+    },
+    /// Some other invalid input (names, options, configuration).
+    #[error("{0}")]
+    Invalid(String),
+    /// The host port of a published port is taken.
+    #[error("host port {port}/{proto} is already in use{}", by.as_deref().map(|b| format!(" by {b}")).unwrap_or_default())]
+    PortInUse {
+        /// The host port.
+        port: u16,
+        /// `tcp` or `udp`.
+        proto: &'static str,
+        /// Who holds it, when known (another box).
+        by: Option<String>,
+    },
+    /// The network's subnet overlaps a route of the host.
+    #[error("subnet {subnet} overlaps host route {route} (dev {dev}): choose another subnet")]
+    SubnetOverlap {
+        /// Our subnet.
+        subnet: String,
+        /// The host's route.
+        route: String,
+        /// Its device.
+        dev: String,
+    },
+    /// No free address is left.
+    #[error("address pool {subnet} of network {network} is exhausted ({used} addresses in use)")]
+    PoolExhausted {
+        /// The network.
+        network: String,
+        /// Its subnet.
+        subnet: String,
+        /// Leases held.
+        used: usize,
+    },
+    /// The box has no lease in this network.
+    #[error("box {0} has no address in this network (allocate first)")]
+    NoLease(String),
+    /// The box is already attached.
+    #[error("box {0} is already attached")]
+    AlreadyAttached(String),
+    /// An error about one box, with the box named.
+    #[error("box {box_id}: {source}")]
+    Box {
+        /// The box.
+        box_id: String,
+        /// The error.
+        #[source]
+        source: Box<NetError>,
+    },
+}
+
+impl NetError {
+    /// A failed system call.
+    pub(crate) fn sys(call: impl Into<String>, errno: nix::errno::Errno) -> Self {
+        NetError::Sys {
+            call: call.into(),
+            source: io::Error::from_raw_os_error(errno as i32),
+        }
+    }
+
+    /// A failed file operation.
+    pub(crate) fn io(what: &'static str, path: impl Into<PathBuf>, source: io::Error) -> Self {
+        NetError::Io {
+            what,
+            path: path.into(),
+            source,
+        }
+    }
+
+    /// This error, said about box `box_id`.
+    pub(crate) fn for_box(self, box_id: &str) -> Self {
+        match self {
+            e @ NetError::Box { .. } => e,
+            e => NetError::Box {
+                box_id: box_id.to_string(),
+                source: Box::new(e),
+            },
+        }
+    }
+
+    /// The errno of a failed netlink request or system call, if that is what this is.
+    pub fn errno(&self) -> Option<i32> {
+        match self {
+            NetError::Netlink { source, .. } | NetError::Sys { source, .. } => {
+                source.raw_os_error()
+            }
+            NetError::Box { source, .. } => source.errno(),
+            _ => None,
+        }
+    }
+}
+
+/// Result with [`NetError`].
+pub type Result<T, E = NetError> = std::result::Result<T, E>;

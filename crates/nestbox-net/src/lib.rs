@@ -1,0 +1,48 @@
+//! Box networking for nestbox: each box's network namespace joined to a host
+//! bridge by a veth pair, with an address from the network's subnet, a default
+//! route, a shared hosts file naming every box, published ports and outbound
+//! masquerade (nftables), and bandwidth control as Linux-VServer does it with
+//! HTB: every box's egress is redirected into one IFB device whose HTB tree
+//! gives each box a class with its reservation as rate, its cap as ceil and its
+//! share as quantum, under a parent class of the link rate; an ingress cap is an
+//! HTB on the host side of the box's veth.
+//!
+//! Links, addresses, routes, qdiscs, classes and filters go through rtnetlink
+//! ([`netlink`]); the NAT table through the `nft` binary ([`nft`]). See
+//! `docs/network.md`.
+//!
+//! ```no_run
+//! # fn main() -> nestbox_net::Result<()> {
+//! use nestbox_net::{AttachOptions, Network, NetworkConfig, PortMapping};
+//! let net = Network::open(NetworkConfig::default_in("/var/lib/nestbox/network".as_ref())?)?;
+//! let lease = net.allocate("0123abcd", &["web"])?;
+//! // ... bind-mount net.hosts_path() and net.resolv_path() into the box, start it ...
+//! let ns = nestbox_net::netns::of_pid(1234)?;
+//! let opts = AttachOptions { publish: vec![PortMapping::parse("8080:80")?], ..Default::default() };
+//! let attachment = net.attach(&lease, std::os::fd::AsFd::as_fd(&ns), &opts)?;
+//! net.detach("0123abcd")?;
+//! # let _ = attachment; Ok(()) }
+//! ```
+
+pub mod addr;
+pub mod config;
+pub mod error;
+pub mod hosts;
+pub mod link;
+pub mod netlink;
+pub mod netns;
+pub mod network;
+pub mod nft;
+pub mod port;
+pub mod rate;
+pub mod route;
+mod state;
+pub mod subnet;
+pub mod tc;
+
+pub use config::NetworkConfig;
+pub use error::{NetError, Result};
+pub use network::{list_networks, AttachOptions, Attachment, Lease, Network};
+pub use port::{PortMapping, Proto};
+pub use rate::{parse_rate, Rate};
+pub use subnet::Subnet;

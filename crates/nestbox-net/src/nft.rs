@@ -1,0 +1,144 @@
+//! NAT through nftables: one table per network (`ip nestbox-BRIDGE`), holding
+//! the masquerade of outbound traffic and the DNAT rules of published ports.
+//!
+//! The table is a pure function of the network's state: every change replaces
+//! the whole table in one atomic `nft -f -` transaction (exception to "netlink,
+//! not shell", see docs/network.md). Nothing is run for boxes that publish no
+//! port, so it stays off the common path.
+
+use std::io::Write;
+use std::net::Ipv4Addr;
+use std::process::{Command, Stdio};
+
+use crate::error::{NetError, Result};
+use crate::port::PortMapping;
+use crate::subnet::Subnet;
+
+/// Name of the table of the network on bridge `bridge`.
+pub fn table_name(bridge: &str) -> String {
+    format!("nestbox-{bridge}")
+}
+
+/// The rules of one network: its bridge, subnet and published ports.
+#[derive(Debug, Clone)]
+pub struct Ruleset<'a> {
+    /// Bridge name.
+    pub bridge: &'a str,
+    /// Subnet of the boxes.
+    pub subnet: Subnet,
+    /// Published ports: mapping and the box address it goes to.
+    pub published: Vec<(PortMapping, Ipv4Addr)>,
+}
+
+impl Ruleset<'_> {
+    /// The nft script that (re)creates the table.
+    pub fn script(&self) -> String {
+        let t = table_name(self.bridge);
+        let br = self.bridge;
+        let net = self.subnet;
+        let mut publish = String::new();
+        for (m, addr) in &self.published {
+            let p = m.proto.as_str();
+            publish.push_str(&format!(
+                "    {p} dport {} dnat to {addr}:{}\n",
+                m.host_port, m.box_port
+            ));
+        }
+        // `table` first makes the `delete` valid when the table did not exist.
+        format!(
+            "table ip {t} {{}}\n\
+             delete table ip {t}\n\
+             table ip {t} {{\n\
+             \x20 chain prerouting {{\n\
+             \x20   type nat hook prerouting priority dstnat; policy accept;\n\
+             \x20   fib daddr type local jump publish\n\
+             \x20 }}\n\
+             \x20 chain output {{\n\
+             \x20   type nat hook output priority -100; policy accept;\n\
+             \x20   fib daddr type local jump publish\n\
+             \x20 }}\n\
+             \x20 chain publish {{\n\
+             {publish}\
+             \x20 }}\n\
+             \x20 chain postrouting {{\n\
+             \x20   type nat hook postrouting priority srcnat; policy accept;\n\
+             \x20   ip saddr {net} oifname != \"{br}\" masquerade\n\
+             \x20   oifname \"{br}\" ip saddr 127.0.0.0/8 masquerade\n\
+             \x20   oifname \"{br}\" ip saddr {net} ct status dnat masquerade\n\
+             \x20 }}\n\
+             }}\n"
+        )
+    }
+
+    /// Replace the network's table with this ruleset, atomically.
+    pub fn apply(&self, what: &str) -> Result<()> {
+        run(&self.script(), what)
+    }
+}
+
+/// Delete the table of the network on `bridge`, if it exists.
+pub fn delete_table(bridge: &str) -> Result<()> {
+    let t = table_name(bridge);
+    run(
+        &format!("table ip {t} {{}}\ndelete table ip {t}\n"),
+        &format!("delete table {t}"),
+    )
+}
+
+/// The table of `bridge` as `nft list` prints it, or `None` if there is none.
+pub fn list_table(bridge: &str) -> Result<Option<String>> {
+    let t = table_name(bridge);
+    let out = Command::new("nft")
+        .args(["list", "table", "ip", &t])
+        .stdin(Stdio::null())
+        .output()
+        .map_err(|e| spawn_error(&format!("list table {t}"), e))?;
+    if out.status.success() {
+        Ok(Some(String::from_utf8_lossy(&out.stdout).into_owned()))
+    } else {
+        Ok(None)
+    }
+}
+
+fn spawn_error(what: &str, e: std::io::Error) -> NetError {
+    let message = if e.kind() == std::io::ErrorKind::NotFound {
+        "the nft command is missing: install the nftables package (scripts/setup.sh does)".into()
+    } else {
+        format!("cannot run nft: {e}")
+    };
+    NetError::Nft {
+        what: what.to_string(),
+        message,
+    }
+}
+
+fn run(script: &str, what: &str) -> Result<()> {
+    let mut child = Command::new("nft")
+        .args(["-f", "-"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .map_err(|e| spawn_error(what, e))?;
+    if let Some(mut stdin) = child.stdin.take() {
+        stdin
+            .write_all(script.as_bytes())
+            .map_err(|e| spawn_error(what, e))?;
+    }
+    let out = child.wait_with_output().map_err(|e| spawn_error(what, e))?;
+    if out.status.success() {
+        return Ok(());
+    }
+    let err = String::from_utf8_lossy(&out.stderr);
+    let line = err
+        .lines()
+        .find(|l| l.contains("Error"))
+        .or_else(|| err.lines().next())
+        .unwrap_or("failed")
+        .trim()
+        .to_string();
+    Err(NetError::Nft {
+        what: what.to_string(),
+        message: line,
+    })
+}

@@ -1,0 +1,598 @@
+//! Bridge networking as root, on namespaces the tests make: addresses and
+//! routes, box-to-box and host-to-box traffic, names, published ports,
+//! masquerade, detach and gc leaving nothing behind, 50 boxes at once, and the
+//! bad inputs. Each test has its own bridge, subnet and state directory.
+
+mod common;
+
+use std::collections::BTreeSet;
+use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4};
+use std::os::fd::AsFd;
+use std::time::{Duration, Instant};
+
+use common::*;
+use nestbox_net::netlink::Netlink;
+use nestbox_net::{
+    addr, link, netns, nft, parse_rate, AttachOptions, NetError, Network, PortMapping,
+};
+
+fn sa(a: Ipv4Addr, p: u16) -> SocketAddr {
+    SocketAddr::V4(SocketAddrV4::new(a, p))
+}
+
+#[test]
+fn attach_gives_address_route_and_connectivity() {
+    if !root() {
+        return;
+    }
+    let t = TestNet::new(1);
+    let net = t.net();
+    let (ns_a, ns_b) = (new_ns(), new_ns());
+    let a = net.allocate("box-a", &["alpha"]).unwrap();
+    let b = net.allocate("box-b", &["beta"]).unwrap();
+    assert_ne!(a.address, b.address);
+    assert_eq!(a.gateway, Ipv4Addr::new(10, 231, 1, 1));
+    let att = net
+        .attach(&a, ns_a.as_fd(), &AttachOptions::default())
+        .unwrap();
+    net.attach(&b, ns_b.as_fd(), &AttachOptions::default())
+        .unwrap();
+    assert_eq!(att.lease.address, a.address);
+    assert_eq!(att.class, format!("1:{:x}", a.address.octets()[3]));
+
+    // Inside: eth0 with the address, a default route via the gateway.
+    let (addrs, routes) = netns::run_in(ns_a.as_fd(), || {
+        let mut nl = Netlink::open()?;
+        let idx = link::index(&mut nl, "eth0")?.unwrap();
+        Ok((
+            addr::list(&mut nl, idx)?,
+            nestbox_net::route::list_main(&mut nl)?,
+        ))
+    })
+    .unwrap();
+    assert_eq!(addrs, vec![(a.address, 24)]);
+    assert!(
+        routes.iter().any(|r| r.prefix == 0),
+        "no default route: {routes:?}"
+    );
+
+    // Box to box by address.
+    let l = listen(Some(ns_b.as_fd()), b.address, 7000);
+    let srv = echo_peer_once(l);
+    assert_eq!(
+        ask(Some(ns_a.as_fd()), sa(b.address, 7000)),
+        a.address.to_string()
+    );
+    srv.join().unwrap();
+
+    // Host to box.
+    let l = listen(Some(ns_a.as_fd()), Ipv4Addr::UNSPECIFIED, 7001);
+    let srv = echo_peer_once(l);
+    assert_eq!(ask(None, sa(a.address, 7001)), a.gateway.to_string());
+    srv.join().unwrap();
+
+    // Box to host (the gateway).
+    let l = listen(None, a.gateway, 0);
+    let port = l.local_addr().unwrap().port();
+    let srv = echo_peer_once(l);
+    assert_eq!(
+        ask(Some(ns_b.as_fd()), sa(a.gateway, port)),
+        b.address.to_string()
+    );
+    srv.join().unwrap();
+
+    let list = net.attachments().unwrap();
+    assert_eq!(list.len(), 2);
+}
+
+#[test]
+fn names_resolve_through_the_shared_hosts_file() {
+    if !root() {
+        return;
+    }
+    let t = TestNet::new(2);
+    let net = t.net();
+    let (ns_a, ns_b) = (new_ns(), new_ns());
+    let a = net.allocate("box-a", &["web", "web.box"]).unwrap();
+    let hosts_inode = std::fs::metadata(net.hosts_path()).map(|m| {
+        use std::os::unix::fs::MetadataExt;
+        m.ino()
+    });
+    let b = net.allocate("box-b", &["db"]).unwrap();
+    net.attach(&a, ns_a.as_fd(), &AttachOptions::default())
+        .unwrap();
+    net.attach(&b, ns_b.as_fd(), &AttachOptions::default())
+        .unwrap();
+    let hosts = std::fs::read_to_string(net.hosts_path()).unwrap();
+    assert!(
+        hosts.contains(&format!("{}\tweb web.box\n", a.address)),
+        "{hosts}"
+    );
+    assert!(hosts.contains(&format!("{}\tdb\n", b.address)), "{hosts}");
+    // Updated in place: a bind mount of it would see the new entries.
+    use std::os::unix::fs::MetadataExt;
+    assert_eq!(
+        hosts_inode.unwrap(),
+        std::fs::metadata(net.hosts_path()).unwrap().ino()
+    );
+    assert!(net.resolv_path().exists());
+    // Resolve "db" the way a resolver reading the file would, and connect.
+    let db: Ipv4Addr = hosts
+        .lines()
+        .find(|l| l.split_whitespace().skip(1).any(|n| n == "db"))
+        .and_then(|l| l.split_whitespace().next())
+        .unwrap()
+        .parse()
+        .unwrap();
+    let l = listen(Some(ns_b.as_fd()), Ipv4Addr::UNSPECIFIED, 5432);
+    let srv = echo_peer_once(l);
+    assert_eq!(ask(Some(ns_a.as_fd()), sa(db, 5432)), a.address.to_string());
+    srv.join().unwrap();
+    net.detach("box-b").unwrap();
+    let hosts = std::fs::read_to_string(net.hosts_path()).unwrap();
+    assert!(!hosts.contains("\tdb\n"), "{hosts}");
+}
+
+#[test]
+fn published_port_reaches_the_box() {
+    if !root() {
+        return;
+    }
+    let t = TestNet::new(3);
+    let net = t.net();
+    let (ns_a, ns_b) = (new_ns(), new_ns());
+    let a = net.allocate("box-a", &["a"]).unwrap();
+    let b = net.allocate("box-b", &["b"]).unwrap();
+    let host_port = 20000 + (std::process::id() % 20000) as u16;
+    let opts = AttachOptions {
+        publish: vec![PortMapping::parse(&format!("{host_port}:80/tcp")).unwrap()],
+        ..Default::default()
+    };
+    net.attach(&a, ns_a.as_fd(), &opts).unwrap();
+    net.attach(&b, ns_b.as_fd(), &AttachOptions::default())
+        .unwrap();
+    let table = nft::list_table(&t.bridge).unwrap().unwrap();
+    assert!(
+        table.contains(&format!("dnat to {}:80", a.address)),
+        "{table}"
+    );
+
+    // From the host via localhost, via the gateway address, and from another box.
+    for (from, to, expect) in [
+        (None, Ipv4Addr::LOCALHOST, a.gateway),
+        (None, a.gateway, a.gateway),
+        (Some(ns_b.as_fd()), a.gateway, a.gateway),
+    ] {
+        let l = listen(Some(ns_a.as_fd()), Ipv4Addr::UNSPECIFIED, 80);
+        let srv = echo_peer_once(l);
+        let seen = ask(from, sa(to, host_port));
+        assert_eq!(seen, expect.to_string(), "to {to}:{host_port}");
+        srv.join().unwrap();
+    }
+    // The same host port cannot be published twice.
+    let c = net.allocate("box-c", &[]).unwrap();
+    let ns_c = new_ns();
+    let err = net.attach(&c, ns_c.as_fd(), &opts).unwrap_err();
+    assert!(
+        err.to_string().contains("already in use by box box-a"),
+        "{err}"
+    );
+    net.detach("box-c").unwrap();
+    net.detach("box-a").unwrap();
+    let table = nft::list_table(&t.bridge).unwrap().unwrap();
+    assert!(!table.contains("dnat to"), "{table}");
+    assert!(table.contains("masquerade"), "{table}");
+}
+
+#[test]
+fn outbound_traffic_is_masqueraded() {
+    if !root() {
+        return;
+    }
+    let t = TestNet::new(4);
+    let net = t.net();
+    // An "outside" namespace reached through the host on another subnet.
+    let outside = new_ns();
+    let up = format!("nbo4x{}", std::process::id() % 10000);
+    let mut nl = Netlink::open().unwrap();
+    let _ = link::delete(&mut nl, &up);
+    struct Del(String);
+    impl Drop for Del {
+        fn drop(&mut self) {
+            if let Ok(mut nl) = Netlink::open() {
+                let _ = link::delete(&mut nl, &self.0);
+            }
+        }
+    }
+    let idx = link::create_veth(&mut nl, &up, None, "eth0", outside.as_fd()).unwrap();
+    let _del = Del(up.clone());
+    let host_side = Ipv4Addr::new(10, 232, 4, 1);
+    let far = Ipv4Addr::new(10, 232, 4, 2);
+    addr::add(&mut nl, idx, &up, host_side, 30).unwrap();
+    std::fs::write(format!("/proc/sys/net/ipv4/conf/{up}/forwarding"), "1").unwrap();
+    netns::run_in(outside.as_fd(), || {
+        let mut nl = Netlink::open()?;
+        let i = link::index(&mut nl, "eth0")?.unwrap();
+        addr::add(&mut nl, i, "eth0", far, 30)?;
+        link::set_up(&mut nl, i, "eth0")
+    })
+    .unwrap();
+
+    let ns = new_ns();
+    let a = net.allocate("box-a", &["a"]).unwrap();
+    net.attach(&a, ns.as_fd(), &AttachOptions::default())
+        .unwrap();
+    let l = listen(Some(outside.as_fd()), far, 9000);
+    let srv = echo_peer_once(l);
+    // The outside sees the host's address, not the box's.
+    assert_eq!(ask(Some(ns.as_fd()), sa(far, 9000)), host_side.to_string());
+    srv.join().unwrap();
+}
+
+#[test]
+fn detach_leaves_no_veth_address_rule_or_class() {
+    if !root() {
+        return;
+    }
+    let t = TestNet::new(5);
+    let net = t.net();
+    let ns = new_ns();
+    let a = net.allocate("box-a", &["a"]).unwrap();
+    let host_port = 20000 + (std::process::id() % 20000) as u16 + 1;
+    let opts = AttachOptions {
+        publish: vec![PortMapping::parse(&format!("{host_port}:80/udp")).unwrap()],
+        rate: Some(parse_rate("100mbit").unwrap()),
+        reserve: Some(parse_rate("10mbit").unwrap()),
+        share: Some(300),
+        ingress_rate: Some(parse_rate("50mbit").unwrap()),
+    };
+    let att = net.attach(&a, ns.as_fd(), &opts).unwrap();
+    let mut nl = Netlink::open().unwrap();
+    let vidx = link::index(&mut nl, &att.host_veth).unwrap().unwrap();
+    let qdiscs = nestbox_net::tc::list_qdiscs(&mut nl, vidx).unwrap();
+    assert!(qdiscs.iter().any(|q| q.kind == "htb"), "{qdiscs:?}");
+    assert!(qdiscs.iter().any(|q| q.kind == "ingress"), "{qdiscs:?}");
+    assert!(links_in(ns.as_fd()).contains(&"eth0".to_string()));
+
+    assert!(net.detach("box-a").unwrap());
+    assert_eq!(link::index(&mut nl, &att.host_veth).unwrap(), None);
+    assert!(!links_in(ns.as_fd()).contains(&"eth0".to_string()));
+    assert_no_box_leftovers(&t);
+    // Idempotent.
+    assert!(!net.detach("box-a").unwrap());
+    // The address is free again (not reused at once: round-robin), the pool intact.
+    let again = net.allocate("box-a2", &[]).unwrap();
+    assert_ne!(again.address, a.address);
+    net.detach("box-a2").unwrap();
+    assert_no_box_leftovers(&t);
+}
+
+#[test]
+fn gc_removes_dead_boxes_and_orphans() {
+    if !root() {
+        return;
+    }
+    let t = TestNet::new(6);
+    let net = t.net();
+    let (ns_a, ns_b, ns_o) = (new_ns(), new_ns(), new_ns());
+    let a = net.allocate("box-a", &["a"]).unwrap();
+    let b = net.allocate("box-b", &["b"]).unwrap();
+    net.attach(&a, ns_a.as_fd(), &AttachOptions::default())
+        .unwrap();
+    let hp = 20000 + (std::process::id() % 20000) as u16 + 2;
+    let opts = AttachOptions {
+        publish: vec![PortMapping::parse(&format!("{hp}:1")).unwrap()],
+        ..Default::default()
+    };
+    net.attach(&b, ns_b.as_fd(), &opts).unwrap();
+    // An orphan veth on the bridge that no box owns (as after a crash).
+    let mut nl = Netlink::open().unwrap();
+    let br = link::index(&mut nl, &t.bridge).unwrap().unwrap();
+    let orphan = format!("nbo6x{}", std::process::id() % 10000);
+    link::create_veth(&mut nl, &orphan, Some(br), "eth0", ns_o.as_fd()).unwrap();
+
+    let removed = net.gc(&["box-a"]).unwrap();
+    assert_eq!(removed, vec!["box-b".to_string()]);
+    assert_eq!(link::index(&mut nl, &orphan).unwrap(), None);
+    assert_eq!(net.leases().unwrap().len(), 1);
+    assert!(links_in(ns_a.as_fd()).contains(&"eth0".to_string()));
+    assert!(!links_in(ns_b.as_fd()).contains(&"eth0".to_string()));
+    net.gc(&[]).unwrap();
+    assert_no_box_leftovers(&t);
+}
+
+#[test]
+fn fifty_boxes_at_once() {
+    if !root() {
+        return;
+    }
+    let t = TestNet::new(7);
+    let net = t.net();
+    let mut boxes = Vec::new();
+    let mut times = Vec::new();
+    for i in 0..50 {
+        let ns = new_ns();
+        let id = format!("box-{i}");
+        let lease = net.allocate(&id, &[&format!("b{i}")]).unwrap();
+        let t0 = Instant::now();
+        net.attach(&lease, ns.as_fd(), &AttachOptions::default())
+            .unwrap();
+        times.push(t0.elapsed());
+        boxes.push((ns, lease));
+    }
+    times.sort();
+    eprintln!(
+        "attach latency over 50 boxes: median {:?}, max {:?}",
+        times[25], times[49]
+    );
+    let addrs: BTreeSet<_> = boxes.iter().map(|(_, l)| l.address).collect();
+    assert_eq!(addrs.len(), 50);
+    // Every box reachable from the host; the first reaches the last.
+    for (ns, lease) in &boxes {
+        let l = listen(Some(ns.as_fd()), lease.address, 7100);
+        let srv = echo_peer_once(l);
+        assert_eq!(
+            ask(None, sa(lease.address, 7100)),
+            lease.gateway.to_string()
+        );
+        srv.join().unwrap();
+    }
+    let (ns0, l0) = &boxes[0];
+    let (ns49, l49) = &boxes[49];
+    let l = listen(Some(ns49.as_fd()), l49.address, 7101);
+    let srv = echo_peer_once(l);
+    assert_eq!(
+        ask(Some(ns0.as_fd()), sa(l49.address, 7101)),
+        l0.address.to_string()
+    );
+    srv.join().unwrap();
+    for (_, lease) in &boxes {
+        net.detach(&lease.box_id).unwrap();
+    }
+    assert_no_box_leftovers(&t);
+}
+
+#[test]
+fn concurrent_allocations_never_share_an_address() {
+    if !root() {
+        return;
+    }
+    let t = TestNet::new(8);
+    let cfg = t.net().config().clone();
+    let handles: Vec<_> = (0..6)
+        .map(|w| {
+            let cfg = cfg.clone();
+            std::thread::spawn(move || {
+                let net = Network::open(cfg).unwrap();
+                (0..15)
+                    .map(|i| net.allocate(&format!("w{w}-{i}"), &[]).unwrap().address)
+                    .collect::<Vec<_>>()
+            })
+        })
+        .collect();
+    let all: Vec<Ipv4Addr> = handles
+        .into_iter()
+        .flat_map(|h| h.join().unwrap())
+        .collect();
+    let unique: BTreeSet<_> = all.iter().collect();
+    assert_eq!(all.len(), 90);
+    assert_eq!(unique.len(), 90);
+    // Persistent: a new handle sees them.
+    let again = Network::open(cfg).unwrap();
+    assert_eq!(again.leases().unwrap().len(), 90);
+    assert_eq!(again.allocate("w0-0", &[]).unwrap().address, all[0]);
+}
+
+#[test]
+fn host_port_in_use_is_refused_and_nothing_is_left() {
+    if !root() {
+        return;
+    }
+    let t = TestNet::new(9);
+    let net = t.net();
+    let taken = std::net::TcpListener::bind("0.0.0.0:0").unwrap();
+    let port = taken.local_addr().unwrap().port();
+    let ns = new_ns();
+    let a = net.allocate("box-a", &[]).unwrap();
+    let opts = AttachOptions {
+        publish: vec![PortMapping::parse(&format!("{port}:80")).unwrap()],
+        ..Default::default()
+    };
+    let err = net.attach(&a, ns.as_fd(), &opts).unwrap_err();
+    let msg = err.to_string();
+    assert_eq!(
+        msg,
+        format!("box box-a: host port {port}/tcp is already in use")
+    );
+    assert!(!links_in(ns.as_fd()).contains(&"eth0".to_string()));
+    assert!(net.attachments().unwrap().is_empty());
+    net.detach("box-a").unwrap();
+    assert_no_box_leftovers(&t);
+}
+
+#[test]
+fn failure_after_links_exist_rolls_everything_back() {
+    if !root() {
+        return;
+    }
+    let t = TestNet::new(10);
+    let net = t.net();
+    let ns = new_ns();
+    let a = net.allocate("box-a", &[]).unwrap();
+    // An eth0 already in the namespace makes the veth creation fail...
+    let (ns2, b) = (new_ns(), net.allocate("box-b", &[]).unwrap());
+    net.attach(&b, ns2.as_fd(), &AttachOptions::default())
+        .unwrap();
+    let err = net
+        .attach(&a, ns2.as_fd(), &AttachOptions::default())
+        .unwrap_err();
+    assert!(
+        err.to_string()
+            .starts_with("box box-a: netlink: create veth"),
+        "{err}"
+    );
+    // ... and a box whose ingress cap cannot be set up fails after its veth,
+    // address, route and class exist: all of it is removed again.
+    let huge = AttachOptions {
+        ingress_rate: Some(nestbox_net::Rate::from_bits(u64::MAX / 2).unwrap()),
+        ..Default::default()
+    };
+    match net.attach(&a, ns.as_fd(), &huge) {
+        Ok(_) => {
+            // The kernel took it: then there is no late failure to provoke here.
+            net.detach("box-a").unwrap();
+        }
+        Err(e) => {
+            eprintln!("late failure: {e}");
+            assert!(!links_in(ns.as_fd()).contains(&"eth0".to_string()));
+            assert!(net
+                .attachments()
+                .unwrap()
+                .iter()
+                .all(|x| x.lease.box_id != "box-a"));
+            net.detach("box-a").unwrap();
+        }
+    }
+    net.detach("box-b").unwrap();
+    assert_no_box_leftovers(&t);
+}
+
+#[test]
+fn overlapping_subnet_is_refused() {
+    if !root() {
+        return;
+    }
+    let first = TestNet::with(11, "10.231.11.0/24", |_| {});
+    let ns = new_ns();
+    let a = first.net().allocate("box-a", &[]).unwrap();
+    first
+        .net()
+        .attach(&a, ns.as_fd(), &AttachOptions::default())
+        .unwrap();
+    let second = TestNet::with(12, "10.231.11.128/25", |_| {});
+    let b = second.net().allocate("box-b", &[]).unwrap();
+    let ns2 = new_ns();
+    let err = second
+        .net()
+        .attach(&b, ns2.as_fd(), &AttachOptions::default())
+        .unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        format!(
+            "box box-b: subnet 10.231.11.128/25 overlaps host route 10.231.11.0/24 (dev {}): choose another subnet",
+            first.bridge
+        )
+    );
+    let mut nl = Netlink::open().unwrap();
+    assert_eq!(link::index(&mut nl, &second.bridge).unwrap(), None);
+    assert_eq!(
+        link::index(&mut nl, &second.net().config().ifb()).unwrap(),
+        None
+    );
+}
+
+#[test]
+fn exhausted_pool_is_refused() {
+    if !root() {
+        return;
+    }
+    let t = TestNet::with(13, "10.231.13.0/30", |_| {});
+    let net = t.net();
+    net.allocate("box-a", &[]).unwrap();
+    let err = net.allocate("box-b", &[]).unwrap_err();
+    assert!(matches!(err, NetError::PoolExhausted { .. }));
+    assert_eq!(
+        err.to_string(),
+        "address pool 10.231.13.0/30 of network t13 is exhausted (1 addresses in use)"
+    );
+    net.detach("box-a").unwrap();
+    net.allocate("box-b", &[]).unwrap();
+}
+
+#[test]
+fn invalid_rates_and_options_are_refused_before_anything_exists() {
+    if !root() {
+        return;
+    }
+    let err = parse_rate("10 parsecs").unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "invalid rate \"10 parsecs\": expected a number and a unit such as 100mbit, 1gbit, 10mbps"
+    );
+    let t = TestNet::with(14, "10.231.14.0/24", |c| {
+        c.link_rate = parse_rate("1gbit").unwrap()
+    });
+    let net = t.net();
+    let ns = new_ns();
+    let a = net.allocate("box-a", &[]).unwrap();
+    let cases = [
+        (
+            AttachOptions {
+                rate: Some(parse_rate("10mbit").unwrap()),
+                reserve: Some(parse_rate("20mbit").unwrap()),
+                ..Default::default()
+            },
+            "box box-a: network reservation 20mbit exceeds the network rate cap 10mbit",
+        ),
+        (
+            AttachOptions {
+                reserve: Some(parse_rate("2gbit").unwrap()),
+                ..Default::default()
+            },
+            "box box-a: network reservation 2gbit does not fit: link rate 1gbit, 0bit already reserved by other boxes",
+        ),
+        (
+            AttachOptions {
+                share: Some(0),
+                ..Default::default()
+            },
+            "box box-a: invalid network share 0: expected 1-1000",
+        ),
+    ];
+    for (opts, msg) in cases {
+        let err = net.attach(&a, ns.as_fd(), &opts).unwrap_err();
+        assert_eq!(err.to_string(), msg);
+    }
+    // Refused before the network itself was created.
+    let mut nl = Netlink::open().unwrap();
+    assert_eq!(link::index(&mut nl, &t.bridge).unwrap(), None);
+    assert!(!links_in(ns.as_fd()).contains(&"eth0".to_string()));
+    // Bad names and ids.
+    assert!(net.allocate("a b", &[]).is_err());
+    assert_eq!(
+        net.allocate("box-x", &["no spaces"])
+            .unwrap_err()
+            .to_string(),
+        "box box-x: invalid host name \"no spaces\""
+    );
+}
+
+#[test]
+fn attach_latency_is_reported() {
+    if !root() {
+        return;
+    }
+    let t = TestNet::new(15);
+    let net = t.net();
+    // Warm up: the first attach creates the bridge, IFB and table.
+    let ns = new_ns();
+    let l = net.allocate("warm", &[]).unwrap();
+    net.attach(&l, ns.as_fd(), &AttachOptions::default())
+        .unwrap();
+    let mut times = Vec::new();
+    for i in 0..20 {
+        let ns = new_ns();
+        let lease = net.allocate(&format!("b{i}"), &["x"]).unwrap();
+        let t0 = Instant::now();
+        net.attach(&lease, ns.as_fd(), &AttachOptions::default())
+            .unwrap();
+        times.push(t0.elapsed());
+        net.detach(&lease.box_id).unwrap();
+    }
+    times.sort();
+    eprintln!(
+        "attach latency: median {:?} (min {:?})",
+        times[10], times[0]
+    );
+    assert!(times[10] < Duration::from_millis(200));
+}

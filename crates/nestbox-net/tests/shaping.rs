@@ -1,0 +1,174 @@
+//! Bandwidth control measured: shares divide a saturated link 2:1, a
+//! reservation holds under competition, an egress cap and an ingress cap hold.
+//! Traffic flows only between namespaces these tests make and the host's end of
+//! their bridge, for a few seconds each.
+
+mod common;
+
+use std::os::fd::AsFd;
+use std::time::{Duration, Instant};
+
+use common::*;
+use nestbox_net::{parse_rate, AttachOptions};
+
+const WARMUP: Duration = Duration::from_millis(700);
+const WINDOW: Duration = Duration::from_millis(2500);
+
+fn mbit(v: f64) -> f64 {
+    v / 1e6
+}
+
+#[test]
+fn shares_divide_a_saturated_link_two_to_one() {
+    if !root() {
+        return;
+    }
+    let t = TestNet::with(21, "10.231.21.0/24", |c| {
+        c.link_rate = parse_rate("120mbit").unwrap()
+    });
+    let net = t.net();
+    let (ns_a, ns_b) = (new_ns(), new_ns());
+    let a = net.allocate("heavy", &[]).unwrap();
+    let b = net.allocate("light", &[]).unwrap();
+    let share = |s| AttachOptions {
+        share: Some(s),
+        ..Default::default()
+    };
+    net.attach(&a, ns_a.as_fd(), &share(200)).unwrap();
+    net.attach(&b, ns_b.as_fd(), &share(100)).unwrap();
+    let sink_a = Sink::new(None, a.gateway, 1);
+    let sink_b = Sink::new(None, a.gateway, 1);
+    let until = Instant::now() + WARMUP + WINDOW + Duration::from_millis(300);
+    let sa = blast(Some(ns_a.as_fd()), sink_a.addr, until);
+    let sb = blast(Some(ns_b.as_fd()), sink_b.addr, until);
+    let counters = [sink_a.counters[0].clone(), sink_b.counters[0].clone()];
+    let r = measure(&counters, WARMUP, WINDOW);
+    sa.join().unwrap();
+    sb.join().unwrap();
+    let ratio = r[0] / r[1];
+    eprintln!(
+        "shares 200:100 on 120mbit: {:.1} and {:.1} mbit/s, ratio {ratio:.2}",
+        mbit(r[0]),
+        mbit(r[1])
+    );
+    assert!((1.8..=2.2).contains(&ratio), "ratio {ratio:.2}");
+    let total = mbit(r[0] + r[1]);
+    assert!((100.0..=130.0).contains(&total), "total {total:.1} mbit/s");
+}
+
+#[test]
+fn a_reservation_holds_under_competition() {
+    if !root() {
+        return;
+    }
+    let t = TestNet::with(22, "10.231.22.0/24", |c| {
+        c.link_rate = parse_rate("100mbit").unwrap()
+    });
+    let net = t.net();
+    let (ns_a, ns_b) = (new_ns(), new_ns());
+    let a = net.allocate("reserved", &[]).unwrap();
+    let b = net.allocate("greedy", &[]).unwrap();
+    net.attach(
+        &a,
+        ns_a.as_fd(),
+        &AttachOptions {
+            reserve: Some(parse_rate("60mbit").unwrap()),
+            share: Some(1),
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    net.attach(
+        &b,
+        ns_b.as_fd(),
+        &AttachOptions {
+            share: Some(1000),
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let sink_a = Sink::new(None, a.gateway, 1);
+    let sink_b = Sink::new(None, a.gateway, 1);
+    let until = Instant::now() + WARMUP + WINDOW + Duration::from_millis(300);
+    let sa = blast(Some(ns_a.as_fd()), sink_a.addr, until);
+    let sb = blast(Some(ns_b.as_fd()), sink_b.addr, until);
+    let counters = [sink_a.counters[0].clone(), sink_b.counters[0].clone()];
+    let r = measure(&counters, WARMUP, WINDOW);
+    sa.join().unwrap();
+    sb.join().unwrap();
+    eprintln!(
+        "reserve 60mbit (share 1) vs share 1000 on 100mbit: {:.1} and {:.1} mbit/s",
+        mbit(r[0]),
+        mbit(r[1])
+    );
+    assert!(
+        mbit(r[0]) >= 54.0,
+        "reserved box got {:.1} mbit/s",
+        mbit(r[0])
+    );
+    assert!(mbit(r[0] + r[1]) <= 110.0);
+}
+
+#[test]
+fn an_egress_cap_holds() {
+    if !root() {
+        return;
+    }
+    let t = TestNet::with(23, "10.231.23.0/24", |c| {
+        c.link_rate = parse_rate("1gbit").unwrap()
+    });
+    let net = t.net();
+    let ns = new_ns();
+    let a = net.allocate("capped", &[]).unwrap();
+    net.attach(
+        &a,
+        ns.as_fd(),
+        &AttachOptions {
+            rate: Some(parse_rate("40mbit").unwrap()),
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let sink = Sink::new(None, a.gateway, 1);
+    let until = Instant::now() + WARMUP + WINDOW + Duration::from_millis(300);
+    let s = blast(Some(ns.as_fd()), sink.addr, until);
+    let r = measure(&sink.counters, WARMUP, WINDOW);
+    s.join().unwrap();
+    eprintln!("egress cap 40mbit: {:.1} mbit/s", mbit(r[0]));
+    assert!(
+        (32.0..=44.0).contains(&mbit(r[0])),
+        "{:.1} mbit/s",
+        mbit(r[0])
+    );
+}
+
+#[test]
+fn an_ingress_cap_holds() {
+    if !root() {
+        return;
+    }
+    let t = TestNet::new(24);
+    let net = t.net();
+    let ns = new_ns();
+    let a = net.allocate("capped-in", &[]).unwrap();
+    net.attach(
+        &a,
+        ns.as_fd(),
+        &AttachOptions {
+            ingress_rate: Some(parse_rate("30mbit").unwrap()),
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let sink = Sink::new(Some(ns.as_fd()), a.address, 1);
+    let until = Instant::now() + WARMUP + WINDOW + Duration::from_millis(300);
+    let s = blast(None, sink.addr, until);
+    let r = measure(&sink.counters, WARMUP, WINDOW);
+    s.join().unwrap();
+    eprintln!("ingress cap 30mbit: {:.1} mbit/s", mbit(r[0]));
+    assert!(
+        (24.0..=33.0).contains(&mbit(r[0])),
+        "{:.1} mbit/s",
+        mbit(r[0])
+    );
+}

@@ -1,0 +1,599 @@
+//! Remote fork: make a stopped template process fork itself into a prepared clone
+//! shell, by injected syscalls.
+//!
+//! The chain of processes, and why each exists:
+//!
+//! 1. **C1** = `clone(CLONE_VM | CLONE_PARENT)` injected in the template P. It
+//!    shares P's memory (no page-table copy) and its parent is P's parent, so P
+//!    never sees it. C1 receives the shell's namespace fds and the clone's stdio
+//!    (`SCM_RIGHTS`), joins the shell's user namespace (P's euid owns it, so P's
+//!    forks hold every capability in it) with the `setns` seccomp cookie, then the
+//!    other namespaces (pid last: it only applies to children), changes to P's
+//!    working directory, re-targets the fds and is moved into the clone's cgroup.
+//! 2. **G1** = fork of C1 (the one copy of the page tables), created in the
+//!    shell's pid namespace: a process cannot share memory with a child in
+//!    another pid namespace, and a child orphaned by C1 would be re-parented to
+//!    the reaper of *C1's* pid namespace (the template's init), not the shell's.
+//! 3. **G** = `clone(CLONE_VM)` of G1, in the same pid namespace, which is allowed
+//!    to share G1's memory; G1 then exits, so G is re-parented to the shell's init
+//!    and owns the memory alone. With `clone3` (allowed by the cookie) G gets the
+//!    pid P has in its own namespace, and G1 a different one.
+//!
+//! In G the injected calls re-register what fork or `CLONE_VM` does not carry
+//! over (rseq area, robust futex list, alternate signal stack) and restore P's
+//! capability state; then G gets P's exact registers (an interrupted syscall is
+//! restarted) and is detached. On any failure every process made so far is
+//! killed and the template is left as it was.
+
+use std::io::Write;
+use std::os::fd::BorrowedFd;
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use nix::sys::signal::Signal;
+use serde::Serialize;
+
+use crate::caps::{self, CapState};
+use crate::error::{RemoteError, Result};
+use crate::fdinfo::{ensure_clonable, inspect_fds, refresh_volatile, FdEntry};
+use crate::fdtransfer::install_fds_with;
+use crate::memory::{bytes_of, Scratch, SCRATCH_LEN};
+use crate::procfs::{self, Status};
+use crate::retarget::{retarget, FdOutcome};
+use crate::tracee::{Regs, Tracee, TRACE_OPTIONS};
+
+/// A namespace of the clone shell to join.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
+pub enum NsKind {
+    /// User namespace (joined first).
+    User,
+    /// Mount namespace (resets root and cwd to the namespace's root).
+    Mount,
+    /// Network namespace.
+    Net,
+    /// UTS namespace.
+    Uts,
+    /// IPC namespace.
+    Ipc,
+    /// Cgroup namespace.
+    Cgroup,
+    /// Time namespace (applies to children).
+    Time,
+    /// Pid namespace (applies to children; joined last).
+    Pid,
+}
+
+impl NsKind {
+    /// The `CLONE_NEW*` flag `setns` takes for it.
+    pub fn clone_flag(self) -> i32 {
+        match self {
+            NsKind::User => libc::CLONE_NEWUSER,
+            NsKind::Mount => libc::CLONE_NEWNS,
+            NsKind::Net => libc::CLONE_NEWNET,
+            NsKind::Uts => libc::CLONE_NEWUTS,
+            NsKind::Ipc => libc::CLONE_NEWIPC,
+            NsKind::Cgroup => libc::CLONE_NEWCGROUP,
+            NsKind::Time => libc::CLONE_NEWTIME,
+            NsKind::Pid => libc::CLONE_NEWPID,
+        }
+    }
+
+    /// Its name in `/proc/PID/ns`.
+    pub fn proc_name(self) -> &'static str {
+        match self {
+            NsKind::User => "user",
+            NsKind::Mount => "mnt",
+            NsKind::Net => "net",
+            NsKind::Uts => "uts",
+            NsKind::Ipc => "ipc",
+            NsKind::Cgroup => "cgroup",
+            NsKind::Time => "time",
+            NsKind::Pid => "pid",
+        }
+    }
+}
+
+/// What the clone is forked into.
+#[derive(Debug)]
+pub struct ForkPlan<'a> {
+    /// The clone shell's namespaces (any order; joined user first, pid last).
+    pub namespaces: Vec<(NsKind, BorrowedFd<'a>)>,
+    /// The two values the template's seccomp filter wants in the third and fourth
+    /// arguments of `setns` (and `clone3`) before it lets them through.
+    pub setns_cookie: [u64; 2],
+    /// Files the new process's tid is written to: cgroup v1 `tasks` files (or v2
+    /// `cgroup.procs`).
+    pub cgroup_task_files: Vec<PathBuf>,
+    /// The clone's stdin, stdout, stderr (replace the template's fds 0, 1, 2).
+    pub stdio: [BorrowedFd<'a>; 3],
+    /// A signal sent to the clone once it runs (`--on-clone-signal`).
+    pub on_clone_signal: Option<Signal>,
+    /// The template's fd inventory from [`crate::inspect_fds`], if already taken
+    /// (while the template is frozen its fds do not change; the timerfd and
+    /// eventfd states are re-read); `None`: taken now.
+    pub inventory: Option<Vec<FdEntry>>,
+}
+
+/// The result of a remote fork.
+#[derive(Debug, Clone, Serialize)]
+pub struct Forked {
+    /// Host pid of the clone's process.
+    pub pid: i32,
+    /// Its pid inside the shell's pid namespace.
+    pub ns_pid: i32,
+    /// What happened to each fd of the template.
+    pub fds: Vec<FdOutcome>,
+    /// Time from the start of the call (template stopped) to the clone running.
+    pub elapsed: Duration,
+    /// Time spent in each step, in order (for tuning).
+    pub phases: Vec<(&'static str, Duration)>,
+}
+
+/// Records how long each step of a remote fork takes.
+#[derive(Debug)]
+struct Phases {
+    last: Instant,
+    done: Vec<(&'static str, Duration)>,
+}
+
+impl Phases {
+    fn new(start: Instant) -> Phases {
+        Phases {
+            last: start,
+            done: Vec::with_capacity(16),
+        }
+    }
+
+    fn mark(&mut self, name: &'static str) {
+        let now = Instant::now();
+        self.done.push((name, now - self.last));
+        self.last = now;
+    }
+}
+
+/// `clone_args` of `clone3` up to `cgroup` (`CLONE_ARGS_SIZE_VER2`).
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+struct CloneArgs {
+    flags: u64,
+    pidfd: u64,
+    child_tid: u64,
+    parent_tid: u64,
+    exit_signal: u64,
+    stack: u64,
+    stack_size: u64,
+    tls: u64,
+    set_tid: u64,
+    set_tid_size: u64,
+    cgroup: u64,
+}
+
+/// What is read from the template before it forks.
+struct TemplateState {
+    regs: Regs,
+    caps: CapState,
+    cwd: PathBuf,
+    ns_pid: i32,
+    rseq: Option<(u64, u32, u32)>,
+    robust_list: (u64, u64),
+    altstack: Option<libc::stack_t>,
+}
+
+/// Fork the stopped, single-threaded `template` into the clone shell described by
+/// `plan`. The template is left stopped with its registers intact; detach it with
+/// [`Tracee::detach`]. The clone's process is running when this returns.
+///
+/// # Errors
+/// Any failure is returned with the syscall, pid and fd concerned; the processes
+/// made so far are killed and the template is as before.
+pub fn remote_fork(template: &mut Tracee, plan: &ForkPlan<'_>) -> Result<Forked> {
+    let start = Instant::now();
+    let mut phases = Phases::new(start);
+    if !template.is_stopped() {
+        return Err(RemoteError::NotStopped {
+            pid: template.pid(),
+            what: "call wait_stopped before remote_fork",
+        });
+    }
+    let pid = template.pid();
+    let mut namespaces = plan.namespaces.clone();
+    namespaces.sort_by_key(|(kind, _)| *kind);
+    if namespaces.windows(2).any(|w| w[0].0 == w[1].0) {
+        return Err(RemoteError::Plan("a namespace kind is given twice".into()));
+    }
+    let status = Status::read(pid)?;
+    let threads = status.threads()?;
+    if threads != 1 {
+        return Err(RemoteError::MultiThreaded { pid, threads });
+    }
+    let entries = match &plan.inventory {
+        Some(entries) => {
+            let mut entries = entries.clone();
+            refresh_volatile(pid, &mut entries)?;
+            entries
+        }
+        None => inspect_fds(pid)?,
+    };
+    ensure_clonable(pid, &entries)?;
+    phases.mark("inventory");
+    let state = read_template(template, &status)?;
+    template.find_syscall_insn()?;
+    phases.mark("template state");
+
+    // C1: shares the template's memory, child of the template's parent.
+    let flags = (libc::CLONE_VM | libc::CLONE_PARENT) as u64;
+    let c1_pid = template.fork_syscall(
+        "clone",
+        || "CLONE_VM|CLONE_PARENT".into(),
+        libc::SYS_clone,
+        &[flags, 0, 0, 0, 0],
+    );
+    let restored = template.restore_regs();
+    let c1_pid = c1_pid?;
+    let mut c1 = Tracee::adopt(c1_pid, template.syscall_insn)?;
+    restored?;
+    c1.set_options(TRACE_OPTIONS | libc::PTRACE_O_EXITKILL)?;
+    let mut scratch = Scratch::map(&mut c1)?;
+    phases.mark("fork C1");
+    let mut session = Session {
+        scratch_in_template: Some(scratch.addr),
+        phases,
+    };
+    let result = session.run(
+        template,
+        c1,
+        &mut scratch,
+        plan,
+        &namespaces,
+        &entries,
+        &state,
+    );
+    match result {
+        Ok((pid, ns_pid, fds)) => Ok(Forked {
+            pid,
+            ns_pid,
+            fds,
+            elapsed: start.elapsed(),
+            phases: std::mem::take(&mut session.phases.done),
+        }),
+        Err(err) => {
+            session.clean_template(template);
+            Err(err)
+        }
+    }
+}
+
+fn read_template(template: &mut Tracee, status: &Status) -> Result<TemplateState> {
+    let pid = template.pid();
+    let regs = *template.original_regs().ok_or(RemoteError::NotStopped {
+        pid,
+        what: "registers saved at the first stop",
+    })?;
+    let caps = CapState::read(pid)?;
+    let cwd = procfs::cwd(pid)?;
+    let ns_pid = status.innermost_pid()?;
+    // Kernels without the request (before 5.13) simply have no rseq to carry.
+    let rseq = template.rseq_configuration().unwrap_or(None);
+    let robust_list = robust_list(pid)?;
+    let altstack = query_altstack(template, &regs)?;
+    Ok(TemplateState {
+        regs,
+        caps,
+        cwd,
+        ns_pid,
+        rseq,
+        robust_list,
+        altstack,
+    })
+}
+
+/// `get_robust_list(pid)`: (head, length).
+fn robust_list(pid: i32) -> Result<(u64, u64)> {
+    let mut head: u64 = 0;
+    let mut len: u64 = 0;
+    // SAFETY: head/len are valid out-pointers for a pointer and a size_t.
+    let rc = unsafe {
+        libc::syscall(
+            libc::SYS_get_robust_list,
+            pid,
+            std::ptr::addr_of_mut!(head),
+            std::ptr::addr_of_mut!(len),
+        )
+    };
+    if rc < 0 {
+        return Err(RemoteError::Sys {
+            op: "get_robust_list",
+            pid,
+            source: std::io::Error::last_os_error(),
+        });
+    }
+    Ok((head, len))
+}
+
+/// The template's alternate signal stack, read with an injected `sigaltstack`
+/// into its own stack below the red zone (memory it does not use). `CLONE_VM`
+/// children do not inherit it, so G gets it back explicitly.
+fn query_altstack(template: &mut Tracee, regs: &Regs) -> Result<Option<libc::stack_t>> {
+    let size = std::mem::size_of::<libc::stack_t>() as u64;
+    let addr = (regs.rsp - 128 - 2 * size) & !15;
+    template.syscall(
+        "sigaltstack",
+        || "reading the template's alternate signal stack".into(),
+        libc::SYS_sigaltstack,
+        &[0, addr],
+    )?;
+    let mut buf = vec![0u8; size as usize];
+    template.read_mem(addr, &mut buf)?;
+    // SAFETY: `buf` holds size_of::<stack_t>() bytes the kernel wrote as a stack_t.
+    let ss: libc::stack_t = unsafe { std::ptr::read_unaligned(buf.as_ptr().cast()) };
+    Ok((ss.ss_flags & libc::SS_DISABLE == 0).then_some(ss))
+}
+
+struct Session {
+    /// Address of the scratch area while it is mapped in the template's memory.
+    scratch_in_template: Option<u64>,
+    phases: Phases,
+}
+
+impl Session {
+    #[allow(clippy::too_many_arguments)]
+    fn run(
+        &mut self,
+        template: &Tracee,
+        mut c1: Tracee,
+        scratch: &mut Scratch,
+        plan: &ForkPlan<'_>,
+        namespaces: &[(NsKind, BorrowedFd<'_>)],
+        entries: &[FdEntry],
+        state: &TemplateState,
+    ) -> Result<(i32, i32, Vec<FdOutcome>)> {
+        let insn = template.syscall_insn;
+        let [cookie0, cookie1] = plan.setns_cookie;
+
+        // Namespace fds and stdio, in one message.
+        let mut handed: Vec<BorrowedFd<'_>> = namespaces.iter().map(|(_, fd)| *fd).collect();
+        handed.extend(plan.stdio.iter().copied());
+        let installed = install_fds_with(&mut c1, scratch, &handed)?;
+        let (ns_fds, stdio_fds) = installed.split_at(namespaces.len());
+        let stdio = [stdio_fds[0], stdio_fds[1], stdio_fds[2]];
+        self.phases.mark("fd hand-over");
+
+        let securebits = c1.syscall(
+            "prctl(PR_GET_SECUREBITS)",
+            String::new,
+            libc::SYS_prctl,
+            &[libc::PR_GET_SECUREBITS as u64],
+        )?;
+        for ((kind, _), fd) in namespaces.iter().zip(ns_fds) {
+            c1.syscall(
+                "setns",
+                || format!("{} namespace", kind.proc_name()),
+                libc::SYS_setns,
+                &[*fd as u64, kind.clone_flag() as u64, cookie0, cookie1],
+            )?;
+        }
+        scratch.reset();
+        let cwd = state.cwd.as_os_str().as_encoded_bytes();
+        let cwd_addr = scratch.put_path(&c1, cwd)?;
+        c1.syscall(
+            "chdir",
+            || {
+                format!(
+                    "to the template's working directory {}",
+                    state.cwd.display()
+                )
+            },
+            libc::SYS_chdir,
+            &[cwd_addr],
+        )?;
+        self.phases.mark("setns + chdir");
+
+        let outcomes = retarget(&mut c1, scratch, entries, stdio)?;
+        close_all(&mut c1, &installed)?;
+        self.phases.mark("fd re-targeting");
+
+        for path in &plan.cgroup_task_files {
+            move_to_cgroup(c1.pid(), path)?;
+        }
+        self.phases.mark("cgroup");
+
+        // G1: a fork (the one copy of the page tables) into the shell's pid namespace.
+        let g1_ns_pid = if state.ns_pid == i32::MAX {
+            2
+        } else {
+            state.ns_pid + 1
+        };
+        let (g1_pid, clone3_ok) = fork_into(&mut c1, scratch, 0, g1_ns_pid, plan.setns_cookie)?;
+        let mut g1 = Tracee::adopt(g1_pid, insn)?;
+        self.phases.mark("fork G1");
+        let g1_scratch = scratch.inherited();
+        // The template's memory no longer needs the scratch area.
+        g1_scratch.unmap(&mut c1)?;
+        self.scratch_in_template = None;
+        c1.exit_group(0)?;
+        self.phases.mark("C1 exit");
+
+        // G: shares G1's memory, so no second copy; G1 exits and G is adopted by
+        // the shell's init.
+        let mut g1_scratch = g1_scratch;
+        let (g_pid, _) = if clone3_ok {
+            fork_into(
+                &mut g1,
+                &mut g1_scratch,
+                libc::CLONE_VM as u64,
+                state.ns_pid,
+                plan.setns_cookie,
+            )?
+        } else {
+            (legacy_fork(&mut g1, libc::CLONE_VM as u64)?, false)
+        };
+        let mut g = Tracee::adopt(g_pid, insn)?;
+        self.phases.mark("fork G");
+        g1.exit_group(0)?;
+        self.phases.mark("G1 exit");
+
+        let mut g_scratch = g1_scratch.inherited();
+        let joined_user_ns = namespaces.iter().any(|(kind, _)| *kind == NsKind::User);
+        fix_up(&mut g, &mut g_scratch, state, securebits, joined_user_ns)?;
+        g_scratch.unmap(&mut g)?;
+        self.phases.mark("G fix-up");
+        g.set_original(state.regs);
+        let ns_pid = if clone3_ok {
+            state.ns_pid
+        } else {
+            Status::read(g_pid)?.innermost_pid()?
+        };
+        g.detach()?;
+        self.phases.mark("detach G");
+        if let Some(sig) = plan.on_clone_signal {
+            // SAFETY: tgkill takes plain integers; G is single-threaded (tgid == tid).
+            let rc = unsafe { libc::syscall(libc::SYS_tgkill, g_pid, g_pid, sig as i32) };
+            if rc < 0 {
+                return Err(RemoteError::Sys {
+                    op: "tgkill (on-clone signal)",
+                    pid: g_pid,
+                    source: std::io::Error::last_os_error(),
+                });
+            }
+        }
+        Ok((g_pid, ns_pid, outcomes))
+    }
+
+    /// After a failure: the scratch area may still be mapped in the template's
+    /// memory (C1 shared it); unmap it through the template itself.
+    fn clean_template(&mut self, template: &mut Tracee) {
+        if let Some(addr) = self.scratch_in_template.take() {
+            let _ = template.syscall(
+                "munmap",
+                || "scratch area left by a failed fork".into(),
+                libc::SYS_munmap,
+                &[addr, SCRATCH_LEN as u64],
+            );
+            let _ = template.restore_regs();
+        }
+    }
+}
+
+/// Close the fds that were handed over (one `close_range` when contiguous).
+fn close_all(tracee: &mut Tracee, fds: &[i32]) -> Result<()> {
+    let mut sorted = fds.to_vec();
+    sorted.sort_unstable();
+    let contiguous = sorted.windows(2).all(|w| w[1] == w[0] + 1);
+    if let (true, Some(first), Some(last)) = (contiguous, sorted.first(), sorted.last()) {
+        tracee.syscall(
+            "close_range",
+            || "handed-over fds".into(),
+            libc::SYS_close_range,
+            &[*first as u64, *last as u64, 0],
+        )?;
+        return Ok(());
+    }
+    for fd in sorted {
+        tracee.syscall(
+            "close",
+            || "handed-over fd".into(),
+            libc::SYS_close,
+            &[fd as u64],
+        )?;
+    }
+    Ok(())
+}
+
+fn move_to_cgroup(pid: i32, path: &std::path::Path) -> Result<()> {
+    let err = |source| RemoteError::Cgroup {
+        pid,
+        path: path.to_path_buf(),
+        source,
+    };
+    let mut file = std::fs::OpenOptions::new()
+        .write(true)
+        .open(path)
+        .map_err(err)?;
+    file.write_all(pid.to_string().as_bytes()).map_err(err)
+}
+
+/// Fork `parent` with `clone3` (`flags`, exit signal SIGCHLD, pid `ns_pid` in the
+/// namespace it creates children in). Falls back to `clone` when `clone3` is not
+/// allowed (ENOSYS from the seccomp filter), and says so.
+fn fork_into(
+    parent: &mut Tracee,
+    scratch: &mut Scratch,
+    flags: u64,
+    ns_pid: i32,
+    cookie: [u64; 2],
+) -> Result<(i32, bool)> {
+    scratch.reset();
+    let tid_addr = scratch.put(parent, &(ns_pid as i64).to_ne_bytes()[..4])?;
+    let args = CloneArgs {
+        flags,
+        exit_signal: libc::SIGCHLD as u64,
+        set_tid: tid_addr,
+        set_tid_size: 1,
+        ..CloneArgs::default()
+    };
+    let args_addr = scratch.put(parent, &bytes_of(&args))?;
+    let size = std::mem::size_of::<CloneArgs>() as u64;
+    let result = parent.fork_syscall(
+        "clone3",
+        || format!("pid {ns_pid} in the shell's pid namespace"),
+        libc::SYS_clone3,
+        &[args_addr, size, cookie[0], cookie[1]],
+    );
+    match result {
+        Ok(pid) => Ok((pid, true)),
+        Err(e) if e.errno() == Some(libc::ENOSYS) => Ok((legacy_fork(parent, flags)?, false)),
+        Err(e) => Err(e),
+    }
+}
+
+fn legacy_fork(parent: &mut Tracee, flags: u64) -> Result<i32> {
+    parent.fork_syscall(
+        "clone",
+        || "fork into the shell's pid namespace".into(),
+        libc::SYS_clone,
+        &[flags | libc::SIGCHLD as u64, 0, 0, 0, 0],
+    )
+}
+
+/// In G: re-register rseq and the robust futex list, put back the alternate
+/// signal stack, restore the capability state.
+fn fix_up(
+    g: &mut Tracee,
+    scratch: &mut Scratch,
+    state: &TemplateState,
+    securebits: u64,
+    joined_user_ns: bool,
+) -> Result<()> {
+    if let Some((ptr, len, sig)) = state.rseq {
+        g.syscall(
+            "rseq",
+            || format!("re-registering the rseq area at {ptr:#x}"),
+            libc::SYS_rseq,
+            &[ptr, u64::from(len), 0, u64::from(sig)],
+        )?;
+    }
+    let (head, len) = state.robust_list;
+    if head != 0 {
+        g.syscall(
+            "set_robust_list",
+            String::new,
+            libc::SYS_set_robust_list,
+            &[head, len],
+        )?;
+    }
+    if let Some(mut ss) = state.altstack {
+        ss.ss_flags &= !libc::SS_ONSTACK;
+        scratch.reset();
+        let addr = scratch.put(g, &bytes_of(&ss))?;
+        g.syscall(
+            "sigaltstack",
+            || "restoring the template's alternate signal stack".into(),
+            libc::SYS_sigaltstack,
+            &[addr, 0],
+        )?;
+    }
+    if joined_user_ns {
+        caps::restore(g, scratch, &state.caps, securebits)?;
+    }
+    Ok(())
+}

@@ -1,0 +1,333 @@
+//! Re-targeting the template's fds in the forked process, before it enters the
+//! clone's pid namespace: each fd gets the treatment of its row in the clone fd
+//! matrix (`docs/clone-fds.md`), by injected syscalls, so that nothing writable
+//! stays shared with the template.
+//!
+//! New objects are created on a free fd number and moved onto the template's
+//! number with `dup3`, keeping its close-on-exec flag; epoll instances are rebuilt
+//! last, once the fds they watch have been re-targeted.
+
+use serde::Serialize;
+
+use crate::error::Result;
+use crate::fdinfo::{FdAction, FdEntry, FdKind, SocketInfo};
+use crate::memory::Scratch;
+use crate::tracee::Tracee;
+
+/// What was done with one fd of the template in the clone.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct FdOutcome {
+    /// The fd number (the same in the clone).
+    pub fd: i32,
+    /// What it was in the template (`/proc/PID/fd` link text).
+    pub target: String,
+    /// What happened to it.
+    pub action: FdAction,
+}
+
+/// File status flags that `open` takes and that survive in fdinfo's `flags`.
+const REOPEN_FLAGS: i32 = libc::O_ACCMODE
+    | libc::O_APPEND
+    | libc::O_NONBLOCK
+    | libc::O_DSYNC
+    | libc::O_SYNC
+    | libc::O_DIRECT
+    | libc::O_NOATIME
+    | libc::O_LARGEFILE;
+
+struct Ctx<'a> {
+    tracee: &'a mut Tracee,
+    scratch: &'a mut Scratch,
+}
+
+impl Ctx<'_> {
+    fn call(&mut self, name: &'static str, fd: i32, nr: i64, args: &[u64]) -> Result<u64> {
+        self.tracee
+            .syscall(name, || format!("for fd {fd}"), nr, args)
+    }
+
+    /// Move `tmp` onto `fd` (keeping the template's close-on-exec flag) and close it.
+    fn install(&mut self, tmp: u64, entry: &FdEntry) -> Result<()> {
+        let cloexec = (entry.flags & libc::O_CLOEXEC) as u64;
+        self.call(
+            "dup3",
+            entry.fd,
+            libc::SYS_dup3,
+            &[tmp, entry.fd as u64, cloexec],
+        )?;
+        self.call("close", entry.fd, libc::SYS_close, &[tmp])?;
+        Ok(())
+    }
+
+    fn nonblock(entry: &FdEntry) -> i32 {
+        entry.flags & libc::O_NONBLOCK
+    }
+
+    fn reopen(&mut self, entry: &FdEntry, path: &str) -> Result<()> {
+        self.scratch.reset();
+        let addr = self.scratch.put_path(self.tracee, path.as_bytes())?;
+        let flags = (entry.flags & REOPEN_FLAGS) | libc::O_CLOEXEC;
+        let tmp = self.tracee.syscall(
+            "openat",
+            || format!("reopening {path} for fd {}", entry.fd),
+            libc::SYS_openat,
+            &[libc::AT_FDCWD as u64, addr, flags as u64, 0],
+        )?;
+        if entry.pos != 0 {
+            self.call(
+                "lseek",
+                entry.fd,
+                libc::SYS_lseek,
+                &[tmp, entry.pos, libc::SEEK_SET as u64],
+            )?;
+        }
+        self.install(tmp, entry)
+    }
+
+    fn setsockopt(&mut self, fd: i32, tmp: u64, level: i32, name: i32, value: i32) -> Result<()> {
+        self.scratch.reset();
+        let addr = self.scratch.put(self.tracee, &value.to_ne_bytes())?;
+        self.call(
+            "setsockopt",
+            fd,
+            libc::SYS_setsockopt,
+            &[tmp, level as u64, name as u64, addr, 4],
+        )?;
+        Ok(())
+    }
+
+    fn socket(&mut self, entry: &FdEntry, sock: &SocketInfo) -> Result<()> {
+        let fd = entry.fd;
+        let mut ty = sock.sock_type | libc::SOCK_CLOEXEC;
+        if Self::nonblock(entry) != 0 {
+            ty |= libc::SOCK_NONBLOCK;
+        }
+        let tmp = self.call(
+            "socket",
+            fd,
+            libc::SYS_socket,
+            &[sock.domain as u64, ty as u64, sock.protocol as u64],
+        )?;
+        let sol = libc::SOL_SOCKET;
+        for (on, name) in [
+            (sock.reuseaddr, libc::SO_REUSEADDR),
+            (sock.reuseport, libc::SO_REUSEPORT),
+            (sock.keepalive, libc::SO_KEEPALIVE),
+            (sock.broadcast, libc::SO_BROADCAST),
+        ] {
+            if on {
+                self.setsockopt(fd, tmp, sol, name, 1)?;
+            }
+        }
+        if let Some(v6only) = sock.v6only {
+            self.setsockopt(
+                fd,
+                tmp,
+                libc::IPPROTO_IPV6,
+                libc::IPV6_V6ONLY,
+                i32::from(v6only),
+            )?;
+        }
+        if sock.nodelay == Some(true) {
+            self.setsockopt(fd, tmp, libc::IPPROTO_TCP, libc::TCP_NODELAY, 1)?;
+        }
+        if sock.is_bound() {
+            if let Some(path) = sock.unix_path() {
+                self.scratch.reset();
+                let addr = self.scratch.put_path(self.tracee, path)?;
+                let shown = String::from_utf8_lossy(path).into_owned();
+                let unlinked = self.tracee.syscall(
+                    "unlinkat",
+                    || format!("stale socket {shown} for fd {fd}"),
+                    libc::SYS_unlinkat,
+                    &[libc::AT_FDCWD as u64, addr, 0],
+                );
+                match unlinked {
+                    Err(e) if e.errno() == Some(libc::ENOENT) => {}
+                    other => {
+                        other?;
+                    }
+                }
+            }
+            self.scratch.reset();
+            let addr = self.scratch.put(self.tracee, &sock.local)?;
+            self.call(
+                "bind",
+                fd,
+                libc::SYS_bind,
+                &[tmp, addr, sock.local.len() as u64],
+            )?;
+        }
+        if sock.listening {
+            let backlog = sock.backlog.unwrap_or(libc::SOMAXCONN);
+            self.call("listen", fd, libc::SYS_listen, &[tmp, backlog as u64])?;
+        }
+        self.install(tmp, entry)
+    }
+
+    fn eventfd(&mut self, entry: &FdEntry, count: u64, semaphore: bool) -> Result<()> {
+        let mut flags = libc::EFD_CLOEXEC | Self::nonblock(entry);
+        if semaphore {
+            flags |= libc::EFD_SEMAPHORE;
+        }
+        let initial = u32::try_from(count).unwrap_or(0);
+        let tmp = self.call(
+            "eventfd2",
+            entry.fd,
+            libc::SYS_eventfd2,
+            &[u64::from(initial), flags as u64],
+        )?;
+        if u64::from(initial) != count {
+            self.scratch.reset();
+            let addr = self.scratch.put(self.tracee, &count.to_ne_bytes())?;
+            self.call("write", entry.fd, libc::SYS_write, &[tmp, addr, 8])?;
+        }
+        self.install(tmp, entry)
+    }
+
+    fn timerfd(
+        &mut self,
+        entry: &FdEntry,
+        clockid: i32,
+        ticks: u64,
+        value: (u64, u64),
+        interval: (u64, u64),
+    ) -> Result<()> {
+        let flags = libc::TFD_CLOEXEC | Self::nonblock(entry);
+        let tmp = self.call(
+            "timerfd_create",
+            entry.fd,
+            libc::SYS_timerfd_create,
+            &[clockid as u64, flags as u64],
+        )?;
+        // Expirations not yet read cannot be carried over as a count: arm the
+        // timer to expire at once so that a read still succeeds.
+        let value = if ticks > 0 { (0, 1) } else { value };
+        if value != (0, 0) {
+            let mut spec = Vec::with_capacity(32);
+            for v in [interval.0, interval.1, value.0, value.1] {
+                spec.extend_from_slice(&v.to_ne_bytes());
+            }
+            self.scratch.reset();
+            let addr = self.scratch.put(self.tracee, &spec)?;
+            self.call(
+                "timerfd_settime",
+                entry.fd,
+                libc::SYS_timerfd_settime,
+                &[tmp, 0, addr, 0],
+            )?;
+        }
+        self.install(tmp, entry)
+    }
+
+    fn signalfd(&mut self, entry: &FdEntry, mask: u64) -> Result<()> {
+        self.scratch.reset();
+        let addr = self.scratch.put(self.tracee, &mask.to_ne_bytes())?;
+        let flags = libc::SFD_CLOEXEC | Self::nonblock(entry);
+        let tmp = self.call(
+            "signalfd4",
+            entry.fd,
+            libc::SYS_signalfd4,
+            &[u64::MAX, addr, 8, flags as u64],
+        )?;
+        self.install(tmp, entry)
+    }
+
+    fn epoll(&mut self, entry: &FdEntry, entries: &[FdEntry]) -> Result<()> {
+        let tmp = self.call(
+            "epoll_create1",
+            entry.fd,
+            libc::SYS_epoll_create1,
+            &[libc::EPOLL_CLOEXEC as u64],
+        )?;
+        let FdKind::Epoll(watches) = &entry.kind else {
+            return Ok(());
+        };
+        for watch in watches {
+            let watched = entries.iter().find(|e| e.fd == watch.fd);
+            if watched.map(FdEntry::action) == Some(FdAction::Close) {
+                continue;
+            }
+            // packed struct epoll_event on x86_64: u32 events, u64 data.
+            let mut event = Vec::with_capacity(12);
+            event.extend_from_slice(&watch.events.to_ne_bytes());
+            event.extend_from_slice(&watch.data.to_ne_bytes());
+            self.scratch.reset();
+            let addr = self.scratch.put(self.tracee, &event)?;
+            let epfd = entry.fd;
+            self.tracee.syscall(
+                "epoll_ctl(EPOLL_CTL_ADD)",
+                || format!("epoll fd {epfd} watching fd {}", watch.fd),
+                libc::SYS_epoll_ctl,
+                &[tmp, libc::EPOLL_CTL_ADD as u64, watch.fd as u64, addr],
+            )?;
+        }
+        self.install(tmp, entry)
+    }
+}
+
+/// Apply the fd matrix in `tracee` (a fork of the template that has joined the
+/// clone's mount and network namespaces). `stdio` are the clone's stdio fds as
+/// installed in `tracee`.
+pub(crate) fn retarget(
+    tracee: &mut Tracee,
+    scratch: &mut Scratch,
+    entries: &[FdEntry],
+    stdio: [i32; 3],
+) -> Result<Vec<FdOutcome>> {
+    let mut ctx = Ctx { tracee, scratch };
+    let actions: Vec<FdAction> = entries.iter().map(FdEntry::action).collect();
+    // Pass 1: close; pass 2: reopen and re-create (except epoll); pass 3: stdio;
+    // pass 4: epoll, which needs the final targets of the fds it watches.
+    for (entry, action) in entries.iter().zip(&actions) {
+        if *action == FdAction::Close {
+            ctx.call("close", entry.fd, libc::SYS_close, &[entry.fd as u64])?;
+        }
+    }
+    for (entry, action) in entries.iter().zip(&actions) {
+        match (action, &entry.kind) {
+            (FdAction::Reopen, FdKind::File { path, .. }) => ctx.reopen(entry, path)?,
+            (FdAction::Recreate, FdKind::Socket(sock)) => ctx.socket(entry, sock)?,
+            (FdAction::Recreate, FdKind::EventFd { count, semaphore }) => {
+                ctx.eventfd(entry, *count, *semaphore)?
+            }
+            (
+                FdAction::Recreate,
+                FdKind::TimerFd {
+                    clockid,
+                    ticks,
+                    value,
+                    interval,
+                },
+            ) => ctx.timerfd(entry, *clockid, *ticks, *value, *interval)?,
+            (FdAction::Recreate, FdKind::SignalFd { mask }) => ctx.signalfd(entry, *mask)?,
+            _ => {}
+        }
+    }
+    for (entry, action) in entries.iter().zip(&actions) {
+        if *action == FdAction::Stdio {
+            let from = stdio[entry.fd as usize];
+            let cloexec = (entry.flags & libc::O_CLOEXEC) as u64;
+            ctx.call(
+                "dup3",
+                entry.fd,
+                libc::SYS_dup3,
+                &[from as u64, entry.fd as u64, cloexec],
+            )?;
+        }
+    }
+    for (entry, action) in entries.iter().zip(&actions) {
+        if let (FdAction::Recreate, FdKind::Epoll(_)) = (action, &entry.kind) {
+            ctx.epoll(entry, entries)?;
+        }
+    }
+    Ok(entries
+        .iter()
+        .zip(actions)
+        .map(|(entry, action)| FdOutcome {
+            fd: entry.fd,
+            target: entry.target.clone(),
+            action,
+        })
+        .collect())
+}

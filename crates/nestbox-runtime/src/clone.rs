@@ -1,0 +1,421 @@
+//! `nestbox clone`: boxes forked from a template's frozen process.
+//!
+//! For each clone a *shell* is started first: a full box (monitor, cgroup, its own
+//! writable layer over the template's frozen files, its own pid, mount, network,
+//! uts, ipc, cgroup and user namespaces) whose init waits for a process. Then the
+//! template's process is made to fork itself by ptrace syscall injection
+//! ([`nestbox_remote`]): the child enters the shell's namespaces and cgroup, its
+//! descriptors are re-targeted (see docs/clone-fds.md), it forks once more so the
+//! clone is born in the shell's pid namespace, and is adopted by the shell's init.
+//! Memory is shared copy-on-write with the template by the kernel's fork.
+//!
+//! If anything fails, every shell this call made is removed and the template is
+//! left as it was (frozen, untraced).
+
+use std::fs::File;
+use std::os::fd::OwnedFd;
+use std::time::Duration;
+
+use nestbox_cgroup::Limits;
+use nix::sys::signal::Signal;
+use nix::unistd::Pid;
+
+use crate::liveness::ProcRef;
+use crate::registry::{BoxRecord, Registry};
+use crate::spec::{BoxSpec, CloneSource};
+use crate::state::CloneInfo;
+use crate::{Result, RuntimeError};
+
+/// How long the template's freezer may take to thaw or freeze again.
+const FREEZER_TIMEOUT: Duration = Duration::from_secs(5);
+/// Processes each clone adds (monitor, init, the clone's process).
+const PIDS_PER_CLONE: u64 = 3;
+/// Memory each clone adds before it writes (monitor, init, page tables, layer), a
+/// conservative estimate used to refuse counts the host cannot hold.
+const MEMORY_PER_CLONE: u64 = 8 << 20;
+
+/// What the user asked of `nestbox clone`.
+#[derive(Debug, Clone, Default)]
+pub struct CloneRequest {
+    /// Names of the clones (generated when empty; then `count` clones).
+    pub names: Vec<String>,
+    /// Number of clones.
+    pub count: usize,
+    /// Limits for each clone (`None`: the template's).
+    pub limits: Option<Limits>,
+    /// Signal delivered to each clone's process right after the fork.
+    pub on_clone_signal: Option<Signal>,
+}
+
+/// One clone made.
+#[derive(Debug, Clone)]
+pub struct Cloned {
+    /// Box name.
+    pub name: String,
+    /// Host pid of its process.
+    pub pid: i32,
+    /// Milliseconds from stopping the template's process to the clone running.
+    pub fork_ms: f64,
+}
+
+/// Make the clones of template `template`.
+pub fn clone_template(reg: &Registry, template: &str, req: &CloneRequest) -> Result<Vec<Cloned>> {
+    let t = crate::template::load_frozen(reg, template)?;
+    let names = clone_names(reg, req)?;
+    check_capacity(names.len(), req.limits.as_ref().unwrap_or(&t.spec.limits))?;
+    let mut shells = Vec::new();
+    let result = start_shells(reg, &t, &names, req, &mut shells)
+        .and_then(|()| fork_into_shells(reg, &t, &shells, req));
+    if result.is_err() {
+        for name in &shells {
+            let _ = crate::ops::remove(reg, name, true);
+        }
+    }
+    result
+}
+
+fn clone_names(reg: &Registry, req: &CloneRequest) -> Result<Vec<String>> {
+    if req.count == 0 {
+        return Err(RuntimeError::Invalid(
+            "the clone count must be at least 1".into(),
+        ));
+    }
+    if !req.names.is_empty() {
+        if req.names.len() != req.count {
+            return Err(RuntimeError::Invalid(format!(
+                "{} names given for {} clones",
+                req.names.len(),
+                req.count
+            )));
+        }
+        for n in &req.names {
+            crate::spec::validate_name(n)?;
+            if reg.load(n).is_ok() {
+                return Err(RuntimeError::NameInUse(n.clone()));
+            }
+        }
+        return Ok(req.names.clone());
+    }
+    Ok((0..req.count)
+        .map(|_| crate::registry::generated_name())
+        .collect())
+}
+
+/// Refuse counts beyond what the host's memory or process table can hold.
+fn check_capacity(count: usize, limits: &Limits) -> Result<()> {
+    let count = count as u64;
+    let pid_max: u64 = read_number("/proc/sys/kernel/pid_max").unwrap_or(32768);
+    let running = std::fs::read_dir("/proc")
+        .map(|d| {
+            d.flatten()
+                .filter(|e| {
+                    e.file_name()
+                        .to_string_lossy()
+                        .bytes()
+                        .all(|b| b.is_ascii_digit())
+                })
+                .count() as u64
+        })
+        .unwrap_or(0);
+    let pids_per_clone = PIDS_PER_CLONE.max(limits.pids.unwrap_or(0).min(PIDS_PER_CLONE));
+    if running + count * pids_per_clone > pid_max {
+        return Err(RuntimeError::Invalid(format!(
+            "{count} clones need about {} processes, but only {} more fit under kernel.pid_max={pid_max}",
+            count * pids_per_clone,
+            pid_max.saturating_sub(running)
+        )));
+    }
+    let available = meminfo_available().unwrap_or(u64::MAX);
+    if count.saturating_mul(MEMORY_PER_CLONE) > available {
+        return Err(RuntimeError::Invalid(format!(
+            "{count} clones need about {} of memory before they write, but only {} is available",
+            crate::size::format_size(count * MEMORY_PER_CLONE),
+            crate::size::format_size(available)
+        )));
+    }
+    Ok(())
+}
+
+fn read_number(path: &str) -> Option<u64> {
+    std::fs::read_to_string(path).ok()?.trim().parse().ok()
+}
+
+fn meminfo_available() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let kib: u64 = text
+        .lines()
+        .find_map(|l| l.strip_prefix("MemAvailable:"))?
+        .trim()
+        .trim_end_matches("kB")
+        .trim()
+        .parse()
+        .ok()?;
+    Some(kib * 1024)
+}
+
+/// The spec of a clone: its template's, with its own name, hostname and limits.
+fn clone_spec(t: &BoxRecord, name: &str, req: &CloneRequest) -> BoxSpec {
+    let mut spec = t.spec.clone();
+    spec.name = name.to_string();
+    spec.hostname = name.to_string();
+    spec.interactive = false;
+    spec.remove_on_exit = false;
+    // A host port can be published by one box only.
+    spec.network.publish.clear();
+    if let Some(limits) = &req.limits {
+        spec.limits = limits.clone();
+    }
+    spec.clone_of = Some(CloneSource {
+        template_box: t.name().to_string(),
+        template: t
+            .state
+            .template
+            .as_ref()
+            .map(|i| i.name.clone())
+            .unwrap_or_default(),
+    });
+    spec
+}
+
+fn start_shells(
+    reg: &Registry,
+    t: &BoxRecord,
+    names: &[String],
+    req: &CloneRequest,
+    made: &mut Vec<String>,
+) -> Result<()> {
+    for name in names {
+        let spec = clone_spec(t, name, req);
+        crate::ops::run_detached(reg, &spec)?;
+        made.push(name.clone());
+    }
+    Ok(())
+}
+
+/// Stop the template's process, fork one clone into each shell, let it go again.
+fn fork_into_shells(
+    reg: &Registry,
+    t: &BoxRecord,
+    shells: &[String],
+    req: &CloneRequest,
+) -> Result<Vec<Cloned>> {
+    let info =
+        t.state.template.clone().ok_or_else(|| {
+            RuntimeError::Invalid(format!("box {:?} is not a template", t.name()))
+        })?;
+    let cgroup = t
+        .state
+        .cgroup
+        .clone()
+        .ok_or_else(|| RuntimeError::NotRunning(t.name().to_string()))?;
+    let cookie = t.state.setns_cookie.unwrap_or_default();
+    let mut tracee = nestbox_remote::Tracee::seize_and_interrupt(info.process.pid)
+        .map_err(|e| remote_error(t.name(), e))?;
+    // The stop request is served once the process runs: thaw for the fork, freeze
+    // again before letting go of it.
+    let thawed = cgroup.set_frozen(false, FREEZER_TIMEOUT);
+    let forked = thawed.map_err(RuntimeError::from).and_then(|()| {
+        tracee
+            .wait_stopped(Duration::from_secs(5))
+            .map_err(|e| remote_error(t.name(), e))?;
+        let inventory =
+            nestbox_remote::inspect_fds(info.process.pid).map_err(|e| remote_error(t.name(), e))?;
+        let mut out = Vec::new();
+        for name in shells {
+            out.push(fork_one(reg, &mut tracee, name, cookie, &inventory, req)?);
+        }
+        Ok(out)
+    });
+    let refrozen = cgroup.set_frozen(true, FREEZER_TIMEOUT);
+    let detached = tracee.detach();
+    let forked = forked?;
+    refrozen?;
+    detached.map_err(|e| remote_error(t.name(), e))?;
+    Ok(forked)
+}
+
+fn remote_error(template: &str, e: nestbox_remote::RemoteError) -> RuntimeError {
+    RuntimeError::Invalid(format!("cloning template box {template:?}: {e}"))
+}
+
+/// Fork one clone into the shell box `name`.
+fn fork_one(
+    reg: &Registry,
+    tracee: &mut nestbox_remote::Tracee,
+    name: &str,
+    cookie: [u64; 2],
+    inventory: &[nestbox_remote::FdEntry],
+    req: &CloneRequest,
+) -> Result<Cloned> {
+    use std::os::fd::AsFd;
+    let shell = reg.load(name)?;
+    let init = shell
+        .state
+        .init
+        .ok_or_else(|| RuntimeError::NotRunning(name.to_string()))?;
+    let namespaces = shell_namespaces(init.pid)?;
+    let stdio = shell_stdio(init.pid)?;
+    let plan = nestbox_remote::ForkPlan {
+        namespaces: namespaces.iter().map(|(k, f)| (*k, f.as_fd())).collect(),
+        setns_cookie: cookie,
+        cgroup_task_files: shell
+            .state
+            .cgroup
+            .as_ref()
+            .map(|c| c.self_join_files())
+            .unwrap_or_default(),
+        stdio: [stdio[0].as_fd(), stdio[1].as_fd(), stdio[2].as_fd()],
+        on_clone_signal: req.on_clone_signal,
+        inventory: Some(inventory.to_vec()),
+    };
+    let forked = nestbox_remote::remote_fork(tracee, &plan)
+        .map_err(|e| RuntimeError::Invalid(format!("forking clone {name:?}: {e}")))?;
+    let fork_ms = forked.elapsed.as_secs_f64() * 1e3;
+    if forked.ns_pid != crate::init::ADOPTED_PID {
+        let _ = nix::sys::signal::kill(Pid::from_raw(forked.pid), Signal::SIGKILL);
+        return Err(RuntimeError::Invalid(format!(
+            "clone {name:?} got pid {} in its shell instead of {}",
+            forked.ns_pid,
+            crate::init::ADOPTED_PID
+        )));
+    }
+    let process = ProcRef::of(forked.pid);
+    let source = shell.spec.clone_of.clone();
+    reg.update(name, |s| {
+        s.clone = Some(CloneInfo {
+            template: source
+                .as_ref()
+                .map(|c| c.template.clone())
+                .unwrap_or_default(),
+            template_box: source
+                .as_ref()
+                .map(|c| c.template_box.clone())
+                .unwrap_or_default(),
+            process,
+            fork_ms: Some(fork_ms),
+        });
+    })?;
+    Ok(Cloned {
+        name: name.to_string(),
+        pid: forked.pid,
+        fork_ms,
+    })
+}
+
+/// The shell's namespaces (the remote fork joins the user namespace first: that
+/// grants the capabilities to join the others; and the pid namespace last).
+fn shell_namespaces(init: i32) -> Result<Vec<(nestbox_remote::NsKind, File)>> {
+    use nestbox_remote::NsKind;
+    let mut out = Vec::new();
+    for kind in [
+        NsKind::User,
+        NsKind::Mount,
+        NsKind::Net,
+        NsKind::Uts,
+        NsKind::Ipc,
+        NsKind::Cgroup,
+        NsKind::Pid,
+    ] {
+        let path = format!("/proc/{init}/ns/{}", kind.proc_name());
+        let f = File::open(&path).map_err(RuntimeError::io("open", &path))?;
+        out.push((kind, f));
+    }
+    Ok(out)
+}
+
+/// The clone's stdin (/dev/null) and its log pipes, taken from the shell's init.
+fn shell_stdio(init: i32) -> Result<[OwnedFd; 3]> {
+    let null: OwnedFd = File::open("/dev/null")
+        .map_err(RuntimeError::io("open", "/dev/null"))?
+        .into();
+    let pidfd = crate::process::pidfd_open(init)?;
+    let out = crate::process::pidfd_getfd(&pidfd, 1, init)?;
+    let err = crate::process::pidfd_getfd(&pidfd, 2, init)?;
+    Ok([null, out, err])
+}
+
+/// Refuse, before freezing, a process holding a descriptor no clone rule covers.
+pub fn check_fds(name: &str, pid: Pid) -> Result<()> {
+    nestbox_remote::inspect_fds(pid.as_raw())
+        .and_then(|entries| nestbox_remote::ensure_clonable(pid.as_raw(), &entries))
+        .map_err(|e| RuntimeError::Invalid(format!("box {name:?} cannot be cloned: {e}")))
+}
+
+/// Memory of one process from /proc/PID/smaps_rollup, in bytes.
+#[derive(Debug, Clone, Copy, Default, serde::Serialize)]
+pub struct ProcessMemory {
+    /// Resident set.
+    pub rss: u64,
+    /// Proportional set (shared pages divided among their users).
+    pub pss: u64,
+    /// Pages mapped by this process only.
+    pub private: u64,
+    /// Pages also mapped by others (the template, sibling clones).
+    pub shared: u64,
+}
+
+impl ProcessMemory {
+    /// Read the figures of `pid`.
+    pub fn of(pid: i32) -> Option<ProcessMemory> {
+        let text = std::fs::read_to_string(format!("/proc/{pid}/smaps_rollup")).ok()?;
+        let mut m = ProcessMemory::default();
+        for line in text.lines() {
+            let mut parts = line.split_whitespace();
+            let (Some(key), Some(value)) = (parts.next(), parts.next()) else {
+                continue;
+            };
+            let bytes = value.parse::<u64>().unwrap_or(0) * 1024;
+            match key {
+                "Rss:" => m.rss = bytes,
+                "Pss:" => m.pss = bytes,
+                "Private_Clean:" | "Private_Dirty:" => m.private += bytes,
+                "Shared_Clean:" | "Shared_Dirty:" => m.shared += bytes,
+                _ => {}
+            }
+        }
+        Some(m)
+    }
+}
+
+/// Memory sharing of a clone or a template, for `stats` and `inspect`.
+pub fn sharing(reg: &Registry, record: &BoxRecord) -> Option<serde_json::Value> {
+    if let Some(c) = &record.state.clone {
+        let p = c.process.filter(|p| p.alive())?;
+        let m = ProcessMemory::of(p.pid)?;
+        return Some(serde_json::json!({
+            "role": "clone",
+            "template": c.template,
+            "process": m,
+            "private_bytes": m.private,
+            "shared_with_template_bytes": m.shared,
+        }));
+    }
+    let t = record.state.template.as_ref()?;
+    let own = ProcessMemory::of(t.process.pid).filter(|_| t.process.alive())?;
+    let clones = crate::template::clones_of(reg, record.name()).ok()?;
+    let mut rss = own.rss;
+    let mut pss = own.pss;
+    let mut count = 0;
+    for c in &clones {
+        if let Some(m) = c
+            .state
+            .clone
+            .as_ref()
+            .and_then(|i| i.process)
+            .filter(|p| p.alive())
+            .and_then(|p| ProcessMemory::of(p.pid))
+        {
+            rss += m.rss;
+            pss += m.pss;
+            count += 1;
+        }
+    }
+    Some(serde_json::json!({
+        "role": "template",
+        "process": own,
+        "clones": count,
+        "total_rss_bytes": rss,
+        "total_pss_bytes": pss,
+        "sharing_ratio": if pss > 0 { rss as f64 / pss as f64 } else { 1.0 },
+    }))
+}

@@ -1,0 +1,145 @@
+//! A box's place on the network: the runtime's side of [`nestbox_net`]. Before
+//! the box's first process exists its address is leased and the network's hosts
+//! and resolver files are added to its mounts; once the process (and so its
+//! network namespace) exists, the veth pair, address, routes, published ports and
+//! bandwidth classes are set up; when the box ends, all of it is released.
+
+use std::os::fd::AsFd;
+use std::path::PathBuf;
+
+use nestbox_isolation::rootfs::Volume;
+use nestbox_net::{AttachOptions, Lease, Network, NetworkConfig};
+use nix::unistd::Pid;
+
+use crate::paths::Roots;
+use crate::spec::{BoxSpec, NetworkMode};
+use crate::Result;
+
+/// Where the networks of a root keep their state.
+pub fn state_dir(roots: &Roots) -> PathBuf {
+    roots.lib.join("network")
+}
+
+/// The runtime state directory of the machine-wide root.
+const SYSTEM_RUN_DIR: &str = "/run/nestbox";
+
+/// The default network of `roots`. The machine-wide root's is bridge `nbx0` with
+/// IP forwarding (for outbound NAT); any other root (`--root`: tests, nested
+/// nestbox) gets a bridge and a /24 of its own, named after the root's tag, and
+/// leaves the host's forwarding switch alone.
+pub fn open(roots: &Roots) -> Result<Network> {
+    let dir = state_dir(roots);
+    let config = if roots.run == std::path::Path::new(SYSTEM_RUN_DIR) {
+        NetworkConfig::default_in(&dir)?
+    } else {
+        let tag = roots.tag();
+        let seed = u32::from_str_radix(&tag, 16).unwrap_or(0);
+        let mut c = NetworkConfig::private_in(&dir, &private_bridge(roots), seed)?;
+        c.ip_forward = false;
+        c
+    };
+    Ok(Network::open(config)?)
+}
+
+/// Bridge name of a private root's network.
+pub fn private_bridge(roots: &Roots) -> String {
+    format!("nb{}", roots.tag())
+}
+
+/// Remove the default network of `roots` from the host (bridge, IFB, NAT table,
+/// state), refusing while a box still holds an address on it. `false` when there
+/// was none.
+pub fn remove(roots: &Roots) -> Result<bool> {
+    let Some(config) = NetworkConfig::load(&state_dir(roots).join("default"))? else {
+        return Ok(false);
+    };
+    let net = Network::view(config);
+    let leases = net.leases()?;
+    if let Some(l) = leases.first() {
+        return Err(crate::RuntimeError::Invalid(format!(
+            "network {:?} still has {} box(es) (box id {}): remove them first",
+            net.config().name,
+            leases.len(),
+            l.box_id
+        )));
+    }
+    net.destroy()?;
+    Ok(true)
+}
+
+/// A leased address, waiting for the box's network namespace.
+#[derive(Debug)]
+pub struct Pending {
+    network: Network,
+    lease: Lease,
+}
+
+impl Pending {
+    /// Lease an address for bridge-mode box `box_id` (named by its name and
+    /// hostname in the hosts file); `None` for other modes.
+    pub fn lease(roots: &Roots, box_id: &str, spec: &BoxSpec) -> Result<Option<Pending>> {
+        if spec.network.mode != NetworkMode::Bridge {
+            return Ok(None);
+        }
+        let network = open(roots)?;
+        let mut names = vec![spec.name.as_str()];
+        if spec.hostname != spec.name {
+            names.push(spec.hostname.as_str());
+        }
+        let lease = network.allocate(box_id, &names)?;
+        Ok(Some(Pending { network, lease }))
+    }
+
+    /// The network's hosts and resolver files, read-only in the box.
+    pub fn volumes(&self) -> Vec<Volume> {
+        vec![
+            Volume {
+                source: self.network.hosts_path(),
+                target: "/etc/hosts".into(),
+                read_only: true,
+            },
+            Volume {
+                source: self.network.resolv_path(),
+                target: "/etc/resolv.conf".into(),
+                read_only: true,
+            },
+        ]
+    }
+
+    /// Connect the network namespace of `pid`; what `inspect` shows of it.
+    pub fn attach(&self, pid: Pid, spec: &BoxSpec) -> Result<serde_json::Value> {
+        let ns = nestbox_net::netns::of_pid(pid.as_raw())?;
+        let opts = AttachOptions {
+            publish: spec.network.publish.clone(),
+            rate: spec.network.rate,
+            reserve: spec.network.reserve,
+            share: spec.network.share,
+            ingress_rate: spec.network.ingress_rate,
+        };
+        let attachment = self.network.attach(&self.lease, ns.as_fd(), &opts)?;
+        Ok(serde_json::to_value(&attachment).unwrap_or_default())
+    }
+
+    /// Give the lease back (the box did not start).
+    pub fn release(self) {
+        let _ = self.network.detach(&self.lease.box_id);
+    }
+}
+
+/// Release everything box `box_id` holds on its network (idempotent).
+pub fn release(roots: &Roots, box_id: &str) -> Result<()> {
+    if !state_dir(roots).exists() {
+        return Ok(());
+    }
+    open(roots)?.detach(box_id)?;
+    Ok(())
+}
+
+/// Release what boxes not in `live` still hold; the ids released.
+pub fn gc(roots: &Roots, live: &[String]) -> Result<Vec<String>> {
+    if !state_dir(roots).exists() {
+        return Ok(Vec::new());
+    }
+    let live: Vec<&str> = live.iter().map(String::as_str).collect();
+    Ok(open(roots)?.gc(&live)?)
+}

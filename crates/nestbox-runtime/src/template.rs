@@ -1,0 +1,321 @@
+//! Templates: boxes frozen with the cgroup freezer so that clones can be forked from
+//! them (`nestbox freeze`, `nestbox template ls|rm`), and what a clone shell takes
+//! from its template (identity maps, the seccomp cookie, the pid namespace).
+//!
+//! A template keeps its monitor, init and cgroup. Its one process is the one clones
+//! are forked from. Clones live in pid namespaces nested in the template's, so the
+//! template's init must outlive them: removing a template that still has clones
+//! kills its process, and its init lingers until the last clone is gone (see
+//! [`crate::init`]).
+
+use std::os::fd::AsFd;
+use std::time::{Duration, Instant};
+
+use nestbox_isolation::idmap::{IdMap, IdRange};
+use nix::sched::{setns, CloneFlags};
+use nix::sys::signal::{kill, Signal};
+use nix::unistd::Pid;
+
+use crate::liveness::ProcRef;
+use crate::registry::{BoxRecord, Registry};
+use crate::state::{now, Status, TemplateInfo};
+use crate::{Result, RuntimeError};
+
+/// How long quiescing or thawing a box may take.
+const FREEZER_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// One template, as `template ls` shows it.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct TemplateSummary {
+    /// Template name.
+    pub name: String,
+    /// The frozen box.
+    pub box_name: String,
+    /// Host pid of the process clones are forked from.
+    pub pid: i32,
+    /// Live clones.
+    pub clones: usize,
+    /// Removed, waiting for its clones to go.
+    pub removed: bool,
+}
+
+/// Freeze the running box `name` into a template called `as_name` (default: the
+/// box name). Refuses boxes it could not clone from, before freezing anything.
+pub fn freeze(reg: &Registry, name: &str, as_name: Option<&str>) -> Result<TemplateInfo> {
+    let template_name = as_name.unwrap_or(name).to_string();
+    crate::spec::validate_name(&template_name)?;
+    if template_name != name && (reg.load(&template_name).is_ok()) {
+        return Err(RuntimeError::NameInUse(template_name));
+    }
+    if let Some(other) = find_template(reg, &template_name)? {
+        return Err(RuntimeError::Invalid(format!(
+            "a template named {template_name:?} already exists (box {:?})",
+            other.name()
+        )));
+    }
+    let record = reg.load(name)?;
+    match record.state.effective_status() {
+        Status::Running => {}
+        Status::Frozen => {
+            return Err(RuntimeError::Invalid(format!(
+                "box {name:?} is already frozen"
+            )))
+        }
+        other => {
+            return Err(RuntimeError::Invalid(format!(
+                "box {name:?} has {}: only a running box can be frozen",
+                match other {
+                    Status::Exited => "exited",
+                    Status::Dead => "died",
+                    _ => "not started",
+                }
+            )))
+        }
+    }
+    let cgroup = record.state.cgroup.clone().ok_or_else(|| {
+        RuntimeError::Invalid(format!(
+            "box {name:?} has no cgroup, so it cannot be frozen (run nestbox as root)"
+        ))
+    })?;
+    let process = template_process(&record)?;
+    check_cloneable(name, process)?;
+    let started = Instant::now();
+    cgroup.set_frozen(true, FREEZER_TIMEOUT)?;
+    let freeze_ms = started.elapsed().as_secs_f64() * 1e3;
+    let process = ProcRef::of(process.as_raw()).ok_or_else(|| {
+        RuntimeError::Invalid(format!("the process of box {name:?} exited while freezing"))
+    })?;
+    let info = TemplateInfo {
+        name: template_name,
+        process,
+        frozen_at: now(),
+        freeze_ms,
+        removed: false,
+    };
+    let recorded = info.clone();
+    let update = reg.update(name, |s| {
+        s.status = Status::Frozen;
+        s.template = Some(recorded);
+    });
+    if let Err(e) = update {
+        let _ = cgroup.set_frozen(false, FREEZER_TIMEOUT);
+        return Err(e);
+    }
+    Ok(info)
+}
+
+/// The one process of a box besides its init (the process clones fork from).
+fn template_process(record: &BoxRecord) -> Result<Pid> {
+    let name = record.name();
+    let init = record.state.init.map(|p| p.pid).unwrap_or(0);
+    let cgroup = record
+        .state
+        .cgroup
+        .as_ref()
+        .ok_or_else(|| RuntimeError::NotRunning(name.to_string()))?;
+    let others: Vec<i32> = cgroup.procs()?.into_iter().filter(|p| *p != init).collect();
+    match others.as_slice() {
+        [one] => Ok(Pid::from_raw(*one)),
+        [] => Err(RuntimeError::Invalid(format!(
+            "box {name:?} has no process to freeze besides its init"
+        ))),
+        many => Err(RuntimeError::Invalid(format!(
+            "box {name:?} has {} processes (host pids {}): cloning needs a box with a single process",
+            many.len(),
+            many.iter().map(|p| p.to_string()).collect::<Vec<_>>().join(", ")
+        ))),
+    }
+}
+
+/// Refuse processes nestbox cannot fork remotely, naming the reason.
+fn check_cloneable(name: &str, pid: Pid) -> Result<()> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .map_err(RuntimeError::io("read", format!("/proc/{pid}/status")))?;
+    let field = |key: &str| {
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix(key))
+            .map(|v| v.trim().to_string())
+            .unwrap_or_default()
+    };
+    let comm = field("Name:");
+    let threads: u32 = field("Threads:").parse().unwrap_or(1);
+    if threads != 1 {
+        return Err(RuntimeError::Invalid(format!(
+            "box {name:?}: process {pid} ({comm}) has {threads} threads; cloning supports single-threaded processes only"
+        )));
+    }
+    let tracer: i32 = field("TracerPid:").parse().unwrap_or(0);
+    if tracer != 0 {
+        return Err(RuntimeError::Invalid(format!(
+            "box {name:?}: process {pid} ({comm}) is already being traced by pid {tracer}"
+        )));
+    }
+    let euid = field("Uid:")
+        .split_whitespace()
+        .nth(1)
+        .unwrap_or("0")
+        .to_string();
+    if euid != "0" {
+        return Err(RuntimeError::Invalid(format!(
+            "box {name:?}: process {pid} ({comm}) runs as uid {euid}; cloning supports processes running as root in the box"
+        )));
+    }
+    crate::clone::check_fds(name, pid)
+}
+
+/// Find the box holding the template called `name`.
+pub fn find_template(reg: &Registry, name: &str) -> Result<Option<BoxRecord>> {
+    Ok(reg
+        .list()?
+        .into_iter()
+        .find(|r| r.state.template.as_ref().is_some_and(|t| t.name == name)))
+}
+
+/// The template called `name`, which must be frozen and not removed.
+pub fn load_frozen(reg: &Registry, name: &str) -> Result<BoxRecord> {
+    let Some(record) = find_template(reg, name)? else {
+        return Err(match reg.load(name) {
+            Ok(_) => RuntimeError::Invalid(format!(
+                "box {name:?} is not a template: freeze it first (nestbox freeze {name})"
+            )),
+            Err(_) => RuntimeError::Invalid(format!("no template named {name:?}")),
+        });
+    };
+    let Some(info) = record.state.template.clone() else {
+        return Err(RuntimeError::Invalid(format!("no template named {name:?}")));
+    };
+    if info.removed || record.state.effective_status() != Status::Frozen {
+        return Err(RuntimeError::Invalid(format!(
+            "template {name:?} has been removed"
+        )));
+    }
+    if !info.process.alive() {
+        return Err(RuntimeError::Invalid(format!(
+            "the process of template {name:?} is gone"
+        )));
+    }
+    Ok(record)
+}
+
+/// The template box behind a clone shell being started.
+pub fn load_template(reg: &Registry, box_name: &str) -> Result<BoxRecord> {
+    let record = reg.load(box_name)?;
+    match (&record.state.template, record.state.init) {
+        (Some(_), Some(init)) if init.alive() => Ok(record),
+        _ => Err(RuntimeError::Invalid(format!(
+            "box {box_name:?} is not a live template"
+        ))),
+    }
+}
+
+/// What a clone shell of template `t` gets: a user namespace mapping every id of
+/// the template's to itself (so the template's process, owner of that namespace,
+/// may enter it), the host owner of its layers, and the template's setns cookie.
+#[allow(clippy::type_complexity)]
+pub fn shell_identity(
+    t: &BoxRecord,
+) -> Result<(Option<IdMap>, Option<(u32, u32)>, Option<[u64; 2]>)> {
+    if t.state.idmap.is_some() {
+        return Err(RuntimeError::Invalid(format!(
+            "template {:?} runs in a user namespace (a clone, --userns, or started without root): cloning it is not supported yet",
+            t.name()
+        )));
+    }
+    let all = IdRange {
+        inside: 0,
+        outside: 0,
+        count: u32::MAX,
+    };
+    let map = IdMap { uid: all, gid: all };
+    Ok((Some(map), None, t.state.setns_cookie))
+}
+
+/// Make the calling (single-threaded) process create its next children in the pid
+/// namespace of template `t`'s init.
+pub fn enter_pid_namespace_of(t: &BoxRecord) -> Result<()> {
+    let init = t
+        .state
+        .init
+        .ok_or_else(|| RuntimeError::NotRunning(t.name().to_string()))?;
+    let path = format!("/proc/{}/ns/pid", init.pid);
+    let ns = std::fs::File::open(&path).map_err(RuntimeError::io("open", &path))?;
+    setns(ns.as_fd(), CloneFlags::CLONE_NEWPID).map_err(RuntimeError::sys(format!("setns({path})")))
+}
+
+/// Live clones of the template box `box_name`.
+pub fn clones_of(reg: &Registry, box_name: &str) -> Result<Vec<BoxRecord>> {
+    Ok(reg
+        .list()?
+        .into_iter()
+        .filter(|r| {
+            r.state
+                .clone
+                .as_ref()
+                .is_some_and(|c| c.template_box == box_name)
+                && matches!(
+                    r.state.effective_status(),
+                    Status::Creating | Status::Running | Status::Frozen
+                )
+        })
+        .collect())
+}
+
+/// Every template of this root.
+pub fn list(reg: &Registry) -> Result<Vec<TemplateSummary>> {
+    let mut out = Vec::new();
+    for record in reg.list()? {
+        let Some(t) = &record.state.template else {
+            continue;
+        };
+        if record.state.effective_status() != Status::Frozen {
+            continue;
+        }
+        out.push(TemplateSummary {
+            name: t.name.clone(),
+            box_name: record.name().to_string(),
+            pid: t.process.pid,
+            clones: clones_of(reg, record.name())?.len(),
+            removed: t.removed,
+        });
+    }
+    out.sort_by(|a, b| a.name.cmp(&b.name));
+    Ok(out)
+}
+
+/// Remove the template `name` (its box too). With live clones, only its process
+/// is killed: its init keeps the clones' ancestor pid namespace alive and leaves,
+/// with the box, when the last clone has gone.
+pub fn remove(reg: &Registry, name: &str) -> Result<()> {
+    let record = match find_template(reg, name)? {
+        Some(r) => r,
+        None => return Err(RuntimeError::Invalid(format!("no template named {name:?}"))),
+    };
+    remove_box(reg, &record)
+}
+
+/// Remove a template box (from `rm -f` or `template rm`).
+pub fn remove_box(reg: &Registry, record: &BoxRecord) -> Result<()> {
+    let box_name = record.name();
+    if clones_of(reg, box_name)?.is_empty() {
+        if let Some(cg) = &record.state.cgroup {
+            let _ = cg.set_frozen(false, FREEZER_TIMEOUT);
+        }
+        return crate::ops::remove(reg, box_name, true);
+    }
+    let info = record.state.template.clone();
+    reg.update(box_name, |s| {
+        if let Some(t) = s.template.as_mut() {
+            t.removed = true;
+        }
+    })?;
+    if let Some(t) = info {
+        if t.process.alive() {
+            let _ = kill(Pid::from_raw(t.process.pid), Signal::SIGKILL);
+        }
+    }
+    if let Some(cg) = &record.state.cgroup {
+        let _ = cg.set_frozen(false, FREEZER_TIMEOUT);
+    }
+    Ok(())
+}

@@ -1,0 +1,47 @@
+//! `commit`: a box's root as a new image — the box's image manifest with the
+//! box's overlayfs upper directory applied on top (whiteouts delete, opaque
+//! directories hide lower contents, everything else replaces). Only files present
+//! in the upper directory are hashed, and only contents (or metadata) the store
+//! does not already hold become new objects.
+
+use std::path::Path;
+
+use crate::error::Result;
+use crate::import::dir::{read_tree, TreeKind};
+use crate::layer::RootBuilder;
+use crate::progress::Progress;
+use crate::refs::{validate_name, ImageRef};
+use crate::store::Store;
+use crate::txn::{Txn, TxnStats};
+use crate::StoreError;
+
+impl Store {
+    /// Make image `name` from image `base` plus the overlay upper directory `upper`.
+    /// `what` describes the origin (e.g. `commit of box web`).
+    pub fn commit_upper(
+        &self,
+        base: &str,
+        upper: &Path,
+        name: &str,
+        what: &str,
+        progress: &Progress,
+    ) -> Result<(ImageRef, TxnStats)> {
+        validate_name(name)?;
+        if self.has_image(name) {
+            return Err(StoreError::NameInUse(name.to_string()));
+        }
+        let base = self.image(base)?;
+        let manifest = self.manifest(&base.id)?;
+        let txn = Txn::begin(self)?;
+        let mut root = RootBuilder::from_manifest(manifest);
+        if upper.exists() {
+            let layer = read_tree(upper, TreeKind::Upper, &txn, progress)?;
+            root.apply(layer, upper)?;
+        }
+        let manifest = root.finish(upper)?;
+        let stats = txn.stats();
+        let image = txn.commit_image(name, &manifest, what)?;
+        progress.finish();
+        Ok((image, stats))
+    }
+}

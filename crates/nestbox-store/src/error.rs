@@ -1,0 +1,113 @@
+//! Errors of the image store, each naming what it was done to: the path and the
+//! operation or syscall, the image, the archive entry.
+
+use std::path::PathBuf;
+
+/// Why a store operation failed.
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    /// A filesystem operation or syscall on a path failed.
+    #[error("{op} {path}: {source}")]
+    Io {
+        /// What was being done (the syscall or operation).
+        op: &'static str,
+        /// The path it was done to.
+        path: PathBuf,
+        /// The underlying error.
+        source: std::io::Error,
+    },
+    /// No image of that name exists in the store.
+    #[error("image {0:?} not found")]
+    NoSuchImage(String),
+    /// The image name is taken.
+    #[error("image name {0:?} is already in use")]
+    NameInUse(String),
+    /// The image name cannot be used.
+    #[error("invalid image name {name:?}: {why}")]
+    BadName {
+        /// The name given.
+        name: String,
+        /// What is wrong with it.
+        why: &'static str,
+    },
+    /// The source is none of the formats the store imports.
+    #[error("{0}: unknown format (expected a directory, a tar, tar.gz or tar.zst root filesystem, an OCI image layout or a docker save archive)")]
+    UnknownFormat(PathBuf),
+    /// The archive or layout is damaged: truncated, bad checksum, bad JSON, missing blob.
+    #[error("{path}: corrupt or truncated input: {why}")]
+    Corrupt {
+        /// The archive, layout or blob.
+        path: PathBuf,
+        /// What was found wrong.
+        why: String,
+    },
+    /// An entry of the input is refused (escapes the root, device without permission...).
+    #[error("{path}: entry {entry:?} refused: {why}")]
+    Refused {
+        /// The archive or directory.
+        path: PathBuf,
+        /// The entry's name as found in the input.
+        entry: String,
+        /// Why it is refused.
+        why: String,
+    },
+    /// A stored manifest cannot be read.
+    #[error("manifest {id}: {why}")]
+    BadManifest {
+        /// The manifest's object id.
+        id: String,
+        /// What is wrong.
+        why: String,
+    },
+    /// An object a manifest names is not in the store.
+    #[error("object {0} is missing from the store (run `nestbox store verify`)")]
+    MissingObject(String),
+    /// A request the store cannot honour, with the reason.
+    #[error("{0}")]
+    Unsupported(String),
+}
+
+impl StoreError {
+    /// A closure turning an I/O error into [`StoreError::Io`] about `path`.
+    pub fn io(op: &'static str, path: impl Into<PathBuf>) -> impl FnOnce(std::io::Error) -> Self {
+        let path = path.into();
+        move |source| StoreError::Io { op, path, source }
+    }
+
+    /// Same, from a `nix` errno.
+    pub fn sys(
+        op: &'static str,
+        path: impl Into<PathBuf>,
+    ) -> impl FnOnce(nix::errno::Errno) -> Self {
+        let path = path.into();
+        move |e| StoreError::Io {
+            op,
+            path,
+            source: std::io::Error::from_raw_os_error(e as i32),
+        }
+    }
+
+    /// A corrupt-input error.
+    pub fn corrupt(path: impl Into<PathBuf>, why: impl std::fmt::Display) -> Self {
+        StoreError::Corrupt {
+            path: path.into(),
+            why: why.to_string(),
+        }
+    }
+
+    /// A refused-entry error.
+    pub fn refused(
+        path: impl Into<PathBuf>,
+        entry: impl Into<String>,
+        why: impl Into<String>,
+    ) -> Self {
+        StoreError::Refused {
+            path: path.into(),
+            entry: entry.into(),
+            why: why.into(),
+        }
+    }
+}
+
+/// Result of store operations.
+pub type Result<T, E = StoreError> = std::result::Result<T, E>;

@@ -1,0 +1,326 @@
+//! Freeze and clone, seen from outside: a warmed-up Python HTTP server is frozen
+//! into a template and cloned; every clone answers on the same port in its own
+//! network namespace, keeps its own copy of the server's memory, files, logs,
+//! hostname and machine id, and outlives its template. Bad requests fail with a
+//! clear error and leave nothing behind.
+
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+
+/// A small HTTP server holding state in memory: a request counter, a flag set by
+/// SIGUSR1, a log file kept open for appending, files written on request.
+const SERVER: &str = r#"
+import http.server, os, signal
+count = 0
+reseeded = 0
+def on_usr1(*a):
+    global reseeded
+    reseeded = 1
+signal.signal(signal.SIGUSR1, on_usr1)
+log = open('/tmp/server.log', 'a')
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        global count
+        count += 1
+        if self.path.startswith('/write/'):
+            with open('/tmp/' + self.path[7:], 'w') as f:
+                f.write('written')
+        log.write(f'{count} {self.path}\n')
+        log.flush()
+        body = f'{count} {os.uname().nodename} {reseeded}\n'.encode()
+        self.send_response(200)
+        self.send_header('Content-Length', str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+        print('request', count, self.path, flush=True)
+    def log_message(self, *a):
+        pass
+server = http.server.HTTPServer(('127.0.0.1', 8080), H)
+print('ready', flush=True)
+server.serve_forever()
+"#;
+
+/// Ask the server in box `name` for `path`; its answer (count, hostname, reseeded).
+fn get(root: &TestRoot, name: &str, path: &str) -> (u64, String, u64) {
+    let code = "import sys, urllib.request; \
+                print(urllib.request.urlopen('http://127.0.0.1:8080' + sys.argv[1], timeout=10).read().decode().strip())";
+    let out = root
+        .run(&["exec", name, "--", "python3", "-c", code, path])
+        .ok();
+    let fields: Vec<&str> = out.stdout.split_whitespace().collect();
+    assert_eq!(fields.len(), 3, "answer of {name}: {out}");
+    (
+        fields[0].parse().unwrap(),
+        fields[1].to_string(),
+        fields[2].parse().unwrap(),
+    )
+}
+
+/// Start the server as box `name`, wait until it listens, warm it with `warm`
+/// requests, and freeze it into a template of the same name.
+fn frozen_server(root: &TestRoot, name: &str, warm: u64) {
+    let out = root
+        .run(&["run", "-d", "--name", name, "--", "python3", "-c", SERVER])
+        .ok();
+    assert_eq!(out.stdout.trim(), name);
+    wait_for("the server to listen", Duration::from_secs(20), || {
+        root.ok(&["logs", name]).contains("ready")
+    });
+    for i in 1..=warm {
+        assert_eq!(get(root, name, "/").0, i);
+    }
+    root.ok(&["freeze", name]);
+}
+
+fn template_pid(root: &TestRoot, name: &str) -> i32 {
+    let list: serde_json::Value =
+        serde_json::from_str(&root.ok(&["template", "ls", "--json"])).unwrap();
+    list.as_array()
+        .unwrap()
+        .iter()
+        .find(|t| t["name"] == name)
+        .unwrap_or_else(|| panic!("template {name} listed: {list}"))["pid"]
+        .as_i64()
+        .unwrap() as i32
+}
+
+#[test]
+fn clones_continue_from_the_frozen_state_independently() {
+    let Some(root) = TestRoot::new("clones_continue_from_the_frozen_state_independently") else {
+        return;
+    };
+    frozen_server(&root, "tpl", 3);
+    let names = root.ok(&["clone", "tpl", "-n", "3", "-d", "--name", "c"]);
+    let names: Vec<&str> = names.lines().collect();
+    assert_eq!(names, ["c-1", "c-2", "c-3"]);
+    // Every clone answers on the template's port in its own network namespace,
+    // continuing the template's counter (3 requests before the freeze).
+    assert_eq!(get(&root, "c-1", "/").0, 4);
+    assert_eq!(get(&root, "c-1", "/").0, 5);
+    assert_eq!(get(&root, "c-2", "/").0, 4);
+    assert_eq!(get(&root, "c-1", "/").0, 6);
+    assert_eq!(get(&root, "c-3", "/").0, 4);
+    // Each is a full box in ps and inspect, with its own cgroup and process.
+    let ps = root.ok(&["ps"]);
+    for n in ["tpl", "c-1", "c-2", "c-3"] {
+        assert!(ps.contains(n), "{n} in ps:\n{ps}");
+    }
+    let inspect: serde_json::Value = serde_json::from_str(&root.ok(&["inspect", "c-2"])).unwrap();
+    assert_eq!(inspect["state"]["status"], "running");
+    assert_eq!(inspect["state"]["clone"]["template"], "tpl");
+    assert!(
+        inspect["memory_sharing"]["shared_with_template_bytes"]
+            .as_u64()
+            .unwrap()
+            > 0
+    );
+    root.ok(&["rm", "-f", "c-1", "c-2", "c-3", "tpl"]);
+}
+
+#[test]
+fn clone_files_logs_and_identity_are_their_own() {
+    let Some(root) = TestRoot::new("clone_files_logs_and_identity_are_their_own") else {
+        return;
+    };
+    frozen_server(&root, "tpl", 1);
+    root.ok(&[
+        "clone", "tpl", "-d", "--name", "a", "--name", "b", "-n", "2",
+    ]);
+    // A file written by the server in clone a exists there only.
+    get(&root, "a", "/write/only-a");
+    let cat = |name: &str, path: &str| root.run(&["exec", name, "--", "cat", path]);
+    assert_eq!(cat("a", "/tmp/only-a").ok().stdout, "written");
+    cat("b", "/tmp/only-a").code(1);
+    let tpid = template_pid(&root, "tpl");
+    assert!(
+        !std::path::Path::new(&format!("/proc/{tpid}/root/tmp/only-a")).exists(),
+        "the template does not see the clone's file"
+    );
+    // The log file the template held open for appending was reopened in each
+    // clone's own layer: clone a's lines are not in b's copy nor the template's.
+    let log_a = cat("a", "/tmp/server.log").ok().stdout;
+    let log_b = cat("b", "/tmp/server.log").ok().stdout;
+    assert!(log_a.contains("/write/only-a"), "{log_a}");
+    assert!(!log_b.contains("/write/only-a"), "{log_b}");
+    let log_t = std::fs::read_to_string(format!("/proc/{tpid}/root/tmp/server.log")).unwrap();
+    assert!(!log_t.contains("/write/only-a"), "{log_t}");
+    // Standard output goes to each clone's own log.
+    assert!(root.ok(&["logs", "a"]).contains("/write/only-a"));
+    assert!(!root.ok(&["logs", "b"]).contains("/write/only-a"));
+    assert!(!root.ok(&["logs", "tpl"]).contains("/write/only-a"));
+    // Hostname and machine id are fresh.
+    let (_, host_a, _) = get(&root, "a", "/");
+    let (_, host_b, _) = get(&root, "b", "/");
+    assert_eq!((host_a.as_str(), host_b.as_str()), ("a", "b"));
+    let id_a = cat("a", "/etc/machine-id").ok().stdout;
+    let id_b = cat("b", "/etc/machine-id").ok().stdout;
+    let id_t = std::fs::read_to_string(format!("/proc/{tpid}/root/etc/machine-id")).unwrap();
+    assert_eq!(id_a.trim().len(), 32);
+    assert!(id_a != id_b && id_a != id_t && id_b != id_t);
+    root.ok(&["rm", "-f", "a", "b", "tpl"]);
+}
+
+#[test]
+fn on_clone_signal_reaches_the_clone_only() {
+    let Some(root) = TestRoot::new("on_clone_signal_reaches_the_clone_only") else {
+        return;
+    };
+    frozen_server(&root, "tpl", 1);
+    root.ok(&["clone", "tpl", "-d", "--name", "plain"]);
+    root.ok(&[
+        "clone",
+        "tpl",
+        "-d",
+        "--name",
+        "signalled",
+        "--on-clone-signal",
+        "USR1",
+    ]);
+    assert_eq!(get(&root, "plain", "/").2, 0);
+    wait_for("the on-clone signal", Duration::from_secs(5), || {
+        get(&root, "signalled", "/").2 == 1
+    });
+    root.ok(&["rm", "-f", "plain", "signalled", "tpl"]);
+}
+
+#[test]
+fn clones_outlive_their_template() {
+    let Some(root) = TestRoot::new("clones_outlive_their_template") else {
+        return;
+    };
+    frozen_server(&root, "tpl", 2);
+    root.ok(&["clone", "tpl", "-d", "--name", "c", "-n", "2"]);
+    let tpid = template_pid(&root, "tpl");
+    root.ok(&["template", "rm", "tpl"]);
+    wait_for(
+        "the template's process to end",
+        Duration::from_secs(10),
+        || !pid_alive(tpid),
+    );
+    // The clones go on undisturbed.
+    assert_eq!(get(&root, "c-1", "/").0, 3);
+    assert_eq!(get(&root, "c-2", "/").0, 3);
+    assert_eq!(get(&root, "c-1", "/").0, 4);
+    // A removed template cannot be cloned any more.
+    assert_error(
+        &root.run(&["clone", "tpl", "-d"]),
+        125,
+        "template \"tpl\" has been removed",
+    );
+    root.ok(&["rm", "-f", "c-1", "c-2"]);
+    // With its last clone gone, the template's box goes too.
+    wait_for("the template box to go", Duration::from_secs(10), || {
+        !root.ok(&["ps", "-a"]).contains("tpl")
+    });
+}
+
+#[test]
+fn clone_limits_and_stats() {
+    let Some(root) = TestRoot::new("clone_limits_and_stats") else {
+        return;
+    };
+    frozen_server(&root, "tpl", 1);
+    root.ok(&[
+        "clone", "tpl", "-d", "--name", "small", "--memory", "96m", "--pids", "20",
+    ]);
+    let inspect: serde_json::Value = serde_json::from_str(&root.ok(&["inspect", "small"])).unwrap();
+    assert_eq!(inspect["limits"]["memory"], 96 * 1024 * 1024);
+    let limit = cgroup_file(&inspect, "memory.limit_in_bytes")
+        .or_else(|| cgroup_file(&inspect, "memory.max"))
+        .expect("memory limit file");
+    assert_eq!(read_trimmed(&limit), (96u64 * 1024 * 1024).to_string());
+    let stats: serde_json::Value =
+        serde_json::from_str(&root.ok(&["stats", "--json", "small"])).unwrap();
+    assert_eq!(stats["sharing"]["role"], "clone");
+    assert!(stats["sharing"]["private_bytes"].as_u64().unwrap() > 0);
+    let tstats: serde_json::Value =
+        serde_json::from_str(&root.ok(&["stats", "--json", "tpl"])).unwrap();
+    assert_eq!(tstats["sharing"]["clones"], 1);
+    assert!(tstats["sharing"]["sharing_ratio"].as_f64().unwrap() > 1.0);
+    root.ok(&["rm", "-f", "small", "tpl"]);
+}
+
+// ---------------------------------------------------------------- bad input
+
+#[test]
+fn freeze_refuses_what_cannot_be_cloned() {
+    let Some(root) = TestRoot::new("freeze_refuses_what_cannot_be_cloned") else {
+        return;
+    };
+    root.ok(&["run", "--name", "done", "--", "true"]);
+    assert_error(&root.run(&["freeze", "done"]), 125, "has exited");
+    root.detached_sh("two", &[], "sleep 300 & sleep 300");
+    assert_error(
+        &root.run(&["freeze", "two"]),
+        125,
+        "cloning needs a box with a single process",
+    );
+    let threads = "import threading, time; threading.Thread(target=time.sleep, args=(300,)).start(); time.sleep(300)";
+    root.ok(&[
+        "run", "-d", "--name", "threads", "--", "python3", "-c", threads,
+    ]);
+    std::thread::sleep(Duration::from_millis(500));
+    assert_error(&root.run(&["freeze", "threads"]), 125, "has 2 threads");
+    // Nothing was frozen.
+    assert!(root.ok(&["template", "ls"]).lines().count() == 1);
+    assert_error(&root.run(&["clone", "two"]), 125, "is not a template");
+    assert_error(
+        &root.run(&["clone", "nothing"]),
+        125,
+        "no template named \"nothing\"",
+    );
+    root.ok(&["rm", "-f", "done", "two", "threads"]);
+}
+
+#[test]
+fn clone_refuses_bad_counts_and_leaves_nothing() {
+    let Some(root) = TestRoot::new("clone_refuses_bad_counts_and_leaves_nothing") else {
+        return;
+    };
+    frozen_server(&root, "tpl", 1);
+    assert_error(&root.run(&["clone", "tpl", "-n", "0"]), 125, "at least 1");
+    assert_error(
+        &root.run(&["clone", "tpl", "-n", "100000000", "-d"]),
+        125,
+        "clones need about",
+    );
+    root.ok(&["clone", "tpl", "-d", "--name", "taken"]);
+    assert_error(
+        &root.run(&["clone", "tpl", "-d", "--name", "taken"]),
+        125,
+        "already exists",
+    );
+    // Only the template and the one good clone exist.
+    let all = root.ok(&["ps", "-a"]);
+    assert_eq!(all.lines().count(), 3, "{all}");
+    // The template was left frozen and still clones.
+    assert_eq!(get(&root, "taken", "/").0, 2);
+    root.ok(&["clone", "tpl", "-d", "--name", "again"]);
+    assert_eq!(get(&root, "again", "/").0, 2);
+    root.ok(&["rm", "-f", "taken", "again", "tpl"]);
+}
+
+#[test]
+fn serial_hundred_clones_then_rm_leaves_nothing() {
+    let Some(root) = TestRoot::new("serial_hundred_clones_then_rm_leaves_nothing") else {
+        return;
+    };
+    frozen_server(&root, "tpl", 1);
+    let out = root.run_timeout(
+        &["clone", "tpl", "-n", "100", "-d", "--name", "h"],
+        Duration::from_secs(240),
+    );
+    let names: Vec<String> = out.ok().stdout.lines().map(String::from).collect();
+    assert_eq!(names.len(), 100);
+    assert_eq!(get(&root, "h-1", "/").0, 2);
+    assert_eq!(get(&root, "h-100", "/").0, 2);
+    let mut args = vec!["rm", "-f"];
+    args.extend(names.iter().map(String::as_str));
+    args.push("tpl");
+    root.run_timeout(&args, Duration::from_secs(240)).ok();
+    assert_eq!(root.ok(&["ps", "-a"]).lines().count(), 1);
+    // TestRoot's drop asserts that no process, cgroup or directory of these boxes is left.
+}
