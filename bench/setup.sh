@@ -17,6 +17,7 @@ declare -A wanted=(
     [bubblewrap]=bwrap
     [jq]=jq
     [python3]=python3
+    [busybox-static]=busybox
     [iperf3]=iperf3
     [nftables]=nft
 )

@@ -28,7 +28,7 @@ source "$(dirname "${BASH_SOURCE[0]}")/lib/runc-bundle.sh"
 N=${N:-200}
 WARMUP=${WARMUP:-10}
 NESTBOX_RUN_FLAGS=${NESTBOX_RUN_FLAGS---rm}
-read -r -a benches <<<"${BENCHES:-nestbox runc bwrap}"
+read -r -a benches <<<"${BENCHES:-nestbox nestbox-none runc bwrap}"
 
 require_root
 command -v python3 >/dev/null || die "python3 missing (run bench/setup.sh)"
@@ -45,6 +45,7 @@ cleanup() {
             [[ -z $name ]] || "$NESTBOX" --root "$nb_root" rm -f "$name" >/dev/null 2>&1 || true
         done < <(nestbox_box_names "$nb_root" 2>/dev/null || true)
         "$NESTBOX" --root "$nb_root" gc >/dev/null 2>&1 || true
+        "$NESTBOX" --root "$nb_root" network rm >/dev/null 2>&1 || true
     fi
     if [[ -d $runc_root ]]; then
         while read -r id; do
@@ -64,6 +65,10 @@ for b in "${benches[@]}"; do
         require_nestbox "$nb_root"
         args+=(--bench nestbox "$NESTBOX --root $nb_root run $NESTBOX_RUN_FLAGS -- /bin/true")
         ;;
+    nestbox-none)
+        require_nestbox "$nb_root"
+        args+=(--bench nestbox-none "$NESTBOX --root $nb_root run --network none $NESTBOX_RUN_FLAGS -- /bin/true")
+        ;;
     runc)
         command -v runc >/dev/null || die "runc missing (run bench/setup.sh)"
         make_runc_bundle "$bundle"
@@ -82,7 +87,7 @@ for b in "${benches[@]}"; do
         bw+=(--proc /proc --dev /dev /bin/true)
         args+=(--bench bwrap "${bw[*]}")
         ;;
-    *) die "unknown benchmark '$b' in BENCHES (nestbox, runc, bwrap)" ;;
+    *) die "unknown benchmark '$b' in BENCHES (nestbox, nestbox-none, runc, bwrap)" ;;
     esac
 done
 ((${#args[@]})) || die "BENCHES is empty"
@@ -93,7 +98,7 @@ table=$(python3 "$BENCH_DIR/lib/timing.py" --runs "$N" --warmup "$WARMUP" \
     --out "$RESULTS_DIR" --tag start "${args[@]}")
 
 # Everything must have cleaned up after itself.
-if [[ " ${benches[*]} " == *" nestbox "* && " $NESTBOX_RUN_FLAGS " == *" --rm "* ]]; then
+if [[ " ${benches[*]} " == *" nestbox"* && " $NESTBOX_RUN_FLAGS " == *" --rm "* ]]; then
     left=$(nestbox_box_names "$nb_root" | wc -l)
     ((left == 0)) || die "nestbox run --rm left $left box(es) behind"
 fi

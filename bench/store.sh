@@ -146,7 +146,7 @@ nb rm dda ddb >/dev/null
 # /data: one shared image, and 10 images each with a private copy (other mtime,
 # so other inodes: what boxes would cost without the store's sharing).
 mapfile -t libs < <(cd "$SRC" && find . -xdev -type f -name '*.so*' -printf '%s %P\n' | sort -rn |
-    awk '{s+=$1; print $2; if (s > 50e6) exit}')
+    awk '$1 + s <= 50e6 {s += $1; print $2}')
 set_bytes=$( (cd "$SRC" && du -cb --apparent-size "${libs[@]}") | tail -1 | cut -f1)
 mkrootfs() { # DIR [MTIME]
     mkdir -p "$1/bin" "$1/data"
@@ -232,7 +232,7 @@ mb() { calc "round($1/1e6, 1)"; }
     for m in import cp tar cp_nosync; do
         label=$m
         case $m in import) label="nestbox image import (syncfs)" ;; cp) label="cp -a + sync" ;; tar) label="tar \\| tar + sync" ;; cp_nosync) label="cp -a (no sync)" ;; esac
-        echo "| $label | ${med[$m]} | ${mbps[$m]} | $(calc "round(${med[$m]}/${med[import]}, 2)")x |"
+        echo "| $label | $(calc "round(${med[$m]}, 3)") | ${mbps[$m]} | $(calc "round(${med[$m]}/${med[import]}, 2)")x |"
     done
     echo
     echo "| measure | target | measured |"
@@ -242,8 +242,8 @@ mb() { calc "round($1/1e6, 1)"; }
     echo "| \`run --rm -- true\`, 30 runs each | — | host image $(calc "round($start_host,2)") ms, store image $(calc "round($start_bb,2)") ms |"
     echo "| disk added per box, $BOXES running boxes of one image, before writing | ≤ 100 KiB | $per_box KiB ($layer_only KiB of it in the layer/log directory) |"
     echo "| dedup: bytes read of files found unique | ≤ 10 % | $uniq_r of $uniq_b bytes ($uniq_pct %) |"
-    echo "| dedup rate on cached data (dry run, candidate bytes / time) | ≥ 500 MB/s | $dd_rate MB/s ($(mb "$cand") MB in $dd_med s) |"
-    echo "| dedup rate, real run (merging $merged files, $(mb "$merged_b") MB) | — | $real_rate MB/s ($real_s s) |"
+    echo "| dedup rate on cached data (dry run, candidate bytes / time) | ≥ 500 MB/s | $dd_rate MB/s ($(mb "$cand") MB in $(calc "round($dd_med, 3)") s) |"
+    echo "| dedup rate, real run (merging $merged files, $(mb "$merged_b") MB) | — | $real_rate MB/s ($(calc "round($real_s, 3)") s) |"
     echo "| page cache of 10 boxes reading the same $(mb "$set_bytes") MB (sum of cgroup file memory) | ≈ $(mb "$set_bytes") MB | $(mb "$shared_total") MB (private copies: $(mb "$private_total") MB) |"
     echo
     echo "Dedup levels (dry run): \`$levels\`"

@@ -1,7 +1,7 @@
 //! Namespaces: creating a child in new ones, and joining those of a running box.
 
 use std::fs::File;
-use std::os::fd::AsFd;
+use std::os::fd::{AsFd, FromRawFd, OwnedFd};
 
 use nix::errno::Errno;
 use nix::sched::{setns, CloneFlags};
@@ -45,6 +45,41 @@ pub fn fork_into(flags: CloneFlags) -> Result<Forked> {
         )),
         0 => Ok(Forked::Child),
         pid => Ok(Forked::Parent(Pid::from_raw(pid as i32))),
+    }
+}
+
+/// [`fork_into`], also returning (in the parent) a pidfd of the child
+/// (`CLONE_PIDFD`): the way to name the child when it was created in a pid
+/// namespace other than the one the caller's `/proc` shows.
+pub fn fork_into_with_pidfd(flags: CloneFlags) -> Result<(Forked, Option<OwnedFd>)> {
+    let raw = flags.bits() as libc::c_ulong
+        | libc::CLONE_PIDFD as libc::c_ulong
+        | libc::SIGCHLD as libc::c_ulong;
+    let mut pidfd: libc::c_int = -1;
+    // SAFETY: as in fork_into (no new stack, no CLONE_VM: fork semantics, single-
+    // threaded caller); with CLONE_PIDFD the kernel stores the child's pidfd in
+    // `pidfd`, a live local passed as the parent-tid pointer.
+    let ret = unsafe {
+        libc::syscall(
+            libc::SYS_clone,
+            raw,
+            0usize,
+            &mut pidfd as *mut libc::c_int,
+            0usize,
+            0usize,
+        )
+    };
+    match ret {
+        -1 => Err(IsolationError::call(
+            format!("clone({flags:?} | CLONE_PIDFD)"),
+            Errno::last(),
+        )),
+        0 => Ok((Forked::Child, None)),
+        pid => {
+            // SAFETY: the kernel just created this descriptor for the caller.
+            let fd = (pidfd >= 0).then(|| unsafe { OwnedFd::from_raw_fd(pidfd) });
+            Ok((Forked::Parent(Pid::from_raw(pid as i32)), fd))
+        }
     }
 }
 

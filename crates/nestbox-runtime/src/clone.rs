@@ -61,25 +61,27 @@ pub struct Cloned {
 /// Make the clones of template `template`.
 pub fn clone_template(reg: &Registry, template: &str, req: &CloneRequest) -> Result<Vec<Cloned>> {
     let t = crate::template::load_frozen(reg, template)?;
+    if req.count == 0 {
+        return Err(RuntimeError::Invalid(
+            "the clone count must be at least 1".into(),
+        ));
+    }
+    check_capacity(req.count, req.limits.as_ref().unwrap_or(&t.spec.limits))?;
     let names = clone_names(reg, req)?;
-    check_capacity(names.len(), req.limits.as_ref().unwrap_or(&t.spec.limits))?;
     let mut shells = Vec::new();
     let result = start_shells(reg, &t, &names, req, &mut shells)
         .and_then(|()| fork_into_shells(reg, &t, &shells, req));
     if result.is_err() {
         for name in &shells {
-            let _ = crate::ops::remove(reg, name, true);
+            if reg.load(name).is_ok() {
+                let _ = crate::ops::remove(reg, name, true);
+            }
         }
     }
     result
 }
 
 fn clone_names(reg: &Registry, req: &CloneRequest) -> Result<Vec<String>> {
-    if req.count == 0 {
-        return Err(RuntimeError::Invalid(
-            "the clone count must be at least 1".into(),
-        ));
-    }
     if !req.names.is_empty() {
         if req.names.len() != req.count {
             return Err(RuntimeError::Invalid(format!(
@@ -186,8 +188,9 @@ fn start_shells(
 ) -> Result<()> {
     for name in names {
         let spec = clone_spec(t, name, req);
-        crate::ops::run_detached(reg, &spec)?;
+        // Recorded first, so a shell whose start fails midway is removed too.
         made.push(name.clone());
+        crate::ops::run_detached(reg, &spec)?;
     }
     Ok(())
 }

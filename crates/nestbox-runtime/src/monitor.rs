@@ -182,11 +182,11 @@ fn start_inner(
     if idmap.is_some() {
         flags |= CloneFlags::CLONE_NEWUSER;
     }
-    let forked = match &template {
+    let (forked, maps_written) = match &template {
         // A clone's pid namespace must be nested in its template's: that is the
         // only place a process forked from the template can be moved into.
-        Some(t) => fork_nested_in(t, flags)?,
-        None => fork_into(flags)?,
+        Some(t) => fork_nested_in(t, flags, idmap)?,
+        None => (fork_into(flags)?, false),
     };
     let child = match forked {
         Forked::Child => {
@@ -208,7 +208,7 @@ fn start_inner(
         let _ = waitpid(child, None);
         e
     };
-    if let Some(map) = idmap {
+    if let (Some(map), false) = (idmap, maps_written) {
         map.apply(child).map_err(|e| abandon(e.into()))?;
     }
     let network = match &net {
@@ -245,14 +245,41 @@ fn start_inner(
 
 /// Fork the box's first process into new namespaces (`flags`) with its pid
 /// namespace nested in template `t`'s. The kernel creates a new pid namespace only
-/// under the creator's own, so a helper is forked into the template's namespace
-/// first; it creates the box process as the monitor's child (`CLONE_PARENT`) and
-/// leaves. The new child is then the monitor's only child.
-fn fork_nested_in(t: &BoxRecord, flags: CloneFlags) -> Result<Forked> {
+/// under the creator's own, so a helper is forked into the template's pid
+/// namespace first; it creates the box process as the monitor's child
+/// (`CLONE_PARENT`) and leaves. The new child is then the monitor's only child.
+///
+/// When the template itself runs in a user namespace (a clone: clones of clones),
+/// the helper joins it first, as its root, so the clone's user namespace is a
+/// child of the template's owned by the template's root, and writes the new
+/// namespace's id maps itself (only a process in the parent namespace may); the
+/// second value says so.
+fn fork_nested_in(
+    t: &BoxRecord,
+    flags: CloneFlags,
+    idmap: Option<IdMap>,
+) -> Result<(Forked, bool)> {
+    let own = std::fs::File::open("/proc/self/ns/pid")
+        .map_err(RuntimeError::io("open", "/proc/self/ns/pid"))?;
+    let template_userns = match (t.state.idmap, t.state.init) {
+        (Some(_), Some(init)) => {
+            let path = format!("/proc/{}/ns/user", init.pid);
+            Some(std::fs::File::open(&path).map_err(RuntimeError::io("open", &path))?)
+        }
+        _ => None,
+    };
     crate::template::enter_pid_namespace_of(t)?;
-    match fork_into(CloneFlags::empty())? {
-        Forked::Child => match fork_into(flags | CloneFlags::CLONE_PARENT) {
-            Ok(Forked::Child) => Ok(Forked::Child),
+    let forked = fork_into(CloneFlags::empty());
+    if let Ok(Forked::Parent(_)) | Err(_) = &forked {
+        // Children (threads too) of the monitor are born in its own pid namespace
+        // again: a thread cannot be created while the two differ.
+        nix::sched::setns(std::os::fd::AsFd::as_fd(&own), CloneFlags::CLONE_NEWPID)
+            .map_err(RuntimeError::sys("setns(own pid namespace)"))?;
+    }
+    let maps_written = template_userns.is_some();
+    match forked? {
+        Forked::Child => match nested_helper(template_userns, flags, idmap) {
+            Ok(Forked::Child) => Ok((Forked::Child, maps_written)),
             // SAFETY: _exit in a forked helper skips the monitor's exit handlers.
             Ok(Forked::Parent(_)) => unsafe { libc::_exit(0) },
             // SAFETY: as above.
@@ -276,9 +303,37 @@ fn fork_nested_in(t: &BoxRecord, flags: CloneFlags) -> Result<Forked> {
                 .ok_or_else(|| {
                     RuntimeError::Invalid("the clone's first process vanished".into())
                 })?;
-            Ok(Forked::Parent(Pid::from_raw(pid)))
+            Ok((Forked::Parent(Pid::from_raw(pid)), maps_written))
         }
     }
+}
+
+/// The helper of [`fork_nested_in`], already in the template's pid namespace.
+fn nested_helper(
+    template_userns: Option<std::fs::File>,
+    flags: CloneFlags,
+    idmap: Option<IdMap>,
+) -> Result<Forked> {
+    let Some(userns) = template_userns else {
+        return Ok(fork_into(flags | CloneFlags::CLONE_PARENT)?);
+    };
+    nix::sched::setns(std::os::fd::AsFd::as_fd(&userns), CloneFlags::CLONE_NEWUSER)
+        .map_err(RuntimeError::sys("setns(template user namespace)"))?;
+    let root_gid = nix::unistd::Gid::from_raw(0);
+    let root_uid = nix::unistd::Uid::from_raw(0);
+    nix::unistd::setresgid(root_gid, root_gid, root_gid)
+        .map_err(RuntimeError::sys("setresgid(0)"))?;
+    nix::unistd::setresuid(root_uid, root_uid, root_uid)
+        .map_err(RuntimeError::sys("setresuid(0)"))?;
+    let (forked, pidfd) =
+        nestbox_isolation::namespaces::fork_into_with_pidfd(flags | CloneFlags::CLONE_PARENT)?;
+    if let (Forked::Parent(_), Some(pidfd), Some(map)) = (&forked, pidfd, idmap) {
+        // The pid clone returned is the one in the template's namespace; /proc
+        // here is the host's, so take the host pid from the pidfd.
+        let host_pid = crate::process::pid_of_pidfd(&pidfd)?;
+        map.apply(Pid::from_raw(host_pid))?;
+    }
+    Ok(forked)
 }
 
 /// Create the box cgroup. Without root, a box with no limits may run without one.

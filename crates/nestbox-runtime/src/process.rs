@@ -74,3 +74,13 @@ pub fn pidfd_getfd(pidfd: &OwnedFd, target: i32, pid: i32) -> crate::Result<Owne
     // SAFETY: the kernel just returned this descriptor; nothing else owns it.
     Ok(unsafe { OwnedFd::from_raw_fd(fd as i32) })
 }
+
+/// The pid (as this process's /proc sees it) of the process behind `pidfd`.
+pub fn pid_of_pidfd(pidfd: &OwnedFd) -> crate::Result<i32> {
+    let path = format!("/proc/self/fdinfo/{}", pidfd.as_raw_fd());
+    let text = std::fs::read_to_string(&path).map_err(crate::RuntimeError::io("read", &path))?;
+    text.lines()
+        .find_map(|l| l.strip_prefix("Pid:"))
+        .and_then(|v| v.trim().parse().ok())
+        .ok_or_else(|| crate::RuntimeError::Invalid(format!("no pid in {path}")))
+}

@@ -78,7 +78,11 @@ pub fn freeze(reg: &Registry, name: &str, as_name: Option<&str>) -> Result<Templ
         ))
     })?;
     let process = template_process(&record)?;
-    check_cloneable(name, process)?;
+    check_cloneable(
+        name,
+        process,
+        record.state.idmap.map(|m| m.uid.outside).unwrap_or(0),
+    )?;
     let started = Instant::now();
     cgroup.set_frozen(true, FREEZER_TIMEOUT)?;
     let freeze_ms = started.elapsed().as_secs_f64() * 1e3;
@@ -128,7 +132,8 @@ fn template_process(record: &BoxRecord) -> Result<Pid> {
 }
 
 /// Refuse processes nestbox cannot fork remotely, naming the reason.
-fn check_cloneable(name: &str, pid: Pid) -> Result<()> {
+/// `root_uid` is the host uid of the box's root.
+fn check_cloneable(name: &str, pid: Pid, root_uid: u32) -> Result<()> {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status"))
         .map_err(RuntimeError::io("read", format!("/proc/{pid}/status")))?;
     let field = |key: &str| {
@@ -156,7 +161,7 @@ fn check_cloneable(name: &str, pid: Pid) -> Result<()> {
         .nth(1)
         .unwrap_or("0")
         .to_string();
-    if euid != "0" {
+    if euid != root_uid.to_string() {
         return Err(RuntimeError::Invalid(format!(
             "box {name:?}: process {pid} ({comm}) runs as uid {euid}; cloning supports processes running as root in the box"
         )));
@@ -216,19 +221,24 @@ pub fn load_template(reg: &Registry, box_name: &str) -> Result<BoxRecord> {
 pub fn shell_identity(
     t: &BoxRecord,
 ) -> Result<(Option<IdMap>, Option<(u32, u32)>, Option<[u64; 2]>)> {
-    if t.state.idmap.is_some() {
-        return Err(RuntimeError::Invalid(format!(
-            "template {:?} runs in a user namespace (a clone, --userns, or started without root): cloning it is not supported yet",
-            t.name()
-        )));
-    }
-    let all = IdRange {
-        inside: 0,
-        outside: 0,
-        count: u32::MAX,
+    let identity = |r: Option<IdRange>| match r {
+        Some(r) => IdRange {
+            inside: r.inside,
+            outside: r.inside,
+            count: r.count,
+        },
+        None => IdRange {
+            inside: 0,
+            outside: 0,
+            count: u32::MAX,
+        },
     };
-    let map = IdMap { uid: all, gid: all };
-    Ok((Some(map), None, t.state.setns_cookie))
+    let map = IdMap {
+        uid: identity(t.state.idmap.map(|m| m.uid)),
+        gid: identity(t.state.idmap.map(|m| m.gid)),
+    };
+    let owner = t.state.idmap.map(|m| m.host_root());
+    Ok((Some(map), owner, t.state.setns_cookie))
 }
 
 /// Make the calling (single-threaded) process create its next children in the pid

@@ -75,6 +75,19 @@ fn frozen_server(root: &TestRoot, name: &str, warm: u64) {
     root.ok(&["freeze", name]);
 }
 
+/// Names of all boxes, sorted.
+fn box_names(root: &TestRoot) -> Vec<String> {
+    let all: serde_json::Value = serde_json::from_str(&root.ok(&["ps", "-a", "--json"])).unwrap();
+    let mut names: Vec<String> = all
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|b| b["name"].as_str().unwrap().to_string())
+        .collect();
+    names.sort();
+    names
+}
+
 fn template_pid(root: &TestRoot, name: &str) -> i32 {
     let list: serde_json::Value =
         serde_json::from_str(&root.ok(&["template", "ls", "--json"])).unwrap();
@@ -213,7 +226,7 @@ fn clones_outlive_their_template() {
     root.ok(&["rm", "-f", "c-1", "c-2"]);
     // With its last clone gone, the template's box goes too.
     wait_for("the template box to go", Duration::from_secs(10), || {
-        !root.ok(&["ps", "-a"]).contains("tpl")
+        box_names(&root).is_empty()
     });
 }
 
@@ -265,7 +278,7 @@ fn freeze_refuses_what_cannot_be_cloned() {
     std::thread::sleep(Duration::from_millis(500));
     assert_error(&root.run(&["freeze", "threads"]), 125, "has 2 threads");
     // Nothing was frozen.
-    assert!(root.ok(&["template", "ls"]).lines().count() == 1);
+    assert_eq!(root.ok(&["template", "ls", "--json"]).trim(), "[]");
     assert_error(&root.run(&["clone", "two"]), 125, "is not a template");
     assert_error(
         &root.run(&["clone", "nothing"]),
@@ -294,8 +307,7 @@ fn clone_refuses_bad_counts_and_leaves_nothing() {
         "already exists",
     );
     // Only the template and the one good clone exist.
-    let all = root.ok(&["ps", "-a"]);
-    assert_eq!(all.lines().count(), 3, "{all}");
+    assert_eq!(box_names(&root), ["taken", "tpl"]);
     // The template was left frozen and still clones.
     assert_eq!(get(&root, "taken", "/").0, 2);
     root.ok(&["clone", "tpl", "-d", "--name", "again"]);
@@ -321,6 +333,33 @@ fn serial_hundred_clones_then_rm_leaves_nothing() {
     args.extend(names.iter().map(String::as_str));
     args.push("tpl");
     root.run_timeout(&args, Duration::from_secs(240)).ok();
-    assert_eq!(root.ok(&["ps", "-a"]).lines().count(), 1);
+    assert!(box_names(&root).is_empty());
     // TestRoot's drop asserts that no process, cgroup or directory of these boxes is left.
+}
+
+#[test]
+fn clones_of_clones() {
+    let Some(root) = TestRoot::new("clones_of_clones") else {
+        return;
+    };
+    frozen_server(&root, "tpl", 2);
+    root.ok(&["clone", "tpl", "-d", "--name", "first"]);
+    assert_eq!(get(&root, "first", "/").0, 3);
+    // The clone, warmed further, becomes a template of its own.
+    root.ok(&["freeze", "first", "--as", "second-tpl"]);
+    root.ok(&[
+        "clone",
+        "second-tpl",
+        "-d",
+        "--name",
+        "grandchild",
+        "-n",
+        "2",
+    ]);
+    assert_eq!(get(&root, "grandchild-1", "/").0, 4);
+    assert_eq!(get(&root, "grandchild-2", "/").0, 4);
+    assert_eq!(get(&root, "grandchild-1", "/").0, 5);
+    let (_, host, _) = get(&root, "grandchild-2", "/");
+    assert_eq!(host, "grandchild-2");
+    root.ok(&["rm", "-f", "grandchild-1", "grandchild-2", "first", "tpl"]);
 }

@@ -645,17 +645,22 @@ fn dev_nodes_work() {
 }
 
 #[test]
-fn network_namespace_has_only_loopback() {
-    let Some(root) = TestRoot::new("network_namespace_has_only_loopback") else {
+fn network_namespace_has_only_loopback_and_its_own_veth() {
+    let Some(root) = TestRoot::new("network_namespace_has_only_loopback_and_its_own_veth") else {
         return;
     };
-    let out = root
-        .sh(&[], "tail -n +3 /proc/net/dev | cut -d: -f1 | tr -d ' '")
-        .ok();
+    let links = "tail -n +3 /proc/net/dev | cut -d: -f1 | tr -d ' ' | sort | tr '\\n' ' '";
+    let out = root.sh(&["--network", "none"], links).ok();
     assert_eq!(
         out.stdout.trim(),
         "lo",
-        "the box must have no network interface but loopback\n{out}"
+        "with --network none the box has no interface but loopback\n{out}"
+    );
+    let out = root.sh(&[], links).ok();
+    assert_eq!(
+        out.stdout.trim(),
+        "eth0 lo",
+        "a bridged box sees only loopback and its own end of its veth\n{out}"
     );
 }
 

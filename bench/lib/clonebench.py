@@ -1,0 +1,149 @@
+#!/usr/bin/env python3
+"""Freeze/clone benchmark driver (see bench/clone.sh).
+
+Measures, side by side in one run, against a cold start of the same server:
+  * clone-to-ready: from starting `nestbox clone TEMPLATE -d` to the clone's first
+    HTTP answer on its own bridge address (what a user waits for), plus the
+    fork alone (the time nestbox records for the remote fork in the clone's state);
+  * cold start: from starting `nestbox run -d` of the same server to its first answer;
+  * freeze time of the template;
+  * memory: private memory of idle clones (smaps_rollup), and the drop of
+    MemAvailable for K idle clones beyond the template.
+Cold starts and clones are interleaved so both see the same machine noise.
+
+Usage: clonebench.py NESTBOX ROOT SERVER_PY N K OUT_JSON
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+
+
+def sh(nestbox: str, root: str, *args: str, timeout: float = 120) -> str:
+    out = subprocess.run([nestbox, "--root", root, *args], capture_output=True, text=True, timeout=timeout)
+    if out.returncode != 0:
+        raise SystemExit(f"nestbox {' '.join(args)} failed: {out.stderr.strip()}")
+    return out.stdout
+
+
+def address(nestbox: str, root: str, name: str) -> str:
+    state = json.loads(sh(nestbox, root, "inspect", name))["state"]
+    return state["network"]["address"]
+
+
+def wait_answer(addr: str, limit: float = 30.0) -> None:
+    end = time.monotonic() + limit
+    while True:
+        try:
+            urllib.request.urlopen(f"http://{addr}:8080/", timeout=2).read()
+            return
+        except OSError:
+            if time.monotonic() > end:
+                raise SystemExit(f"no answer from {addr}:8080 within {limit}s")
+            time.sleep(0.0005)
+
+
+def pct(values: list[float], p: float) -> float:
+    v = sorted(values)
+    k = (len(v) - 1) * p / 100
+    lo, hi = int(k), min(int(k) + 1, len(v) - 1)
+    return v[lo] + (v[hi] - v[lo]) * (k - lo)
+
+
+def summary(values: list[float]) -> dict:
+    return {
+        "n": len(values),
+        "median_ms": statistics.median(values),
+        "p90_ms": pct(values, 90),
+        "p99_ms": pct(values, 99),
+        "min_ms": min(values),
+    }
+
+
+def meminfo_available() -> int:
+    for line in open("/proc/meminfo"):
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def private_bytes(pid: int) -> int:
+    total = 0
+    for line in open(f"/proc/{pid}/smaps_rollup"):
+        if line.startswith(("Private_Clean:", "Private_Dirty:")):
+            total += int(line.split()[1]) * 1024
+    return total
+
+
+def main() -> None:
+    nestbox, root, server, n, k, out = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]), sys.argv[6]
+    vol = f"{server}:/srv.py:ro"
+    # The template: started, warmed with a request, frozen.
+    t0 = time.perf_counter()
+    sh(nestbox, root, "run", "-d", "--name", "tpl", "-v", vol, "--", "python3", "/srv.py")
+    taddr = address(nestbox, root, "tpl")
+    wait_answer(taddr)
+    template_cold_ms = (time.perf_counter() - t0) * 1e3
+    sh(nestbox, root, "freeze", "tpl")
+    tstate = json.loads(sh(nestbox, root, "inspect", "tpl"))["state"]
+    freeze_ms = tstate["template"]["freeze_ms"]
+    tpid = tstate["template"]["process"]["pid"]
+    template_rss = sum(int(l.split()[1]) for l in open(f"/proc/{tpid}/smaps_rollup") if l.startswith("Rss:")) * 1024
+
+    clone_ms, fork_ms, cold_ms = [], [], []
+    for i in range(n):
+        # Clone to ready.
+        name = f"c{i}"
+        t = time.perf_counter()
+        sh(nestbox, root, "clone", "tpl", "-d", "--name", name)
+        wait_answer(address(nestbox, root, name))
+        clone_ms.append((time.perf_counter() - t) * 1e3)
+        st = json.loads(sh(nestbox, root, "inspect", name))["state"]
+        fork_ms.append(st["clone"]["fork_ms"])
+        sh(nestbox, root, "rm", "-f", name)
+        # Cold start of the same server in a fresh box.
+        name = f"cold{i}"
+        t = time.perf_counter()
+        sh(nestbox, root, "run", "-d", "--name", name, "-v", vol, "--", "python3", "/srv.py")
+        wait_answer(address(nestbox, root, name))
+        cold_ms.append((time.perf_counter() - t) * 1e3)
+        sh(nestbox, root, "rm", "-f", name)
+
+    # K idle clones: private memory each, and what they take from the machine.
+    time.sleep(1)
+    before = meminfo_available()
+    names = sh(nestbox, root, "clone", "tpl", "-d", "-n", str(k), "--name", "idle", timeout=900).split()
+    time.sleep(2)
+    after = meminfo_available()
+    privates = []
+    for name in names:
+        st = json.loads(sh(nestbox, root, "inspect", name))["state"]
+        privates.append(private_bytes(st["clone"]["process"]["pid"]))
+    sh(nestbox, root, "rm", "-f", *names, timeout=900)
+    sh(nestbox, root, "rm", "-f", "tpl")
+
+    result = {
+        "template_rss_bytes": template_rss,
+        "template_first_answer_ms": template_cold_ms,
+        "freeze_ms": freeze_ms,
+        "clone_to_ready": summary(clone_ms),
+        "fork_only": summary(fork_ms),
+        "cold_start_to_ready": summary(cold_ms),
+        "speedup_median": statistics.median(cold_ms) / statistics.median(clone_ms),
+        "idle_clones": k,
+        "private_per_clone_median_kib": statistics.median(privates) / 1024,
+        "mem_available_drop_total_mib": (before - after) / 2**20,
+        "mem_available_drop_per_clone_kib": (before - after) / 1024 / max(k, 1),
+    }
+    with open(out, "w") as f:
+        json.dump(result, f, indent=2)
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()

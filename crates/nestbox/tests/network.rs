@@ -1,0 +1,240 @@
+//! Box networking seen from outside and from inside boxes: addresses on a bridge,
+//! box-to-box traffic by address and by name, host-to-box traffic, published
+//! ports, the none and host modes, clean removal (no veth, address or rule left),
+//! many boxes at once, and bad input. Bandwidth shares, reservations and caps are
+//! measured in crates/nestbox-net/tests/shaping.rs on the same code.
+
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+use serde_json::Value;
+
+fn inspect(root: &TestRoot, name: &str) -> Value {
+    serde_json::from_str(&root.ok(&["inspect", name])).unwrap()
+}
+
+fn address(root: &TestRoot, name: &str) -> String {
+    inspect(root, name)["state"]["network"]["address"]
+        .as_str()
+        .unwrap_or_else(|| panic!("box {name} has an address"))
+        .to_string()
+}
+
+fn host_veth(root: &TestRoot, name: &str) -> String {
+    inspect(root, name)["state"]["network"]["host_veth"]
+        .as_str()
+        .unwrap()
+        .to_string()
+}
+
+/// A TCP echo-ish server answering "hello from NAME" on PORT, in box NAME.
+fn server(root: &TestRoot, name: &str, opts: &[&str], port: u16) {
+    let code = format!(
+        "import socket\ns = socket.socket()\ns.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)\n\
+         s.bind(('0.0.0.0', {port}))\ns.listen(16)\nprint('ready', flush=True)\n\
+         while True:\n    c, _ = s.accept()\n    c.sendall(b'hello from {name}')\n    c.close()\n"
+    );
+    let mut args = vec!["run", "-d", "--name", name];
+    args.extend_from_slice(opts);
+    args.extend_from_slice(&["--", "python3", "-c", &code]);
+    root.run(&args).ok();
+    wait_for("the server to listen", Duration::from_secs(20), || {
+        root.ok(&["logs", name]).contains("ready")
+    });
+}
+
+const CLIENT: &str = "import socket, sys\n\
+     s = socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=5)\n\
+     print(s.recv(100).decode())";
+
+fn host_connect(addr: &str, port: u16) -> String {
+    let out = std::process::Command::new("python3")
+        .args(["-c", CLIENT, addr, &port.to_string()])
+        .output()
+        .unwrap();
+    String::from_utf8_lossy(&out.stdout).trim().to_string()
+}
+
+#[test]
+fn bridged_boxes_reach_each_other_by_address_and_name() {
+    let Some(root) = TestRoot::new("bridged_boxes_reach_each_other_by_address_and_name") else {
+        return;
+    };
+    server(&root, "alpha", &[], 7000);
+    let addr = address(&root, "alpha");
+    // Inside: eth0 with the address, a default route via the bridge.
+    let out = root
+        .sh(&["--name", "probe"], "cat /proc/net/route; cat /etc/hosts")
+        .ok()
+        .stdout;
+    assert!(
+        out.contains("eth0\t00000000"),
+        "default route via eth0:\n{out}"
+    );
+    assert!(out.contains("alpha"), "alpha in the hosts file:\n{out}");
+    // By address and by name, from another box.
+    for target in [addr.as_str(), "alpha"] {
+        let out = root
+            .run(&["run", "--rm", "--", "python3", "-c", CLIENT, target, "7000"])
+            .ok();
+        assert_eq!(out.stdout.trim(), "hello from alpha", "via {target}");
+    }
+    // From the host.
+    assert_eq!(host_connect(&addr, 7000), "hello from alpha");
+    // Each box has its own address.
+    server(&root, "beta", &[], 7000);
+    assert_ne!(address(&root, "beta"), addr);
+    root.ok(&["rm", "-f", "alpha", "beta", "probe"]);
+}
+
+#[test]
+fn published_port_reaches_the_box() {
+    let Some(root) = TestRoot::new("published_port_reaches_the_box") else {
+        return;
+    };
+    let port = 20000 + (std::process::id() % 20000) as u16;
+    let publish = format!("{port}:7001");
+    server(&root, "pub", &["-p", &publish], 7001);
+    assert_eq!(host_connect("127.0.0.1", port), "hello from pub");
+    // The port is taken now: a second box asking for it is refused, nothing left.
+    let out = root.run(&[
+        "run", "-d", "--name", "dup", "-p", &publish, "--", "sleep", "60",
+    ]);
+    assert_error(&out, 125, &port.to_string());
+    assert!(!root.ok(&["ps", "-a"]).contains("dup"));
+    root.ok(&["rm", "-f", "pub"]);
+    // Gone with the box.
+    assert_ne!(host_connect("127.0.0.1", port), "hello from pub");
+}
+
+#[test]
+fn rm_leaves_no_veth_address_or_rule() {
+    let Some(root) = TestRoot::new("rm_leaves_no_veth_address_or_rule") else {
+        return;
+    };
+    let port = 40000 + (std::process::id() % 20000) as u16;
+    let publish = format!("{port}:80");
+    root.run(&[
+        "run",
+        "-d",
+        "--name",
+        "gone",
+        "-p",
+        &publish,
+        "--net-rate",
+        "10mbit",
+        "--",
+        "sleep",
+        "300",
+    ])
+    .ok();
+    let veth = host_veth(&root, "gone");
+    let addr = address(&root, "gone");
+    assert!(std::path::Path::new("/sys/class/net").join(&veth).exists());
+    root.ok(&["rm", "-f", "gone"]);
+    assert!(
+        !std::path::Path::new("/sys/class/net").join(&veth).exists(),
+        "veth {veth} removed"
+    );
+    let net: Value = serde_json::from_str(&root.ok(&["network", "inspect", "default"])).unwrap();
+    assert_eq!(
+        net["boxes"].as_array().unwrap().len(),
+        0,
+        "no lease left: {net}"
+    );
+    let bridge = net["bridge"].as_str().unwrap().to_string();
+    let rules = std::process::Command::new("nft")
+        .args(["list", "table", "ip", &format!("nestbox-{bridge}")])
+        .output()
+        .unwrap();
+    let rules = String::from_utf8_lossy(&rules.stdout);
+    assert!(
+        !rules.contains(&addr) && !rules.contains(&port.to_string()),
+        "{rules}"
+    );
+    let classes = std::process::Command::new("tc")
+        .args(["class", "show", "dev", &format!("{bridge}ifb")])
+        .output()
+        .unwrap();
+    let classes = String::from_utf8_lossy(&classes.stdout).to_string();
+    assert!(
+        classes.lines().count() <= 2,
+        "only the root classes remain:\n{classes}"
+    );
+}
+
+#[test]
+fn none_and_host_modes() {
+    let Some(root) = TestRoot::new("none_and_host_modes") else {
+        return;
+    };
+    let out = root
+        .sh(&["--network", "none"], "ls /sys/class/net")
+        .ok()
+        .stdout;
+    assert_eq!(out.split_whitespace().collect::<Vec<_>>(), ["lo"]);
+    let host: Vec<String> = std::fs::read_dir("/sys/class/net")
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().to_string())
+        .collect();
+    let out = root
+        .sh(&["--network", "host"], "ls /sys/class/net")
+        .ok()
+        .stdout;
+    for link in out.split_whitespace() {
+        assert!(host.iter().any(|h| h == link), "{link} is a host link");
+    }
+    assert_error(
+        &root.run(&["run", "--network", "nope", "--", "true"]),
+        125,
+        "unknown --network",
+    );
+    assert_error(
+        &root.run(&["run", "--network", "none", "-p", "8080:80", "--", "true"]),
+        125,
+        "need --network bridge",
+    );
+    assert_error(
+        &root.run(&["run", "--net-rate", "fast", "--", "true"]),
+        125,
+        "--net-rate",
+    );
+    assert_error(
+        &root.run(&["run", "-p", "99999:80", "--", "true"]),
+        125,
+        "99999",
+    );
+}
+
+#[test]
+fn serial_fifty_boxes_up_at_once() {
+    let Some(root) = TestRoot::new("serial_fifty_boxes_up_at_once") else {
+        return;
+    };
+    let names: Vec<String> = (0..50).map(|i| format!("n{i}")).collect();
+    for n in &names {
+        root.run(&["run", "-d", "--name", n, "--", "sleep", "300"])
+            .ok();
+    }
+    let mut addrs: Vec<String> = names.iter().map(|n| address(&root, n)).collect();
+    addrs.sort();
+    addrs.dedup();
+    assert_eq!(addrs.len(), 50, "50 distinct addresses");
+    // The last box reaches the first by name.
+    let out = root
+        .run(&[
+            "exec",
+            "n49",
+            "--",
+            "python3",
+            "-c",
+            "import socket; print(socket.gethostbyname('n0'))",
+        ])
+        .ok();
+    assert_eq!(out.stdout.trim(), address(&root, "n0"));
+    let mut args = vec!["rm", "-f"];
+    args.extend(names.iter().map(String::as_str));
+    root.run_timeout(&args, Duration::from_secs(120)).ok();
+}
