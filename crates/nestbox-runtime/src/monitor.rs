@@ -153,10 +153,17 @@ fn start_inner(
         template.as_ref(),
         net_volumes,
     )?;
-    plan.cgroup_join = cgroup
+    let join_files = cgroup
         .as_ref()
         .map(BoxCgroup::self_join_files)
         .unwrap_or_default();
+    // A clone of a template with a user namespace starts as that namespace's root,
+    // which may not write the host's cgroup files: the monitor moves it instead
+    // (into `tasks`, the cheap path, as it is single-threaded).
+    let monitor_joins = template.as_ref().is_some_and(|t| t.state.idmap.is_some());
+    if !monitor_joins {
+        plan.cgroup_join = join_files.clone();
+    }
 
     let (go_r, go_w) = pipe2(OFlag::O_CLOEXEC).map_err(RuntimeError::sys("pipe2"))?;
     let (rep_r, rep_w) = pipe2(OFlag::O_CLOEXEC).map_err(RuntimeError::sys("pipe2"))?;
@@ -210,6 +217,12 @@ fn start_inner(
     };
     if let (Some(map), false) = (idmap, maps_written) {
         map.apply(child).map_err(|e| abandon(e.into()))?;
+    }
+    if monitor_joins {
+        for file in &join_files {
+            std::fs::write(file, child.as_raw().to_string())
+                .map_err(|e| abandon(RuntimeError::io("write", file)(e)))?;
+        }
     }
     let network = match &net {
         Some(n) => Some(n.attach(child, spec).map_err(abandon)?),
@@ -325,6 +338,9 @@ fn nested_helper(
         .map_err(RuntimeError::sys("setresgid(0)"))?;
     nix::unistd::setresuid(root_uid, root_uid, root_uid)
         .map_err(RuntimeError::sys("setresuid(0)"))?;
+    // Changing uids made this process (and so its child) non-dumpable, which
+    // would leave the child's /proc files, uid_map included, to host root.
+    nix::sys::prctl::set_dumpable(true).map_err(RuntimeError::sys("prctl(PR_SET_DUMPABLE)"))?;
     let (forked, pidfd) =
         nestbox_isolation::namespaces::fork_into_with_pidfd(flags | CloneFlags::CLONE_PARENT)?;
     if let (Forked::Parent(_), Some(pidfd), Some(map)) = (&forked, pidfd, idmap) {

@@ -62,9 +62,15 @@ fn get(root: &TestRoot, name: &str, path: &str) -> (u64, String, u64) {
 /// Start the server as box `name`, wait until it listens, warm it with `warm`
 /// requests, and freeze it into a template of the same name.
 fn frozen_server(root: &TestRoot, name: &str, warm: u64) {
-    let out = root
-        .run(&["run", "-d", "--name", name, "--", "python3", "-c", SERVER])
-        .ok();
+    frozen_server_with(root, name, warm, &[]);
+}
+
+/// [`frozen_server`] with extra `run` options.
+fn frozen_server_with(root: &TestRoot, name: &str, warm: u64, opts: &[&str]) {
+    let mut args = vec!["run", "-d", "--name", name];
+    args.extend_from_slice(opts);
+    args.extend_from_slice(&["--", "python3", "-c", SERVER]);
+    let out = root.run(&args).ok();
     assert_eq!(out.stdout.trim(), name);
     wait_for("the server to listen", Duration::from_secs(20), || {
         root.ok(&["logs", name]).contains("ready")
@@ -362,4 +368,33 @@ fn clones_of_clones() {
     let (_, host, _) = get(&root, "grandchild-2", "/");
     assert_eq!(host, "grandchild-2");
     root.ok(&["rm", "-f", "grandchild-1", "grandchild-2", "first", "tpl"]);
+}
+
+#[test]
+fn clones_of_a_user_namespace_template() {
+    let Some(root) = TestRoot::new("clones_of_a_user_namespace_template") else {
+        return;
+    };
+    frozen_server_with(&root, "tpl", 1, &["--userns"]);
+    root.ok(&["clone", "tpl", "-d", "--name", "u"]);
+    assert_eq!(get(&root, "u", "/").0, 2);
+    // Box root is still an unprivileged host uid in the clone.
+    let map = root.ok(&["exec", "u", "--", "cat", "/proc/self/uid_map"]);
+    let fields: Vec<&str> = map.split_whitespace().collect();
+    assert_eq!(
+        fields,
+        ["0", "0", "65536"],
+        "identity over the template's ids"
+    );
+    let pid = serde_json::from_str::<serde_json::Value>(&root.ok(&["inspect", "u"])).unwrap()
+        ["state"]["clone"]["process"]["pid"]
+        .as_i64()
+        .unwrap();
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let uid = status_field(&status, "Uid").unwrap();
+    assert!(
+        uid.split_whitespace().all(|u| u == "1000000000"),
+        "host uids {uid}"
+    );
+    root.ok(&["rm", "-f", "u", "tpl"]);
 }
