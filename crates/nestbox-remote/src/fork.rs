@@ -64,6 +64,17 @@ pub enum NsKind {
 }
 
 impl NsKind {
+    /// The namespaces every clone shell has (all but time), in join order.
+    pub const SHELL: [NsKind; 7] = [
+        NsKind::User,
+        NsKind::Mount,
+        NsKind::Net,
+        NsKind::Uts,
+        NsKind::Ipc,
+        NsKind::Cgroup,
+        NsKind::Pid,
+    ];
+
     /// The `CLONE_NEW*` flag `setns` takes for it.
     pub fn clone_flag(self) -> i32 {
         match self {

@@ -308,17 +308,8 @@ fn fork_one(
 /// The shell's namespaces (the remote fork joins the user namespace first: that
 /// grants the capabilities to join the others; and the pid namespace last).
 fn shell_namespaces(init: i32) -> Result<Vec<(nestbox_remote::NsKind, File)>> {
-    use nestbox_remote::NsKind;
     let mut out = Vec::new();
-    for kind in [
-        NsKind::User,
-        NsKind::Mount,
-        NsKind::Net,
-        NsKind::Uts,
-        NsKind::Ipc,
-        NsKind::Cgroup,
-        NsKind::Pid,
-    ] {
+    for kind in nestbox_remote::NsKind::SHELL {
         let path = format!("/proc/{init}/ns/{}", kind.proc_name());
         let f = File::open(&path).map_err(RuntimeError::io("open", &path))?;
         out.push((kind, f));

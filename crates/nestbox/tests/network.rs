@@ -175,17 +175,27 @@ fn none_and_host_modes() {
         .ok()
         .stdout;
     assert_eq!(out.split_whitespace().collect::<Vec<_>>(), ["lo"]);
-    let host: Vec<String> = std::fs::read_dir("/sys/class/net")
-        .unwrap()
-        .map(|e| e.unwrap().file_name().to_string_lossy().to_string())
-        .collect();
-    let out = root
-        .sh(&["--network", "host"], "ls /sys/class/net")
-        .ok()
-        .stdout;
-    for link in out.split_whitespace() {
-        assert!(host.iter().any(|h| h == link), "{link} is a host link");
-    }
+    // Host mode shares the host's network namespace itself; none has its own.
+    let host_ns = std::fs::read_link("/proc/self/ns/net").unwrap();
+    let host_ns = host_ns.to_string_lossy();
+    let inside = root.run(&[
+        "run",
+        "--network",
+        "host",
+        "--",
+        "readlink",
+        "/proc/self/ns/net",
+    ]);
+    assert_eq!(inside.ok().stdout.trim(), host_ns);
+    let inside = root.run(&[
+        "run",
+        "--network",
+        "none",
+        "--",
+        "readlink",
+        "/proc/self/ns/net",
+    ]);
+    assert_ne!(inside.ok().stdout.trim(), host_ns);
     assert_error(
         &root.run(&["run", "--network", "nope", "--", "true"]),
         125,

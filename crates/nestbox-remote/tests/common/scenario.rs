@@ -23,15 +23,7 @@ use super::roles::{line_channel, ROLE, TCP_PORT, UDP_PORT};
 
 static COUNTER: AtomicU32 = AtomicU32::new(0);
 
-pub const NS_KINDS: [NsKind; 7] = [
-    NsKind::User,
-    NsKind::Mount,
-    NsKind::Net,
-    NsKind::Uts,
-    NsKind::Ipc,
-    NsKind::Cgroup,
-    NsKind::Pid,
-];
+pub const NS_KINDS: [NsKind; 7] = NsKind::SHELL;
 
 /// A running template and everything made for it.
 pub struct Scenario {
