@@ -29,6 +29,18 @@ const SYSTEM_RUN_DIR: &str = "/run/nestbox";
 /// leaves the host's forwarding switch alone.
 pub fn open(roots: &Roots) -> Result<Network> {
     let dir = state_dir(roots);
+    // Boxes starting at the same time must agree on one configuration: the first
+    // chooses (and saves) it under this lock, the others load it.
+    std::fs::create_dir_all(&roots.lib).map_err(crate::RuntimeError::io("mkdir", &roots.lib))?;
+    let lock_path = roots.lib.join("network.lock");
+    let lock = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&lock_path)
+        .map_err(crate::RuntimeError::io("open", &lock_path))?;
+    let _guard = nix::fcntl::Flock::lock(lock, nix::fcntl::FlockArg::LockExclusive)
+        .map_err(|(_, e)| crate::RuntimeError::sys(format!("flock {}", lock_path.display()))(e))?;
     let config = if roots.run == std::path::Path::new(SYSTEM_RUN_DIR) {
         NetworkConfig::default_in(&dir)?
     } else {
