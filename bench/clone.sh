@@ -3,12 +3,14 @@
 # one interleaved run: clone-to-ready (clone command to first HTTP answer on the
 # clone's own address), the fork alone, cold start to first answer, freeze time,
 # private memory of idle clones and MemAvailable drop for K idle clones.
-#   sudo N=20 K=200 bench/clone.sh        -> bench/results/clone.json
+#   sudo N=20 K=200 POOL=4 bench/clone.sh   -> bench/results/clone-pool4.json
+# POOL=0 measures clones forked on demand (no pool).
 set -euo pipefail
 source "$(dirname "$0")/lib/common.sh"
 require_root
 N=${N:-20}
 K=${K:-200}
+POOL=${POOL:-4}
 ROOT=$(make_tmpdir nestbox-bench-clone)
 cleanup() {
     "$NESTBOX" --root "$ROOT" ps -a --json 2>/dev/null |
@@ -39,5 +41,5 @@ class H(http.server.BaseHTTPRequestHandler):
 http.server.HTTPServer(("0.0.0.0", 8080), H).serve_forever()
 PY
 mkdir -p "$RESULTS_DIR"
-log "N=$N clone/cold pairs, K=$K idle clones, load $(cut -d' ' -f1 /proc/loadavg)"
-python3 "$BENCH_DIR/lib/clonebench.py" "$NESTBOX" "$ROOT" "$SERVER" "$N" "$K" "$RESULTS_DIR/clone.json"
+log "N=$N clone/cold pairs, K=$K idle clones, pool $POOL, load $(cut -d' ' -f1 /proc/loadavg)"
+python3 "$BENCH_DIR/lib/clonebench.py" "$NESTBOX" "$ROOT" "$SERVER" "$N" "$K" "$POOL" "$RESULTS_DIR/clone-pool$POOL.json"

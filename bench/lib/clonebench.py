@@ -11,7 +11,10 @@ Measures, side by side in one run, against a cold start of the same server:
     MemAvailable for K idle clones beyond the template.
 Cold starts and clones are interleaved so both see the same machine noise.
 
-Usage: clonebench.py NESTBOX ROOT SERVER_PY N K OUT_JSON
+With POOL > 0 the template is frozen with `--pool POOL`: clones are claimed from
+the pool (forked ahead of time) and the pool refills in the background.
+
+Usage: clonebench.py NESTBOX ROOT SERVER_PY N K POOL OUT_JSON
 """
 
 from __future__ import annotations
@@ -48,6 +51,15 @@ def wait_answer(addr: str, limit: float = 30.0) -> None:
             time.sleep(0.0005)
 
 
+def wait_pool(nestbox: str, root: str, pool: int) -> None:
+    """Wait (bounded) until the template's pool is full again."""
+    end = time.monotonic() + 30
+    while pool and time.monotonic() < end:
+        if json.loads(sh(nestbox, root, "template", "ls", "--json"))[0]["pooled"] >= pool:
+            return
+        time.sleep(0.01)
+
+
 def pct(values: list[float], p: float) -> float:
     v = sorted(values)
     k = (len(v) - 1) * p / 100
@@ -81,7 +93,8 @@ def private_bytes(pid: int) -> int:
 
 
 def main() -> None:
-    nestbox, root, server, n, k, out = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]), sys.argv[6]
+    nestbox, root, server = sys.argv[1], sys.argv[2], sys.argv[3]
+    n, k, pool, out = int(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6]), sys.argv[7]
     vol = f"{server}:/srv.py:ro"
     # The template: started, warmed with a request, frozen.
     t0 = time.perf_counter()
@@ -89,7 +102,7 @@ def main() -> None:
     taddr = address(nestbox, root, "tpl")
     wait_answer(taddr)
     template_cold_ms = (time.perf_counter() - t0) * 1e3
-    sh(nestbox, root, "freeze", "tpl")
+    sh(nestbox, root, "freeze", "tpl", "--pool", str(pool))
     tstate = json.loads(sh(nestbox, root, "inspect", "tpl"))["state"]
     freeze_ms = tstate["template"]["freeze_ms"]
     tpid = tstate["template"]["process"]["pid"]
@@ -106,6 +119,7 @@ def main() -> None:
         st = json.loads(sh(nestbox, root, "inspect", name))["state"]
         fork_ms.append(st["clone"]["fork_ms"])
         sh(nestbox, root, "rm", "-f", name)
+        wait_pool(nestbox, root, pool)
         # Cold start of the same server in a fresh box.
         name = f"cold{i}"
         t = time.perf_counter()
@@ -128,6 +142,7 @@ def main() -> None:
     sh(nestbox, root, "rm", "-f", "tpl")
 
     result = {
+        "pool": pool,
         "template_rss_bytes": template_rss,
         "template_first_answer_ms": template_cold_ms,
         "freeze_ms": freeze_ms,

@@ -304,6 +304,21 @@ impl Network {
         Ok(lease)
     }
 
+    /// Give box `box_id` new names in the hosts file (a pooled clone claimed
+    /// under its own name); its address and attachment are unchanged.
+    pub fn rename(&self, box_id: &str, names: &[&str]) -> Result<()> {
+        if let Some(bad) = names.iter().find(|n| !hosts::valid_name(n)) {
+            return Err(NetError::Invalid(format!("invalid host name {bad:?}")).for_box(box_id));
+        }
+        let mut locked = state::lock(&self.config.state_dir)?;
+        let Some(entry) = locked.state.boxes.get_mut(box_id) else {
+            return Err(NetError::Invalid(format!("box {box_id} has no address")));
+        };
+        entry.names = names.iter().map(|s| s.to_string()).collect();
+        locked.save()?;
+        self.write_hosts(&locked)
+    }
+
     /// Make the bridge (with the gateway address, forwarding and
     /// `route_localnet` on), the IFB device with its HTB root and link class,
     /// and the NAT table, whichever are missing. Returns the bridge's and the

@@ -45,6 +45,9 @@ pub struct CloneRequest {
     pub limits: Option<Limits>,
     /// Signal delivered to each clone's process right after the fork.
     pub on_clone_signal: Option<Signal>,
+    /// Fork for the template's pool: the clones stay stopped, hidden, under
+    /// pool names, until a later `clone` claims them.
+    pub pooled: bool,
 }
 
 /// One clone made.
@@ -58,7 +61,9 @@ pub struct Cloned {
     pub fork_ms: f64,
 }
 
-/// Make the clones of template `template`.
+/// Make the clones of template `template`: claimed from its pool first (when the
+/// request sets no limits of its own), forked now for the rest; a pool that was
+/// drawn from is refilled in the background.
 pub fn clone_template(reg: &Registry, template: &str, req: &CloneRequest) -> Result<Vec<Cloned>> {
     let t = crate::template::load_frozen(reg, template)?;
     if req.count == 0 {
@@ -68,9 +73,41 @@ pub fn clone_template(reg: &Registry, template: &str, req: &CloneRequest) -> Res
     }
     check_capacity(req.count, req.limits.as_ref().unwrap_or(&t.spec.limits))?;
     let names = clone_names(reg, req)?;
+    let mut made = Vec::new();
+    let mut rest = Vec::new();
+    for name in names {
+        let claimed = if req.pooled || req.limits.is_some() {
+            None
+        } else {
+            claim_pooled(reg, &t, &name, req)?
+        };
+        match claimed {
+            Some(c) => made.push(c),
+            None => rest.push(name),
+        }
+    }
+    if !made.is_empty() && !req.pooled {
+        spawn_refill(reg, template);
+    }
+    if rest.is_empty() {
+        return Ok(made);
+    }
+    let fresh = CloneRequest {
+        names: rest.clone(),
+        count: rest.len(),
+        ..req.clone()
+    };
+    made.extend(fork_fresh(reg, &t, &fresh)?);
+    Ok(made)
+}
+
+/// Fork `req.names` now (each in a new shell), under the template's clone lock.
+fn fork_fresh(reg: &Registry, t: &BoxRecord, req: &CloneRequest) -> Result<Vec<Cloned>> {
+    let _lock = clone_lock(t)?;
+    let names = req.names.clone();
     let mut shells = Vec::new();
-    let result = start_shells(reg, &t, &names, req, &mut shells)
-        .and_then(|()| fork_into_shells(reg, &t, &shells, req));
+    let result = start_shells(reg, t, &names, req, &mut shells)
+        .and_then(|()| fork_into_shells(reg, t, &shells, req));
     if result.is_err() {
         for name in &shells {
             if reg.load(name).is_ok() {
@@ -82,6 +119,11 @@ pub fn clone_template(reg: &Registry, template: &str, req: &CloneRequest) -> Res
 }
 
 fn clone_names(reg: &Registry, req: &CloneRequest) -> Result<Vec<String>> {
+    if req.pooled {
+        return Ok((0..req.count)
+            .map(|_| format!("pool.{}", crate::registry::new_id()))
+            .collect());
+    }
     if !req.names.is_empty() {
         if req.names.len() != req.count {
             return Err(RuntimeError::Invalid(format!(
@@ -251,6 +293,7 @@ fn fork_one(
     req: &CloneRequest,
 ) -> Result<Cloned> {
     use std::os::fd::AsFd;
+    let pooled = req.pooled;
     let shell = reg.load(name)?;
     let init = shell
         .state
@@ -268,7 +311,12 @@ fn fork_one(
             .map(|c| c.self_join_files())
             .unwrap_or_default(),
         stdio: [stdio[0].as_fd(), stdio[1].as_fd(), stdio[2].as_fd()],
-        on_clone_signal: req.on_clone_signal,
+        // A pooled clone waits, stopped, until it is claimed.
+        on_clone_signal: if pooled {
+            Some(Signal::SIGSTOP)
+        } else {
+            req.on_clone_signal
+        },
         inventory: Some(inventory.to_vec()),
     };
     let forked = nestbox_remote::remote_fork(tracee, &plan)
@@ -296,6 +344,7 @@ fn fork_one(
                 .unwrap_or_default(),
             process,
             fork_ms: Some(fork_ms),
+            pooled,
         });
     })?;
     Ok(Cloned {
@@ -326,6 +375,133 @@ fn shell_stdio(init: i32) -> Result<[OwnedFd; 3]> {
     let out = crate::process::pidfd_getfd(&pidfd, 1, init)?;
     let err = crate::process::pidfd_getfd(&pidfd, 2, init)?;
     Ok([null, out, err])
+}
+
+/// The template's clone lock: one process at a time stops and forks its process.
+fn clone_lock(t: &BoxRecord) -> Result<nix::fcntl::Flock<File>> {
+    let path = t.run_dir().join("clone.lock");
+    let file = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&path)
+        .map_err(RuntimeError::io("open", &path))?;
+    nix::fcntl::Flock::lock(file, nix::fcntl::FlockArg::LockExclusive)
+        .map_err(|(_, e)| RuntimeError::sys(format!("flock {}", path.display()))(e))
+}
+
+/// The pooled clones of template box `box_name` whose process lives.
+pub fn pooled_of(reg: &Registry, box_name: &str) -> Result<Vec<BoxRecord>> {
+    Ok(reg
+        .list()?
+        .into_iter()
+        .filter(|r| {
+            r.state.clone.as_ref().is_some_and(|c| {
+                c.pooled && c.template_box == box_name && c.process.is_some_and(|p| p.alive())
+            })
+        })
+        .collect())
+}
+
+/// Claim a pooled clone of `t` as `name`: rename it (atomically: of two
+/// claimers one wins), give it its hostname and its name on the network, and let
+/// its process go on. `None` when the pool is empty.
+fn claim_pooled(
+    reg: &Registry,
+    t: &BoxRecord,
+    name: &str,
+    req: &CloneRequest,
+) -> Result<Option<Cloned>> {
+    for candidate in pooled_of(reg, t.name())? {
+        let record = match reg.rename(candidate.name(), name) {
+            Ok(r) => r,
+            Err(RuntimeError::NoSuchBox(_)) => continue,
+            Err(e) => return Err(e),
+        };
+        let started = std::time::Instant::now();
+        let result = finish_claim(reg, &record, name, req);
+        if result.is_err() {
+            let _ = crate::ops::remove(reg, name, true);
+        }
+        let pid = result?;
+        return Ok(Some(Cloned {
+            name: name.to_string(),
+            pid,
+            fork_ms: started.elapsed().as_secs_f64() * 1e3,
+        }));
+    }
+    Ok(None)
+}
+
+fn finish_claim(reg: &Registry, record: &BoxRecord, name: &str, req: &CloneRequest) -> Result<i32> {
+    let init = record
+        .state
+        .init
+        .ok_or_else(|| RuntimeError::NotRunning(name.to_string()))?;
+    set_hostname_in(init.pid, name)?;
+    if record.spec.network.mode == crate::spec::NetworkMode::Bridge {
+        crate::network::open(reg.roots())?.rename(&record.state.id, &[name])?;
+    }
+    let state = reg.update(name, |s| {
+        if let Some(c) = s.clone.as_mut() {
+            c.pooled = false;
+        }
+    })?;
+    let pid = state
+        .clone
+        .and_then(|c| c.process)
+        .ok_or_else(|| RuntimeError::NotRunning(name.to_string()))?
+        .pid;
+    let pid_t = Pid::from_raw(pid);
+    nix::sys::signal::kill(pid_t, Signal::SIGCONT)
+        .map_err(RuntimeError::sys(format!("wake clone {name:?}")))?;
+    if let Some(sig) = req.on_clone_signal {
+        nix::sys::signal::kill(pid_t, sig)
+            .map_err(RuntimeError::sys(format!("signal clone {name:?}")))?;
+    }
+    Ok(pid)
+}
+
+/// Set the hostname in the uts namespace of `pid`, coming back to our own.
+fn set_hostname_in(pid: i32, name: &str) -> Result<()> {
+    use std::os::fd::AsFd;
+    let own =
+        File::open("/proc/self/ns/uts").map_err(RuntimeError::io("open", "/proc/self/ns/uts"))?;
+    let path = format!("/proc/{pid}/ns/uts");
+    let theirs = File::open(&path).map_err(RuntimeError::io("open", &path))?;
+    nix::sched::setns(theirs.as_fd(), nix::sched::CloneFlags::CLONE_NEWUTS)
+        .map_err(RuntimeError::sys(format!("setns({path})")))?;
+    let set = nix::unistd::sethostname(name).map_err(RuntimeError::sys("sethostname"));
+    nix::sched::setns(own.as_fd(), nix::sched::CloneFlags::CLONE_NEWUTS)
+        .map_err(RuntimeError::sys("setns(own uts namespace)"))?;
+    set
+}
+
+/// Bring template `template`'s pool up to its size (synchronously).
+pub fn fill_pool(reg: &Registry, template: &str) -> Result<usize> {
+    let t = crate::template::load_frozen(reg, template)?;
+    let want = t.state.template.as_ref().map(|i| i.pool).unwrap_or(0);
+    let have = pooled_of(reg, t.name())?.len();
+    if have >= want {
+        return Ok(have);
+    }
+    let req = CloneRequest {
+        count: want - have,
+        pooled: true,
+        ..CloneRequest::default()
+    };
+    clone_template(reg, template, &req)?;
+    Ok(want)
+}
+
+/// Refill the pool in a detached process, off the caller's critical path.
+fn spawn_refill(reg: &Registry, template: &str) {
+    // SAFETY: the CLI is single-threaded, so the child may run arbitrary code.
+    if let Ok(nix::unistd::ForkResult::Child) = unsafe { nix::unistd::fork() } {
+        crate::ops::become_daemon();
+        let code = i32::from(fill_pool(reg, template).is_err());
+        std::process::exit(code)
+    }
 }
 
 /// Refuse, before freezing, a process holding a descriptor no clone rule covers.

@@ -606,6 +606,18 @@ fn supervise(record: &BoxRecord, run: &Running, signals: SignalFd, foreground: b
 
 /// Record the end of the box and release its cgroup.
 fn finish(reg: &Registry, record: &BoxRecord, run: Running, exit_code: i32) -> Result<Outcome> {
+    // A pooled clone is renamed when claimed: find the record by id.
+    let current;
+    let record = match reg.load(record.name()) {
+        Ok(r) if r.state.id == record.state.id => record,
+        _ => match reg.load_by_id(&record.state.id) {
+            Ok(r) => {
+                current = r;
+                &current
+            }
+            Err(_) => record,
+        },
+    };
     let mut oom_kills = 0;
     let mut stats = None;
     if let Some(cg) = &run.cgroup {

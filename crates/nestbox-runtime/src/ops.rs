@@ -55,7 +55,7 @@ pub fn run_detached(reg: &Registry, spec: &BoxSpec) -> Result<()> {
 }
 
 /// Leave the caller's session and terminal; stdio to /dev/null.
-fn become_daemon() {
+pub(crate) fn become_daemon() {
     let _ = nix::unistd::setsid();
     let _ = nix::unistd::chdir("/");
     crate::process::stdio_to_dev_null();
@@ -142,7 +142,7 @@ pub fn remove(reg: &Registry, name: &str, force: bool) -> Result<()> {
         if !force {
             return Err(RuntimeError::StillRunning(name.to_string()));
         }
-        if record.state.template.is_some() && !crate::template::clones_of(reg, name)?.is_empty() {
+        if record.state.template.is_some() {
             return crate::template::remove_box(reg, &record);
         }
         if let Some(cg) = &record.state.cgroup {

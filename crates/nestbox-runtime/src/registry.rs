@@ -135,6 +135,40 @@ impl Registry {
         })
     }
 
+    /// Rename box `old` to `new` (its record directory, atomically: of two
+    /// processes renaming the same box, one wins) and set the spec's name and
+    /// hostname to `new`. The box's id, data and processes are unchanged.
+    pub fn rename(&self, old: &str, new: &str) -> Result<BoxRecord> {
+        crate::spec::validate_name(new)?;
+        let boxes = self.roots.boxes();
+        let (from, to) = (boxes.join(old), boxes.join(new));
+        nix::fcntl::renameat2(
+            None,
+            &from,
+            None,
+            &to,
+            nix::fcntl::RenameFlags::RENAME_NOREPLACE,
+        )
+        .map_err(|e| match e {
+            nix::errno::Errno::EEXIST => RuntimeError::NameInUse(new.to_string()),
+            nix::errno::Errno::ENOENT => RuntimeError::NoSuchBox(old.to_string()),
+            e => RuntimeError::sys(format!("rename {} to {}", from.display(), to.display()))(e),
+        })?;
+        let mut record = self.load(new)?;
+        record.spec.name = new.to_string();
+        record.spec.hostname = new.to_string();
+        write_json(&to.join("spec.json"), &record.spec)?;
+        Ok(record)
+    }
+
+    /// The record of the box with id `id`, whatever its name is now.
+    pub fn load_by_id(&self, id: &str) -> Result<BoxRecord> {
+        self.list()?
+            .into_iter()
+            .find(|r| r.state.id == id)
+            .ok_or_else(|| RuntimeError::NoSuchBox(format!("id {id}")))
+    }
+
     /// Load the record of `name`.
     pub fn load(&self, name: &str) -> Result<BoxRecord> {
         if crate::spec::validate_name(name).is_err() {

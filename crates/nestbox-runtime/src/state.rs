@@ -98,6 +98,9 @@ pub struct TemplateInfo {
     pub frozen_at: f64,
     /// How long quiescing took, in milliseconds.
     pub freeze_ms: f64,
+    /// Clones kept forked ahead of time, ready to be claimed (`freeze --pool N`).
+    #[serde(default)]
+    pub pool: usize,
     /// Removed by the user while clones still depended on its pid namespace: only
     /// its init is left, and it goes when the last clone does.
     #[serde(default)]
@@ -115,6 +118,10 @@ pub struct CloneInfo {
     pub process: Option<ProcRef>,
     /// Time from the start of the fork to the clone running, in milliseconds.
     pub fork_ms: Option<f64>,
+    /// Waiting in its template's pool (forked ahead of time, stopped) until a
+    /// `nestbox clone` claims it under its own name.
+    #[serde(default)]
+    pub pooled: bool,
 }
 
 impl BoxState {

@@ -35,13 +35,21 @@ pub struct TemplateSummary {
     pub pid: i32,
     /// Live clones.
     pub clones: usize,
+    /// Clones forked ahead of time, waiting to be claimed.
+    pub pooled: usize,
     /// Removed, waiting for its clones to go.
     pub removed: bool,
 }
 
 /// Freeze the running box `name` into a template called `as_name` (default: the
 /// box name). Refuses boxes it could not clone from, before freezing anything.
-pub fn freeze(reg: &Registry, name: &str, as_name: Option<&str>) -> Result<TemplateInfo> {
+/// `pool` clones are forked ahead of time (see [`crate::clone::fill_pool`]).
+pub fn freeze(
+    reg: &Registry,
+    name: &str,
+    as_name: Option<&str>,
+    pool: usize,
+) -> Result<TemplateInfo> {
     let template_name = as_name.unwrap_or(name).to_string();
     crate::spec::validate_name(&template_name)?;
     if template_name != name && (reg.load(&template_name).is_ok()) {
@@ -94,6 +102,7 @@ pub fn freeze(reg: &Registry, name: &str, as_name: Option<&str>) -> Result<Templ
         process,
         frozen_at: now(),
         freeze_ms,
+        pool,
         removed: false,
     };
     let recorded = info.clone();
@@ -262,7 +271,7 @@ pub fn clones_of(reg: &Registry, box_name: &str) -> Result<Vec<BoxRecord>> {
             r.state
                 .clone
                 .as_ref()
-                .is_some_and(|c| c.template_box == box_name)
+                .is_some_and(|c| c.template_box == box_name && !c.pooled)
                 && matches!(
                     r.state.effective_status(),
                     Status::Creating | Status::Running | Status::Frozen
@@ -286,6 +295,7 @@ pub fn list(reg: &Registry) -> Result<Vec<TemplateSummary>> {
             box_name: record.name().to_string(),
             pid: t.process.pid,
             clones: clones_of(reg, record.name())?.len(),
+            pooled: crate::clone::pooled_of(reg, record.name())?.len(),
             removed: t.removed,
         });
     }
@@ -307,10 +317,15 @@ pub fn remove(reg: &Registry, name: &str) -> Result<()> {
 /// Remove a template box (from `rm -f` or `template rm`).
 pub fn remove_box(reg: &Registry, record: &BoxRecord) -> Result<()> {
     let box_name = record.name();
+    for pooled in crate::clone::pooled_of(reg, box_name)? {
+        crate::ops::remove(reg, pooled.name(), true)?;
+    }
     if clones_of(reg, box_name)?.is_empty() {
         if let Some(cg) = &record.state.cgroup {
             let _ = cg.set_frozen(false, FREEZER_TIMEOUT);
         }
+        // Thawed: from here on it is removed like any running box.
+        reg.update(box_name, |s| s.status = Status::Running)?;
         return crate::ops::remove(reg, box_name, true);
     }
     let info = record.state.template.clone();

@@ -97,6 +97,10 @@ enum Command {
         /// Name the template (default: the box name).
         #[arg(long = "as", value_name = "TEMPLATE")]
         as_name: Option<String>,
+        /// Keep N clones forked ahead of time, so `clone` only has to claim one
+        /// (the pool is refilled in the background after each claim).
+        #[arg(long, value_name = "N", default_value_t = 0)]
+        pool: usize,
         /// Box name.
         name: String,
     },
@@ -398,8 +402,15 @@ pub fn dispatch(cli: Cli) -> Result<i32> {
         }
         Command::Stats { json, name } => output::stats(&reg, &name, json).map(|_| 0),
         Command::Gc => output::gc(&reg).map(|_| 0),
-        Command::Freeze { as_name, name } => {
-            let t = nestbox_runtime::template::freeze(&reg, &name, as_name.as_deref())?;
+        Command::Freeze {
+            as_name,
+            pool,
+            name,
+        } => {
+            let t = nestbox_runtime::template::freeze(&reg, &name, as_name.as_deref(), pool)?;
+            if pool > 0 {
+                nestbox_runtime::clone::fill_pool(&reg, &t.name)?;
+            }
             println!("{}", t.name);
             Ok(0)
         }
@@ -537,6 +548,7 @@ fn clone(reg: &Registry, a: CloneArgs) -> Result<i32> {
             None
         },
         on_clone_signal: a.on_clone_signal.as_deref().map(parse_signal).transpose()?,
+        pooled: false,
     };
     let made = nestbox_runtime::clone::clone_template(reg, &a.template, &req)?;
     if a.detach || made.len() != 1 {

@@ -15,6 +15,10 @@ pub fn ps(reg: &Registry, all: bool, as_json: bool) -> Result<()> {
         if !all && !matches!(status, Status::Running | Status::Creating | Status::Frozen) {
             continue;
         }
+        if r.state.clone.as_ref().is_some_and(|c| c.pooled) {
+            // Part of its template's pool (see `template ls`), not a box of its own yet.
+            continue;
+        }
         rows.push(json!({
             "name": r.name(),
             "id": r.state.id,
@@ -146,8 +150,8 @@ pub fn templates(reg: &Registry, as_json: bool) -> Result<()> {
         return Ok(());
     }
     println!(
-        "{:<24} {:<24} {:>8} {:>7}",
-        "TEMPLATE", "BOX", "PID", "CLONES"
+        "{:<24} {:<24} {:>8} {:>7} {:>5}",
+        "TEMPLATE", "BOX", "PID", "CLONES", "POOL"
     );
     for t in list {
         let clones = if t.removed {
@@ -156,8 +160,8 @@ pub fn templates(reg: &Registry, as_json: bool) -> Result<()> {
             t.clones.to_string()
         };
         println!(
-            "{:<24} {:<24} {:>8} {:>7}",
-            t.name, t.box_name, t.pid, clones
+            "{:<24} {:<24} {:>8} {:>7} {:>5}",
+            t.name, t.box_name, t.pid, clones, t.pooled
         );
     }
     Ok(())

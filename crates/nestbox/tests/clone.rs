@@ -398,3 +398,60 @@ fn clones_of_a_user_namespace_template() {
     );
     root.ok(&["rm", "-f", "u", "tpl"]);
 }
+
+#[test]
+fn pooled_clones_are_claimed_and_refilled() {
+    let Some(root) = TestRoot::new("pooled_clones_are_claimed_and_refilled") else {
+        return;
+    };
+    let out = root
+        .run(&["run", "-d", "--name", "tpl", "--", "python3", "-c", SERVER])
+        .ok();
+    assert_eq!(out.stdout.trim(), "tpl");
+    wait_for("the server to listen", Duration::from_secs(20), || {
+        root.ok(&["logs", "tpl"]).contains("ready")
+    });
+    assert_eq!(get(&root, "tpl", "/").0, 1);
+    root.ok(&["freeze", "tpl", "--pool", "2"]);
+    let pool = |root: &TestRoot| {
+        let list: serde_json::Value =
+            serde_json::from_str(&root.ok(&["template", "ls", "--json"])).unwrap();
+        list[0]["pooled"].as_u64().unwrap()
+    };
+    assert_eq!(pool(&root), 2);
+    // Pooled clones are not boxes yet.
+    assert_eq!(box_names(&root), ["tpl"]);
+    // A claimed clone is a full box under its own name, continuing the template.
+    root.ok(&[
+        "clone",
+        "tpl",
+        "-d",
+        "--name",
+        "first",
+        "--on-clone-signal",
+        "USR1",
+    ]);
+    let (count, host, reseeded) = get(&root, "first", "/");
+    assert_eq!((count, host.as_str(), reseeded), (2, "first", 1));
+    let out = root
+        .run(&["run", "--rm", "--", "getent", "hosts", "first"])
+        .ok();
+    assert!(out.stdout.contains("first"), "name on the network: {out}");
+    // The pool is refilled in the background.
+    wait_for("the pool to refill", Duration::from_secs(20), || {
+        pool(&root) == 2
+    });
+    root.ok(&["clone", "tpl", "-d", "--name", "second", "-n", "1"]);
+    assert_eq!(get(&root, "second", "/").0, 2);
+    assert_eq!(get(&root, "first", "/").0, 3);
+    wait_for("the pool to refill", Duration::from_secs(20), || {
+        pool(&root) == 2
+    });
+    // Removing the template takes its pool along; the claimed clones stay.
+    root.ok(&["template", "rm", "tpl"]);
+    assert_eq!(get(&root, "second", "/").0, 3);
+    root.ok(&["rm", "-f", "first", "second"]);
+    wait_for("the template box to go", Duration::from_secs(10), || {
+        box_names(&root).is_empty()
+    });
+}
