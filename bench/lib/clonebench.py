@@ -108,12 +108,13 @@ def main() -> None:
     tpid = tstate["template"]["process"]["pid"]
     template_rss = sum(int(l.split()[1]) for l in open(f"/proc/{tpid}/smaps_rollup") if l.startswith("Rss:")) * 1024
 
-    clone_ms, fork_ms, cold_ms = [], [], []
+    clone_ms, command_ms, fork_ms, cold_ms = [], [], [], []
     for i in range(n):
         # Clone to ready.
         name = f"c{i}"
         t = time.perf_counter()
         sh(nestbox, root, "clone", "tpl", "-d", "--name", name)
+        command_ms.append((time.perf_counter() - t) * 1e3)
         wait_answer(address(nestbox, root, name))
         clone_ms.append((time.perf_counter() - t) * 1e3)
         st = json.loads(sh(nestbox, root, "inspect", name))["state"]
@@ -147,6 +148,7 @@ def main() -> None:
         "template_first_answer_ms": template_cold_ms,
         "freeze_ms": freeze_ms,
         "clone_to_ready": summary(clone_ms),
+        "clone_command_only": summary(command_ms),
         "fork_only": summary(fork_ms),
         "cold_start_to_ready": summary(cold_ms),
         "speedup_median": statistics.median(cold_ms) / statistics.median(clone_ms),

@@ -740,13 +740,19 @@ impl Network {
 
     /// Remove what box `id` has in the network (veth, class, published
     /// ports) from the host; the caller removes the entry and saves.
-    fn teardown(&self, nl: &mut Netlink, id: &str, entry: Option<&BoxEntry>) -> Result<bool> {
+    fn teardown(
+        &self,
+        nl: &mut Netlink,
+        id: &str,
+        entry: Option<&BoxEntry>,
+        delete_link: bool,
+    ) -> Result<bool> {
         let veth = entry
             .and_then(|e| e.attachment.as_ref())
             .map(|a| a.host_veth.clone())
             .unwrap_or_else(|| host_veth_name(&self.config.bridge, id));
         // Deleting the host side deletes the peer and the veth's qdiscs and filters.
-        let mut removed = link::delete(nl, &veth)?;
+        let mut removed = delete_link && link::delete(nl, &veth)?;
         if let Some(e) = entry {
             let offset = self.config.subnet.offset(e.address);
             let class = tc::handle(HTB_MAJOR, offset as u16);
@@ -766,14 +772,24 @@ impl Network {
     /// class, its published ports and its hosts entry. Idempotent: returns
     /// whether there was anything to remove.
     pub fn detach(&self, box_id: &str) -> Result<bool> {
-        self.detach_inner(box_id).map_err(|e| e.for_box(box_id))
+        self.detach_inner(box_id, true)
+            .map_err(|e| e.for_box(box_id))
     }
 
-    fn detach_inner(&self, box_id: &str) -> Result<bool> {
+    /// [`Network::detach`] for a box whose network namespace is already gone
+    /// (its last process exited): the kernel destroys the veth pair with the
+    /// namespace, in the background, so it is not deleted here (deleting it
+    /// waits for the kernel's unregistration, tens of milliseconds).
+    pub fn detach_exited(&self, box_id: &str) -> Result<bool> {
+        self.detach_inner(box_id, false)
+            .map_err(|e| e.for_box(box_id))
+    }
+
+    fn detach_inner(&self, box_id: &str, delete_link: bool) -> Result<bool> {
         let mut locked = state::lock(&self.config.state_dir)?;
         let entry = locked.state.boxes.get(box_id).cloned();
         let mut nl = Netlink::open()?;
-        let removed = self.teardown(&mut nl, box_id, entry.as_ref())?;
+        let removed = self.teardown(&mut nl, box_id, entry.as_ref(), delete_link)?;
         if let Some(e) = &entry {
             locked.state.boxes.remove(box_id);
             if e.attachment.as_ref().is_some_and(|a| !a.publish.is_empty()) {
@@ -801,7 +817,7 @@ impl Network {
         let mut nft = false;
         for id in &dead {
             let entry = locked.state.boxes.get(id).cloned();
-            self.teardown(&mut nl, id, entry.as_ref())
+            self.teardown(&mut nl, id, entry.as_ref(), true)
                 .map_err(|e| e.for_box(id))?;
             nft |= entry
                 .and_then(|e| e.attachment)
@@ -876,7 +892,7 @@ impl Network {
         let locked = state::lock(&self.config.state_dir)?;
         let mut nl = Netlink::open()?;
         for (id, e) in &locked.state.boxes {
-            self.teardown(&mut nl, id, Some(e))
+            self.teardown(&mut nl, id, Some(e), true)
                 .map_err(|e| e.for_box(id))?;
         }
         link::delete(&mut nl, &self.config.ifb())?;

@@ -626,7 +626,7 @@ fn finish(reg: &Registry, record: &BoxRecord, run: Running, exit_code: i32) -> R
         let _ = cg.kill_all();
         let _ = cg.remove();
     }
-    let _ = crate::network::release(reg.roots(), &record.state.id);
+    let _ = crate::network::release_exited(reg.roots(), &record.state.id);
     let oom_killed = oom_kills > 0 && exit_code == 128 + Signal::SIGKILL as i32;
     // A template removed while clones depended on it goes once its init has.
     let removed_template = reg

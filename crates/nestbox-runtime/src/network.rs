@@ -147,6 +147,16 @@ pub fn release(roots: &Roots, box_id: &str) -> Result<()> {
     Ok(())
 }
 
+/// Release what box `box_id`, whose processes have all exited, holds on its
+/// network; its veth pair goes with its network namespace, by the kernel.
+pub fn release_exited(roots: &Roots, box_id: &str) -> Result<()> {
+    if !state_dir(roots).exists() {
+        return Ok(());
+    }
+    open(roots)?.detach_exited(box_id)?;
+    Ok(())
+}
+
 /// Release what boxes not in `live` still hold; the ids released.
 pub fn gc(roots: &Roots, live: &[String]) -> Result<Vec<String>> {
     if !state_dir(roots).exists() {
