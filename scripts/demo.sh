@@ -7,7 +7,12 @@ scripts/setup.sh
 nb=target/release/nestbox
 root=$(mktemp -d /tmp/nestbox-demo.XXXXXX)
 export NESTBOX_ROOT="$root"
-cleanup() { "$nb" rm -f demo-web >/dev/null 2>&1 || true; "$nb" gc >/dev/null 2>&1 || true; rm -rf "$root"; }
+cleanup() {
+    "$nb" rm -f demo-web c-1 c-2 c-3 counter >/dev/null 2>&1 || true
+    "$nb" gc >/dev/null 2>&1 || true
+    "$nb" network rm >/dev/null 2>&1 || true
+    rm -rf "$root"
+}
 trap cleanup EXIT
 
 say() { printf '\n\033[1m$ %s\033[0m\n' "$*"; }
@@ -35,10 +40,36 @@ say nestbox stats demo-web
 "$nb" stats demo-web
 say nestbox logs demo-web
 "$nb" logs demo-web
+say "nestbox run -d --name counter -- python3 (a server counting its requests)"
+"$nb" run -d --name counter -- python3 -c '
+import http.server
+n = 0
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        global n
+        n += 1
+        b = f"request {n}\n".encode()
+        self.send_response(200); self.send_header("Content-Length", str(len(b))); self.end_headers(); self.wfile.write(b)
+    def log_message(self, *a): pass
+http.server.HTTPServer(("0.0.0.0", 8080), H).serve_forever()'
+get() { "$nb" exec "$1" -- python3 -c 'import urllib.request; print(urllib.request.urlopen("http://127.0.0.1:8080/").read().decode().strip())'; }
+sleep 1
+for _ in 1 2; do printf 'counter: '; get counter; done
+say "nestbox freeze counter --pool 2; nestbox clone counter -n 3 -d --name c"
+"$nb" freeze counter --pool 2
+"$nb" clone counter -n 3 -d --name c
+for c in c-1 c-2 c-3; do printf '%s: ' "$c"; get "$c"; done
+printf 'c-1 again: '; get c-1
+say nestbox template ls
+"$nb" template ls
+say "nestbox stats c-2   # memory private to the clone vs shared with its template"
+"$nb" stats c-2
+"$nb" rm -f c-1 c-2 c-3 counter
 say nestbox stop -t 2 demo-web
 "$nb" stop -t 2 demo-web
 "$nb" ps -a
 say nestbox rm demo-web
 "$nb" rm demo-web
 echo
-echo "demo done: every box ran in its own pid, mount, uts, ipc, network and cgroup namespaces with its own cgroup."
+echo "demo done: every box ran in its own pid, mount, uts, ipc, network and cgroup namespaces with its own cgroup;"
+echo "the clones continued from the frozen server's state (request 3), each on its own."
