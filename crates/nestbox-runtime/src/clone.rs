@@ -149,16 +149,14 @@ fn clone_names(reg: &Registry, req: &CloneRequest) -> Result<Vec<String>> {
 fn check_capacity(count: usize, limits: &Limits) -> Result<()> {
     let count = count as u64;
     let pid_max: u64 = read_number("/proc/sys/kernel/pid_max").unwrap_or(32768);
-    let running = std::fs::read_dir("/proc")
-        .map(|d| {
-            d.flatten()
-                .filter(|e| {
-                    e.file_name()
-                        .to_string_lossy()
-                        .bytes()
-                        .all(|b| b.is_ascii_digit())
-                })
-                .count() as u64
+    // Tasks in use: the fourth field of /proc/loadavg ("running/total").
+    let running: u64 = std::fs::read_to_string("/proc/loadavg")
+        .ok()
+        .and_then(|l| {
+            l.split_whitespace()
+                .nth(3)
+                .and_then(|f| f.split_once('/'))
+                .and_then(|(_, total)| total.parse().ok())
         })
         .unwrap_or(0);
     let pids_per_clone = PIDS_PER_CLONE.max(limits.pids.unwrap_or(0).min(PIDS_PER_CLONE));
@@ -440,7 +438,9 @@ fn finish_claim(reg: &Registry, record: &BoxRecord, name: &str, req: &CloneReque
         .ok_or_else(|| RuntimeError::NotRunning(name.to_string()))?;
     set_hostname_in(init.pid, name)?;
     if record.spec.network.mode == crate::spec::NetworkMode::Bridge {
-        crate::network::open(reg.roots())?.rename(&record.state.id, &[name])?;
+        if let Some(net) = crate::network::view(reg.roots())? {
+            net.rename(&record.state.id, &[name])?;
+        }
     }
     let state = reg.update(name, |s| {
         if let Some(c) = s.clone.as_mut() {

@@ -53,6 +53,12 @@ pub fn open(roots: &Roots) -> Result<Network> {
     Ok(Network::open(config)?)
 }
 
+/// The existing default network of `roots`, for bookkeeping only (leases, names,
+/// hosts file: no netlink); `None` if there is none yet.
+pub fn view(roots: &Roots) -> Result<Option<Network>> {
+    Ok(NetworkConfig::load(&state_dir(roots).join("default"))?.map(Network::view))
+}
+
 /// Bridge name of a private root's network.
 pub fn private_bridge(roots: &Roots) -> String {
     format!("nb{}", roots.tag())
