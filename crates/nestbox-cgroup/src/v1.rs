@@ -153,12 +153,18 @@ fn apply_devices(dir: &Path) -> Result<(), CgroupError> {
 /// Freezes (`frozen`) or thaws the v1 freezer cgroup `dir` and waits until
 /// `freezer.state` reports the new state. Freezing is retried by rewriting
 /// the state; on timeout a freeze is undone (thawed) and an error returned.
+/// How often the freezer state is polled while it changes.
+pub(crate) const FREEZER_POLL: Duration = Duration::from_micros(200);
+
 pub(crate) fn set_frozen(dir: &Path, frozen: bool, timeout: Duration) -> Result<(), CgroupError> {
     let file = dir.join("freezer.state");
     let want = if frozen { "FROZEN" } else { "THAWED" };
     fsutil::write(&file, want)?;
-    let done = fsutil::poll_until(timeout, Duration::from_millis(10), |round| {
-        if round > 0 && round % 10 == 0 {
+    // Freezing usually completes within a millisecond: poll finely, and repeat
+    // the request every ~100 ms (a task that was forking can make one attempt
+    // stall in FREEZING).
+    let done = fsutil::poll_until(timeout, FREEZER_POLL, |round| {
+        if round > 0 && round % 500 == 0 {
             fsutil::write(&file, want)?;
         }
         Ok(fsutil::read(&file)?.trim() == want)

@@ -173,7 +173,7 @@ pub(crate) fn set_frozen(dir: &Path, frozen: bool, timeout: Duration) -> Result<
         });
     }
     fsutil::write(&file, if frozen { "1" } else { "0" })?;
-    let done = fsutil::poll_until(timeout, Duration::from_millis(10), |_| {
+    let done = fsutil::poll_until(timeout, crate::v1::FREEZER_POLL, |_| {
         Ok(is_frozen(dir)? == Some(frozen))
     })?;
     if done {
