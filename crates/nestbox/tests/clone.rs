@@ -112,9 +112,15 @@ fn clones_continue_from_the_frozen_state_independently() {
         return;
     };
     frozen_server(&root, "tpl", 3);
-    let names = root.ok(&["clone", "tpl", "-n", "3", "-d", "--name", "c"]);
+    let names = root.ok(&["clone", "tpl", "-n", "20", "-d", "--name", "c"]);
     let names: Vec<&str> = names.lines().collect();
-    assert_eq!(names, ["c-1", "c-2", "c-3"]);
+    assert_eq!(names.len(), 20);
+    assert_eq!(names[..3], ["c-1", "c-2", "c-3"]);
+    // All 20 answer, each from its own state, under its own hostname.
+    for n in &names[3..] {
+        let (count, host, _) = get(&root, n, "/");
+        assert_eq!((count, host.as_str()), (4, *n));
+    }
     // Every clone answers on the template's port in its own network namespace,
     // continuing the template's counter (3 requests before the freeze).
     assert_eq!(get(&root, "c-1", "/").0, 4);
@@ -136,7 +142,10 @@ fn clones_continue_from_the_frozen_state_independently() {
             .unwrap()
             > 0
     );
-    root.ok(&["rm", "-f", "c-1", "c-2", "c-3", "tpl"]);
+    let mut args = vec!["rm", "-f"];
+    args.extend(names.iter().copied());
+    args.push("tpl");
+    root.run_timeout(&args, Duration::from_secs(120)).ok();
 }
 
 #[test]
