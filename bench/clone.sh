@@ -13,10 +13,7 @@ K=${K:-200}
 POOL=${POOL:-4}
 ROOT=$(make_tmpdir nestbox-bench-clone)
 cleanup() {
-    "$NESTBOX" --root "$ROOT" ps -a --json 2>/dev/null |
-        python3 -c 'import json,sys; print(" ".join(b["name"] for b in json.load(sys.stdin)))' |
-        xargs -r "$NESTBOX" --root "$ROOT" rm -f >/dev/null 2>&1 || true
-    "$NESTBOX" --root "$ROOT" network rm >/dev/null 2>&1 || true
+    nestbox_clean_root "$ROOT"
     remove_tmpdir "$ROOT"
 }
 trap cleanup EXIT

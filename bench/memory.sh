@@ -33,17 +33,9 @@ boxes=()
 ref_pid=
 
 cleanup() {
-    local status=$? name
+    local status=$?
     if [[ -n $ref_pid ]]; then kill "$ref_pid" 2>/dev/null || true; fi
-    if [[ -d $nb_root && -x $NESTBOX ]]; then
-        for name in "${boxes[@]}"; do
-            "$NESTBOX" --root "$nb_root" rm -f "$name" >/dev/null 2>&1 || true
-        done
-        while read -r name; do
-            [[ -z $name ]] || "$NESTBOX" --root "$nb_root" rm -f "$name" >/dev/null 2>&1 || true
-        done < <(nestbox_box_names "$nb_root" 2>/dev/null || true)
-        "$NESTBOX" --root "$nb_root" gc >/dev/null 2>&1 || true
-    fi
+    nestbox_clean_root "$nb_root"
     remove_tmpdir "$work"
     exit "$status"
 }

@@ -40,13 +40,7 @@ bundle=$work/bundle
 
 cleanup() {
     local status=$? name id
-    if [[ -d $nb_root && -x $NESTBOX ]]; then
-        while read -r name; do
-            [[ -z $name ]] || "$NESTBOX" --root "$nb_root" rm -f "$name" >/dev/null 2>&1 || true
-        done < <(nestbox_box_names "$nb_root" 2>/dev/null || true)
-        "$NESTBOX" --root "$nb_root" gc >/dev/null 2>&1 || true
-        "$NESTBOX" --root "$nb_root" network rm >/dev/null 2>&1 || true
-    fi
+    nestbox_clean_root "$nb_root"
     if [[ -d $runc_root ]]; then
         while read -r id; do
             [[ -z $id ]] || runc --root "$runc_root" delete -f "$id" >/dev/null 2>&1 || true

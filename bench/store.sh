@@ -38,13 +38,8 @@ R=$work/root
 nb() { "$NESTBOX" --root "$R" "$@"; }
 
 cleanup() {
-    local status=$? name
-    if [[ -d $R ]]; then
-        while read -r name; do
-            [[ -z $name ]] || nb rm -f "$name" >/dev/null 2>&1 || true
-        done < <(nestbox_box_names "$R" 2>/dev/null || true)
-        nb gc >/dev/null 2>&1 || true
-    fi
+    local status=$?
+    nestbox_clean_root "$R"
     remove_tmpdir "$work"
     exit "$status"
 }

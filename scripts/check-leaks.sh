@@ -15,9 +15,10 @@ while read -r p; do left+=("process $p"); done < <(procs)
 # Links: box veths (nbv*), test-root bridges and IFB devices (nb<8 hex>[ifb]), the
 # network crate's own test links (nbt*, nbo*). The machine-wide network (nbx0) is
 # persistent by design, like docker0, and not counted.
-while read -r l; do left+=("link $l"); done < <(ip -o link show 2>/dev/null | awk -F': ' '{sub(/@.*/, "", $2)} tolower($2) ~ /nestbox|^nbv|^nbt|^nbo|^nb[0-9a-f]{8}(ifb)?$/ {print $2}')
+# (grep -E, not awk: Debian's mawk has no {n} repetition.)
+while read -r l; do left+=("link $l"); done < <(ip -o link show 2>/dev/null | awk -F': ' '{sub(/@.*/, "", $2); print $2}' | grep -Ei '^(nestbox|nbv|nbt|nbo)|nestbox|^nb[0-9a-f]{8}(ifb)?$')
 if command -v nft >/dev/null; then
-  while read -r t; do left+=("nft table $t"); done < <(nft list tables 2>/dev/null | awk '$3 ~ /^nestbox-nb([0-9a-f]{8}|t)/ {print $2" "$3}')
+  while read -r t; do left+=("nft table $t"); done < <(nft list tables 2>/dev/null | awk '{print $2" "$3}' | grep -E ' nestbox-nb([0-9a-f]{8}|t)')
 fi
 for d in /tmp/nestbox-net-test-*; do [ -e "$d" ] && left+=("network test dir $d"); done
 for d in /run/nestbox/boxes /var/lib/nestbox/boxes; do

@@ -2,7 +2,7 @@
 # Shared helpers for the bench/*.sh scripts. Source it; it defines:
 #   BENCH_DIR, REPO_DIR, RESULTS_DIR, NESTBOX (binary path; env NESTBOX_BIN)
 #   log, die, require_root, require_nestbox, make_tmpdir, remove_tmpdir,
-#   nestbox_box_names ROOT
+#   nestbox_box_names ROOT, nestbox_clean_root ROOT
 
 BENCH_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 REPO_DIR=$(cd "$BENCH_DIR/.." && pwd)
@@ -56,4 +56,16 @@ nestbox_box_names() {
     "$NESTBOX" --root "$1" ps -a --json |
         jq -r '(if type == "array" then . else (.boxes // []) end)[]
                | if type == "string" then . else (.name // .id) end'
+}
+
+# nestbox_clean_root ROOT: remove every box under ROOT (templates and their pools
+# too), collect leftovers, and remove ROOT's network (bridge, IFB, NAT table).
+nestbox_clean_root() {
+    local root=$1 name
+    [[ -d $root && -x $NESTBOX ]] || return 0
+    while read -r name; do
+        [[ -z $name ]] || "$NESTBOX" --root "$root" rm -f "$name" >/dev/null 2>&1 || true
+    done < <(nestbox_box_names "$root" 2>/dev/null || true)
+    "$NESTBOX" --root "$root" gc >/dev/null 2>&1 || true
+    "$NESTBOX" --root "$root" network rm >/dev/null 2>&1 || true
 }
