@@ -329,17 +329,8 @@ fn fork_one(
         )));
     }
     let process = ProcRef::of(forked.pid);
-    let source = shell.spec.clone_of.clone();
     reg.update(name, |s| {
         s.clone = Some(CloneInfo {
-            template: source
-                .as_ref()
-                .map(|c| c.template.clone())
-                .unwrap_or_default(),
-            template_box: source
-                .as_ref()
-                .map(|c| c.template_box.clone())
-                .unwrap_or_default(),
             process,
             fork_ms: Some(fork_ms),
             pooled,
@@ -394,9 +385,11 @@ pub fn pooled_of(reg: &Registry, box_name: &str) -> Result<Vec<BoxRecord>> {
         .list()?
         .into_iter()
         .filter(|r| {
-            r.state.clone.as_ref().is_some_and(|c| {
-                c.pooled && c.template_box == box_name && c.process.is_some_and(|p| p.alive())
-            })
+            crate::template::is_clone_of(r, box_name)
+                && r.state
+                    .clone
+                    .as_ref()
+                    .is_some_and(|c| c.pooled && c.process.is_some_and(|p| p.alive()))
         })
         .collect())
 }
@@ -549,12 +542,12 @@ impl ProcessMemory {
 
 /// Memory sharing of a clone or a template, for `stats` and `inspect`.
 pub fn sharing(reg: &Registry, record: &BoxRecord) -> Option<serde_json::Value> {
-    if let Some(c) = &record.state.clone {
+    if let (Some(c), Some(src)) = (&record.state.clone, &record.spec.clone_of) {
         let p = c.process.filter(|p| p.alive())?;
         let m = ProcessMemory::of(p.pid)?;
         return Some(serde_json::json!({
             "role": "clone",
-            "template": c.template,
+            "template": src.template,
             "process": m,
             "private_bytes": m.private,
             "shared_with_template_bytes": m.shared,

@@ -107,13 +107,10 @@ pub struct TemplateInfo {
     pub removed: bool,
 }
 
-/// Where a clone came from.
+/// The clone's process once it was forked (its template is in the spec:
+/// `BoxSpec::clone_of`).
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct CloneInfo {
-    /// Template name.
-    pub template: String,
-    /// Box name of the template.
-    pub template_box: String,
     /// The clone's process (host pid), once forked.
     pub process: Option<ProcRef>,
     /// Time from the start of the fork to the clone running, in milliseconds.

@@ -262,16 +262,24 @@ pub fn enter_pid_namespace_of(t: &BoxRecord) -> Result<()> {
     setns(ns.as_fd(), CloneFlags::CLONE_NEWPID).map_err(RuntimeError::sys(format!("setns({path})")))
 }
 
+/// Whether `record` is a clone (or a clone shell being made) of template box
+/// `box_name`.
+pub fn is_clone_of(record: &BoxRecord, box_name: &str) -> bool {
+    record
+        .spec
+        .clone_of
+        .as_ref()
+        .is_some_and(|c| c.template_box == box_name)
+}
+
 /// Live clones of the template box `box_name`.
 pub fn clones_of(reg: &Registry, box_name: &str) -> Result<Vec<BoxRecord>> {
     Ok(reg
         .list()?
         .into_iter()
         .filter(|r| {
-            r.state
-                .clone
-                .as_ref()
-                .is_some_and(|c| c.template_box == box_name && !c.pooled)
+            is_clone_of(r, box_name)
+                && !r.state.clone.as_ref().is_some_and(|c| c.pooled)
                 && matches!(
                     r.state.effective_status(),
                     Status::Creating | Status::Running | Status::Frozen

@@ -135,7 +135,7 @@ fn clones_continue_from_the_frozen_state_independently() {
     }
     let inspect: serde_json::Value = serde_json::from_str(&root.ok(&["inspect", "c-2"])).unwrap();
     assert_eq!(inspect["state"]["status"], "running");
-    assert_eq!(inspect["state"]["clone"]["template"], "tpl");
+    assert_eq!(inspect["spec"]["clone_of"]["template"], "tpl");
     assert!(
         inspect["memory_sharing"]["shared_with_template_bytes"]
             .as_u64()
