@@ -119,7 +119,7 @@ enum Command {
     Store(crate::store_cmd::StoreCommand),
     /// Merge identical files across images and box layers into shared objects.
     Dedup(crate::store_cmd::DedupArgs),
-    /// Inspect box networks.
+    /// Inspect or remove box networks.
     #[command(subcommand)]
     Network(crate::network_cmd::NetworkCommand),
 }
