@@ -171,9 +171,12 @@ impl Network {
     /// different bridge or subnet.
     pub fn open(config: NetworkConfig) -> Result<Network> {
         config.validate()?;
+        // Under the state lock: `ensure_infra` holds it while it creates the
+        // bridge and then gives it the gateway address, so a bridge seen here
+        // without its address is never one of ours half-made.
+        let locked = state::lock(&config.state_dir)?;
         if let Some(saved) = NetworkConfig::load(&config.state_dir)? {
             if saved != config {
-                let locked = state::lock(&config.state_dir)?;
                 if !locked.state.boxes.is_empty()
                     && (saved.bridge != config.bridge || saved.subnet != config.subnet)
                 {
@@ -198,6 +201,7 @@ impl Network {
                 )));
             }
         }
+        drop(locked);
         Ok(net)
     }
 
