@@ -113,7 +113,7 @@ for name in "${boxes[@]}"; do
     done
     echo "$name $monitor $init" >>"$groups"
 done
-sleep 1 # let lazily-touched memory settle
+sleep 2 # let lazily-touched memory settle; monitors and inits drop their file pages after 1 s idle
 avail_after=$(mem_available_median)
 box_json=$(python3 "$BENCH_DIR/lib/procmem.py" <"$groups")
 

@@ -39,7 +39,21 @@ fn serve(command: Pid) -> ! {
         // Without a signalfd init cannot see signals: just wait for the command.
         exit_with(crate::process::wait_exit_code(command))
     };
+    let mut dropped_file_pages = false;
     loop {
+        if !dropped_file_pages {
+            use std::os::fd::AsFd;
+            let mut fds = [nix::poll::PollFd::new(
+                sfd.as_fd(),
+                nix::poll::PollFlags::POLLIN,
+            )];
+            let timeout = nix::poll::PollTimeout::from(crate::residency::IDLE_MS_BEFORE_DROP);
+            if nix::poll::poll(&mut fds, timeout).unwrap_or(1) == 0 {
+                crate::residency::drop_file_pages();
+                dropped_file_pages = true;
+                continue;
+            }
+        }
         // A missed read only delays reaping until the next signal.
         if let Ok(Some(info)) = sfd.read_signal() {
             let sig = Signal::try_from(info.ssi_signo as i32).ok();

@@ -21,6 +21,7 @@ pub mod ops;
 pub mod paths;
 pub mod process;
 pub mod registry;
+pub mod residency;
 pub mod size;
 pub mod spec;
 pub mod state;

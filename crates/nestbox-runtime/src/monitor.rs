@@ -523,6 +523,7 @@ fn supervise(record: &BoxRecord, run: &Running, signals: SignalFd, foreground: b
     let mut log = LogWriter::open(&record.log_path()).ok();
     let mut open = [true, true];
     let mut buf = vec![0u8; 64 * 1024];
+    let mut dropped_file_pages = false;
     let mut relay = |which: usize, file: &File, log: &mut Option<LogWriter>| -> bool {
         let stream = if which == 0 {
             Stream::Stdout
@@ -557,8 +558,20 @@ fn supervise(record: &BoxRecord, run: &Running, signals: SignalFd, foreground: b
         if open[1] {
             fds.push(PollFd::new(run.stderr.as_fd(), PollFlags::POLLIN));
         }
-        if poll(&mut fds, PollTimeout::NONE).is_err() {
-            continue;
+        let timeout = if dropped_file_pages {
+            PollTimeout::NONE
+        } else {
+            PollTimeout::from(crate::residency::IDLE_MS_BEFORE_DROP)
+        };
+        match poll(&mut fds, timeout) {
+            Err(_) => continue,
+            Ok(0) => {
+                drop(fds);
+                crate::residency::drop_file_pages();
+                dropped_file_pages = true;
+                continue;
+            }
+            Ok(_) => {}
         }
         let ready: Vec<bool> = fds
             .iter()

@@ -108,6 +108,32 @@ fn detached_run_prints_the_name_and_ps_lists_it() {
 }
 
 #[test]
+fn a_box_idle_long_enough_for_its_monitor_and_init_to_shed_memory_still_works() {
+    let Some(root) = TestRoot::new("lc_idle_shed") else {
+        return;
+    };
+    // Past the idle time after which monitor and init drop their file pages:
+    // both must then still relay output, forward signals, reap and record.
+    root.detached_sh(
+        "lc-idle",
+        &[],
+        "trap 'echo got-term; exit 7' TERM; echo before; sleep 3; echo after; while :; do sleep 0.1; done",
+    );
+    root.wait_log("lc-idle", "after", START);
+    let v = root.inspect("lc-idle");
+    let init = v["state"]["init_pid"].as_i64().expect("init_pid") as i32;
+    let monitor = v["state"]["monitor_pid"].as_i64().expect("monitor_pid") as i32;
+    assert!(pid_alive(init) && pid_alive(monitor), "{v}");
+    root.ok(&["kill", "-s", "TERM", "lc-idle"]);
+    assert_eq!(root.wait_exited("lc-idle", START), 7);
+    let logs = root.ok(&["logs", "lc-idle"]);
+    assert!(
+        logs.contains("before") && logs.contains("after") && logs.contains("got-term"),
+        "{logs}"
+    );
+}
+
+#[test]
 fn inspect_describes_a_running_box() {
     let Some(root) = TestRoot::new("inspect_describes_a_running_box") else {
         return;
