@@ -323,6 +323,33 @@ impl Network {
         self.write_hosts(&locked)
     }
 
+    /// Hand the address and attachment held under id `from` (a pre-attached
+    /// network namespace of a pool) to box `to`, named `names` in the hosts
+    /// file. The veth, class and filter stay as they are: they are found
+    /// through the attachment record, not the id. Returns the attachment as
+    /// the box now holds it.
+    pub fn reassign(&self, from: &str, to: &str, names: &[&str]) -> Result<Attachment> {
+        if let Some(bad) = names.iter().find(|n| !hosts::valid_name(n)) {
+            return Err(NetError::Invalid(format!("invalid host name {bad:?}")).for_box(to));
+        }
+        let mut locked = state::lock(&self.config.state_dir)?;
+        if locked.state.boxes.contains_key(to) {
+            return Err(NetError::Invalid(format!("box {to} already has an address")));
+        }
+        let Some(mut entry) = locked.state.boxes.remove(from) else {
+            return Err(NetError::Invalid(format!("{from} has no address")));
+        };
+        let Some(record) = entry.attachment.clone() else {
+            return Err(NetError::Invalid(format!("{from} is not attached")));
+        };
+        entry.names = names.iter().map(|s| s.to_string()).collect();
+        let attachment = self.attachment_of(to, &entry, &record);
+        locked.state.boxes.insert(to.to_string(), entry);
+        locked.save()?;
+        self.write_hosts(&locked)?;
+        Ok(attachment)
+    }
+
     /// Make the bridge (with the gateway address, forwarding and
     /// `route_localnet` on), the IFB device with its HTB root and link class,
     /// and the NAT table, whichever are missing. Returns the bridge's and the

@@ -489,12 +489,7 @@ pub fn fill_pool(reg: &Registry, template: &str) -> Result<usize> {
 
 /// Refill the pool in a detached process, off the caller's critical path.
 fn spawn_refill(reg: &Registry, template: &str) {
-    // SAFETY: the CLI is single-threaded, so the child may run arbitrary code.
-    if let Ok(nix::unistd::ForkResult::Child) = unsafe { nix::unistd::fork() } {
-        crate::ops::become_daemon();
-        let code = i32::from(fill_pool(reg, template).is_err());
-        std::process::exit(code)
-    }
+    crate::ops::spawn_detached(|| fill_pool(reg, template).map(|_| ()));
 }
 
 /// Refuse, before freezing, a process holding a descriptor no clone rule covers.

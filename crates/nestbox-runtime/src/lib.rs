@@ -17,6 +17,7 @@ pub mod liveness;
 pub mod logs;
 pub mod monitor;
 pub mod network;
+pub mod network_pool;
 pub mod ops;
 pub mod paths;
 pub mod process;

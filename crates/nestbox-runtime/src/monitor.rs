@@ -142,8 +142,26 @@ fn start_inner(
     *cgroup_slot = cgroup.clone();
     // The cgroup is recorded with the Running state below; until then a crash
     // leaves it to `gc`, which finds it by this root's tag in its name.
-    let net = crate::network::Pending::lease(reg.roots(), &record.state.id, spec)?;
-    let net_volumes = net.as_ref().map(|n| n.volumes()).unwrap_or_default();
+    // A namespace from the pool when the box may have one. The pool being
+    // empty or busy is no error, nor is a broken entry (claim removes it): the
+    // box then makes its own namespace.
+    let pooled = if crate::network_pool::eligible(spec) {
+        crate::network_pool::claim(reg.roots(), &record.state.id, &spec.host_names())
+            .unwrap_or(None)
+    } else {
+        None
+    };
+    let net = match pooled {
+        Some(_) => None,
+        None => crate::network::Pending::lease(reg.roots(), &record.state.id, spec)?,
+    };
+    let net_volumes = match (&pooled, &net) {
+        (Some(_), _) => crate::network::view(reg.roots())?
+            .map(|n| crate::network::volumes(&n))
+            .unwrap_or_default(),
+        (None, Some(n)) => n.volumes(),
+        (None, None) => Vec::new(),
+    };
     let mut plan = launch_plan(
         reg,
         record,
@@ -189,12 +207,34 @@ fn start_inner(
     if idmap.is_some() {
         flags |= CloneFlags::CLONE_NEWUSER;
     }
-    let (forked, maps_written) = match &template {
+    // With a pooled namespace the box's first process is forked inside it
+    // rather than into a new one.
+    let host_netns = match &pooled {
+        Some(p) => {
+            flags.remove(CloneFlags::CLONE_NEWNET);
+            Some(crate::network_pool::enter(&p.netns)?)
+        }
+        None => None,
+    };
+    let forked = match &template {
         // A clone's pid namespace must be nested in its template's: that is the
         // only place a process forked from the template can be moved into.
-        Some(t) => fork_nested_in(t, flags, idmap)?,
-        None => (fork_into(flags)?, false),
+        Some(t) => fork_nested_in(t, flags, idmap),
+        None => fork_into(flags)
+            .map(|f| (f, false))
+            .map_err(RuntimeError::from),
     };
+    if let Some(own) = host_netns {
+        if !matches!(forked, Ok((Forked::Child, _))) {
+            let back = crate::network_pool::leave(own);
+            if let (Ok((Forked::Parent(pid), _)), Err(_)) = (&forked, &back) {
+                let _ = kill(pid.to_owned(), Signal::SIGKILL);
+                let _ = waitpid(pid.to_owned(), None);
+            }
+            back?;
+        }
+    }
+    let (forked, maps_written) = forked?;
     let child = match forked {
         Forked::Child => {
             drop((go_w, rep_r, out_r, err_r));
@@ -224,9 +264,10 @@ fn start_inner(
                 .map_err(|e| abandon(RuntimeError::io("write", file)(e)))?;
         }
     }
-    let network = match &net {
-        Some(n) => Some(n.attach(child, spec).map_err(abandon)?),
-        None => None,
+    let network = match (&pooled, &net) {
+        (Some(p), _) => Some(p.attachment.clone()),
+        (None, Some(n)) => Some(n.attach(child, spec).map_err(abandon)?),
+        (None, None) => None,
     };
     let pidfd = crate::process::pidfd_open(child.as_raw()).map_err(abandon)?;
     nix::unistd::write(&go_w, b"g").map_err(|e| abandon(RuntimeError::sys("start box")(e)))?;
@@ -247,6 +288,9 @@ fn start_inner(
         s.network = network.clone();
     })
     .map_err(abandon)?;
+    if crate::network_pool::eligible(spec) {
+        crate::network_pool::spawn_fill(reg.roots());
+    }
     Ok(Running {
         init: child,
         pidfd,

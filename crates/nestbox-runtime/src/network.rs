@@ -23,6 +23,11 @@ pub fn state_dir(roots: &Roots) -> PathBuf {
 /// The runtime state directory of the machine-wide root.
 const SYSTEM_RUN_DIR: &str = "/run/nestbox";
 
+/// Whether `roots` is the machine-wide root.
+pub fn is_system_root(roots: &Roots) -> bool {
+    roots.run == std::path::Path::new(SYSTEM_RUN_DIR)
+}
+
 /// The default network of `roots`. The machine-wide root's is bridge `nbx0` with
 /// IP forwarding (for outbound NAT); any other root (`--root`: tests, nested
 /// nestbox) gets a bridge and a /24 of its own, named after the root's tag, and
@@ -41,7 +46,7 @@ pub fn open(roots: &Roots) -> Result<Network> {
         .map_err(crate::RuntimeError::io("open", &lock_path))?;
     let _guard = nix::fcntl::Flock::lock(lock, nix::fcntl::FlockArg::LockExclusive)
         .map_err(|(_, e)| crate::RuntimeError::sys(format!("flock {}", lock_path.display()))(e))?;
-    let config = if roots.run == std::path::Path::new(SYSTEM_RUN_DIR) {
+    let config = if is_system_root(roots) {
         NetworkConfig::default_in(&dir)?
     } else {
         let tag = roots.tag();
@@ -72,7 +77,11 @@ pub fn remove(roots: &Roots) -> Result<bool> {
         return Ok(false);
     };
     let net = Network::view(config);
-    let leases = net.leases()?;
+    let leases: Vec<_> = net
+        .leases()?
+        .into_iter()
+        .filter(|l| !crate::network_pool::is_pool_id(&l.box_id))
+        .collect();
     if let Some(l) = leases.first() {
         return Err(crate::RuntimeError::Invalid(format!(
             "network {:?} still has {} box(es) (box id {}): remove them first",
@@ -81,8 +90,25 @@ pub fn remove(roots: &Roots) -> Result<bool> {
             l.box_id
         )));
     }
+    crate::network_pool::clear(roots, None)?;
     net.destroy()?;
     Ok(true)
+}
+
+/// `network`'s hosts and resolver files, read-only in a box.
+pub fn volumes(network: &Network) -> Vec<Volume> {
+    vec![
+        Volume {
+            source: network.hosts_path(),
+            target: "/etc/hosts".into(),
+            read_only: true,
+        },
+        Volume {
+            source: network.resolv_path(),
+            target: "/etc/resolv.conf".into(),
+            read_only: true,
+        },
+    ]
 }
 
 /// A leased address, waiting for the box's network namespace.
@@ -100,28 +126,13 @@ impl Pending {
             return Ok(None);
         }
         let network = open(roots)?;
-        let mut names = vec![spec.name.as_str()];
-        if spec.hostname != spec.name {
-            names.push(spec.hostname.as_str());
-        }
-        let lease = network.allocate(box_id, &names)?;
+        let lease = network.allocate(box_id, &spec.host_names())?;
         Ok(Some(Pending { network, lease }))
     }
 
     /// The network's hosts and resolver files, read-only in the box.
     pub fn volumes(&self) -> Vec<Volume> {
-        vec![
-            Volume {
-                source: self.network.hosts_path(),
-                target: "/etc/hosts".into(),
-                read_only: true,
-            },
-            Volume {
-                source: self.network.resolv_path(),
-                target: "/etc/resolv.conf".into(),
-                read_only: true,
-            },
-        ]
+        volumes(&self.network)
     }
 
     /// Connect the network namespace of `pid`; what `inspect` shows of it.
@@ -146,6 +157,7 @@ impl Pending {
 
 /// Release everything box `box_id` holds on its network (idempotent).
 pub fn release(roots: &Roots, box_id: &str) -> Result<()> {
+    crate::network_pool::release(roots, box_id);
     if !state_dir(roots).exists() {
         return Ok(());
     }
@@ -156,6 +168,7 @@ pub fn release(roots: &Roots, box_id: &str) -> Result<()> {
 /// Release what box `box_id`, whose processes have all exited, holds on its
 /// network; its veth pair goes with its network namespace, by the kernel.
 pub fn release_exited(roots: &Roots, box_id: &str) -> Result<()> {
+    crate::network_pool::release(roots, box_id);
     if !state_dir(roots).exists() {
         return Ok(());
     }
@@ -168,6 +181,17 @@ pub fn gc(roots: &Roots, live: &[String]) -> Result<Vec<String>> {
     if !state_dir(roots).exists() {
         return Ok(Vec::new());
     }
-    let live: Vec<&str> = live.iter().map(String::as_str).collect();
+    crate::network_pool::clear(roots, Some(live))?;
+    let mut live: Vec<&str> = live.iter().map(String::as_str).collect();
+    // Namespaces waiting in the pool are no leftovers.
+    let pool_ids = view(roots)?
+        .map(|n| n.leases())
+        .transpose()?
+        .unwrap_or_default()
+        .into_iter()
+        .map(|l| l.box_id)
+        .filter(|id| crate::network_pool::is_pool_id(id))
+        .collect::<Vec<_>>();
+    live.extend(pool_ids.iter().map(String::as_str));
     Ok(open(roots)?.gc(&live)?)
 }

@@ -61,6 +61,18 @@ pub(crate) fn become_daemon() {
     crate::process::stdio_to_dev_null();
 }
 
+/// Run `work` in a detached child process (its own session, stdio on
+/// /dev/null) and return at once; the child exits 0 if `work` succeeds.
+pub(crate) fn spawn_detached(work: impl FnOnce() -> Result<()>) {
+    // SAFETY: the callers (the CLI and a box's monitor) are single-threaded,
+    // so the child may run arbitrary code.
+    if let Ok(nix::unistd::ForkResult::Child) = unsafe { nix::unistd::fork() } {
+        crate::process::close_fds_from(3);
+        become_daemon();
+        std::process::exit(i32::from(work().is_err()))
+    }
+}
+
 fn wait_ready(reg: &Registry, record: &BoxRecord, ready: OwnedFd) -> Result<()> {
     let mut text = String::new();
     let _ = File::from(ready).read_to_string(&mut text);

@@ -34,6 +34,16 @@ pub fn wait_exit_code(pid: Pid) -> i32 {
     }
 }
 
+/// Close every descriptor of this process from `first` on (a forked helper
+/// must not keep its parent's pipes, locks or box descriptors open).
+pub fn close_fds_from(first: u32) {
+    // SAFETY: close_range only closes descriptors of this process; the caller
+    // holds no Rust object owning one of them that it will use again.
+    unsafe {
+        libc::syscall(libc::SYS_close_range, first, u32::MAX, 0u32);
+    }
+}
+
 /// Point stdin, stdout and stderr at `/dev/null` (best effort).
 pub fn stdio_to_dev_null() {
     if let Ok(null) = std::fs::OpenOptions::new()

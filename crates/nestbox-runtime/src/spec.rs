@@ -153,6 +153,16 @@ pub const DEFAULT_PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bi
 pub const MIN_MEMORY: u64 = 6 << 20;
 
 impl BoxSpec {
+    /// The names the box goes by on its network: its name, and its hostname
+    /// when that differs.
+    pub fn host_names(&self) -> Vec<&str> {
+        let mut names = vec![self.name.as_str()];
+        if self.hostname != self.name {
+            names.push(self.hostname.as_str());
+        }
+        names
+    }
+
     /// Check everything that can be checked before creating anything.
     pub fn validate(&self) -> Result<()> {
         validate_name(&self.name)?;

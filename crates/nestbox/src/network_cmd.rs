@@ -1,9 +1,11 @@
-//! `nestbox network ls|inspect`: the box networks of this root (their state
-//! lives under `<lib>/network/<name>/`) and the boxes attached to them.
+//! `nestbox network ls|inspect|rm|pool`: the box networks of this root (their
+//! state lives under `<lib>/network/<name>/`), the boxes attached to them, and
+//! the pool of network namespaces kept ready for new boxes.
 
 use anyhow::{bail, Result};
 use clap::Subcommand;
 use nestbox_net::{list_networks, Network, NetworkConfig};
+use nestbox_runtime::network_pool as pool;
 use nestbox_runtime::registry::Registry;
 use serde_json::{json, Value};
 
@@ -26,14 +28,33 @@ pub enum NetworkCommand {
     /// state); refused while boxes hold addresses on it. It is made again on the
     /// next bridged box.
     Rm,
+    /// Show or set how many network namespaces (veth, address, class) the
+    /// default network keeps ready for new boxes; setting it fills the pool now.
+    Pool {
+        /// The new size (0 turns the pool off).
+        size: Option<usize>,
+    },
 }
 
 /// Run a `network` subcommand.
 pub fn network(reg: &Registry, cmd: NetworkCommand) -> Result<i32> {
     let root = reg.roots().lib.join("network");
+    let roots = reg.roots();
     match cmd {
-        NetworkCommand::Ls { json } => ls(&root, json),
-        NetworkCommand::Inspect { name } => inspect(&root, &name),
+        NetworkCommand::Ls { json } => ls(reg, &root, json),
+        NetworkCommand::Inspect { name } => inspect(reg, &root, &name),
+        NetworkCommand::Pool { size } => {
+            if let Some(n) = size {
+                pool::set_size(roots, n)?;
+                pool::fill(roots)?;
+            }
+            println!(
+                "pool size {}, {} ready",
+                pool::size(roots),
+                pool::ready_count(roots)
+            );
+            Ok(0)
+        }
         NetworkCommand::Rm => {
             if !nestbox_runtime::network::remove(reg.roots())? {
                 println!("no network to remove");
@@ -43,16 +64,21 @@ pub fn network(reg: &Registry, cmd: NetworkCommand) -> Result<i32> {
     }
 }
 
-fn ls(root: &std::path::Path, as_json: bool) -> Result<i32> {
+fn ls(reg: &Registry, root: &std::path::Path, as_json: bool) -> Result<i32> {
     let mut rows = Vec::new();
     for cfg in list_networks(root)? {
-        let boxes = Network::view(cfg.clone()).leases()?.len();
+        let boxes = Network::view(cfg.clone())
+            .leases()?
+            .iter()
+            .filter(|l| !pool::is_pool_id(&l.box_id))
+            .count();
         rows.push(json!({
             "name": cfg.name,
             "bridge": cfg.bridge,
             "subnet": cfg.subnet,
             "link_rate": cfg.link_rate,
             "boxes": boxes,
+            "pool": pool_json(reg),
         }));
     }
     if as_json {
@@ -60,29 +86,40 @@ fn ls(root: &std::path::Path, as_json: bool) -> Result<i32> {
         return Ok(0);
     }
     println!(
-        "{:<16} {:<14} {:<20} {:<12} BOXES",
-        "NAME", "BRIDGE", "SUBNET", "LINK RATE"
+        "{:<16} {:<14} {:<20} {:<12} {:<6} POOL",
+        "NAME", "BRIDGE", "SUBNET", "LINK RATE", "BOXES"
     );
     for r in rows {
         let s = |k: &str| r[k].as_str().unwrap_or_default().to_string();
         println!(
-            "{:<16} {:<14} {:<20} {:<12} {}",
+            "{:<16} {:<14} {:<20} {:<12} {:<6} {}/{}",
             s("name"),
             s("bridge"),
             s("subnet"),
             s("link_rate"),
-            r["boxes"]
+            r["boxes"],
+            r["pool"]["ready"],
+            r["pool"]["size"]
         );
     }
     Ok(0)
 }
 
-fn network_json(net: &Network) -> Result<Value> {
+/// The pool of the root's default network: size and namespaces ready.
+fn pool_json(reg: &Registry) -> Value {
+    json!({
+        "size": pool::size(reg.roots()),
+        "ready": pool::ready_count(reg.roots()),
+    })
+}
+
+fn network_json(reg: &Registry, net: &Network) -> Result<Value> {
     let cfg: &NetworkConfig = net.config();
     let attachments = net.attachments()?;
     let boxes: Vec<Value> = net
         .leases()?
         .into_iter()
+        .filter(|l| !pool::is_pool_id(&l.box_id))
         .map(|lease| {
             match attachments.iter().find(|a| a.lease.box_id == lease.box_id) {
                 Some(a) => serde_json::to_value(a),
@@ -102,14 +139,15 @@ fn network_json(net: &Network) -> Result<Value> {
         "hosts_file": net.hosts_path(),
         "resolv_conf": net.resolv_path(),
         "boxes": boxes,
+        "pool": pool_json(reg),
     }))
 }
 
-fn inspect(root: &std::path::Path, name: &str) -> Result<i32> {
+fn inspect(reg: &Registry, root: &std::path::Path, name: &str) -> Result<i32> {
     let networks = list_networks(root)?;
     if let Some(cfg) = networks.iter().find(|c| c.name == name) {
         let net = Network::view(cfg.clone());
-        println!("{}", serde_json::to_string_pretty(&network_json(&net)?)?);
+        println!("{}", serde_json::to_string_pretty(&network_json(reg, &net)?)?);
         return Ok(0);
     }
     // A box: by id, or by one of the names it was given.

@@ -248,3 +248,132 @@ fn serial_fifty_boxes_up_at_once() {
     args.extend(names.iter().map(String::as_str));
     root.run_timeout(&args, Duration::from_secs(120)).ok();
 }
+
+/// The host-side veths on the root's bridge.
+fn bridge_ports(root: &TestRoot) -> Vec<String> {
+    let net: Value = serde_json::from_str(&root.ok(&["network", "inspect", "default"])).unwrap();
+    let bridge = net["bridge"].as_str().unwrap().to_string();
+    let mut ports: Vec<String> = std::fs::read_dir(format!("/sys/class/net/{bridge}/brif"))
+        .map(|d| {
+            d.flatten()
+                .map(|e| e.file_name().to_string_lossy().to_string())
+                .collect()
+        })
+        .unwrap_or_default();
+    ports.sort();
+    ports
+}
+
+fn pool_ready(root: &TestRoot) -> u64 {
+    let net: Value = serde_json::from_str(&root.ok(&["network", "inspect", "default"])).unwrap();
+    net["pool"]["ready"].as_u64().unwrap()
+}
+
+/// Mounts of this root's network pool still in the host's mount table.
+fn pool_mounts(root: &TestRoot) -> Vec<String> {
+    let pool = root.path().join("run/netpool");
+    std::fs::read_to_string("/proc/self/mountinfo")
+        .unwrap()
+        .lines()
+        .filter(|l| l.contains(pool.to_str().unwrap()))
+        .map(str::to_string)
+        .collect()
+}
+
+#[test]
+fn pooled_namespaces_serve_new_boxes_and_leave_nothing() {
+    let Some(root) = TestRoot::new("pooled_namespaces_serve_new_boxes_and_leave_nothing") else {
+        return;
+    };
+    // Make the network, then a pool of two namespaces, attached ahead of time.
+    root.run(&["run", "--rm", "--", "true"]).ok();
+    wait_for("the first box's veth to go", Duration::from_secs(20), || {
+        bridge_ports(&root).is_empty()
+    });
+    let out = root.ok(&["network", "pool", "2"]);
+    assert!(out.contains("pool size 2, 2 ready"), "{out}");
+    let pooled = bridge_ports(&root);
+    assert_eq!(pooled.len(), 2, "two veths on the bridge: {pooled:?}");
+    assert_eq!(pool_mounts(&root).len(), 2);
+    // `network inspect` lists no box for them.
+    let net: Value = serde_json::from_str(&root.ok(&["network", "inspect", "default"])).unwrap();
+    assert_eq!(net["boxes"].as_array().unwrap().len(), 0, "{net}");
+
+    // A box with the default attachment takes one: its veth is a pooled one.
+    server(&root, "pa", &[], 7002);
+    let veth = host_veth(&root, "pa");
+    assert!(pooled.contains(&veth), "{veth} not one of {pooled:?}");
+    let addr = address(&root, "pa");
+    assert_eq!(host_connect(&addr, 7002), "hello from pa");
+    let out = root
+        .run(&["run", "--rm", "--", "python3", "-c", CLIENT, "pa", "7002"])
+        .ok();
+    assert_eq!(out.stdout.trim(), "hello from pa", "by name from another box");
+    let inside = root
+        .run(&["exec", "pa", "--", "cat", "/sys/class/net/eth0/address"])
+        .ok();
+    assert!(!inside.stdout.trim().is_empty());
+
+    // A box with bandwidth options makes its own namespace.
+    root.run(&[
+        "run", "-d", "--name", "capped", "--net-rate", "50mbit", "--", "sleep", "300",
+    ])
+    .ok();
+    assert!(!pooled.contains(&host_veth(&root, "capped")));
+
+    // The pool is refilled in the background.
+    wait_for("the pool to be refilled", Duration::from_secs(20), || {
+        pool_ready(&root) == 2
+    });
+
+    // A box holding a pooled namespace whose monitor dies is collected by gc,
+    // its namespace mount with it.
+    root.run(&["run", "-d", "--name", "pk", "--", "sleep", "300"])
+        .ok();
+    let v = inspect(&root, "pk");
+    let (monitor, init) = (
+        v["state"]["monitor_pid"].as_i64().unwrap() as i32,
+        v["state"]["init_pid"].as_i64().unwrap() as i32,
+    );
+    // SAFETY: kill has no memory-safety preconditions; the pids are the box's.
+    unsafe {
+        libc::kill(monitor, libc::SIGKILL);
+        libc::kill(init, libc::SIGKILL);
+    }
+    wait_for("the box to be dead", Duration::from_secs(20), || {
+        root.status("pk").as_deref() == Some("dead")
+    });
+    root.ok(&["gc"]);
+    let id = v["id"].as_str().unwrap();
+    assert!(
+        !pool_mounts(&root).iter().any(|m| m.contains(id)),
+        "gc left the namespace mount of {id}: {:?}",
+        pool_mounts(&root)
+    );
+
+    // rm releases the box's veth (with its namespace, by the kernel).
+    root.ok(&["rm", "-f", "pa", "capped"]);
+    wait_for("pa's veth to go", Duration::from_secs(20), || {
+        !std::path::Path::new("/sys/class/net").join(&veth).exists()
+    });
+
+    // Size 0 empties the pool: no veth, mount or lease left.
+    wait_for("the pool to be refilled", Duration::from_secs(20), || {
+        pool_ready(&root) == 2
+    });
+    let out = root.ok(&["network", "pool", "0"]);
+    assert!(out.contains("pool size 0, 0 ready"), "{out}");
+    wait_for("the pool's veths to go", Duration::from_secs(20), || {
+        bridge_ports(&root).is_empty()
+    });
+    assert_eq!(pool_mounts(&root), Vec::<String>::new());
+    let net: Value = serde_json::from_str(&root.ok(&["network", "inspect", "default"])).unwrap();
+    assert_eq!(net["pool"]["ready"], 0, "{net}");
+
+    // Bad size: one line, nothing changed.
+    assert_error(&root.run(&["network", "pool", "1000"]), 125, "too large");
+    // A pool left at removal is removed with the network (the root's cleanup
+    // checks that the bridge and its table are gone).
+    root.ok(&["network", "pool", "1"]);
+    assert_eq!(pool_mounts(&root).len(), 1);
+}

@@ -1,0 +1,329 @@
+//! A pool of network namespaces made ahead of time for bridge-mode boxes, so
+//! that creating the namespace and its veth pair, addressing it and giving it
+//! its bandwidth class (the largest part of a box's network set-up) happen off
+//! the box's start path.
+//!
+//! Each entry is a directory under `RUN/netpool/` holding `ns`, a bind mount of
+//! the namespace (which keeps it alive with no process in it), and `pool-id`,
+//! the id its address is leased under. An entry is made under a `.make-` name
+//! and renamed into place once complete; a box claims one by renaming it to
+//! `box-ID`, takes its address over under its own id and names
+//! ([`nestbox_net::Network::reassign`]), and its first process joins the
+//! namespace instead of creating one. When the box ends the mount is removed
+//! and the kernel destroys the namespace with its veth pair.
+//!
+//! Only boxes with the default attachment (no published port, no rate,
+//! reservation, share or ingress cap) and without a user namespace use the
+//! pool; the others get a namespace of their own at start, as before.
+
+use std::fs;
+use std::os::fd::{AsFd, AsRawFd, OwnedFd};
+use std::path::{Path, PathBuf};
+
+use nix::fcntl::{Flock, FlockArg};
+use nix::mount::{mount, umount2, MntFlags, MsFlags};
+
+use crate::paths::Roots;
+use crate::spec::{BoxSpec, NetworkMode};
+use crate::{Result, RuntimeError};
+
+/// Pool size when none was set: the machine-wide root keeps two namespaces
+/// ready; other roots (`--root`: tests, nested nestbox) keep none unless told.
+const DEFAULT_SIZE_SYSTEM: usize = 2;
+
+/// Largest pool size accepted.
+pub const MAX_SIZE: usize = 64;
+
+const MOUNT_FILE: &str = "ns";
+const ID_FILE: &str = "pool-id";
+const MAKING: &str = ".make-";
+const CLAIMED: &str = "box-";
+
+fn pool_dir(roots: &Roots) -> PathBuf {
+    roots.run.join("netpool")
+}
+
+fn size_file(roots: &Roots) -> PathBuf {
+    roots.lib.join("network-pool-size")
+}
+
+/// The pool size of `roots`' default network.
+pub fn size(roots: &Roots) -> usize {
+    match fs::read_to_string(size_file(roots)) {
+        Ok(s) => s.trim().parse().unwrap_or(0),
+        Err(_) if crate::network::is_system_root(roots) => DEFAULT_SIZE_SYSTEM,
+        Err(_) => 0,
+    }
+}
+
+/// Set the pool size of `roots`' default network (entries beyond it are
+/// removed, missing ones are made by the next [`fill`]).
+pub fn set_size(roots: &Roots, n: usize) -> Result<()> {
+    if n > MAX_SIZE {
+        return Err(RuntimeError::Invalid(format!(
+            "network pool size {n} is too large (at most {MAX_SIZE})"
+        )));
+    }
+    let path = size_file(roots);
+    if let Some(dir) = path.parent() {
+        fs::create_dir_all(dir).map_err(RuntimeError::io("mkdir", dir))?;
+    }
+    fs::write(&path, format!("{n}\n")).map_err(RuntimeError::io("write", &path))?;
+    let _lock = lock(roots, true)?;
+    for entry in ready(roots).into_iter().skip(n) {
+        remove_entry(roots, &entry);
+    }
+    Ok(())
+}
+
+/// Whether a box of `spec` may take a namespace from the pool.
+pub fn eligible(spec: &BoxSpec) -> bool {
+    spec.network.mode == NetworkMode::Bridge
+        && !spec.network.has_bridge_options()
+        && !spec.userns
+        && spec.clone_of.is_none()
+}
+
+fn lock(roots: &Roots, wait: bool) -> Result<Option<Flock<fs::File>>> {
+    let dir = pool_dir(roots);
+    fs::create_dir_all(&dir).map_err(RuntimeError::io("mkdir", &dir))?;
+    let path = dir.join(".lock");
+    let file = fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&path)
+        .map_err(RuntimeError::io("open", &path))?;
+    let how = if wait {
+        FlockArg::LockExclusive
+    } else {
+        FlockArg::LockExclusiveNonblock
+    };
+    match Flock::lock(file, how) {
+        Ok(l) => Ok(Some(l)),
+        Err((_, nix::errno::Errno::EWOULDBLOCK)) if !wait => Ok(None),
+        Err((_, e)) => Err(RuntimeError::sys(format!("flock {}", path.display()))(e)),
+    }
+}
+
+/// Ready entries, oldest name first.
+fn ready(roots: &Roots) -> Vec<PathBuf> {
+    let mut out: Vec<PathBuf> = fs::read_dir(pool_dir(roots))
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter(|e| {
+            let n = e.file_name();
+            let n = n.to_string_lossy();
+            !n.starts_with('.') && !n.starts_with(CLAIMED)
+        })
+        .map(|e| e.path())
+        .collect();
+    out.sort();
+    out
+}
+
+/// How many namespaces are ready.
+pub fn ready_count(roots: &Roots) -> usize {
+    ready(roots).len()
+}
+
+/// Make entries until the pool holds its size; the number made. Stops early,
+/// without error, if the pool is being changed by someone else.
+pub fn fill(roots: &Roots) -> Result<usize> {
+    let mut made = 0;
+    loop {
+        let Some(_lock) = lock(roots, true)? else {
+            return Ok(made);
+        };
+        if ready(roots).len() >= size(roots) {
+            return Ok(made);
+        }
+        make_entry(roots)?;
+        made += 1;
+    }
+}
+
+fn make_entry(roots: &Roots) -> Result<()> {
+    let suffix = crate::registry::new_id();
+    let pool_id = format!("netpool-{suffix}");
+    let dir = pool_dir(roots).join(format!("{MAKING}{suffix}"));
+    let result = (|| -> Result<()> {
+        fs::create_dir(&dir).map_err(RuntimeError::io("mkdir", &dir))?;
+        fs::write(dir.join(ID_FILE), &pool_id).map_err(RuntimeError::io("write", &dir))?;
+        let target = dir.join(MOUNT_FILE);
+        fs::File::create(&target).map_err(RuntimeError::io("create", &target))?;
+        let ns = nestbox_net::netns::create()?;
+        let source = format!("/proc/self/fd/{}", ns.as_raw_fd());
+        mount(
+            Some(source.as_str()),
+            &target,
+            None::<&str>,
+            MsFlags::MS_BIND,
+            None::<&str>,
+        )
+        .map_err(RuntimeError::sys(format!("bind-mount {}", target.display())))?;
+        let network = crate::network::open(roots)?;
+        let lease = network.allocate(&pool_id, &[])?;
+        network.attach(&lease, ns.as_fd(), &nestbox_net::AttachOptions::default())?;
+        let ready = pool_dir(roots).join(&suffix);
+        fs::rename(&dir, &ready).map_err(RuntimeError::io("rename", &dir))
+    })();
+    if result.is_err() {
+        remove_entry(roots, &dir);
+    }
+    result
+}
+
+/// Undo an entry: its lease and attachment, its mount (the namespace and veth
+/// go with it) and its directory. Best effort.
+fn remove_entry(roots: &Roots, dir: &Path) {
+    if let Ok(id) = fs::read_to_string(dir.join(ID_FILE)) {
+        if let Ok(Some(net)) = crate::network::view(roots) {
+            let _ = net.detach_exited(id.trim());
+        }
+    }
+    let target = dir.join(MOUNT_FILE);
+    let _ = umount2(&target, MntFlags::MNT_DETACH);
+    let _ = fs::remove_file(&target);
+    let _ = fs::remove_file(dir.join(ID_FILE));
+    let _ = fs::remove_dir(dir);
+}
+
+/// A namespace taken from the pool by a box.
+#[derive(Debug)]
+pub struct Claimed {
+    /// The network namespace, for the box's first process to join.
+    pub netns: OwnedFd,
+    /// What `inspect` shows of the box's network.
+    pub attachment: serde_json::Value,
+}
+
+/// Take a ready namespace for box `box_id`, named `names` on the network.
+/// `None` when the pool is empty or busy (being filled or changed): the box
+/// then makes its own.
+pub fn claim(roots: &Roots, box_id: &str, names: &[&str]) -> Result<Option<Claimed>> {
+    if !pool_dir(roots).exists() {
+        return Ok(None);
+    }
+    let Some(_lock) = lock(roots, false)? else {
+        return Ok(None);
+    };
+    let Some(entry) = ready(roots).into_iter().next() else {
+        return Ok(None);
+    };
+    let claimed = pool_dir(roots).join(format!("{CLAIMED}{box_id}"));
+    fs::rename(&entry, &claimed).map_err(RuntimeError::io("rename", &entry))?;
+    let result = (|| -> Result<Claimed> {
+        let pool_id = fs::read_to_string(claimed.join(ID_FILE))
+            .map_err(RuntimeError::io("read", &claimed))?;
+        let target = claimed.join(MOUNT_FILE);
+        let netns: OwnedFd = fs::File::open(&target)
+            .map_err(RuntimeError::io("open", &target))?
+            .into();
+        let net = crate::network::view(roots)?.ok_or_else(|| {
+            RuntimeError::Invalid("the network of the pool is gone".to_string())
+        })?;
+        let attachment = net.reassign(pool_id.trim(), box_id, names)?;
+        Ok(Claimed {
+            netns,
+            attachment: serde_json::to_value(&attachment).unwrap_or_default(),
+        })
+    })();
+    match result {
+        Ok(c) => Ok(Some(c)),
+        Err(e) => {
+            remove_entry(roots, &claimed);
+            Err(e)
+        }
+    }
+}
+
+/// Remove the pool namespace box `box_id` holds, if any (its end, or its start
+/// failed): the kernel then destroys the namespace and its veth.
+pub fn release(roots: &Roots, box_id: &str) {
+    let dir = pool_dir(roots).join(format!("{CLAIMED}{box_id}"));
+    if dir.exists() {
+        let target = dir.join(MOUNT_FILE);
+        let _ = umount2(&target, MntFlags::MNT_DETACH);
+        let _ = fs::remove_file(&target);
+        let _ = fs::remove_file(dir.join(ID_FILE));
+        let _ = fs::remove_dir(&dir);
+    }
+}
+
+/// Remove every entry, ready, half-made or held by a box not in `live`
+/// (`None`: every entry whatever its box). Returns how many were removed.
+pub fn clear(roots: &Roots, live: Option<&[String]>) -> Result<usize> {
+    if !pool_dir(roots).exists() {
+        return Ok(0);
+    }
+    let lock = lock(roots, true)?;
+    let mut removed = 0;
+    for e in fs::read_dir(pool_dir(roots)).into_iter().flatten().flatten() {
+        let name = e.file_name().to_string_lossy().to_string();
+        if name == ".lock" {
+            continue;
+        }
+        if let (Some(id), Some(live)) = (name.strip_prefix(CLAIMED), live) {
+            if live.iter().any(|l| l == id) {
+                continue;
+            }
+        }
+        remove_entry(roots, &e.path());
+        removed += 1;
+    }
+    if live.is_none() {
+        drop(lock);
+        let _ = fs::remove_file(pool_dir(roots).join(".lock"));
+        let _ = fs::remove_dir(pool_dir(roots));
+    }
+    Ok(removed)
+}
+
+/// The pool ids still holding addresses (for refusing `network rm` only for
+/// boxes, not for the pool).
+pub fn is_pool_id(id: &str) -> bool {
+    id.starts_with("netpool-")
+}
+
+/// How long a refill waits before it starts: boxes often start in bursts, and
+/// making a namespace takes the kernel's network lock (RTNL), which the boxes
+/// of the burst need too.
+const REFILL_DELAY: std::time::Duration = std::time::Duration::from_millis(100);
+
+/// Refill the pool in a detached process, off the caller's path: it waits
+/// [`REFILL_DELAY`] and runs under SCHED_IDLE, so that it takes no CPU time
+/// from the box that just started or from the next ones. On a machine with no
+/// idle time the pool stays empty and boxes make their own namespaces.
+pub fn spawn_fill(roots: &Roots) {
+    if ready_count(roots) >= size(roots) {
+        return;
+    }
+    crate::ops::spawn_detached(|| {
+        let param = libc::sched_param { sched_priority: 0 };
+        // SAFETY: sets this (new, single-threaded) process's own scheduling
+        // policy; `param` is a valid sched_param for SCHED_IDLE.
+        unsafe { libc::sched_setscheduler(0, libc::SCHED_IDLE, &param) };
+        std::thread::sleep(REFILL_DELAY);
+        fill(roots).map(|_| ())
+    });
+}
+
+/// Join `netns` on the calling thread and return the namespace it was in, for
+/// [`leave`]. A process forked meanwhile starts in `netns`.
+pub fn enter(netns: &OwnedFd) -> Result<OwnedFd> {
+    let own: OwnedFd = fs::File::open("/proc/thread-self/ns/net")
+        .map_err(RuntimeError::io("open", "/proc/thread-self/ns/net"))?
+        .into();
+    nix::sched::setns(netns.as_fd(), nix::sched::CloneFlags::CLONE_NEWNET)
+        .map_err(RuntimeError::sys("setns(CLONE_NEWNET) into a pooled namespace"))?;
+    Ok(own)
+}
+
+/// Return to the namespace [`enter`] left; without it every later netlink call
+/// of this process would act on the box's namespace.
+pub fn leave(own: OwnedFd) -> Result<()> {
+    nix::sched::setns(own.as_fd(), nix::sched::CloneFlags::CLONE_NEWNET)
+        .map_err(RuntimeError::sys("setns(CLONE_NEWNET) back to the host's namespace"))
+}
