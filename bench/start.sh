@@ -28,19 +28,23 @@ source "$(dirname "${BASH_SOURCE[0]}")/lib/runc-bundle.sh"
 N=${N:-200}
 WARMUP=${WARMUP:-10}
 NESTBOX_RUN_FLAGS=${NESTBOX_RUN_FLAGS---rm}
-read -r -a benches <<<"${BENCHES:-nestbox nestbox-none runc bwrap}"
+PAUSE=${PAUSE:-0.05}
+POOL=${POOL:-4}
+read -r -a benches <<<"${BENCHES:-nestbox nestbox-pool nestbox-none runc bwrap}"
 
 require_root
 command -v python3 >/dev/null || die "python3 missing (run bench/setup.sh)"
 
 work=$(make_tmpdir nestbox-bench-start)
 nb_root=$work/nestbox-root
+nb_pool_root=$work/nestbox-pool-root
 runc_root=$work/runc-state
 bundle=$work/bundle
 
 cleanup() {
     local status=$? name id
     nestbox_clean_root "$nb_root"
+    nestbox_clean_root "$nb_pool_root"
     if [[ -d $runc_root ]]; then
         while read -r id; do
             [[ -z $id ]] || runc --root "$runc_root" delete -f "$id" >/dev/null 2>&1 || true
@@ -58,6 +62,11 @@ for b in "${benches[@]}"; do
     nestbox)
         require_nestbox "$nb_root"
         args+=(--bench nestbox "$NESTBOX --root $nb_root run $NESTBOX_RUN_FLAGS -- /bin/true")
+        ;;
+    nestbox-pool)
+        require_nestbox "$nb_pool_root"
+        "$NESTBOX" --root "$nb_pool_root" network pool "$POOL" >/dev/null
+        args+=(--bench nestbox-pool "$NESTBOX --root $nb_pool_root run $NESTBOX_RUN_FLAGS -- /bin/true")
         ;;
     nestbox-none)
         require_nestbox "$nb_root"
@@ -81,7 +90,7 @@ for b in "${benches[@]}"; do
         bw+=(--proc /proc --dev /dev /bin/true)
         args+=(--bench bwrap "${bw[*]}")
         ;;
-    *) die "unknown benchmark '$b' in BENCHES (nestbox, nestbox-none, runc, bwrap)" ;;
+    *) die "unknown benchmark '$b' in BENCHES (nestbox, nestbox-pool, nestbox-none, runc, bwrap)" ;;
     esac
 done
 ((${#args[@]})) || die "BENCHES is empty"
@@ -89,7 +98,7 @@ done
 log "start latency: ${benches[*]}; N=$N, warm-up $WARMUP each, interleaved"
 mkdir -p "$RESULTS_DIR"
 table=$(python3 "$BENCH_DIR/lib/timing.py" --runs "$N" --warmup "$WARMUP" \
-    --out "$RESULTS_DIR" --tag start "${args[@]}")
+    --pause "$PAUSE" --out "$RESULTS_DIR" --tag start "${args[@]}")
 
 # Everything must have cleaned up after itself.
 if [[ " ${benches[*]} " == *" nestbox"* && " $NESTBOX_RUN_FLAGS " == *" --rm "* ]]; then

@@ -111,6 +111,7 @@ def main() -> int:
     ap.add_argument("--timeout", type=float, default=60.0, help="seconds before one run counts as failed")
     ap.add_argument("--out", type=Path, help="directory for raw samples and the JSON summary")
     ap.add_argument("--tag", default="timing", help="file name prefix in --out")
+    ap.add_argument("--pause", type=float, default=0.0, help="seconds of idle time before every run (all commands alike)")
     ap.add_argument("--bench", nargs=2, action="append", metavar=("NAME", "COMMAND"), required=True)
     args = ap.parse_args()
 
@@ -129,6 +130,8 @@ def main() -> int:
         for rnd in range(total_rounds):
             for name in names:
                 counter += 1
+                if args.pause > 0:
+                    time.sleep(args.pause)
                 ns = run_once(name, templates[name], counter, args.timeout)
                 if rnd >= args.warmup:
                     samples[name].append(ns)
@@ -154,6 +157,7 @@ def main() -> int:
             "runs": args.runs,
             "warmup": args.warmup,
             "order": "interleaved round-robin",
+            "pause_s": args.pause,
             "commands": {name: " ".join(shlex.quote(a) for a in templates[name]) for name in names},
             "stats": stats,
             "median_ratios": ratios,

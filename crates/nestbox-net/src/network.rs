@@ -334,7 +334,9 @@ impl Network {
         }
         let mut locked = state::lock(&self.config.state_dir)?;
         if locked.state.boxes.contains_key(to) {
-            return Err(NetError::Invalid(format!("box {to} already has an address")));
+            return Err(NetError::Invalid(format!(
+                "box {to} already has an address"
+            )));
         }
         let Some(mut entry) = locked.state.boxes.remove(from) else {
             return Err(NetError::Invalid(format!("{from} has no address")));

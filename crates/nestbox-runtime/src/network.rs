@@ -90,8 +90,7 @@ pub fn remove(roots: &Roots) -> Result<bool> {
             l.box_id
         )));
     }
-    crate::network_pool::clear(roots, None)?;
-    net.destroy()?;
+    crate::network_pool::remove_with(roots, || Ok(net.destroy()?))?;
     Ok(true)
 }
 
@@ -181,7 +180,7 @@ pub fn gc(roots: &Roots, live: &[String]) -> Result<Vec<String>> {
     if !state_dir(roots).exists() {
         return Ok(Vec::new());
     }
-    crate::network_pool::clear(roots, Some(live))?;
+    crate::network_pool::clear(roots, live)?;
     let mut live: Vec<&str> = live.iter().map(String::as_str).collect();
     // Namespaces waiting in the pool are no leftovers.
     let pool_ids = view(roots)?

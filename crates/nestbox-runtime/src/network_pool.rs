@@ -136,7 +136,8 @@ pub fn fill(roots: &Roots) -> Result<usize> {
         let Some(_lock) = lock(roots, true)? else {
             return Ok(made);
         };
-        if ready(roots).len() >= size(roots) {
+        // The network was removed (`network rm`): its pool with it.
+        if ready(roots).len() >= size(roots) || crate::network::view(roots)?.is_none() {
             return Ok(made);
         }
         make_entry(roots)?;
@@ -162,7 +163,10 @@ fn make_entry(roots: &Roots) -> Result<()> {
             MsFlags::MS_BIND,
             None::<&str>,
         )
-        .map_err(RuntimeError::sys(format!("bind-mount {}", target.display())))?;
+        .map_err(RuntimeError::sys(format!(
+            "bind-mount {}",
+            target.display()
+        )))?;
         let network = crate::network::open(roots)?;
         let lease = network.allocate(&pool_id, &[])?;
         network.attach(&lease, ns.as_fd(), &nestbox_net::AttachOptions::default())?;
@@ -221,9 +225,8 @@ pub fn claim(roots: &Roots, box_id: &str, names: &[&str]) -> Result<Option<Claim
         let netns: OwnedFd = fs::File::open(&target)
             .map_err(RuntimeError::io("open", &target))?
             .into();
-        let net = crate::network::view(roots)?.ok_or_else(|| {
-            RuntimeError::Invalid("the network of the pool is gone".to_string())
-        })?;
+        let net = crate::network::view(roots)?
+            .ok_or_else(|| RuntimeError::Invalid("the network of the pool is gone".to_string()))?;
         let attachment = net.reassign(pool_id.trim(), box_id, names)?;
         Ok(Claimed {
             netns,
@@ -252,15 +255,23 @@ pub fn release(roots: &Roots, box_id: &str) {
     }
 }
 
-/// Remove every entry, ready, half-made or held by a box not in `live`
-/// (`None`: every entry whatever its box). Returns how many were removed.
-pub fn clear(roots: &Roots, live: Option<&[String]>) -> Result<usize> {
+/// Remove every entry that is ready, half-made, or held by a box not in
+/// `live`. Returns how many were removed.
+pub fn clear(roots: &Roots, live: &[String]) -> Result<usize> {
     if !pool_dir(roots).exists() {
         return Ok(0);
     }
-    let lock = lock(roots, true)?;
+    let _lock = lock(roots, true)?;
+    Ok(clear_locked(roots, Some(live)))
+}
+
+fn clear_locked(roots: &Roots, live: Option<&[String]>) -> usize {
     let mut removed = 0;
-    for e in fs::read_dir(pool_dir(roots)).into_iter().flatten().flatten() {
+    for e in fs::read_dir(pool_dir(roots))
+        .into_iter()
+        .flatten()
+        .flatten()
+    {
         let name = e.file_name().to_string_lossy().to_string();
         if name == ".lock" {
             continue;
@@ -273,12 +284,19 @@ pub fn clear(roots: &Roots, live: Option<&[String]>) -> Result<usize> {
         remove_entry(roots, &e.path());
         removed += 1;
     }
-    if live.is_none() {
-        drop(lock);
-        let _ = fs::remove_file(pool_dir(roots).join(".lock"));
-        let _ = fs::remove_dir(pool_dir(roots));
-    }
-    Ok(removed)
+    removed
+}
+
+/// Remove the whole pool and then, still holding the pool's lock so that no
+/// refill can make an entry meanwhile, run `remove_network`.
+pub fn remove_with(roots: &Roots, remove_network: impl FnOnce() -> Result<()>) -> Result<()> {
+    let lock = lock(roots, true)?;
+    clear_locked(roots, None);
+    remove_network()?;
+    drop(lock);
+    let _ = fs::remove_file(pool_dir(roots).join(".lock"));
+    let _ = fs::remove_dir(pool_dir(roots));
+    Ok(())
 }
 
 /// The pool ids still holding addresses (for refusing `network rm` only for
@@ -316,14 +334,16 @@ pub fn enter(netns: &OwnedFd) -> Result<OwnedFd> {
     let own: OwnedFd = fs::File::open("/proc/thread-self/ns/net")
         .map_err(RuntimeError::io("open", "/proc/thread-self/ns/net"))?
         .into();
-    nix::sched::setns(netns.as_fd(), nix::sched::CloneFlags::CLONE_NEWNET)
-        .map_err(RuntimeError::sys("setns(CLONE_NEWNET) into a pooled namespace"))?;
+    nix::sched::setns(netns.as_fd(), nix::sched::CloneFlags::CLONE_NEWNET).map_err(
+        RuntimeError::sys("setns(CLONE_NEWNET) into a pooled namespace"),
+    )?;
     Ok(own)
 }
 
 /// Return to the namespace [`enter`] left; without it every later netlink call
 /// of this process would act on the box's namespace.
 pub fn leave(own: OwnedFd) -> Result<()> {
-    nix::sched::setns(own.as_fd(), nix::sched::CloneFlags::CLONE_NEWNET)
-        .map_err(RuntimeError::sys("setns(CLONE_NEWNET) back to the host's namespace"))
+    nix::sched::setns(own.as_fd(), nix::sched::CloneFlags::CLONE_NEWNET).map_err(RuntimeError::sys(
+        "setns(CLONE_NEWNET) back to the host's namespace",
+    ))
 }

@@ -46,7 +46,11 @@ pub fn network(reg: &Registry, cmd: NetworkCommand) -> Result<i32> {
         NetworkCommand::Pool { size } => {
             if let Some(n) = size {
                 pool::set_size(roots, n)?;
-                pool::fill(roots)?;
+                if n > 0 {
+                    // The pool belongs to the default network: make it if needed.
+                    nestbox_runtime::network::open(roots)?;
+                    pool::fill(roots)?;
+                }
             }
             println!(
                 "pool size {}, {} ready",
@@ -147,7 +151,10 @@ fn inspect(reg: &Registry, root: &std::path::Path, name: &str) -> Result<i32> {
     let networks = list_networks(root)?;
     if let Some(cfg) = networks.iter().find(|c| c.name == name) {
         let net = Network::view(cfg.clone());
-        println!("{}", serde_json::to_string_pretty(&network_json(reg, &net)?)?);
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&network_json(reg, &net)?)?
+        );
         return Ok(0);
     }
     // A box: by id, or by one of the names it was given.

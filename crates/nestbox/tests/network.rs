@@ -287,9 +287,11 @@ fn pooled_namespaces_serve_new_boxes_and_leave_nothing() {
     };
     // Make the network, then a pool of two namespaces, attached ahead of time.
     root.run(&["run", "--rm", "--", "true"]).ok();
-    wait_for("the first box's veth to go", Duration::from_secs(20), || {
-        bridge_ports(&root).is_empty()
-    });
+    wait_for(
+        "the first box's veth to go",
+        Duration::from_secs(20),
+        || bridge_ports(&root).is_empty(),
+    );
     let out = root.ok(&["network", "pool", "2"]);
     assert!(out.contains("pool size 2, 2 ready"), "{out}");
     let pooled = bridge_ports(&root);
@@ -308,7 +310,11 @@ fn pooled_namespaces_serve_new_boxes_and_leave_nothing() {
     let out = root
         .run(&["run", "--rm", "--", "python3", "-c", CLIENT, "pa", "7002"])
         .ok();
-    assert_eq!(out.stdout.trim(), "hello from pa", "by name from another box");
+    assert_eq!(
+        out.stdout.trim(),
+        "hello from pa",
+        "by name from another box"
+    );
     let inside = root
         .run(&["exec", "pa", "--", "cat", "/sys/class/net/eth0/address"])
         .ok();
@@ -316,7 +322,15 @@ fn pooled_namespaces_serve_new_boxes_and_leave_nothing() {
 
     // A box with bandwidth options makes its own namespace.
     root.run(&[
-        "run", "-d", "--name", "capped", "--net-rate", "50mbit", "--", "sleep", "300",
+        "run",
+        "-d",
+        "--name",
+        "capped",
+        "--net-rate",
+        "50mbit",
+        "--",
+        "sleep",
+        "300",
     ])
     .ok();
     assert!(!pooled.contains(&host_veth(&root, "capped")));
