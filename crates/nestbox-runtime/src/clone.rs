@@ -72,7 +72,7 @@ pub fn clone_template(reg: &Registry, template: &str, req: &CloneRequest) -> Res
         ));
     }
     check_capacity(req.count, req.limits.as_ref().unwrap_or(&t.spec.limits))?;
-    let names = clone_names(reg, req)?;
+    let names = clone_names(reg, &t, req)?;
     let mut made = Vec::new();
     let mut rest = Vec::new();
     for name in names {
@@ -118,10 +118,16 @@ fn fork_fresh(reg: &Registry, t: &BoxRecord, req: &CloneRequest) -> Result<Vec<C
     result
 }
 
-fn clone_names(reg: &Registry, req: &CloneRequest) -> Result<Vec<String>> {
+/// The name prefix of template box `t`'s pooled clones: a claim finds them by
+/// their directory names, without reading any other record.
+fn pool_prefix(t: &BoxRecord) -> String {
+    format!("pool.{}.", t.state.id)
+}
+
+fn clone_names(reg: &Registry, t: &BoxRecord, req: &CloneRequest) -> Result<Vec<String>> {
     if req.pooled {
         return Ok((0..req.count)
-            .map(|_| format!("pool.{}", crate::registry::new_id()))
+            .map(|_| format!("{}{}", pool_prefix(t), crate::registry::new_id()))
             .collect());
     }
     if !req.names.is_empty() {
@@ -380,12 +386,12 @@ fn clone_lock(t: &BoxRecord) -> Result<nix::fcntl::Flock<File>> {
 }
 
 /// The pooled clones of template box `box_name` whose process lives.
-pub fn pooled_of(reg: &Registry, box_name: &str) -> Result<Vec<BoxRecord>> {
+pub fn pooled_of(reg: &Registry, t: &BoxRecord) -> Result<Vec<BoxRecord>> {
     Ok(reg
-        .list()?
+        .list_prefixed(&pool_prefix(t))?
         .into_iter()
         .filter(|r| {
-            crate::template::is_clone_of(r, box_name)
+            crate::template::is_clone_of(r, t.name())
                 && r.state
                     .clone
                     .as_ref()
@@ -403,7 +409,7 @@ fn claim_pooled(
     name: &str,
     req: &CloneRequest,
 ) -> Result<Option<Cloned>> {
-    for candidate in pooled_of(reg, t.name())? {
+    for candidate in pooled_of(reg, t)? {
         let record = match reg.rename(candidate.name(), name) {
             Ok(r) => r,
             Err(RuntimeError::NoSuchBox(_)) => continue,
@@ -429,22 +435,17 @@ fn finish_claim(reg: &Registry, record: &BoxRecord, name: &str, req: &CloneReque
         .state
         .init
         .ok_or_else(|| RuntimeError::NotRunning(name.to_string()))?;
-    set_hostname_in(init.pid, name)?;
-    if record.spec.network.mode == crate::spec::NetworkMode::Bridge {
-        if let Some(net) = crate::network::view(reg.roots())? {
-            net.rename(&record.state.id, &[name])?;
-        }
-    }
-    let state = reg.update(name, |s| {
-        if let Some(c) = s.clone.as_mut() {
-            c.pooled = false;
-        }
-    })?;
-    let pid = state
+    let pid = record
+        .state
         .clone
+        .as_ref()
         .and_then(|c| c.process)
         .ok_or_else(|| RuntimeError::NotRunning(name.to_string()))?
         .pid;
+    // Its identity first (the process may read its hostname at once), then it
+    // goes on; what others see of it (its name on the network, its record)
+    // follows while it already runs.
+    set_hostname_in(init.pid, name)?;
     let pid_t = Pid::from_raw(pid);
     nix::sys::signal::kill(pid_t, Signal::SIGCONT)
         .map_err(RuntimeError::sys(format!("wake clone {name:?}")))?;
@@ -452,6 +453,16 @@ fn finish_claim(reg: &Registry, record: &BoxRecord, name: &str, req: &CloneReque
         nix::sys::signal::kill(pid_t, sig)
             .map_err(RuntimeError::sys(format!("signal clone {name:?}")))?;
     }
+    if record.spec.network.mode == crate::spec::NetworkMode::Bridge {
+        if let Some(net) = crate::network::view(reg.roots())? {
+            net.rename(&record.state.id, &[name])?;
+        }
+    }
+    reg.update(name, |s| {
+        if let Some(c) = s.clone.as_mut() {
+            c.pooled = false;
+        }
+    })?;
     Ok(pid)
 }
 
@@ -474,7 +485,7 @@ fn set_hostname_in(pid: i32, name: &str) -> Result<()> {
 pub fn fill_pool(reg: &Registry, template: &str) -> Result<usize> {
     let t = crate::template::load_frozen(reg, template)?;
     let want = t.state.template.as_ref().map(|i| i.pool).unwrap_or(0);
-    let have = pooled_of(reg, t.name())?.len();
+    let have = pooled_of(reg, &t)?.len();
     if have >= want {
         return Ok(have);
     }
@@ -487,9 +498,10 @@ pub fn fill_pool(reg: &Registry, template: &str) -> Result<usize> {
     Ok(want)
 }
 
-/// Refill the pool in a detached process, off the caller's critical path.
+/// Refill the pool in a detached process, off the caller's critical path (see
+/// [`crate::ops::spawn_refill`]: delayed, at idle priority).
 fn spawn_refill(reg: &Registry, template: &str) {
-    crate::ops::spawn_detached(|| fill_pool(reg, template).map(|_| ()));
+    crate::ops::spawn_refill(|| fill_pool(reg, template).map(|_| ()));
 }
 
 /// Refuse, before freezing, a process holding a descriptor no clone rule covers.

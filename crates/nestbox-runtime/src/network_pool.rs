@@ -305,27 +305,13 @@ pub fn is_pool_id(id: &str) -> bool {
     id.starts_with("netpool-")
 }
 
-/// How long a refill waits before it starts: boxes often start in bursts, and
-/// making a namespace takes the kernel's network lock (RTNL), which the boxes
-/// of the burst need too.
-const REFILL_DELAY: std::time::Duration = std::time::Duration::from_millis(100);
-
-/// Refill the pool in a detached process, off the caller's path: it waits
-/// [`REFILL_DELAY`] and runs under SCHED_IDLE, so that it takes no CPU time
-/// from the box that just started or from the next ones. On a machine with no
-/// idle time the pool stays empty and boxes make their own namespaces.
+/// Refill the pool in a detached process, off the caller's path (see
+/// [`crate::ops::spawn_refill`]: delayed, at idle priority).
 pub fn spawn_fill(roots: &Roots) {
     if ready_count(roots) >= size(roots) {
         return;
     }
-    crate::ops::spawn_detached(|| {
-        let param = libc::sched_param { sched_priority: 0 };
-        // SAFETY: sets this (new, single-threaded) process's own scheduling
-        // policy; `param` is a valid sched_param for SCHED_IDLE.
-        unsafe { libc::sched_setscheduler(0, libc::SCHED_IDLE, &param) };
-        std::thread::sleep(REFILL_DELAY);
-        fill(roots).map(|_| ())
-    });
+    crate::ops::spawn_refill(|| fill(roots).map(|_| ()));
 }
 
 /// Join `netns` on the calling thread and return the namespace it was in, for

@@ -61,14 +61,29 @@ pub(crate) fn become_daemon() {
     crate::process::stdio_to_dev_null();
 }
 
-/// Run `work` in a detached child process (its own session, stdio on
-/// /dev/null) and return at once; the child exits 0 if `work` succeeds.
-pub(crate) fn spawn_detached(work: impl FnOnce() -> Result<()>) {
+/// How long a pool refill waits before it starts: boxes and clones often come
+/// in bursts, and a refill takes locks (the kernel's RTNL for a network
+/// namespace, a template's clone lock and a ptrace stop for a clone) and CPU
+/// time that the next requests of the burst need.
+const REFILL_DELAY: Duration = Duration::from_millis(100);
+
+/// Run the pool refill `work` in a detached child process (its own session,
+/// stdio on /dev/null, none of the caller's descriptors) and return at once.
+/// The child waits [`REFILL_DELAY`] and runs under SCHED_IDLE, so it takes no
+/// CPU time from the request that drew from the pool or from the next ones; on
+/// a machine with no idle time the pool stays empty and requests are served
+/// the slow way. The child exits 0 if `work` succeeds.
+pub(crate) fn spawn_refill(work: impl FnOnce() -> Result<()>) {
     // SAFETY: the callers (the CLI and a box's monitor) are single-threaded,
     // so the child may run arbitrary code.
     if let Ok(nix::unistd::ForkResult::Child) = unsafe { nix::unistd::fork() } {
         crate::process::close_fds_from(3);
         become_daemon();
+        let param = libc::sched_param { sched_priority: 0 };
+        // SAFETY: sets this (new, single-threaded) process's own scheduling
+        // policy; `param` is a valid sched_param for SCHED_IDLE.
+        unsafe { libc::sched_setscheduler(0, libc::SCHED_IDLE, &param) };
+        std::thread::sleep(REFILL_DELAY);
         std::process::exit(i32::from(work().is_err()))
     }
 }

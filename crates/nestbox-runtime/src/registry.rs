@@ -226,6 +226,31 @@ impl Registry {
         Ok(out)
     }
 
+    /// The records whose names start with `prefix`, found by their directory
+    /// names alone (no other record is read).
+    pub fn list_prefixed(&self, prefix: &str) -> Result<Vec<BoxRecord>> {
+        let boxes = self.roots.boxes();
+        let entries = match fs::read_dir(&boxes) {
+            Ok(e) => e,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(vec![]),
+            Err(e) => return Err(RuntimeError::io("list", &boxes)(e)),
+        };
+        let mut out = Vec::new();
+        for entry in entries.flatten() {
+            let name = entry.file_name().to_string_lossy().to_string();
+            if !name.starts_with(prefix) {
+                continue;
+            }
+            match self.load(&name) {
+                Ok(r) => out.push(r),
+                Err(RuntimeError::NoSuchBox(_)) => continue,
+                Err(e) => return Err(e),
+            }
+        }
+        out.sort_by(|a, b| a.state.created_at.total_cmp(&b.state.created_at));
+        Ok(out)
+    }
+
     /// Take the exclusive lock of `name`'s record.
     pub fn lock(&self, name: &str) -> Result<BoxLock> {
         let path = self.roots.box_run(name).join("lock");

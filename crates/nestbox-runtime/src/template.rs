@@ -303,7 +303,7 @@ pub fn list(reg: &Registry) -> Result<Vec<TemplateSummary>> {
             box_name: record.name().to_string(),
             pid: t.process.pid,
             clones: clones_of(reg, record.name())?.len(),
-            pooled: crate::clone::pooled_of(reg, record.name())?.len(),
+            pooled: crate::clone::pooled_of(reg, &record)?.len(),
             removed: t.removed,
         });
     }
@@ -325,7 +325,7 @@ pub fn remove(reg: &Registry, name: &str) -> Result<()> {
 /// Remove a template box (from `rm -f` or `template rm`).
 pub fn remove_box(reg: &Registry, record: &BoxRecord) -> Result<()> {
     let box_name = record.name();
-    for pooled in crate::clone::pooled_of(reg, box_name)? {
+    for pooled in crate::clone::pooled_of(reg, record)? {
         crate::ops::remove(reg, pooled.name(), true)?;
     }
     if clones_of(reg, box_name)?.is_empty() {
