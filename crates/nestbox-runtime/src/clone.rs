@@ -118,6 +118,11 @@ fn fork_fresh(reg: &Registry, t: &BoxRecord, req: &CloneRequest) -> Result<Vec<C
     result
 }
 
+/// Where template box `t`'s clones' working set is recorded.
+fn working_set_file(reg: &Registry, t: &BoxRecord) -> std::path::PathBuf {
+    reg.roots().box_run(t.name()).join("working-set")
+}
+
 /// The name prefix of template box `t`'s pooled clones: a claim finds them by
 /// their directory names, without reading any other record.
 fn pool_prefix(t: &BoxRecord) -> String {
@@ -280,7 +285,26 @@ fn fork_into_shells(
     let forked = forked?;
     refrozen?;
     detached.map_err(|e| remote_error(t.name(), e))?;
+    if req.pooled {
+        let file = working_set_file(reg, t);
+        for c in &forked {
+            prefetch_when_stopped(&file, c.pid);
+        }
+    }
     Ok(forked)
+}
+
+/// Copy a pooled clone's recorded working set once it has stopped (best
+/// effort: a clone that does not stop within 100 ms is left as it is).
+fn prefetch_when_stopped(file: &std::path::Path, pid: i32) {
+    let deadline = std::time::Instant::now() + Duration::from_millis(100);
+    while !crate::working_set::is_stopped(pid) {
+        if std::time::Instant::now() > deadline {
+            return;
+        }
+        std::thread::sleep(Duration::from_micros(200));
+    }
+    let _ = crate::working_set::prefetch(file, pid);
 }
 
 fn remote_error(template: &str, e: nestbox_remote::RemoteError) -> RuntimeError {
@@ -488,6 +512,16 @@ pub fn fill_pool(reg: &Registry, template: &str) -> Result<usize> {
     let have = pooled_of(reg, &t)?.len();
     if have >= want {
         return Ok(have);
+    }
+    // Learn what the latest claimed clone has written so far, for the new
+    // pooled clones to have it copied ahead of time.
+    let latest = crate::template::clones_of(reg, t.name())?
+        .into_iter()
+        .filter_map(|c| c.state.clone.and_then(|i| i.process))
+        .filter(|p| p.alive())
+        .last();
+    if let Some(p) = latest {
+        let _ = crate::working_set::record(&working_set_file(reg, &t), p.pid);
     }
     let req = CloneRequest {
         count: want - have,

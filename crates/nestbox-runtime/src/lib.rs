@@ -27,5 +27,6 @@ pub mod size;
 pub mod spec;
 pub mod state;
 pub mod template;
+pub mod working_set;
 
 pub use error::{Result, RuntimeError};

@@ -464,3 +464,67 @@ fn pooled_clones_are_claimed_and_refilled() {
         box_names(&root).is_empty()
     });
 }
+
+/// Minor page faults of process `pid` so far.
+fn minor_faults(pid: i32) -> u64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
+    let fields: Vec<&str> = stat
+        .rsplit_once(')')
+        .unwrap()
+        .1
+        .split_whitespace()
+        .collect();
+    fields[7].parse().unwrap()
+}
+
+fn clone_pid(root: &TestRoot, name: &str) -> i32 {
+    let v: serde_json::Value = serde_json::from_str(&root.ok(&["inspect", name])).unwrap();
+    v["state"]["clone"]["process"]["pid"].as_i64().unwrap() as i32
+}
+
+#[test]
+fn pooled_clones_get_the_working_set_of_earlier_clones_copied_ahead() {
+    let Some(root) = TestRoot::new("pooled_clones_get_the_working_set_copied_ahead") else {
+        return;
+    };
+    let out = root
+        .run(&["run", "-d", "--name", "tpl", "--", "python3", "-c", SERVER])
+        .ok();
+    assert_eq!(out.stdout.trim(), "tpl");
+    wait_for("the server to listen", Duration::from_secs(20), || {
+        root.ok(&["logs", "tpl"]).contains("ready")
+    });
+    assert_eq!(get(&root, "tpl", "/").0, 1);
+    root.ok(&["freeze", "tpl", "--pool", "1"]);
+    let pool = |root: &TestRoot| {
+        let list: serde_json::Value =
+            serde_json::from_str(&root.ok(&["template", "ls", "--json"])).unwrap();
+        list[0]["pooled"].as_u64().unwrap()
+    };
+    // The first clone comes from the pool made at freeze time: nothing is
+    // known yet of what a clone writes, so its first request copies the
+    // pages it writes, one fault each.
+    root.ok(&["clone", "tpl", "-d", "--name", "first"]);
+    let pid = clone_pid(&root, "first");
+    let before = minor_faults(pid);
+    assert_eq!(get(&root, "first", "/").0, 2);
+    let first_faults = minor_faults(pid) - before;
+    // The refill learns the pages `first` owns now and copies them into the
+    // new pooled clone while it waits.
+    wait_for("the pool to refill", Duration::from_secs(20), || {
+        pool(&root) == 1
+    });
+    root.ok(&["clone", "tpl", "-d", "--name", "second"]);
+    let pid = clone_pid(&root, "second");
+    let before = minor_faults(pid);
+    // Same answer: the copy changed when pages were copied, not what they hold.
+    assert_eq!(get(&root, "second", "/").0, 2);
+    let second_faults = minor_faults(pid) - before;
+    eprintln!("first request faults: first clone {first_faults}, prefetched clone {second_faults}");
+    assert!(
+        second_faults * 2 < first_faults,
+        "the prefetched clone's first request faulted {second_faults} times, \
+         the first clone's {first_faults}"
+    );
+    root.ok(&["rm", "-f", "first", "second", "tpl"]);
+}
