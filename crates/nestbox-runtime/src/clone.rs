@@ -519,7 +519,7 @@ pub fn fill_pool(reg: &Registry, template: &str) -> Result<usize> {
         .into_iter()
         .filter_map(|c| c.state.clone.and_then(|i| i.process))
         .filter(|p| p.alive())
-        .last();
+        .next_back();
     if let Some(p) = latest {
         let _ = crate::working_set::record(&working_set_file(reg, &t), p.pid);
     }
