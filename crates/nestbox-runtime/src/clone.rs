@@ -518,8 +518,7 @@ pub fn fill_pool(reg: &Registry, template: &str) -> Result<usize> {
     let latest = crate::template::clones_of(reg, t.name())?
         .into_iter()
         .filter_map(|c| c.state.clone.and_then(|i| i.process))
-        .filter(|p| p.alive())
-        .next_back();
+        .rfind(|p| p.alive());
     if let Some(p) = latest {
         let _ = crate::working_set::record(&working_set_file(reg, &t), p.pid);
     }
