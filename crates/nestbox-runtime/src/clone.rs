@@ -71,7 +71,11 @@ pub fn clone_template(reg: &Registry, template: &str, req: &CloneRequest) -> Res
             "the clone count must be at least 1".into(),
         ));
     }
-    check_capacity(req.count, req.limits.as_ref().unwrap_or(&t.spec.limits))?;
+    // A single clone is checked only if it has to be forked (below): a claim
+    // from the pool takes nothing new from the host.
+    if req.count > 1 {
+        check_capacity(req.count, req.limits.as_ref().unwrap_or(&t.spec.limits))?;
+    }
     let names = clone_names(reg, &t, req)?;
     let mut made = Vec::new();
     let mut rest = Vec::new();
@@ -103,6 +107,7 @@ pub fn clone_template(reg: &Registry, template: &str, req: &CloneRequest) -> Res
 
 /// Fork `req.names` now (each in a new shell), under the template's clone lock.
 fn fork_fresh(reg: &Registry, t: &BoxRecord, req: &CloneRequest) -> Result<Vec<Cloned>> {
+    check_capacity(req.count, req.limits.as_ref().unwrap_or(&t.spec.limits))?;
     let _lock = clone_lock(t)?;
     let names = req.names.clone();
     let mut shells = Vec::new();
@@ -433,8 +438,20 @@ fn claim_pooled(
     name: &str,
     req: &CloneRequest,
 ) -> Result<Option<Cloned>> {
-    for candidate in pooled_of(reg, t)? {
-        let record = match reg.rename(candidate.name(), name) {
+    for candidate in reg.names_prefixed(&pool_prefix(t))? {
+        // Only a pooled clone whose process lives is taken.
+        let Ok(c) = reg.load(&candidate) else {
+            continue;
+        };
+        let live = c
+            .state
+            .clone
+            .as_ref()
+            .is_some_and(|i| i.pooled && i.process.is_some_and(|p| p.alive()));
+        if !live || !crate::template::is_clone_of(&c, t.name()) {
+            continue;
+        }
+        let record = match reg.rename(&candidate, name) {
             Ok(r) => r,
             Err(RuntimeError::NoSuchBox(_)) => continue,
             Err(e) => return Err(e),

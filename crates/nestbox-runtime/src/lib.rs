@@ -8,6 +8,7 @@
 //! monitor relays output to the [`logs`], and records the exit status in the
 //! [`state`].
 
+pub mod api;
 pub mod clone;
 pub mod error;
 pub mod exec;

@@ -74,18 +74,33 @@ const REFILL_DELAY: Duration = Duration::from_millis(100);
 /// a machine with no idle time the pool stays empty and requests are served
 /// the slow way. The child exits 0 if `work` succeeds.
 pub(crate) fn spawn_refill(work: impl FnOnce() -> Result<()>) {
-    // SAFETY: the callers (the CLI and a box's monitor) are single-threaded,
-    // so the child may run arbitrary code.
-    if let Ok(nix::unistd::ForkResult::Child) = unsafe { nix::unistd::fork() } {
-        crate::process::close_fds_from(3);
-        become_daemon();
-        let param = libc::sched_param { sched_priority: 0 };
-        // SAFETY: sets this (new, single-threaded) process's own scheduling
-        // policy; `param` is a valid sched_param for SCHED_IDLE.
-        unsafe { libc::sched_setscheduler(0, libc::SCHED_IDLE, &param) };
-        std::thread::sleep(REFILL_DELAY);
-        std::process::exit(i32::from(work().is_err()))
+    // Forked twice, so that the refill is nobody's child to reap (a long-lived
+    // caller such as `nestbox serve` would otherwise collect zombies).
+    // SAFETY: the callers (the CLI, a box's monitor, `nestbox serve`) are
+    // single-threaded, so the children may run arbitrary code.
+    match unsafe { nix::unistd::fork() } {
+        Ok(nix::unistd::ForkResult::Parent { child }) => {
+            let _ = nix::sys::wait::waitpid(child, None);
+            return;
+        }
+        Ok(nix::unistd::ForkResult::Child) => {}
+        Err(_) => return,
     }
+    // SAFETY: as above: this intermediate child is single-threaded too.
+    let second = unsafe { nix::unistd::fork() };
+    if !matches!(second, Ok(nix::unistd::ForkResult::Child)) {
+        // SAFETY: _exit ends the intermediate child without running the
+        // caller's exit handlers or flushing its buffers twice.
+        unsafe { libc::_exit(0) }
+    }
+    crate::process::close_fds_from(3);
+    become_daemon();
+    let param = libc::sched_param { sched_priority: 0 };
+    // SAFETY: sets this (new, single-threaded) process's own scheduling
+    // policy; `param` is a valid sched_param for SCHED_IDLE.
+    unsafe { libc::sched_setscheduler(0, libc::SCHED_IDLE, &param) };
+    std::thread::sleep(REFILL_DELAY);
+    std::process::exit(i32::from(work().is_err()))
 }
 
 fn wait_ready(reg: &Registry, record: &BoxRecord, ready: OwnedFd) -> Result<()> {

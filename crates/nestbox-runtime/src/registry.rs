@@ -226,21 +226,29 @@ impl Registry {
         Ok(out)
     }
 
-    /// The records whose names start with `prefix`, found by their directory
-    /// names alone (no other record is read).
-    pub fn list_prefixed(&self, prefix: &str) -> Result<Vec<BoxRecord>> {
+    /// The names of the records that start with `prefix` (directory names
+    /// only: no record is read), sorted.
+    pub fn names_prefixed(&self, prefix: &str) -> Result<Vec<String>> {
         let boxes = self.roots.boxes();
         let entries = match fs::read_dir(&boxes) {
             Ok(e) => e,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(vec![]),
             Err(e) => return Err(RuntimeError::io("list", &boxes)(e)),
         };
+        let mut names: Vec<String> = entries
+            .flatten()
+            .map(|e| e.file_name().to_string_lossy().to_string())
+            .filter(|n| n.starts_with(prefix))
+            .collect();
+        names.sort();
+        Ok(names)
+    }
+
+    /// The records whose names start with `prefix`, found by their directory
+    /// names alone (no other record is read).
+    pub fn list_prefixed(&self, prefix: &str) -> Result<Vec<BoxRecord>> {
         let mut out = Vec::new();
-        for entry in entries.flatten() {
-            let name = entry.file_name().to_string_lossy().to_string();
-            if !name.starts_with(prefix) {
-                continue;
-            }
+        for name in self.names_prefixed(prefix)? {
             match self.load(&name) {
                 Ok(r) => out.push(r),
                 Err(RuntimeError::NoSuchBox(_)) => continue,

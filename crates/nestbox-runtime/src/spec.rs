@@ -457,3 +457,19 @@ mod tests {
         assert!(parse_user("bob").is_err());
     }
 }
+
+/// A signal by number, name or name without `SIG` (`9`, `SIGKILL`, `kill`).
+pub fn parse_signal(s: &str) -> Result<nix::sys::signal::Signal> {
+    use std::str::FromStr;
+    let unknown = || RuntimeError::Invalid(format!("unknown signal {s:?}"));
+    if let Ok(n) = s.parse::<i32>() {
+        return nix::sys::signal::Signal::try_from(n).map_err(|_| unknown());
+    }
+    let up = s.to_ascii_uppercase();
+    let full = if up.starts_with("SIG") {
+        up
+    } else {
+        format!("SIG{up}")
+    };
+    nix::sys::signal::Signal::from_str(&full).map_err(|_| unknown())
+}

@@ -180,6 +180,13 @@ fn check_cloneable(name: &str, pid: Pid, root_uid: u32) -> Result<()> {
 
 /// Find the box holding the template called `name`.
 pub fn find_template(reg: &Registry, name: &str) -> Result<Option<BoxRecord>> {
+    // Most templates carry their box's name: read that record alone. Template
+    // names are unique (freeze refuses a second), so a match is the one.
+    if let Ok(r) = reg.load(name) {
+        if r.state.template.as_ref().is_some_and(|t| t.name == name) {
+            return Ok(Some(r));
+        }
+    }
     Ok(reg
         .list()?
         .into_iter()

@@ -109,6 +109,13 @@ enum Command {
     Template(TemplateCommand),
     /// Fork boxes from a template: each continues from its frozen state.
     Clone(CloneArgs),
+    /// Answer clone requests on a Unix socket (one JSON object per line; see
+    /// docs/clones.md) until SIGTERM or SIGINT.
+    Serve {
+        /// Socket path (default: nestbox.sock in the root's runtime directory).
+        #[arg(long)]
+        socket: Option<PathBuf>,
+    },
     /// Manage images in the content-addressed store.
     #[command(subcommand)]
     Image(crate::store_cmd::ImageCommand),
@@ -416,6 +423,11 @@ pub fn dispatch(cli: Cli) -> Result<i32> {
         }
         Command::Template(cmd) => template(&reg, cmd),
         Command::Clone(args) => clone(&reg, args),
+        Command::Serve { socket } => {
+            let socket = socket.unwrap_or_else(|| nestbox_runtime::api::default_socket(&reg));
+            nestbox_runtime::api::serve(&reg, &socket)?;
+            Ok(0)
+        }
         Command::Image(cmd) => crate::store_cmd::image(&reg, cmd),
         Command::Commit(args) => crate::store_cmd::commit(&reg, args),
         Command::Store(cmd) => crate::store_cmd::store(&reg, cmd),
@@ -580,17 +592,5 @@ fn check_userns_available() -> Result<()> {
 }
 
 fn parse_signal(s: &str) -> Result<nix::sys::signal::Signal> {
-    use std::str::FromStr;
-    if let Ok(n) = s.parse::<i32>() {
-        return nix::sys::signal::Signal::try_from(n)
-            .map_err(|_| RuntimeError::Invalid(format!("unknown signal {s:?}")).into());
-    }
-    let up = s.to_ascii_uppercase();
-    let full = if up.starts_with("SIG") {
-        up
-    } else {
-        format!("SIG{up}")
-    };
-    nix::sys::signal::Signal::from_str(&full)
-        .map_err(|_| RuntimeError::Invalid(format!("unknown signal {s:?}")).into())
+    Ok(nestbox_runtime::spec::parse_signal(s)?)
 }

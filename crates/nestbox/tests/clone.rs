@@ -528,3 +528,77 @@ fn pooled_clones_get_the_working_set_of_earlier_clones_copied_ahead() {
     );
     root.ok(&["rm", "-f", "first", "second", "tpl"]);
 }
+
+#[test]
+fn serve_answers_clone_requests_on_its_socket() {
+    use std::io::{BufRead, BufReader, Write};
+    let Some(root) = TestRoot::new("serve_answers_clone_requests_on_its_socket") else {
+        return;
+    };
+    let out = root
+        .run(&["run", "-d", "--name", "tpl", "--", "python3", "-c", SERVER])
+        .ok();
+    assert_eq!(out.stdout.trim(), "tpl");
+    wait_for("the server to listen", Duration::from_secs(20), || {
+        root.ok(&["logs", "tpl"]).contains("ready")
+    });
+    assert_eq!(get(&root, "tpl", "/").0, 1);
+    root.ok(&["freeze", "tpl", "--pool", "1"]);
+    let socket = root.path().join("api.sock");
+    let mut server = root.spawn(&["serve", "--socket", socket.to_str().unwrap()]);
+    wait_for("the socket", Duration::from_secs(20), || {
+        std::os::unix::net::UnixStream::connect(&socket).is_ok()
+    });
+    // A second server on the same socket is refused.
+    assert_error(
+        &root.run(&["serve", "--socket", socket.to_str().unwrap()]),
+        125,
+        "already answers",
+    );
+    let stream = std::os::unix::net::UnixStream::connect(&socket).unwrap();
+    let mut reader = BufReader::new(stream.try_clone().unwrap());
+    let mut writer = stream;
+    let mut call = |req: &str| -> serde_json::Value {
+        writer.write_all(format!("{req}\n").as_bytes()).unwrap();
+        let mut line = String::new();
+        reader.read_line(&mut line).unwrap();
+        serde_json::from_str(&line).unwrap()
+    };
+    assert_eq!(call(r#"{"op":"ping"}"#)["ok"], true);
+    // Two clones on one connection: the pooled one, then one forked on demand.
+    for name in ["api-a", "api-b"] {
+        let answer = call(&format!(
+            r#"{{"op":"clone","template":"tpl","name":"{name}"}}"#
+        ));
+        assert_eq!(answer["ok"], true, "{answer}");
+        assert_eq!(answer["name"], name);
+        let v: serde_json::Value = serde_json::from_str(&root.ok(&["inspect", name])).unwrap();
+        assert_eq!(answer["address"], v["state"]["network"]["address"], "{v}");
+        assert_eq!(answer["pid"], v["state"]["clone"]["process"]["pid"], "{v}");
+        let (count, host, _) = get(&root, name, "/");
+        assert_eq!((count, host.as_str()), (2, name), "continues the template");
+    }
+    // Bad requests get one-line errors, and the connection stays usable.
+    for (req, fragment) in [
+        ("not json", "not JSON"),
+        (r#"{"op":"fly"}"#, "unknown op"),
+        (r#"{"op":"clone"}"#, "needs \"template\""),
+        (r#"{"op":"clone","template":"nosuch"}"#, "no template named"),
+        (r#"{"op":"clone","template":"tpl","name":"api-a"}"#, "api-a"),
+    ] {
+        let answer = call(req);
+        assert_eq!(answer["ok"], false, "{req}: {answer}");
+        assert!(
+            answer["error"].as_str().unwrap().contains(fragment),
+            "{req}: {answer}"
+        );
+    }
+    assert_eq!(call(r#"{"op":"ping"}"#)["ok"], true);
+    // SIGTERM ends the server and removes its socket.
+    // SAFETY: kill has no memory-safety preconditions; the pid is our child's.
+    unsafe { libc::kill(server.id() as i32, libc::SIGTERM) };
+    let status = server.wait().unwrap();
+    assert!(status.success(), "{status:?}");
+    assert!(!socket.exists());
+    root.ok(&["rm", "-f", "api-a", "api-b", "tpl"]);
+}
