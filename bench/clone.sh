@@ -12,7 +12,9 @@ N=${N:-20}
 K=${K:-200}
 POOL=${POOL:-4}
 ROOT=$(make_tmpdir nestbox-bench-clone)
+SERVE_PID=
 cleanup() {
+    [[ -z $SERVE_PID ]] || { kill "$SERVE_PID" 2>/dev/null; wait "$SERVE_PID" 2>/dev/null || true; }
     nestbox_clean_root "$ROOT"
     remove_tmpdir "$ROOT"
 }
@@ -39,4 +41,8 @@ http.server.HTTPServer(("0.0.0.0", 8080), H).serve_forever()
 PY
 mkdir -p "$RESULTS_DIR"
 log "N=$N clone/cold pairs, K=$K idle clones, pool $POOL, load $(cut -d' ' -f1 /proc/loadavg)"
-python3 "$BENCH_DIR/lib/clonebench.py" "$NESTBOX" "$ROOT" "$SERVER" "$N" "$K" "$POOL" "$RESULTS_DIR/clone-pool$POOL.json"
+"$NESTBOX" --root "$ROOT" serve --socket "$ROOT/api.sock" &
+SERVE_PID=$!
+for _ in $(seq 100); do [[ -S $ROOT/api.sock ]] && break; sleep 0.05; done
+[[ -S $ROOT/api.sock ]] || die "nestbox serve did not start"
+python3 "$BENCH_DIR/lib/clonebench.py" "$NESTBOX" "$ROOT" "$SERVER" "$N" "$K" "$POOL" "$RESULTS_DIR/clone-pool$POOL.json" "$ROOT/api.sock"

@@ -2,8 +2,11 @@
 """Freeze/clone benchmark driver (see bench/clone.sh).
 
 Measures, side by side in one run, against a cold start of the same server:
-  * clone-to-ready: from starting `nestbox clone TEMPLATE -d` to the clone's first
-    HTTP answer on its own bridge address (what a user waits for), plus the
+  * clone-to-ready through the API: from sending {"op":"clone"} to a running
+    `nestbox serve` (Unix socket) to the clone's first HTTP answer on its own
+    bridge address (the answer carries the address);
+  * clone-to-ready through the CLI: from starting `nestbox clone TEMPLATE -d` to
+    the first answer (the address read from the clone's state.json), plus the
     fork alone (the time nestbox records for the remote fork in the clone's state);
   * cold start: from starting `nestbox run -d` of the same server to its first answer;
   * freeze time of the template;
@@ -14,17 +17,19 @@ Cold starts and clones are interleaved so both see the same machine noise.
 With POOL > 0 the template is frozen with `--pool POOL`: clones are claimed from
 the pool (forked ahead of time) and the pool refills in the background.
 
-Usage: clonebench.py NESTBOX ROOT SERVER_PY N K POOL OUT_JSON
+Every answer is fetched with the same minimal HTTP/1.0 client on a raw socket.
+
+Usage: clonebench.py NESTBOX ROOT SERVER_PY N K POOL OUT_JSON API_SOCKET
 """
 
 from __future__ import annotations
 
 import json
+import socket
 import statistics
 import subprocess
 import sys
 import time
-import urllib.request
 
 
 def sh(nestbox: str, root: str, *args: str, timeout: float = 120) -> str:
@@ -34,16 +39,50 @@ def sh(nestbox: str, root: str, *args: str, timeout: float = 120) -> str:
     return out.stdout
 
 
+def state_address(root: str, name: str) -> str:
+    """The box's address from its state.json (no nestbox process: as cheap
+    for a clone as for a cold start)."""
+    with open(f"{root}/run/boxes/{name}/state.json") as f:
+        return json.load(f)["network"]["address"]
+
+
 def address(nestbox: str, root: str, name: str) -> str:
     state = json.loads(sh(nestbox, root, "inspect", name))["state"]
     return state["network"]["address"]
+
+
+def http_get(addr: str) -> bytes:
+    with socket.create_connection((addr, 8080), timeout=2) as s:
+        s.sendall(b"GET / HTTP/1.0\r\n\r\n")
+        data = b""
+        while chunk := s.recv(65536):
+            data += chunk
+    if not data.startswith(b"HTTP/1.0 200"):
+        raise OSError(f"bad answer {data[:40]!r}")
+    return data
+
+
+def api_clone(sock_path: str, name: str) -> dict:
+    with socket.socket(socket.AF_UNIX) as s:
+        s.connect(sock_path)
+        s.sendall(json.dumps({"op": "clone", "template": "tpl", "name": name}).encode() + b"\n")
+        data = b""
+        while not data.endswith(b"\n"):
+            chunk = s.recv(65536)
+            if not chunk:
+                break
+            data += chunk
+    answer = json.loads(data)
+    if not answer.get("ok"):
+        raise SystemExit(f"api clone failed: {answer}")
+    return answer
 
 
 def wait_answer(addr: str, limit: float = 30.0) -> None:
     end = time.monotonic() + limit
     while True:
         try:
-            urllib.request.urlopen(f"http://{addr}:8080/", timeout=2).read()
+            http_get(addr)
             return
         except OSError:
             if time.monotonic() > end:
@@ -95,6 +134,7 @@ def private_bytes(pid: int) -> int:
 def main() -> None:
     nestbox, root, server = sys.argv[1], sys.argv[2], sys.argv[3]
     n, k, pool, out = int(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6]), sys.argv[7]
+    api_socket = sys.argv[8]
     vol = f"{server}:/srv.py:ro"
     # The template: started, warmed with a request, frozen.
     t0 = time.perf_counter()
@@ -109,13 +149,23 @@ def main() -> None:
     template_rss = sum(int(l.split()[1]) for l in open(f"/proc/{tpid}/smaps_rollup") if l.startswith("Rss:")) * 1024
 
     clone_ms, command_ms, fork_ms, cold_ms = [], [], [], []
+    api_ms, api_call_ms = [], []
     for i in range(n):
-        # Clone to ready.
+        # Clone to ready through the API.
+        name = f"a{i}"
+        t = time.perf_counter()
+        answer = api_clone(api_socket, name)
+        api_call_ms.append((time.perf_counter() - t) * 1e3)
+        wait_answer(answer["address"])
+        api_ms.append((time.perf_counter() - t) * 1e3)
+        sh(nestbox, root, "rm", "-f", name)
+        wait_pool(nestbox, root, pool)
+        # Clone to ready through the CLI.
         name = f"c{i}"
         t = time.perf_counter()
         sh(nestbox, root, "clone", "tpl", "-d", "--name", name)
         command_ms.append((time.perf_counter() - t) * 1e3)
-        wait_answer(address(nestbox, root, name))
+        wait_answer(state_address(root, name))
         clone_ms.append((time.perf_counter() - t) * 1e3)
         st = json.loads(sh(nestbox, root, "inspect", name))["state"]
         fork_ms.append(st["clone"]["fork_ms"])
@@ -125,7 +175,7 @@ def main() -> None:
         name = f"cold{i}"
         t = time.perf_counter()
         sh(nestbox, root, "run", "-d", "--name", name, "-v", vol, "--", "python3", "/srv.py")
-        wait_answer(address(nestbox, root, name))
+        wait_answer(state_address(root, name))
         cold_ms.append((time.perf_counter() - t) * 1e3)
         sh(nestbox, root, "rm", "-f", name)
 
@@ -147,6 +197,9 @@ def main() -> None:
         "template_rss_bytes": template_rss,
         "template_first_answer_ms": template_cold_ms,
         "freeze_ms": freeze_ms,
+        "api_clone_to_ready": summary(api_ms),
+        "api_request_only": summary(api_call_ms),
+        "api_speedup_median": statistics.median(cold_ms) / statistics.median(api_ms),
         "clone_to_ready": summary(clone_ms),
         "clone_command_only": summary(command_ms),
         "fork_only": summary(fork_ms),
