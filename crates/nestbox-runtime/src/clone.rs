@@ -109,6 +109,18 @@ pub fn clone_template(reg: &Registry, template: &str, req: &CloneRequest) -> Res
 fn fork_fresh(reg: &Registry, t: &BoxRecord, req: &CloneRequest) -> Result<Vec<Cloned>> {
     check_capacity(req.count, req.limits.as_ref().unwrap_or(&t.spec.limits))?;
     let _lock = clone_lock(t)?;
+    // The template may have been removed while this waited for the lock (a
+    // pool refill runs late at idle priority): then nothing is made.
+    let current = reg.load(t.name())?;
+    if current.state.id != t.state.id
+        || current.state.effective_status() != crate::state::Status::Frozen
+        || current.state.template.as_ref().is_none_or(|i| i.removed)
+    {
+        return Err(RuntimeError::Invalid(format!(
+            "template box {:?} has been removed",
+            t.name()
+        )));
+    }
     let names = req.names.clone();
     let mut shells = Vec::new();
     let result = start_shells(reg, t, &names, req, &mut shells)
@@ -123,6 +135,9 @@ fn fork_fresh(reg: &Registry, t: &BoxRecord, req: &CloneRequest) -> Result<Vec<C
     result
 }
 
+/// How many of the latest claimed clones a refill learns the working set from.
+const WORKING_SET_SOURCES: usize = 4;
+
 /// Where template box `t`'s clones' working set is recorded.
 fn working_set_file(reg: &Registry, t: &BoxRecord) -> std::path::PathBuf {
     reg.roots().box_run(t.name()).join("working-set")
@@ -130,7 +145,7 @@ fn working_set_file(reg: &Registry, t: &BoxRecord) -> std::path::PathBuf {
 
 /// The name prefix of template box `t`'s pooled clones: a claim finds them by
 /// their directory names, without reading any other record.
-fn pool_prefix(t: &BoxRecord) -> String {
+pub(crate) fn pool_prefix(t: &BoxRecord) -> String {
     format!("pool.{}.", t.state.id)
 }
 
@@ -402,7 +417,7 @@ fn shell_stdio(init: i32) -> Result<[OwnedFd; 3]> {
 }
 
 /// The template's clone lock: one process at a time stops and forks its process.
-fn clone_lock(t: &BoxRecord) -> Result<nix::fcntl::Flock<File>> {
+pub(crate) fn clone_lock(t: &BoxRecord) -> Result<nix::fcntl::Flock<File>> {
     let path = t.run_dir().join("clone.lock");
     let file = std::fs::OpenOptions::new()
         .create(true)
@@ -530,14 +545,16 @@ pub fn fill_pool(reg: &Registry, template: &str) -> Result<usize> {
     if have >= want {
         return Ok(have);
     }
-    // Learn what the latest claimed clone has written so far, for the new
+    // Learn what the latest claimed clones have written so far, for the new
     // pooled clones to have it copied ahead of time.
-    let latest = crate::template::clones_of(reg, t.name())?
+    let recent: Vec<i32> = crate::template::clones_of(reg, t.name())?
         .into_iter()
         .filter_map(|c| c.state.clone.and_then(|i| i.process))
-        .rfind(|p| p.alive());
-    if let Some(p) = latest {
-        let _ = crate::working_set::record(&working_set_file(reg, &t), p.pid);
+        .filter(|p| p.alive())
+        .map(|p| p.pid)
+        .collect();
+    for pid in recent.iter().rev().take(WORKING_SET_SOURCES) {
+        let _ = crate::working_set::record(&working_set_file(reg, &t), *pid);
     }
     let req = CloneRequest {
         count: want - have,

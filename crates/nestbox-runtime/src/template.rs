@@ -332,8 +332,15 @@ pub fn remove(reg: &Registry, name: &str) -> Result<()> {
 /// Remove a template box (from `rm -f` or `template rm`).
 pub fn remove_box(reg: &Registry, record: &BoxRecord) -> Result<()> {
     let box_name = record.name();
-    for pooled in crate::clone::pooled_of(reg, record)? {
-        crate::ops::remove(reg, pooled.name(), true)?;
+    // Wait for a fork in progress (a pool refill), then remove the whole pool,
+    // shells not yet forked into included; a refill that gets the lock later
+    // finds the template gone and makes nothing.
+    let _lock = crate::clone::clone_lock(record)?;
+    for pooled in reg.names_prefixed(&crate::clone::pool_prefix(record))? {
+        match crate::ops::remove(reg, &pooled, true) {
+            Ok(()) | Err(RuntimeError::NoSuchBox(_)) => {}
+            Err(e) => return Err(e),
+        }
     }
     if clones_of(reg, box_name)?.is_empty() {
         if let Some(cg) = &record.state.cgroup {
