@@ -2,13 +2,16 @@
 //! bridge by a veth pair, with an address from the network's subnet, a default
 //! route, a shared hosts file naming every box, published ports and outbound
 //! masquerade (nftables), and bandwidth control as Linux-VServer does it with
-//! HTB: every box's egress is redirected into one IFB device whose HTB tree
+//! HTB: what a box sends out of the network (to the host and beyond; with a
+//! cap, everything it sends) is redirected into one IFB device whose HTB tree
 //! gives each box a class with its reservation as rate, its cap as ceil and its
 //! share as quantum, under a parent class of the link rate; an ingress cap is an
-//! HTB on the host side of the box's veth.
+//! HTB on the host side of the box's veth. IPv4 between boxes without a cap
+//! takes a BPF shortcut from one box's veth to the other's ([`bpf`]).
 //!
 //! Links, addresses, routes, qdiscs, classes and filters go through rtnetlink
-//! ([`netlink`]); the NAT table through the `nft` binary ([`nft`]). See
+//! ([`netlink`]); the shortcut's map and program through `bpf(2)` ([`bpf`]);
+//! the NAT table through the `nft` binary ([`nft`]). See
 //! `docs/network.md`.
 //!
 //! ```no_run
@@ -25,6 +28,7 @@
 //! ```
 
 pub mod addr;
+pub mod bpf;
 pub mod config;
 pub mod error;
 pub mod hosts;

@@ -50,6 +50,24 @@ pub fn index(nl: &mut Netlink, name: &str) -> Result<Option<u32>> {
     }
 }
 
+/// Index and hardware address of interface `name` (one request), or `None` if
+/// there is none. The address is `None` for a link without a 6-byte one.
+pub fn index_and_mac(nl: &mut Netlink, name: &str) -> Result<Option<(u32, Option<[u8; 6]>)>> {
+    let what = || format!("get link {name}");
+    match nl.get(RouteNetlinkMessage::GetLink(by_name(name)), &what) {
+        Ok(RouteNetlinkMessage::NewLink(m)) => {
+            let mac = m.attributes.iter().find_map(|a| match a {
+                LinkAttribute::Address(a) => <[u8; 6]>::try_from(a.as_slice()).ok(),
+                _ => None,
+            });
+            Ok(Some((m.header.index, mac)))
+        }
+        Ok(_) => Ok(None),
+        Err(e) if is_errno(&e, libc::ENODEV) => Ok(None),
+        Err(e) => Err(e),
+    }
+}
+
 /// Set interface `index` up (`name` for messages).
 pub fn set_up(nl: &mut Netlink, index: u32, name: &str) -> Result<()> {
     let mut msg = LinkMessage::default();

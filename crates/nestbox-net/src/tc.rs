@@ -1,7 +1,9 @@
 //! Traffic control through rtnetlink: HTB qdiscs and classes, the ingress
-//! qdisc, the u32 filter that redirects a box's packets to the IFB device
-//! (`mirred`), and the u32 hash table on the IFB that puts each packet in the
-//! class of the box it came from (by source address).
+//! qdisc, the u32 filters that redirect a box's frames to the IFB device
+//! (`mirred`) — all of them, or those addressed to the bridge's hardware address
+//! and the broadcast/multicast ones ([`Redirect`]) —, the BPF classifier of the
+//! box-to-box shortcut ([`crate::bpf`]), and the u32 hash table on the IFB that
+//! puts each packet in the class of the box it came from (by source address).
 //!
 //! Only u32 and BPF classifiers and the mirred action are assumed: that is what
 //! kernels built for small VMs carry (this machine has no matchall, no
@@ -9,6 +11,8 @@
 //! module encodes `tc_htb_glob` and `tc_htb_opt` itself (layouts from the
 //! kernel's `pkt_sched.h`). Rate specs say "Ethernet link layer", which lets
 //! the kernel compute rates itself, without rate tables.
+
+use std::os::fd::{AsRawFd, BorrowedFd};
 
 use netlink_packet_core::DefaultNla;
 use netlink_packet_route::tc::{
@@ -27,6 +31,10 @@ const TCA_HTB_INIT: u16 = 2;
 const TCA_HTB_RATE64: u16 = 6;
 const TCA_HTB_CEIL64: u16 = 7;
 const TC_LINKLAYER_ETHERNET: u8 = 1;
+const TCA_BPF_FD: u16 = 6;
+const TCA_BPF_NAME: u16 = 7;
+const TCA_BPF_FLAGS: u16 = 8;
+const TCA_BPF_FLAG_ACT_DIRECT: u32 = 1;
 /// Handle of the ingress qdisc (`ffff:`).
 pub const INGRESS_HANDLE: u32 = 0xffff_0000;
 /// Nanoseconds per scheduler tick (`PSCHED_TICKS2NS(1)`).
@@ -210,11 +218,48 @@ fn selector(keys: Vec<TcU32Key>, terminal: bool) -> TcU32Selector {
     sel
 }
 
-/// Add to the ingress qdisc of `ifindex` a u32 filter matching every packet
-/// that redirects it to the egress of `ifb`: everything the box sends then
-/// queues in the shaping tree there.
-pub fn add_redirect_filter(nl: &mut Netlink, ifindex: u32, name: &str, ifb: u32) -> Result<()> {
-    let mut m = u32_msg(ifindex, INGRESS_HANDLE, 1, libc::ETH_P_ALL as u16, 0);
+/// Which frames arriving from a box a redirect filter sends to the IFB device.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Redirect {
+    /// Every frame.
+    All,
+    /// Frames addressed to this hardware address (the bridge's: what the box
+    /// sends to the host and, routed by it, beyond).
+    ToMac([u8; 6]),
+    /// Broadcast and multicast frames (the group bit of the destination set):
+    /// they reach the host too.
+    Group,
+}
+
+impl Redirect {
+    /// The u32 keys. At ingress u32 offsets count from the network header, so
+    /// the Ethernet destination is the 6 bytes at -14; keys are aligned 32-bit
+    /// words, hence the words at -16 (its first two bytes are the low half) and -12.
+    fn keys(self) -> Vec<TcU32Key> {
+        match self {
+            Redirect::All => vec![key(0, 0, 0)],
+            Redirect::ToMac(m) => vec![
+                key(0x0000_ffff, u32::from_be_bytes([0, 0, m[0], m[1]]), -16),
+                key(u32::MAX, u32::from_be_bytes([m[2], m[3], m[4], m[5]]), -12),
+            ],
+            Redirect::Group => vec![key(0x0000_0100, 0x0000_0100, -16)],
+        }
+    }
+}
+
+/// Add to the ingress qdisc of `ifindex` a u32 filter (priority `prio`) that
+/// redirects the frames `what` selects to the egress of `ifb`, where they queue
+/// in the shaping tree; frames no filter selects go on to the bridge unshaped.
+/// Filters of one priority share one u32 table, each a node of it.
+pub fn add_redirect_filter(
+    nl: &mut Netlink,
+    ifindex: u32,
+    name: &str,
+    prio: u16,
+    what: Redirect,
+    ifb: u32,
+) -> Result<()> {
+    let mut m = u32_msg(ifindex, INGRESS_HANDLE, prio, libc::ETH_P_ALL as u16, 0);
     let mut mirror = TcMirror::default();
     let mut generic = TcActionGeneric::default();
     generic.action = TcActionType::Stolen;
@@ -230,16 +275,47 @@ pub fn add_redirect_filter(nl: &mut Netlink, ifindex: u32, name: &str, ifb: u32)
         ))]),
     ];
     m.attributes.push(TcAttribute::Options(vec![
-        TcOption::U32(TcFilterU32Option::Selector(selector(
-            vec![key(0, 0, 0)],
-            true,
-        ))),
+        TcOption::U32(TcFilterU32Option::Selector(selector(what.keys(), true))),
         TcOption::U32(TcFilterU32Option::Action(vec![mirred])),
     ]));
     nl.request(
         RouteNetlinkMessage::NewTrafficFilter(m),
         NLM_F_CREATE | NLM_F_EXCL,
-        &|| format!("add redirect filter to {name}"),
+        &|| format!("add redirect filter ({what:?}) to {name}"),
+    )
+}
+
+/// Add to the ingress qdisc of `ifindex` a BPF classifier (`cls_bpf`, direct
+/// action: the program's return value is the verdict) at priority `prio`,
+/// running program `prog` (named `prog_name`).
+pub fn add_bpf_filter(
+    nl: &mut Netlink,
+    ifindex: u32,
+    name: &str,
+    prio: u16,
+    prog: BorrowedFd<'_>,
+    prog_name: &str,
+) -> Result<()> {
+    let mut m = msg(ifindex, 0, INGRESS_HANDLE);
+    m.header.info = filter_info(prio, libc::ETH_P_ALL as u16);
+    m.attributes.push(TcAttribute::Kind("bpf".into()));
+    let mut pname = prog_name.as_bytes().to_vec();
+    pname.push(0);
+    m.attributes.push(TcAttribute::Options(vec![
+        TcOption::Other(DefaultNla::new(
+            TCA_BPF_FD,
+            (prog.as_raw_fd() as u32).to_ne_bytes().to_vec(),
+        )),
+        TcOption::Other(DefaultNla::new(TCA_BPF_NAME, pname)),
+        TcOption::Other(DefaultNla::new(
+            TCA_BPF_FLAGS,
+            TCA_BPF_FLAG_ACT_DIRECT.to_ne_bytes().to_vec(),
+        )),
+    ]));
+    nl.request(
+        RouteNetlinkMessage::NewTrafficFilter(m),
+        NLM_F_CREATE | NLM_F_EXCL,
+        &|| format!("add bpf filter {prog_name} to {name}"),
     )
 }
 

@@ -1,5 +1,5 @@
 //! Bridge networking as root, on namespaces the tests make: addresses and
-//! routes, box-to-box and host-to-box traffic, names, published ports,
+//! routes, box-to-box (also as boxes come and go) and host-to-box traffic, names, published ports,
 //! masquerade, detach and gc leaving nothing behind, 50 boxes at once, and the
 //! bad inputs. Each test has its own bridge, subnet and state directory.
 
@@ -83,6 +83,52 @@ fn attach_gives_address_route_and_connectivity() {
 
     let list = net.attachments().unwrap();
     assert_eq!(list.len(), 2);
+}
+
+#[test]
+fn boxes_reach_each_other_whatever_order_they_come_and_go_in() {
+    if !root() {
+        return;
+    }
+    // Box-to-box traffic of uncapped boxes takes the shortcut, whose map is made
+    // by the first uncapped box and goes when the last one does: a capped box
+    // attached before it, and boxes attached after it went, are reachable.
+    let t = TestNet::new(16);
+    let net = t.net();
+    let capped = AttachOptions {
+        rate: Some(parse_rate("1gbit").unwrap()),
+        ..Default::default()
+    };
+    let (ns_c, ns_a, ns_b) = (new_ns(), new_ns(), new_ns());
+    let c = net.allocate("box-c", &[]).unwrap();
+    net.attach(&c, ns_c.as_fd(), &capped).unwrap();
+    let a = net.allocate("box-a", &[]).unwrap();
+    net.attach(&a, ns_a.as_fd(), &AttachOptions::default())
+        .unwrap();
+    let check = |from: &std::os::fd::OwnedFd, fa: Ipv4Addr, to: &std::os::fd::OwnedFd, ta| {
+        let l = listen(Some(to.as_fd()), ta, 7100);
+        let srv = echo_peer_once(l);
+        assert_eq!(ask(Some(from.as_fd()), sa(ta, 7100)), fa.to_string());
+        srv.join().unwrap();
+    };
+    check(&ns_a, a.address, &ns_c, c.address);
+    check(&ns_c, c.address, &ns_a, a.address);
+    net.detach("box-a").unwrap();
+    let b = net.allocate("box-b", &[]).unwrap();
+    net.attach(&b, ns_b.as_fd(), &AttachOptions::default())
+        .unwrap();
+    check(&ns_b, b.address, &ns_c, c.address);
+    check(&ns_c, c.address, &ns_b, b.address);
+    // Again into the namespace that held box-a: a new veth, a new index.
+    let a2 = net.allocate("box-a2", &[]).unwrap();
+    net.attach(&a2, ns_a.as_fd(), &AttachOptions::default())
+        .unwrap();
+    check(&ns_b, b.address, &ns_a, a2.address);
+    check(&ns_a, a2.address, &ns_b, b.address);
+    for id in ["box-a2", "box-b", "box-c"] {
+        net.detach(id).unwrap();
+    }
+    assert_no_box_leftovers(&t);
 }
 
 #[test]

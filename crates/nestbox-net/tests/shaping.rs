@@ -1,7 +1,8 @@
 //! Bandwidth control measured: shares divide a saturated link 2:1, a
-//! reservation holds under competition, an egress cap and an ingress cap hold.
-//! Traffic flows only between namespaces these tests make and the host's end of
-//! their bridge, for a few seconds each.
+//! reservation holds under competition, an egress cap and an ingress cap hold,
+//! both also for traffic between boxes, and traffic between uncapped boxes does
+//! not leave the network, so the link rate does not limit it. Traffic flows only between namespaces these tests make and the
+//! host's end of their bridge, for a few seconds each.
 
 mod common;
 
@@ -166,6 +167,113 @@ fn an_ingress_cap_holds() {
     let r = measure(&sink.counters, WARMUP, WINDOW);
     s.join().unwrap();
     eprintln!("ingress cap 30mbit: {:.1} mbit/s", mbit(r[0]));
+    assert!(
+        (24.0..=33.0).contains(&mbit(r[0])),
+        "{:.1} mbit/s",
+        mbit(r[0])
+    );
+}
+
+#[test]
+fn an_egress_cap_holds_towards_other_boxes() {
+    if !root() {
+        return;
+    }
+    let t = TestNet::with(25, "10.231.25.0/24", |c| {
+        c.link_rate = parse_rate("1gbit").unwrap()
+    });
+    let net = t.net();
+    let (ns_a, ns_b) = (new_ns(), new_ns());
+    let a = net.allocate("capped", &[]).unwrap();
+    let b = net.allocate("peer", &[]).unwrap();
+    net.attach(
+        &a,
+        ns_a.as_fd(),
+        &AttachOptions {
+            rate: Some(parse_rate("40mbit").unwrap()),
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    net.attach(&b, ns_b.as_fd(), &AttachOptions::default())
+        .unwrap();
+    let sink = Sink::new(Some(ns_b.as_fd()), b.address, 1);
+    let until = Instant::now() + WARMUP + WINDOW + Duration::from_millis(300);
+    let s = blast(Some(ns_a.as_fd()), sink.addr, until);
+    let r = measure(&sink.counters, WARMUP, WINDOW);
+    s.join().unwrap();
+    eprintln!("egress cap 40mbit, box to box: {:.1} mbit/s", mbit(r[0]));
+    assert!(
+        (32.0..=44.0).contains(&mbit(r[0])),
+        "{:.1} mbit/s",
+        mbit(r[0])
+    );
+}
+
+#[test]
+fn traffic_between_uncapped_boxes_is_not_limited_by_the_link_rate() {
+    if !root() {
+        return;
+    }
+    let t = TestNet::with(26, "10.231.26.0/24", |c| {
+        c.link_rate = parse_rate("50mbit").unwrap()
+    });
+    let net = t.net();
+    let (ns_a, ns_b) = (new_ns(), new_ns());
+    let a = net.allocate("sender", &[]).unwrap();
+    let b = net.allocate("receiver", &[]).unwrap();
+    net.attach(&a, ns_a.as_fd(), &AttachOptions::default())
+        .unwrap();
+    net.attach(&b, ns_b.as_fd(), &AttachOptions::default())
+        .unwrap();
+    // To the host the link rate holds...
+    let host = Sink::new(None, a.gateway, 1);
+    let until = Instant::now() + WARMUP + WINDOW + Duration::from_millis(300);
+    let s = blast(Some(ns_a.as_fd()), host.addr, until);
+    let to_host = measure(&host.counters, WARMUP, WINDOW)[0];
+    s.join().unwrap();
+    // ... to another box it does not.
+    let peer = Sink::new(Some(ns_b.as_fd()), b.address, 1);
+    let until = Instant::now() + WARMUP + WINDOW + Duration::from_millis(300);
+    let s = blast(Some(ns_a.as_fd()), peer.addr, until);
+    let to_box = measure(&peer.counters, WARMUP, WINDOW)[0];
+    s.join().unwrap();
+    eprintln!(
+        "link 50mbit: box to host {:.1} mbit/s, box to box {:.1} mbit/s",
+        mbit(to_host),
+        mbit(to_box)
+    );
+    assert!(mbit(to_host) <= 55.0, "to host {:.1} mbit/s", mbit(to_host));
+    assert!(mbit(to_box) >= 250.0, "to box {:.1} mbit/s", mbit(to_box));
+}
+
+#[test]
+fn an_ingress_cap_holds_for_traffic_from_other_boxes() {
+    if !root() {
+        return;
+    }
+    let t = TestNet::new(27);
+    let net = t.net();
+    let (ns_a, ns_b) = (new_ns(), new_ns());
+    let a = net.allocate("sender", &[]).unwrap();
+    let b = net.allocate("capped-in", &[]).unwrap();
+    net.attach(&a, ns_a.as_fd(), &AttachOptions::default())
+        .unwrap();
+    net.attach(
+        &b,
+        ns_b.as_fd(),
+        &AttachOptions {
+            ingress_rate: Some(parse_rate("30mbit").unwrap()),
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let sink = Sink::new(Some(ns_b.as_fd()), b.address, 1);
+    let until = Instant::now() + WARMUP + WINDOW + Duration::from_millis(300);
+    let s = blast(Some(ns_a.as_fd()), sink.addr, until);
+    let r = measure(&sink.counters, WARMUP, WINDOW);
+    s.join().unwrap();
+    eprintln!("ingress cap 30mbit, from a box: {:.1} mbit/s", mbit(r[0]));
     assert!(
         (24.0..=33.0).contains(&mbit(r[0])),
         "{:.1} mbit/s",

@@ -1,0 +1,310 @@
+//! The box-to-box shortcut: a BPF hash map per network from a box's address to
+//! the host side of its veth, and a tc classifier (`cls_bpf`, direct action) on
+//! the ingress of a sender's host veth that hands an IPv4 packet addressed to a
+//! box of the map straight to that box — into its namespace
+//! (`bpf_redirect_peer`), or, when it has an ingress cap, to the egress of its
+//! host veth where the cap's HTB is (`bpf_redirect`). Anything else goes on to
+//! the next filter. The bridge (and the host's netfilter hooks on bridged
+//! traffic) are skipped: measured here, that path gives about 0.9 of a plain
+//! veth pair's TCP throughput, the shortcut about 0.98.
+//!
+//! The program is a few instructions encoded here (no compiler, no object
+//! file); maps and programs are made with the `bpf(2)` system call. The map
+//! lives as long as a program refers to it, so a network keeps its map's id in
+//! a file and makes a new map (filled from its state) when the old one is gone.
+
+use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
+
+use crate::error::{NetError, Result};
+
+const BPF_MAP_CREATE: libc::c_long = 0;
+const BPF_MAP_UPDATE_ELEM: libc::c_long = 2;
+const BPF_MAP_DELETE_ELEM: libc::c_long = 3;
+const BPF_PROG_LOAD: libc::c_long = 5;
+const BPF_MAP_GET_FD_BY_ID: libc::c_long = 14;
+const BPF_OBJ_GET_INFO_BY_FD: libc::c_long = 15;
+const BPF_MAP_TYPE_HASH: u32 = 1;
+const BPF_PROG_TYPE_SCHED_CLS: u32 = 3;
+const BPF_F_NO_PREALLOC: u32 = 1;
+const BPF_PSEUDO_MAP_FD: u8 = 1;
+const FN_MAP_LOOKUP_ELEM: i32 = 1;
+const FN_REDIRECT: i32 = 23;
+const FN_REDIRECT_PEER: i32 = 155;
+/// `TC_ACT_UNSPEC`: not classified here, try the next filter.
+const TC_ACT_UNSPEC: i32 = -1;
+/// `offsetof(struct __sk_buff, data)` and `data_end`.
+const SKB_DATA: i16 = 76;
+const SKB_DATA_END: i16 = 80;
+/// Size of `union bpf_attr` passed (larger than every command's part we use).
+const ATTR_SIZE: usize = 128;
+/// Key and value sizes of the map: an IPv4 address (network order); the host
+/// veth's index and [`Target`] flags.
+const KEY_SIZE: u32 = 4;
+const VALUE_SIZE: u32 = 8;
+/// Value flag: deliver into the box's namespace directly.
+const FLAG_PEER: u32 = 1;
+
+/// Where the shortcut delivers a box's packets.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Target {
+    /// Index of the box's host veth.
+    pub ifindex: u32,
+    /// Into the box's namespace (`bpf_redirect_peer`); else to the egress of the
+    /// host veth, through its qdisc (an ingress cap).
+    pub peer: bool,
+}
+
+fn sys_bpf(cmd: libc::c_long, attr: &mut [u8; ATTR_SIZE], what: &str) -> Result<i64> {
+    // SAFETY: `attr` is a zero-initialised buffer of ATTR_SIZE bytes laid out
+    // as the kernel's `union bpf_attr` for `cmd`; every pointer stored in it by
+    // the callers points to memory that outlives this call. The kernel reads
+    // (and for some commands writes) only within the size passed.
+    let r = unsafe { libc::syscall(libc::SYS_bpf, cmd, attr.as_mut_ptr(), ATTR_SIZE) };
+    if r < 0 {
+        return Err(NetError::Sys {
+            call: what.to_string(),
+            source: std::io::Error::last_os_error(),
+        });
+    }
+    Ok(r)
+}
+
+fn put_u32(attr: &mut [u8; ATTR_SIZE], off: usize, v: u32) {
+    attr[off..off + 4].copy_from_slice(&v.to_ne_bytes());
+}
+
+fn put_u64(attr: &mut [u8; ATTR_SIZE], off: usize, v: u64) {
+    attr[off..off + 8].copy_from_slice(&v.to_ne_bytes());
+}
+
+fn put_name(attr: &mut [u8; ATTR_SIZE], off: usize, name: &str) {
+    let n = name.len().min(15);
+    attr[off..off + n].copy_from_slice(&name.as_bytes()[..n]);
+}
+
+fn owned(fd: i64, what: &str) -> Result<OwnedFd> {
+    let fd = i32::try_from(fd).map_err(|_| NetError::Sys {
+        call: what.to_string(),
+        source: std::io::Error::from_raw_os_error(libc::EBADF),
+    })?;
+    // SAFETY: the kernel just returned `fd` as a new descriptor that nothing
+    // else owns.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
+/// A BPF object name for network `bridge` (at most 15 characters of
+/// `[A-Za-z0-9_.]`).
+pub fn object_name(bridge: &str) -> String {
+    let mut s = String::from("nb_");
+    s.extend(bridge.chars().map(|c| {
+        if c.is_ascii_alphanumeric() || c == '.' {
+            c
+        } else {
+            '_'
+        }
+    }));
+    s.truncate(15);
+    s
+}
+
+/// Make an empty shortcut map named `name` for up to `max` boxes. Entries are
+/// allocated as they are added.
+pub fn create_map(name: &str, max: u32) -> Result<OwnedFd> {
+    let mut attr = [0u8; ATTR_SIZE];
+    put_u32(&mut attr, 0, BPF_MAP_TYPE_HASH);
+    put_u32(&mut attr, 4, KEY_SIZE);
+    put_u32(&mut attr, 8, VALUE_SIZE);
+    put_u32(&mut attr, 12, max.max(1));
+    put_u32(&mut attr, 16, BPF_F_NO_PREALLOC);
+    put_name(&mut attr, 28, name);
+    let what = format!("bpf(BPF_MAP_CREATE {name})");
+    owned(sys_bpf(BPF_MAP_CREATE, &mut attr, &what)?, &what)
+}
+
+/// The shortcut map with id `id`, if it still exists and is one (a hash map
+/// named `name` with our key and value sizes); `Ok(None)` if not.
+pub fn open_map(id: u32, name: &str) -> Result<Option<OwnedFd>> {
+    let mut attr = [0u8; ATTR_SIZE];
+    put_u32(&mut attr, 0, id);
+    let fd = match sys_bpf(
+        BPF_MAP_GET_FD_BY_ID,
+        &mut attr,
+        &format!("bpf(BPF_MAP_GET_FD_BY_ID {id})"),
+    ) {
+        Ok(fd) => owned(fd, "bpf(BPF_MAP_GET_FD_BY_ID)")?,
+        Err(e) if e.errno() == Some(libc::ENOENT) => return Ok(None),
+        Err(e) => return Err(e),
+    };
+    // struct bpf_map_info: type, id, key_size, value_size, max_entries,
+    // map_flags, name[16], ...
+    let mut info = [0u8; 64];
+    let mut attr = [0u8; ATTR_SIZE];
+    put_u32(&mut attr, 0, fd.as_raw_fd() as u32);
+    put_u32(&mut attr, 4, info.len() as u32);
+    put_u64(&mut attr, 8, info.as_mut_ptr() as u64);
+    sys_bpf(
+        BPF_OBJ_GET_INFO_BY_FD,
+        &mut attr,
+        &format!("bpf(BPF_OBJ_GET_INFO_BY_FD map {id})"),
+    )?;
+    let u = |o: usize| u32::from_ne_bytes([info[o], info[o + 1], info[o + 2], info[o + 3]]);
+    let got_name = info[24..40].split(|b| *b == 0).next().unwrap_or_default();
+    let ours = u(0) == BPF_MAP_TYPE_HASH
+        && u(8) == KEY_SIZE
+        && u(12) == VALUE_SIZE
+        && got_name == name.as_bytes();
+    Ok(ours.then_some(fd))
+}
+
+/// The id of map `map` (what [`open_map`] takes).
+pub fn map_id(map: BorrowedFd<'_>) -> Result<u32> {
+    let mut info = [0u8; 64];
+    let mut attr = [0u8; ATTR_SIZE];
+    put_u32(&mut attr, 0, map.as_raw_fd() as u32);
+    put_u32(&mut attr, 4, info.len() as u32);
+    put_u64(&mut attr, 8, info.as_mut_ptr() as u64);
+    sys_bpf(
+        BPF_OBJ_GET_INFO_BY_FD,
+        &mut attr,
+        "bpf(BPF_OBJ_GET_INFO_BY_FD map)",
+    )?;
+    Ok(u32::from_ne_bytes([info[4], info[5], info[6], info[7]]))
+}
+
+/// Add or replace the entry of the box at `addr`.
+pub fn map_set(map: BorrowedFd<'_>, addr: std::net::Ipv4Addr, target: Target) -> Result<()> {
+    let key = addr.octets();
+    let mut value = [0u8; VALUE_SIZE as usize];
+    value[..4].copy_from_slice(&target.ifindex.to_ne_bytes());
+    let flags = if target.peer { FLAG_PEER } else { 0 };
+    value[4..].copy_from_slice(&flags.to_ne_bytes());
+    let mut attr = [0u8; ATTR_SIZE];
+    put_u32(&mut attr, 0, map.as_raw_fd() as u32);
+    put_u64(&mut attr, 8, key.as_ptr() as u64);
+    put_u64(&mut attr, 16, value.as_ptr() as u64);
+    sys_bpf(
+        BPF_MAP_UPDATE_ELEM,
+        &mut attr,
+        &format!("bpf(BPF_MAP_UPDATE_ELEM {addr})"),
+    )?;
+    Ok(())
+}
+
+/// Remove the entry of the box at `addr`; `Ok(false)` if there was none.
+pub fn map_remove(map: BorrowedFd<'_>, addr: std::net::Ipv4Addr) -> Result<bool> {
+    let key = addr.octets();
+    let mut attr = [0u8; ATTR_SIZE];
+    put_u32(&mut attr, 0, map.as_raw_fd() as u32);
+    put_u64(&mut attr, 8, key.as_ptr() as u64);
+    match sys_bpf(
+        BPF_MAP_DELETE_ELEM,
+        &mut attr,
+        &format!("bpf(BPF_MAP_DELETE_ELEM {addr})"),
+    ) {
+        Ok(_) => Ok(true),
+        Err(e) if e.errno() == Some(libc::ENOENT) => Ok(false),
+        Err(e) => Err(e),
+    }
+}
+
+/// One instruction: opcode, destination and source registers, offset, immediate.
+fn insn(code: u8, dst: u8, src: u8, off: i16, imm: i32) -> [u8; 8] {
+    let mut b = [0u8; 8];
+    b[0] = code;
+    b[1] = (src << 4) | (dst & 0x0f);
+    b[2..4].copy_from_slice(&off.to_le_bytes());
+    b[4..8].copy_from_slice(&imm.to_le_bytes());
+    b
+}
+
+/// The classifier's instructions, with `map` as its map.
+fn program(map: BorrowedFd<'_>) -> Vec<[u8; 8]> {
+    // Registers: r1 context, then helper arguments; r2/r3 packet start/end;
+    // r10 frame pointer. Jumps count instructions after the jump.
+    const LDXW: u8 = 0x61; // r_dst = *(u32 *)(r_src + off)
+    const LDXH: u8 = 0x69; // r_dst = *(u16 *)(r_src + off)
+    const STXW: u8 = 0x63; // *(u32 *)(r_dst + off) = r_src
+    const MOV64X: u8 = 0xbf;
+    const MOV64K: u8 = 0xb7;
+    const ADD64K: u8 = 0x07;
+    const JGTX: u8 = 0x2d;
+    const JEQK: u8 = 0x15;
+    const JNE32K: u8 = 0x56;
+    const LDDW: u8 = 0x18;
+    const CALL: u8 = 0x85;
+    const EXIT: u8 = 0x95;
+    let fd = map.as_raw_fd();
+    vec![
+        /* 0 */ insn(LDXW, 2, 1, SKB_DATA, 0),
+        /* 1 */ insn(LDXW, 3, 1, SKB_DATA_END, 0),
+        /* 2 */ insn(MOV64X, 4, 2, 0, 0),
+        // Ethernet header and IPv4 header up to the destination address.
+        /* 3 */
+        insn(ADD64K, 4, 0, 0, 34),
+        /* 4 */ insn(JGTX, 4, 3, 18, 0), // -> 23
+        // EtherType IPv4 (0x0800, read little-endian).
+        /* 5 */
+        insn(LDXH, 5, 2, 12, 0),
+        /* 6 */ insn(JNE32K, 5, 0, 16, 0x0008), // -> 23
+        // The destination address is the key, on the stack.
+        /* 7 */
+        insn(LDXW, 5, 2, 30, 0),
+        /* 8 */ insn(STXW, 10, 5, -4, 0),
+        /* 9 */ insn(MOV64X, 2, 10, 0, 0),
+        /* 10 */ insn(ADD64K, 2, 0, 0, -4),
+        /* 11 */ insn(LDDW, 1, BPF_PSEUDO_MAP_FD, 0, fd),
+        /* 12 */ insn(0, 0, 0, 0, 0),
+        /* 13 */ insn(CALL, 0, 0, 0, FN_MAP_LOOKUP_ELEM),
+        /* 14 */ insn(JEQK, 0, 0, 8, 0), // -> 23
+        /* 15 */ insn(LDXW, 1, 0, 0, 0), // ifindex
+        /* 16 */ insn(LDXW, 3, 0, 4, 0), // flags
+        /* 17 */ insn(MOV64K, 2, 0, 0, 0),
+        /* 18 */ insn(JEQK, 3, 0, 2, 0), // -> 21
+        /* 19 */ insn(CALL, 0, 0, 0, FN_REDIRECT_PEER),
+        /* 20 */ insn(EXIT, 0, 0, 0, 0),
+        /* 21 */ insn(CALL, 0, 0, 0, FN_REDIRECT),
+        /* 22 */ insn(EXIT, 0, 0, 0, 0),
+        /* 23 */ insn(MOV64K, 0, 0, 0, TC_ACT_UNSPEC),
+        /* 24 */ insn(EXIT, 0, 0, 0, 0),
+    ]
+}
+
+/// Load the shortcut classifier for `map`, named `name`. The returned
+/// descriptor is needed only until the program is attached (the filter then
+/// holds it, and it holds the map).
+pub fn load_program(map: BorrowedFd<'_>, name: &str) -> Result<OwnedFd> {
+    let code: Vec<u8> = program(map).concat();
+    let license = b"Apache-2.0\0";
+    let what = format!("bpf(BPF_PROG_LOAD {name})");
+    let load = |log: Option<&mut Vec<u8>>| {
+        let mut attr = [0u8; ATTR_SIZE];
+        put_u32(&mut attr, 0, BPF_PROG_TYPE_SCHED_CLS);
+        put_u32(&mut attr, 4, (code.len() / 8) as u32);
+        put_u64(&mut attr, 8, code.as_ptr() as u64);
+        put_u64(&mut attr, 16, license.as_ptr() as u64);
+        if let Some(log) = log {
+            put_u32(&mut attr, 24, 1);
+            put_u32(&mut attr, 28, log.len() as u32);
+            put_u64(&mut attr, 32, log.as_mut_ptr() as u64);
+        }
+        put_name(&mut attr, 48, name);
+        sys_bpf(BPF_PROG_LOAD, &mut attr, &what)
+    };
+    match load(None) {
+        Ok(fd) => owned(fd, &what),
+        Err(first) => {
+            // Again with the verifier's log, for its last line in the error.
+            let mut log = vec![0u8; 16 * 1024];
+            let _ = load(Some(&mut log));
+            let text = String::from_utf8_lossy(&log);
+            let last = text.trim_end_matches('\0').trim().lines().last();
+            match (first, last) {
+                (NetError::Sys { call, source }, Some(l)) if !l.is_empty() => Err(NetError::Sys {
+                    call: format!("{call} (verifier: {l})"),
+                    source,
+                }),
+                (e, _) => Err(e),
+            }
+        }
+    }
+}
