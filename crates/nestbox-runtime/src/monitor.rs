@@ -683,7 +683,10 @@ fn finish(reg: &Registry, record: &BoxRecord, run: Running, exit_code: i32) -> R
         let _ = cg.kill_all();
         let _ = cg.remove();
     }
-    let _ = crate::network::release_exited(reg.roots(), &record.state.id);
+    // Only a bridged box holds anything on the network.
+    if record.spec.network.mode == NetworkMode::Bridge {
+        let _ = crate::network::release_exited(reg.roots(), &record.state.id);
+    }
     let oom_killed = oom_kills > 0 && exit_code == 128 + Signal::SIGKILL as i32;
     // A template removed while clones depended on it goes once its init has.
     let removed_template = reg

@@ -157,10 +157,10 @@ impl Pending {
 /// Release everything box `box_id` holds on its network (idempotent).
 pub fn release(roots: &Roots, box_id: &str) -> Result<()> {
     crate::network_pool::release(roots, box_id);
-    if !state_dir(roots).exists() {
-        return Ok(());
+    // The saved configuration is enough: detaching opens its own netlink socket.
+    if let Some(net) = view(roots)? {
+        net.detach(box_id)?;
     }
-    open(roots)?.detach(box_id)?;
     Ok(())
 }
 
@@ -168,10 +168,9 @@ pub fn release(roots: &Roots, box_id: &str) -> Result<()> {
 /// network; its veth pair goes with its network namespace, by the kernel.
 pub fn release_exited(roots: &Roots, box_id: &str) -> Result<()> {
     crate::network_pool::release(roots, box_id);
-    if !state_dir(roots).exists() {
-        return Ok(());
+    if let Some(net) = view(roots)? {
+        net.detach_exited(box_id)?;
     }
-    open(roots)?.detach_exited(box_id)?;
     Ok(())
 }
 
