@@ -255,16 +255,35 @@ pub fn release(roots: &Roots, box_id: &str) {
     }
 }
 
-/// Remove every entry that is ready, half-made, or held by a box not in
-/// `live`. Returns how many were removed.
+/// Remove every leftover of the pool: half-made entries (their maker died:
+/// a live maker would hold the lock), entries held by a box not in `live`,
+/// and ready entries whose namespace mount is gone. Ready entries that are
+/// intact stay: they are the pool, not leftovers. If a ready entry was
+/// removed, a refill is started. Returns how many entries were removed.
 pub fn clear(roots: &Roots, live: &[String]) -> Result<usize> {
     if !pool_dir(roots).exists() {
         return Ok(0);
     }
-    let _lock = lock(roots, true)?;
-    Ok(clear_locked(roots, Some(live)))
+    let lock = lock(roots, true)?;
+    let before = ready(roots).len();
+    let removed = clear_locked(roots, Some(live));
+    let broken = before - ready(roots).len();
+    drop(lock);
+    if broken > 0 {
+        spawn_fill(roots);
+    }
+    Ok(removed)
 }
 
+/// Whether the ready entry `dir` still holds its namespace.
+fn intact(dir: &Path) -> bool {
+    use nix::sys::statfs::{statfs, NSFS_MAGIC};
+    fs::read_to_string(dir.join(ID_FILE)).is_ok()
+        && statfs(&dir.join(MOUNT_FILE)).is_ok_and(|s| s.filesystem_type() == NSFS_MAGIC)
+}
+
+/// Remove entries: with `live`, the leftovers [`clear`] describes; without,
+/// all of them.
 fn clear_locked(roots: &Roots, live: Option<&[String]>) -> usize {
     let mut removed = 0;
     for e in fs::read_dir(pool_dir(roots))
@@ -276,8 +295,12 @@ fn clear_locked(roots: &Roots, live: Option<&[String]>) -> usize {
         if name == ".lock" {
             continue;
         }
-        if let (Some(id), Some(live)) = (name.strip_prefix(CLAIMED), live) {
-            if live.iter().any(|l| l == id) {
+        if let Some(live) = live {
+            let keep = match name.strip_prefix(CLAIMED) {
+                Some(id) => live.iter().any(|l| l == id),
+                None => !name.starts_with('.') && intact(&e.path()),
+            };
+            if keep {
                 continue;
             }
         }

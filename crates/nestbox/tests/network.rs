@@ -349,6 +349,9 @@ fn pooled_namespaces_serve_new_boxes_and_leave_nothing() {
         v["state"]["monitor_pid"].as_i64().unwrap() as i32,
         v["state"]["init_pid"].as_i64().unwrap() as i32,
     );
+    wait_for("the pool to be refilled", Duration::from_secs(20), || {
+        pool_ready(&root) == 2
+    });
     // SAFETY: kill has no memory-safety preconditions; the pids are the box's.
     unsafe {
         libc::kill(monitor, libc::SIGKILL);
@@ -364,6 +367,8 @@ fn pooled_namespaces_serve_new_boxes_and_leave_nothing() {
         "gc left the namespace mount of {id}: {:?}",
         pool_mounts(&root)
     );
+    // The namespaces waiting in the pool are no leftovers: gc keeps them.
+    assert_eq!(pool_ready(&root), 2, "gc emptied the pool");
 
     // rm releases the box's veth (with its namespace, by the kernel).
     root.ok(&["rm", "-f", "pa", "capped"]);
