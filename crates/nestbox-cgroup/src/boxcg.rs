@@ -471,7 +471,12 @@ impl BoxCgroup {
             Some(d) if d.path.exists() => v2::kill(&d.path)?,
             _ => false,
         };
-        if !by_kernel && !self.procs()?.is_empty() {
+        if !by_kernel {
+            // Usually the box's init has gone and the kernel killed the rest
+            // of its pid namespace: nothing to do.
+            if self.procs()?.is_empty() {
+                return Ok(());
+            }
             let frozen = self.freeze().is_ok();
             let sent = self.signal_all();
             if frozen {

@@ -663,9 +663,11 @@ fn supervise(record: &BoxRecord, run: &Running, signals: SignalFd, foreground: b
 
 /// Record the end of the box and release its cgroup.
 fn finish(reg: &Registry, record: &BoxRecord, run: Running, exit_code: i32) -> Result<Outcome> {
-    // A pooled clone is renamed when claimed: find the record by id.
+    // A pooled clone is renamed when claimed: find the record by id. Other
+    // boxes keep their name for life.
     let current;
     let record = match reg.load(record.name()) {
+        _ if record.spec.clone_of.is_none() => record,
         Ok(r) if r.state.id == record.state.id => record,
         _ => match reg.load_by_id(&record.state.id) {
             Ok(r) => {
@@ -679,7 +681,11 @@ fn finish(reg: &Registry, record: &BoxRecord, run: Running, exit_code: i32) -> R
     let mut stats = None;
     if let Some(cg) = &run.cgroup {
         oom_kills = cg.oom_kills().unwrap_or(0);
-        stats = cg.stats().ok();
+        // The final figures are kept for `inspect` of an exited box; a box
+        // removed on exit has no one to show them to.
+        if !record.spec.remove_on_exit {
+            stats = cg.stats().ok();
+        }
         let _ = cg.kill_all();
         let _ = cg.remove();
     }
@@ -689,10 +695,11 @@ fn finish(reg: &Registry, record: &BoxRecord, run: Running, exit_code: i32) -> R
     }
     let oom_killed = oom_kills > 0 && exit_code == 128 + Signal::SIGKILL as i32;
     // A template removed while clones depended on it goes once its init has.
-    let removed_template = reg
-        .load(record.name())
-        .is_ok_and(|r| r.state.template.is_some_and(|t| t.removed));
-    if record.spec.remove_on_exit || removed_template {
+    let removed_template = || {
+        reg.load(record.name())
+            .is_ok_and(|r| r.state.template.is_some_and(|t| t.removed))
+    };
+    if record.spec.remove_on_exit || removed_template() {
         reg.remove(record)?;
         return Ok(Outcome {
             exit_code,
