@@ -185,6 +185,66 @@ fn plan<'a>(h: &'a Hierarchies, limits: &Limits) -> Result<Plan<'a>, CgroupError
     })
 }
 
+/// A box cgroup decided but not made yet: see [`BoxCgroup::prepare`].
+#[derive(Debug, Clone)]
+pub struct PendingCgroup {
+    id: String,
+    name: String,
+    /// The v2 parent directory and the controllers wanted there.
+    v2: Option<(PathBuf, Vec<&'static str>)>,
+    /// Each v1 parent directory and the controllers used from it.
+    v1: Vec<(PathBuf, Vec<String>)>,
+    required_v2: BTreeSet<&'static str>,
+    warnings: Vec<CgroupWarning>,
+    limits: Limits,
+}
+
+impl PendingCgroup {
+    /// The directories [`Self::create`] makes: v2 first, then each v1
+    /// hierarchy.
+    fn targets(&self) -> Vec<PathBuf> {
+        self.v2
+            .iter()
+            .map(|(parent, _)| parent.join(&self.name))
+            .chain(self.v1.iter().map(|(parent, _)| parent.join(&self.name)))
+            .collect()
+    }
+
+    /// The files a process writes `0` to in order to move itself into the
+    /// cgroup once made, as [`BoxCgroup::self_join_files`] lists them.
+    pub fn self_join_files(&self) -> Vec<PathBuf> {
+        let v2 = self
+            .v2
+            .iter()
+            .map(|(parent, _)| parent.join(&self.name).join("cgroup.procs"));
+        let v1 = self
+            .v1
+            .iter()
+            .map(|(parent, _)| parent.join(&self.name).join("tasks"));
+        v2.chain(v1).collect()
+    }
+
+    /// Makes the directories in every hierarchy and writes the limits. On
+    /// error every directory made so far is removed again.
+    pub fn create(self) -> Result<BoxCgroup, CgroupError> {
+        let mut warnings = self.warnings.clone();
+        let mut made = Vec::new();
+        match build(&self, &mut made, &mut warnings) {
+            Ok(dirs) => Ok(BoxCgroup {
+                id: self.id,
+                dirs,
+                warnings,
+            }),
+            Err(e) => {
+                for d in made.iter().rev() {
+                    let _ = fsutil::remove_dir(d);
+                }
+                Err(e)
+            }
+        }
+    }
+}
+
 impl BoxCgroup {
     /// Creates the cgroup of box `id` under the invoking process's cgroup in
     /// every hierarchy carrying a controller the box uses, and writes
@@ -197,37 +257,44 @@ impl BoxCgroup {
     /// not usable, an existing directory, or any failed write. On error every
     /// directory made so far is removed again.
     pub fn create(h: &Hierarchies, id: &str, limits: &Limits) -> Result<BoxCgroup, CgroupError> {
+        Self::prepare(h, id, limits)?.create()
+    }
+
+    /// Decides the cgroup of box `id` as [`Self::create`] would make it, checks
+    /// the limits and that no directory of that name exists, and makes
+    /// nothing: [`PendingCgroup::create`] does. In between, a process can be
+    /// forked that joins the cgroup ([`PendingCgroup::self_join_files`]) once
+    /// it has been made.
+    pub fn prepare(
+        h: &Hierarchies,
+        id: &str,
+        limits: &Limits,
+    ) -> Result<PendingCgroup, CgroupError> {
         validate_id(id)?;
         limits.validate()?;
         limits.validate_cpuset_against(h)?;
         let plan = plan(h, limits)?;
-        let name = dir_name(id);
-        let targets = plan
-            .v2
-            .iter()
-            .map(|(hi, _)| *hi)
-            .chain(plan.v1.iter().map(|(hi, _)| *hi))
-            .map(|hi| hi.invoking_dir().join(&name));
-        for t in targets {
+        let pending = PendingCgroup {
+            id: id.to_string(),
+            name: dir_name(id),
+            v2: plan
+                .v2
+                .map(|(hi, wanted)| (hi.invoking_dir().to_path_buf(), wanted)),
+            v1: plan
+                .v1
+                .into_iter()
+                .map(|(hi, used)| (hi.invoking_dir().to_path_buf(), used))
+                .collect(),
+            required_v2: plan.required_v2,
+            warnings: plan.warnings,
+            limits: limits.clone(),
+        };
+        for t in pending.targets() {
             if t.symlink_metadata().is_ok() {
                 return Err(CgroupError::AlreadyExists { path: t });
             }
         }
-        let mut warnings = plan.warnings.clone();
-        let mut made = Vec::new();
-        match build(&plan, &name, limits, &mut made, &mut warnings) {
-            Ok(dirs) => Ok(BoxCgroup {
-                id: id.to_string(),
-                dirs,
-                warnings,
-            }),
-            Err(e) => {
-                for d in made.iter().rev() {
-                    let _ = fsutil::remove_dir(d);
-                }
-                Err(e)
-            }
-        }
+        Ok(pending)
     }
 
     /// Re-assembles a box cgroup from its parts (e.g. found on disk).
@@ -525,19 +592,17 @@ impl BoxCgroup {
 
 /// Makes the directories of `plan`, recording each in `made`.
 fn build(
-    plan: &Plan<'_>,
-    name: &str,
-    limits: &Limits,
+    pending: &PendingCgroup,
     made: &mut Vec<PathBuf>,
     warnings: &mut Vec<CgroupWarning>,
 ) -> Result<Vec<CgroupDir>, CgroupError> {
+    let (name, limits) = (&pending.name, &pending.limits);
     let mut dirs = Vec::new();
-    if let Some((hi, wanted)) = &plan.v2 {
-        let parent = hi.invoking_dir();
+    if let Some((parent, wanted)) = &pending.v2 {
         let enabled = if wanted.is_empty() {
             Vec::new()
         } else {
-            v2::enable_controllers(parent, wanted, &plan.required_v2, warnings)?
+            v2::enable_controllers(parent, wanted, &pending.required_v2, warnings)?
         };
         let dir = parent.join(name);
         fsutil::make_dir(&dir)?;
@@ -549,8 +614,7 @@ fn build(
             path: dir,
         });
     }
-    for (hi, used) in &plan.v1 {
-        let parent = hi.invoking_dir();
+    for (parent, used) in &pending.v1 {
         let dir = parent.join(name);
         fsutil::make_dir(&dir)?;
         made.push(dir.clone());

@@ -38,7 +38,9 @@ mod tests;
 mod v1;
 mod v2;
 
-pub use boxcg::{dir_name, validate_id, BoxCgroup, CgroupDir, FREEZE_TIMEOUT, KILL_TIMEOUT};
+pub use boxcg::{
+    dir_name, validate_id, BoxCgroup, CgroupDir, PendingCgroup, FREEZE_TIMEOUT, KILL_TIMEOUT,
+};
 pub use detect::{Hierarchies, Hierarchy, Version};
 pub use error::{CgroupError, CgroupWarning, Op};
 pub use gc::find_stale;

@@ -661,3 +661,38 @@ fn remove_is_idempotent_and_ignores_missing() {
     cg.remove().unwrap();
     assert!(!Path::new(&tmp.path().join("nope")).exists());
 }
+
+#[test]
+fn prepare_makes_nothing_and_knows_the_join_files() {
+    let tmp = tempfile::tempdir().unwrap();
+    for (label, h) in [
+        ("v2", testfs::pure_v2(&tmp.path().join("v2"))),
+        ("hybrid", testfs::hybrid(&tmp.path().join("hy"))),
+    ] {
+        let pending = BoxCgroup::prepare(&h, "p", &Limits::default()).unwrap();
+        let files = pending.self_join_files();
+        assert!(!files.is_empty(), "{label}");
+        for f in &files {
+            assert!(!f.parent().unwrap().exists(), "{label}: {f:?} made early");
+        }
+        // A second box of the same id is refused only once the first exists.
+        let again = BoxCgroup::prepare(&h, "p", &Limits::default()).unwrap();
+        let cg = pending.create().unwrap();
+        assert_eq!(cg.self_join_files(), files, "{label}");
+        assert!(
+            files.iter().all(|f| f.parent().unwrap().is_dir()),
+            "{label}"
+        );
+        // Made meanwhile by the first: the second fails and removes nothing.
+        assert!(again.create().is_err(), "{label}");
+        assert!(
+            files.iter().all(|f| f.parent().unwrap().is_dir()),
+            "{label}"
+        );
+        assert!(matches!(
+            BoxCgroup::prepare(&h, "p", &Limits::default()),
+            Err(CgroupError::AlreadyExists { .. })
+        ));
+        cg.remove().unwrap();
+    }
+}

@@ -47,6 +47,10 @@ pub struct RootfsPlan {
     pub layers: Vec<LayerMount>,
     /// Host directories bound read-only (source, target in the box), after the layers.
     pub read_only_binds: Vec<(PathBuf, PathBuf)>,
+    /// Small read-only files given by their content (path in the box,
+    /// content), such as the box's own `/etc/machine-id`. They live in the
+    /// box's `/dev` tmpfs, so nothing is written to disk for them.
+    pub files: Vec<(PathBuf, Vec<u8>)>,
     /// Host directories or files bound in.
     pub volumes: Vec<Volume>,
     /// Paths that get a fresh tmpfs.
@@ -78,6 +82,9 @@ pub fn assemble(plan: &RootfsPlan) -> Result<()> {
     dev::populate(&root.join("dev"), plan.userns)?;
     procfs::mount_proc(root)?;
     procfs::mount_sys(root)?;
+    for (i, (path, content)) in plan.files.iter().enumerate() {
+        place_file(root, i, path, content)?;
+    }
     for vol in &plan.volumes {
         let target = secure_join(root, &vol.target)?;
         make_mountpoint(&target, vol.source.is_dir())?;
@@ -116,6 +123,30 @@ pub fn pivot_into(root: &Path) -> Result<()> {
     mounts::detach(Path::new("."))?;
     chdir("/").map_err(|e| IsolationError::at("chdir", "/", e))?;
     Ok(())
+}
+
+/// Bind a read-only file holding `content` at `path` in the box. The file is
+/// made in the box's `/dev` tmpfs under a temporary name and unlinked once
+/// bound: the mount keeps it, and nothing else in the box can reach it.
+fn place_file(root: &Path, index: usize, path: &Path, content: &[u8]) -> Result<()> {
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+    let staging = root.join("dev").join(format!(".nestbox-file-{index}"));
+    let mut file = fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o444)
+        .open(&staging)
+        .map_err(|e| IsolationError::io("create", &staging, e))?;
+    file.write_all(content)
+        .map_err(|e| IsolationError::io("write", &staging, e))?;
+    drop(file);
+    let target = secure_join(root, path)?;
+    let bound = make_mountpoint(&target, false)
+        .and_then(|()| mounts::bind(&staging, &target, false))
+        .and_then(|()| mounts::remount_read_only(&target));
+    let _ = fs::remove_file(&staging);
+    bound
 }
 
 /// Create a mount point (directory or empty file) if it does not exist yet.

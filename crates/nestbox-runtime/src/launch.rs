@@ -104,6 +104,11 @@ pub struct LaunchPlan {
     pub cgroup_join: Vec<PathBuf>,
     /// The box has its own network namespace (bring its loopback up).
     pub own_network: bool,
+    /// Set the hostname, bring loopback up and assemble the root before
+    /// waiting for the go (while the monitor makes the cgroup) rather than
+    /// after joining the cgroup. Not for a user-namespace box, which needs its
+    /// id maps (written by the monitor before the go) to mount.
+    pub assemble_before_go: bool,
     /// Whether `setgroups` is permitted in the box (see [`CommandPlan::setgroups`]).
     pub setgroups: bool,
     /// The command; `None` for a clone shell, whose init adopts the process that
@@ -187,6 +192,9 @@ fn setup_box(plan: &LaunchPlan, fds: ChildFds) -> Result<Option<Pid>, Failure> {
     // reads end-of-file and the child leaves.
     nix::sys::prctl::set_pdeathsig(Signal::SIGKILL).map_err(|e| e125("prctl(PDEATHSIG)", &e))?;
     let (go, _) = keep_only_box_fds(fds).map_err(|e| e125("set up descriptors", &e))?;
+    if plan.assemble_before_go {
+        prepare_root(plan)?;
+    }
     let mut byte = [0u8; 1];
     match nix::unistd::read(go, &mut byte) {
         Ok(1) => {}
@@ -207,11 +215,9 @@ fn setup_box(plan: &LaunchPlan, fds: ChildFds) -> Result<Option<Pid>, Failure> {
             .map_err(|e| e125("become root of the user namespace", &e))?;
     }
     unshare(CloneFlags::CLONE_NEWCGROUP).map_err(|e| e125("unshare(cgroup namespace)", &e))?;
-    nix::unistd::sethostname(&plan.hostname).map_err(|e| e125("sethostname", &e))?;
-    if plan.own_network {
-        nestbox_isolation::net::loopback_up().map_err(|e| e125("network", &e))?;
+    if !plan.assemble_before_go {
+        prepare_root(plan)?;
     }
-    rootfs::assemble(&plan.rootfs).map_err(|e| e125("box root", &e))?;
     rootfs::pivot_into(&plan.rootfs.mountpoint).map_err(|e| e125("box root", &e))?;
     // Block every signal before forking, so init sees each one through its signalfd.
     sigprocmask(SigmaskHow::SIG_SETMASK, Some(&SigSet::all()), None)
@@ -225,6 +231,17 @@ fn setup_box(plan: &LaunchPlan, fds: ChildFds) -> Result<Option<Pid>, Failure> {
         ForkResult::Child => exec_command(command, REPORT_FD),
         ForkResult::Parent { child } => Ok(Some(child)),
     }
+}
+
+/// Hostname, loopback and the box root, assembled in the box's own mount
+/// namespace (none of it depends on the box's cgroup).
+fn prepare_root(plan: &LaunchPlan) -> Result<(), Failure> {
+    let e125 = |what: &str, e: &dyn std::fmt::Display| (EXIT_NESTBOX_ERROR, format!("{what}: {e}"));
+    nix::unistd::sethostname(&plan.hostname).map_err(|e| e125("sethostname", &e))?;
+    if plan.own_network {
+        nestbox_isolation::net::loopback_up().map_err(|e| e125("network", &e))?;
+    }
+    rootfs::assemble(&plan.rootfs).map_err(|e| e125("box root", &e))
 }
 
 /// Take the ids of root in the (freshly mapped) user namespace, so files the box
@@ -361,11 +378,18 @@ fn fail(report: RawFd, code: i32, message: &str) -> ! {
 
 /// Read a failure report (`CODE\tMESSAGE`) until EOF; `None` when the pipe closed
 /// silently (the command's exec succeeded).
-pub fn read_report(report: OwnedFd) -> Option<(i32, String)> {
-    use std::io::Read;
-    let mut text = String::new();
-    let mut f = std::fs::File::from(report);
-    let _ = f.read_to_string(&mut text);
+pub fn read_report(report: impl std::os::fd::AsFd) -> Option<(i32, String)> {
+    let mut bytes = Vec::new();
+    let mut buf = [0u8; 512];
+    loop {
+        match nix::unistd::read(report.as_fd().as_raw_fd(), &mut buf) {
+            Ok(0) => break,
+            Ok(n) => bytes.extend_from_slice(&buf[..n]),
+            Err(nix::errno::Errno::EINTR) => continue,
+            Err(_) => break,
+        }
+    }
+    let text = String::from_utf8_lossy(&bytes).into_owned();
     if text.is_empty() {
         return None;
     }

@@ -52,6 +52,13 @@ impl Roots {
     pub fn boxes(&self) -> PathBuf {
         self.run.join("boxes")
     }
+    /// Where every box assembles its root, each inside its own mount
+    /// namespace: one directory for all, never mounted on in the host's
+    /// namespace, made once and never removed with a box (removing a mount
+    /// point would detach the mounts on it in every namespace).
+    pub fn root_mountpoint(&self) -> PathBuf {
+        self.run.join("mnt")
+    }
     /// Record directory of the box `name`.
     pub fn box_run(&self, name: &str) -> PathBuf {
         self.boxes().join(name)

@@ -52,12 +52,10 @@ impl BoxRecord {
     }
     /// Writable layer `index` of the root view: (upper, work).
     pub fn layer_dirs(&self, index: usize) -> (PathBuf, PathBuf) {
-        let base = self.lib_dir.join("layers").join(index.to_string());
-        (base.join("upper"), base.join("work"))
-    }
-    /// Where the root is assembled (inside the box's own mount namespace only).
-    pub fn rootfs_mountpoint(&self) -> PathBuf {
-        self.run_dir.join("rootfs")
+        (
+            self.lib_dir.join(format!("upper-{index}")),
+            self.lib_dir.join(format!("work-{index}")),
+        )
     }
 }
 
@@ -95,10 +93,6 @@ impl Registry {
             write_json(&tmp.join("state.json"), &state)?;
             fs::File::create(tmp.join("lock"))
                 .map_err(RuntimeError::io("create", tmp.join("lock")))?;
-            fs::DirBuilder::new()
-                .mode(0o755)
-                .create(tmp.join("rootfs"))
-                .map_err(RuntimeError::io("mkdir", tmp.join("rootfs")))?;
             nix::fcntl::renameat2(
                 None,
                 &tmp,

@@ -629,10 +629,7 @@ fn dedup_merges_identical_files_of_exited_boxes_only() {
     let upper = |name: &str| -> PathBuf {
         let v = root.inspect(name);
         let id = v["id"].as_str().unwrap().to_string();
-        root.path()
-            .join("lib/boxes")
-            .join(id)
-            .join("layers/0/upper/tmp")
+        root.path().join("lib/boxes").join(id).join("upper-0/tmp")
     };
     let (ua, ub, ul) = (upper("a"), upper("b"), upper("live"));
     let ino = |p: &Path| fs::metadata(p).unwrap().ino();
