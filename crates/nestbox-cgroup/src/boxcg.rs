@@ -177,6 +177,14 @@ fn plan<'a>(h: &'a Hierarchies, limits: &Limits) -> Result<Plan<'a>, CgroupError
             }
         }
     }
+    // A v1 cpuset hierarchy of its own adds nothing to a box without a CPU
+    // list: it would copy its parent's CPUs and memory nodes, and the box
+    // stays in the caller's cpuset without it. (Making, filling and removing
+    // it costs every box start about 0.15 ms here.)
+    let v1 = v1
+        .into_iter()
+        .filter(|(_, used)| limits.cpuset_cpus.is_some() || used.as_slice() != ["cpuset"])
+        .collect();
     Ok(Plan {
         v1,
         v2: v2_plan,

@@ -77,16 +77,32 @@ fn create_v1_writes_exact_files() {
 }
 
 #[test]
-fn create_v1_cpuset_copied_from_parent_without_limit() {
+fn v1_cpuset_only_with_a_cpu_list_and_mems_copied_from_parent() {
     let tmp = tempfile::tempdir().unwrap();
     let h = testfs::pure_v1(tmp.path());
+    // No CPU list: the box stays in the caller's cpuset (no directory).
     let cg = BoxCgroup::create(&h, "c", &Limits::default()).unwrap();
     let p = cg.paths();
-    assert_eq!(read(p["cpuset"].join("cpuset.cpus")), "0-3");
-    assert_eq!(read(p["cpuset"].join("cpuset.mems")), "0");
+    assert!(!p.contains_key("cpuset"), "{p:?}");
+    assert!(!h
+        .find("cpuset")
+        .unwrap()
+        .invoking_dir()
+        .join("nestbox-c")
+        .exists());
     // No limits → limit files untouched.
     assert_eq!(read(p["memory"].join("memory.limit_in_bytes")), "");
     assert_eq!(read(p["pids"].join("pids.max")), "");
+    cg.remove().unwrap();
+
+    let limits = Limits {
+        cpuset_cpus: Some("1-2".into()),
+        ..Default::default()
+    };
+    let cg = BoxCgroup::create(&h, "d", &limits).unwrap();
+    let p = cg.paths();
+    assert_eq!(read(p["cpuset"].join("cpuset.cpus")), "1-2");
+    assert_eq!(read(p["cpuset"].join("cpuset.mems")), "0");
     cg.remove().unwrap();
 }
 
@@ -103,7 +119,8 @@ fn create_hybrid_layout_of_this_machine() {
     let p = cg.paths();
     // Everything is v1 here; the v2 hierarchy only has hugetlb: no v2 dir.
     assert!(cg.dirs().iter().all(|d| d.version == Version::V1));
-    assert_eq!(cg.dirs().len(), 8);
+    // All eight v1 hierarchies but cpuset (no CPU list).
+    assert_eq!(cg.dirs().len(), 7);
     assert!(!tmp.path().join("sys/fs/cgroup/unified/nestbox-h1").exists());
     assert_eq!(
         p["memory"],
