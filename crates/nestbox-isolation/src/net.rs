@@ -29,7 +29,14 @@ pub fn loopback_up() -> Result<()> {
             Errno::last(),
         ));
     }
+    // A namespace made ahead of time (the network pool) has it up already:
+    // setting the flags takes the kernel's RTNL lock, which namespaces being
+    // made or destroyed meanwhile may hold for a while; reading them does not.
     // SAFETY: the flags member of the union is the one SIOCGIFFLAGS filled in.
+    if unsafe { req.ifr_ifru.ifru_flags } & libc::IFF_UP as libc::c_short != 0 {
+        return Ok(());
+    }
+    // SAFETY: as above.
     unsafe { req.ifr_ifru.ifru_flags |= (libc::IFF_UP | libc::IFF_RUNNING) as libc::c_short };
     // SAFETY: SIOCSIFFLAGS reads the ifreq we own.
     if unsafe { libc::ioctl(sock.as_raw_fd(), libc::SIOCSIFFLAGS, &req) } < 0 {
