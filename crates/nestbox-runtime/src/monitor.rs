@@ -21,6 +21,7 @@ use nestbox_cgroup::{BoxCgroup, Hierarchies};
 use nestbox_isolation::idmap::IdMap;
 use nestbox_isolation::namespaces::{fork_into, Forked, BOX_NAMESPACES};
 use nestbox_isolation::rootfs::{LayerMount, RootfsPlan};
+use nix::errno::Errno;
 use nix::fcntl::OFlag;
 use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
 use nix::sched::CloneFlags;
@@ -348,22 +349,35 @@ fn start_inner(
 /// the blocks of the writable layer's (already removed) directories: about
 /// 1.5 ms here that the foreground `run` need not wait for. The child keeps
 /// nothing else open (so the caller's pipes see their end at once) and exits
-/// at once; the kernel releases the namespace when it does.
+/// once this process has closed its own copy of the namespace (the end of a
+/// pipe tells it), so that the child's is the last reference.
 fn release_in_background(ns: OwnedFd) {
+    let Ok((wait_r, wait_w)) = pipe2(OFlag::empty()) else {
+        return;
+    };
     // SAFETY: the monitor is single-threaded; the child only calls dup2,
-    // close_range and _exit, all async-signal-safe.
-    if let Ok(ForkResult::Child) = unsafe { nix::unistd::fork() } {
-        // SAFETY: plain syscalls on this process's own descriptor table;
-        // _exit ends the child without running the parent's exit handlers.
-        unsafe {
-            libc::dup2(ns.as_raw_fd(), 0);
-            libc::syscall(libc::SYS_close_range, 1u32, u32::MAX, 0u32);
-            libc::_exit(0)
+    // close, close_range, read and _exit, all async-signal-safe.
+    match unsafe { nix::unistd::fork() } {
+        Ok(ForkResult::Child) => {
+            // SAFETY: plain syscalls on this process's own descriptor table
+            // and a one-byte buffer on its stack; _exit ends the child without
+            // running the parent's exit handlers.
+            unsafe {
+                libc::dup2(ns.as_raw_fd(), 0);
+                libc::dup2(wait_r.as_raw_fd(), 1);
+                libc::syscall(libc::SYS_close_range, 2u32, u32::MAX, 0u32);
+                let mut byte = 0u8;
+                while libc::read(1, (&mut byte as *mut u8).cast(), 1) < 0
+                    && Errno::last() == Errno::EINTR
+                {}
+                libc::_exit(0)
+            }
         }
+        // The parent's copies close here (the namespace first, then the
+        // pipe that lets the child go); had the fork failed, this releases
+        // the namespace in the foreground, as without this.
+        _ => drop((ns, wait_w, wait_r)),
     }
-    // The parent's copy closes here; had the fork failed, this releases the
-    // namespace (in the foreground, as without this).
-    drop(ns);
 }
 
 /// Fork the box's first process into new namespaces (`flags`) with its pid
