@@ -60,6 +60,9 @@ tar -C "$SRC" -cf - . >/dev/null
 declare -A t
 for m in import cp cp_nosync tar; do t[$m]=""; done
 for ((i = 0; i < RUNS; i++)); do
+    # A fresh store each run; the root's network (made by the first box) goes
+    # first, or its bridge would outlive the state that names it.
+    nestbox_clean_root "$R"
     rm -rf "$R" "$work/cp" "$work/tar"
     s=$(now); nb image import -q "$SRC" --name src >/dev/null; e=$(now)
     t[import]+=" $(calc "$e-$s")"
