@@ -305,13 +305,12 @@ fn start_inner(
         (None, None) => None,
     };
     let pidfd = crate::process::pidfd_open(child.as_raw()).map_err(abandon)?;
-    let mount_ns = if hold_mount_ns {
-        let path = format!("/proc/{child}/ns/mnt");
-        let ns = File::open(&path).map_err(|e| abandon(RuntimeError::io("open", &path)(e)))?;
-        Some(OwnedFd::from(ns))
-    } else {
-        None
-    };
+    // Holding it is an optimisation only: if it cannot be opened, init's exit
+    // tears the namespace down as it would anyway.
+    let mount_ns = hold_mount_ns
+        .then(|| File::open(format!("/proc/{child}/ns/mnt")).ok())
+        .flatten()
+        .map(OwnedFd::from);
     nix::unistd::write(&go_w, b"g").map_err(|e| abandon(RuntimeError::sys("start box")(e)))?;
     drop(go_w);
     if let Some((code, message)) = read_report(&rep_r) {
