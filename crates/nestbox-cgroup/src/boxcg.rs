@@ -193,6 +193,16 @@ fn plan<'a>(h: &'a Hierarchies, limits: &Limits) -> Result<Plan<'a>, CgroupError
     })
 }
 
+/// The file of cgroup `dir` a single-threaded process writes `0` to in order
+/// to move itself there: v1 `tasks` (the cheap path, see
+/// [`BoxCgroup::self_join_files`]), v2 `cgroup.procs`.
+fn join_file(dir: &Path, version: Version) -> PathBuf {
+    match version {
+        Version::V1 => dir.join("tasks"),
+        Version::V2 => dir.join("cgroup.procs"),
+    }
+}
+
 /// A box cgroup decided but not made yet: see [`BoxCgroup::prepare`].
 #[derive(Debug, Clone)]
 pub struct PendingCgroup {
@@ -208,34 +218,27 @@ pub struct PendingCgroup {
 }
 
 impl PendingCgroup {
-    /// The directories [`Self::create`] makes: v2 first, then each v1
-    /// hierarchy.
-    fn targets(&self) -> Vec<PathBuf> {
-        self.v2
-            .iter()
-            .map(|(parent, _)| parent.join(&self.name))
-            .chain(self.v1.iter().map(|(parent, _)| parent.join(&self.name)))
-            .collect()
+    /// The directories [`Self::create`] makes, v2 first, then each v1
+    /// hierarchy, with their versions.
+    fn dirs(&self) -> impl Iterator<Item = (PathBuf, Version)> + '_ {
+        let v2 = self.v2.iter().map(|(parent, _)| (parent, Version::V2));
+        let v1 = self.v1.iter().map(|(parent, _)| (parent, Version::V1));
+        v2.chain(v1)
+            .map(|(parent, version)| (parent.join(&self.name), version))
     }
 
     /// The files a process writes `0` to in order to move itself into the
     /// cgroup once made, as [`BoxCgroup::self_join_files`] lists them.
     pub fn self_join_files(&self) -> Vec<PathBuf> {
-        let v2 = self
-            .v2
-            .iter()
-            .map(|(parent, _)| parent.join(&self.name).join("cgroup.procs"));
-        let v1 = self
-            .v1
-            .iter()
-            .map(|(parent, _)| parent.join(&self.name).join("tasks"));
-        v2.chain(v1).collect()
+        self.dirs()
+            .map(|(dir, version)| join_file(&dir, version))
+            .collect()
     }
 
     /// Makes the directories in every hierarchy and writes the limits. On
     /// error every directory made so far is removed again.
-    pub fn create(self) -> Result<BoxCgroup, CgroupError> {
-        let mut warnings = self.warnings.clone();
+    pub fn create(mut self) -> Result<BoxCgroup, CgroupError> {
+        let mut warnings = std::mem::take(&mut self.warnings);
         let mut made = Vec::new();
         match build(&self, &mut made, &mut warnings) {
             Ok(dirs) => Ok(BoxCgroup {
@@ -297,7 +300,7 @@ impl BoxCgroup {
             warnings: plan.warnings,
             limits: limits.clone(),
         };
-        for t in pending.targets() {
+        for (t, _) in pending.dirs() {
             if t.symlink_metadata().is_ok() {
                 return Err(CgroupError::AlreadyExists { path: t });
             }
@@ -371,10 +374,7 @@ impl BoxCgroup {
     pub fn self_join_files(&self) -> Vec<PathBuf> {
         self.dirs
             .iter()
-            .map(|d| match d.version {
-                Version::V1 => d.path.join("tasks"),
-                Version::V2 => d.path.join("cgroup.procs"),
-            })
+            .map(|d| join_file(&d.path, d.version))
             .collect()
     }
 

@@ -13,7 +13,7 @@
 //! lives as long as a program refers to it, so a network keeps its map's id in
 //! a file and makes a new map (filled from its state) when the old one is gone.
 
-use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
 
 use crate::error::{NetError, Result};
 
@@ -135,18 +135,7 @@ pub fn open_map(id: u32, name: &str) -> Result<Option<OwnedFd>> {
         Err(e) if e.errno() == Some(libc::ENOENT) => return Ok(None),
         Err(e) => return Err(e),
     };
-    // struct bpf_map_info: type, id, key_size, value_size, max_entries,
-    // map_flags, name[16], ...
-    let mut info = [0u8; 64];
-    let mut attr = [0u8; ATTR_SIZE];
-    put_u32(&mut attr, 0, fd.as_raw_fd() as u32);
-    put_u32(&mut attr, 4, info.len() as u32);
-    put_u64(&mut attr, 8, info.as_mut_ptr() as u64);
-    sys_bpf(
-        BPF_OBJ_GET_INFO_BY_FD,
-        &mut attr,
-        &format!("bpf(BPF_OBJ_GET_INFO_BY_FD map {id})"),
-    )?;
+    let info = map_info(fd.as_fd(), &format!("map {id}"))?;
     let u = |o: usize| u32::from_ne_bytes([info[o], info[o + 1], info[o + 2], info[o + 3]]);
     let got_name = info[24..40].split(|b| *b == 0).next().unwrap_or_default();
     let ours = u(0) == BPF_MAP_TYPE_HASH
@@ -158,6 +147,13 @@ pub fn open_map(id: u32, name: &str) -> Result<Option<OwnedFd>> {
 
 /// The id of map `map` (what [`open_map`] takes).
 pub fn map_id(map: BorrowedFd<'_>) -> Result<u32> {
+    let info = map_info(map, "map")?;
+    Ok(u32::from_ne_bytes([info[4], info[5], info[6], info[7]]))
+}
+
+/// The start of `struct bpf_map_info` of map `map` (type, id, key_size,
+/// value_size, max_entries, map_flags, name[16], ...); `what` names it in errors.
+fn map_info(map: BorrowedFd<'_>, what: &str) -> Result<[u8; 64]> {
     let mut info = [0u8; 64];
     let mut attr = [0u8; ATTR_SIZE];
     put_u32(&mut attr, 0, map.as_raw_fd() as u32);
@@ -166,9 +162,9 @@ pub fn map_id(map: BorrowedFd<'_>) -> Result<u32> {
     sys_bpf(
         BPF_OBJ_GET_INFO_BY_FD,
         &mut attr,
-        "bpf(BPF_OBJ_GET_INFO_BY_FD map)",
+        &format!("bpf(BPF_OBJ_GET_INFO_BY_FD {what})"),
     )?;
-    Ok(u32::from_ne_bytes([info[4], info[5], info[6], info[7]]))
+    Ok(info)
 }
 
 /// Add or replace the entry of the box at `addr`.

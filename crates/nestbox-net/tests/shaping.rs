@@ -6,17 +6,41 @@
 
 mod common;
 
-use std::os::fd::AsFd;
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::time::{Duration, Instant};
 
 use common::*;
-use nestbox_net::{parse_rate, AttachOptions};
+use nestbox_net::{parse_rate, AttachOptions, Lease, Network};
 
 const WARMUP: Duration = Duration::from_millis(700);
 const WINDOW: Duration = Duration::from_millis(2500);
 
 fn mbit(v: f64) -> f64 {
     v / 1e6
+}
+
+/// A new namespace attached to `net` as box `id` with `opts`.
+fn attached(net: &Network, id: &str, opts: AttachOptions) -> (OwnedFd, Lease) {
+    let ns = new_ns();
+    let lease = net.allocate(id, &[]).unwrap();
+    net.attach(&lease, ns.as_fd(), &opts).unwrap();
+    (ns, lease)
+}
+
+/// Run every flow (sender namespace, `None` for the host; sink) at once and
+/// return what each sink received in the measuring window, in bits/s.
+fn rates(flows: &[(Option<BorrowedFd<'_>>, &Sink)]) -> Vec<f64> {
+    let until = Instant::now() + WARMUP + WINDOW + Duration::from_millis(300);
+    let senders: Vec<_> = flows
+        .iter()
+        .map(|(from, sink)| blast(*from, sink.addr, until))
+        .collect();
+    let counters: Vec<_> = flows.iter().map(|(_, s)| s.counters[0].clone()).collect();
+    let r = measure(&counters, WARMUP, WINDOW);
+    for s in senders {
+        s.join().unwrap();
+    }
+    r
 }
 
 #[test]
@@ -28,24 +52,15 @@ fn shares_divide_a_saturated_link_two_to_one() {
         c.link_rate = parse_rate("120mbit").unwrap()
     });
     let net = t.net();
-    let (ns_a, ns_b) = (new_ns(), new_ns());
-    let a = net.allocate("heavy", &[]).unwrap();
-    let b = net.allocate("light", &[]).unwrap();
     let share = |s| AttachOptions {
         share: Some(s),
         ..Default::default()
     };
-    net.attach(&a, ns_a.as_fd(), &share(200)).unwrap();
-    net.attach(&b, ns_b.as_fd(), &share(100)).unwrap();
+    let (ns_a, a) = attached(net, "heavy", share(200));
+    let (ns_b, _) = attached(net, "light", share(100));
     let sink_a = Sink::new(None, a.gateway, 1);
     let sink_b = Sink::new(None, a.gateway, 1);
-    let until = Instant::now() + WARMUP + WINDOW + Duration::from_millis(300);
-    let sa = blast(Some(ns_a.as_fd()), sink_a.addr, until);
-    let sb = blast(Some(ns_b.as_fd()), sink_b.addr, until);
-    let counters = [sink_a.counters[0].clone(), sink_b.counters[0].clone()];
-    let r = measure(&counters, WARMUP, WINDOW);
-    sa.join().unwrap();
-    sb.join().unwrap();
+    let r = rates(&[(Some(ns_a.as_fd()), &sink_a), (Some(ns_b.as_fd()), &sink_b)]);
     let ratio = r[0] / r[1];
     eprintln!(
         "shares 200:100 on 120mbit: {:.1} and {:.1} mbit/s, ratio {ratio:.2}",
@@ -66,37 +81,26 @@ fn a_reservation_holds_under_competition() {
         c.link_rate = parse_rate("100mbit").unwrap()
     });
     let net = t.net();
-    let (ns_a, ns_b) = (new_ns(), new_ns());
-    let a = net.allocate("reserved", &[]).unwrap();
-    let b = net.allocate("greedy", &[]).unwrap();
-    net.attach(
-        &a,
-        ns_a.as_fd(),
-        &AttachOptions {
+    let (ns_a, a) = attached(
+        net,
+        "reserved",
+        AttachOptions {
             reserve: Some(parse_rate("60mbit").unwrap()),
             share: Some(1),
             ..Default::default()
         },
-    )
-    .unwrap();
-    net.attach(
-        &b,
-        ns_b.as_fd(),
-        &AttachOptions {
+    );
+    let (ns_b, _) = attached(
+        net,
+        "greedy",
+        AttachOptions {
             share: Some(1000),
             ..Default::default()
         },
-    )
-    .unwrap();
+    );
     let sink_a = Sink::new(None, a.gateway, 1);
     let sink_b = Sink::new(None, a.gateway, 1);
-    let until = Instant::now() + WARMUP + WINDOW + Duration::from_millis(300);
-    let sa = blast(Some(ns_a.as_fd()), sink_a.addr, until);
-    let sb = blast(Some(ns_b.as_fd()), sink_b.addr, until);
-    let counters = [sink_a.counters[0].clone(), sink_b.counters[0].clone()];
-    let r = measure(&counters, WARMUP, WINDOW);
-    sa.join().unwrap();
-    sb.join().unwrap();
+    let r = rates(&[(Some(ns_a.as_fd()), &sink_a), (Some(ns_b.as_fd()), &sink_b)]);
     eprintln!(
         "reserve 60mbit (share 1) vs share 1000 on 100mbit: {:.1} and {:.1} mbit/s",
         mbit(r[0]),
@@ -119,22 +123,16 @@ fn an_egress_cap_holds() {
         c.link_rate = parse_rate("1gbit").unwrap()
     });
     let net = t.net();
-    let ns = new_ns();
-    let a = net.allocate("capped", &[]).unwrap();
-    net.attach(
-        &a,
-        ns.as_fd(),
-        &AttachOptions {
+    let (ns, a) = attached(
+        net,
+        "capped",
+        AttachOptions {
             rate: Some(parse_rate("40mbit").unwrap()),
             ..Default::default()
         },
-    )
-    .unwrap();
+    );
     let sink = Sink::new(None, a.gateway, 1);
-    let until = Instant::now() + WARMUP + WINDOW + Duration::from_millis(300);
-    let s = blast(Some(ns.as_fd()), sink.addr, until);
-    let r = measure(&sink.counters, WARMUP, WINDOW);
-    s.join().unwrap();
+    let r = rates(&[(Some(ns.as_fd()), &sink)]);
     eprintln!("egress cap 40mbit: {:.1} mbit/s", mbit(r[0]));
     assert!(
         (32.0..=44.0).contains(&mbit(r[0])),
@@ -150,22 +148,16 @@ fn an_ingress_cap_holds() {
     }
     let t = TestNet::new(24);
     let net = t.net();
-    let ns = new_ns();
-    let a = net.allocate("capped-in", &[]).unwrap();
-    net.attach(
-        &a,
-        ns.as_fd(),
-        &AttachOptions {
+    let (ns, a) = attached(
+        net,
+        "capped-in",
+        AttachOptions {
             ingress_rate: Some(parse_rate("30mbit").unwrap()),
             ..Default::default()
         },
-    )
-    .unwrap();
+    );
     let sink = Sink::new(Some(ns.as_fd()), a.address, 1);
-    let until = Instant::now() + WARMUP + WINDOW + Duration::from_millis(300);
-    let s = blast(None, sink.addr, until);
-    let r = measure(&sink.counters, WARMUP, WINDOW);
-    s.join().unwrap();
+    let r = rates(&[(None, &sink)]);
     eprintln!("ingress cap 30mbit: {:.1} mbit/s", mbit(r[0]));
     assert!(
         (24.0..=33.0).contains(&mbit(r[0])),
@@ -183,25 +175,17 @@ fn an_egress_cap_holds_towards_other_boxes() {
         c.link_rate = parse_rate("1gbit").unwrap()
     });
     let net = t.net();
-    let (ns_a, ns_b) = (new_ns(), new_ns());
-    let a = net.allocate("capped", &[]).unwrap();
-    let b = net.allocate("peer", &[]).unwrap();
-    net.attach(
-        &a,
-        ns_a.as_fd(),
-        &AttachOptions {
+    let (ns_a, _) = attached(
+        net,
+        "capped",
+        AttachOptions {
             rate: Some(parse_rate("40mbit").unwrap()),
             ..Default::default()
         },
-    )
-    .unwrap();
-    net.attach(&b, ns_b.as_fd(), &AttachOptions::default())
-        .unwrap();
+    );
+    let (ns_b, b) = attached(net, "peer", AttachOptions::default());
     let sink = Sink::new(Some(ns_b.as_fd()), b.address, 1);
-    let until = Instant::now() + WARMUP + WINDOW + Duration::from_millis(300);
-    let s = blast(Some(ns_a.as_fd()), sink.addr, until);
-    let r = measure(&sink.counters, WARMUP, WINDOW);
-    s.join().unwrap();
+    let r = rates(&[(Some(ns_a.as_fd()), &sink)]);
     eprintln!("egress cap 40mbit, box to box: {:.1} mbit/s", mbit(r[0]));
     assert!(
         (32.0..=44.0).contains(&mbit(r[0])),
@@ -219,25 +203,14 @@ fn traffic_between_uncapped_boxes_is_not_limited_by_the_link_rate() {
         c.link_rate = parse_rate("50mbit").unwrap()
     });
     let net = t.net();
-    let (ns_a, ns_b) = (new_ns(), new_ns());
-    let a = net.allocate("sender", &[]).unwrap();
-    let b = net.allocate("receiver", &[]).unwrap();
-    net.attach(&a, ns_a.as_fd(), &AttachOptions::default())
-        .unwrap();
-    net.attach(&b, ns_b.as_fd(), &AttachOptions::default())
-        .unwrap();
+    let (ns_a, a) = attached(net, "sender", AttachOptions::default());
+    let (ns_b, b) = attached(net, "receiver", AttachOptions::default());
     // To the host the link rate holds...
     let host = Sink::new(None, a.gateway, 1);
-    let until = Instant::now() + WARMUP + WINDOW + Duration::from_millis(300);
-    let s = blast(Some(ns_a.as_fd()), host.addr, until);
-    let to_host = measure(&host.counters, WARMUP, WINDOW)[0];
-    s.join().unwrap();
+    let to_host = rates(&[(Some(ns_a.as_fd()), &host)])[0];
     // ... to another box it does not.
     let peer = Sink::new(Some(ns_b.as_fd()), b.address, 1);
-    let until = Instant::now() + WARMUP + WINDOW + Duration::from_millis(300);
-    let s = blast(Some(ns_a.as_fd()), peer.addr, until);
-    let to_box = measure(&peer.counters, WARMUP, WINDOW)[0];
-    s.join().unwrap();
+    let to_box = rates(&[(Some(ns_a.as_fd()), &peer)])[0];
     eprintln!(
         "link 50mbit: box to host {:.1} mbit/s, box to box {:.1} mbit/s",
         mbit(to_host),
@@ -254,25 +227,17 @@ fn an_ingress_cap_holds_for_traffic_from_other_boxes() {
     }
     let t = TestNet::new(27);
     let net = t.net();
-    let (ns_a, ns_b) = (new_ns(), new_ns());
-    let a = net.allocate("sender", &[]).unwrap();
-    let b = net.allocate("capped-in", &[]).unwrap();
-    net.attach(&a, ns_a.as_fd(), &AttachOptions::default())
-        .unwrap();
-    net.attach(
-        &b,
-        ns_b.as_fd(),
-        &AttachOptions {
+    let (ns_a, _) = attached(net, "sender", AttachOptions::default());
+    let (ns_b, b) = attached(
+        net,
+        "capped-in",
+        AttachOptions {
             ingress_rate: Some(parse_rate("30mbit").unwrap()),
             ..Default::default()
         },
-    )
-    .unwrap();
+    );
     let sink = Sink::new(Some(ns_b.as_fd()), b.address, 1);
-    let until = Instant::now() + WARMUP + WINDOW + Duration::from_millis(300);
-    let s = blast(Some(ns_a.as_fd()), sink.addr, until);
-    let r = measure(&sink.counters, WARMUP, WINDOW);
-    s.join().unwrap();
+    let r = rates(&[(Some(ns_a.as_fd()), &sink)]);
     eprintln!("ingress cap 30mbit, from a box: {:.1} mbit/s", mbit(r[0]));
     assert!(
         (24.0..=33.0).contains(&mbit(r[0])),

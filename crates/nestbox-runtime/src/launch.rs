@@ -151,6 +151,11 @@ pub fn box_first_process(plan: &LaunchPlan, fds: ChildFds) -> ! {
 
 type Failure = (i32, String);
 
+/// A failure of nestbox itself (exit code 125): what failed, and why.
+fn e125(what: &str, e: &dyn std::fmt::Display) -> Failure {
+    (EXIT_NESTBOX_ERROR, format!("{what}: {e}"))
+}
+
 /// Where the go pipe and the report pipe end up in the box's first process.
 const GO_FD: RawFd = 3;
 const REPORT_FD: RawFd = 4;
@@ -187,7 +192,6 @@ fn keep_only_box_fds(fds: ChildFds) -> nix::Result<(RawFd, RawFd)> {
 }
 
 fn setup_box(plan: &LaunchPlan, fds: ChildFds) -> Result<Option<Pid>, Failure> {
-    let e125 = |what: &str, e: &dyn std::fmt::Display| (EXIT_NESTBOX_ERROR, format!("{what}: {e}"));
     // Die with the monitor. Had it died before this took effect, the go pipe below
     // reads end-of-file and the child leaves.
     nix::sys::prctl::set_pdeathsig(Signal::SIGKILL).map_err(|e| e125("prctl(PDEATHSIG)", &e))?;
@@ -236,7 +240,6 @@ fn setup_box(plan: &LaunchPlan, fds: ChildFds) -> Result<Option<Pid>, Failure> {
 /// Hostname, loopback and the box root, assembled in the box's own mount
 /// namespace (none of it depends on the box's cgroup).
 fn prepare_root(plan: &LaunchPlan) -> Result<(), Failure> {
-    let e125 = |what: &str, e: &dyn std::fmt::Display| (EXIT_NESTBOX_ERROR, format!("{what}: {e}"));
     nix::unistd::sethostname(&plan.hostname).map_err(|e| e125("sethostname", &e))?;
     if plan.own_network {
         nestbox_isolation::net::loopback_up().map_err(|e| e125("network", &e))?;
@@ -267,7 +270,6 @@ pub fn exec_command(plan: &CommandPlan, report: RawFd) -> ! {
 }
 
 fn prepare_credentials(plan: &CommandPlan) -> Result<(), Failure> {
-    let e125 = |what: &str, e: &dyn std::fmt::Display| (EXIT_NESTBOX_ERROR, format!("{what}: {e}"));
     if plan.new_session {
         nix::unistd::setsid().map_err(|e| e125("setsid", &e))?;
     }

@@ -743,16 +743,19 @@ fn finish(reg: &Registry, record: &BoxRecord, run: Running, exit_code: i32) -> R
     // A pooled clone is renamed when claimed: find the record by id. Other
     // boxes keep their name for life.
     let current;
-    let record = match reg.load(record.name()) {
-        _ if record.spec.clone_of.is_none() => record,
-        Ok(r) if r.state.id == record.state.id => record,
-        _ => match reg.load_by_id(&record.state.id) {
-            Ok(r) => {
-                current = r;
-                &current
-            }
-            Err(_) => record,
-        },
+    let record = if record.spec.clone_of.is_none() {
+        record
+    } else {
+        match reg.load(record.name()) {
+            Ok(r) if r.state.id == record.state.id => record,
+            _ => match reg.load_by_id(&record.state.id) {
+                Ok(r) => {
+                    current = r;
+                    &current
+                }
+                Err(_) => record,
+            },
+        }
     };
     let mut oom_kills = 0;
     let mut stats = None;
@@ -776,29 +779,22 @@ fn finish(reg: &Registry, record: &BoxRecord, run: Running, exit_code: i32) -> R
         reg.load(record.name())
             .is_ok_and(|r| r.state.template.is_some_and(|t| t.removed))
     };
-    let mount_ns = run.mount_ns;
     if record.spec.remove_on_exit || removed_template() {
         reg.remove(record)?;
-        if let Some(ns) = mount_ns {
-            release_in_background(ns);
-        }
-        return Ok(Outcome {
-            exit_code,
-            oom_killed,
-        });
+    } else {
+        reg.update(record.name(), |s| {
+            s.status = Status::Exited;
+            s.exit_code = Some(exit_code);
+            s.finished_at = Some(now());
+            s.oom_killed = oom_killed;
+            s.final_stats = stats;
+            s.cgroup = None;
+            if oom_killed {
+                s.error = Some(oom_message(&record.spec));
+            }
+        })?;
     }
-    reg.update(record.name(), |s| {
-        s.status = Status::Exited;
-        s.exit_code = Some(exit_code);
-        s.finished_at = Some(now());
-        s.oom_killed = oom_killed;
-        s.final_stats = stats;
-        s.cgroup = None;
-        if oom_killed {
-            s.error = Some(oom_message(&record.spec));
-        }
-    })?;
-    if let Some(ns) = mount_ns {
+    if let Some(ns) = run.mount_ns {
         release_in_background(ns);
     }
     Ok(Outcome {

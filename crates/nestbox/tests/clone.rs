@@ -67,6 +67,19 @@ fn frozen_server(root: &TestRoot, name: &str, warm: u64) {
 
 /// [`frozen_server`] with extra `run` options.
 fn frozen_server_with(root: &TestRoot, name: &str, warm: u64, opts: &[&str]) {
+    warmed_server(root, name, warm, opts);
+    root.ok(&["freeze", name]);
+}
+
+/// [`frozen_server`] frozen with a pool of `pool` clones forked ahead.
+fn frozen_pooled_server(root: &TestRoot, name: &str, warm: u64, pool: u32) {
+    warmed_server(root, name, warm, &[]);
+    root.ok(&["freeze", name, "--pool", &pool.to_string()]);
+}
+
+/// Start the server as box `name` with `run` options `opts`, wait until it
+/// listens and warm it with `warm` requests.
+fn warmed_server(root: &TestRoot, name: &str, warm: u64, opts: &[&str]) {
     let mut args = vec!["run", "-d", "--name", name];
     args.extend_from_slice(opts);
     args.extend_from_slice(&["--", "python3", "-c", SERVER]);
@@ -78,7 +91,13 @@ fn frozen_server_with(root: &TestRoot, name: &str, warm: u64, opts: &[&str]) {
     for i in 1..=warm {
         assert_eq!(get(root, name, "/").0, i);
     }
-    root.ok(&["freeze", name]);
+}
+
+/// Clones waiting in the pool of the (only) template.
+fn pooled(root: &TestRoot) -> u64 {
+    let list: serde_json::Value =
+        serde_json::from_str(&root.ok(&["template", "ls", "--json"])).unwrap();
+    list[0]["pooled"].as_u64().unwrap()
 }
 
 /// Names of all boxes, sorted.
@@ -413,21 +432,8 @@ fn pooled_clones_are_claimed_and_refilled() {
     let Some(root) = TestRoot::new("pooled_clones_are_claimed_and_refilled") else {
         return;
     };
-    let out = root
-        .run(&["run", "-d", "--name", "tpl", "--", "python3", "-c", SERVER])
-        .ok();
-    assert_eq!(out.stdout.trim(), "tpl");
-    wait_for("the server to listen", Duration::from_secs(20), || {
-        root.ok(&["logs", "tpl"]).contains("ready")
-    });
-    assert_eq!(get(&root, "tpl", "/").0, 1);
-    root.ok(&["freeze", "tpl", "--pool", "2"]);
-    let pool = |root: &TestRoot| {
-        let list: serde_json::Value =
-            serde_json::from_str(&root.ok(&["template", "ls", "--json"])).unwrap();
-        list[0]["pooled"].as_u64().unwrap()
-    };
-    assert_eq!(pool(&root), 2);
+    frozen_pooled_server(&root, "tpl", 1, 2);
+    assert_eq!(pooled(&root), 2);
     // Pooled clones are not boxes yet.
     assert_eq!(box_names(&root), ["tpl"]);
     // A claimed clone is a full box under its own name, continuing the template.
@@ -448,13 +454,13 @@ fn pooled_clones_are_claimed_and_refilled() {
     assert!(out.stdout.contains("first"), "name on the network: {out}");
     // The pool is refilled in the background.
     wait_for("the pool to refill", Duration::from_secs(20), || {
-        pool(&root) == 2
+        pooled(&root) == 2
     });
     root.ok(&["clone", "tpl", "-d", "--name", "second", "-n", "1"]);
     assert_eq!(get(&root, "second", "/").0, 2);
     assert_eq!(get(&root, "first", "/").0, 3);
     wait_for("the pool to refill", Duration::from_secs(20), || {
-        pool(&root) == 2
+        pooled(&root) == 2
     });
     // Removing the template takes its pool along; the claimed clones stay.
     root.ok(&["template", "rm", "tpl"]);
@@ -487,20 +493,7 @@ fn pooled_clones_get_the_working_set_of_earlier_clones_copied_ahead() {
     let Some(root) = TestRoot::new("pooled_clones_get_the_working_set_copied_ahead") else {
         return;
     };
-    let out = root
-        .run(&["run", "-d", "--name", "tpl", "--", "python3", "-c", SERVER])
-        .ok();
-    assert_eq!(out.stdout.trim(), "tpl");
-    wait_for("the server to listen", Duration::from_secs(20), || {
-        root.ok(&["logs", "tpl"]).contains("ready")
-    });
-    assert_eq!(get(&root, "tpl", "/").0, 1);
-    root.ok(&["freeze", "tpl", "--pool", "1"]);
-    let pool = |root: &TestRoot| {
-        let list: serde_json::Value =
-            serde_json::from_str(&root.ok(&["template", "ls", "--json"])).unwrap();
-        list[0]["pooled"].as_u64().unwrap()
-    };
+    frozen_pooled_server(&root, "tpl", 1, 1);
     // The first clone comes from the pool made at freeze time: nothing is
     // known yet of what a clone writes, so its first request copies the
     // pages it writes, one fault each.
@@ -513,11 +506,11 @@ fn pooled_clones_get_the_working_set_of_earlier_clones_copied_ahead() {
     // (the refill after `first`'s claim may have run before): it learns the
     // pages the claimed clones own and copies them into the new pooled clone.
     wait_for("the pool to refill", Duration::from_secs(60), || {
-        pool(&root) == 1
+        pooled(&root) == 1
     });
     root.ok(&["clone", "tpl", "-d", "--name", "second"]);
     wait_for("the pool to refill", Duration::from_secs(60), || {
-        pool(&root) == 1
+        pooled(&root) == 1
     });
     root.ok(&["clone", "tpl", "-d", "--name", "third"]);
     let pid = clone_pid(&root, "third");
@@ -540,15 +533,7 @@ fn serve_answers_clone_requests_on_its_socket() {
     let Some(root) = TestRoot::new("serve_answers_clone_requests_on_its_socket") else {
         return;
     };
-    let out = root
-        .run(&["run", "-d", "--name", "tpl", "--", "python3", "-c", SERVER])
-        .ok();
-    assert_eq!(out.stdout.trim(), "tpl");
-    wait_for("the server to listen", Duration::from_secs(20), || {
-        root.ok(&["logs", "tpl"]).contains("ready")
-    });
-    assert_eq!(get(&root, "tpl", "/").0, 1);
-    root.ok(&["freeze", "tpl", "--pool", "1"]);
+    frozen_pooled_server(&root, "tpl", 1, 1);
     let socket = root.path().join("api.sock");
     let mut server = root.spawn(&["serve", "--socket", socket.to_str().unwrap()]);
     wait_for("the socket", Duration::from_secs(20), || {
