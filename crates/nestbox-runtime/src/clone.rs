@@ -57,14 +57,77 @@ pub struct Cloned {
     pub name: String,
     /// Host pid of its process.
     pub pid: i32,
-    /// Milliseconds from stopping the template's process to the clone running.
+    /// Milliseconds from stopping the template's process to the clone running
+    /// (for a clone claimed from the pool: the claim).
     pub fork_ms: f64,
+    /// Its address on the box network, if it has one.
+    pub address: Option<String>,
+}
+
+/// What a claim from the pool leaves for after the caller has its answer: the
+/// claimed clones' names in the network's hosts file (only other boxes look
+/// them up there) and the pool's refill. [`FollowUp::finish`] does it.
+#[derive(Debug, Default)]
+#[must_use = "the claimed clones' hosts entries and the pool refill wait for finish()"]
+pub struct FollowUp {
+    /// (box id, new name) of each claimed clone on a bridge network.
+    hosts: Vec<(String, String)>,
+    /// The templates whose pools were drawn from.
+    refill: Vec<String>,
+}
+
+impl FollowUp {
+    /// Whether there is nothing to do.
+    pub fn is_empty(&self) -> bool {
+        self.hosts.is_empty() && self.refill.is_empty()
+    }
+
+    /// Take over the work of `other` too.
+    pub fn absorb(&mut self, other: FollowUp) {
+        self.hosts.extend(other.hosts);
+        for t in other.refill {
+            if !self.refill.contains(&t) {
+                self.refill.push(t);
+            }
+        }
+    }
+
+    /// Name the claimed clones in the hosts file and start the pool's refill
+    /// in the background.
+    pub fn finish(self, reg: &Registry) -> Result<()> {
+        for template in &self.refill {
+            spawn_refill(reg, template);
+        }
+        if self.hosts.is_empty() {
+            return Ok(());
+        }
+        let Some(net) = crate::network::view(reg.roots())? else {
+            return Ok(());
+        };
+        for (id, name) in &self.hosts {
+            net.rename(id, &[name.as_str()])?;
+        }
+        Ok(())
+    }
 }
 
 /// Make the clones of template `template`: claimed from its pool first (when the
 /// request sets no limits of its own), forked now for the rest; a pool that was
 /// drawn from is refilled in the background.
 pub fn clone_template(reg: &Registry, template: &str, req: &CloneRequest) -> Result<Vec<Cloned>> {
+    let (made, follow_up) = clone_template_answer_first(reg, template, req)?;
+    follow_up.finish(reg)?;
+    Ok(made)
+}
+
+/// [`clone_template`] for a caller that answers its client before the
+/// bookkeeping of a claim ([`FollowUp`]): when this returns, each clone is
+/// running under its name with its hostname, and its record says so.
+pub fn clone_template_answer_first(
+    reg: &Registry,
+    template: &str,
+    req: &CloneRequest,
+) -> Result<(Vec<Cloned>, FollowUp)> {
     let t = crate::template::load_frozen(reg, template)?;
     if req.count == 0 {
         return Err(RuntimeError::Invalid(
@@ -78,31 +141,39 @@ pub fn clone_template(reg: &Registry, template: &str, req: &CloneRequest) -> Res
     }
     let names = clone_names(reg, &t, req)?;
     let mut made = Vec::new();
+    let mut follow_up = FollowUp::default();
     let mut rest = Vec::new();
     for name in names {
         let claimed = if req.pooled || req.limits.is_some() {
             None
         } else {
-            claim_pooled(reg, &t, &name, req)?
+            claim_pooled(reg, &t, &name, req, &mut follow_up)?
         };
         match claimed {
             Some(c) => made.push(c),
             None => rest.push(name),
         }
     }
-    if !made.is_empty() && !req.pooled {
-        spawn_refill(reg, template);
+    if !made.is_empty() {
+        follow_up.refill.push(template.to_string());
     }
     if rest.is_empty() {
-        return Ok(made);
+        return Ok((made, follow_up));
     }
     let fresh = CloneRequest {
         names: rest.clone(),
         count: rest.len(),
         ..req.clone()
     };
-    made.extend(fork_fresh(reg, &t, &fresh)?);
-    Ok(made)
+    match fork_fresh(reg, &t, &fresh) {
+        Ok(forked) => made.extend(forked),
+        Err(e) => {
+            // The claimed clones are made and stay: their bookkeeping is done.
+            let _ = follow_up.finish(reg);
+            return Err(e);
+        }
+    }
+    Ok((made, follow_up))
 }
 
 /// Fork `req.names` now (each in a new shell), under the template's clone lock.
@@ -140,13 +211,42 @@ const WORKING_SET_SOURCES: usize = 4;
 
 /// Where template box `t`'s clones' working set is recorded.
 fn working_set_file(reg: &Registry, t: &BoxRecord) -> std::path::PathBuf {
-    reg.roots().box_run(t.name()).join("working-set")
+    working_set_file_of(reg, t.name())
+}
+
+fn working_set_file_of(reg: &Registry, template_box: &str) -> std::path::PathBuf {
+    reg.roots().box_run(template_box).join("working-set")
+}
+
+/// Before claimed clone `r` is removed, add what its process touched to its
+/// template's working set, if the template keeps a pool (best effort): clones
+/// that serve a request and go are what a pool's working set is learned from.
+pub(crate) fn learn_from_leaving_clone(reg: &Registry, r: &BoxRecord) {
+    let (Some(src), Some(process)) = (
+        &r.spec.clone_of,
+        r.state.clone.as_ref().and_then(|c| c.process),
+    ) else {
+        return;
+    };
+    if r.is_pooled() || !process.alive() {
+        return;
+    }
+    let pooling = reg.load(&src.template_box).is_ok_and(|t| {
+        t.state
+            .template
+            .as_ref()
+            .is_some_and(|i| i.pool > 0 && !i.removed)
+    });
+    if pooling {
+        let file = working_set_file_of(reg, &src.template_box);
+        let _ = crate::working_set::record(&file, process.pid);
+    }
 }
 
 /// The name prefix of template box `t`'s pooled clones: a claim finds them by
 /// their directory names, without reading any other record.
 pub(crate) fn pool_prefix(t: &BoxRecord) -> String {
-    format!("pool.{}.", t.state.id)
+    format!("{}{}.", crate::spec::POOL_NAME_PREFIX, t.state.id)
 }
 
 fn clone_names(reg: &Registry, t: &BoxRecord, req: &CloneRequest) -> Result<Vec<String>> {
@@ -164,7 +264,7 @@ fn clone_names(reg: &Registry, t: &BoxRecord, req: &CloneRequest) -> Result<Vec<
             )));
         }
         for n in &req.names {
-            crate::spec::validate_name(n)?;
+            crate::spec::validate_user_name(n)?;
             if reg.load(n).is_ok() {
                 return Err(RuntimeError::NameInUse(n.clone()));
             }
@@ -383,13 +483,13 @@ fn fork_one(
         s.clone = Some(CloneInfo {
             process,
             fork_ms: Some(fork_ms),
-            pooled,
         });
     })?;
     Ok(Cloned {
         name: name.to_string(),
         pid: forked.pid,
         fork_ms,
+        address: network_address(&shell),
     })
 }
 
@@ -434,73 +534,90 @@ pub fn pooled_of(reg: &Registry, t: &BoxRecord) -> Result<Vec<BoxRecord>> {
     Ok(reg
         .list_prefixed(&pool_prefix(t))?
         .into_iter()
-        .filter(|r| {
-            crate::template::is_clone_of(r, t.name())
-                && r.state
-                    .clone
-                    .as_ref()
-                    .is_some_and(|c| c.pooled && c.process.is_some_and(|p| p.alive()))
-        })
+        .filter(|r| live_pooled_clone_of(r, t))
         .collect())
 }
 
-/// Claim a pooled clone of `t` as `name`: rename it (atomically: of two
-/// claimers one wins), give it its hostname and its name on the network, and let
-/// its process go on. `None` when the pool is empty.
+/// Whether `r` waits in template box `t`'s pool with its process alive.
+fn live_pooled_clone_of(r: &BoxRecord, t: &BoxRecord) -> bool {
+    r.is_pooled()
+        && crate::template::is_clone_of(r, t.name())
+        && r.state
+            .clone
+            .as_ref()
+            .is_some_and(|c| c.process.is_some_and(|p| p.alive()))
+}
+
+/// A box's address on its network, from its record.
+fn network_address(r: &BoxRecord) -> Option<String> {
+    r.state
+        .network
+        .as_ref()?
+        .get("address")?
+        .as_str()
+        .map(str::to_string)
+}
+
+/// Claim a pooled clone of `t` as `name`: rename its record (atomically: of
+/// two claimers one wins), give it its hostname and let its process go on.
+/// Its name in the hosts file is left to `follow_up`. `None` when the pool is
+/// empty.
 fn claim_pooled(
     reg: &Registry,
     t: &BoxRecord,
     name: &str,
     req: &CloneRequest,
+    follow_up: &mut FollowUp,
 ) -> Result<Option<Cloned>> {
     for candidate in reg.names_prefixed(&pool_prefix(t))? {
         // Only a pooled clone whose process lives is taken.
         let Ok(c) = reg.load(&candidate) else {
             continue;
         };
-        let live = c
-            .state
-            .clone
-            .as_ref()
-            .is_some_and(|i| i.pooled && i.process.is_some_and(|p| p.alive()));
-        if !live || !crate::template::is_clone_of(&c, t.name()) {
+        if !live_pooled_clone_of(&c, t) {
             continue;
         }
-        let record = match reg.rename(&candidate, name) {
-            Ok(r) => r,
+        let started = std::time::Instant::now();
+        match reg.rename(&candidate, name) {
+            Ok(()) => {}
             Err(RuntimeError::NoSuchBox(_)) => continue,
             Err(e) => return Err(e),
-        };
-        let started = std::time::Instant::now();
-        let result = finish_claim(reg, &record, name, req);
-        if result.is_err() {
-            let _ = crate::ops::remove(reg, name, true);
         }
-        let pid = result?;
+        let pid = match wake_claimed(&c, name, req) {
+            Ok(pid) => pid,
+            Err(e) => {
+                let _ = crate::ops::remove(reg, name, true);
+                return Err(e);
+            }
+        };
+        if c.spec.network.mode == crate::spec::NetworkMode::Bridge {
+            follow_up.hosts.push((c.state.id.clone(), name.to_string()));
+        }
         return Ok(Some(Cloned {
             name: name.to_string(),
             pid,
             fork_ms: started.elapsed().as_secs_f64() * 1e3,
+            address: network_address(&c),
         }));
     }
     Ok(None)
 }
 
-fn finish_claim(reg: &Registry, record: &BoxRecord, name: &str, req: &CloneRequest) -> Result<i32> {
-    let init = record
+/// Give the claimed pooled clone `c` (now named `name`) its hostname, then let
+/// its process go on (and signal it, if asked).
+fn wake_claimed(c: &BoxRecord, name: &str, req: &CloneRequest) -> Result<i32> {
+    let init = c
         .state
         .init
         .ok_or_else(|| RuntimeError::NotRunning(name.to_string()))?;
-    let pid = record
+    let pid = c
         .state
         .clone
         .as_ref()
         .and_then(|c| c.process)
         .ok_or_else(|| RuntimeError::NotRunning(name.to_string()))?
         .pid;
-    // Its identity first (the process may read its hostname at once), then it
-    // goes on; what others see of it (its name on the network, its record)
-    // follows while it already runs.
+    // Its identity first: the process may read its hostname at once.
     set_hostname_in(init.pid, name)?;
     let pid_t = Pid::from_raw(pid);
     nix::sys::signal::kill(pid_t, Signal::SIGCONT)
@@ -509,16 +626,6 @@ fn finish_claim(reg: &Registry, record: &BoxRecord, name: &str, req: &CloneReque
         nix::sys::signal::kill(pid_t, sig)
             .map_err(RuntimeError::sys(format!("signal clone {name:?}")))?;
     }
-    if record.spec.network.mode == crate::spec::NetworkMode::Bridge {
-        if let Some(net) = crate::network::view(reg.roots())? {
-            net.rename(&record.state.id, &[name])?;
-        }
-    }
-    reg.update(name, |s| {
-        if let Some(c) = s.clone.as_mut() {
-            c.pooled = false;
-        }
-    })?;
     Ok(pid)
 }
 

@@ -195,6 +195,7 @@ pub fn remove(reg: &Registry, name: &str, force: bool) -> Result<()> {
         if !force {
             return Err(RuntimeError::StillRunning(name.to_string()));
         }
+        crate::clone::learn_from_leaving_clone(reg, &record);
         let _ = kill(init, Signal::SIGKILL);
     } else if record.state.effective_status() == Status::Creating && !force {
         return Err(RuntimeError::StillRunning(name.to_string()));

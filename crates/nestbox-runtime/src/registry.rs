@@ -38,6 +38,12 @@ impl BoxRecord {
     pub fn name(&self) -> &str {
         &self.spec.name
     }
+    /// Whether this is a clone waiting in its template's pool (forked ahead of
+    /// time, stopped, under a name with the reserved pool prefix) rather than a
+    /// box of its own: claiming it is renaming it.
+    pub fn is_pooled(&self) -> bool {
+        self.spec.clone_of.is_some() && self.name().starts_with(crate::spec::POOL_NAME_PREFIX)
+    }
     /// Record directory.
     pub fn run_dir(&self) -> &Path {
         &self.run_dir
@@ -129,10 +135,11 @@ impl Registry {
         })
     }
 
-    /// Rename box `old` to `new` (its record directory, atomically: of two
-    /// processes renaming the same box, one wins) and set the spec's name and
-    /// hostname to `new`. The box's id, data and processes are unchanged.
-    pub fn rename(&self, old: &str, new: &str) -> Result<BoxRecord> {
+    /// Rename box `old` to `new`: one rename of its record directory, atomic
+    /// (of two processes renaming the same box, one wins). A record's name is
+    /// its directory's (see [`Registry::load`]), so nothing else is rewritten.
+    /// The box's id, data and processes are unchanged.
+    pub fn rename(&self, old: &str, new: &str) -> Result<()> {
         crate::spec::validate_name(new)?;
         let boxes = self.roots.boxes();
         let (from, to) = (boxes.join(old), boxes.join(new));
@@ -147,12 +154,7 @@ impl Registry {
             nix::errno::Errno::EEXIST => RuntimeError::NameInUse(new.to_string()),
             nix::errno::Errno::ENOENT => RuntimeError::NoSuchBox(old.to_string()),
             e => RuntimeError::sys(format!("rename {} to {}", from.display(), to.display()))(e),
-        })?;
-        let mut record = self.load(new)?;
-        record.spec.name = new.to_string();
-        record.spec.hostname = new.to_string();
-        write_json(&to.join("spec.json"), &record.spec)?;
-        Ok(record)
+        })
     }
 
     /// The record of the box with id `id`, whatever its name is now.
@@ -169,7 +171,7 @@ impl Registry {
             return Err(RuntimeError::NoSuchBox(name.to_string()));
         }
         let dir = self.roots.box_run(name);
-        let spec: BoxSpec = match read_json(&dir.join("spec.json")) {
+        let mut spec: BoxSpec = match read_json(&dir.join("spec.json")) {
             Ok(s) => s,
             Err(RuntimeError::Io { source, .. })
                 if source.kind() == std::io::ErrorKind::NotFound =>
@@ -188,6 +190,14 @@ impl Registry {
             Err(e) => return Err(e),
         };
         let lib_dir = self.roots.box_lib(&state.id);
+        // The directory's name is the box's name (a rename is one atomic
+        // directory rename); a clone's hostname is its name.
+        if spec.name != name {
+            if spec.clone_of.is_some() {
+                spec.hostname = name.to_string();
+            }
+            spec.name = name.to_string();
+        }
         Ok(BoxRecord {
             spec,
             state,

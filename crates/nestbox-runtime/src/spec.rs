@@ -166,6 +166,9 @@ impl BoxSpec {
     /// Check everything that can be checked before creating anything.
     pub fn validate(&self) -> Result<()> {
         validate_name(&self.name)?;
+        if self.clone_of.is_none() {
+            validate_user_name(&self.name)?;
+        }
         if self.command.is_empty() || self.command[0].is_empty() {
             return Err(invalid(
                 "missing command: usage is nestbox run [OPTIONS] -- CMD [ARGS...]",
@@ -277,6 +280,21 @@ pub fn validate_name(name: &str) -> Result<()> {
             "invalid box name {name:?}: use 1-64 letters, digits, '_', '.' or '-', starting with a letter or digit"
         )))
     }
+}
+
+/// Names of pooled clones start with this; no other box may take such a name.
+pub const POOL_NAME_PREFIX: &str = "pool.";
+
+/// Check a name a user gives a box: a valid name outside the reserved pool
+/// prefix.
+pub fn validate_user_name(name: &str) -> Result<()> {
+    validate_name(name)?;
+    if name.starts_with(POOL_NAME_PREFIX) {
+        return Err(invalid(format!(
+            "invalid box name {name:?}: names starting with {POOL_NAME_PREFIX:?} are reserved for template pools"
+        )));
+    }
+    Ok(())
 }
 
 fn validate_hostname(h: &str) -> Result<()> {

@@ -115,10 +115,6 @@ pub struct CloneInfo {
     pub process: Option<ProcRef>,
     /// Time from the start of the fork to the clone running, in milliseconds.
     pub fork_ms: Option<f64>,
-    /// Waiting in its template's pool (forked ahead of time, stopped) until a
-    /// `nestbox clone` claims it under its own name.
-    #[serde(default)]
-    pub pooled: bool,
 }
 
 impl BoxState {

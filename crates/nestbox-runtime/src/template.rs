@@ -286,7 +286,7 @@ pub fn clones_of(reg: &Registry, box_name: &str) -> Result<Vec<BoxRecord>> {
         .into_iter()
         .filter(|r| {
             is_clone_of(r, box_name)
-                && !r.state.clone.as_ref().is_some_and(|c| c.pooled)
+                && !r.is_pooled()
                 && matches!(
                     r.state.effective_status(),
                     Status::Creating | Status::Running | Status::Frozen

@@ -15,7 +15,7 @@ pub fn ps(reg: &Registry, all: bool, as_json: bool) -> Result<()> {
         if !all && !matches!(status, Status::Running | Status::Creating | Status::Frozen) {
             continue;
         }
-        if r.state.clone.as_ref().is_some_and(|c| c.pooled) {
+        if r.is_pooled() {
             // Part of its template's pool (see `template ls`), not a box of its own yet.
             continue;
         }

@@ -251,6 +251,13 @@ fn invalid_box_name_is_refused() {
         "name",
     );
     refused(&root, &["run", "--name=-dash", "--", "true"], 125, "name");
+    // Pooled clones are told apart by this prefix: no box may take it.
+    refused(
+        &root,
+        &["run", "--name", "pool.x", "--", "true"],
+        125,
+        "reserved for template pools",
+    );
 }
 
 #[test]
