@@ -4,7 +4,9 @@
 Measures, side by side in one run, against a cold start of the same server:
   * clone-to-ready through the API: from sending {"op":"clone"} to a running
     `nestbox serve` (Unix socket) to the clone's first HTTP answer on its own
-    bridge address (the answer carries the address);
+    bridge address (the answer carries the address), both with a new
+    connection for each request and on one connection kept open (as a front
+    end that makes clones at a rate holds it);
   * clone-to-ready through the CLI: from starting `nestbox clone TEMPLATE -d` to
     the first answer (the address read from the clone's state.json), plus the
     fork alone (the time nestbox records for the remote fork in the clone's state);
@@ -62,20 +64,26 @@ def http_get(addr: str) -> bytes:
     return data
 
 
-def api_clone(sock_path: str, name: str) -> dict:
-    with socket.socket(socket.AF_UNIX) as s:
-        s.connect(sock_path)
-        s.sendall(json.dumps({"op": "clone", "template": "tpl", "name": name}).encode() + b"\n")
-        data = b""
-        while not data.endswith(b"\n"):
-            chunk = s.recv(65536)
-            if not chunk:
-                break
-            data += chunk
+def api_call(s: socket.socket, name: str) -> dict:
+    """One clone request on the connected socket `s`."""
+    s.sendall(json.dumps({"op": "clone", "template": "tpl", "name": name}).encode() + b"\n")
+    data = b""
+    while not data.endswith(b"\n"):
+        chunk = s.recv(65536)
+        if not chunk:
+            break
+        data += chunk
     answer = json.loads(data)
     if not answer.get("ok"):
         raise SystemExit(f"api clone failed: {answer}")
     return answer
+
+
+def api_clone(sock_path: str, name: str) -> dict:
+    """One clone request on a connection of its own."""
+    with socket.socket(socket.AF_UNIX) as s:
+        s.connect(sock_path)
+        return api_call(s, name)
 
 
 def wait_answer(addr: str, limit: float = 30.0) -> None:
@@ -149,7 +157,9 @@ def main() -> None:
     template_rss = sum(int(l.split()[1]) for l in open(f"/proc/{tpid}/smaps_rollup") if l.startswith("Rss:")) * 1024
 
     clone_ms, command_ms, fork_ms, cold_ms = [], [], [], []
-    api_ms, api_call_ms = [], []
+    api_ms, api_call_ms, kept_ms, kept_call_ms = [], [], [], []
+    kept = socket.socket(socket.AF_UNIX)
+    kept.connect(api_socket)
     for i in range(n):
         # Clone to ready through the API.
         name = f"a{i}"
@@ -158,6 +168,15 @@ def main() -> None:
         api_call_ms.append((time.perf_counter() - t) * 1e3)
         wait_answer(answer["address"])
         api_ms.append((time.perf_counter() - t) * 1e3)
+        sh(nestbox, root, "rm", "-f", name)
+        wait_pool(nestbox, root, pool)
+        # The same on the connection kept open.
+        name = f"k{i}"
+        t = time.perf_counter()
+        answer = api_call(kept, name)
+        kept_call_ms.append((time.perf_counter() - t) * 1e3)
+        wait_answer(answer["address"])
+        kept_ms.append((time.perf_counter() - t) * 1e3)
         sh(nestbox, root, "rm", "-f", name)
         wait_pool(nestbox, root, pool)
         # Clone to ready through the CLI.
@@ -178,6 +197,7 @@ def main() -> None:
         wait_answer(state_address(root, name))
         cold_ms.append((time.perf_counter() - t) * 1e3)
         sh(nestbox, root, "rm", "-f", name)
+    kept.close()
 
     # K idle clones: private memory each, and what they take from the machine.
     time.sleep(1)
@@ -200,6 +220,9 @@ def main() -> None:
         "api_clone_to_ready": summary(api_ms),
         "api_request_only": summary(api_call_ms),
         "api_speedup_median": statistics.median(cold_ms) / statistics.median(api_ms),
+        "api_kept_clone_to_ready": summary(kept_ms),
+        "api_kept_request_only": summary(kept_call_ms),
+        "api_kept_speedup_median": statistics.median(cold_ms) / statistics.median(kept_ms),
         "clone_to_ready": summary(clone_ms),
         "clone_command_only": summary(command_ms),
         "fork_only": summary(fork_ms),

@@ -14,10 +14,14 @@
 //!
 //! A clone made here is exactly what `nestbox clone T -d` makes (the same
 //! code: claimed from the template's pool when it has one). The socket is
-//! created mode 0600 in the root's runtime directory; requests are served one
-//! at a time. SIGTERM or SIGINT removes the socket and ends the server.
+//! created mode 0600 in the root's runtime directory. One thread serves every
+//! connection (up to [`MAX_CLIENTS`] at once), each request in turn, so a
+//! front end may keep its connection open while others connect. What a claim
+//! leaves to do after its answer (the clone's name in the hosts file, the
+//! pool's refill) is done once no request has come for [`FOLLOW_UP_IDLE`].
+//! SIGTERM or SIGINT removes the socket and ends the server.
 
-use std::io::{BufRead, BufReader, Write};
+use std::io::{ErrorKind, Read, Write};
 use std::os::fd::AsFd;
 use std::os::unix::fs::PermissionsExt;
 use std::os::unix::net::{UnixListener, UnixStream};
@@ -33,13 +37,15 @@ use crate::clone::{clone_template_answer_first, CloneRequest, FollowUp};
 use crate::registry::Registry;
 use crate::{Result, RuntimeError};
 
-/// A client idle this long is dropped, so one stuck client cannot stop the
-/// server from serving others.
-const CLIENT_IDLE: Duration = Duration::from_secs(10);
+/// Connections served at once; one more is closed at once.
+pub const MAX_CLIENTS: usize = 128;
+/// The longest request line; a client that sends more without a newline gets
+/// an error and is dropped.
+const MAX_LINE: usize = 64 << 10;
 /// The bookkeeping that follows clone answers waits until no request has come
 /// for this long: a client's first use of its clone, and the next requests of
 /// a burst, do not share the CPUs with it.
-const FOLLOW_UP_IDLE: Duration = Duration::from_millis(5);
+pub const FOLLOW_UP_IDLE: Duration = Duration::from_millis(5);
 /// ... but no longer than this after the answer.
 const FOLLOW_UP_LATEST: Duration = Duration::from_millis(100);
 
@@ -64,6 +70,11 @@ impl Pending {
     fn wait(&self) -> Option<Duration> {
         let since = self.since?;
         Some(FOLLOW_UP_IDLE.min(FOLLOW_UP_LATEST.saturating_sub(since.elapsed())))
+    }
+
+    /// Whether they have waited as long as they may.
+    fn overdue(&self) -> bool {
+        self.since.is_some_and(|t| t.elapsed() >= FOLLOW_UP_LATEST)
     }
 
     fn finish(&mut self, reg: &Registry) {
@@ -100,6 +111,70 @@ pub fn serve(reg: &Registry, socket: &Path) -> Result<()> {
     result
 }
 
+/// One connection: its socket (non-blocking) and the start of a request line
+/// not complete yet.
+struct Client {
+    stream: UnixStream,
+    partial: Vec<u8>,
+}
+
+impl Client {
+    /// Read what the client sent and answer each complete line. `false` when
+    /// the connection is to be closed (the client closed it, or broke the
+    /// protocol, or cannot be written to).
+    fn serve(&mut self, reg: &Registry, pending: &mut Pending) -> bool {
+        let mut chunk = [0u8; 4096];
+        loop {
+            match self.stream.read(&mut chunk) {
+                Ok(0) => return false,
+                Ok(n) => self.partial.extend_from_slice(&chunk[..n]),
+                Err(e) if e.kind() == ErrorKind::WouldBlock => break,
+                Err(e) if e.kind() == ErrorKind::Interrupted => continue,
+                Err(_) => return false,
+            }
+        }
+        while let Some(end) = self.partial.iter().position(|&b| b == b'\n') {
+            let line: Vec<u8> = self.partial.drain(..=end).collect();
+            let line = String::from_utf8_lossy(&line);
+            if line.trim().is_empty() {
+                continue;
+            }
+            let (answer, follow_up) = match handle(reg, line.trim()) {
+                Ok(done) => done,
+                Err(e) => (error_answer(&e.to_string()), FollowUp::default()),
+            };
+            // The rest of the bookkeeping follows once the server is idle
+            // (also when the client has gone).
+            pending.add(follow_up);
+            if !self.answer(&answer) {
+                return false;
+            }
+        }
+        if self.partial.len() > MAX_LINE {
+            let _ = self.answer(&error_answer(&format!(
+                "request line longer than {MAX_LINE} bytes"
+            )));
+            return false;
+        }
+        true
+    }
+
+    /// Write one answer line (small: it fits the socket's buffer unless the
+    /// client has stopped reading, and then it is dropped).
+    fn answer(&mut self, answer: &Value) -> bool {
+        let mut text = answer.to_string();
+        text.push('\n');
+        let _ = self.stream.set_nonblocking(false);
+        let _ = self.stream.set_write_timeout(Some(Duration::from_secs(1)));
+        let written = self.stream.write_all(text.as_bytes()).is_ok();
+        written && self.stream.set_nonblocking(true).is_ok()
+    }
+}
+
+fn error_answer(message: &str) -> Value {
+    json!({"ok": false, "error": message.replace('\n', " ")})
+}
+
 fn serve_on(reg: &Registry, listener: &UnixListener) -> Result<()> {
     let mut mask = SigSet::empty();
     mask.add(Signal::SIGTERM);
@@ -112,101 +187,61 @@ fn serve_on(reg: &Registry, listener: &UnixListener) -> Result<()> {
     // SAFETY: ignoring SIGPIPE installs no handler code; writes then fail with EPIPE.
     unsafe { nix::sys::signal::signal(Signal::SIGPIPE, nix::sys::signal::SigHandler::SigIgn) }
         .map_err(RuntimeError::sys("signal(SIGPIPE)"))?;
+    listener
+        .set_nonblocking(true)
+        .map_err(RuntimeError::io("set_nonblocking", "listening socket"))?;
+    let mut clients: Vec<Client> = Vec::new();
     let mut pending = Pending::default();
     loop {
-        let mut fds = [
-            PollFd::new(listener.as_fd(), PollFlags::POLLIN),
-            PollFd::new(signals.as_fd(), PollFlags::POLLIN),
-        ];
-        let timeout = match pending.wait() {
-            Some(d) => PollTimeout::try_from(d).unwrap_or(PollTimeout::ZERO),
-            None => PollTimeout::NONE,
-        };
-        match poll(&mut fds, timeout) {
-            Ok(0) => {
-                pending.finish(reg);
-                continue;
-            }
-            Ok(_) => {}
-            Err(_) => continue,
+        if pending.overdue() {
+            pending.finish(reg);
         }
-        if fds[1].revents().is_some_and(|r| !r.is_empty()) {
+        let (ready, stop, incoming) = {
+            let mut fds = vec![
+                PollFd::new(signals.as_fd(), PollFlags::POLLIN),
+                PollFd::new(listener.as_fd(), PollFlags::POLLIN),
+            ];
+            fds.extend(
+                clients
+                    .iter()
+                    .map(|c| PollFd::new(c.stream.as_fd(), PollFlags::POLLIN)),
+            );
+            let timeout = match pending.wait() {
+                Some(d) => PollTimeout::try_from(d).unwrap_or(PollTimeout::ZERO),
+                None => PollTimeout::NONE,
+            };
+            match poll(&mut fds, timeout) {
+                Ok(0) => {
+                    pending.finish(reg);
+                    continue;
+                }
+                Ok(_) => {}
+                Err(_) => continue,
+            }
+            let has = |f: &PollFd<'_>| f.revents().is_some_and(|r| !r.is_empty());
+            let ready: Vec<bool> = fds[2..].iter().map(has).collect();
+            (ready, has(&fds[0]), has(&fds[1]))
+        };
+        if stop {
             pending.finish(reg);
             return Ok(());
         }
-        if let Ok((stream, _)) = listener.accept() {
-            if let Ok(Stop) = serve_client(reg, stream, &signals, &mut pending) {
-                pending.finish(reg);
-                return Ok(());
+        let mut index = 0;
+        clients.retain_mut(|c| {
+            let keep = !ready[index] || c.serve(reg, &mut pending);
+            index += 1;
+            keep
+        });
+        if incoming {
+            while let Ok((stream, _)) = listener.accept() {
+                if clients.len() >= MAX_CLIENTS || stream.set_nonblocking(true).is_err() {
+                    continue;
+                }
+                clients.push(Client {
+                    stream,
+                    partial: Vec::new(),
+                });
             }
-        }
-    }
-}
-
-/// A signal to end the server arrived while serving a client.
-struct Stop;
-
-/// Serve one connection until it closes, stays idle for [`CLIENT_IDLE`], or a
-/// signal asks the server to end (then `Ok(Stop)`). Follow-ups of its answers
-/// go to `pending`, and are done here when the client pauses.
-fn serve_client(
-    reg: &Registry,
-    stream: UnixStream,
-    signals: &SignalFd,
-    pending: &mut Pending,
-) -> std::io::Result<Stop> {
-    // Reads wake up every SLICE to look for SIGTERM/SIGINT.
-    const SLICE: Duration = Duration::from_millis(100);
-    let mut writer = stream.try_clone()?;
-    let mut reader = BufReader::new(stream);
-    let mut line = String::new();
-    let mut idle = Duration::ZERO;
-    loop {
-        let slice = pending
-            .wait()
-            .unwrap_or(SLICE)
-            .max(Duration::from_micros(1));
-        reader.get_ref().set_read_timeout(Some(slice))?;
-        match reader.read_line(&mut line) {
-            Ok(0) => return Err(std::io::ErrorKind::UnexpectedEof.into()),
-            Ok(_) => {
-                idle = Duration::ZERO;
-                if !line.trim().is_empty() {
-                    let (answer, follow_up) = match handle(reg, line.trim()) {
-                        Ok((v, f)) => (v, f),
-                        Err(e) => (
-                            json!({"ok": false, "error": e.to_string().replace('\n', " ")}),
-                            FollowUp::default(),
-                        ),
-                    };
-                    // The rest of the bookkeeping follows once the server is
-                    // idle (also when the client has gone).
-                    pending.add(follow_up);
-                    let mut text = answer.to_string();
-                    text.push('\n');
-                    writer.write_all(text.as_bytes())?;
-                }
-                line.clear();
-            }
-            Err(e)
-                if matches!(
-                    e.kind(),
-                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
-                ) =>
-            {
-                // A partial line stays in `line` until the rest arrives.
-                if let Ok(Some(_)) = signals.read_signal() {
-                    return Ok(Stop);
-                }
-                if pending.wait().is_some_and(|d| d <= slice) {
-                    pending.finish(reg);
-                }
-                idle += slice;
-                if idle >= CLIENT_IDLE {
-                    return Err(e);
-                }
-            }
-            Err(e) => return Err(e),
         }
     }
 }

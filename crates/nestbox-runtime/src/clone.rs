@@ -105,7 +105,10 @@ impl FollowUp {
             return Ok(());
         };
         for (id, name) in &self.hosts {
-            net.rename(id, &[name.as_str()])?;
+            // A clone removed meanwhile has no entry left to rename.
+            if reg.load(name).is_ok_and(|r| r.state.id == *id) {
+                net.rename(id, &[name.as_str()])?;
+            }
         }
         Ok(())
     }
@@ -405,11 +408,21 @@ fn fork_into_shells(
     let forked = forked?;
     refrozen?;
     detached.map_err(|e| remote_error(t.name(), e))?;
-    if req.pooled {
-        let file = working_set_file(reg, t);
-        for c in &forked {
+    // A pooled clone can be claimed once its record names its process: only
+    // after its working set is copied (a claimed clone runs, and must not
+    // have pages written back under it).
+    let file = working_set_file(reg, t);
+    for c in &forked {
+        if req.pooled {
             prefetch_when_stopped(&file, c.pid);
         }
+        let process = ProcRef::of(c.pid);
+        reg.update(&c.name, |s| {
+            s.clone = Some(CloneInfo {
+                process,
+                fork_ms: Some(c.fork_ms),
+            });
+        })?;
     }
     Ok(forked)
 }
@@ -478,13 +491,6 @@ fn fork_one(
             crate::init::ADOPTED_PID
         )));
     }
-    let process = ProcRef::of(forked.pid);
-    reg.update(name, |s| {
-        s.clone = Some(CloneInfo {
-            process,
-            fork_ms: Some(fork_ms),
-        });
-    })?;
     Ok(Cloned {
         name: name.to_string(),
         pid: forked.pid,

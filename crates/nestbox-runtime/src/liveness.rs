@@ -28,16 +28,35 @@ impl ProcRef {
 
     /// Whether this exact process is still alive (zombies count as dead).
     pub fn alive(&self) -> bool {
-        match std::fs::read_to_string(format!("/proc/{}/stat", self.pid)) {
-            Ok(stat) => parse_stat(&stat)
+        match read_stat(self.pid) {
+            Some(stat) => parse_stat(&stat)
                 .is_some_and(|(state, st)| st == self.start_time && state != 'Z' && state != 'X'),
-            Err(_) => false,
+            None => false,
         }
     }
 }
 
+/// `/proc/PID/stat`, read with as few system calls as it takes (the file
+/// reports no size, so a plain read-to-end starts with tiny reads; liveness is
+/// checked on the clone-claim path).
+fn read_stat(pid: i32) -> Option<String> {
+    use std::io::Read;
+    let mut f = std::fs::File::open(format!("/proc/{pid}/stat")).ok()?;
+    let mut buf = [0u8; 1024];
+    let mut len = 0;
+    while len < buf.len() && !buf[..len].ends_with(b"\n") {
+        match f.read(&mut buf[len..]) {
+            Ok(0) => break,
+            Ok(n) => len += n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(_) => return None,
+        }
+    }
+    String::from_utf8(buf[..len].to_vec()).ok()
+}
+
 fn start_time(pid: i32) -> Option<u64> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let stat = read_stat(pid)?;
     parse_stat(&stat).map(|(_, st)| st)
 }
 

@@ -84,6 +84,9 @@ struct Running {
 /// The monitor does not write the child's pid into the cgroup: the child moves
 /// itself (see `LaunchPlan::cgroup_join`) before it does anything else.
 pub fn run_box(reg: &Registry, record: &BoxRecord, mode: Mode) -> Result<Outcome> {
+    if matches!(mode, Mode::Detached(_)) {
+        crate::residency::one_malloc_arena();
+    }
     let signals = block_forwarded_signals()?;
     let started = start(reg, record, matches!(mode, Mode::Foreground));
     let ready = match mode {

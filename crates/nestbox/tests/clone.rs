@@ -562,6 +562,14 @@ fn serve_answers_clone_requests_on_its_socket() {
         serde_json::from_str(&line).unwrap()
     };
     assert_eq!(call(r#"{"op":"ping"}"#)["ok"], true);
+    // A second connection is served while the first stays open.
+    {
+        let mut other = std::os::unix::net::UnixStream::connect(&socket).unwrap();
+        other.write_all(b"{\"op\":\"ping\"}\n").unwrap();
+        let mut line = String::new();
+        BufReader::new(&other).read_line(&mut line).unwrap();
+        assert_eq!(line.trim(), r#"{"ok":true}"#);
+    }
     // Two clones on one connection: the pooled one, then one forked on demand.
     for name in ["api-a", "api-b"] {
         let answer = call(&format!(
