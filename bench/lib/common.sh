@@ -66,6 +66,13 @@ nestbox_clean_root() {
     while read -r name; do
         [[ -z $name ]] || "$NESTBOX" --root "$root" rm -f "$name" >/dev/null 2>&1 || true
     done < <(nestbox_box_names "$root" 2>/dev/null || true)
+    # A template removed while it had clones goes only once its last clone has
+    # (its init lingers up to half a second): the network can be removed once
+    # no box is left. Bounded: 5 s.
+    for _ in $(seq 50); do
+        [[ -z $(nestbox_box_names "$root" 2>/dev/null) ]] && break
+        sleep 0.1
+    done
     "$NESTBOX" --root "$root" gc >/dev/null 2>&1 || true
     "$NESTBOX" --root "$root" network rm >/dev/null 2>&1 || true
 }

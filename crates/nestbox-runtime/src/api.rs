@@ -21,6 +21,7 @@
 //! pool's refill) is done once no request has come for [`FOLLOW_UP_IDLE`].
 //! SIGTERM or SIGINT removes the socket and ends the server.
 
+use std::collections::HashMap;
 use std::io::{ErrorKind, Read, Write};
 use std::os::fd::AsFd;
 use std::os::unix::fs::PermissionsExt;
@@ -34,6 +35,7 @@ use nix::sys::signalfd::{SfdFlags, SignalFd};
 use serde_json::{json, Value};
 
 use crate::clone::{clone_template_answer_first, CloneRequest, FollowUp};
+use crate::prepared_claim::PreparedClaim;
 use crate::registry::Registry;
 use crate::{Result, RuntimeError};
 
@@ -49,12 +51,25 @@ pub const FOLLOW_UP_IDLE: Duration = Duration::from_millis(5);
 /// ... but no longer than this after the answer.
 const FOLLOW_UP_LATEST: Duration = Duration::from_millis(100);
 
-/// Follow-ups of answered requests, done once the server is idle.
+/// What the server does between requests: the follow-ups of answered
+/// claims, and claims prepared for the next requests (see
+/// [`crate::prepared_claim`]) of the templates it has been asked for.
 #[derive(Debug, Default)]
 struct Pending {
     work: FollowUp,
     since: Option<Instant>,
+    prepared: HashMap<String, PreparedClaim>,
+    /// Templates asked for, most recent last (at most [`PREPARED_TEMPLATES`]).
+    wanted: Vec<String>,
+    /// When to try again to prepare a claim that found an empty pool.
+    retry_at: Option<Instant>,
 }
+
+/// Templates for which a claim is kept prepared.
+const PREPARED_TEMPLATES: usize = 16;
+/// A claim that found its template's pool empty is prepared again this much
+/// later (once), when the refill has had time to run.
+const PREPARE_RETRY: Duration = Duration::from_millis(250);
 
 impl Pending {
     fn add(&mut self, more: FollowUp) {
@@ -65,11 +80,29 @@ impl Pending {
         self.since.get_or_insert_with(Instant::now);
     }
 
+    /// Keep a claim prepared for `template` from now on.
+    fn want(&mut self, template: &str) {
+        self.wanted.retain(|t| t != template);
+        self.wanted.push(template.to_string());
+        if self.wanted.len() > PREPARED_TEMPLATES {
+            let gone = self.wanted.remove(0);
+            self.prepared.remove(&gone);
+        }
+    }
+
     /// How long to wait for the next request before doing the follow-ups
     /// (`None`: nothing pending).
     fn wait(&self) -> Option<Duration> {
-        let since = self.since?;
-        Some(FOLLOW_UP_IDLE.min(FOLLOW_UP_LATEST.saturating_sub(since.elapsed())))
+        let follow_ups = self
+            .since
+            .map(|since| FOLLOW_UP_IDLE.min(FOLLOW_UP_LATEST.saturating_sub(since.elapsed())));
+        let retry = self
+            .retry_at
+            .map(|at| at.saturating_duration_since(Instant::now()));
+        match (follow_ups, retry) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        }
     }
 
     /// Whether they have waited as long as they may.
@@ -77,10 +110,31 @@ impl Pending {
         self.since.is_some_and(|t| t.elapsed() >= FOLLOW_UP_LATEST)
     }
 
+    /// Do the follow-ups, then prepare a claim for each template wanted that
+    /// has none.
     fn finish(&mut self, reg: &Registry) {
-        self.since = None;
-        if let Err(e) = std::mem::take(&mut self.work).finish(reg) {
-            eprintln!("nestbox serve: after a clone: {e}");
+        let retrying = self.retry_at.take().is_some();
+        if self.since.take().is_some() {
+            if let Err(e) = std::mem::take(&mut self.work).finish(reg) {
+                eprintln!("nestbox serve: after a clone: {e}");
+            }
+        }
+        let mut empty_pool = false;
+        for template in &self.wanted {
+            if self.prepared.contains_key(template) {
+                continue;
+            }
+            match crate::prepared_claim::prepare(reg, template) {
+                Ok(Some(p)) => {
+                    self.prepared.insert(template.clone(), p);
+                }
+                Ok(None) => empty_pool = true,
+                // A template gone or not frozen: its requests will say so.
+                Err(_) => {}
+            }
+        }
+        if empty_pool && !retrying {
+            self.retry_at = Some(Instant::now() + PREPARE_RETRY);
         }
     }
 }
@@ -139,7 +193,7 @@ impl Client {
             if line.trim().is_empty() {
                 continue;
             }
-            let (answer, follow_up) = match handle(reg, line.trim()) {
+            let (answer, follow_up) = match handle(reg, line.trim(), pending) {
                 Ok(done) => done,
                 Err(e) => (error_answer(&e.to_string()), FollowUp::default()),
             };
@@ -237,18 +291,24 @@ fn serve_on(reg: &Registry, listener: &UnixListener) -> Result<()> {
                 if clients.len() >= MAX_CLIENTS || stream.set_nonblocking(true).is_err() {
                     continue;
                 }
-                clients.push(Client {
+                let mut client = Client {
                     stream,
                     partial: Vec::new(),
-                });
+                };
+                // A client usually sends its request right after connecting:
+                // serve it now rather than after one more poll.
+                if client.serve(reg, &mut pending) {
+                    clients.push(client);
+                }
             }
         }
     }
 }
 
 /// Answer one request line; what is left to do once the answer is sent comes
-/// with it.
-pub fn handle(reg: &Registry, line: &str) -> Result<(Value, FollowUp)> {
+/// with it. A clone is claimed through the claim prepared for its template,
+/// if there is one and it still holds.
+fn handle(reg: &Registry, line: &str, pending: &mut Pending) -> Result<(Value, FollowUp)> {
     let req: Value = serde_json::from_str(line)
         .map_err(|e| RuntimeError::Invalid(format!("request is not JSON: {e}")))?;
     let field = |k: &str| -> Result<Option<String>> {
@@ -273,7 +333,27 @@ pub fn handle(reg: &Registry, line: &str) -> Result<(Value, FollowUp)> {
                 on_clone_signal,
                 pooled: false,
             };
-            let (made, follow_up) = clone_template_answer_first(reg, &template, &request)?;
+            pending.want(&template);
+            let mut follow_up = FollowUp::default();
+            let prepared = match pending.prepared.remove(&template) {
+                Some(p) => {
+                    let name = request
+                        .names
+                        .first()
+                        .cloned()
+                        .unwrap_or_else(crate::registry::generated_name);
+                    p.claim(reg, &name, &request, &mut follow_up)?
+                }
+                None => None,
+            };
+            let made = match prepared {
+                Some(c) => vec![c],
+                None => {
+                    let (made, more) = clone_template_answer_first(reg, &template, &request)?;
+                    follow_up.absorb(more);
+                    made
+                }
+            };
             let Some(c) = made.first() else {
                 follow_up.finish(reg)?;
                 return Err(RuntimeError::Invalid("no clone was made".into()));

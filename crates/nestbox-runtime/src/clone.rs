@@ -73,7 +73,7 @@ pub struct FollowUp {
     /// (box id, new name) of each claimed clone on a bridge network.
     hosts: Vec<(String, String)>,
     /// The templates whose pools were drawn from.
-    refill: Vec<String>,
+    pub(crate) refill: Vec<String>,
 }
 
 impl FollowUp {
@@ -267,16 +267,22 @@ fn clone_names(reg: &Registry, t: &BoxRecord, req: &CloneRequest) -> Result<Vec<
             )));
         }
         for n in &req.names {
-            crate::spec::validate_user_name(n)?;
-            if reg.load(n).is_ok() {
-                return Err(RuntimeError::NameInUse(n.clone()));
-            }
+            check_new_name(reg, n)?;
         }
         return Ok(req.names.clone());
     }
     Ok((0..req.count)
         .map(|_| crate::registry::generated_name())
         .collect())
+}
+
+/// Refuse a name a user gives a new clone that is invalid, reserved or taken.
+pub(crate) fn check_new_name(reg: &Registry, name: &str) -> Result<()> {
+    crate::spec::validate_user_name(name)?;
+    if reg.load(name).is_ok() {
+        return Err(RuntimeError::NameInUse(name.to_string()));
+    }
+    Ok(())
 }
 
 /// Refuse counts beyond what the host's memory or process table can hold.
@@ -575,38 +581,58 @@ fn claim_pooled(
     req: &CloneRequest,
     follow_up: &mut FollowUp,
 ) -> Result<Option<Cloned>> {
-    for candidate in reg.names_prefixed(&pool_prefix(t))? {
-        // Only a pooled clone whose process lives is taken.
-        let Ok(c) = reg.load(&candidate) else {
-            continue;
-        };
-        if !live_pooled_clone_of(&c, t) {
-            continue;
+    while let Some(c) = first_live_pooled(reg, t)? {
+        if let Some(made) = take_pooled(reg, &c, name, req, follow_up)? {
+            return Ok(Some(made));
         }
-        let started = std::time::Instant::now();
-        match reg.rename(&candidate, name) {
-            Ok(()) => {}
-            Err(RuntimeError::NoSuchBox(_)) => continue,
-            Err(e) => return Err(e),
-        }
-        let pid = match wake_claimed(&c, name, req) {
-            Ok(pid) => pid,
-            Err(e) => {
-                let _ = crate::ops::remove(reg, name, true);
-                return Err(e);
-            }
-        };
-        if c.spec.network.mode == crate::spec::NetworkMode::Bridge {
-            follow_up.hosts.push((c.state.id.clone(), name.to_string()));
-        }
-        return Ok(Some(Cloned {
-            name: name.to_string(),
-            pid,
-            fork_ms: started.elapsed().as_secs_f64() * 1e3,
-            address: network_address(&c),
-        }));
     }
     Ok(None)
+}
+
+/// The first pooled clone of `t` whose process lives (in name order).
+pub(crate) fn first_live_pooled(reg: &Registry, t: &BoxRecord) -> Result<Option<BoxRecord>> {
+    for candidate in reg.names_prefixed(&pool_prefix(t))? {
+        if let Ok(c) = reg.load(&candidate) {
+            if live_pooled_clone_of(&c, t) {
+                return Ok(Some(c));
+            }
+        }
+    }
+    Ok(None)
+}
+
+/// Take the pooled clone `c` as `name`: rename its record, give it its
+/// hostname and wake it; its hosts entry goes to `follow_up`. `None` when
+/// another claimer took it first.
+pub(crate) fn take_pooled(
+    reg: &Registry,
+    c: &BoxRecord,
+    name: &str,
+    req: &CloneRequest,
+    follow_up: &mut FollowUp,
+) -> Result<Option<Cloned>> {
+    let started = std::time::Instant::now();
+    match reg.rename(c.name(), name) {
+        Ok(()) => {}
+        Err(RuntimeError::NoSuchBox(_)) => return Ok(None),
+        Err(e) => return Err(e),
+    }
+    let pid = match wake_claimed(c, name, req) {
+        Ok(pid) => pid,
+        Err(e) => {
+            let _ = crate::ops::remove(reg, name, true);
+            return Err(e);
+        }
+    };
+    if c.spec.network.mode == crate::spec::NetworkMode::Bridge {
+        follow_up.hosts.push((c.state.id.clone(), name.to_string()));
+    }
+    Ok(Some(Cloned {
+        name: name.to_string(),
+        pid,
+        fork_ms: started.elapsed().as_secs_f64() * 1e3,
+        address: network_address(c),
+    }))
 }
 
 /// Give the claimed pooled clone `c` (now named `name`) its hostname, then let

@@ -21,6 +21,7 @@ pub mod network;
 pub mod network_pool;
 pub mod ops;
 pub mod paths;
+pub mod prepared_claim;
 pub mod process;
 pub mod registry;
 pub mod residency;

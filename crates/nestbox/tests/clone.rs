@@ -606,11 +606,38 @@ fn serve_answers_clone_requests_on_its_socket() {
             .stdout
             .contains("api-a")
     });
+    // Idle, the server prepares its next claim of `tpl` once the pool is
+    // refilled; a clone made through it is a full clone like the others.
+    wait_for("the pool to refill", Duration::from_secs(20), || {
+        pooled(&root) == 1
+    });
+    std::thread::sleep(Duration::from_millis(400));
+    let answer = call(r#"{"op":"clone","template":"tpl","name":"api-c"}"#);
+    assert_eq!(answer["ok"], true, "{answer}");
+    let v: serde_json::Value = serde_json::from_str(&root.ok(&["inspect", "api-c"])).unwrap();
+    assert_eq!(answer["pid"], v["state"]["clone"]["process"]["pid"], "{v}");
+    assert_eq!(get(&root, "api-c", "/").0, 2, "continues the template");
+    // A claim prepared before the template was removed is not used after.
+    wait_for("the pool to refill", Duration::from_secs(20), || {
+        pooled(&root) == 1
+    });
+    std::thread::sleep(Duration::from_millis(400));
+    root.ok(&["template", "rm", "tpl"]);
+    let answer = call(r#"{"op":"clone","template":"tpl","name":"api-d"}"#);
+    assert_eq!(answer["ok"], false, "{answer}");
+    assert!(
+        answer["error"].as_str().unwrap().contains("removed"),
+        "{answer}"
+    );
+    assert_ne!(root.run(&["inspect", "api-d"]).code, 0, "no box api-d");
     // SIGTERM ends the server and removes its socket.
     // SAFETY: kill has no memory-safety preconditions; the pid is our child's.
     unsafe { libc::kill(server.id() as i32, libc::SIGTERM) };
     let status = server.wait().unwrap();
     assert!(status.success(), "{status:?}");
     assert!(!socket.exists());
-    root.ok(&["rm", "-f", "api-a", "api-b", "tpl"]);
+    root.ok(&["rm", "-f", "api-a", "api-b", "api-c"]);
+    wait_for("the template box to go", Duration::from_secs(10), || {
+        box_names(&root).is_empty()
+    });
 }
