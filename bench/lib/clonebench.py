@@ -161,24 +161,19 @@ def main() -> None:
     kept = socket.socket(socket.AF_UNIX)
     kept.connect(api_socket)
     for i in range(n):
-        # Clone to ready through the API.
-        name = f"a{i}"
-        t = time.perf_counter()
-        answer = api_clone(api_socket, name)
-        api_call_ms.append((time.perf_counter() - t) * 1e3)
-        wait_answer(answer["address"])
-        api_ms.append((time.perf_counter() - t) * 1e3)
-        sh(nestbox, root, "rm", "-f", name)
-        wait_pool(nestbox, root, pool)
-        # The same on the connection kept open.
-        name = f"k{i}"
-        t = time.perf_counter()
-        answer = api_call(kept, name)
-        kept_call_ms.append((time.perf_counter() - t) * 1e3)
-        wait_answer(answer["address"])
-        kept_ms.append((time.perf_counter() - t) * 1e3)
-        sh(nestbox, root, "rm", "-f", name)
-        wait_pool(nestbox, root, pool)
+        # Clone to ready through the API: a connection for each request, and
+        # the connection kept open.
+        for name, call, call_ms, ready_ms in (
+            (f"a{i}", lambda n: api_clone(api_socket, n), api_call_ms, api_ms),
+            (f"k{i}", lambda n: api_call(kept, n), kept_call_ms, kept_ms),
+        ):
+            t = time.perf_counter()
+            answer = call(name)
+            call_ms.append((time.perf_counter() - t) * 1e3)
+            wait_answer(answer["address"])
+            ready_ms.append((time.perf_counter() - t) * 1e3)
+            sh(nestbox, root, "rm", "-f", name)
+            wait_pool(nestbox, root, pool)
         # Clone to ready through the CLI.
         name = f"c{i}"
         t = time.perf_counter()
