@@ -296,15 +296,7 @@ fn serve_on(reg: &Registry, listener: &UnixListener) -> Result<()> {
                     partial: Vec::new(),
                 };
                 // A client usually sends its request right after connecting:
-                // wait for it here a little while (without sleeping, which
-                // costs a wake-up) and serve it at once.
-                let spin = Instant::now();
-                let mut peek = [0u8; 1];
-                while spin.elapsed() < Duration::from_micros(200)
-                    && matches!(client.stream.peek(&mut peek), Err(ref e) if e.kind() == ErrorKind::WouldBlock)
-                {
-                    std::hint::spin_loop();
-                }
+                // serve it now rather than after one more poll.
                 if client.serve(reg, &mut pending) {
                     clients.push(client);
                 }
