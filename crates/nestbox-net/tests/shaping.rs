@@ -2,7 +2,9 @@
 //! reservation holds under competition, an egress cap and an ingress cap hold,
 //! both also for traffic between boxes, and traffic between uncapped boxes does
 //! not leave the network, so the link rate does not limit it. Traffic flows only between namespaces these tests make and the
-//! host's end of their bridge, for a few seconds each.
+//! host's end of their bridge, for a few seconds each. They measure rates on a
+//! 2-core machine, so they are named `serial_` and run alone, after the rest of
+//! the suite (`scripts/test.sh`).
 
 mod common;
 
@@ -44,7 +46,7 @@ fn rates(flows: &[(Option<BorrowedFd<'_>>, &Sink)]) -> Vec<f64> {
 }
 
 #[test]
-fn shares_divide_a_saturated_link_two_to_one() {
+fn serial_shares_divide_a_saturated_link_two_to_one() {
     if !root() {
         return;
     }
@@ -73,7 +75,7 @@ fn shares_divide_a_saturated_link_two_to_one() {
 }
 
 #[test]
-fn a_reservation_holds_under_competition() {
+fn serial_a_reservation_holds_under_competition() {
     if !root() {
         return;
     }
@@ -115,7 +117,7 @@ fn a_reservation_holds_under_competition() {
 }
 
 #[test]
-fn an_egress_cap_holds() {
+fn serial_an_egress_cap_holds() {
     if !root() {
         return;
     }
@@ -142,7 +144,7 @@ fn an_egress_cap_holds() {
 }
 
 #[test]
-fn an_ingress_cap_holds() {
+fn serial_an_ingress_cap_holds() {
     if !root() {
         return;
     }
@@ -167,7 +169,7 @@ fn an_ingress_cap_holds() {
 }
 
 #[test]
-fn an_egress_cap_holds_towards_other_boxes() {
+fn serial_an_egress_cap_holds_towards_other_boxes() {
     if !root() {
         return;
     }
@@ -195,7 +197,7 @@ fn an_egress_cap_holds_towards_other_boxes() {
 }
 
 #[test]
-fn traffic_between_uncapped_boxes_is_not_limited_by_the_link_rate() {
+fn serial_traffic_between_uncapped_boxes_is_not_limited_by_the_link_rate() {
     if !root() {
         return;
     }
@@ -221,7 +223,7 @@ fn traffic_between_uncapped_boxes_is_not_limited_by_the_link_rate() {
 }
 
 #[test]
-fn an_ingress_cap_holds_for_traffic_from_other_boxes() {
+fn serial_an_ingress_cap_holds_for_traffic_from_other_boxes() {
     if !root() {
         return;
     }

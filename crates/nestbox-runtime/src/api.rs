@@ -178,9 +178,15 @@ impl Client {
     /// protocol, or cannot be written to).
     fn serve(&mut self, reg: &Registry, pending: &mut Pending) -> bool {
         let mut chunk = [0u8; 4096];
+        // A client may send its last request and close its side at once: what
+        // it sent is answered before its connection is closed.
+        let mut closed = false;
         loop {
             match self.stream.read(&mut chunk) {
-                Ok(0) => return false,
+                Ok(0) => {
+                    closed = true;
+                    break;
+                }
                 Ok(n) => self.partial.extend_from_slice(&chunk[..n]),
                 Err(e) if e.kind() == ErrorKind::WouldBlock => break,
                 Err(e) if e.kind() == ErrorKind::Interrupted => continue,
@@ -204,6 +210,9 @@ impl Client {
                 return false;
             }
         }
+        if closed {
+            return false;
+        }
         if self.partial.len() > MAX_LINE {
             let _ = self.answer(&error_answer(&format!(
                 "request line longer than {MAX_LINE} bytes"
@@ -213,15 +222,13 @@ impl Client {
         true
     }
 
-    /// Write one answer line (small: it fits the socket's buffer unless the
-    /// client has stopped reading, and then it is dropped).
+    /// Write one answer line. Answers are small: one fits the socket's
+    /// buffer unless the client has stopped reading its answers, and such a
+    /// client is dropped (`false`).
     fn answer(&mut self, answer: &Value) -> bool {
         let mut text = answer.to_string();
         text.push('\n');
-        let _ = self.stream.set_nonblocking(false);
-        let _ = self.stream.set_write_timeout(Some(Duration::from_secs(1)));
-        let written = self.stream.write_all(text.as_bytes()).is_ok();
-        written && self.stream.set_nonblocking(true).is_ok()
+        self.stream.write_all(text.as_bytes()).is_ok()
     }
 }
 

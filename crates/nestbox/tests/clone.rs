@@ -562,10 +562,12 @@ fn serve_answers_clone_requests_on_its_socket() {
         serde_json::from_str(&line).unwrap()
     };
     assert_eq!(call(r#"{"op":"ping"}"#)["ok"], true);
-    // A second connection is served while the first stays open.
+    // A second connection is served while the first stays open, also when
+    // it closes its side right after its request.
     {
         let mut other = std::os::unix::net::UnixStream::connect(&socket).unwrap();
         other.write_all(b"{\"op\":\"ping\"}\n").unwrap();
+        other.shutdown(std::net::Shutdown::Write).unwrap();
         let mut line = String::new();
         BufReader::new(&other).read_line(&mut line).unwrap();
         assert_eq!(line.trim(), r#"{"ok":true}"#);
