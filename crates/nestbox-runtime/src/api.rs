@@ -55,7 +55,7 @@ const FOLLOW_UP_LATEST: Duration = Duration::from_millis(100);
 /// claims, and claims prepared for the next requests (see
 /// [`crate::prepared_claim`]) of the templates it has been asked for.
 #[derive(Debug, Default)]
-struct Pending {
+struct IdleWork {
     work: FollowUp,
     since: Option<Instant>,
     prepared: HashMap<String, PreparedClaim>,
@@ -71,7 +71,7 @@ const PREPARED_TEMPLATES: usize = 16;
 /// later (once), when the refill has had time to run.
 const PREPARE_RETRY: Duration = Duration::from_millis(250);
 
-impl Pending {
+impl IdleWork {
     fn add(&mut self, more: FollowUp) {
         if more.is_empty() {
             return;
@@ -91,7 +91,7 @@ impl Pending {
     }
 
     /// How long to wait for the next request before doing the follow-ups
-    /// (`None`: nothing pending).
+    /// (`None`: nothing to do).
     fn wait(&self) -> Option<Duration> {
         let follow_ups = self
             .since
@@ -176,7 +176,7 @@ impl Client {
     /// Read what the client sent and answer each complete line. `false` when
     /// the connection is to be closed (the client closed it, or broke the
     /// protocol, or cannot be written to).
-    fn serve(&mut self, reg: &Registry, pending: &mut Pending) -> bool {
+    fn serve(&mut self, reg: &Registry, idle: &mut IdleWork) -> bool {
         let mut chunk = [0u8; 4096];
         // A client may send its last request and close its side at once: what
         // it sent is answered before its connection is closed.
@@ -199,13 +199,13 @@ impl Client {
             if line.trim().is_empty() {
                 continue;
             }
-            let (answer, follow_up) = match handle(reg, line.trim(), pending) {
+            let (answer, follow_up) = match handle(reg, line.trim(), idle) {
                 Ok(done) => done,
                 Err(e) => (error_answer(&e.to_string()), FollowUp::default()),
             };
             // The rest of the bookkeeping follows once the server is idle
             // (also when the client has gone).
-            pending.add(follow_up);
+            idle.add(follow_up);
             if !self.answer(&answer) {
                 return false;
             }
@@ -252,10 +252,10 @@ fn serve_on(reg: &Registry, listener: &UnixListener) -> Result<()> {
         .set_nonblocking(true)
         .map_err(RuntimeError::io("set_nonblocking", "listening socket"))?;
     let mut clients: Vec<Client> = Vec::new();
-    let mut pending = Pending::default();
+    let mut idle = IdleWork::default();
     loop {
-        if pending.overdue() {
-            pending.finish(reg);
+        if idle.overdue() {
+            idle.finish(reg);
         }
         let (ready, stop, incoming) = {
             let mut fds = vec![
@@ -267,13 +267,13 @@ fn serve_on(reg: &Registry, listener: &UnixListener) -> Result<()> {
                     .iter()
                     .map(|c| PollFd::new(c.stream.as_fd(), PollFlags::POLLIN)),
             );
-            let timeout = match pending.wait() {
+            let timeout = match idle.wait() {
                 Some(d) => PollTimeout::try_from(d).unwrap_or(PollTimeout::ZERO),
                 None => PollTimeout::NONE,
             };
             match poll(&mut fds, timeout) {
                 Ok(0) => {
-                    pending.finish(reg);
+                    idle.finish(reg);
                     continue;
                 }
                 Ok(_) => {}
@@ -284,12 +284,12 @@ fn serve_on(reg: &Registry, listener: &UnixListener) -> Result<()> {
             (ready, has(&fds[0]), has(&fds[1]))
         };
         if stop {
-            pending.finish(reg);
+            idle.finish(reg);
             return Ok(());
         }
         let mut index = 0;
         clients.retain_mut(|c| {
-            let keep = !ready[index] || c.serve(reg, &mut pending);
+            let keep = !ready[index] || c.serve(reg, &mut idle);
             index += 1;
             keep
         });
@@ -304,7 +304,7 @@ fn serve_on(reg: &Registry, listener: &UnixListener) -> Result<()> {
                 };
                 // A client usually sends its request right after connecting:
                 // serve it now rather than after one more poll.
-                if client.serve(reg, &mut pending) {
+                if client.serve(reg, &mut idle) {
                     clients.push(client);
                 }
             }
@@ -315,7 +315,7 @@ fn serve_on(reg: &Registry, listener: &UnixListener) -> Result<()> {
 /// Answer one request line; what is left to do once the answer is sent comes
 /// with it. A clone is claimed through the claim prepared for its template,
 /// if there is one and it still holds.
-fn handle(reg: &Registry, line: &str, pending: &mut Pending) -> Result<(Value, FollowUp)> {
+fn handle(reg: &Registry, line: &str, idle: &mut IdleWork) -> Result<(Value, FollowUp)> {
     let req: Value = serde_json::from_str(line)
         .map_err(|e| RuntimeError::Invalid(format!("request is not JSON: {e}")))?;
     let field = |k: &str| -> Result<Option<String>> {
@@ -340,9 +340,9 @@ fn handle(reg: &Registry, line: &str, pending: &mut Pending) -> Result<(Value, F
                 on_clone_signal,
                 pooled: false,
             };
-            pending.want(&template);
+            idle.want(&template);
             let mut follow_up = FollowUp::default();
-            let prepared = match pending.prepared.remove(&template) {
+            let prepared = match idle.prepared.remove(&template) {
                 Some(p) => {
                     let name = request
                         .names
