@@ -517,10 +517,10 @@ mod tests {
 
     #[test]
     fn detect_real_machine() {
-        // Works everywhere cgroups are mounted; just must not fail.
+        // Works everywhere cgroups are mounted (every CI machine).
         match Hierarchies::detect() {
             Ok(h) => eprintln!("detected {}", h.summary()),
-            Err(e) => eprintln!("skipped: {e}"),
+            Err(e) => nestbox_testkit::skip("detect_real_machine", &e.to_string()),
         }
     }
 }

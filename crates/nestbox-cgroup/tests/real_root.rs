@@ -1,5 +1,6 @@
 //! Tests against the real cgroup filesystem of the machine. They need root
-//! and are skipped (with a printed reason) otherwise. Box ids contain the
+//! and are skipped (with a printed reason) otherwise; under `CI=true` a skip
+//! is a failure (`nestbox_testkit`). Box ids contain the
 //! test process's pid so parallel runs do not collide, and every test cleans
 //! up even when it fails.
 
@@ -9,11 +10,10 @@ use std::process::{Child, Command};
 
 use nestbox_cgroup::{find_stale, BoxCgroup, CgroupError, Hierarchies, Limits, Version};
 
-/// The detected hierarchies, or `None` (with a printed reason) when the test
-/// cannot run here.
-fn setup() -> Option<Hierarchies> {
-    if !nix::unistd::geteuid().is_root() {
-        eprintln!("skipped: needs root");
+/// The detected hierarchies, or `None` (with a printed reason; a failure
+/// under CI) when `test` cannot run here.
+fn setup(test: &str) -> Option<Hierarchies> {
+    if !nestbox_testkit::require_root(test) {
         return None;
     }
     match Hierarchies::detect() {
@@ -22,7 +22,7 @@ fn setup() -> Option<Hierarchies> {
             Some(h)
         }
         Err(e) => {
-            eprintln!("skipped: no usable cgroups: {e}");
+            nestbox_testkit::skip(test, &format!("no usable cgroups: {e}"));
             None
         }
     }
@@ -61,7 +61,9 @@ fn read(p: &Path) -> String {
 
 #[test]
 fn real_lifecycle() {
-    let Some(h) = setup() else { return };
+    let Some(h) = setup("real_lifecycle") else {
+        return;
+    };
     let limits = Limits {
         memory: Some(64 << 20),
         pids: Some(10),
@@ -150,7 +152,9 @@ fn real_lifecycle() {
 
 #[test]
 fn real_cpuset_devices_io_swap() {
-    let Some(h) = setup() else { return };
+    let Some(h) = setup("real_cpuset_devices_io_swap") else {
+        return;
+    };
     let memsw = h.find("memory").is_some_and(|m| {
         m.version() == Version::V1
             && m.invoking_dir()
@@ -204,7 +208,9 @@ fn real_cpuset_devices_io_swap() {
 
 #[test]
 fn real_io_weight() {
-    let Some(h) = setup() else { return };
+    let Some(h) = setup("real_io_weight") else {
+        return;
+    };
     let limits = Limits {
         io_weight: Some(300),
         ..Default::default()
@@ -242,7 +248,9 @@ fn real_io_weight() {
 
 #[test]
 fn real_rollback_on_kernel_rejection() {
-    let Some(h) = setup() else { return };
+    let Some(h) = setup("real_rollback_on_kernel_rejection") else {
+        return;
+    };
     // The kernel rejects pids.max above PID_MAX_LIMIT with EINVAL, after the
     // other hierarchies' dirs were made.
     let name = id("rollback");
@@ -270,7 +278,9 @@ fn real_rollback_on_kernel_rejection() {
 
 #[test]
 fn real_find_stale() {
-    let Some(h) = setup() else { return };
+    let Some(h) = setup("real_find_stale") else {
+        return;
+    };
     let name = id("stale");
     let cg = BoxCgroup::create(&h, &name, &Limits::default()).unwrap();
     let _guard = Cleanup {

@@ -4,9 +4,11 @@
 //! the setns/clone3 cookie rules), forked into clone shells built here, and
 //! checked from the outside.
 //!
-//! Runs without libtest (`harness = false`): the binary is re-executed in the
-//! roles of `common/roles.rs`; cases run one at a time. Pass substrings of case
-//! names to select cases.
+//! Runs on libtest-mimic (`harness = false`): the binary is re-executed in the
+//! roles of `common/roles.rs`, which a libtest main could not do; cases run one
+//! at a time on the main thread. The command line is libtest's (filters,
+//! `--skip`, `--exact`, `--list`); without root a case is skipped, and under
+//! `CI=true` it fails instead.
 
 #[path = "common/roles.rs"]
 mod roles;
@@ -45,44 +47,23 @@ fn main() {
         ("inspect_fds_classifies_every_kind", inspect_kinds),
         ("remote_fork_timing", timing),
     ];
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    if args.iter().any(|a| a == "--list") {
-        for (name, _) in cases {
-            println!("{name}: test");
-        }
-        return;
-    }
-    let filters: Vec<&String> = args.iter().filter(|a| !a.starts_with('-')).collect();
-    // SAFETY: geteuid has no arguments.
-    if unsafe { libc::geteuid() } != 0 {
-        println!("remote_fork tests need root; skipped");
-        return;
-    }
-    let mut failed = Vec::new();
-    let mut ran = 0;
-    for (name, case) in cases {
-        if !filters.is_empty() && !filters.iter().any(|f| name.contains(f.as_str())) {
-            continue;
-        }
-        ran += 1;
-        println!("test {name} ...");
-        match std::panic::catch_unwind(case) {
-            Ok(()) => println!("test {name} ... ok"),
-            Err(_) => {
-                println!("test {name} ... FAILED");
-                failed.push(*name);
-            }
-        }
-    }
-    println!(
-        "\n{} passed; {} failed ({ran} run)",
-        ran - failed.len(),
-        failed.len()
-    );
-    if !failed.is_empty() {
-        println!("failed: {failed:?}");
-        std::process::exit(1);
-    }
+    // libtest's command line (filters, --skip, --exact, --list, --ignored …)
+    // through libtest-mimic; the cases share ptrace and fork state, so they run
+    // one at a time on the main thread whatever --test-threads says.
+    let mut args = libtest_mimic::Arguments::from_args();
+    args.test_threads = Some(1);
+    let trials = cases
+        .iter()
+        .map(|&(name, case)| {
+            libtest_mimic::Trial::test(name, move || {
+                if nestbox_testkit::require_root(name) {
+                    case();
+                }
+                Ok(())
+            })
+        })
+        .collect();
+    libtest_mimic::run(&args, trials).exit();
 }
 
 fn read_line_from(fd: &std::os::fd::OwnedFd, timeout: Duration) -> String {

@@ -308,8 +308,11 @@ mod tests {
     /// parent's bytes unchanged, and maps the read ones.
     #[test]
     fn recorded_pages_are_prefetched_with_their_contents() {
-        if !nix::unistd::geteuid().is_root() {
-            eprintln!("SKIP: reading another process's pagemap flags needs root");
+        if !nestbox_testkit::require(
+            nix::unistd::geteuid().is_root(),
+            "recorded_pages_are_prefetched_with_their_contents",
+            "reading another process's pagemap flags needs root",
+        ) {
             return;
         }
         let data: Vec<u8> = (0..64 * PAGE).map(|i| (i / PAGE) as u8 ^ 0x5a).collect();

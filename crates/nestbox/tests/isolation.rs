@@ -12,6 +12,7 @@ use common::*;
 
 const EPERM: &str = "1";
 const EROFS: &str = "30";
+const ENOENT: &str = "2";
 const ENOSYS: &str = "38";
 
 /// Python that prints the errno of opening `path` for writing ("ok" if it worked).
@@ -533,8 +534,11 @@ fn masked_proc_dirs_are_empty_read_only_tmpfs() {
     let Some(root) = TestRoot::new("masked_proc_dirs_are_empty_read_only_tmpfs") else {
         return;
     };
-    if !std::path::Path::new("/proc/acpi").exists() {
-        eprintln!("SKIP masked_proc_dirs_are_empty_read_only_tmpfs: this kernel has no /proc/acpi");
+    if !nestbox_testkit::require(
+        std::path::Path::new("/proc/acpi").exists(),
+        "masked_proc_dirs_are_empty_read_only_tmpfs",
+        "this kernel has no /proc/acpi",
+    ) {
         return;
     }
     let code = "import os\nfor line in open('/proc/self/mountinfo'):\n    f = line.split()\n    if f[4] == '/proc/acpi':\n        print(f[f.index('-') + 1], f[5].split(',')[0])\nprint(len(os.listdir('/proc/acpi')))\n";
@@ -570,14 +574,17 @@ fn sysrq_trigger_is_read_only() {
     let Some(root) = TestRoot::new("sysrq_trigger_is_read_only") else {
         return;
     };
-    if !std::path::Path::new("/proc/sysrq-trigger").exists() {
-        eprintln!("SKIP sysrq_trigger_is_read_only: this kernel has no /proc/sysrq-trigger");
-        return;
-    }
-    // Opening only: never write a key to the host's sysrq trigger.
+    // A kernel built without magic SysRq has no trigger file: then the box
+    // must not have one either (nothing may stand in its place), otherwise
+    // it must be read-only. Opening only: never write a key to the trigger.
+    let expected = if std::path::Path::new("/proc/sysrq-trigger").exists() {
+        EROFS
+    } else {
+        ENOENT
+    };
     let code = "import os\ntry:\n    os.close(os.open('/proc/sysrq-trigger', os.O_WRONLY))\n    print('writable')\nexcept OSError as e:\n    print(e.errno)\n";
     let out = root.py(&[], code).ok();
-    assert_eq!(out.stdout.trim(), EROFS, "{out}");
+    assert_eq!(out.stdout.trim(), expected, "{out}");
 }
 
 #[test]

@@ -41,14 +41,11 @@ const APPLETS: &[&str] = &[
 const HELLO: &str = "hello from the image\n";
 
 fn busybox_present(test: &str) -> bool {
-    if Path::new(BUSYBOX).is_file() {
-        return true;
-    }
-    if std::env::var("CI").as_deref() == Ok("true") {
-        panic!("{test}: {BUSYBOX} missing (scripts/setup.sh installs busybox-static)");
-    }
-    eprintln!("SKIP {test}: {BUSYBOX} missing (apt-get install busybox-static)");
-    false
+    nestbox_testkit::require(
+        Path::new(BUSYBOX).is_file(),
+        test,
+        &format!("{BUSYBOX} missing (scripts/setup.sh installs busybox-static)"),
+    )
 }
 
 /// A minimal root filesystem: busybox, its applets, /etc/hello, /tmp.
@@ -891,8 +888,7 @@ fn kill_during_import_leaves_no_partial_image() {
     };
     // A tree of a few hundred MB: the host's libraries.
     let src = Path::new("/usr/lib/x86_64-linux-gnu");
-    if !src.is_dir() {
-        eprintln!("SKIP {test}: no {}", src.display());
+    if !nestbox_testkit::require(src.is_dir(), test, &format!("no {}", src.display())) {
         return;
     }
     for delay_ms in [30u64, 300, 900, 1800] {

@@ -15,14 +15,10 @@ use std::time::{Duration, Instant};
 use nestbox_net::netlink::Netlink;
 use nestbox_net::{link, netns, nft, tc, Network, NetworkConfig, Subnet};
 
-/// Whether the tests can run (they need root for namespaces and links).
+/// Whether the tests can run (they need root for namespaces and links);
+/// without root the test is skipped, which is a failure under `CI=true`.
 pub fn root() -> bool {
-    if nix::unistd::geteuid().is_root() {
-        true
-    } else {
-        eprintln!("skipped: networking tests need root");
-        false
-    }
+    nestbox_testkit::require_root("networking test")
 }
 
 /// A network for one test: bridge `nbt<tag>-<pid>`, subnet `10.231.<tag>.0/24`

@@ -83,24 +83,7 @@ impl std::fmt::Display for Out {
     }
 }
 
-/// Whether the tests run as root.
-pub fn is_root() -> bool {
-    // SAFETY: geteuid has no preconditions and cannot fail.
-    unsafe { libc::geteuid() == 0 }
-}
-
-/// True if the test may go on. Without root the test is skipped with a message,
-/// except under CI (`CI=true`), which runs as root: there a skip is a failure.
-pub fn require_root(test: &str) -> bool {
-    if is_root() {
-        return true;
-    }
-    if std::env::var("CI").as_deref() == Ok("true") {
-        panic!("{test}: needs root (creates cgroups and mounts), and CI=true must run the tests as root");
-    }
-    eprintln!("SKIP {test}: needs root (creates cgroups and mounts)");
-    false
-}
+pub use nestbox_testkit::require_root;
 
 /// Poll `cond` until it holds or `limit` passes; whether it held.
 pub fn wait_until(limit: Duration, mut cond: impl FnMut() -> bool) -> bool {
