@@ -15,11 +15,14 @@ pub const DEVICES: &[&str] = &["null", "zero", "full", "random", "urandom", "tty
 
 /// Populate `dev` (the box's `/dev` mount point, seen from the host side).
 pub fn populate(dev: &Path, userns: bool) -> Result<()> {
+    // nodev: box root keeps CAP_MKNOD, and a node it makes here (a host disk,
+    // say) must not open. The bound nodes below are mounts of their own and
+    // keep working.
     mounts::mount_fs(
         "tmpfs",
         dev,
         "tmpfs",
-        MsFlags::MS_NOSUID | MsFlags::MS_NOEXEC,
+        MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC,
         Some("mode=755,size=65536k"),
     )?;
     for name in DEVICES {

@@ -36,6 +36,68 @@ pub fn remount_read_only(target: &Path) -> Result<()> {
         .map_err(|e| IsolationError::at("remount read-only", target, e))
 }
 
+/// Add `extra` (e.g. nosuid, nodev, read-only) to the mount at `target` and to
+/// every mount below it, keeping each one's other flags. A recursive bind brings
+/// the source's submounts along with their own flags, and a bind remount
+/// changes one mount only, so each is remounted in turn (parents first).
+pub fn restrict_tree(target: &Path, extra: MsFlags) -> Result<()> {
+    let info = std::fs::read_to_string("/proc/self/mountinfo")
+        .map_err(|e| IsolationError::io("read", Path::new("/proc/self/mountinfo"), e))?;
+    for mount_point in mounts_at_or_below(&info, target) {
+        let current = statvfs_flags(&mount_point)?;
+        let flags = MsFlags::MS_REMOUNT | MsFlags::MS_BIND | current | extra;
+        mount(
+            None::<&str>,
+            &mount_point,
+            None::<&str>,
+            flags,
+            None::<&str>,
+        )
+        .map_err(|e| IsolationError::at("restrict mount", &mount_point, e))?;
+    }
+    Ok(())
+}
+
+/// Mount points in `mountinfo` equal to `target` or below it, in mount order.
+fn mounts_at_or_below(mountinfo: &str, target: &Path) -> Vec<std::path::PathBuf> {
+    let mut seen = Vec::new();
+    for line in mountinfo.lines() {
+        let Some(field) = line.split(' ').nth(4) else {
+            continue;
+        };
+        let path = std::path::PathBuf::from(unescape_octal(field));
+        if path.starts_with(target) && !seen.contains(&path) {
+            seen.push(path);
+        }
+    }
+    seen
+}
+
+/// Undo mountinfo's octal escapes (`\040` for a space, `\011`, `\012`, `\134`).
+fn unescape_octal(field: &str) -> String {
+    let bytes = field.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        if bytes[i] == b'\\'
+            && i + 3 < bytes.len()
+            && bytes[i + 1..i + 4]
+                .iter()
+                .all(|b| (b'0'..=b'7').contains(b))
+        {
+            let value = bytes[i + 1..i + 4]
+                .iter()
+                .fold(0u32, |acc, b| acc * 8 + u32::from(b - b'0'));
+            out.push(value as u8);
+            i += 4;
+        } else {
+            out.push(bytes[i]);
+            i += 1;
+        }
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
 /// The mount flags that must be preserved on a bind remount (locked in a user namespace).
 fn statvfs_flags(target: &Path) -> Result<MsFlags> {
     use nix::sys::statvfs::{statvfs, FsFlags};
@@ -112,6 +174,24 @@ pub fn overlay_options(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn mounts_below_a_target_are_found_unescaped_and_in_order() {
+        let info = "1 0 0:1 / / rw - ext4 /dev/vda rw\n\
+                    2 1 0:2 / /box/vol rw - ext4 /dev/vda rw\n\
+                    3 2 0:3 / /box/vol/a\\040b rw - tmpfs t rw\n\
+                    4 1 0:4 / /box/volume2 rw - tmpfs t rw\n\
+                    5 2 0:5 / /box/vol rw - tmpfs t rw\n";
+        assert_eq!(
+            mounts_at_or_below(info, Path::new("/box/vol")),
+            [
+                std::path::PathBuf::from("/box/vol"),
+                std::path::PathBuf::from("/box/vol/a b")
+            ]
+        );
+        assert_eq!(unescape_octal("a\\134b\\011"), "a\\b\t");
+        assert_eq!(unescape_octal("tail\\04"), "tail\\04");
+    }
 
     #[test]
     fn overlay_options_are_well_formed() {

@@ -89,9 +89,13 @@ pub fn assemble(plan: &RootfsPlan) -> Result<()> {
         let target = secure_join(root, &vol.target)?;
         make_mountpoint(&target, vol.source.is_dir())?;
         mounts::bind(&vol.source, &target, true)?;
+        // A volume is a writable filesystem of the box like any other: no
+        // device node or set-id bit made on it (or on a mount under it) works.
+        let mut restrict = MsFlags::MS_NOSUID | MsFlags::MS_NODEV;
         if vol.read_only {
-            mounts::remount_read_only(&target)?;
+            restrict |= MsFlags::MS_RDONLY;
         }
+        mounts::restrict_tree(&target, restrict)?;
     }
     for path in &plan.tmpfs {
         let target = secure_join(root, path)?;
