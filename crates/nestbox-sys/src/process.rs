@@ -99,6 +99,24 @@ pub fn waitpid_raw(pid: i32, flags: libc::c_int) -> Result<Option<libc::c_int>> 
     }
 }
 
+/// The robust futex list of process `pid` (`get_robust_list(2)`): (head
+/// address, length), both in `pid`'s address space. Needs ptrace rights over it.
+pub fn robust_list(pid: i32) -> Result<(u64, u64)> {
+    let mut head: u64 = 0;
+    let mut len: u64 = 0;
+    // SAFETY: head and len are valid out-pointers for a pointer and a size_t
+    // (both 8 bytes on the 64-bit targets nestbox builds for).
+    let rc = unsafe {
+        libc::syscall(
+            libc::SYS_get_robust_list,
+            pid,
+            std::ptr::addr_of_mut!(head),
+            std::ptr::addr_of_mut!(len),
+        )
+    };
+    Errno::result(rc).map(|_| (head, len))
+}
+
 /// End the calling process at once with `code` (`_exit(2)`): no exit
 /// handlers, no buffered-output flush, no destructors, which is what a forked
 /// child must do so it does not run its parent's a second time.
