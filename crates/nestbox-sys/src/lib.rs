@@ -10,7 +10,9 @@
 //! Policy (what to mount where, which namespaces a box gets) stays with the
 //! callers; this crate only makes the calls.
 
+pub mod bpf;
 pub mod fd;
+pub mod link;
 pub mod mount;
 pub mod ns;
 pub mod pidfd;
