@@ -135,7 +135,7 @@ mod tests {
         let keep = std::fs::File::open("/dev/null").unwrap();
         // SAFETY: the range is empty.
         unsafe { close_range(10, 9) }.unwrap();
-        assert!(unsafe_is_open(keep.as_raw_fd()));
+        assert!(is_open(keep.as_raw_fd()));
     }
 
     #[test]
@@ -143,7 +143,7 @@ mod tests {
         assert!(fd_limit() >= 2);
     }
 
-    fn unsafe_is_open(fd: RawFd) -> bool {
+    fn is_open(fd: RawFd) -> bool {
         // SAFETY: F_GETFD takes an integer and reads only the descriptor's flags.
         unsafe { libc::fcntl(fd, libc::F_GETFD) >= 0 }
     }
