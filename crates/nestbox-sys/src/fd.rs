@@ -45,16 +45,25 @@ pub unsafe fn close_range(first: u32, last: u32) -> Result<()> {
         return Ok(());
     }
     match raw_close_range(first, last, 0) {
-        Err(Errno::ENOSYS | Errno::EINVAL) => {
-            for fd in first..=last.min(fd_limit()) {
-                // SAFETY: the caller guarantees no live object owns a descriptor in
-                // the range; close on a number that is not open fails with EBADF.
-                unsafe { libc::close(fd as RawFd) };
-            }
-            Ok(())
-        }
+        // SAFETY: the caller upholds the same condition for the same range.
+        Err(Errno::ENOSYS | Errno::EINVAL) => unsafe { close_each(first, last) },
         other => other,
     }
+}
+
+/// The fallback of [`close_range`]: `close(2)` on every number of the range
+/// up to [`fd_limit`].
+///
+/// # Safety
+/// As for [`close_range`].
+unsafe fn close_each(first: u32, last: u32) -> Result<()> {
+    for fd in first..=last.min(fd_limit()) {
+        // SAFETY: the caller guarantees no live object owns a descriptor in the
+        // range; close on a number that is not open fails with EBADF, and any
+        // other failure of close still frees the number (Linux).
+        unsafe { libc::close(fd as RawFd) };
+    }
+    Ok(())
 }
 
 /// Mark every descriptor of this process numbered `first..=last` close-on-exec
@@ -66,19 +75,23 @@ pub fn set_cloexec_range(first: u32, last: u32) -> Result<()> {
         return Ok(());
     }
     match raw_close_range(first, last, CLOSE_RANGE_CLOEXEC) {
-        Err(Errno::ENOSYS | Errno::EINVAL) => {
-            for fd in first..=last.min(fd_limit()) {
-                // SAFETY: F_SETFD takes an integer and only changes the
-                // close-on-exec flag of the descriptor (EBADF when not open).
-                let rc = unsafe { libc::fcntl(fd as RawFd, libc::F_SETFD, libc::FD_CLOEXEC) };
-                if rc < 0 && Errno::last() != Errno::EBADF {
-                    return Err(Errno::last());
-                }
-            }
-            Ok(())
-        }
+        Err(Errno::ENOSYS | Errno::EINVAL) => cloexec_each(first, last),
         other => other,
     }
+}
+
+/// The fallback of [`set_cloexec_range`]: `fcntl(F_SETFD, FD_CLOEXEC)` on every
+/// number of the range up to [`fd_limit`].
+fn cloexec_each(first: u32, last: u32) -> Result<()> {
+    for fd in first..=last.min(fd_limit()) {
+        // SAFETY: F_SETFD takes an integer and only changes the close-on-exec
+        // flag of the descriptor (EBADF when not open).
+        let rc = unsafe { libc::fcntl(fd as RawFd, libc::F_SETFD, libc::FD_CLOEXEC) };
+        if rc < 0 && Errno::last() != Errno::EBADF {
+            return Err(Errno::last());
+        }
+    }
+    Ok(())
 }
 
 fn raw_close_range(first: u32, last: u32, flags: libc::c_uint) -> Result<()> {
@@ -136,6 +149,31 @@ mod tests {
         // SAFETY: the range is empty.
         unsafe { close_range(10, 9) }.unwrap();
         assert!(is_open(keep.as_raw_fd()));
+    }
+
+    /// The one-by-one fallbacks (what an old kernel gets) on a few descriptors
+    /// released from their owners, with a gap in the range.
+    #[test]
+    fn fallbacks_mark_and_close_each_descriptor() {
+        let fds: Vec<RawFd> = (0..3)
+            .map(|_| std::fs::File::open("/dev/null").unwrap().into_raw_fd())
+            .collect();
+        let (lo, hi) = (*fds.iter().min().unwrap(), *fds.iter().max().unwrap());
+        cloexec_each(lo as u32, hi as u32 + 2).unwrap();
+        for &fd in &fds {
+            // SAFETY: F_GETFD on a descriptor we own.
+            assert_eq!(
+                unsafe { libc::fcntl(fd, libc::F_GETFD) } & libc::FD_CLOEXEC,
+                libc::FD_CLOEXEC
+            );
+        }
+        // The test harness's other threads may open descriptors meanwhile: close
+        // only ours, each as a range of one.
+        for &fd in &fds {
+            // SAFETY: `fd` was released from its File; nothing else owns it.
+            unsafe { close_each(fd as u32, fd as u32) }.unwrap();
+            assert!(!is_open(fd));
+        }
     }
 
     #[test]
