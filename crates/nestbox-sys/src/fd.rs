@@ -162,10 +162,8 @@ mod tests {
         cloexec_each(lo as u32, hi as u32 + 2).unwrap();
         for &fd in &fds {
             // SAFETY: F_GETFD on a descriptor we own.
-            assert_eq!(
-                unsafe { libc::fcntl(fd, libc::F_GETFD) } & libc::FD_CLOEXEC,
-                libc::FD_CLOEXEC
-            );
+            let flags = unsafe { libc::fcntl(fd, libc::F_GETFD) };
+            assert_eq!(flags & libc::FD_CLOEXEC, libc::FD_CLOEXEC);
         }
         // The test harness's other threads may open descriptors meanwhile: close
         // only ours, each as a range of one.
