@@ -6,7 +6,7 @@ use std::fs;
 use std::os::unix::fs::symlink;
 use std::path::Path;
 
-use nix::mount::MsFlags;
+use nestbox_sys::mount::MsFlags;
 
 use crate::{mounts, IsolationError, Result};
 

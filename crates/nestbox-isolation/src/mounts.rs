@@ -1,8 +1,9 @@
-//! Mount primitives with errors that name the mount and its target.
+//! Mount primitives with errors that name the mount and its target. The calls
+//! themselves are made by [`nestbox_sys::mount`]; this module adds the context.
 
 use std::path::Path;
 
-use nix::mount::{mount, umount2, MntFlags, MsFlags};
+use nestbox_sys::mount::{self as sys, MsFlags};
 
 use crate::{IsolationError, Result};
 
@@ -14,25 +15,20 @@ pub fn mount_fs(
     flags: MsFlags,
     data: Option<&str>,
 ) -> Result<()> {
-    mount(Some(source), target, Some(fstype), flags, data)
+    sys::mount_fs(source, target, fstype, flags, data)
         .map_err(|e| IsolationError::at(format!("mount {fstype}"), target, e))
 }
 
 /// Bind-mount `source` on `target` (recursively when `recursive`).
 pub fn bind(source: &Path, target: &Path, recursive: bool) -> Result<()> {
-    let mut flags = MsFlags::MS_BIND;
-    if recursive {
-        flags |= MsFlags::MS_REC;
-    }
-    mount(Some(source), target, None::<&str>, flags, None::<&str>)
+    sys::bind(source, target, recursive)
         .map_err(|e| IsolationError::at(format!("bind {}", source.display()), target, e))
 }
 
 /// Make the mount at `target` read-only, keeping its other flags (nosuid, nodev…).
 pub fn remount_read_only(target: &Path) -> Result<()> {
     let current = statvfs_flags(target)?;
-    let flags = MsFlags::MS_REMOUNT | MsFlags::MS_BIND | MsFlags::MS_RDONLY | current;
-    mount(None::<&str>, target, None::<&str>, flags, None::<&str>)
+    sys::remount_read_only(target, current)
         .map_err(|e| IsolationError::at("remount read-only", target, e))
 }
 
@@ -45,15 +41,8 @@ pub fn restrict_tree(target: &Path, extra: MsFlags) -> Result<()> {
         .map_err(|e| IsolationError::io("read", Path::new("/proc/self/mountinfo"), e))?;
     for mount_point in mounts_at_or_below(&info, target) {
         let current = statvfs_flags(&mount_point)?;
-        let flags = MsFlags::MS_REMOUNT | MsFlags::MS_BIND | current | extra;
-        mount(
-            None::<&str>,
-            &mount_point,
-            None::<&str>,
-            flags,
-            None::<&str>,
-        )
-        .map_err(|e| IsolationError::at("restrict mount", &mount_point, e))?;
+        sys::remount_bind(&mount_point, current | extra)
+            .map_err(|e| IsolationError::at("restrict mount", &mount_point, e))?;
     }
     Ok(())
 }
@@ -121,19 +110,12 @@ fn statvfs_flags(target: &Path) -> Result<MsFlags> {
 
 /// Stop mount events from propagating between the box and the host.
 pub fn make_private_recursive(path: &Path) -> Result<()> {
-    mount(
-        None::<&str>,
-        path,
-        None::<&str>,
-        MsFlags::MS_REC | MsFlags::MS_PRIVATE,
-        None::<&str>,
-    )
-    .map_err(|e| IsolationError::at("make mount private", path, e))
+    sys::make_private_recursive(path).map_err(|e| IsolationError::at("make mount private", path, e))
 }
 
 /// Lazily detach the mount at `target`.
 pub fn detach(target: &Path) -> Result<()> {
-    umount2(target, MntFlags::MNT_DETACH).map_err(|e| IsolationError::at("umount", target, e))
+    sys::detach(target).map_err(|e| IsolationError::at("umount", target, e))
 }
 
 /// Overlay mount options for `lowers` (topmost first) and an optional writable layer.

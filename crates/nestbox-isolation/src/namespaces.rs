@@ -1,10 +1,10 @@
 //! Namespaces: creating a child in new ones, and joining those of a running box.
 
 use std::fs::File;
-use std::os::fd::{AsFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsFd, OwnedFd};
 
-use nix::errno::Errno;
-use nix::sched::{setns, CloneFlags};
+use nestbox_sys::ns::Namespace;
+use nix::sched::CloneFlags;
 use nix::unistd::Pid;
 
 use crate::{IsolationError, Result};
@@ -18,94 +18,59 @@ pub const BOX_NAMESPACES: CloneFlags = CloneFlags::CLONE_NEWPID
     .union(CloneFlags::CLONE_NEWIPC)
     .union(CloneFlags::CLONE_NEWNET);
 
-/// What a fork in new namespaces returned, like `fork(2)`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Forked {
-    /// In the parent, with the child's pid (as seen from the parent).
-    Parent(Pid),
-    /// In the child.
-    Child,
-}
+pub use nestbox_sys::process::Forked;
 
 /// Fork the calling process into new namespaces (`clone(2)` with no new stack, so
 /// it behaves like `fork(2)`). With `CLONE_NEWPID` the child is pid 1 of its pid
-/// namespace.
+/// namespace. See [`nestbox_sys::process::fork_into`].
 ///
-/// The caller must be single-threaded, as for `fork`.
-pub fn fork_into(flags: CloneFlags) -> Result<Forked> {
-    let raw = flags.bits() as libc::c_ulong | libc::SIGCHLD as libc::c_ulong;
-    // SAFETY: clone with a null stack and no CLONE_VM/CLONE_SETTLS duplicates the
-    // address space exactly like fork(2); the caller is single-threaded (documented
-    // contract), so no lock can be held by another thread in the child.
-    let ret = unsafe { libc::syscall(libc::SYS_clone, raw, 0usize, 0usize, 0usize, 0usize) };
-    match ret {
-        -1 => Err(IsolationError::call(
-            format!("clone({flags:?})"),
-            Errno::last(),
-        )),
-        0 => Ok(Forked::Child),
-        pid => Ok(Forked::Parent(Pid::from_raw(pid as i32))),
-    }
+/// # Safety
+/// As for `fork(2)`: the caller is single-threaded, and until it `exec`s or
+/// `_exit`s the child only does what is async-signal-safe; `flags` holds only
+/// `CLONE_NEW*` (and `CLONE_PARENT`) flags, never `CLONE_VM`/`CLONE_SETTLS`.
+pub unsafe fn fork_into(flags: CloneFlags) -> Result<Forked> {
+    // SAFETY: the caller upholds the conditions of this function, which are those
+    // of nestbox_sys::process::fork_into.
+    unsafe { nestbox_sys::process::fork_into(flags) }
+        .map_err(|e| IsolationError::call(format!("clone({flags:?})"), e))
 }
 
 /// [`fork_into`], also returning (in the parent) a pidfd of the child
 /// (`CLONE_PIDFD`): the way to name the child when it was created in a pid
 /// namespace other than the one the caller's `/proc` shows.
-pub fn fork_into_with_pidfd(flags: CloneFlags) -> Result<(Forked, Option<OwnedFd>)> {
-    let raw = flags.bits() as libc::c_ulong
-        | libc::CLONE_PIDFD as libc::c_ulong
-        | libc::SIGCHLD as libc::c_ulong;
-    let mut pidfd: libc::c_int = -1;
-    // SAFETY: as in fork_into (no new stack, no CLONE_VM: fork semantics, single-
-    // threaded caller); with CLONE_PIDFD the kernel stores the child's pidfd in
-    // `pidfd`, a live local passed as the parent-tid pointer.
-    let ret = unsafe {
-        libc::syscall(
-            libc::SYS_clone,
-            raw,
-            0usize,
-            &mut pidfd as *mut libc::c_int,
-            0usize,
-            0usize,
-        )
-    };
-    match ret {
-        -1 => Err(IsolationError::call(
-            format!("clone({flags:?} | CLONE_PIDFD)"),
-            Errno::last(),
-        )),
-        0 => Ok((Forked::Child, None)),
-        pid => {
-            // SAFETY: the kernel just created this descriptor for the caller.
-            let fd = (pidfd >= 0).then(|| unsafe { OwnedFd::from_raw_fd(pidfd) });
-            Ok((Forked::Parent(Pid::from_raw(pid as i32)), fd))
-        }
-    }
+///
+/// # Safety
+/// As for [`fork_into`].
+pub unsafe fn fork_into_with_pidfd(flags: CloneFlags) -> Result<(Forked, Option<OwnedFd>)> {
+    // SAFETY: as in fork_into (conditions upheld by the caller).
+    unsafe { nestbox_sys::process::fork_into_with_pidfd(flags) }
+        .map_err(|e| IsolationError::call(format!("clone({flags:?} | CLONE_PIDFD)"), e))
 }
 
 /// Namespace kinds in the order they must be joined: the user namespace first (it
 /// grants the rights for the others), the mount namespace last (it changes root).
-pub const JOIN_ORDER: &[(&str, CloneFlags)] = &[
-    ("user", CloneFlags::CLONE_NEWUSER),
-    ("ipc", CloneFlags::CLONE_NEWIPC),
-    ("uts", CloneFlags::CLONE_NEWUTS),
-    ("net", CloneFlags::CLONE_NEWNET),
-    ("pid", CloneFlags::CLONE_NEWPID),
-    ("cgroup", CloneFlags::CLONE_NEWCGROUP),
-    ("mnt", CloneFlags::CLONE_NEWNS),
+pub const JOIN_ORDER: &[Namespace] = &[
+    Namespace::User,
+    Namespace::Ipc,
+    Namespace::Uts,
+    Namespace::Net,
+    Namespace::Pid,
+    Namespace::Cgroup,
+    Namespace::Mnt,
 ];
 
 /// Open handles on the namespaces of a process, ready to be joined.
 #[derive(Debug)]
 pub struct NamespaceHandles {
-    handles: Vec<(&'static str, CloneFlags, File)>,
+    handles: Vec<(Namespace, File)>,
 }
 
 impl NamespaceHandles {
     /// Open every namespace of `pid` that differs from the caller's own.
     pub fn open(pid: Pid) -> Result<Self> {
         let mut handles = Vec::new();
-        for (name, flag) in JOIN_ORDER {
+        for &kind in JOIN_ORDER {
+            let name = kind.name();
             let theirs = format!("/proc/{pid}/ns/{name}");
             let ours = format!("/proc/self/ns/{name}");
             let same = match (std::fs::metadata(&theirs), std::fs::metadata(&ours)) {
@@ -121,22 +86,22 @@ impl NamespaceHandles {
             }
             let file = File::open(&theirs)
                 .map_err(|e| IsolationError::io("open namespace", &theirs, e))?;
-            handles.push((*name, *flag, file));
+            handles.push((kind, file));
         }
         Ok(NamespaceHandles { handles })
     }
 
     /// Whether the target is in a user namespace other than the caller's.
     pub fn has_user(&self) -> bool {
-        self.handles.iter().any(|(n, _, _)| *n == "user")
+        self.handles.iter().any(|(n, _)| *n == Namespace::User)
     }
 
     /// Join all of them, in [`JOIN_ORDER`]. Joining a pid namespace only affects
     /// children forked afterwards.
     pub fn join(&self) -> Result<()> {
-        for (name, flag, file) in &self.handles {
-            setns(file.as_fd(), *flag)
-                .map_err(|e| IsolationError::call(format!("setns({name})"), e))?;
+        for (kind, file) in &self.handles {
+            nestbox_sys::ns::enter(file.as_fd(), *kind)
+                .map_err(|e| IsolationError::call(format!("setns({})", kind.name()), e))?;
         }
         Ok(())
     }

@@ -1,9 +1,8 @@
 //! The network of a box with no network interfaces of its own: just loopback,
 //! brought up in the new network namespace.
 
-use std::os::fd::AsRawFd;
+use std::os::fd::AsFd;
 
-use nix::errno::Errno;
 use nix::sys::socket::{socket, AddressFamily, SockFlag, SockType};
 
 use crate::{IsolationError, Result};
@@ -17,33 +16,15 @@ pub fn loopback_up() -> Result<()> {
         None,
     )
     .map_err(|e| IsolationError::call("socket for interface ioctl", e))?;
-    // SAFETY: ifreq is plain old data; all-zero is a valid value.
-    let mut req: libc::ifreq = unsafe { std::mem::zeroed() };
-    for (dst, src) in req.ifr_name.iter_mut().zip(b"lo\0") {
-        *dst = *src as libc::c_char;
-    }
-    // SAFETY: SIOCGIFFLAGS reads into the ifreq we own, on a socket we own.
-    if unsafe { libc::ioctl(sock.as_raw_fd(), libc::SIOCGIFFLAGS, &mut req) } < 0 {
-        return Err(IsolationError::call(
-            "ioctl(SIOCGIFFLAGS lo)",
-            Errno::last(),
-        ));
-    }
+    let flags = nestbox_sys::link::flags(sock.as_fd(), "lo")
+        .map_err(|e| IsolationError::call("ioctl(SIOCGIFFLAGS lo)", e))?;
     // A namespace made ahead of time (the network pool) has it up already:
     // setting the flags takes the kernel's RTNL lock, which namespaces being
     // made or destroyed meanwhile may hold for a while; reading them does not.
-    // SAFETY: the flags member of the union is the one SIOCGIFFLAGS filled in.
-    if unsafe { req.ifr_ifru.ifru_flags } & libc::IFF_UP as libc::c_short != 0 {
+    if flags & libc::IFF_UP as libc::c_short != 0 {
         return Ok(());
     }
-    // SAFETY: as above.
-    unsafe { req.ifr_ifru.ifru_flags |= (libc::IFF_UP | libc::IFF_RUNNING) as libc::c_short };
-    // SAFETY: SIOCSIFFLAGS reads the ifreq we own.
-    if unsafe { libc::ioctl(sock.as_raw_fd(), libc::SIOCSIFFLAGS, &req) } < 0 {
-        return Err(IsolationError::call(
-            "ioctl(SIOCSIFFLAGS lo up)",
-            Errno::last(),
-        ));
-    }
-    Ok(())
+    let up = flags | (libc::IFF_UP | libc::IFF_RUNNING) as libc::c_short;
+    nestbox_sys::link::set_flags(sock.as_fd(), "lo", up)
+        .map_err(|e| IsolationError::call("ioctl(SIOCSIFFLAGS lo up)", e))
 }

@@ -4,7 +4,7 @@
 
 use std::path::Path;
 
-use nix::mount::MsFlags;
+use nestbox_sys::mount::MsFlags;
 
 use crate::{mounts, Result};
 

@@ -9,8 +9,8 @@ use std::fs;
 use std::os::unix::fs::{DirBuilderExt, MetadataExt};
 use std::path::{Component, Path, PathBuf};
 
-use nix::mount::MsFlags;
-use nix::unistd::{chdir, pivot_root};
+use nestbox_sys::mount::MsFlags;
+use nix::unistd::chdir;
 
 use crate::{dev, mounts, procfs, IsolationError, Result};
 
@@ -123,7 +123,8 @@ pub fn pivot_into(root: &Path) -> Result<()> {
     chdir(root).map_err(|e| IsolationError::at("chdir", root, e))?;
     // pivot_root(".", ".") stacks the old root on top of the new one at "/";
     // detaching "." afterwards removes it without needing a put_old directory.
-    pivot_root(".", ".").map_err(|e| IsolationError::at("pivot_root", root, e))?;
+    nestbox_sys::mount::pivot_root(Path::new("."), Path::new("."))
+        .map_err(|e| IsolationError::at("pivot_root", root, e))?;
     mounts::detach(Path::new("."))?;
     chdir("/").map_err(|e| IsolationError::at("chdir", "/", e))?;
     Ok(())

@@ -13,7 +13,7 @@
 //! lives as long as a program refers to it, so a network keeps its map's id in
 //! a file and makes a new map (filled from its state) when the old one is gone.
 
-use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
 
 use crate::error::{NetError, Result};
 
@@ -36,7 +36,7 @@ const TC_ACT_UNSPEC: i32 = -1;
 const SKB_DATA: i16 = 76;
 const SKB_DATA_END: i16 = 80;
 /// Size of `union bpf_attr` passed (larger than every command's part we use).
-const ATTR_SIZE: usize = 128;
+const ATTR_SIZE: usize = nestbox_sys::bpf::ATTR_SIZE;
 /// Key and value sizes of the map: an IPv4 address (network order); the host
 /// veth's index and [`Target`] flags.
 const KEY_SIZE: u32 = 4;
@@ -54,19 +54,30 @@ pub struct Target {
     pub peer: bool,
 }
 
-fn sys_bpf(cmd: libc::c_long, attr: &mut [u8; ATTR_SIZE], what: &str) -> Result<i64> {
-    // SAFETY: `attr` is a zero-initialised buffer of ATTR_SIZE bytes laid out
-    // as the kernel's `union bpf_attr` for `cmd`; every pointer stored in it by
-    // the callers points to memory that outlives this call. The kernel reads
-    // (and for some commands writes) only within the size passed.
-    let r = unsafe { libc::syscall(libc::SYS_bpf, cmd, attr.as_mut_ptr(), ATTR_SIZE) };
-    if r < 0 {
-        return Err(NetError::Sys {
-            call: what.to_string(),
-            source: std::io::Error::last_os_error(),
-        });
+fn sys_err(what: &str) -> impl FnOnce(nix::errno::Errno) -> NetError + '_ {
+    move |e| NetError::Sys {
+        call: what.to_string(),
+        source: e.into(),
     }
-    Ok(r)
+}
+
+/// `bpf(cmd, attr)`, its error naming `what`.
+///
+/// # Safety
+/// As for [`nestbox_sys::bpf::bpf`]: every pointer stored in `attr` points to
+/// live memory of the size `cmd` uses there.
+unsafe fn sys_bpf(cmd: libc::c_long, attr: &mut [u8; ATTR_SIZE], what: &str) -> Result<i64> {
+    // SAFETY: the caller upholds the conditions of nestbox_sys::bpf::bpf.
+    unsafe { nestbox_sys::bpf::bpf(cmd, attr) }.map_err(sys_err(what))
+}
+
+/// [`sys_bpf`] for a command that returns a new descriptor.
+///
+/// # Safety
+/// As for [`sys_bpf`]; `cmd` returns a new descriptor.
+unsafe fn sys_bpf_fd(cmd: libc::c_long, attr: &mut [u8; ATTR_SIZE], what: &str) -> Result<OwnedFd> {
+    // SAFETY: the caller upholds the conditions of nestbox_sys::bpf::bpf_fd.
+    unsafe { nestbox_sys::bpf::bpf_fd(cmd, attr) }.map_err(sys_err(what))
 }
 
 fn put_u32(attr: &mut [u8; ATTR_SIZE], off: usize, v: u32) {
@@ -80,16 +91,6 @@ fn put_u64(attr: &mut [u8; ATTR_SIZE], off: usize, v: u64) {
 fn put_name(attr: &mut [u8; ATTR_SIZE], off: usize, name: &str) {
     let n = name.len().min(15);
     attr[off..off + n].copy_from_slice(&name.as_bytes()[..n]);
-}
-
-fn owned(fd: i64, what: &str) -> Result<OwnedFd> {
-    let fd = i32::try_from(fd).map_err(|_| NetError::Sys {
-        call: what.to_string(),
-        source: std::io::Error::from_raw_os_error(libc::EBADF),
-    })?;
-    // SAFETY: the kernel just returned `fd` as a new descriptor that nothing
-    // else owns.
-    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
 }
 
 /// A BPF object name for network `bridge` (at most 15 characters of
@@ -118,7 +119,9 @@ pub fn create_map(name: &str, max: u32) -> Result<OwnedFd> {
     put_u32(&mut attr, 16, BPF_F_NO_PREALLOC);
     put_name(&mut attr, 28, name);
     let what = format!("bpf(BPF_MAP_CREATE {name})");
-    owned(sys_bpf(BPF_MAP_CREATE, &mut attr, &what)?, &what)
+    // SAFETY: the attribute holds integers and a name only; MAP_CREATE returns
+    // a new descriptor.
+    unsafe { sys_bpf_fd(BPF_MAP_CREATE, &mut attr, &what) }
 }
 
 /// The shortcut map with id `id`, if it still exists and is one (a hash map
@@ -126,12 +129,10 @@ pub fn create_map(name: &str, max: u32) -> Result<OwnedFd> {
 pub fn open_map(id: u32, name: &str) -> Result<Option<OwnedFd>> {
     let mut attr = [0u8; ATTR_SIZE];
     put_u32(&mut attr, 0, id);
-    let fd = match sys_bpf(
-        BPF_MAP_GET_FD_BY_ID,
-        &mut attr,
-        &format!("bpf(BPF_MAP_GET_FD_BY_ID {id})"),
-    ) {
-        Ok(fd) => owned(fd, "bpf(BPF_MAP_GET_FD_BY_ID)")?,
+    let what = format!("bpf(BPF_MAP_GET_FD_BY_ID {id})");
+    // SAFETY: the attribute holds an id only; GET_FD_BY_ID returns a new descriptor.
+    let fd = match unsafe { sys_bpf_fd(BPF_MAP_GET_FD_BY_ID, &mut attr, &what) } {
+        Ok(fd) => fd,
         Err(e) if e.errno() == Some(libc::ENOENT) => return Ok(None),
         Err(e) => return Err(e),
     };
@@ -159,11 +160,15 @@ fn map_info(map: BorrowedFd<'_>, what: &str) -> Result<[u8; 64]> {
     put_u32(&mut attr, 0, map.as_raw_fd() as u32);
     put_u32(&mut attr, 4, info.len() as u32);
     put_u64(&mut attr, 8, info.as_mut_ptr() as u64);
-    sys_bpf(
-        BPF_OBJ_GET_INFO_BY_FD,
-        &mut attr,
-        &format!("bpf(BPF_OBJ_GET_INFO_BY_FD {what})"),
-    )?;
+    // SAFETY: the one pointer is to `info`, a live local of the length given
+    // at offset 4, which the kernel writes at most.
+    unsafe {
+        sys_bpf(
+            BPF_OBJ_GET_INFO_BY_FD,
+            &mut attr,
+            &format!("bpf(BPF_OBJ_GET_INFO_BY_FD {what})"),
+        )
+    }?;
     Ok(info)
 }
 
@@ -178,11 +183,15 @@ pub fn map_set(map: BorrowedFd<'_>, addr: std::net::Ipv4Addr, target: Target) ->
     put_u32(&mut attr, 0, map.as_raw_fd() as u32);
     put_u64(&mut attr, 8, key.as_ptr() as u64);
     put_u64(&mut attr, 16, value.as_ptr() as u64);
-    sys_bpf(
-        BPF_MAP_UPDATE_ELEM,
-        &mut attr,
-        &format!("bpf(BPF_MAP_UPDATE_ELEM {addr})"),
-    )?;
+    // SAFETY: the pointers are to `key` and `value`, live locals of the map's
+    // key and value sizes, which the kernel only reads.
+    unsafe {
+        sys_bpf(
+            BPF_MAP_UPDATE_ELEM,
+            &mut attr,
+            &format!("bpf(BPF_MAP_UPDATE_ELEM {addr})"),
+        )
+    }?;
     Ok(())
 }
 
@@ -192,11 +201,15 @@ pub fn map_remove(map: BorrowedFd<'_>, addr: std::net::Ipv4Addr) -> Result<bool>
     let mut attr = [0u8; ATTR_SIZE];
     put_u32(&mut attr, 0, map.as_raw_fd() as u32);
     put_u64(&mut attr, 8, key.as_ptr() as u64);
-    match sys_bpf(
-        BPF_MAP_DELETE_ELEM,
-        &mut attr,
-        &format!("bpf(BPF_MAP_DELETE_ELEM {addr})"),
-    ) {
+    // SAFETY: the one pointer is to `key`, a live local of the map's key size,
+    // which the kernel only reads.
+    match unsafe {
+        sys_bpf(
+            BPF_MAP_DELETE_ELEM,
+            &mut attr,
+            &format!("bpf(BPF_MAP_DELETE_ELEM {addr})"),
+        )
+    } {
         Ok(_) => Ok(true),
         Err(e) if e.errno() == Some(libc::ENOENT) => Ok(false),
         Err(e) => Err(e),
@@ -284,10 +297,13 @@ pub fn load_program(map: BorrowedFd<'_>, name: &str) -> Result<OwnedFd> {
             put_u64(&mut attr, 32, log.as_mut_ptr() as u64);
         }
         put_name(&mut attr, 48, name);
-        sys_bpf(BPF_PROG_LOAD, &mut attr, &what)
+        // SAFETY: the pointers are to `code` and `license` (read by the kernel,
+        // lengths given) and to `log` (written within the length given), all
+        // alive for the call; PROG_LOAD returns a new descriptor.
+        unsafe { sys_bpf_fd(BPF_PROG_LOAD, &mut attr, &what) }
     };
     match load(None) {
-        Ok(fd) => owned(fd, &what),
+        Ok(fd) => Ok(fd),
         Err(first) => {
             // Again with the verifier's log, for its last line in the error.
             let mut log = vec![0u8; 16 * 1024];

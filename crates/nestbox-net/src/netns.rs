@@ -5,7 +5,7 @@
 use std::fs::File;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 
-use nix::sched::{setns, unshare, CloneFlags};
+use nix::sched::{unshare, CloneFlags};
 
 use crate::error::{NetError, Result};
 
@@ -41,7 +41,8 @@ pub fn of_pid(pid: i32) -> Result<OwnedFd> {
 pub fn run_in<T: Send>(ns: BorrowedFd<'_>, f: impl FnOnce() -> Result<T> + Send) -> Result<T> {
     std::thread::scope(|s| {
         s.spawn(move || -> Result<T> {
-            setns(ns.as_fd(), CloneFlags::CLONE_NEWNET)
+            // For good: the thread ends with `f`.
+            nestbox_sys::ns::enter(ns.as_fd(), nestbox_sys::ns::Namespace::Net)
                 .map_err(|e| NetError::sys("setns(CLONE_NEWNET)", e))?;
             f()
         })

@@ -6,7 +6,7 @@
 use std::ffi::OsStr;
 use std::fmt;
 use std::io;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::FileTypeExt;
 
@@ -438,32 +438,20 @@ fn parse_epoll(info: &str) -> std::result::Result<Vec<EpollWatch>, String> {
 
 /// `pidfd_open(pid)`.
 pub(crate) fn pidfd_open(pid: i32) -> Result<OwnedFd> {
-    // SAFETY: pidfd_open takes plain integers and returns a new fd or -1.
-    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
-    if fd < 0 {
-        return Err(RemoteError::Sys {
-            op: "pidfd_open",
-            pid,
-            source: io::Error::last_os_error(),
-        });
-    }
-    // SAFETY: the kernel just returned this fd to us; nothing else owns it.
-    Ok(unsafe { OwnedFd::from_raw_fd(fd as RawFd) })
+    nestbox_sys::pidfd::pidfd_open(pid).map_err(|e| RemoteError::Sys {
+        op: "pidfd_open",
+        pid,
+        source: e.into(),
+    })
 }
 
 /// `pidfd_getfd(pidfd, fd)`: a duplicate of another process's fd in ours.
 pub(crate) fn pidfd_getfd(pidfd: &OwnedFd, pid: i32, fd: i32) -> Result<OwnedFd> {
-    // SAFETY: pidfd_getfd takes plain integers and returns a new fd or -1.
-    let dup = unsafe { libc::syscall(libc::SYS_pidfd_getfd, pidfd.as_raw_fd(), fd, 0) };
-    if dup < 0 {
-        return Err(RemoteError::Sys {
-            op: "pidfd_getfd",
-            pid,
-            source: io::Error::last_os_error(),
-        });
-    }
-    // SAFETY: the kernel just returned this fd to us; nothing else owns it.
-    Ok(unsafe { OwnedFd::from_raw_fd(dup as RawFd) })
+    nestbox_sys::pidfd::pidfd_getfd(pidfd.as_fd(), fd).map_err(|e| RemoteError::Sys {
+        op: "pidfd_getfd",
+        pid,
+        source: e.into(),
+    })
 }
 
 fn getsockopt_int(fd: &OwnedFd, level: i32, name: i32) -> io::Result<i32> {
@@ -494,22 +482,18 @@ fn sockname(
         *mut libc::socklen_t,
     ) -> libc::c_int,
 ) -> io::Result<Vec<u8>> {
-    // SAFETY: sockaddr_storage is plain data; zeroed is valid.
-    let mut storage: libc::sockaddr_storage = unsafe { std::mem::zeroed() };
-    let mut len = std::mem::size_of::<libc::sockaddr_storage>() as libc::socklen_t;
-    // SAFETY: storage/len describe a buffer large enough for any address.
-    let rc = unsafe {
-        call(
-            fd.as_raw_fd(),
-            std::ptr::addr_of_mut!(storage).cast(),
-            &mut len,
-        )
-    };
+    // A plain byte buffer of sockaddr_storage's size: the kernel copies the
+    // address into it byte by byte, so neither alignment nor padding matters.
+    let mut bytes = vec![0u8; std::mem::size_of::<libc::sockaddr_storage>()];
+    let mut len = bytes.len() as libc::socklen_t;
+    // SAFETY: `bytes`/`len` describe a writable buffer large enough for any
+    // address; the kernel writes at most `len` bytes and updates `len`.
+    let rc = unsafe { call(fd.as_raw_fd(), bytes.as_mut_ptr().cast(), &mut len) };
     if rc < 0 {
         return Err(io::Error::last_os_error());
     }
-    let bytes = crate::memory::bytes_of(&storage);
-    Ok(bytes[..(len as usize).min(bytes.len())].to_vec())
+    bytes.truncate((len as usize).min(bytes.len()));
+    Ok(bytes)
 }
 
 fn inspect_socket(pid: i32, fd: i32, pidfd: &mut Option<OwnedFd>) -> Result<SocketInfo> {

@@ -7,7 +7,8 @@ use std::os::fd::{AsRawFd, BorrowedFd, OwnedFd};
 
 use crate::error::{RemoteError, Result};
 use crate::fdinfo::{pidfd_getfd, pidfd_open};
-use crate::memory::{bytes_of, Scratch};
+use crate::layout;
+use crate::memory::Scratch;
 use crate::tracee::Tracee;
 
 /// Most fds one `SCM_RIGHTS` message carries (`SCM_MAX_FD`).
@@ -80,48 +81,31 @@ pub(crate) fn install_fds_with(
     result
 }
 
-fn cmsg_space(payload: usize) -> usize {
-    // SAFETY: CMSG_SPACE is a pure size computation.
-    unsafe { libc::CMSG_SPACE(payload as u32) as usize }
-}
-
 fn send_fds(sender: &OwnedFd, pid: i32, fds: &[BorrowedFd<'_>]) -> Result<()> {
-    let payload = std::mem::size_of_val(fds);
-    let mut control = vec![0u8; cmsg_space(payload)];
-    let mut byte = [0u8; 1];
-    let mut iov = libc::iovec {
-        iov_base: byte.as_mut_ptr().cast(),
-        iov_len: 1,
-    };
-    // SAFETY: msghdr is plain data; zeroed is a valid empty header.
-    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
-    msg.msg_iov = &mut iov;
-    msg.msg_iovlen = 1;
-    msg.msg_control = control.as_mut_ptr().cast();
-    msg.msg_controllen = control.len();
-    // SAFETY: msg_control points at `control`, large enough for one cmsg carrying
-    // `payload` bytes, so CMSG_FIRSTHDR is non-null and CMSG_DATA has room for
-    // every fd; all pointers stay within `control`.
-    unsafe {
-        let cmsg = libc::CMSG_FIRSTHDR(&msg);
-        (*cmsg).cmsg_level = libc::SOL_SOCKET;
-        (*cmsg).cmsg_type = libc::SCM_RIGHTS;
-        (*cmsg).cmsg_len = libc::CMSG_LEN(payload as u32) as usize;
-        let data = libc::CMSG_DATA(cmsg).cast::<i32>();
-        for (i, fd) in fds.iter().enumerate() {
-            data.add(i).write_unaligned(fd.as_raw_fd());
-        }
-    }
-    // SAFETY: msg and everything it points to are alive for the call.
-    let n = unsafe { libc::sendmsg(sender.as_raw_fd(), &msg, libc::MSG_DONTWAIT) };
-    if n != 1 {
-        return Err(RemoteError::Sys {
+    use nix::sys::socket::{sendmsg, ControlMessage, MsgFlags};
+    let raw: Vec<i32> = fds.iter().map(|fd| fd.as_raw_fd()).collect();
+    let byte = [0u8; 1];
+    let iov = [io::IoSlice::new(&byte)];
+    let cmsg = [ControlMessage::ScmRights(&raw)];
+    match sendmsg::<()>(
+        sender.as_raw_fd(),
+        &iov,
+        &cmsg,
+        MsgFlags::MSG_DONTWAIT,
+        None,
+    ) {
+        Ok(1) => Ok(()),
+        Ok(n) => Err(RemoteError::Sys {
             op: "sendmsg(SCM_RIGHTS)",
             pid,
-            source: io::Error::last_os_error(),
-        });
+            source: io::Error::new(io::ErrorKind::WriteZero, format!("sent {n} of 1 bytes")),
+        }),
+        Err(e) => Err(RemoteError::Sys {
+            op: "sendmsg(SCM_RIGHTS)",
+            pid,
+            source: e.into(),
+        }),
     }
-    Ok(())
 }
 
 fn receive(
@@ -131,21 +115,14 @@ fn receive(
     count: usize,
 ) -> Result<Vec<i32>> {
     let payload = count * 4;
-    let control_len = cmsg_space(payload);
+    let control_len = layout::cmsg_space(payload);
     let byte_addr = scratch.reserve(8)?;
     let control_addr = scratch.reserve(control_len)?;
-    let iov = libc::iovec {
-        iov_base: byte_addr as *mut libc::c_void,
-        iov_len: 1,
-    };
-    let iov_addr = scratch.put(tracee, &bytes_of(&iov))?;
-    // SAFETY: msghdr is plain data; zeroed is a valid empty header.
-    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
-    msg.msg_iov = iov_addr as *mut libc::iovec;
-    msg.msg_iovlen = 1;
-    msg.msg_control = control_addr as *mut libc::c_void;
-    msg.msg_controllen = control_len;
-    let msg_addr = scratch.put(tracee, &bytes_of(&msg))?;
+    let iov_addr = scratch.put(tracee, &layout::iovec(byte_addr, 1))?;
+    let msg_addr = scratch.put(
+        tracee,
+        &layout::msghdr(iov_addr, 1, control_addr, control_len as u64),
+    )?;
     let n = tracee.syscall(
         "recvmsg",
         || "fd hand-over".into(),
@@ -158,30 +135,28 @@ fn receive(
     )?;
     let mut header = vec![0u8; std::mem::size_of::<libc::msghdr>()];
     tracee.read_mem(msg_addr, &mut header)?;
-    // SAFETY: `header` holds size_of::<msghdr>() bytes copied from a msghdr.
-    let got: libc::msghdr = unsafe { std::ptr::read_unaligned(header.as_ptr().cast()) };
+    let (got_controllen, got_flags) = layout::msghdr_result(&header);
     let mut control = vec![0u8; control_len];
     tracee.read_mem(control_addr, &mut control)?;
     let mut received = Vec::with_capacity(count);
-    if got.msg_controllen >= std::mem::size_of::<libc::cmsghdr>() {
-        // SAFETY: the control buffer starts with the cmsghdr the kernel wrote.
-        let cmsg: libc::cmsghdr = unsafe { std::ptr::read_unaligned(control.as_ptr().cast()) };
-        if cmsg.cmsg_level == libc::SOL_SOCKET && cmsg.cmsg_type == libc::SCM_RIGHTS {
-            // SAFETY: CMSG_LEN is a pure size computation.
-            let header_len = unsafe { libc::CMSG_LEN(0) } as usize;
-            let n_fds = (cmsg.cmsg_len.saturating_sub(header_len)) / 4;
-            for i in 0..n_fds.min(count) {
-                let at = header_len + i * 4;
-                received.push(i32::from_ne_bytes([
-                    control[at],
-                    control[at + 1],
-                    control[at + 2],
-                    control[at + 3],
-                ]));
+    let header_len = layout::CMSG_HDR_LEN;
+    if got_controllen >= header_len as u64 {
+        if let Some((cmsg_len, level, kind)) = layout::cmsghdr(&control) {
+            if level == libc::SOL_SOCKET && kind == libc::SCM_RIGHTS {
+                let n_fds = cmsg_len.saturating_sub(header_len) / 4;
+                for i in 0..n_fds.min(count) {
+                    let at = header_len + i * 4;
+                    received.push(i32::from_ne_bytes([
+                        control[at],
+                        control[at + 1],
+                        control[at + 2],
+                        control[at + 3],
+                    ]));
+                }
             }
         }
     }
-    if n != 1 || got.msg_flags & libc::MSG_CTRUNC != 0 || received.len() != count {
+    if n != 1 || got_flags & libc::MSG_CTRUNC != 0 || received.len() != count {
         for fd in &received {
             let _ = tracee.syscall("close", String::new, libc::SYS_close, &[*fd as u64]);
         }

@@ -37,7 +37,8 @@ use crate::caps::{self, CapState};
 use crate::error::{RemoteError, Result};
 use crate::fdinfo::{ensure_clonable, inspect_fds, refresh_volatile, FdEntry};
 use crate::fdtransfer::install_fds_with;
-use crate::memory::{bytes_of, Scratch, SCRATCH_LEN};
+use crate::layout;
+use crate::memory::{Scratch, SCRATCH_LEN};
 use crate::procfs::{self, Status};
 use crate::retarget::{retarget, FdOutcome};
 use crate::tracee::{Regs, Tracee, TRACE_OPTIONS};
@@ -162,23 +163,6 @@ impl Phases {
     }
 }
 
-/// `clone_args` of `clone3` up to `cgroup` (`CLONE_ARGS_SIZE_VER2`).
-#[repr(C)]
-#[derive(Clone, Copy, Default)]
-struct CloneArgs {
-    flags: u64,
-    pidfd: u64,
-    child_tid: u64,
-    parent_tid: u64,
-    exit_signal: u64,
-    stack: u64,
-    stack_size: u64,
-    tls: u64,
-    set_tid: u64,
-    set_tid_size: u64,
-    cgroup: u64,
-}
-
 /// What is read from the template before it forks.
 struct TemplateState {
     regs: Regs,
@@ -300,25 +284,11 @@ fn read_template(template: &mut Tracee, status: &Status) -> Result<TemplateState
 
 /// `get_robust_list(pid)`: (head, length).
 fn robust_list(pid: i32) -> Result<(u64, u64)> {
-    let mut head: u64 = 0;
-    let mut len: u64 = 0;
-    // SAFETY: head/len are valid out-pointers for a pointer and a size_t.
-    let rc = unsafe {
-        libc::syscall(
-            libc::SYS_get_robust_list,
-            pid,
-            std::ptr::addr_of_mut!(head),
-            std::ptr::addr_of_mut!(len),
-        )
-    };
-    if rc < 0 {
-        return Err(RemoteError::Sys {
-            op: "get_robust_list",
-            pid,
-            source: std::io::Error::last_os_error(),
-        });
-    }
-    Ok((head, len))
+    nestbox_sys::process::robust_list(pid).map_err(|e| RemoteError::Sys {
+        op: "get_robust_list",
+        pid,
+        source: e.into(),
+    })
 }
 
 /// The template's alternate signal stack, read with an injected `sigaltstack`
@@ -335,8 +305,7 @@ fn query_altstack(template: &mut Tracee, regs: &Regs) -> Result<Option<libc::sta
     )?;
     let mut buf = vec![0u8; size as usize];
     template.read_mem(addr, &mut buf)?;
-    // SAFETY: `buf` holds size_of::<stack_t>() bytes the kernel wrote as a stack_t.
-    let ss: libc::stack_t = unsafe { std::ptr::read_unaligned(buf.as_ptr().cast()) };
+    let ss = layout::parse_stack_t(&buf);
     Ok((ss.ss_flags & libc::SS_DISABLE == 0).then_some(ss))
 }
 
@@ -457,15 +426,14 @@ impl Session {
         g.detach()?;
         self.phases.mark("detach G");
         if let Some(sig) = plan.on_clone_signal {
-            // SAFETY: tgkill takes plain integers; G is single-threaded (tgid == tid).
-            let rc = unsafe { libc::syscall(libc::SYS_tgkill, g_pid, g_pid, sig as i32) };
-            if rc < 0 {
-                return Err(RemoteError::Sys {
+            // G is single-threaded: tgid == tid.
+            nestbox_sys::process::tgkill(g_pid, g_pid, sig as i32).map_err(|e| {
+                RemoteError::Sys {
                     op: "tgkill (on-clone signal)",
                     pid: g_pid,
-                    source: std::io::Error::last_os_error(),
-                });
-            }
+                    source: e.into(),
+                }
+            })?;
         }
         Ok((g_pid, ns_pid, outcomes))
     }
@@ -494,8 +462,8 @@ fn close_all(tracee: &mut Tracee, fds: &[i32]) -> Result<()> {
         tracee.syscall(
             "close_range",
             || "handed-over fds".into(),
-            libc::SYS_close_range,
-            &[*first as u64, *last as u64, 0],
+            nestbox_sys::fd::SYS_CLOSE_RANGE,
+            &nestbox_sys::fd::close_range_args(*first as u32, *last as u32, 0),
         )?;
         return Ok(());
     }
@@ -535,15 +503,15 @@ fn fork_into(
 ) -> Result<(i32, bool)> {
     scratch.reset();
     let tid_addr = scratch.put(parent, &(ns_pid as i64).to_ne_bytes()[..4])?;
-    let args = CloneArgs {
+    let args = layout::CloneArgs {
         flags,
         exit_signal: libc::SIGCHLD as u64,
         set_tid: tid_addr,
         set_tid_size: 1,
-        ..CloneArgs::default()
+        ..layout::CloneArgs::default()
     };
-    let args_addr = scratch.put(parent, &bytes_of(&args))?;
-    let size = std::mem::size_of::<CloneArgs>() as u64;
+    let args_addr = scratch.put(parent, &args.to_bytes())?;
+    let size = layout::CLONE_ARGS_SIZE as u64;
     let result = parent.fork_syscall(
         "clone3",
         || format!("pid {ns_pid} in the shell's pid namespace"),
@@ -595,7 +563,7 @@ fn fix_up(
     if let Some(mut ss) = state.altstack {
         ss.ss_flags &= !libc::SS_ONSTACK;
         scratch.reset();
-        let addr = scratch.put(g, &bytes_of(&ss))?;
+        let addr = scratch.put(g, &layout::stack_t(&ss))?;
         g.syscall(
             "sigaltstack",
             || "restoring the template's alternate signal stack".into(),

@@ -12,7 +12,7 @@ use std::sync::OnceLock;
 
 use crate::error::{RemoteError, Result};
 use crate::procfs;
-use crate::tracee::{ptrace, Stop, Tracee};
+use crate::tracee::{ptrace_err, Stop, Tracee};
 
 /// `0f 05`, little-endian.
 const SYSCALL_INSN: u16 = 0x050f;
@@ -75,27 +75,11 @@ impl Tracee {
 
     /// `PTRACE_PEEKTEXT`: one word of the tracee's memory.
     fn peek(&self, addr: u64) -> Result<u64> {
-        // PEEKTEXT returns the word; -1 is ambiguous, so clear errno first.
-        // SAFETY: __errno_location returns this thread's errno slot.
-        unsafe { *libc::__errno_location() = 0 };
-        // SAFETY: PEEKTEXT with a null data pointer only reads the tracee.
-        let word = unsafe {
-            libc::ptrace(
-                libc::PTRACE_PEEKTEXT,
-                self.pid(),
-                addr as *mut libc::c_void,
-                std::ptr::null_mut::<libc::c_void>(),
-            )
-        };
-        let err = io::Error::last_os_error();
-        if word == -1 && err.raw_os_error().unwrap_or(0) != 0 {
-            return Err(RemoteError::Ptrace {
-                op: "PTRACE_PEEKTEXT",
-                pid: self.pid(),
-                source: err,
-            });
-        }
-        Ok(word as u64)
+        nestbox_sys::ptrace::peek_text(self.pid(), addr).map_err(|e| RemoteError::Ptrace {
+            op: "PTRACE_PEEKTEXT",
+            pid: self.pid(),
+            source: e.into(),
+        })
     }
 
     /// Run syscall `nr` with `args` in the tracee and return the raw `rax` it left
@@ -214,29 +198,8 @@ impl Tracee {
     /// `PTRACE_GET_RSEQ_CONFIGURATION`: (abi pointer, length, signature), if the
     /// tracee registered an rseq area.
     pub(crate) fn rseq_configuration(&self) -> Result<Option<(u64, u32, u32)>> {
-        #[repr(C)]
-        #[derive(Default)]
-        struct RseqConfiguration {
-            rseq_abi_pointer: u64,
-            rseq_abi_size: u32,
-            signature: u32,
-            flags: u32,
-            pad: u32,
-        }
-        const PTRACE_GET_RSEQ_CONFIGURATION: libc::c_uint = 0x420f;
-        let mut conf = RseqConfiguration::default();
-        ptrace(
-            "PTRACE_GET_RSEQ_CONFIGURATION",
-            PTRACE_GET_RSEQ_CONFIGURATION,
-            self.pid(),
-            std::mem::size_of::<RseqConfiguration>(),
-            std::ptr::addr_of_mut!(conf) as usize,
-        )?;
-        Ok((conf.rseq_abi_pointer != 0).then_some((
-            conf.rseq_abi_pointer,
-            conf.rseq_abi_size,
-            conf.signature,
-        )))
+        nestbox_sys::ptrace::rseq_configuration(self.pid())
+            .map_err(ptrace_err("PTRACE_GET_RSEQ_CONFIGURATION", self.pid()))
     }
 }
 

@@ -47,6 +47,7 @@ mod fdinfo;
 mod fdtransfer;
 mod fork;
 mod inject;
+mod layout;
 mod memory;
 mod procfs;
 mod retarget;

@@ -3,7 +3,10 @@
 //! injected `mmap` to hold the arguments of injected syscalls (paths, socket
 //! addresses, message headers, capability sets).
 
-use std::io;
+use std::io::{self, IoSlice, IoSliceMut};
+
+use nix::sys::uio::{process_vm_readv, process_vm_writev, RemoteIoVec};
+use nix::unistd::Pid;
 
 use crate::error::{RemoteError, Result};
 use crate::tracee::Tracee;
@@ -14,45 +17,36 @@ pub(crate) const SCRATCH_LEN: usize = 64 * 1024;
 impl Tracee {
     /// Read `buf.len()` bytes at `addr` in the tracee.
     pub fn read_mem(&self, addr: u64, buf: &mut [u8]) -> Result<()> {
-        let local = libc::iovec {
-            iov_base: buf.as_mut_ptr().cast(),
-            iov_len: buf.len(),
-        };
-        let remote = libc::iovec {
-            iov_base: addr as *mut libc::c_void,
-            iov_len: buf.len(),
-        };
-        // SAFETY: `local` describes `buf`, which is writable for its whole length;
-        // the remote iovec is only interpreted in the tracee's address space.
-        let n = unsafe { libc::process_vm_readv(self.pid(), &local, 1, &remote, 1, 0) };
-        self.transferred("process_vm_readv", n, buf.len())
+        let want = buf.len();
+        let remote = [RemoteIoVec {
+            base: addr as usize,
+            len: want,
+        }];
+        let n = process_vm_readv(
+            Pid::from_raw(self.pid()),
+            &mut [IoSliceMut::new(buf)],
+            &remote,
+        );
+        self.transferred("process_vm_readv", n, want)
     }
 
     /// Write `data` at `addr` in the tracee.
     pub fn write_mem(&self, addr: u64, data: &[u8]) -> Result<()> {
-        let local = libc::iovec {
-            iov_base: data.as_ptr().cast_mut().cast(),
-            iov_len: data.len(),
-        };
-        let remote = libc::iovec {
-            iov_base: addr as *mut libc::c_void,
-            iov_len: data.len(),
-        };
-        // SAFETY: `local` describes `data`, which the kernel only reads; the remote
-        // iovec is only interpreted in the tracee's address space.
-        let n = unsafe { libc::process_vm_writev(self.pid(), &local, 1, &remote, 1, 0) };
+        let remote = [RemoteIoVec {
+            base: addr as usize,
+            len: data.len(),
+        }];
+        let n = process_vm_writev(Pid::from_raw(self.pid()), &[IoSlice::new(data)], &remote);
         self.transferred("process_vm_writev", n, data.len())
     }
 
-    fn transferred(&self, op: &'static str, n: isize, want: usize) -> Result<()> {
-        if n < 0 {
-            return Err(RemoteError::Sys {
-                op,
-                pid: self.pid(),
-                source: io::Error::last_os_error(),
-            });
-        }
-        if n as usize != want {
+    fn transferred(&self, op: &'static str, n: nix::Result<usize>, want: usize) -> Result<()> {
+        let n = n.map_err(|e| RemoteError::Sys {
+            op,
+            pid: self.pid(),
+            source: e.into(),
+        })?;
+        if n != want {
             return Err(RemoteError::Sys {
                 op,
                 pid: self.pid(),
@@ -143,21 +137,4 @@ impl Scratch {
         bytes.push(0);
         self.put(tracee, &bytes)
     }
-}
-
-/// The bytes of a plain-data value.
-pub(crate) fn bytes_of<T: Copy>(value: &T) -> Vec<u8> {
-    let len = std::mem::size_of::<T>();
-    let mut out = vec![0u8; len];
-    // SAFETY: `value` is a valid T of `len` bytes and `out` has room for `len`
-    // bytes; the regions do not overlap. Only used with padding-free C structs and
-    // integers.
-    unsafe {
-        std::ptr::copy_nonoverlapping(
-            std::ptr::from_ref(value).cast::<u8>(),
-            out.as_mut_ptr(),
-            len,
-        )
-    };
-    out
 }

@@ -10,9 +10,10 @@
 //! are not lost: they are remembered and re-sent with `tgkill` when it is detached.
 
 use std::fmt;
-use std::io;
 use std::marker::PhantomData;
 use std::time::{Duration, Instant};
+
+use nestbox_sys::ptrace::{self as sys_ptrace, regs_words};
 
 use crate::error::{RemoteError, Result};
 use crate::procfs::Status;
@@ -75,31 +76,15 @@ impl fmt::Debug for Tracee {
     }
 }
 
-pub(crate) fn ptrace_err(op: &'static str, pid: i32) -> RemoteError {
-    RemoteError::Ptrace {
+/// A ptrace error of request `op` on `pid`.
+pub(crate) fn ptrace_err(
+    op: &'static str,
+    pid: i32,
+) -> impl FnOnce(nix::errno::Errno) -> RemoteError {
+    move |e| RemoteError::Ptrace {
         op,
         pid,
-        source: io::Error::last_os_error(),
-    }
-}
-
-/// `ptrace(request, pid, addr, data)`, mapping -1 to an error naming `op`.
-pub(crate) fn ptrace(
-    op: &'static str,
-    request: libc::c_uint,
-    pid: i32,
-    addr: usize,
-    data: usize,
-) -> Result<libc::c_long> {
-    // SAFETY: every caller passes, for requests that dereference `addr` or `data`,
-    // a pointer to a live buffer of the size that request uses (user_regs_struct,
-    // c_ulong, or the rseq configuration); the other requests take plain integers.
-    // ptrace cannot otherwise touch this process's memory.
-    let rc = unsafe { libc::ptrace(request, pid, addr as *mut libc::c_void, data) };
-    if rc == -1 {
-        Err(ptrace_err(op, pid))
-    } else {
-        Ok(rc)
+        source: e.into(),
     }
 }
 
@@ -116,25 +101,7 @@ pub(crate) fn describe_exit(status: libc::c_int) -> Option<String> {
 
 /// `waitpid(pid, flags | __WALL)` retrying on EINTR; `None` with `WNOHANG` and no change.
 pub(crate) fn waitpid(pid: i32, flags: libc::c_int) -> Result<Option<libc::c_int>> {
-    loop {
-        let mut status = 0;
-        // SAFETY: `status` is a valid out-pointer for the duration of the call.
-        let rc = unsafe { libc::waitpid(pid, &mut status, flags | libc::__WALL) };
-        if rc == pid {
-            return Ok(Some(status));
-        }
-        if rc == 0 {
-            return Ok(None);
-        }
-        let err = io::Error::last_os_error();
-        if err.raw_os_error() != Some(libc::EINTR) {
-            return Err(RemoteError::Ptrace {
-                op: "waitpid",
-                pid,
-                source: err,
-            });
-        }
-    }
+    nestbox_sys::process::waitpid_raw(pid, flags).map_err(ptrace_err("waitpid", pid))
 }
 
 impl Tracee {
@@ -146,13 +113,9 @@ impl Tracee {
     /// [`RemoteError::AlreadyTraced`] when another tracer holds the process,
     /// [`RemoteError::NoSuchProcess`] when it does not exist.
     pub fn seize_and_interrupt(pid: i32) -> Result<Tracee> {
-        if let Err(err) = ptrace(
-            "PTRACE_SEIZE",
-            libc::PTRACE_SEIZE,
-            pid,
-            0,
-            TRACE_OPTIONS as usize,
-        ) {
+        if let Err(err) =
+            sys_ptrace::seize(pid, TRACE_OPTIONS).map_err(ptrace_err("PTRACE_SEIZE", pid))
+        {
             return Err(match err.errno() {
                 Some(libc::ESRCH) => RemoteError::NoSuchProcess { pid },
                 Some(libc::EPERM) => match Status::read(pid).and_then(|s| s.tracer_pid()) {
@@ -164,7 +127,7 @@ impl Tracee {
         }
         let mut tracee = Tracee::new(pid, Role::Template);
         tracee.attached = true;
-        ptrace("PTRACE_INTERRUPT", libc::PTRACE_INTERRUPT, pid, 0, 0)?;
+        sys_ptrace::interrupt(pid).map_err(ptrace_err("PTRACE_INTERRUPT", pid))?;
         Ok(tracee)
     }
 
@@ -283,14 +246,8 @@ impl Tracee {
             0 => Stop::Signal(sig),
             libc::PTRACE_EVENT_STOP => Stop::Interrupt,
             libc::PTRACE_EVENT_FORK | libc::PTRACE_EVENT_VFORK | libc::PTRACE_EVENT_CLONE => {
-                let mut msg: libc::c_ulong = 0;
-                ptrace(
-                    "PTRACE_GETEVENTMSG",
-                    libc::PTRACE_GETEVENTMSG,
-                    self.pid,
-                    0,
-                    std::ptr::addr_of_mut!(msg) as usize,
-                )?;
+                let msg = sys_ptrace::get_event_msg(self.pid)
+                    .map_err(ptrace_err("PTRACE_GETEVENTMSG", self.pid))?;
                 Stop::NewChild(msg as i32)
             }
             other => Stop::OtherEvent(other),
@@ -304,7 +261,12 @@ impl Tracee {
         } else {
             "PTRACE_CONT"
         };
-        ptrace(op, request, self.pid, 0, sig as usize)?;
+        let resumed = if request == libc::PTRACE_SINGLESTEP {
+            sys_ptrace::single_step(self.pid, sig)
+        } else {
+            sys_ptrace::cont(self.pid, sig)
+        };
+        resumed.map_err(ptrace_err(op, self.pid))?;
         self.stopped = false;
         Ok(())
     }
@@ -329,28 +291,13 @@ impl Tracee {
     /// The tracee's registers now.
     pub fn get_regs(&self) -> Result<Regs> {
         self.require_stopped("reading registers")?;
-        // SAFETY: user_regs_struct is plain integers; all-zero is a valid value.
-        let mut regs: Regs = unsafe { std::mem::zeroed() };
-        ptrace(
-            "PTRACE_GETREGS",
-            libc::PTRACE_GETREGS,
-            self.pid,
-            0,
-            std::ptr::addr_of_mut!(regs) as usize,
-        )?;
-        Ok(regs)
+        sys_ptrace::get_regs(self.pid).map_err(ptrace_err("PTRACE_GETREGS", self.pid))
     }
 
     /// Set the tracee's registers.
     pub fn set_regs(&mut self, regs: &Regs) -> Result<()> {
         self.require_stopped("writing registers")?;
-        ptrace(
-            "PTRACE_SETREGS",
-            libc::PTRACE_SETREGS,
-            self.pid,
-            0,
-            std::ptr::from_ref(regs) as usize,
-        )?;
+        sys_ptrace::set_regs(self.pid, regs).map_err(ptrace_err("PTRACE_SETREGS", self.pid))?;
         self.current = Some(*regs);
         Ok(())
     }
@@ -370,7 +317,7 @@ impl Tracee {
     /// Put back the registers the tracee resumes with.
     pub fn restore_regs(&mut self) -> Result<()> {
         if let Some(regs) = self.original {
-            if self.current.as_ref().map(regs_bytes) != Some(regs_bytes(&regs)) {
+            if self.current.as_ref().map(regs_words) != Some(regs_words(&regs)) {
                 self.set_regs(&regs)?;
             }
         }
@@ -379,14 +326,8 @@ impl Tracee {
 
     /// Set ptrace options (`PTRACE_O_*`).
     pub(crate) fn set_options(&self, options: libc::c_int) -> Result<()> {
-        ptrace(
-            "PTRACE_SETOPTIONS",
-            libc::PTRACE_SETOPTIONS,
-            self.pid,
-            0,
-            options as usize,
-        )?;
-        Ok(())
+        sys_ptrace::set_options(self.pid, options)
+            .map_err(ptrace_err("PTRACE_SETOPTIONS", self.pid))
     }
 
     /// Restore the original registers, re-send signals that arrived while we held
@@ -403,11 +344,12 @@ impl Tracee {
             self.restore_regs()?;
         }
         for sig in std::mem::take(&mut self.deferred) {
-            // SAFETY: tgkill takes plain integers. The tgid equals the tid: the
-            // processes we drive are single-threaded.
-            unsafe { libc::syscall(libc::SYS_tgkill, self.pid, self.pid, sig) };
+            // The tgid equals the tid: the processes we drive are single-threaded.
+            // Best effort: a signal that cannot be re-sent (the process is gone)
+            // has nobody left to reach.
+            let _ = nestbox_sys::process::tgkill(self.pid, self.pid, sig);
         }
-        let result = ptrace("PTRACE_DETACH", libc::PTRACE_DETACH, self.pid, 0, 0);
+        let result = sys_ptrace::detach(self.pid, 0).map_err(ptrace_err("PTRACE_DETACH", self.pid));
         self.attached = false;
         self.stopped = false;
         result.map(drop)
@@ -419,8 +361,11 @@ impl Tracee {
         if !self.attached {
             return;
         }
-        // SAFETY: kill takes plain integers.
-        unsafe { libc::kill(self.pid, libc::SIGKILL) };
+        // An error means the process is already gone, which the wait below sees.
+        let _ = nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(self.pid),
+            nix::sys::signal::Signal::SIGKILL,
+        );
         loop {
             match waitpid(self.pid, 0) {
                 Ok(Some(status)) if describe_exit(status).is_some() => break,
@@ -437,11 +382,6 @@ impl Tracee {
         self.attached = false;
         self.stopped = false;
     }
-}
-
-fn regs_bytes(regs: &Regs) -> [u64; 27] {
-    // SAFETY: user_regs_struct is exactly 27 u64 fields on x86_64, no padding.
-    unsafe { std::mem::transmute_copy(regs) }
 }
 
 impl Drop for Tracee {

@@ -663,15 +663,15 @@ fn wake_claimed(c: &BoxRecord, name: &str, req: &CloneRequest) -> Result<i32> {
 
 /// Set the hostname in the uts namespace of `pid`, coming back to our own.
 fn set_hostname_in(pid: i32, name: &str) -> Result<()> {
+    use nestbox_sys::ns::{Namespace, NsGuard};
     use std::os::fd::AsFd;
-    let own =
-        File::open("/proc/self/ns/uts").map_err(RuntimeError::io("open", "/proc/self/ns/uts"))?;
     let path = format!("/proc/{pid}/ns/uts");
     let theirs = File::open(&path).map_err(RuntimeError::io("open", &path))?;
-    nix::sched::setns(theirs.as_fd(), nix::sched::CloneFlags::CLONE_NEWUTS)
+    let guard = NsGuard::enter(theirs.as_fd(), Namespace::Uts)
         .map_err(RuntimeError::sys(format!("setns({path})")))?;
     let set = nix::unistd::sethostname(name).map_err(RuntimeError::sys("sethostname"));
-    nix::sched::setns(own.as_fd(), nix::sched::CloneFlags::CLONE_NEWUTS)
+    guard
+        .leave()
         .map_err(RuntimeError::sys("setns(own uts namespace)"))?;
     set
 }

@@ -175,19 +175,9 @@ fn keep_only_box_fds(fds: ChildFds) -> nix::Result<(RawFd, RawFd)> {
     nix::unistd::dup3(go, GO_FD, nix::fcntl::OFlag::O_CLOEXEC)?;
     nix::unistd::dup3(report, REPORT_FD, nix::fcntl::OFlag::O_CLOEXEC)?;
     std::mem::forget(fds);
-    // SAFETY: closes descriptors of this process only; everything it still needs
-    // lives on 0-4.
-    let rc = unsafe {
-        libc::syscall(
-            libc::SYS_close_range,
-            (REPORT_FD + 1) as u32,
-            u32::MAX,
-            0u32,
-        )
-    };
-    if rc != 0 {
-        return Err(nix::errno::Errno::last());
-    }
+    // SAFETY: everything this child still needs lives on 0-4 (the ChildFds were
+    // forgotten above); no object owning a higher descriptor is used again.
+    unsafe { nestbox_sys::fd::close_range(REPORT_FD as u32 + 1, u32::MAX) }?;
     Ok((GO_FD, REPORT_FD))
 }
 
@@ -275,15 +265,8 @@ fn prepare_credentials(plan: &CommandPlan) -> Result<(), Failure> {
     }
     reset_signals();
     // Nothing the caller had open may leak into the box.
-    // SAFETY: close_range only changes flags of this process's own descriptors.
-    unsafe {
-        libc::syscall(
-            libc::SYS_close_range,
-            3u32,
-            u32::MAX,
-            libc::CLOSE_RANGE_CLOEXEC,
-        )
-    };
+    nestbox_sys::fd::set_cloexec_range(3, u32::MAX)
+        .map_err(|e| e125("mark descriptors close-on-exec", &e))?;
     if plan.create_workdir && !plan.workdir.exists() {
         std::fs::create_dir_all(&plan.workdir).map_err(|e| {
             e125(

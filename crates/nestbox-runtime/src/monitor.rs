@@ -248,12 +248,17 @@ fn start_inner(
         // A clone's pid namespace must be nested in its template's: that is the
         // only place a process forked from the template can be moved into.
         Some(t) => fork_nested_in(t, flags, idmap),
-        None => fork_into(flags)
+        // SAFETY: the monitor is single-threaded, so the child may run arbitrary
+        // code; the flags are CLONE_NEW* only.
+        None => unsafe { fork_into(flags) }
             .map(|f| (f, false))
             .map_err(RuntimeError::from),
     };
     if let Some(own) = host_netns {
-        if !matches!(forked, Ok((Forked::Child, _))) {
+        if matches!(forked, Ok((Forked::Child, _))) {
+            // The box's first process lives in the pooled namespace.
+            own.stay();
+        } else {
             let back = crate::network_pool::leave(own);
             if let (Ok((Forked::Parent(pid), _)), Err(_)) = (&forked, &back) {
                 let _ = kill(pid.to_owned(), Signal::SIGKILL);
@@ -361,13 +366,22 @@ fn release_in_background(ns: OwnedFd) {
     // close, close_range, read and _exit, all async-signal-safe.
     match unsafe { nix::unistd::fork() } {
         Ok(ForkResult::Child) => {
-            // SAFETY: plain syscalls on this process's own descriptor table
-            // and a one-byte buffer on its stack; _exit ends the child without
-            // running the parent's exit handlers.
-            unsafe {
+            // SAFETY: dup2 on this process's own descriptor table; the objects
+            // owning descriptors 2 and up (`ns`, the pipe) are never used again:
+            // this child ends with _exit below.
+            let closed = unsafe {
                 libc::dup2(ns.as_raw_fd(), 0);
                 libc::dup2(wait_r.as_raw_fd(), 1);
-                libc::syscall(libc::SYS_close_range, 2u32, u32::MAX, 0u32);
+                nestbox_sys::fd::close_range(2, u32::MAX)
+            };
+            if closed.is_err() {
+                // Could not drop the caller's pipes: leave at once rather than
+                // hold them open (the namespace is then released by the parent).
+                nestbox_sys::process::exit_now(1);
+            }
+            // SAFETY: a one-byte read into a buffer on this stack; _exit ends the
+            // child without running the parent's exit handlers.
+            unsafe {
                 let mut byte = 0u8;
                 while libc::read(1, (&mut byte as *mut u8).cast(), 1) < 0
                     && Errno::last() == Errno::EINTR
@@ -398,8 +412,6 @@ fn fork_nested_in(
     flags: CloneFlags,
     idmap: Option<IdMap>,
 ) -> Result<(Forked, bool)> {
-    let own = std::fs::File::open("/proc/self/ns/pid")
-        .map_err(RuntimeError::io("open", "/proc/self/ns/pid"))?;
     let template_userns = match (t.state.idmap, t.state.init) {
         (Some(_), Some(init)) => {
             let path = format!("/proc/{}/ns/user", init.pid);
@@ -407,12 +419,18 @@ fn fork_nested_in(
         }
         _ => None,
     };
-    crate::template::enter_pid_namespace_of(t)?;
-    let forked = fork_into(CloneFlags::empty());
-    if let Ok(Forked::Parent(_)) | Err(_) = &forked {
+    let in_template = crate::template::enter_pid_namespace_of(t)?;
+    // SAFETY: the monitor is single-threaded, so the helper may run arbitrary
+    // code; no clone flags.
+    let forked = unsafe { fork_into(CloneFlags::empty()) };
+    if let Ok(Forked::Child) = &forked {
+        // The helper is in the template's pid namespace and stays there.
+        in_template.stay();
+    } else {
         // Children (threads too) of the monitor are born in its own pid namespace
         // again: a thread cannot be created while the two differ.
-        nix::sched::setns(std::os::fd::AsFd::as_fd(&own), CloneFlags::CLONE_NEWPID)
+        in_template
+            .leave()
             .map_err(RuntimeError::sys("setns(own pid namespace)"))?;
     }
     let maps_written = template_userns.is_some();
@@ -454,10 +472,15 @@ fn nested_helper(
     idmap: Option<IdMap>,
 ) -> Result<Forked> {
     let Some(userns) = template_userns else {
-        return Ok(fork_into(flags | CloneFlags::CLONE_PARENT)?);
+        // SAFETY: this helper is a fork of the single-threaded monitor; the flags
+        // are CLONE_NEW* and CLONE_PARENT only.
+        return Ok(unsafe { fork_into(flags | CloneFlags::CLONE_PARENT) }?);
     };
-    nix::sched::setns(std::os::fd::AsFd::as_fd(&userns), CloneFlags::CLONE_NEWUSER)
-        .map_err(RuntimeError::sys("setns(template user namespace)"))?;
+    nestbox_sys::ns::enter(
+        std::os::fd::AsFd::as_fd(&userns),
+        nestbox_sys::ns::Namespace::User,
+    )
+    .map_err(RuntimeError::sys("setns(template user namespace)"))?;
     let root_gid = nix::unistd::Gid::from_raw(0);
     let root_uid = nix::unistd::Uid::from_raw(0);
     nix::unistd::setresgid(root_gid, root_gid, root_gid)
@@ -467,8 +490,10 @@ fn nested_helper(
     // Changing uids made this process (and so its child) non-dumpable, which
     // would leave the child's /proc files, uid_map included, to host root.
     nix::sys::prctl::set_dumpable(true).map_err(RuntimeError::sys("prctl(PR_SET_DUMPABLE)"))?;
-    let (forked, pidfd) =
-        nestbox_isolation::namespaces::fork_into_with_pidfd(flags | CloneFlags::CLONE_PARENT)?;
+    // SAFETY: as above (single-threaded helper; CLONE_NEW* and CLONE_PARENT).
+    let (forked, pidfd) = unsafe {
+        nestbox_isolation::namespaces::fork_into_with_pidfd(flags | CloneFlags::CLONE_PARENT)
+    }?;
     if let (Forked::Parent(_), Some(pidfd), Some(map)) = (&forked, pidfd, idmap) {
         // The pid clone returned is the one in the template's namespace; /proc
         // here is the host's, so take the host pid from the pidfd.

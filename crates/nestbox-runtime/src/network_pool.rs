@@ -17,11 +17,11 @@
 //! pool; the others get a namespace of their own at start, as before.
 
 use std::fs;
-use std::os::fd::{AsFd, AsRawFd, OwnedFd};
+use std::os::fd::{AsFd, OwnedFd};
 use std::path::{Path, PathBuf};
 
+use nestbox_sys::ns::{Namespace, NsGuard};
 use nix::fcntl::{Flock, FlockArg};
-use nix::mount::{mount, umount2, MntFlags, MsFlags};
 
 use crate::paths::Roots;
 use crate::spec::{BoxSpec, NetworkMode};
@@ -155,15 +155,7 @@ fn make_entry(roots: &Roots) -> Result<()> {
         let target = dir.join(MOUNT_FILE);
         fs::File::create(&target).map_err(RuntimeError::io("create", &target))?;
         let ns = nestbox_net::netns::create()?;
-        let source = format!("/proc/self/fd/{}", ns.as_raw_fd());
-        mount(
-            Some(source.as_str()),
-            &target,
-            None::<&str>,
-            MsFlags::MS_BIND,
-            None::<&str>,
-        )
-        .map_err(RuntimeError::sys(format!(
+        nestbox_sys::mount::bind_nsfs(ns.as_fd(), &target).map_err(RuntimeError::sys(format!(
             "bind-mount {}",
             target.display()
         )))?;
@@ -188,7 +180,7 @@ fn remove_entry(roots: &Roots, dir: &Path) {
         }
     }
     let target = dir.join(MOUNT_FILE);
-    let _ = umount2(&target, MntFlags::MNT_DETACH);
+    let _ = nestbox_sys::mount::detach(&target);
     let _ = fs::remove_file(&target);
     let _ = fs::remove_file(dir.join(ID_FILE));
     let _ = fs::remove_dir(dir);
@@ -248,7 +240,7 @@ pub fn release(roots: &Roots, box_id: &str) {
     let dir = pool_dir(roots).join(format!("{CLAIMED}{box_id}"));
     if dir.exists() {
         let target = dir.join(MOUNT_FILE);
-        let _ = umount2(&target, MntFlags::MNT_DETACH);
+        let _ = nestbox_sys::mount::detach(&target);
         let _ = fs::remove_file(&target);
         let _ = fs::remove_file(dir.join(ID_FILE));
         let _ = fs::remove_dir(&dir);
@@ -337,22 +329,19 @@ pub fn spawn_fill(roots: &Roots) {
     crate::ops::spawn_refill(|| fill(roots).map(|_| ()));
 }
 
-/// Join `netns` on the calling thread and return the namespace it was in, for
-/// [`leave`]. A process forked meanwhile starts in `netns`.
-pub fn enter(netns: &OwnedFd) -> Result<OwnedFd> {
-    let own: OwnedFd = fs::File::open("/proc/thread-self/ns/net")
-        .map_err(RuntimeError::io("open", "/proc/thread-self/ns/net"))?
-        .into();
-    nix::sched::setns(netns.as_fd(), nix::sched::CloneFlags::CLONE_NEWNET).map_err(
-        RuntimeError::sys("setns(CLONE_NEWNET) into a pooled namespace"),
-    )?;
-    Ok(own)
+/// Join `netns` on the calling thread; the guard holds the namespace it was in,
+/// for [`leave`] (a forked child that keeps `netns` calls `stay` on it). A
+/// process forked meanwhile starts in `netns`.
+pub fn enter(netns: &OwnedFd) -> Result<NsGuard> {
+    NsGuard::enter(netns.as_fd(), Namespace::Net).map_err(RuntimeError::sys(
+        "setns(CLONE_NEWNET) into a pooled namespace",
+    ))
 }
 
 /// Return to the namespace [`enter`] left; without it every later netlink call
 /// of this process would act on the box's namespace.
-pub fn leave(own: OwnedFd) -> Result<()> {
-    nix::sched::setns(own.as_fd(), nix::sched::CloneFlags::CLONE_NEWNET).map_err(RuntimeError::sys(
+pub fn leave(own: NsGuard) -> Result<()> {
+    own.leave().map_err(RuntimeError::sys(
         "setns(CLONE_NEWNET) back to the host's namespace",
     ))
 }

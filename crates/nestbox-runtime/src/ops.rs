@@ -93,7 +93,12 @@ pub(crate) fn spawn_refill(work: impl FnOnce() -> Result<()>) {
         // caller's exit handlers or flushing its buffers twice.
         unsafe { libc::_exit(0) }
     }
-    crate::process::close_fds_from(3);
+    // SAFETY: this child never returns to its caller (it ends with exit below),
+    // so no object up the stack uses a descriptor again; `work` opens its own.
+    if unsafe { crate::process::close_fds_from(3) }.is_err() {
+        // SAFETY: _exit ends the child without running the caller's exit handlers.
+        unsafe { libc::_exit(1) }
+    }
     become_daemon();
     let param = libc::sched_param { sched_priority: 0 };
     // SAFETY: sets this (new, single-threaded) process's own scheduling

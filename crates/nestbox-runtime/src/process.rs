@@ -2,7 +2,7 @@
 //! start: shell-style exit codes from wait statuses, waiting for one child, and
 //! pointing stdio at `/dev/null`.
 
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 
 use nix::sys::wait::{waitpid, WaitStatus};
 use nix::unistd::Pid;
@@ -35,13 +35,17 @@ pub fn wait_exit_code(pid: Pid) -> i32 {
 }
 
 /// Close every descriptor of this process from `first` on (a forked helper
-/// must not keep its parent's pipes, locks or box descriptors open).
-pub fn close_fds_from(first: u32) {
-    // SAFETY: close_range only closes descriptors of this process; the caller
-    // holds no Rust object owning one of them that it will use again.
-    unsafe {
-        libc::syscall(libc::SYS_close_range, first, u32::MAX, 0u32);
-    }
+/// must not keep its parent's pipes, locks or box descriptors open); checked,
+/// with a one-by-one fallback on kernels without `close_range`.
+///
+/// # Safety
+/// As for [`nestbox_sys::fd::close_range`]: no live object of this process
+/// owns one of those descriptors and uses or closes it afterwards.
+pub unsafe fn close_fds_from(first: u32) -> crate::Result<()> {
+    // SAFETY: the caller upholds the condition of close_range (above).
+    unsafe { nestbox_sys::fd::close_range(first, u32::MAX) }.map_err(crate::RuntimeError::sys(
+        format!("close_range({first}, ~0)"),
+    ))
 }
 
 /// Point stdin, stdout and stderr at `/dev/null` (best effort).
@@ -59,30 +63,16 @@ pub fn stdio_to_dev_null() {
 
 /// A pidfd for `pid`.
 pub fn pidfd_open(pid: i32) -> crate::Result<OwnedFd> {
-    // SAFETY: pidfd_open takes a pid and flags and returns a new descriptor or -1.
-    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
-    if fd < 0 {
-        return Err(crate::RuntimeError::sys(format!("pidfd_open({pid})"))(
-            nix::errno::Errno::last(),
-        ));
-    }
-    // SAFETY: the kernel just returned this descriptor; nothing else owns it.
-    Ok(unsafe { OwnedFd::from_raw_fd(fd as i32) })
+    nestbox_sys::pidfd::pidfd_open(pid)
+        .map_err(crate::RuntimeError::sys(format!("pidfd_open({pid})")))
 }
 
 /// A duplicate of descriptor `target` of the process behind `pidfd` (`pid`, for
 /// the error message).
 pub fn pidfd_getfd(pidfd: &OwnedFd, target: i32, pid: i32) -> crate::Result<OwnedFd> {
-    // SAFETY: pidfd_getfd duplicates descriptor `target` of the process behind the
-    // pidfd into this process and returns the new descriptor or -1.
-    let fd = unsafe { libc::syscall(libc::SYS_pidfd_getfd, pidfd.as_raw_fd(), target, 0) };
-    if fd < 0 {
-        return Err(crate::RuntimeError::sys(format!(
-            "pidfd_getfd(pid {pid}, fd {target})"
-        ))(nix::errno::Errno::last()));
-    }
-    // SAFETY: the kernel just returned this descriptor; nothing else owns it.
-    Ok(unsafe { OwnedFd::from_raw_fd(fd as i32) })
+    nestbox_sys::pidfd::pidfd_getfd(pidfd.as_fd(), target).map_err(crate::RuntimeError::sys(
+        format!("pidfd_getfd(pid {pid}, fd {target})"),
+    ))
 }
 
 /// The pid (as this process's /proc sees it) of the process behind `pidfd`.

@@ -12,7 +12,6 @@ use std::os::fd::AsFd;
 use std::time::{Duration, Instant};
 
 use nestbox_isolation::idmap::{IdMap, IdRange};
-use nix::sched::{setns, CloneFlags};
 use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
 
@@ -258,15 +257,16 @@ pub fn shell_identity(
 }
 
 /// Make the calling (single-threaded) process create its next children in the pid
-/// namespace of template `t`'s init.
-pub fn enter_pid_namespace_of(t: &BoxRecord) -> Result<()> {
+/// namespace of template `t`'s init, until the guard is left or dropped.
+pub fn enter_pid_namespace_of(t: &BoxRecord) -> Result<nestbox_sys::ns::NsGuard> {
     let init = t
         .state
         .init
         .ok_or_else(|| RuntimeError::NotRunning(t.name().to_string()))?;
     let path = format!("/proc/{}/ns/pid", init.pid);
     let ns = std::fs::File::open(&path).map_err(RuntimeError::io("open", &path))?;
-    setns(ns.as_fd(), CloneFlags::CLONE_NEWPID).map_err(RuntimeError::sys(format!("setns({path})")))
+    nestbox_sys::ns::NsGuard::enter(ns.as_fd(), nestbox_sys::ns::Namespace::Pid)
+        .map_err(RuntimeError::sys(format!("setns({path})")))
 }
 
 /// Whether `record` is a clone (or a clone shell being made) of template box

@@ -69,7 +69,7 @@ impl<'s> Txn<'s> {
         let store_lock = store.lock_shared()?;
         clean_stale(store, false);
         let mut rnd = [0u8; 6];
-        getrandom(&mut rnd);
+        getrandom(&mut rnd)?;
         let name = format!("txn-{}-{}", std::process::id(), crate::hash::hex(&rnd));
         // Made under a hidden name and renamed once locked, so a cleaner never sees
         // a live staging directory without its lock.
@@ -320,14 +320,38 @@ pub fn now() -> f64 {
         .unwrap_or(0.0)
 }
 
-/// Fill `buf` from the kernel's random source.
-fn getrandom(buf: &mut [u8]) {
-    // SAFETY: buf is a valid writable buffer of buf.len() bytes.
-    let n = unsafe { libc::getrandom(buf.as_mut_ptr().cast(), buf.len(), 0) };
-    if n != buf.len() as isize {
-        let t = now().to_bits().to_le_bytes();
-        for (b, x) in buf.iter_mut().zip(t.iter().cycle()) {
-            *b = *x;
+/// Fill `buf` from the kernel's random source (blocking until it is seeded);
+/// no weaker fallback.
+fn getrandom(buf: &mut [u8]) -> Result<()> {
+    let mut filled = 0;
+    while filled < buf.len() {
+        let rest = &mut buf[filled..];
+        // SAFETY: `rest` is a valid writable buffer of rest.len() bytes.
+        let n = unsafe { libc::getrandom(rest.as_mut_ptr().cast(), rest.len(), 0) };
+        if n < 0 {
+            let e = std::io::Error::last_os_error();
+            if e.kind() == std::io::ErrorKind::Interrupted {
+                continue;
+            }
+            return Err(StoreError::Random(e));
         }
+        filled += n as usize;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn getrandom_fills_the_whole_buffer() {
+        // 64 random bytes are all zero with probability 2^-512.
+        let mut a = [0u8; 64];
+        getrandom(&mut a).unwrap();
+        assert_ne!(a, [0u8; 64]);
+        let mut b = [0u8; 64];
+        getrandom(&mut b).unwrap();
+        assert_ne!(a, b);
     }
 }

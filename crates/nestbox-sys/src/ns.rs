@@ -1,0 +1,210 @@
+//! Joining namespaces with `setns(2)`: for good ([`enter`]) or for a while
+//! ([`NsGuard`], which returns the calling thread to where it was).
+//!
+//! `setns` acts on the calling thread only. A pid namespace changes only where
+//! the thread's next children are born (`pid_for_children`), not the thread
+//! itself. A user namespace cannot be left again (nobody holds rights in the
+//! parent namespace from inside it), so it is joined only with [`enter`].
+
+use std::os::fd::{AsFd, BorrowedFd, FromRawFd, OwnedFd};
+
+use nix::errno::Errno;
+use nix::fcntl::OFlag;
+use nix::sched::CloneFlags;
+use nix::sys::stat::Mode;
+
+use crate::Result;
+
+/// A kind of namespace.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Namespace {
+    /// User namespace (`CLONE_NEWUSER`).
+    User,
+    /// IPC namespace (`CLONE_NEWIPC`).
+    Ipc,
+    /// UTS (hostname) namespace (`CLONE_NEWUTS`).
+    Uts,
+    /// Network namespace (`CLONE_NEWNET`).
+    Net,
+    /// Pid namespace (`CLONE_NEWPID`), for children born afterwards.
+    Pid,
+    /// Cgroup namespace (`CLONE_NEWCGROUP`).
+    Cgroup,
+    /// Mount namespace (`CLONE_NEWNS`).
+    Mnt,
+}
+
+impl Namespace {
+    /// The `CLONE_NEW*` flag `setns` takes for it.
+    pub fn flag(self) -> CloneFlags {
+        match self {
+            Namespace::User => CloneFlags::CLONE_NEWUSER,
+            Namespace::Ipc => CloneFlags::CLONE_NEWIPC,
+            Namespace::Uts => CloneFlags::CLONE_NEWUTS,
+            Namespace::Net => CloneFlags::CLONE_NEWNET,
+            Namespace::Pid => CloneFlags::CLONE_NEWPID,
+            Namespace::Cgroup => CloneFlags::CLONE_NEWCGROUP,
+            Namespace::Mnt => CloneFlags::CLONE_NEWNS,
+        }
+    }
+
+    /// Its name under `/proc/PID/ns/`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Namespace::User => "user",
+            Namespace::Ipc => "ipc",
+            Namespace::Uts => "uts",
+            Namespace::Net => "net",
+            Namespace::Pid => "pid",
+            Namespace::Cgroup => "cgroup",
+            Namespace::Mnt => "mnt",
+        }
+    }
+
+    /// The calling thread's current namespace of this kind (for a pid
+    /// namespace: the one its next children are born in).
+    fn own_path(self) -> &'static str {
+        match self {
+            Namespace::User => "/proc/thread-self/ns/user",
+            Namespace::Ipc => "/proc/thread-self/ns/ipc",
+            Namespace::Uts => "/proc/thread-self/ns/uts",
+            Namespace::Net => "/proc/thread-self/ns/net",
+            Namespace::Pid => "/proc/thread-self/ns/pid_for_children",
+            Namespace::Cgroup => "/proc/thread-self/ns/cgroup",
+            Namespace::Mnt => "/proc/thread-self/ns/mnt",
+        }
+    }
+}
+
+/// Join namespace `ns` (an open `/proc/PID/ns/*` file or a pidfd's namespace
+/// of kind `kind`) on the calling thread, for good.
+pub fn enter(ns: BorrowedFd<'_>, kind: Namespace) -> Result<()> {
+    nix::sched::setns(ns, kind.flag())
+}
+
+/// A thread's stay in another namespace: [`NsGuard::enter`] joins it and
+/// keeps a handle on the namespace the thread was in; [`NsGuard::leave`] (or
+/// dropping the guard) returns there.
+///
+/// A thread that cannot return must not go on silently: it would act on the
+/// box's links, hostname or mounts as if they were the host's. So
+///
+/// * [`NsGuard::leave`] returns the error; the thread is then still in the
+///   entered namespace and the caller must end what it was doing (nestbox's
+///   callers propagate the error to the end of the process);
+/// * dropping a guard that fails to return prints one line to stderr and
+///   **aborts the process** (a drop cannot return an error);
+/// * [`NsGuard::stay`] is for a forked child that is meant to keep the entered
+///   namespace: it forgets the way back without moving.
+#[derive(Debug)]
+#[must_use = "dropping the guard returns the thread to its namespace at once"]
+pub struct NsGuard {
+    kind: Namespace,
+    original: Option<OwnedFd>,
+}
+
+impl NsGuard {
+    /// Join `ns` (of kind `kind`) on the calling thread, remembering where it
+    /// was. Fails with `EINVAL` for [`Namespace::User`], which cannot be left.
+    pub fn enter(ns: BorrowedFd<'_>, kind: Namespace) -> Result<NsGuard> {
+        if kind == Namespace::User {
+            return Err(Errno::EINVAL);
+        }
+        let original = open_own(kind)?;
+        enter(ns, kind)?;
+        Ok(NsGuard {
+            kind,
+            original: Some(original),
+        })
+    }
+
+    /// The kind of namespace entered.
+    pub fn kind(&self) -> Namespace {
+        self.kind
+    }
+
+    /// Return the thread to the namespace it was in. On error the thread is
+    /// still in the entered namespace (see the type's documentation).
+    pub fn leave(mut self) -> Result<()> {
+        match self.original.take() {
+            Some(fd) => enter(fd.as_fd(), self.kind),
+            None => Ok(()),
+        }
+    }
+
+    /// Stay in the entered namespace for good (in a forked child that is meant
+    /// to live there): the way back is closed, nothing moves.
+    pub fn stay(mut self) {
+        self.original = None;
+    }
+}
+
+impl Drop for NsGuard {
+    fn drop(&mut self) {
+        let Some(fd) = self.original.take() else {
+            return;
+        };
+        if let Err(e) = enter(fd.as_fd(), self.kind) {
+            eprintln!(
+                "nestbox: cannot return to the original {} namespace ({e}); aborting rather than go on in the wrong one",
+                self.kind.name()
+            );
+            std::process::abort();
+        }
+    }
+}
+
+fn open_own(kind: Namespace) -> Result<OwnedFd> {
+    let fd = nix::fcntl::open(
+        kind.own_path(),
+        OFlag::O_RDONLY | OFlag::O_CLOEXEC,
+        Mode::empty(),
+    )?;
+    // SAFETY: open just returned this descriptor; nothing else owns it.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::MetadataExt;
+
+    fn uts_ino() -> u64 {
+        std::fs::metadata("/proc/thread-self/ns/uts").unwrap().ino()
+    }
+
+    #[test]
+    fn user_namespaces_are_not_guarded() {
+        let own = open_own(Namespace::User).unwrap();
+        assert_eq!(
+            NsGuard::enter(own.as_fd(), Namespace::User).unwrap_err(),
+            Errno::EINVAL
+        );
+    }
+
+    /// Enter a fresh uts namespace (made by a child thread) and come back.
+    #[test]
+    fn guard_returns_to_the_original() {
+        if !nix::unistd::geteuid().is_root() {
+            eprintln!("skipped: needs root");
+            return;
+        }
+        let before = uts_ino();
+        // A thread of its own: unshare affects the calling thread only.
+        let other = std::thread::spawn(|| {
+            nix::sched::unshare(CloneFlags::CLONE_NEWUTS).unwrap();
+            open_own(Namespace::Uts).unwrap()
+        })
+        .join()
+        .unwrap();
+        let guard = NsGuard::enter(other.as_fd(), Namespace::Uts).unwrap();
+        assert_ne!(uts_ino(), before);
+        guard.leave().unwrap();
+        assert_eq!(uts_ino(), before);
+        {
+            let _g = NsGuard::enter(other.as_fd(), Namespace::Uts).unwrap();
+            assert_ne!(uts_ino(), before);
+        }
+        assert_eq!(uts_ino(), before);
+    }
+}

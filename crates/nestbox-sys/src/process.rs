@@ -1,0 +1,165 @@
+//! Process creation and control: forking into new namespaces with `clone(2)`,
+//! signalling one thread (`tgkill`), raw wait statuses, and `_exit`.
+
+use std::os::fd::{FromRawFd, OwnedFd};
+
+use nix::errno::Errno;
+use nix::sched::CloneFlags;
+use nix::unistd::Pid;
+
+use crate::Result;
+
+/// What a fork returned, like `fork(2)`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Forked {
+    /// In the parent, with the child's pid (as seen from the parent).
+    Parent(Pid),
+    /// In the child.
+    Child,
+}
+
+/// Fork the calling process into new namespaces `flags` (`clone(2)` with no
+/// new stack and `SIGCHLD`, so it behaves like `fork(2)`). With
+/// `CLONE_NEWPID` the child is pid 1 of its pid namespace.
+///
+/// # Safety
+/// As for `fork(2)`: the caller must be single-threaded (or the child must
+/// touch no lock, allocator or other state another thread may have held at
+/// the fork), and until it calls `exec` or [`exit_now`] the child may only do
+/// what is async-signal-safe in the parent's state. `flags` must not contain
+/// `CLONE_VM`, `CLONE_SETTLS`, `CLONE_VFORK` or the tid-pointer flags, which
+/// would share or write memory the Rust program owns.
+pub unsafe fn fork_into(flags: CloneFlags) -> Result<Forked> {
+    let raw = flags.bits() as libc::c_ulong | libc::SIGCHLD as libc::c_ulong;
+    // SAFETY: the caller upholds the fork conditions above; with a null stack and
+    // no CLONE_VM the child gets a copy of the address space, as with fork.
+    let ret = unsafe { libc::syscall(libc::SYS_clone, raw, 0usize, 0usize, 0usize, 0usize) };
+    match Errno::result(ret)? {
+        0 => Ok(Forked::Child),
+        pid => Ok(Forked::Parent(Pid::from_raw(pid as i32))),
+    }
+}
+
+/// [`fork_into`], also returning (in the parent) a pidfd of the child
+/// (`CLONE_PIDFD`): the way to name a child born in a pid namespace other than
+/// the one the caller's `/proc` shows.
+///
+/// # Safety
+/// As for [`fork_into`].
+pub unsafe fn fork_into_with_pidfd(flags: CloneFlags) -> Result<(Forked, Option<OwnedFd>)> {
+    let raw = flags.bits() as libc::c_ulong
+        | libc::CLONE_PIDFD as libc::c_ulong
+        | libc::SIGCHLD as libc::c_ulong;
+    let mut pidfd: libc::c_int = -1;
+    // SAFETY: as in fork_into (conditions upheld by the caller); with CLONE_PIDFD
+    // the kernel stores the child's pidfd in `pidfd`, a live local passed as the
+    // parent-tid pointer.
+    let ret = unsafe {
+        libc::syscall(
+            libc::SYS_clone,
+            raw,
+            0usize,
+            &mut pidfd as *mut libc::c_int,
+            0usize,
+            0usize,
+        )
+    };
+    match Errno::result(ret)? {
+        0 => Ok((Forked::Child, None)),
+        pid => {
+            // SAFETY: the kernel just created this descriptor for the caller.
+            let fd = (pidfd >= 0).then(|| unsafe { OwnedFd::from_raw_fd(pidfd) });
+            Ok((Forked::Parent(Pid::from_raw(pid as i32)), fd))
+        }
+    }
+}
+
+/// Send signal `sig` (a raw number: real-time signals included; 0 only checks)
+/// to thread `tid` of thread group `tgid`.
+pub fn tgkill(tgid: i32, tid: i32, sig: i32) -> Result<()> {
+    // SAFETY: integer arguments only.
+    let rc = unsafe { libc::syscall(libc::SYS_tgkill, tgid, tid, sig) };
+    Errno::result(rc).map(drop)
+}
+
+/// `waitpid(pid, flags | __WALL)` returning the raw status, retrying on
+/// `EINTR`; `None` with `WNOHANG` and nothing to report. Ptrace stops carry
+/// event bits in the raw status that `nix`'s decoded one does not keep.
+pub fn waitpid_raw(pid: i32, flags: libc::c_int) -> Result<Option<libc::c_int>> {
+    loop {
+        let mut status = 0;
+        // SAFETY: `status` is a valid out-pointer for the duration of the call.
+        let rc = unsafe { libc::waitpid(pid, &mut status, flags | libc::__WALL) };
+        match Errno::result(rc) {
+            Ok(0) => return Ok(None),
+            Ok(_) => return Ok(Some(status)),
+            Err(Errno::EINTR) => continue,
+            Err(e) => return Err(e),
+        }
+    }
+}
+
+/// The robust futex list of process `pid` (`get_robust_list(2)`): (head
+/// address, length), both in `pid`'s address space. Needs ptrace rights over it.
+pub fn robust_list(pid: i32) -> Result<(u64, u64)> {
+    let mut head: u64 = 0;
+    let mut len: u64 = 0;
+    // SAFETY: head and len are valid out-pointers for a pointer and a size_t
+    // (both 8 bytes on the 64-bit targets nestbox builds for).
+    let rc = unsafe {
+        libc::syscall(
+            libc::SYS_get_robust_list,
+            pid,
+            std::ptr::addr_of_mut!(head),
+            std::ptr::addr_of_mut!(len),
+        )
+    };
+    Errno::result(rc).map(|_| (head, len))
+}
+
+/// End the calling process at once with `code` (`_exit(2)`): no exit
+/// handlers, no buffered-output flush, no destructors, which is what a forked
+/// child must do so it does not run its parent's a second time.
+pub fn exit_now(code: i32) -> ! {
+    // SAFETY: _exit has no preconditions; skipping destructors only leaks.
+    unsafe { libc::_exit(code) }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn fork_into_no_new_namespace() {
+        // SAFETY: the child only calls _exit (async-signal-safe) and the flags are
+        // empty. The test harness is multi-threaded, which _exit tolerates.
+        match unsafe { fork_into(CloneFlags::empty()) }.unwrap() {
+            Forked::Child => exit_now(7),
+            Forked::Parent(pid) => {
+                let status = waitpid_raw(pid.as_raw(), 0).unwrap().unwrap();
+                assert!(libc::WIFEXITED(status));
+                assert_eq!(libc::WEXITSTATUS(status), 7);
+            }
+        }
+    }
+
+    #[test]
+    fn fork_with_pidfd() {
+        // SAFETY: as above.
+        match unsafe { fork_into_with_pidfd(CloneFlags::empty()) }.unwrap() {
+            (Forked::Child, _) => exit_now(0),
+            (Forked::Parent(pid), fd) => {
+                assert!(fd.is_some());
+                let status = waitpid_raw(pid.as_raw(), 0).unwrap().unwrap();
+                assert!(libc::WIFEXITED(status));
+            }
+        }
+    }
+
+    #[test]
+    fn tgkill_zero_checks_a_thread() {
+        let me = std::process::id() as i32;
+        tgkill(me, me, 0).unwrap();
+        assert_eq!(tgkill(me, -1, 0).unwrap_err(), Errno::EINVAL);
+    }
+}
