@@ -45,7 +45,7 @@ pub mod subnet;
 pub mod tc;
 
 pub use config::NetworkConfig;
-pub use error::{NetError, Result};
+pub use error::{NetError, NetErrorKind, Result};
 pub use network::{list_networks, AttachOptions, Attachment, Lease, Network};
 pub use port::{PortMapping, Proto};
 pub use rate::{parse_rate, Rate};

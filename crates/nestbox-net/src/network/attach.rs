@@ -89,7 +89,7 @@ impl Network {
                 .map(Rate::bits)
                 .sum();
             if reserved + r.bits() > link.bits() {
-                return Err(NetError::Invalid(format!(
+                return Err(NetError::Conflict(format!(
                     "network reservation {r} does not fit: link rate {link}, {} already reserved by other boxes",
                     Rate::from_bits(reserved).map_or("0bit".to_string(), |x| x.to_string())
                 )));
@@ -145,7 +145,8 @@ impl Network {
         opts: &AttachOptions,
     ) -> Result<Attachment> {
         let id = lease.box_id.as_str();
-        let mut locked = state::lock(&self.config.state_dir)?;
+        // A network removed meanwhile has no lease for the box: nothing is made.
+        let mut locked = self.lock_existing()?;
         let entry = locked
             .state
             .boxes
@@ -153,10 +154,11 @@ impl Network {
             .cloned()
             .ok_or_else(|| NetError::NoLease(id.to_string()))?;
         if entry.address != lease.address {
-            return Err(NetError::Invalid(format!(
-                "lease address {} does not match the network's record {}",
-                lease.address, entry.address
-            )));
+            return Err(NetError::LeaseMismatch {
+                box_id: id.to_string(),
+                lease: lease.address,
+                recorded: entry.address,
+            });
         }
         if entry.attachment.is_some() {
             return Err(NetError::AlreadyAttached(id.to_string()));
@@ -164,7 +166,6 @@ impl Network {
         self.check_options(id, &locked, opts)?;
         let mut nl = Netlink::open()?;
         let infra = self.ensure_infra(&mut nl, &locked)?;
-        let ifb = infra.ifb;
 
         let link_rate = self.config.link_rate;
         let share = opts.share.unwrap_or(DEFAULT_SHARE);
@@ -193,14 +194,27 @@ impl Network {
             &mut nl, &locked, lease, netns, &record, &infra, link_rate, &mut made,
         );
         if let Err(e) = res {
-            self.undo(&mut nl, &made, ifb);
+            self.undo(&mut nl, id, &made);
             locked.state.boxes.insert(id.to_string(), entry);
+            // The attach's own error is the one reported; what the roll-back
+            // could not undo is logged (and left to `detach`/`gc`).
             if made.nft {
-                let _ = self
+                if let Err(undo) = self
                     .ruleset(&locked, None)
-                    .apply("roll back published ports");
+                    .apply("roll back published ports")
+                {
+                    tracing::warn!(
+                        box_id = id,
+                        "attach failed ({e}); restoring the NAT table failed: {undo}"
+                    );
+                }
             }
-            let _ = locked.save();
+            if let Err(undo) = locked.save() {
+                tracing::warn!(
+                    box_id = id,
+                    "attach failed ({e}); saving the rolled-back state failed: {undo}"
+                );
+            }
             return Err(e);
         }
         Ok(self.attachment_of(id, locked.state.boxes.get(id).unwrap_or(&entry), &record))
@@ -353,28 +367,47 @@ impl Network {
         Ok(())
     }
 
-    fn undo(&self, nl: &mut Netlink, made: &Made, _ifb: u32) {
+    /// Undo what a failed attach of `box_id` made, in reverse. Best effort:
+    /// the attach's error is the one reported, and what cannot be undone is
+    /// logged; it keeps an owner in the state (the record is restored only
+    /// after this), so `gc` removes it later.
+    fn undo(&self, nl: &mut Netlink, box_id: &str, made: &Made) {
+        let warn = |what: &str, e: NetError| {
+            tracing::warn!(box_id, "rolling back a failed attach: {what}: {e}");
+        };
         if let Some(addr) = made.shortcut {
-            if let Ok(Some(map)) = self.existing_shortcut_map() {
-                let _ = bpf::map_remove(map.as_fd(), addr);
+            match self.existing_shortcut_map() {
+                Ok(Some(map)) => {
+                    if let Err(e) = bpf::map_remove(map.as_fd(), addr) {
+                        warn("remove the shortcut entry", e);
+                    }
+                }
+                Ok(None) => {}
+                Err(e) => warn("open the shortcut map", e),
             }
         }
         if let Some(v) = &made.veth {
-            let _ = link::delete(nl, v);
+            if let Err(e) = link::delete(nl, v) {
+                warn("delete the veth", e);
+            }
         }
         if let Some((ifb, fh)) = made.filter {
             let ifb_name = self.config.ifb();
-            let _ = tc::del_u32_filter(
+            if let Err(e) = tc::del_u32_filter(
                 nl,
                 ifb,
                 &ifb_name,
                 tc::handle(HTB_MAJOR, 0),
                 FILTER_PRIO,
                 fh,
-            );
+            ) {
+                warn("delete the egress filter", e);
+            }
         }
         if let Some((ifb, class)) = made.class {
-            let _ = tc::del_class(nl, ifb, &self.config.ifb(), class);
+            if let Err(e) = tc::del_class(nl, ifb, &self.config.ifb(), class) {
+                warn("delete the egress class", e);
+            }
         }
     }
 
@@ -446,7 +479,10 @@ impl Network {
     }
 
     fn detach_inner(&self, box_id: &str, delete_link: bool) -> Result<bool> {
-        let mut locked = state::lock(&self.config.state_dir)?;
+        // A network removed meanwhile (`destroy`) took the box's things with it.
+        let Some(mut locked) = state::lock_existing(&self.config.state_dir)? else {
+            return Ok(false);
+        };
         let entry = locked.state.boxes.get(box_id).cloned();
         let mut nl = Netlink::open()?;
         let removed = self.teardown(&mut nl, box_id, entry.as_ref(), delete_link)?;

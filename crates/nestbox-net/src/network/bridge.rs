@@ -112,7 +112,9 @@ impl Network {
                         .apply("create the network's NAT table")
                 })();
                 if let Err(e) = setup {
-                    let _ = link::delete(nl, &c.bridge);
+                    if let Err(undo) = link::delete(nl, &c.bridge) {
+                        tracing::warn!(bridge = %c.bridge, "after a failed set-up ({e}), removing the bridge failed too: {undo}");
+                    }
                     return Err(e);
                 }
                 (idx, Some(mac))
@@ -164,7 +166,9 @@ impl Network {
                     )
                 })();
                 if let Err(e) = setup {
-                    let _ = link::delete(nl, &ifb_name);
+                    if let Err(undo) = link::delete(nl, &ifb_name) {
+                        tracing::warn!(ifb = %ifb_name, "after a failed set-up ({e}), removing the IFB device failed too: {undo}");
+                    }
                     return Err(e);
                 }
                 idx

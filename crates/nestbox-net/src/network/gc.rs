@@ -3,7 +3,6 @@
 //! no box owns), and removing the whole network.
 
 use std::collections::BTreeSet;
-use std::fs;
 
 use super::bridge::{FILTER_PRIO, HTB_MAJOR};
 use super::{Network, DEFAULT_CLASS_MINOR};
@@ -17,7 +16,9 @@ impl Network {
     /// and any veth on the bridge or class on the IFB that no box owns.
     /// Returns the ids of the boxes removed.
     pub fn gc(&self, live: &[&str]) -> Result<Vec<String>> {
-        let mut locked = state::lock(&self.config.state_dir)?;
+        let Some(mut locked) = state::lock_existing(&self.config.state_dir)? else {
+            return Ok(Vec::new());
+        };
         let mut nl = Netlink::open()?;
         let dead: Vec<String> = locked
             .state
@@ -86,24 +87,47 @@ impl Network {
     /// Remove the whole network from the host: every box's attachment and
     /// lease, the bridge, the IFB device, the NAT table and the state directory.
     pub fn destroy(self) -> Result<()> {
+        self.destroy_inner(|_| true)
+    }
+
+    /// [`Network::destroy`], refused with [`NetError::InUse`] while a box holds
+    /// an address, except boxes `ignore` accepts (e.g. a pool's namespaces).
+    /// The check and the removal happen under the network's lock, so a box
+    /// that is given an address meanwhile either stops the removal or comes
+    /// after it, on a network made anew.
+    pub fn destroy_unused(self, ignore: impl Fn(&str) -> bool) -> Result<()> {
+        self.destroy_inner(|id| ignore(id))
+    }
+
+    fn destroy_inner(self, removable: impl Fn(&str) -> bool) -> Result<()> {
+        // Made if missing: the host's devices are removed even without state.
         let locked = state::lock(&self.config.state_dir)?;
+        let holding: Vec<&String> = locked
+            .state
+            .boxes
+            .keys()
+            .filter(|id| !removable(id))
+            .collect();
+        if let Some(first) = holding.first() {
+            return Err(NetError::InUse {
+                network: self.config.name.clone(),
+                boxes: holding.len(),
+                first: first.to_string(),
+            });
+        }
         let mut nl = Netlink::open()?;
         for (id, e) in &locked.state.boxes {
             self.teardown(&mut nl, id, Some(e), true)
                 .map_err(|e| e.for_box(id))?;
         }
-        link::delete(&mut nl, &self.config.ifb())?;
-        link::delete(&mut nl, &self.config.bridge)?;
-        match crate::nft::delete_table(&self.config.bridge) {
-            Ok(()) => {}
-            Err(NetError::Nft { message, .. }) if message.contains("missing") => {}
-            Err(e) => return Err(e),
-        }
-        drop(locked);
-        match fs::remove_dir_all(&self.config.state_dir) {
-            Ok(()) => Ok(()),
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
-            Err(e) => Err(NetError::io("remove", &self.config.state_dir, e)),
-        }
+        // Each of the three is tried even if one fails; the state stays (for
+        // `network rm` to be tried again) unless all are gone.
+        let ifb = link::delete(&mut nl, &self.config.ifb()).map(|_| ());
+        let bridge = link::delete(&mut nl, &self.config.bridge).map(|_| ());
+        let table = crate::nft::delete_table(&self.config.bridge);
+        ifb.and(bridge).and(table)?;
+        // Under the lock to the end: a call waiting for it finds the network
+        // gone, or makes it anew with state of its own (see `state::lock`).
+        locked.remove()
     }
 }

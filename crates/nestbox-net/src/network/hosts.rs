@@ -104,7 +104,14 @@ impl Network {
     /// Write the boxes' resolv.conf from the host's (a host without one
     /// gives boxes no name server, which the file then says).
     pub(super) fn write_resolv(&self) -> Result<()> {
-        let host = fs::read_to_string("/etc/resolv.conf").unwrap_or_default();
+        let host = fs::read_to_string("/etc/resolv.conf").unwrap_or_else(|e| {
+            // A host without a resolver configuration: the boxes get none
+            // either, and the file says so (see `render_resolv`).
+            tracing::warn!(
+                "cannot read the host's /etc/resolv.conf ({e}): boxes get no name server"
+            );
+            String::new()
+        });
         write_in_place(&self.resolv_path(), &render_resolv(&host))
     }
 }

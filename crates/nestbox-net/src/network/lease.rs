@@ -5,6 +5,7 @@
 use std::collections::BTreeSet;
 
 use super::{hosts, Attachment, Lease, Network};
+use crate::config::NetworkConfig;
 use crate::error::{NetError, Result};
 use crate::state::{self, BoxEntry};
 
@@ -34,7 +35,13 @@ impl Network {
         if let Some(bad) = names.iter().find(|n| !hosts::valid_name(n)) {
             return Err(NetError::Invalid(format!("invalid host name {bad:?}")).for_box(box_id));
         }
+        // Makes the network's state anew if it was removed meanwhile
+        // (`network rm`), configuration included, so that what the attach
+        // makes next has an owner that `detach`, `gc` and `destroy` find.
         let mut locked = state::lock(&self.config.state_dir)?;
+        if NetworkConfig::load(&self.config.state_dir)?.is_none() {
+            self.config.save()?;
+        }
         if let Some(e) = locked.state.boxes.get(box_id) {
             return Ok(self.lease_of(box_id, e));
         }
@@ -79,9 +86,9 @@ impl Network {
         if let Some(bad) = names.iter().find(|n| !hosts::valid_name(n)) {
             return Err(NetError::Invalid(format!("invalid host name {bad:?}")).for_box(box_id));
         }
-        let mut locked = state::lock(&self.config.state_dir)?;
+        let mut locked = self.lock_existing()?;
         let Some(entry) = locked.state.boxes.get_mut(box_id) else {
-            return Err(NetError::Invalid(format!("box {box_id} has no address")));
+            return Err(NetError::NoLease(box_id.to_string()));
         };
         entry.names = names.iter().map(|s| s.to_string()).collect();
         locked.save()?;
@@ -97,17 +104,17 @@ impl Network {
         if let Some(bad) = names.iter().find(|n| !hosts::valid_name(n)) {
             return Err(NetError::Invalid(format!("invalid host name {bad:?}")).for_box(to));
         }
-        let mut locked = state::lock(&self.config.state_dir)?;
+        let mut locked = self.lock_existing()?;
         if locked.state.boxes.contains_key(to) {
-            return Err(NetError::Invalid(format!(
+            return Err(NetError::Conflict(format!(
                 "box {to} already has an address"
             )));
         }
         let Some(mut entry) = locked.state.boxes.remove(from) else {
-            return Err(NetError::Invalid(format!("{from} has no address")));
+            return Err(NetError::NoLease(from.to_string()));
         };
         let Some(record) = entry.attachment.clone() else {
-            return Err(NetError::Invalid(format!("{from} is not attached")));
+            return Err(NetError::NotAttached(from.to_string()));
         };
         entry.names = names.iter().map(|s| s.to_string()).collect();
         let attachment = self.attachment_of(to, &entry, &record);

@@ -150,7 +150,7 @@ impl Network {
                 if !locked.state.boxes.is_empty()
                     && (saved.bridge != config.bridge || saved.subnet != config.subnet)
                 {
-                    return Err(NetError::Invalid(format!(
+                    return Err(NetError::Conflict(format!(
                         "network {} has boxes on bridge {} subnet {}: cannot change them",
                         saved.name, saved.bridge, saved.subnet
                     )));
@@ -165,7 +165,7 @@ impl Network {
         if let Some(idx) = link::index(&mut nl, &net.config.bridge)? {
             let gw = net.config.subnet.gateway();
             if !addr::list(&mut nl, idx)?.iter().any(|(a, _)| *a == gw) {
-                return Err(NetError::Invalid(format!(
+                return Err(NetError::Conflict(format!(
                     "bridge {} exists but does not carry {gw}: it belongs to another network",
                     net.config.bridge
                 )));
@@ -173,6 +173,13 @@ impl Network {
         }
         drop(locked);
         Ok(net)
+    }
+
+    /// The network's state, locked; [`NetError::NoNetwork`] if it was
+    /// removed (also while this waited for the lock).
+    fn lock_existing(&self) -> Result<state::Locked> {
+        state::lock_existing(&self.config.state_dir)?
+            .ok_or_else(|| NetError::NoNetwork(self.config.name.clone()))
     }
 
     /// A handle for reading the network's state only (leases, attachments,

@@ -37,7 +37,14 @@ impl Network {
     pub(super) fn existing_shortcut_map(&self) -> Result<Option<OwnedFd>> {
         let path = self.config.state_dir.join(SHORTCUT_MAP_FILE);
         let id = match fs::read_to_string(&path) {
-            Ok(s) => s.trim().parse::<u32>().ok(),
+            Ok(s) => match s.trim().parse::<u32>() {
+                Ok(id) => Some(id),
+                Err(e) => {
+                    // Made anew (with every attached box) by `shortcut_map`.
+                    tracing::warn!(path = %path.display(), "shortcut map id {s:?} unreadable ({e}): treated as no map");
+                    None
+                }
+            },
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
             Err(e) => return Err(NetError::io("read", &path, e)),
         };
