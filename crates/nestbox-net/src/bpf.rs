@@ -307,7 +307,11 @@ pub fn load_program(map: BorrowedFd<'_>, name: &str) -> Result<OwnedFd> {
         Err(first) => {
             // Again with the verifier's log, for its last line in the error.
             let mut log = vec![0u8; 16 * 1024];
-            let _ = load(Some(&mut log));
+            if let Ok(fd) = load(Some(&mut log)) {
+                // Loaded on the second try (a transient failure): use it.
+                tracing::debug!("{what}: loaded on the second try; the first failed: {first}");
+                return Ok(fd);
+            }
             let text = String::from_utf8_lossy(&log);
             let last = text.trim_end_matches('\0').trim().lines().last();
             match (first, last) {

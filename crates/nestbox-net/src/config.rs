@@ -118,14 +118,13 @@ impl NetworkConfig {
                 return Ok(NetworkConfig::new(DEFAULT_NETWORK, bridge, s, dir));
             }
         }
-        Err(NetError::Invalid(format!(
-            "no free subnet for the default network (tried {} candidates from {}): configure one",
-            candidates.len(),
-            candidates
+        Err(NetError::NoFreeSubnet {
+            tried: candidates.len(),
+            first: candidates
                 .first()
                 .map(|c| c.to_string())
-                .unwrap_or_default()
-        )))
+                .unwrap_or_default(),
+        })
     }
 
     /// The IFB device carrying the egress tree.

@@ -1,6 +1,8 @@
 //! Typed errors of box networking. Every variant carries its context (the
 //! netlink request and the object it was about, the path, the box) and displays
-//! as one line a person can act on.
+//! as one line a person can act on. [`NetError::kind`] tells a user's mistake
+//! (bad input), a missing object, a conflict with what exists and a failure
+//! of the system apart.
 
 use std::io;
 use std::path::PathBuf;
@@ -78,9 +80,47 @@ pub enum NetError {
         /// Why it is refused.
         reason: String,
     },
-    /// Some other invalid input (names, options, configuration).
+    /// Some other invalid input from the user (a name, an option such as a
+    /// share or reservation, a configuration); never a system failure.
     #[error("{0}")]
     Invalid(String),
+    /// What was asked contradicts what exists (a bridge of another network,
+    /// a network's subnet while boxes use it, an address already held).
+    #[error("{0}")]
+    Conflict(String),
+    /// The lease a caller holds is not the one the network recorded for the box.
+    #[error(
+        "lease address {lease} of box {box_id} does not match the network's record {recorded}"
+    )]
+    LeaseMismatch {
+        /// The box.
+        box_id: String,
+        /// The address of the caller's lease.
+        lease: std::net::Ipv4Addr,
+        /// The address the network recorded.
+        recorded: std::net::Ipv4Addr,
+    },
+    /// No subnet is free for a new network.
+    #[error("no free subnet for the default network (tried {tried} candidates from {first}): configure one")]
+    NoFreeSubnet {
+        /// How many candidates were tried.
+        tried: usize,
+        /// The first candidate.
+        first: String,
+    },
+    /// The network does not exist (never made, or removed meanwhile).
+    #[error("network {0:?} does not exist (it was removed)")]
+    NoNetwork(String),
+    /// The network still has boxes, so it is not removed.
+    #[error("network {network:?} still has {boxes} box(es) (box id {first}): remove them first")]
+    InUse {
+        /// The network.
+        network: String,
+        /// How many boxes hold an address on it.
+        boxes: usize,
+        /// One of them.
+        first: String,
+    },
     /// The host port of a published port is taken.
     #[error("host port {port}/{proto} is already in use{}", by.as_deref().map(|b| format!(" by {b}")).unwrap_or_default())]
     PortInUse {
@@ -114,6 +154,9 @@ pub enum NetError {
     /// The box has no lease in this network.
     #[error("box {0} has no address in this network (allocate first)")]
     NoLease(String),
+    /// The box has an address but is not attached.
+    #[error("box {0} is not attached")]
+    NotAttached(String),
     /// The box is already attached.
     #[error("box {0} is already attached")]
     AlreadyAttached(String),
@@ -128,7 +171,45 @@ pub enum NetError {
     },
 }
 
+/// What kind of error a [`NetError`] is, for callers that answer differently
+/// (an API's status, a CLI's exit code).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum NetErrorKind {
+    /// The user's input is invalid: a rate, port, subnet, name or option.
+    Input,
+    /// A network, box, lease or attachment that was named does not exist.
+    NotFound,
+    /// The request conflicts with what exists (a port or address in use, a
+    /// full pool, a bridge of another network, a network with boxes).
+    Conflict,
+    /// The system failed: netlink, a system call, a file, nft, BPF.
+    System,
+}
+
 impl NetError {
+    /// The kind of this error.
+    pub fn kind(&self) -> NetErrorKind {
+        use NetError::*;
+        match self {
+            Netlink { .. } | Decode { .. } | Sys { .. } | Io { .. } | State { .. } | Nft { .. } => {
+                NetErrorKind::System
+            }
+            InvalidRate(_) | InvalidPort(_) | InvalidSubnet { .. } | Invalid(_) => {
+                NetErrorKind::Input
+            }
+            NoLease(_) | NotAttached(_) | NoNetwork(_) => NetErrorKind::NotFound,
+            Conflict(_)
+            | LeaseMismatch { .. }
+            | NoFreeSubnet { .. }
+            | InUse { .. }
+            | PortInUse { .. }
+            | SubnetOverlap { .. }
+            | PoolExhausted { .. }
+            | AlreadyAttached(_) => NetErrorKind::Conflict,
+            Box { source, .. } => source.kind(),
+        }
+    }
+
     /// A failed system call.
     pub(crate) fn sys(call: impl Into<String>, errno: nix::errno::Errno) -> Self {
         NetError::Sys {

@@ -57,6 +57,8 @@ pub fn index_and_mac(nl: &mut Netlink, name: &str) -> Result<Option<(u32, Option
     match nl.get(RouteNetlinkMessage::GetLink(by_name(name)), &what) {
         Ok(RouteNetlinkMessage::NewLink(m)) => {
             let mac = m.attributes.iter().find_map(|a| match a {
+                // Not an error to report: a link whose address is not 6
+                // bytes (not Ethernet) has no MAC.
                 LinkAttribute::Address(a) => <[u8; 6]>::try_from(a.as_slice()).ok(),
                 _ => None,
             });

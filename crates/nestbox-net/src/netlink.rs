@@ -41,9 +41,14 @@ impl Netlink {
         sock.bind_auto().map_err(|e| sys("bind(netlink)", e))?;
         sock.connect(&SocketAddr::new(0, 0))
             .map_err(|e| sys("connect(netlink)", e))?;
-        // Best effort: older kernels lack these; errors are still reported without them.
-        let _ = sock.set_ext_ack(true);
-        let _ = sock.set_cap_ack(true);
+        // Best effort: older kernels lack these; errors are still reported
+        // without them, only without the kernel's extended message.
+        if let Err(e) = sock.set_ext_ack(true) {
+            tracing::debug!("netlink: no extended acks (NETLINK_EXT_ACK): {e}");
+        }
+        if let Err(e) = sock.set_cap_ack(true) {
+            tracing::debug!("netlink: acks not capped (NETLINK_CAP_ACK): {e}");
+        }
         Ok(Netlink {
             sock,
             seq: 0,

@@ -96,6 +96,11 @@ pub fn list_table(bridge: &str) -> Result<Option<String>> {
     if out.status.success() {
         Ok(Some(String::from_utf8_lossy(&out.stdout).into_owned()))
     } else {
+        // nft fails this way when the table does not exist.
+        tracing::debug!(
+            "nft list table {t}: {}",
+            String::from_utf8_lossy(&out.stderr).trim()
+        );
         Ok(None)
     }
 }

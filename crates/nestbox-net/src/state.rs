@@ -59,30 +59,69 @@ pub(crate) struct Locked {
     pub state: State,
 }
 
-/// Lock the state of the network in `dir` and read it.
+/// Lock the state of the network in `dir` and read it, making the directory
+/// if it is missing (for the calls that make a network: open and allocate).
 pub(crate) fn lock(dir: &Path) -> Result<Locked> {
-    fs::create_dir_all(dir).map_err(|e| NetError::io("create", dir, e))?;
+    loop {
+        fs::create_dir_all(dir).map_err(|e| NetError::io("create", dir, e))?;
+        // `None`: the network was removed while we waited; make it anew.
+        if let Some(locked) = lock_at(dir, true)? {
+            return Ok(locked);
+        }
+    }
+}
+
+/// Lock the state of the network in `dir` and read it; `None` if the network
+/// does not exist (never made, or removed, also while this waited for the
+/// lock). Nothing is created.
+pub(crate) fn lock_existing(dir: &Path) -> Result<Option<Locked>> {
+    lock_at(dir, false)
+}
+
+fn lock_at(dir: &Path, create: bool) -> Result<Option<Locked>> {
     let lock_path = dir.join("lock");
-    let f = OpenOptions::new()
+    let f = match OpenOptions::new()
         .read(true)
         .write(true)
-        .create(true)
+        .create(create)
         .truncate(false)
         .custom_flags(libc::O_CLOEXEC)
         .open(&lock_path)
-        .map_err(|e| NetError::io("open", &lock_path, e))?;
+    {
+        Ok(f) => f,
+        Err(e) if !create && e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(NetError::io("open", &lock_path, e)),
+    };
     let lock = Flock::lock(f, FlockArg::LockExclusive).map_err(|(_, e)| NetError::Io {
         what: "lock",
         path: lock_path.clone(),
         source: std::io::Error::from_raw_os_error(e as i32),
     })?;
+    // [`Locked::remove`] deletes the lock file last, still holding the lock:
+    // whoever waited on that file finds it unlinked once it gets the lock,
+    // and must not act on a network that is gone (it would make the bridge
+    // and NAT table again with no state left to own them).
+    if !is_current(&lock, &lock_path)? {
+        return Ok(None);
+    }
     let path = dir.join("state.json");
     let state = read(&path)?;
-    Ok(Locked {
+    Ok(Some(Locked {
         _lock: lock,
         path,
         state,
-    })
+    }))
+}
+
+/// Whether the open file `f` is still the one at `path`.
+fn is_current(f: &File, path: &Path) -> Result<bool> {
+    use std::os::unix::fs::MetadataExt;
+    let open = f.metadata().map_err(|e| NetError::io("stat", path, e))?;
+    match fs::metadata(path) {
+        Ok(m) => Ok(m.dev() == open.dev() && m.ino() == open.ino()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(false),
+        Err(e) => Err(NetError::io("stat", path, e)),
+    }
 }
 
 /// Read a state file without locking (for `inspect`); missing is empty.
@@ -106,6 +145,49 @@ impl Locked {
         })?;
         write_atomic(&self.path, &json)
     }
+
+    /// Remove the network's state directory, the lock file last, while the
+    /// lock is still held: every call waiting for the lock then finds the
+    /// network gone ([`lock_existing`]) or makes a new one ([`lock`]).
+    pub fn remove(self) -> Result<()> {
+        let dir = match self.path.parent() {
+            Some(d) => d.to_path_buf(),
+            None => return Ok(()),
+        };
+        let entries = match fs::read_dir(&dir) {
+            Ok(e) => e,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+            Err(e) => return Err(NetError::io("read directory", &dir, e)),
+        };
+        for e in entries {
+            let e = e.map_err(|e| NetError::io("read directory", &dir, e))?;
+            if e.file_name() == "lock" {
+                continue;
+            }
+            let p = e.path();
+            let r = if e.file_type().is_ok_and(|t| t.is_dir()) {
+                fs::remove_dir_all(&p)
+            } else {
+                fs::remove_file(&p)
+            };
+            match r {
+                Ok(()) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(e) => return Err(NetError::io("remove", &p, e)),
+            }
+        }
+        let lock_path = dir.join("lock");
+        match fs::remove_file(&lock_path) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => return Err(NetError::io("remove", &lock_path, e)),
+        }
+        match fs::remove_dir(&dir) {
+            Ok(()) => Ok(()),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+            Err(e) => Err(NetError::io("remove", &dir, e)),
+        }
+    }
 }
 
 /// Write `data` to `path` through a temporary file and a rename.
@@ -116,4 +198,60 @@ pub(crate) fn write_atomic(path: &Path, data: &[u8]) -> Result<()> {
         .map_err(|e| NetError::io("write", &tmp, e))?;
     drop(f);
     fs::rename(&tmp, path).map_err(|e| NetError::io("rename into place", path, e))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn entry() -> BoxEntry {
+        BoxEntry {
+            names: vec!["a".into()],
+            address: Ipv4Addr::new(10, 0, 0, 2),
+            attachment: None,
+        }
+    }
+
+    /// A call that waited for the lock while the network was removed finds it
+    /// gone: it neither sees the old state nor makes the directory again.
+    #[test]
+    fn waiter_finds_a_removed_network_gone() {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path().join("net");
+        let mut held = lock(&dir).unwrap();
+        held.state.boxes.insert("box-a".into(), entry());
+        held.save().unwrap();
+        let waiter = {
+            let dir = dir.clone();
+            std::thread::spawn(move || lock_existing(&dir).map(|l| l.map(|l| l.state.boxes.len())))
+        };
+        // Let the waiter open the lock file and block on it.
+        std::thread::sleep(std::time::Duration::from_millis(200));
+        held.remove().unwrap();
+        assert_eq!(waiter.join().unwrap().unwrap(), None);
+        assert!(
+            !dir.exists(),
+            "the waiter made the removed network's directory again"
+        );
+    }
+
+    /// A maker that waited while the network was removed makes it anew, on a
+    /// lock file others can find.
+    #[test]
+    fn maker_after_removal_starts_afresh() {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path().join("net");
+        let mut held = lock(&dir).unwrap();
+        held.state.boxes.insert("box-a".into(), entry());
+        held.save().unwrap();
+        let maker = {
+            let dir = dir.clone();
+            std::thread::spawn(move || lock(&dir).map(|l| l.state.boxes.len()))
+        };
+        std::thread::sleep(std::time::Duration::from_millis(200));
+        held.remove().unwrap();
+        assert_eq!(maker.join().unwrap().unwrap(), 0);
+        assert!(dir.join("lock").exists());
+        assert!(lock_existing(&dir).unwrap().is_some());
+    }
 }

@@ -13,7 +13,8 @@ use std::time::{Duration, Instant};
 use common::*;
 use nestbox_net::netlink::Netlink;
 use nestbox_net::{
-    addr, link, netns, nft, parse_rate, AttachOptions, NetError, Network, PortMapping,
+    addr, link, netns, nft, parse_rate, AttachOptions, NetError, NetErrorKind, Network,
+    NetworkConfig, PortMapping,
 };
 
 fn sa(a: Ipv4Addr, p: u16) -> SocketAddr {
@@ -641,4 +642,57 @@ fn attach_latency_is_reported() {
         times[10], times[0]
     );
     assert!(times[10] < Duration::from_millis(200));
+}
+
+/// `destroy` racing a box's allocate and attach (a `network rm` while a box
+/// starts): whatever the order, nothing of the network is left on the host
+/// without the state that owns it (its configuration), so a later removal
+/// finds it. Before the fix, an attach that waited for the lock during
+/// `destroy` made the bridge, IFB and NAT table again after the state
+/// directory was gone.
+#[test]
+fn destroy_racing_an_attach_leaves_nothing_unowned() {
+    if !root() {
+        return;
+    }
+    let t = TestNet::new(17);
+    let cfg = t.net().config().clone();
+    let mut nl = Netlink::open().unwrap();
+    for i in 0..40u64 {
+        let net = Network::open(cfg.clone()).unwrap();
+        // Made before the race (as the runtime leases before it attaches) on
+        // even rounds, in the race on odd ones.
+        let early = (i % 2 == 0).then(|| net.allocate("box-a", &[]).unwrap());
+        let ns = new_ns();
+        let barrier = std::sync::Arc::new(std::sync::Barrier::new(2));
+        let destroyer = {
+            let (cfg, barrier) = (cfg.clone(), barrier.clone());
+            std::thread::spawn(move || {
+                barrier.wait();
+                std::thread::sleep(Duration::from_micros((i * 397) % 3000));
+                Network::view(cfg).destroy()
+            })
+        };
+        barrier.wait();
+        let attached = early
+            .map(Ok)
+            .unwrap_or_else(|| net.allocate("box-a", &[]))
+            .and_then(|lease| net.attach(&lease, ns.as_fd(), &AttachOptions::default()));
+        destroyer.join().unwrap().unwrap();
+        let owned = NetworkConfig::load(&cfg.state_dir).unwrap().is_some();
+        let bridge = link::index(&mut nl, &cfg.bridge).unwrap().is_some();
+        let ifb = link::index(&mut nl, &cfg.ifb()).unwrap().is_some();
+        let table = nft::list_table(&cfg.bridge).unwrap().is_some();
+        assert!(
+            owned || !(bridge || ifb || table),
+            "round {i}: bridge {bridge}, IFB {ifb}, table {table} left with no state (attach: {attached:?})"
+        );
+        if let Err(e) = &attached {
+            assert!(
+                matches!(e.kind(), NetErrorKind::NotFound),
+                "round {i}: attach failed with {e}"
+            );
+        }
+        Network::view(cfg.clone()).destroy().unwrap();
+    }
 }

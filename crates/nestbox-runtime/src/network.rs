@@ -90,7 +90,10 @@ pub fn remove(roots: &Roots) -> Result<bool> {
             l.box_id
         )));
     }
-    crate::network_pool::remove_with(roots, || Ok(net.destroy()?))?;
+    // Checked again under the network's lock: a box given an address since stops it.
+    crate::network_pool::remove_with(roots, || {
+        Ok(net.destroy_unused(crate::network_pool::is_pool_id)?)
+    })?;
     Ok(true)
 }
 

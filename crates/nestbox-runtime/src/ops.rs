@@ -212,7 +212,33 @@ pub fn remove(reg: &Registry, name: &str, force: bool) -> Result<()> {
         cg.remove()?;
     }
     crate::network::release(reg.roots(), &record.state.id)?;
-    reg.remove(&record)
+    reg.remove(&record)?;
+    if let Some(src) = &record.spec.clone_of {
+        settle_removed_template(reg, &src.template_box);
+    }
+    Ok(())
+}
+
+/// If template box `name` was removed while it had clones and none is left,
+/// wait for it to go: its init leaves once its last clone has (it checks
+/// twice a second), and its monitor then releases its network address and
+/// removes its record. Without this, `rm -f` of the last clone returned while
+/// the template still held its address, and a `network rm` right after was
+/// refused. Best effort: a monitor that is dead is cleaned up after here.
+fn settle_removed_template(reg: &Registry, name: &str) {
+    let Ok(t) = reg.load(name) else { return };
+    let removed = t.state.template.as_ref().is_some_and(|i| i.removed);
+    if !removed || !crate::template::clones_of(reg, name).is_ok_and(|c| c.is_empty()) {
+        return;
+    }
+    let gone = || reg.load(name).map_or(true, |r| r.state.id != t.state.id);
+    if !wait_until(Duration::from_secs(10), gone) {
+        if let Ok(r) = reg.load(name) {
+            if r.state.effective_status() == Status::Dead {
+                let _ = cleanup_dead(reg, &r).and_then(|()| reg.remove(&r));
+            }
+        }
+    }
 }
 
 /// The host pid of a running box's init.

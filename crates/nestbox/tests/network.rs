@@ -396,3 +396,23 @@ fn pooled_namespaces_serve_new_boxes_and_leave_nothing() {
     root.ok(&["network", "pool", "1"]);
     assert_eq!(pool_mounts(&root).len(), 1);
 }
+
+/// `template rm` while a clone lives, then `rm -f` of that clone: the
+/// template's box goes with its last clone (its monitor releases its address),
+/// and `rm -f` returns only then, so `network rm` right after finds no box.
+/// Before, `network rm` was refused ("still has 1 box(es)", the template's
+/// box) and the bridge and table stayed.
+#[test]
+fn network_rm_right_after_a_removed_templates_last_clone() {
+    let Some(root) = TestRoot::new("network_rm_right_after_a_removed_templates_last_clone") else {
+        return;
+    };
+    root.ok(&["run", "-d", "--name", "t", "--", "sleep", "1000"]);
+    root.ok(&["freeze", "t"]);
+    root.ok(&["clone", "t", "-d", "--name", "c"]);
+    root.ok(&["template", "rm", "t"]);
+    root.ok(&["rm", "-f", "c"]);
+    root.ok(&["network", "rm"]);
+    let left: Value = serde_json::from_str(&root.ok(&["ps", "-a", "--json"])).unwrap();
+    assert_eq!(left, serde_json::json!([]), "boxes left");
+}

@@ -1,14 +1,16 @@
-//! The network-wide `/etc/hosts` (every box by name) and the `/etc/resolv.conf`
+//! Names on the network: the network-wide `/etc/hosts` (every box by name) and the `/etc/resolv.conf`
 //! the boxes get. The hosts file is bind-mounted read-only into every box, so it
 //! is rewritten in place (same inode) rather than replaced by a rename, which
 //! the boxes' bind mounts would not see.
 
-use std::fs::OpenOptions;
+use std::fs::{self, OpenOptions};
 use std::io::{Seek, SeekFrom, Write};
 use std::net::Ipv4Addr;
 use std::path::Path;
 
+use super::Network;
 use crate::error::{NetError, Result};
+use crate::state::Locked;
 
 /// Name under which the boxes find the host (the gateway address).
 pub const HOST_NAME: &str = "host.nestbox.internal";
@@ -83,6 +85,35 @@ pub fn valid_name(name: &str) -> bool {
         && name
             .bytes()
             .all(|c| c.is_ascii_alphanumeric() || c == b'-' || c == b'.' || c == b'_')
+}
+
+impl Network {
+    /// Rewrite the hosts file from the state (in place: see the module doc).
+    pub(super) fn write_hosts(&self, locked: &Locked) -> Result<()> {
+        let content = render_hosts(
+            self.config.subnet.gateway(),
+            locked
+                .state
+                .boxes
+                .values()
+                .map(|e| (e.address, e.names.as_slice())),
+        );
+        write_in_place(&self.hosts_path(), &content)
+    }
+
+    /// Write the boxes' resolv.conf from the host's (a host without one
+    /// gives boxes no name server, which the file then says).
+    pub(super) fn write_resolv(&self) -> Result<()> {
+        let host = fs::read_to_string("/etc/resolv.conf").unwrap_or_else(|e| {
+            // A host without a resolver configuration: the boxes get none
+            // either, and the file says so (see `render_resolv`).
+            tracing::warn!(
+                "cannot read the host's /etc/resolv.conf ({e}): boxes get no name server"
+            );
+            String::new()
+        });
+        write_in_place(&self.resolv_path(), &render_resolv(&host))
+    }
 }
 
 #[cfg(test)]
