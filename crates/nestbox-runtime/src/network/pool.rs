@@ -329,12 +329,12 @@ pub fn is_pool_id(id: &str) -> bool {
 }
 
 /// Refill the pool in a detached process, off the caller's path (see
-/// [`crate::ops::spawn_refill`]: delayed, at idle priority).
+/// [`crate::process::spawn_refill`]: delayed, at idle priority).
 pub fn spawn_fill(roots: &Roots) {
     if ready_count(roots) >= size(roots) {
         return;
     }
-    crate::ops::spawn_refill(|| fill(roots).map(|_| ()));
+    crate::process::spawn_refill(|| fill(roots).map(|_| ()));
 }
 
 /// Join `netns` on the calling thread and return the namespace it was in, for

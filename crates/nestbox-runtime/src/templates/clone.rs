@@ -202,7 +202,7 @@ fn fork_fresh(reg: &Registry, t: &BoxRecord, req: &CloneRequest) -> Result<Vec<C
     if result.is_err() {
         for name in &shells {
             if reg.load(name).is_ok() {
-                let _ = crate::ops::remove(reg, name, true);
+                let _ = crate::templates::ops::remove(reg, name, true);
             }
         }
     }
@@ -370,7 +370,7 @@ fn start_shells(
         let spec = clone_spec(t, name, req);
         // Recorded first, so a shell whose start fails midway is removed too.
         made.push(name.clone());
-        crate::ops::run_detached(reg, &spec)?;
+        crate::lifecycle::ops::run_detached(reg, &spec)?;
     }
     Ok(())
 }
@@ -620,7 +620,7 @@ pub(crate) fn take_pooled(
     let pid = match wake_claimed(c, name, req) {
         Ok(pid) => pid,
         Err(e) => {
-            let _ = crate::ops::remove(reg, name, true);
+            let _ = crate::templates::ops::remove(reg, name, true);
             return Err(e);
         }
     };
@@ -705,9 +705,9 @@ pub fn fill_pool(reg: &Registry, template: &str) -> Result<usize> {
 }
 
 /// Refill the pool in a detached process, off the caller's critical path (see
-/// [`crate::ops::spawn_refill`]: delayed, at idle priority).
+/// [`crate::process::spawn_refill`]: delayed, at idle priority).
 fn spawn_refill(reg: &Registry, template: &str) {
-    crate::ops::spawn_refill(|| fill_pool(reg, template).map(|_| ()));
+    crate::process::spawn_refill(|| fill_pool(reg, template).map(|_| ()));
 }
 
 /// Refuse, before freezing, a process holding a descriptor no clone rule covers.

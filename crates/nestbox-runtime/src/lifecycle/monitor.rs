@@ -133,11 +133,14 @@ fn start_inner(
 ) -> Result<Running> {
     let spec = &record.spec;
     let template = match &spec.clone_of {
-        Some(src) => Some(crate::template::load_template(reg, &src.template_box)?),
+        Some(src) => Some(crate::lifecycle::nested::load_template(
+            reg,
+            &src.template_box,
+        )?),
         None => None,
     };
     let (idmap, owner, cookie) = match &template {
-        Some(t) => crate::template::shell_identity(t)?,
+        Some(t) => crate::lifecycle::nested::shell_identity(t)?,
         None => {
             let idmap = spec.userns.then(IdMap::for_caller);
             (
@@ -407,7 +410,7 @@ fn fork_nested_in(
         }
         _ => None,
     };
-    crate::template::enter_pid_namespace_of(t)?;
+    crate::lifecycle::nested::enter_pid_namespace_of(t)?;
     let forked = fork_into(CloneFlags::empty());
     if let Ok(Forked::Parent(_)) | Err(_) = &forked {
         // Children (threads too) of the monitor are born in its own pid namespace

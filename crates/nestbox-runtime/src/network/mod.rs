@@ -3,6 +3,12 @@
 //! and resolver files are added to its mounts; once the process (and so its
 //! network namespace) exists, the veth pair, address, routes, published ports and
 //! bandwidth classes are set up; when the box ends, all of it is released.
+//! [`pool`] holds network namespaces made and attached ahead of time.
+//!
+//! This layer imports only the records (spec, paths, registry, process): the
+//! life of a box and the templates build on it.
+
+pub mod pool;
 
 use std::os::fd::AsFd;
 use std::path::PathBuf;

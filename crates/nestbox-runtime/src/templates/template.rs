@@ -8,14 +8,12 @@
 //! kills its process, and its init lingers until the last clone is gone (see
 //! [`crate::init`]).
 
-use std::os::fd::AsFd;
 use std::time::{Duration, Instant};
 
-use nestbox_isolation::idmap::{IdMap, IdRange};
-use nix::sched::{setns, CloneFlags};
 use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
 
+pub use crate::lifecycle::nested::{enter_pid_namespace_of, load_template, shell_identity};
 use crate::liveness::ProcRef;
 use crate::registry::{BoxRecord, Registry};
 use crate::state::{now, Status, TemplateInfo};
@@ -219,56 +217,6 @@ pub fn load_frozen(reg: &Registry, name: &str) -> Result<BoxRecord> {
     Ok(record)
 }
 
-/// The template box behind a clone shell being started.
-pub fn load_template(reg: &Registry, box_name: &str) -> Result<BoxRecord> {
-    let record = reg.load(box_name)?;
-    match (&record.state.template, record.state.init) {
-        (Some(_), Some(init)) if init.alive() => Ok(record),
-        _ => Err(RuntimeError::Invalid(format!(
-            "box {box_name:?} is not a live template"
-        ))),
-    }
-}
-
-/// What a clone shell of template `t` gets: a user namespace mapping every id of
-/// the template's to itself (so the template's process, owner of that namespace,
-/// may enter it), the host owner of its layers, and the template's setns cookie.
-#[allow(clippy::type_complexity)]
-pub fn shell_identity(
-    t: &BoxRecord,
-) -> Result<(Option<IdMap>, Option<(u32, u32)>, Option<[u64; 2]>)> {
-    let identity = |r: Option<IdRange>| match r {
-        Some(r) => IdRange {
-            inside: r.inside,
-            outside: r.inside,
-            count: r.count,
-        },
-        None => IdRange {
-            inside: 0,
-            outside: 0,
-            count: u32::MAX,
-        },
-    };
-    let map = IdMap {
-        uid: identity(t.state.idmap.map(|m| m.uid)),
-        gid: identity(t.state.idmap.map(|m| m.gid)),
-    };
-    let owner = t.state.idmap.map(|m| m.host_root());
-    Ok((Some(map), owner, t.state.setns_cookie))
-}
-
-/// Make the calling (single-threaded) process create its next children in the pid
-/// namespace of template `t`'s init.
-pub fn enter_pid_namespace_of(t: &BoxRecord) -> Result<()> {
-    let init = t
-        .state
-        .init
-        .ok_or_else(|| RuntimeError::NotRunning(t.name().to_string()))?;
-    let path = format!("/proc/{}/ns/pid", init.pid);
-    let ns = std::fs::File::open(&path).map_err(RuntimeError::io("open", &path))?;
-    setns(ns.as_fd(), CloneFlags::CLONE_NEWPID).map_err(RuntimeError::sys(format!("setns({path})")))
-}
-
 /// Whether `record` is a clone (or a clone shell being made) of template box
 /// `box_name`.
 pub fn is_clone_of(record: &BoxRecord, box_name: &str) -> bool {
@@ -337,7 +285,7 @@ pub fn remove_box(reg: &Registry, record: &BoxRecord) -> Result<()> {
     // finds the template gone and makes nothing.
     let _lock = crate::clone::clone_lock(record)?;
     for pooled in reg.names_prefixed(&crate::clone::pool_prefix(record))? {
-        match crate::ops::remove(reg, &pooled, true) {
+        match crate::templates::ops::remove(reg, &pooled, true) {
             Ok(()) | Err(RuntimeError::NoSuchBox(_)) => {}
             Err(e) => return Err(e),
         }
@@ -348,7 +296,7 @@ pub fn remove_box(reg: &Registry, record: &BoxRecord) -> Result<()> {
         }
         // Thawed: from here on it is removed like any running box.
         reg.update(box_name, |s| s.status = Status::Running)?;
-        return crate::ops::remove(reg, box_name, true);
+        return crate::templates::ops::remove(reg, box_name, true);
     }
     let info = record.state.template.clone();
     reg.update(box_name, |s| {

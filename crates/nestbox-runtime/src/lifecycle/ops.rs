@@ -40,7 +40,7 @@ pub fn run_detached(reg: &Registry, spec: &BoxSpec) -> Result<()> {
         }
         Ok(ForkResult::Child) => {
             drop(ready_r);
-            become_daemon();
+            crate::process::become_daemon();
             let code = match run_box(reg, &record, Mode::Detached(ready_w)) {
                 Ok(o) => o.exit_code,
                 Err(e) => e.exit_code(),
@@ -52,55 +52,6 @@ pub fn run_detached(reg: &Registry, spec: &BoxSpec) -> Result<()> {
             wait_ready(reg, &record, ready_r)
         }
     }
-}
-
-/// Leave the caller's session and terminal; stdio to /dev/null.
-pub(crate) fn become_daemon() {
-    let _ = nix::unistd::setsid();
-    let _ = nix::unistd::chdir("/");
-    crate::process::stdio_to_dev_null();
-}
-
-/// How long a pool refill waits before it starts: boxes and clones often come
-/// in bursts, and a refill takes locks (the kernel's RTNL for a network
-/// namespace, a template's clone lock and a ptrace stop for a clone) and CPU
-/// time that the next requests of the burst need.
-const REFILL_DELAY: Duration = Duration::from_millis(100);
-
-/// Run the pool refill `work` in a detached child process (its own session,
-/// stdio on /dev/null, none of the caller's descriptors) and return at once.
-/// The child waits [`REFILL_DELAY`] and runs under SCHED_IDLE, so it takes no
-/// CPU time from the request that drew from the pool or from the next ones; on
-/// a machine with no idle time the pool stays empty and requests are served
-/// the slow way. The child exits 0 if `work` succeeds.
-pub(crate) fn spawn_refill(work: impl FnOnce() -> Result<()>) {
-    // Forked twice, so that the refill is nobody's child to reap (a long-lived
-    // caller such as `nestbox serve` would otherwise collect zombies).
-    // SAFETY: the callers (the CLI, a box's monitor, `nestbox serve`) are
-    // single-threaded, so the children may run arbitrary code.
-    match unsafe { nix::unistd::fork() } {
-        Ok(nix::unistd::ForkResult::Parent { child }) => {
-            let _ = nix::sys::wait::waitpid(child, None);
-            return;
-        }
-        Ok(nix::unistd::ForkResult::Child) => {}
-        Err(_) => return,
-    }
-    // SAFETY: as above: this intermediate child is single-threaded too.
-    let second = unsafe { nix::unistd::fork() };
-    if !matches!(second, Ok(nix::unistd::ForkResult::Child)) {
-        // SAFETY: _exit ends the intermediate child without running the
-        // caller's exit handlers or flushing its buffers twice.
-        unsafe { libc::_exit(0) }
-    }
-    crate::process::close_fds_from(3);
-    become_daemon();
-    let param = libc::sched_param { sched_priority: 0 };
-    // SAFETY: sets this (new, single-threaded) process's own scheduling
-    // policy; `param` is a valid sched_param for SCHED_IDLE.
-    unsafe { libc::sched_setscheduler(0, libc::SCHED_IDLE, &param) };
-    std::thread::sleep(REFILL_DELAY);
-    std::process::exit(i32::from(work().is_err()))
 }
 
 fn wait_ready(reg: &Registry, record: &BoxRecord, ready: OwnedFd) -> Result<()> {
@@ -126,9 +77,49 @@ fn wait_ready(reg: &Registry, record: &BoxRecord, ready: OwnedFd) -> Result<()> 
     })
 }
 
+/// What a higher layer knows about a box that its life does not: a template's
+/// clones, what a leaving clone teaches its template. The operations below take
+/// it as a parameter, so that this layer never imports the templates layer;
+/// [`PlainBoxes`] knows of no relation (every box is a plain box).
+pub trait Relations {
+    /// Whether the frozen box `record` must keep its init after its process was
+    /// stopped (a template whose clones live in its pid namespace).
+    fn keeps_init(&self, reg: &Registry, record: &BoxRecord) -> Result<bool>;
+    /// Remove the frozen box `record` when the higher layer owns its removal (a
+    /// template: its pool first, its init kept for its clones). `None`: remove
+    /// it as a plain box.
+    fn remove_frozen(&self, reg: &Registry, record: &BoxRecord) -> Option<Result<()>>;
+    /// Called just before a running box is killed for `rm -f`.
+    fn before_removal(&self, reg: &Registry, record: &BoxRecord);
+    /// More to say about a box in `inspect` (`memory_sharing`).
+    fn inspect_extra(&self, reg: &Registry, record: &BoxRecord) -> Option<serde_json::Value>;
+}
+
+/// No relations: every box is a plain box.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct PlainBoxes;
+
+impl Relations for PlainBoxes {
+    fn keeps_init(&self, _: &Registry, _: &BoxRecord) -> Result<bool> {
+        Ok(false)
+    }
+    fn remove_frozen(&self, _: &Registry, _: &BoxRecord) -> Option<Result<()>> {
+        None
+    }
+    fn before_removal(&self, _: &Registry, _: &BoxRecord) {}
+    fn inspect_extra(&self, _: &Registry, _: &BoxRecord) -> Option<serde_json::Value> {
+        None
+    }
+}
+
 /// Stop a box: SIGTERM to its command (through init), SIGKILL after `timeout`.
 /// Stopping a box that is not running does nothing.
 pub fn stop(reg: &Registry, name: &str, timeout: Duration) -> Result<()> {
+    stop_with(reg, &PlainBoxes, name, timeout)
+}
+
+/// [`stop`], with what `rel` knows about the box.
+pub fn stop_with(reg: &Registry, rel: &dyn Relations, name: &str, timeout: Duration) -> Result<()> {
     let record = reg.load(name)?;
     let Some(target) = signal_target(&record) else {
         return settle(reg, &record);
@@ -141,9 +132,7 @@ pub fn stop(reg: &Registry, name: &str, timeout: Duration) -> Result<()> {
     if !wait_until(timeout, || !watched.is_some_and(|p| p.alive())) {
         let _ = kill(target, Signal::SIGKILL);
     }
-    if record.state.effective_status() == Status::Frozen
-        && !crate::template::clones_of(reg, name)?.is_empty()
-    {
+    if record.state.effective_status() == Status::Frozen && rel.keeps_init(reg, &record)? {
         // Its init stays for the clones; the monitor records the end when it goes.
         return Ok(());
     }
@@ -177,15 +166,20 @@ fn signal_target(record: &BoxRecord) -> Option<Pid> {
 
 /// Remove a box; a running one only with `force` (it is killed first). A frozen
 /// box is thawed first (a frozen process cannot die); a template with live clones
-/// keeps its init until they are gone (see [`crate::template::remove_box`]).
+/// keeps its init until they are gone (see [`Relations::remove_frozen`]).
 pub fn remove(reg: &Registry, name: &str, force: bool) -> Result<()> {
+    remove_with(reg, &PlainBoxes, name, force)
+}
+
+/// [`remove`], with what `rel` knows about the box.
+pub fn remove_with(reg: &Registry, rel: &dyn Relations, name: &str, force: bool) -> Result<()> {
     let record = reg.load(name)?;
     if record.state.effective_status() == Status::Frozen {
         if !force {
             return Err(RuntimeError::StillRunning(name.to_string()));
         }
-        if record.state.template.is_some() {
-            return crate::template::remove_box(reg, &record);
+        if let Some(done) = rel.remove_frozen(reg, &record) {
+            return done;
         }
         if let Some(cg) = &record.state.cgroup {
             let _ = cg.set_frozen(false, Duration::from_secs(5));
@@ -195,7 +189,7 @@ pub fn remove(reg: &Registry, name: &str, force: bool) -> Result<()> {
         if !force {
             return Err(RuntimeError::StillRunning(name.to_string()));
         }
-        crate::clone::learn_from_leaving_clone(reg, &record);
+        rel.before_removal(reg, &record);
         let _ = kill(init, Signal::SIGKILL);
     } else if record.state.effective_status() == Status::Creating && !force {
         return Err(RuntimeError::StillRunning(name.to_string()));
@@ -286,6 +280,11 @@ pub fn stats(reg: &Registry, name: &str) -> Result<Stats> {
 
 /// Everything known about a box, as JSON.
 pub fn inspect(reg: &Registry, name: &str) -> Result<serde_json::Value> {
+    inspect_with(reg, &PlainBoxes, name)
+}
+
+/// [`inspect`], with what `rel` knows about the box.
+pub fn inspect_with(reg: &Registry, rel: &dyn Relations, name: &str) -> Result<serde_json::Value> {
     let record = reg.load(name)?;
     let status = record.state.effective_status();
     let pids = match (&record.state.cgroup, running_init(&record)) {
@@ -307,7 +306,7 @@ pub fn inspect(reg: &Registry, name: &str) -> Result<serde_json::Value> {
         "exit_code": record.state.exit_code,
         "oom_killed": record.state.oom_killed,
         "log_path": record.log_path(),
-        "memory_sharing": crate::clone::sharing(reg, &record),
+        "memory_sharing": rel.inspect_extra(reg, &record),
     }))
 }
 
