@@ -9,7 +9,8 @@
 //! {"op":"ping"}                                     → {"ok":true}
 //! {"op":"clone","template":"T","name":"N"?,"on_clone_signal":"USR1"?}
 //!     → {"ok":true,"name":"N","pid":1234,"address":"10.…"|null}
-//! anything else or a failure                        → {"ok":false,"error":"one line"}
+//! anything else or a failure
+//!     → {"ok":false,"error":"one line","kind":"invalid|not_found|conflict|resources|system|launch","box":"N"?}
 //! ```
 //!
 //! A clone made here is exactly what `nestbox clone T -d` makes (the same
@@ -148,10 +149,7 @@ pub fn default_socket(reg: &Registry) -> PathBuf {
 /// another server answers on it; a stale socket file is replaced.
 pub fn serve(reg: &Registry, socket: &Path) -> Result<()> {
     if UnixStream::connect(socket).is_ok() {
-        return Err(RuntimeError::Invalid(format!(
-            "a server already answers on {}",
-            socket.display()
-        )));
+        return Err(RuntimeError::ServerRunning(socket.to_path_buf()));
     }
     if let Some(dir) = socket.parent() {
         std::fs::create_dir_all(dir).map_err(RuntimeError::io("mkdir", dir))?;
@@ -201,7 +199,7 @@ impl Client {
             }
             let (answer, follow_up) = match handle(reg, line.trim(), idle) {
                 Ok(done) => done,
-                Err(e) => (error_answer(&e.to_string()), FollowUp::default()),
+                Err(e) => (error_answer(&e), FollowUp::default()),
             };
             // The rest of the bookkeeping follows once the server is idle
             // (also when the client has gone).
@@ -214,9 +212,9 @@ impl Client {
             return false;
         }
         if self.partial.len() > MAX_LINE {
-            let _ = self.answer(&error_answer(&format!(
+            let _ = self.answer(&error_answer(&RuntimeError::InvalidInput(format!(
                 "request line longer than {MAX_LINE} bytes"
-            )));
+            ))));
             return false;
         }
         true
@@ -232,8 +230,18 @@ impl Client {
     }
 }
 
-fn error_answer(message: &str) -> Value {
-    json!({"ok": false, "error": message.replace('\n', " ")})
+/// The answer to a request that failed: its one-line message, its kind and the
+/// box it concerns, if any.
+fn error_answer(e: &RuntimeError) -> Value {
+    let mut answer = json!({
+        "ok": false,
+        "error": e.to_string().replace('\n', " "),
+        "kind": e.kind(),
+    });
+    if let Some(name) = e.box_name() {
+        answer["box"] = json!(name);
+    }
+    answer
 }
 
 fn serve_on(reg: &Registry, listener: &UnixListener) -> Result<()> {
@@ -317,19 +325,21 @@ fn serve_on(reg: &Registry, listener: &UnixListener) -> Result<()> {
 /// if there is one and it still holds.
 fn handle(reg: &Registry, line: &str, idle: &mut IdleWork) -> Result<(Value, FollowUp)> {
     let req: Value = serde_json::from_str(line)
-        .map_err(|e| RuntimeError::Invalid(format!("request is not JSON: {e}")))?;
+        .map_err(|e| RuntimeError::InvalidInput(format!("request is not JSON: {e}")))?;
     let field = |k: &str| -> Result<Option<String>> {
         match req.get(k) {
             None | Some(Value::Null) => Ok(None),
             Some(Value::String(s)) => Ok(Some(s.clone())),
-            Some(_) => Err(RuntimeError::Invalid(format!("{k:?} must be a string"))),
+            Some(_) => Err(RuntimeError::InvalidInput(format!(
+                "{k:?} must be a string"
+            ))),
         }
     };
     match field("op")?.as_deref() {
         Some("ping") => Ok((json!({"ok": true}), FollowUp::default())),
         Some("clone") => {
             let template = field("template")?
-                .ok_or_else(|| RuntimeError::Invalid("clone needs \"template\"".into()))?;
+                .ok_or_else(|| RuntimeError::InvalidInput("clone needs \"template\"".into()))?;
             let on_clone_signal = field("on_clone_signal")?
                 .map(|s| crate::spec::parse_signal(&s))
                 .transpose()?;
@@ -363,12 +373,12 @@ fn handle(reg: &Registry, line: &str, idle: &mut IdleWork) -> Result<(Value, Fol
             };
             let Some(c) = made.first() else {
                 follow_up.finish(reg)?;
-                return Err(RuntimeError::Invalid("no clone was made".into()));
+                return Err(RuntimeError::Failed("no clone was made".into()));
             };
             let answer = json!({"ok": true, "name": c.name, "pid": c.pid, "address": c.address});
             Ok((answer, follow_up))
         }
-        Some(op) => Err(RuntimeError::Invalid(format!("unknown op {op:?}"))),
-        None => Err(RuntimeError::Invalid("request needs \"op\"".into())),
+        Some(op) => Err(RuntimeError::InvalidInput(format!("unknown op {op:?}"))),
+        None => Err(RuntimeError::InvalidInput("request needs \"op\"".into())),
     }
 }

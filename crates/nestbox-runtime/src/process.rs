@@ -94,7 +94,7 @@ pub fn pid_of_pidfd(pidfd: &OwnedFd) -> crate::Result<i32> {
     text.lines()
         .find_map(|l| l.strip_prefix("Pid:"))
         .and_then(|v| v.trim().parse().ok())
-        .ok_or_else(|| crate::RuntimeError::Invalid(format!("no pid in {path}")))
+        .ok_or_else(|| crate::RuntimeError::Failed(format!("no pid in {path}")))
 }
 
 /// Leave the caller's session and terminal; stdio to /dev/null.

@@ -453,7 +453,7 @@ fn run(reg: &Registry, args: RunArgs) -> Result<i32> {
 
 fn build_spec(a: RunArgs) -> Result<BoxSpec> {
     if a.command.is_empty() {
-        bail!(RuntimeError::Invalid(
+        bail!(RuntimeError::InvalidInput(
             "missing command: usage is nestbox run [OPTIONS] -- CMD [ARGS...]".into()
         ));
     }
@@ -469,11 +469,11 @@ fn build_spec(a: RunArgs) -> Result<BoxSpec> {
             Some(("seccomp", "unconfined")) => seccomp = SeccompChoice::Unconfined,
             Some(("seccomp", path)) => {
                 let text = std::fs::read_to_string(path)
-                    .map_err(|e| RuntimeError::Invalid(format!("--security-opt seccomp={path}: {e}")))?;
+                    .map_err(|e| RuntimeError::InvalidInput(format!("--security-opt seccomp={path}: {e}")))?;
                 seccomp = SeccompChoice::Profile { path: path.into(), text };
             }
             _ if opt == "no-new-privileges" || opt == "no-new-privileges=true" => {}
-            _ => bail!(RuntimeError::Invalid(format!(
+            _ => bail!(RuntimeError::InvalidInput(format!(
                 "unsupported --security-opt {opt:?} (supported: seccomp=unconfined, seccomp=FILE, no-new-privileges)"
             ))),
         }
@@ -582,7 +582,7 @@ fn check_userns_available() -> Result<()> {
     let max = read("/proc/sys/user/max_user_namespaces");
     let clone = read("/proc/sys/kernel/unprivileged_userns_clone");
     if max.as_deref() == Some("0") || clone.as_deref() == Some("0") {
-        bail!(RuntimeError::Invalid(
+        bail!(RuntimeError::InvalidInput(
             "running without root needs unprivileged user namespaces, which this kernel has disabled \
              (user.max_user_namespaces / kernel.unprivileged_userns_clone)"
                 .into()

@@ -585,13 +585,22 @@ fn serve_answers_clone_requests_on_its_socket() {
         let (count, host, _) = get(&root, name, "/");
         assert_eq!((count, host.as_str()), (2, name), "continues the template");
     }
-    // Bad requests get one-line errors, and the connection stays usable.
-    for (req, fragment) in [
-        ("not json", "not JSON"),
-        (r#"{"op":"fly"}"#, "unknown op"),
-        (r#"{"op":"clone"}"#, "needs \"template\""),
-        (r#"{"op":"clone","template":"nosuch"}"#, "no template named"),
-        (r#"{"op":"clone","template":"tpl","name":"api-a"}"#, "api-a"),
+    // Bad requests get one-line errors with their kind, and the connection
+    // stays usable.
+    for (req, fragment, kind) in [
+        ("not json", "not JSON", "invalid"),
+        (r#"{"op":"fly"}"#, "unknown op", "invalid"),
+        (r#"{"op":"clone"}"#, "needs \"template\"", "invalid"),
+        (
+            r#"{"op":"clone","template":"nosuch"}"#,
+            "no template named",
+            "not_found",
+        ),
+        (
+            r#"{"op":"clone","template":"tpl","name":"api-a"}"#,
+            "api-a",
+            "conflict",
+        ),
     ] {
         let answer = call(req);
         assert_eq!(answer["ok"], false, "{req}: {answer}");
@@ -599,6 +608,7 @@ fn serve_answers_clone_requests_on_its_socket() {
             answer["error"].as_str().unwrap().contains(fragment),
             "{req}: {answer}"
         );
+        assert_eq!(answer["kind"], kind, "{req}: {answer}");
     }
     assert_eq!(call(r#"{"op":"ping"}"#)["ok"], true);
     // Once the server is idle, the claimed clone is known by its name on the
@@ -631,6 +641,7 @@ fn serve_answers_clone_requests_on_its_socket() {
         answer["error"].as_str().unwrap().contains("removed"),
         "{answer}"
     );
+    assert_eq!(answer["kind"], "not_found", "{answer}");
     assert_ne!(root.run(&["inspect", "api-d"]).code, 0, "no box api-d");
     // SIGTERM ends the server and removes its socket.
     // SAFETY: kill has no memory-safety preconditions; the pid is our child's.

@@ -36,8 +36,12 @@ pub struct ExecOptions {
 
 /// Run `opts.command` in the running box `name`; returns its exit code.
 pub fn exec(reg: &Registry, name: &str, opts: &ExecOptions) -> Result<i32> {
+    exec_inner(reg, name, opts).map_err(|e| e.in_box(name))
+}
+
+fn exec_inner(reg: &Registry, name: &str, opts: &ExecOptions) -> Result<i32> {
     if opts.command.is_empty() {
-        return Err(RuntimeError::Invalid(
+        return Err(RuntimeError::InvalidInput(
             "missing command: usage is nestbox exec BOX -- CMD [ARGS...]".into(),
         ));
     }

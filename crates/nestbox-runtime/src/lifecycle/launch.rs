@@ -64,7 +64,7 @@ impl CommandPlan {
     ) -> crate::Result<Self> {
         let cstr = |s: &String| {
             CString::new(s.as_bytes()).map_err(|_| {
-                crate::RuntimeError::Invalid(format!(
+                crate::RuntimeError::InvalidInput(format!(
                     "argument or variable contains a NUL byte: {s:?}"
                 ))
             })

@@ -430,7 +430,7 @@ fn fork_nested_in(
         Forked::Parent(helper) => {
             let code = crate::process::wait_exit_code(helper);
             if code != 0 {
-                return Err(RuntimeError::Invalid(format!(
+                return Err(RuntimeError::Failed(format!(
                     "could not create the clone's namespaces under template {:?}",
                     t.name()
                 )));
@@ -442,9 +442,7 @@ fn fork_nested_in(
                 .split_whitespace()
                 .filter_map(|p| p.parse::<i32>().ok())
                 .next_back()
-                .ok_or_else(|| {
-                    RuntimeError::Invalid("the clone's first process vanished".into())
-                })?;
+                .ok_or_else(|| RuntimeError::Failed("the clone's first process vanished".into()))?;
             Ok((Forked::Parent(Pid::from_raw(pid)), maps_written))
         }
     }
@@ -491,7 +489,7 @@ fn create_cgroup(spec: &BoxSpec, id: &str) -> Result<Option<BoxCgroup>> {
             let _ = e;
             Ok(None)
         }
-        Err(e) if !nix::unistd::geteuid().is_root() => Err(RuntimeError::Invalid(format!(
+        Err(e) if !nix::unistd::geteuid().is_root() => Err(RuntimeError::InvalidInput(format!(
             "resource limits need a cgroup this user can write (run as root or in a delegated cgroup): {e}"
         ))),
         Err(e) => Err(e.into()),
@@ -588,8 +586,10 @@ fn launch_plan(
 /// box sees the host's id and every clone gets a new one.
 fn new_machine_id() -> Result<String> {
     let mut bytes = [0u8; 16];
-    getrandom::getrandom(&mut bytes)
-        .map_err(|e| RuntimeError::Invalid(format!("no randomness for a machine id: {e}")))?;
+    getrandom::getrandom(&mut bytes).map_err(|cause| RuntimeError::Random {
+        what: "a machine id",
+        cause,
+    })?;
     let id: String = bytes.iter().map(|b| format!("{b:02x}")).collect();
     Ok(format!("{id}\n"))
 }
@@ -623,8 +623,10 @@ pub fn seccomp_program(
 /// A fresh random setns cookie.
 pub fn new_setns_cookie() -> Result<[u64; 2]> {
     let mut bytes = [0u8; 16];
-    getrandom::getrandom(&mut bytes)
-        .map_err(|e| RuntimeError::Invalid(format!("no randomness for the box's cookie: {e}")))?;
+    getrandom::getrandom(&mut bytes).map_err(|cause| RuntimeError::Random {
+        what: "the box's cookie",
+        cause,
+    })?;
     let (a, b) = bytes.split_at(8);
     let word = |s: &[u8]| u64::from_ne_bytes(s.try_into().unwrap_or([0; 8]));
     Ok([word(a), word(b)])

@@ -17,9 +17,10 @@ pub fn load_template(reg: &Registry, box_name: &str) -> Result<BoxRecord> {
     let record = reg.load(box_name)?;
     match (&record.state.template, record.state.init) {
         (Some(_), Some(init)) if init.alive() => Ok(record),
-        _ => Err(RuntimeError::Invalid(format!(
-            "box {box_name:?} is not a live template"
-        ))),
+        _ => Err(RuntimeError::WrongState {
+            name: box_name.to_string(),
+            problem: "is not a live template".into(),
+        }),
     }
 }
 

@@ -21,6 +21,10 @@ use crate::{Result, RuntimeError};
 
 /// Run a box in the foreground: returns how it ended.
 pub fn run_foreground(reg: &Registry, spec: &BoxSpec) -> Result<Outcome> {
+    run_foreground_inner(reg, spec).map_err(|e| e.in_box(&spec.name))
+}
+
+fn run_foreground_inner(reg: &Registry, spec: &BoxSpec) -> Result<Outcome> {
     spec.validate()?;
     let record = reg.create(spec)?;
     run_box(reg, &record, Mode::Foreground)
@@ -29,6 +33,10 @@ pub fn run_foreground(reg: &Registry, spec: &BoxSpec) -> Result<Outcome> {
 /// Start a box in the background under a detached monitor; returns once the
 /// command runs (or with the reason it could not start).
 pub fn run_detached(reg: &Registry, spec: &BoxSpec) -> Result<()> {
+    run_detached_inner(reg, spec).map_err(|e| e.in_box(&spec.name))
+}
+
+fn run_detached_inner(reg: &Registry, spec: &BoxSpec) -> Result<()> {
     spec.validate()?;
     let record = reg.create(spec)?;
     let (ready_r, ready_w) = pipe2(OFlag::O_CLOEXEC).map_err(RuntimeError::sys("pipe2"))?;
@@ -120,6 +128,10 @@ pub fn stop(reg: &Registry, name: &str, timeout: Duration) -> Result<()> {
 
 /// [`stop`], with what `rel` knows about the box.
 pub fn stop_with(reg: &Registry, rel: &dyn Relations, name: &str, timeout: Duration) -> Result<()> {
+    stop_inner(reg, rel, name, timeout).map_err(|e| e.in_box(name))
+}
+
+fn stop_inner(reg: &Registry, rel: &dyn Relations, name: &str, timeout: Duration) -> Result<()> {
     let record = reg.load(name)?;
     let Some(target) = signal_target(&record) else {
         return settle(reg, &record);
@@ -141,10 +153,14 @@ pub fn stop_with(reg: &Registry, rel: &dyn Relations, name: &str, timeout: Durat
 
 /// Send `signal` to the box's command (SIGKILL ends the whole box at once).
 pub fn kill_box(reg: &Registry, name: &str, signal: Signal) -> Result<()> {
+    kill_inner(reg, name, signal).map_err(|e| e.in_box(name))
+}
+
+fn kill_inner(reg: &Registry, name: &str, signal: Signal) -> Result<()> {
     let record = reg.load(name)?;
     let target =
         signal_target(&record).ok_or_else(|| RuntimeError::NotRunning(name.to_string()))?;
-    kill(target, signal).map_err(RuntimeError::sys(format!("kill box {name:?}")))
+    kill(target, signal).map_err(RuntimeError::sys(format!("kill {}", signal.as_str())))
 }
 
 /// Where a box's signals go: its init, which forwards them to the command. A
@@ -173,6 +189,10 @@ pub fn remove(reg: &Registry, name: &str, force: bool) -> Result<()> {
 
 /// [`remove`], with what `rel` knows about the box.
 pub fn remove_with(reg: &Registry, rel: &dyn Relations, name: &str, force: bool) -> Result<()> {
+    remove_inner(reg, rel, name, force).map_err(|e| e.in_box(name))
+}
+
+fn remove_inner(reg: &Registry, rel: &dyn Relations, name: &str, force: bool) -> Result<()> {
     let record = reg.load(name)?;
     if record.state.effective_status() == Status::Frozen {
         if !force {
@@ -267,6 +287,10 @@ fn wait_until(limit: Duration, mut done: impl FnMut() -> bool) -> bool {
 
 /// Resource figures: live from the cgroup while running, else the last recorded.
 pub fn stats(reg: &Registry, name: &str) -> Result<Stats> {
+    stats_inner(reg, name).map_err(|e| e.in_box(name))
+}
+
+fn stats_inner(reg: &Registry, name: &str) -> Result<Stats> {
     let record = reg.load(name)?;
     if let (Some(cg), Some(_)) = (&record.state.cgroup, running_init(&record)) {
         return Ok(cg.stats()?);
@@ -285,7 +309,7 @@ pub fn inspect(reg: &Registry, name: &str) -> Result<serde_json::Value> {
 
 /// [`inspect`], with what `rel` knows about the box.
 pub fn inspect_with(reg: &Registry, rel: &dyn Relations, name: &str) -> Result<serde_json::Value> {
-    let record = reg.load(name)?;
+    let record = reg.load(name).map_err(|e| e.in_box(name))?;
     let status = record.state.effective_status();
     let pids = match (&record.state.cgroup, running_init(&record)) {
         (Some(cg), Some(_)) => cg.procs().unwrap_or_default(),

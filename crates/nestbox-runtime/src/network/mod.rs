@@ -89,12 +89,11 @@ pub fn remove(roots: &Roots) -> Result<bool> {
         .filter(|l| !crate::network_pool::is_pool_id(&l.box_id))
         .collect();
     if let Some(l) = leases.first() {
-        return Err(crate::RuntimeError::Invalid(format!(
-            "network {:?} still has {} box(es) (box id {}): remove them first",
-            net.config().name,
-            leases.len(),
-            l.box_id
-        )));
+        return Err(crate::RuntimeError::NetworkInUse {
+            network: net.config().name.clone(),
+            count: leases.len(),
+            box_id: l.box_id.clone(),
+        });
     }
     crate::network_pool::remove_with(roots, || Ok(net.destroy()?))?;
     Ok(true)

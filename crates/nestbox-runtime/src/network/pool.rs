@@ -60,7 +60,7 @@ pub fn size(roots: &Roots) -> usize {
 /// removed, missing ones are made by the next [`fill`]).
 pub fn set_size(roots: &Roots, n: usize) -> Result<()> {
     if n > MAX_SIZE {
-        return Err(RuntimeError::Invalid(format!(
+        return Err(RuntimeError::InvalidInput(format!(
             "network pool size {n} is too large (at most {MAX_SIZE})"
         )));
     }
@@ -226,7 +226,7 @@ pub fn claim(roots: &Roots, box_id: &str, names: &[&str]) -> Result<Option<Claim
             .map_err(RuntimeError::io("open", &target))?
             .into();
         let net = crate::network::view(roots)?
-            .ok_or_else(|| RuntimeError::Invalid("the network of the pool is gone".to_string()))?;
+            .ok_or_else(|| RuntimeError::Failed("the network of the pool is gone".to_string()))?;
         let attachment = net.reassign(pool_id.trim(), box_id, names)?;
         Ok(Claimed {
             netns,

@@ -133,7 +133,7 @@ pub fn clone_template_answer_first(
 ) -> Result<(Vec<Cloned>, FollowUp)> {
     let t = crate::template::load_frozen(reg, template)?;
     if req.count == 0 {
-        return Err(RuntimeError::Invalid(
+        return Err(RuntimeError::InvalidInput(
             "the clone count must be at least 1".into(),
         ));
     }
@@ -190,10 +190,10 @@ fn fork_fresh(reg: &Registry, t: &BoxRecord, req: &CloneRequest) -> Result<Vec<C
         || current.state.effective_status() != crate::state::Status::Frozen
         || current.state.template.as_ref().is_none_or(|i| i.removed)
     {
-        return Err(RuntimeError::Invalid(format!(
-            "template box {:?} has been removed",
-            t.name()
-        )));
+        return Err(RuntimeError::WrongState {
+            name: t.name().to_string(),
+            problem: "is a template that has been removed".into(),
+        });
     }
     let names = req.names.clone();
     let mut shells = Vec::new();
@@ -260,7 +260,7 @@ fn clone_names(reg: &Registry, t: &BoxRecord, req: &CloneRequest) -> Result<Vec<
     }
     if !req.names.is_empty() {
         if req.names.len() != req.count {
-            return Err(RuntimeError::Invalid(format!(
+            return Err(RuntimeError::InvalidInput(format!(
                 "{} names given for {} clones",
                 req.names.len(),
                 req.count
@@ -301,7 +301,7 @@ fn check_capacity(count: usize, limits: &Limits) -> Result<()> {
         .unwrap_or(0);
     let pids_per_clone = PIDS_PER_CLONE.max(limits.pids.unwrap_or(0).min(PIDS_PER_CLONE));
     if running + count * pids_per_clone > pid_max {
-        return Err(RuntimeError::Invalid(format!(
+        return Err(RuntimeError::Resources(format!(
             "{count} clones need about {} processes, but only {} more fit under kernel.pid_max={pid_max}",
             count * pids_per_clone,
             pid_max.saturating_sub(running)
@@ -309,7 +309,7 @@ fn check_capacity(count: usize, limits: &Limits) -> Result<()> {
     }
     let available = meminfo_available().unwrap_or(u64::MAX);
     if count.saturating_mul(MEMORY_PER_CLONE) > available {
-        return Err(RuntimeError::Invalid(format!(
+        return Err(RuntimeError::Resources(format!(
             "{count} clones need about {} of memory before they write, but only {} is available",
             crate::size::format_size(count * MEMORY_PER_CLONE),
             crate::size::format_size(available)
@@ -382,9 +382,13 @@ fn fork_into_shells(
     shells: &[String],
     req: &CloneRequest,
 ) -> Result<Vec<Cloned>> {
-    let info =
-        t.state.template.clone().ok_or_else(|| {
-            RuntimeError::Invalid(format!("box {:?} is not a template", t.name()))
+    let info = t
+        .state
+        .template
+        .clone()
+        .ok_or_else(|| RuntimeError::WrongState {
+            name: t.name().to_string(),
+            problem: "is not a template".into(),
         })?;
     let cgroup = t
         .state
@@ -447,7 +451,11 @@ fn prefetch_when_stopped(file: &std::path::Path, pid: i32) {
 }
 
 fn remote_error(template: &str, e: nestbox_remote::RemoteError) -> RuntimeError {
-    RuntimeError::Invalid(format!("cloning template box {template:?}: {e}"))
+    RuntimeError::Remote {
+        what: "cloning template box",
+        name: template.to_string(),
+        source: e,
+    }
 }
 
 /// Fork one clone into the shell box `name`.
@@ -486,12 +494,16 @@ fn fork_one(
         },
         inventory: Some(inventory.to_vec()),
     };
-    let forked = nestbox_remote::remote_fork(tracee, &plan)
-        .map_err(|e| RuntimeError::Invalid(format!("forking clone {name:?}: {e}")))?;
+    let forked =
+        nestbox_remote::remote_fork(tracee, &plan).map_err(|source| RuntimeError::Remote {
+            what: "forking clone",
+            name: name.to_string(),
+            source,
+        })?;
     let fork_ms = forked.elapsed.as_secs_f64() * 1e3;
     if forked.ns_pid != crate::init::ADOPTED_PID {
         let _ = nix::sys::signal::kill(Pid::from_raw(forked.pid), Signal::SIGKILL);
-        return Err(RuntimeError::Invalid(format!(
+        return Err(RuntimeError::Failed(format!(
             "clone {name:?} got pid {} in its shell instead of {}",
             forked.ns_pid,
             crate::init::ADOPTED_PID
@@ -714,7 +726,10 @@ fn spawn_refill(reg: &Registry, template: &str) {
 pub fn check_fds(name: &str, pid: Pid) -> Result<()> {
     nestbox_remote::inspect_fds(pid.as_raw())
         .and_then(|entries| nestbox_remote::ensure_clonable(pid.as_raw(), &entries))
-        .map_err(|e| RuntimeError::Invalid(format!("box {name:?} cannot be cloned: {e}")))
+        .map_err(|e| RuntimeError::Unsupported {
+            name: name.to_string(),
+            problem: format!("cannot be cloned: {e}"),
+        })
 }
 
 /// Memory of one process from /proc/PID/smaps_rollup, in bytes.

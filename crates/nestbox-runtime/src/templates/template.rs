@@ -48,41 +48,57 @@ pub fn freeze(
     as_name: Option<&str>,
     pool: usize,
 ) -> Result<TemplateInfo> {
+    freeze_inner(reg, name, as_name, pool).map_err(|e| e.in_box(name))
+}
+
+fn freeze_inner(
+    reg: &Registry,
+    name: &str,
+    as_name: Option<&str>,
+    pool: usize,
+) -> Result<TemplateInfo> {
     let template_name = as_name.unwrap_or(name).to_string();
     crate::spec::validate_name(&template_name)?;
     if template_name != name && (reg.load(&template_name).is_ok()) {
         return Err(RuntimeError::NameInUse(template_name));
     }
     if let Some(other) = find_template(reg, &template_name)? {
-        return Err(RuntimeError::Invalid(format!(
-            "a template named {template_name:?} already exists (box {:?})",
-            other.name()
-        )));
+        return Err(RuntimeError::TemplateNameInUse {
+            name: template_name,
+            box_name: other.name().to_string(),
+        });
     }
     let record = reg.load(name)?;
     match record.state.effective_status() {
         Status::Running => {}
         Status::Frozen => {
-            return Err(RuntimeError::Invalid(format!(
-                "box {name:?} is already frozen"
-            )))
+            return Err(RuntimeError::WrongState {
+                name: name.to_string(),
+                problem: "is already frozen".into(),
+            })
         }
         other => {
-            return Err(RuntimeError::Invalid(format!(
-                "box {name:?} has {}: only a running box can be frozen",
-                match other {
-                    Status::Exited => "exited",
-                    Status::Dead => "died",
-                    _ => "not started",
-                }
-            )))
+            return Err(RuntimeError::WrongState {
+                name: name.to_string(),
+                problem: format!(
+                    "has {}: only a running box can be frozen",
+                    match other {
+                        Status::Exited => "exited",
+                        Status::Dead => "died",
+                        _ => "not started",
+                    }
+                ),
+            })
         }
     }
-    let cgroup = record.state.cgroup.clone().ok_or_else(|| {
-        RuntimeError::Invalid(format!(
-            "box {name:?} has no cgroup, so it cannot be frozen (run nestbox as root)"
-        ))
-    })?;
+    let cgroup = record
+        .state
+        .cgroup
+        .clone()
+        .ok_or_else(|| RuntimeError::Unsupported {
+            name: name.to_string(),
+            problem: "has no cgroup, so it cannot be frozen (run nestbox as root)".into(),
+        })?;
     let process = template_process(&record)?;
     check_cloneable(
         name,
@@ -92,9 +108,16 @@ pub fn freeze(
     let started = Instant::now();
     cgroup.set_frozen(true, FREEZER_TIMEOUT)?;
     let freeze_ms = started.elapsed().as_secs_f64() * 1e3;
-    let process = ProcRef::of(process.as_raw()).ok_or_else(|| {
-        RuntimeError::Invalid(format!("the process of box {name:?} exited while freezing"))
-    })?;
+    let Some(process) = ProcRef::of(process.as_raw()) else {
+        // Not a template: left as it was, running.
+        if let Err(e) = cgroup.set_frozen(false, FREEZER_TIMEOUT) {
+            tracing::warn!(box_name = name, "thawing after a failed freeze: {e}");
+        }
+        return Err(RuntimeError::WrongState {
+            name: name.to_string(),
+            problem: "lost its process while freezing".into(),
+        });
+    };
     let info = TemplateInfo {
         name: template_name,
         process,
@@ -127,14 +150,21 @@ fn template_process(record: &BoxRecord) -> Result<Pid> {
     let others: Vec<i32> = cgroup.procs()?.into_iter().filter(|p| *p != init).collect();
     match others.as_slice() {
         [one] => Ok(Pid::from_raw(*one)),
-        [] => Err(RuntimeError::Invalid(format!(
-            "box {name:?} has no process to freeze besides its init"
-        ))),
-        many => Err(RuntimeError::Invalid(format!(
-            "box {name:?} has {} processes (host pids {}): cloning needs a box with a single process",
-            many.len(),
-            many.iter().map(|p| p.to_string()).collect::<Vec<_>>().join(", ")
-        ))),
+        [] => Err(RuntimeError::Unsupported {
+            name: name.to_string(),
+            problem: "has no process to freeze besides its init".into(),
+        }),
+        many => Err(RuntimeError::Unsupported {
+            name: name.to_string(),
+            problem: format!(
+                "has {} processes (host pids {}): cloning needs a box with a single process",
+                many.len(),
+                many.iter()
+                    .map(|p| p.to_string())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ),
+        }),
     }
 }
 
@@ -153,15 +183,19 @@ fn check_cloneable(name: &str, pid: Pid, root_uid: u32) -> Result<()> {
     let comm = field("Name:");
     let threads: u32 = field("Threads:").parse().unwrap_or(1);
     if threads != 1 {
-        return Err(RuntimeError::Invalid(format!(
-            "box {name:?}: process {pid} ({comm}) has {threads} threads; cloning supports single-threaded processes only"
-        )));
+        return Err(RuntimeError::Unsupported {
+            name: name.to_string(),
+            problem: format!("cannot be cloned: process {pid} ({comm}) has {threads} threads; cloning supports single-threaded processes only"),
+        });
     }
     let tracer: i32 = field("TracerPid:").parse().unwrap_or(0);
     if tracer != 0 {
-        return Err(RuntimeError::Invalid(format!(
-            "box {name:?}: process {pid} ({comm}) is already being traced by pid {tracer}"
-        )));
+        return Err(RuntimeError::WrongState {
+            name: name.to_string(),
+            problem: format!(
+                "cannot be cloned: process {pid} ({comm}) is already being traced by pid {tracer}"
+            ),
+        });
     }
     let euid = field("Uid:")
         .split_whitespace()
@@ -169,9 +203,10 @@ fn check_cloneable(name: &str, pid: Pid, root_uid: u32) -> Result<()> {
         .unwrap_or("0")
         .to_string();
     if euid != root_uid.to_string() {
-        return Err(RuntimeError::Invalid(format!(
-            "box {name:?}: process {pid} ({comm}) runs as uid {euid}; cloning supports processes running as root in the box"
-        )));
+        return Err(RuntimeError::Unsupported {
+            name: name.to_string(),
+            problem: format!("cannot be cloned: process {pid} ({comm}) runs as uid {euid}; cloning supports processes running as root in the box"),
+        });
     }
     crate::clone::check_fds(name, pid)
 }
@@ -195,24 +230,24 @@ pub fn find_template(reg: &Registry, name: &str) -> Result<Option<BoxRecord>> {
 pub fn load_frozen(reg: &Registry, name: &str) -> Result<BoxRecord> {
     let Some(record) = find_template(reg, name)? else {
         return Err(match reg.load(name) {
-            Ok(_) => RuntimeError::Invalid(format!(
-                "box {name:?} is not a template: freeze it first (nestbox freeze {name})"
-            )),
-            Err(_) => RuntimeError::Invalid(format!("no template named {name:?}")),
+            Ok(_) => RuntimeError::WrongState {
+                name: name.to_string(),
+                problem: format!("is not a template: freeze it first (nestbox freeze {name})"),
+            },
+            Err(_) => RuntimeError::NoSuchTemplate(name.to_string()),
         });
     };
     let Some(info) = record.state.template.clone() else {
-        return Err(RuntimeError::Invalid(format!("no template named {name:?}")));
+        return Err(RuntimeError::NoSuchTemplate(name.to_string()));
     };
     if info.removed || record.state.effective_status() != Status::Frozen {
-        return Err(RuntimeError::Invalid(format!(
-            "template {name:?} has been removed"
-        )));
+        return Err(RuntimeError::TemplateRemoved(name.to_string()));
     }
     if !info.process.alive() {
-        return Err(RuntimeError::Invalid(format!(
-            "the process of template {name:?} is gone"
-        )));
+        return Err(
+            RuntimeError::Failed(format!("the process of template {name:?} is gone"))
+                .in_box(record.name()),
+        );
     }
     Ok(record)
 }
@@ -272,7 +307,7 @@ pub fn list(reg: &Registry) -> Result<Vec<TemplateSummary>> {
 pub fn remove(reg: &Registry, name: &str) -> Result<()> {
     let record = match find_template(reg, name)? {
         Some(r) => r,
-        None => return Err(RuntimeError::Invalid(format!("no template named {name:?}"))),
+        None => return Err(RuntimeError::NoSuchTemplate(name.to_string())),
     };
     remove_box(reg, &record)
 }

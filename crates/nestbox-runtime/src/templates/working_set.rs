@@ -189,7 +189,7 @@ pub fn prefetch(file: &Path, pid: i32) -> Result<usize> {
         return Ok(0);
     }
     if !is_stopped(pid) {
-        return Err(RuntimeError::Invalid(format!(
+        return Err(RuntimeError::Failed(format!(
             "process {pid} is not stopped: its pages are not prefetched"
         )));
     }
