@@ -117,7 +117,7 @@ impl IdleWork {
         let retrying = self.retry_at.take().is_some();
         if self.since.take().is_some() {
             if let Err(e) = std::mem::take(&mut self.work).finish(reg) {
-                eprintln!("nestbox serve: after a clone: {e}");
+                tracing::error!("after a clone: {e}");
             }
         }
         let mut empty_pool = false;
@@ -140,6 +140,11 @@ impl IdleWork {
     }
 }
 
+/// Where `nestbox serve` writes its warnings and errors (see [`crate::diag`]).
+pub fn log_path(reg: &Registry) -> PathBuf {
+    reg.roots().run.join("serve.log")
+}
+
 /// The default socket of a root.
 pub fn default_socket(reg: &Registry) -> PathBuf {
     reg.roots().run.join("nestbox.sock")
@@ -151,15 +156,20 @@ pub fn serve(reg: &Registry, socket: &Path) -> Result<()> {
     if UnixStream::connect(socket).is_ok() {
         return Err(RuntimeError::ServerRunning(socket.to_path_buf()));
     }
+    let run = &reg.roots().run;
+    std::fs::create_dir_all(run).map_err(RuntimeError::io("mkdir", run))?;
+    crate::diag::to_file(log_path(reg), true);
     if let Some(dir) = socket.parent() {
         std::fs::create_dir_all(dir).map_err(RuntimeError::io("mkdir", dir))?;
     }
+    // A stale socket (no server answered above); ENOENT if there is none.
+    // Anything else makes the bind fail, which reports it.
     let _ = std::fs::remove_file(socket);
     let listener = UnixListener::bind(socket).map_err(RuntimeError::io("bind", socket))?;
     std::fs::set_permissions(socket, std::fs::Permissions::from_mode(0o600))
         .map_err(RuntimeError::io("chmod", socket))?;
     let result = serve_on(reg, &listener);
-    let _ = std::fs::remove_file(socket);
+    crate::diag::warn_on_err(None, "removing the socket", std::fs::remove_file(socket));
     result
 }
 
@@ -212,6 +222,7 @@ impl Client {
             return false;
         }
         if self.partial.len() > MAX_LINE {
+            // The connection is closed right after, answered or not.
             let _ = self.answer(&error_answer(&RuntimeError::InvalidInput(format!(
                 "request line longer than {MAX_LINE} bytes"
             ))));

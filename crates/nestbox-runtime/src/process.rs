@@ -54,6 +54,8 @@ pub fn stdio_to_dev_null() {
         .open("/dev/null")
     {
         for fd in 0..3 {
+            // Best effort, as documented: dup2 onto 0-2 fails only with EINTR
+            // or EBUSY (a racing open), and the old descriptor then stays.
             let _ = nix::unistd::dup2(null.as_raw_fd(), fd);
         }
     }
@@ -99,6 +101,9 @@ pub fn pid_of_pidfd(pidfd: &OwnedFd) -> crate::Result<i32> {
 
 /// Leave the caller's session and terminal; stdio to /dev/null.
 pub(crate) fn become_daemon() {
+    // setsid fails only for a process group leader, which a forked child is
+    // not; chdir("/") cannot fail for a process that has a root. Neither
+    // failure would keep the daemon from working.
     let _ = nix::unistd::setsid();
     let _ = nix::unistd::chdir("/");
     stdio_to_dev_null();
@@ -123,6 +128,9 @@ pub(crate) fn spawn_refill(work: impl FnOnce() -> crate::Result<()>) {
     // single-threaded, so the children may run arbitrary code.
     match unsafe { nix::unistd::fork() } {
         Ok(nix::unistd::ForkResult::Parent { child }) => {
+            // Reaps the intermediate child, which exits at once; it is our
+            // own child, so the wait cannot fail but for EINTR, after which
+            // the kernel reaps nothing and a zombie stays until we exit.
             let _ = nix::sys::wait::waitpid(child, None);
             return;
         }
@@ -137,6 +145,7 @@ pub(crate) fn spawn_refill(work: impl FnOnce() -> crate::Result<()>) {
         unsafe { libc::_exit(0) }
     }
     close_fds_from(3);
+    crate::diag::descriptors_closed();
     become_daemon();
     let param = libc::sched_param { sched_priority: 0 };
     // SAFETY: sets this (new, single-threaded) process's own scheduling

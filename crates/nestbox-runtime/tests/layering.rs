@@ -11,7 +11,7 @@ const LAYERS: &[(&str, &[&str])] = &[
     (
         "records",
         &[
-            "error", "paths", "size", "spec", "state", "registry", "liveness", "process",
+            "error", "diag", "paths", "size", "spec", "state", "registry", "liveness", "process",
         ],
     ),
     ("network", &["network", "network_pool"]),

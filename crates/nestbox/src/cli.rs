@@ -52,6 +52,10 @@ enum Command {
         /// Keep printing new output until the box exits.
         #[arg(short, long)]
         follow: bool,
+        /// Print the warnings and errors of the box's detached monitor instead
+        /// (`$ROOT/lib/boxes/<id>/monitor.log`).
+        #[arg(long, conflicts_with = "follow")]
+        monitor: bool,
         /// Box name.
         name: String,
     },
@@ -379,7 +383,12 @@ pub fn dispatch(cli: Cli) -> Result<i32> {
             );
             Ok(0)
         }
-        Command::Logs { follow, name } => output::logs(&reg, &name, follow).map(|_| 0),
+        Command::Logs {
+            monitor: true,
+            name,
+            ..
+        } => output::monitor_log(&reg, &name).map(|_| 0),
+        Command::Logs { follow, name, .. } => output::logs(&reg, &name, follow).map(|_| 0),
         Command::Exec(args) => {
             let opts = ExecOptions {
                 command: args.command,

@@ -31,6 +31,9 @@ fn main() -> ExitCode {
             return ExitCode::from(nestbox_runtime::error::EXIT_NESTBOX_ERROR as u8);
         }
     };
+    // Warnings of the CLI's own process go to stderr; a detached monitor and
+    // `nestbox serve` switch to their log files.
+    nestbox_runtime::diag::to_stderr();
     match cli::dispatch(args) {
         Ok(code) => ExitCode::from(code.clamp(0, 255) as u8),
         Err(e) => {

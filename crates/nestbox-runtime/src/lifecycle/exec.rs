@@ -92,7 +92,10 @@ fn helper_main(
     plan: &CommandPlan,
     report: i32,
 ) -> ! {
+    // It joins the box's mount namespace: no log path of the host applies.
+    crate::diag::off();
     let fail = |msg: String| -> ! {
+        // A caller gone cannot be told; the exit code 125 still says it failed.
         let _ = nix::unistd::write(
             // SAFETY: `report` stays open for the life of this process.
             unsafe { std::os::fd::BorrowedFd::borrow_raw(report) },
@@ -113,6 +116,7 @@ fn helper_main(
     match unsafe { fork() } {
         Err(e) => fail(format!("fork: {e}")),
         Ok(ForkResult::Child) => {
+            // Fails only for an invalid signal, and SIGKILL is valid.
             let _ = nix::sys::prctl::set_pdeathsig(Signal::SIGKILL);
             exec_command(plan, report)
         }
@@ -128,6 +132,7 @@ fn helper_main(
 fn ignore_interrupts() {
     for s in [Signal::SIGINT, Signal::SIGQUIT] {
         // SAFETY: SIG_IGN runs no handler code.
+        // (signal fails only for SIGKILL/SIGSTOP, not these.)
         let _ = unsafe { signal(s, SigHandler::SigIgn) };
     }
 }

@@ -43,7 +43,11 @@ fn run_detached_inner(reg: &Registry, spec: &BoxSpec) -> Result<()> {
     // SAFETY: the CLI is single-threaded, so the child may run arbitrary code.
     match unsafe { fork() } {
         Err(e) => {
-            let _ = reg.remove(&record);
+            crate::diag::warn_on_err(
+                Some(record.name()),
+                "removing the record",
+                reg.remove(&record),
+            );
             Err(RuntimeError::sys("fork monitor")(e))
         }
         Ok(ForkResult::Child) => {
@@ -51,7 +55,12 @@ fn run_detached_inner(reg: &Registry, spec: &BoxSpec) -> Result<()> {
             crate::process::become_daemon();
             let code = match run_box(reg, &record, Mode::Detached(ready_w)) {
                 Ok(o) => o.exit_code,
-                Err(e) => e.exit_code(),
+                Err(e) => {
+                    // A start error was reported to the caller as well; one
+                    // after the start has no one else to tell.
+                    tracing::error!(box_name = record.name(), "{e}");
+                    e.exit_code()
+                }
             };
             std::process::exit(code)
         }
@@ -64,6 +73,7 @@ fn run_detached_inner(reg: &Registry, spec: &BoxSpec) -> Result<()> {
 
 fn wait_ready(reg: &Registry, record: &BoxRecord, ready: OwnedFd) -> Result<()> {
     let mut text = String::new();
+    // A read error leaves `text` short, which reads as "the monitor died" below.
     let _ = File::from(ready).read_to_string(&mut text);
     if text == "ok" {
         return Ok(());
@@ -75,7 +85,11 @@ fn wait_ready(reg: &Registry, record: &BoxRecord, ready: OwnedFd) -> Result<()> 
         });
     }
     // The monitor died before saying anything: clean up what it left.
-    let _ = cleanup_dead(reg, record);
+    crate::diag::warn_on_err(
+        Some(record.name()),
+        "cleaning up",
+        cleanup_dead(reg, record),
+    );
     Err(RuntimeError::Launch {
         code: 125,
         message: format!(
@@ -136,12 +150,14 @@ fn stop_inner(reg: &Registry, rel: &dyn Relations, name: &str, timeout: Duration
     let Some(target) = signal_target(&record) else {
         return settle(reg, &record);
     };
+    // ESRCH: the box ended meanwhile, which is what stop wants.
     let _ = kill(target, Signal::SIGTERM);
     let watched = match record.state.effective_status() {
         Status::Frozen => record.state.template.as_ref().map(|t| t.process),
         _ => record.state.init,
     };
     if !wait_until(timeout, || !watched.is_some_and(|p| p.alive())) {
+        // As above: ESRCH means it is gone.
         let _ = kill(target, Signal::SIGKILL);
     }
     if record.state.effective_status() == Status::Frozen && rel.keeps_init(reg, &record)? {
@@ -172,7 +188,8 @@ fn signal_target(record: &BoxRecord) -> Option<Pid> {
         return Some(init);
     }
     if let Some(cg) = &record.state.cgroup {
-        let _ = cg.set_frozen(false, Duration::from_secs(5));
+        let thawed = cg.set_frozen(false, Duration::from_secs(5));
+        crate::diag::warn_on_err(Some(record.name()), "thawing", thawed);
     }
     match &record.state.template {
         Some(t) if t.process.alive() => Some(Pid::from_raw(t.process.pid)),
@@ -202,7 +219,8 @@ fn remove_inner(reg: &Registry, rel: &dyn Relations, name: &str, force: bool) ->
             return done;
         }
         if let Some(cg) = &record.state.cgroup {
-            let _ = cg.set_frozen(false, Duration::from_secs(5));
+            let thawed = cg.set_frozen(false, Duration::from_secs(5));
+            crate::diag::warn_on_err(Some(name), "thawing", thawed);
         }
     }
     if let Some(init) = running_init(&record) {
@@ -210,6 +228,7 @@ fn remove_inner(reg: &Registry, rel: &dyn Relations, name: &str, force: bool) ->
             return Err(RuntimeError::StillRunning(name.to_string()));
         }
         rel.before_removal(reg, &record);
+        // ESRCH: it died meanwhile, as wanted.
         let _ = kill(init, Signal::SIGKILL);
     } else if record.state.effective_status() == Status::Creating && !force {
         return Err(RuntimeError::StillRunning(name.to_string()));
@@ -217,6 +236,7 @@ fn remove_inner(reg: &Registry, rel: &dyn Relations, name: &str, force: bool) ->
     settle(reg, &record)?;
     let record = reg.load(name)?;
     if let Some(cg) = &record.state.cgroup {
+        // A process that survives the kill makes the removal fail, which reports it.
         let _ = cg.kill_all();
         cg.remove()?;
     }
@@ -260,6 +280,7 @@ fn reg_status(reg: &Registry, name: &str) -> Option<Status> {
 /// Free what a dead box (monitor gone) still holds and mark it dead.
 fn cleanup_dead(reg: &Registry, record: &BoxRecord) -> Result<()> {
     if let Some(cg) = &record.state.cgroup {
+        // A process that survives the kill makes the removal fail, which reports it.
         let _ = cg.kill_all();
         cg.remove()?;
     }
@@ -371,6 +392,7 @@ pub fn gc(reg: &Registry) -> Result<GcReport> {
                 .is_none_or(|id| live_ids.iter().any(|l| l == id))
         };
         for cg in nestbox_cgroup::find_stale(&h, &live) {
+            // As above: the removal reports a process that survived.
             let _ = cg.kill_all();
             cg.remove()?;
             report

@@ -155,7 +155,11 @@ impl Pending {
 
     /// Give the lease back (the box did not start).
     pub fn release(self) {
-        let _ = self.network.detach(&self.lease.box_id);
+        crate::diag::warn_on_err(
+            None,
+            &format!("releasing the lease of box id {}", self.lease.box_id),
+            self.network.detach(&self.lease.box_id),
+        );
     }
 }
 

@@ -180,11 +180,17 @@ fn make_entry(roots: &Roots) -> Result<()> {
 }
 
 /// Undo an entry: its lease and attachment, its mount (the namespace and veth
-/// go with it) and its directory. Best effort.
+/// go with it) and its directory. Best effort: an entry half undone is not
+/// `intact` and is undone again by the next `clear` or `gc`, so the removal
+/// steps' errors (the mount or a file already gone) are ignored.
 fn remove_entry(roots: &Roots, dir: &Path) {
     if let Ok(id) = fs::read_to_string(dir.join(ID_FILE)) {
         if let Ok(Some(net)) = crate::network::view(roots) {
-            let _ = net.detach_exited(id.trim());
+            crate::diag::warn_on_err(
+                None,
+                "releasing a pooled namespace's address",
+                net.detach_exited(id.trim()),
+            );
         }
     }
     let target = dir.join(MOUNT_FILE);
@@ -247,6 +253,7 @@ pub fn claim(roots: &Roots, box_id: &str, names: &[&str]) -> Result<Option<Claim
 pub fn release(roots: &Roots, box_id: &str) {
     let dir = pool_dir(roots).join(format!("{CLAIMED}{box_id}"));
     if dir.exists() {
+        // Best effort, as in `remove_entry`: `gc` clears what is left.
         let target = dir.join(MOUNT_FILE);
         let _ = umount2(&target, MntFlags::MNT_DETACH);
         let _ = fs::remove_file(&target);
@@ -317,6 +324,8 @@ pub fn remove_with(roots: &Roots, remove_network: impl FnOnce() -> Result<()>) -
     clear_locked(roots, None);
     remove_network()?;
     drop(lock);
+    // The pool's directory goes with the network if nothing else is in it
+    // (a refill's entry may be); a leftover lock file is harmless.
     let _ = fs::remove_file(pool_dir(roots).join(".lock"));
     let _ = fs::remove_dir(pool_dir(roots));
     Ok(())

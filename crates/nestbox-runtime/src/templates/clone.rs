@@ -172,7 +172,7 @@ pub fn clone_template_answer_first(
         Ok(forked) => made.extend(forked),
         Err(e) => {
             // The claimed clones are made and stay: their bookkeeping is done.
-            let _ = follow_up.finish(reg);
+            crate::diag::warn_on_err(None, "after a clone", follow_up.finish(reg));
             return Err(e);
         }
     }
@@ -202,7 +202,8 @@ fn fork_fresh(reg: &Registry, t: &BoxRecord, req: &CloneRequest) -> Result<Vec<C
     if result.is_err() {
         for name in &shells {
             if reg.load(name).is_ok() {
-                let _ = crate::templates::ops::remove(reg, name, true);
+                let removed = crate::templates::ops::remove(reg, name, true);
+                crate::diag::warn_on_err(Some(name), "removing a shell of a failed clone", removed);
             }
         }
     }
@@ -242,7 +243,8 @@ pub(crate) fn learn_from_leaving_clone(reg: &Registry, r: &BoxRecord) {
     });
     if pooling {
         let file = working_set_file_of(reg, &src.template_box);
-        let _ = crate::working_set::record(&file, process.pid);
+        let recorded = crate::working_set::record(&file, process.pid);
+        crate::diag::warn_on_err(Some(r.name()), "recording the working set", recorded);
     }
 }
 
@@ -289,7 +291,8 @@ pub(crate) fn check_new_name(reg: &Registry, name: &str) -> Result<()> {
 fn check_capacity(count: usize, limits: &Limits) -> Result<()> {
     let count = count as u64;
     let pid_max: u64 = read_number("/proc/sys/kernel/pid_max").unwrap_or(32768);
-    // Tasks in use: the fourth field of /proc/loadavg ("running/total").
+    // Tasks in use: the fourth field of /proc/loadavg ("running/total"); an
+    // unreadable file counts as none in use (the kernel refuses forks anyway).
     let running: u64 = std::fs::read_to_string("/proc/loadavg")
         .ok()
         .and_then(|l| {
@@ -447,7 +450,10 @@ fn prefetch_when_stopped(file: &std::path::Path, pid: i32) {
         }
         std::thread::sleep(Duration::from_micros(200));
     }
-    let _ = crate::working_set::prefetch(file, pid);
+    // An optimisation only: a page not copied ahead is faulted in on use.
+    if let Err(e) = crate::working_set::prefetch(file, pid) {
+        tracing::warn!("prefetching the working set into pid {pid}: {e}");
+    }
 }
 
 fn remote_error(template: &str, e: nestbox_remote::RemoteError) -> RuntimeError {
@@ -502,6 +508,7 @@ fn fork_one(
         })?;
     let fork_ms = forked.elapsed.as_secs_f64() * 1e3;
     if forked.ns_pid != crate::init::ADOPTED_PID {
+        // ESRCH only if the new process died already, as wanted.
         let _ = nix::sys::signal::kill(Pid::from_raw(forked.pid), Signal::SIGKILL);
         return Err(RuntimeError::Failed(format!(
             "clone {name:?} got pid {} in its shell instead of {}",
@@ -632,7 +639,12 @@ pub(crate) fn take_pooled(
     let pid = match wake_claimed(c, name, req) {
         Ok(pid) => pid,
         Err(e) => {
-            let _ = crate::templates::ops::remove(reg, name, true);
+            let removed = crate::templates::ops::remove(reg, name, true);
+            crate::diag::warn_on_err(
+                Some(name),
+                "removing a clone that could not be woken",
+                removed,
+            );
             return Err(e);
         }
     };
@@ -705,7 +717,8 @@ pub fn fill_pool(reg: &Registry, template: &str) -> Result<usize> {
         .map(|p| p.pid)
         .collect();
     for pid in recent.iter().rev().take(WORKING_SET_SOURCES) {
-        let _ = crate::working_set::record(&working_set_file(reg, &t), *pid);
+        let recorded = crate::working_set::record(&working_set_file(reg, &t), *pid);
+        crate::diag::warn_on_err(Some(t.name()), "recording the working set", recorded);
     }
     let req = CloneRequest {
         count: want - have,

@@ -132,7 +132,11 @@ fn freeze_inner(
         s.template = Some(recorded);
     });
     if let Err(e) = update {
-        let _ = cgroup.set_frozen(false, FREEZER_TIMEOUT);
+        crate::diag::warn_on_err(
+            Some(name),
+            "thawing after a failed freeze",
+            cgroup.set_frozen(false, FREEZER_TIMEOUT),
+        );
         return Err(e);
     }
     Ok(info)
@@ -327,7 +331,8 @@ pub fn remove_box(reg: &Registry, record: &BoxRecord) -> Result<()> {
     }
     if clones_of(reg, box_name)?.is_empty() {
         if let Some(cg) = &record.state.cgroup {
-            let _ = cg.set_frozen(false, FREEZER_TIMEOUT);
+            let thawed = cg.set_frozen(false, FREEZER_TIMEOUT);
+            crate::diag::warn_on_err(Some(box_name), "thawing", thawed);
         }
         // Thawed: from here on it is removed like any running box.
         reg.update(box_name, |s| s.status = Status::Running)?;
@@ -341,11 +346,13 @@ pub fn remove_box(reg: &Registry, record: &BoxRecord) -> Result<()> {
     })?;
     if let Some(t) = info {
         if t.process.alive() {
+            // ESRCH: it died meanwhile, as wanted.
             let _ = kill(Pid::from_raw(t.process.pid), Signal::SIGKILL);
         }
     }
     if let Some(cg) = &record.state.cgroup {
-        let _ = cg.set_frozen(false, FREEZER_TIMEOUT);
+        let thawed = cg.set_frozen(false, FREEZER_TIMEOUT);
+        crate::diag::warn_on_err(Some(box_name), "thawing", thawed);
     }
     Ok(())
 }

@@ -352,6 +352,8 @@ mod tests {
                     // SAFETY: p lies inside the 64-page read-only mapping above.
                     unsafe { (p as *const u8).read_volatile() };
                 }
+                // The parent waits for this byte; if it cannot be written the
+                // parent's read fails and the test with it.
                 let _ = nix::unistd::write(&w, b"x");
                 std::thread::sleep(std::time::Duration::from_secs(30));
                 // SAFETY: _exit ends this forked child without running the
@@ -385,6 +387,7 @@ mod tests {
         // SAFETY: as above; this child only stops itself and then exits.
         let stopped = match unsafe { fork() }.unwrap() {
             ForkResult::Child => {
+                // Stopping oneself cannot fail; the test checks the stop.
                 let _ = kill(Pid::this(), Signal::SIGSTOP);
                 // SAFETY: as above.
                 unsafe { libc::_exit(0) }
