@@ -104,14 +104,32 @@ impl FollowUp {
         let Some(net) = crate::network::view(reg.roots())? else {
             return Ok(());
         };
+        let mut first_error = None;
         for (id, name) in &self.hosts {
-            // A clone removed meanwhile has no entry left to rename.
-            if reg.load(name).is_ok_and(|r| r.state.id == *id) {
-                net.rename(id, &[name.as_str()])?;
+            if !still_running(reg, id, name) {
+                continue;
+            }
+            if let Err(e) = net.rename(id, &[name.as_str()]) {
+                // The clone may have ended or been removed since the check
+                // above: its address is released before its record says so
+                // (the monitor releases, then records the end; `rm` releases,
+                // then removes the record). A clone still running that has no
+                // address is a real error.
+                if still_running(reg, id, name) {
+                    first_error.get_or_insert(RuntimeError::from(e).in_box(name));
+                }
             }
         }
-        Ok(())
+        first_error.map_or(Ok(()), Err)
     }
+}
+
+/// Whether the box `name` is still the clone with id `id` and its init lives.
+/// A box's address is only ever released after its init has died, so a box
+/// for which this holds must have its address.
+fn still_running(reg: &Registry, id: &str, name: &str) -> bool {
+    reg.load(name)
+        .is_ok_and(|r| r.state.id == id && r.state.init.is_some_and(|p| p.alive()))
 }
 
 /// Make the clones of template `template`: claimed from its pool first (when the
@@ -822,4 +840,40 @@ pub fn sharing(reg: &Registry, record: &BoxRecord) -> Option<serde_json::Value> 
         "total_pss_bytes": pss,
         "sharing_ratio": if pss > 0 { rss as f64 / pss as f64 } else { 1.0 },
     }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::paths::Roots;
+    use crate::spec::tests_support::sample;
+
+    /// The check behind a claim's follow-up: a clone that ended or went since
+    /// its claim (its address released before its record says so) is skipped,
+    /// not reported; one whose init lives must have its address.
+    #[test]
+    fn a_follow_up_skips_clones_that_ended_or_went() {
+        let dir = tempfile::tempdir().unwrap();
+        let reg = Registry::new(Roots::under(dir.path()));
+        let rec = reg.create(&sample("c1")).unwrap();
+        let id = rec.state.id.clone();
+        // Not started: no init.
+        assert!(!still_running(&reg, &id, "c1"));
+        // Its init lives (this test's own process stands for it).
+        let me = ProcRef::of(std::process::id() as i32).unwrap();
+        reg.update("c1", |s| s.init = Some(me)).unwrap();
+        assert!(still_running(&reg, &id, "c1"));
+        // Another box under the name now.
+        assert!(!still_running(&reg, "another-id", "c1"));
+        // Its init died (a pid and start time that no process has).
+        let dead = ProcRef {
+            pid: me.pid,
+            start_time: me.start_time + 1,
+        };
+        reg.update("c1", |s| s.init = Some(dead)).unwrap();
+        assert!(!still_running(&reg, &id, "c1"));
+        // Removed.
+        reg.remove(&reg.load("c1").unwrap()).unwrap();
+        assert!(!still_running(&reg, &id, "c1"));
+    }
 }
