@@ -9,7 +9,8 @@
 //! {"op":"ping"}                                     → {"ok":true}
 //! {"op":"clone","template":"T","name":"N"?,"on_clone_signal":"USR1"?}
 //!     → {"ok":true,"name":"N","pid":1234,"address":"10.…"|null}
-//! anything else or a failure                        → {"ok":false,"error":"one line"}
+//! anything else or a failure
+//!     → {"ok":false,"error":"one line","kind":"invalid|not_found|conflict|resources|system|launch","box":"N"?}
 //! ```
 //!
 //! A clone made here is exactly what `nestbox clone T -d` makes (the same
@@ -116,7 +117,7 @@ impl IdleWork {
         let retrying = self.retry_at.take().is_some();
         if self.since.take().is_some() {
             if let Err(e) = std::mem::take(&mut self.work).finish(reg) {
-                eprintln!("nestbox serve: after a clone: {e}");
+                tracing::error!("after a clone: {e}");
             }
         }
         let mut empty_pool = false;
@@ -139,6 +140,11 @@ impl IdleWork {
     }
 }
 
+/// Where `nestbox serve` writes its warnings and errors (see [`crate::diag`]).
+pub fn log_path(reg: &Registry) -> PathBuf {
+    reg.roots().run.join("serve.log")
+}
+
 /// The default socket of a root.
 pub fn default_socket(reg: &Registry) -> PathBuf {
     reg.roots().run.join("nestbox.sock")
@@ -148,20 +154,22 @@ pub fn default_socket(reg: &Registry) -> PathBuf {
 /// another server answers on it; a stale socket file is replaced.
 pub fn serve(reg: &Registry, socket: &Path) -> Result<()> {
     if UnixStream::connect(socket).is_ok() {
-        return Err(RuntimeError::Invalid(format!(
-            "a server already answers on {}",
-            socket.display()
-        )));
+        return Err(RuntimeError::ServerRunning(socket.to_path_buf()));
     }
+    let run = &reg.roots().run;
+    std::fs::create_dir_all(run).map_err(RuntimeError::io("mkdir", run))?;
+    crate::diag::to_file(log_path(reg), true);
     if let Some(dir) = socket.parent() {
         std::fs::create_dir_all(dir).map_err(RuntimeError::io("mkdir", dir))?;
     }
+    // A stale socket (no server answered above); ENOENT if there is none.
+    // Anything else makes the bind fail, which reports it.
     let _ = std::fs::remove_file(socket);
     let listener = UnixListener::bind(socket).map_err(RuntimeError::io("bind", socket))?;
     std::fs::set_permissions(socket, std::fs::Permissions::from_mode(0o600))
         .map_err(RuntimeError::io("chmod", socket))?;
     let result = serve_on(reg, &listener);
-    let _ = std::fs::remove_file(socket);
+    crate::diag::warn_on_err(None, "removing the socket", std::fs::remove_file(socket));
     result
 }
 
@@ -201,7 +209,7 @@ impl Client {
             }
             let (answer, follow_up) = match handle(reg, line.trim(), idle) {
                 Ok(done) => done,
-                Err(e) => (error_answer(&e.to_string()), FollowUp::default()),
+                Err(e) => (error_answer(&e), FollowUp::default()),
             };
             // The rest of the bookkeeping follows once the server is idle
             // (also when the client has gone).
@@ -214,9 +222,10 @@ impl Client {
             return false;
         }
         if self.partial.len() > MAX_LINE {
-            let _ = self.answer(&error_answer(&format!(
+            // The connection is closed right after, answered or not.
+            let _ = self.answer(&error_answer(&RuntimeError::InvalidInput(format!(
                 "request line longer than {MAX_LINE} bytes"
-            )));
+            ))));
             return false;
         }
         true
@@ -232,8 +241,18 @@ impl Client {
     }
 }
 
-fn error_answer(message: &str) -> Value {
-    json!({"ok": false, "error": message.replace('\n', " ")})
+/// The answer to a request that failed: its one-line message, its kind and the
+/// box it concerns, if any.
+fn error_answer(e: &RuntimeError) -> Value {
+    let mut answer = json!({
+        "ok": false,
+        "error": e.to_string().replace('\n', " "),
+        "kind": e.kind(),
+    });
+    if let Some(name) = e.box_name() {
+        answer["box"] = json!(name);
+    }
+    answer
 }
 
 fn serve_on(reg: &Registry, listener: &UnixListener) -> Result<()> {
@@ -317,19 +336,21 @@ fn serve_on(reg: &Registry, listener: &UnixListener) -> Result<()> {
 /// if there is one and it still holds.
 fn handle(reg: &Registry, line: &str, idle: &mut IdleWork) -> Result<(Value, FollowUp)> {
     let req: Value = serde_json::from_str(line)
-        .map_err(|e| RuntimeError::Invalid(format!("request is not JSON: {e}")))?;
+        .map_err(|e| RuntimeError::InvalidInput(format!("request is not JSON: {e}")))?;
     let field = |k: &str| -> Result<Option<String>> {
         match req.get(k) {
             None | Some(Value::Null) => Ok(None),
             Some(Value::String(s)) => Ok(Some(s.clone())),
-            Some(_) => Err(RuntimeError::Invalid(format!("{k:?} must be a string"))),
+            Some(_) => Err(RuntimeError::InvalidInput(format!(
+                "{k:?} must be a string"
+            ))),
         }
     };
     match field("op")?.as_deref() {
         Some("ping") => Ok((json!({"ok": true}), FollowUp::default())),
         Some("clone") => {
             let template = field("template")?
-                .ok_or_else(|| RuntimeError::Invalid("clone needs \"template\"".into()))?;
+                .ok_or_else(|| RuntimeError::InvalidInput("clone needs \"template\"".into()))?;
             let on_clone_signal = field("on_clone_signal")?
                 .map(|s| crate::spec::parse_signal(&s))
                 .transpose()?;
@@ -363,12 +384,12 @@ fn handle(reg: &Registry, line: &str, idle: &mut IdleWork) -> Result<(Value, Fol
             };
             let Some(c) = made.first() else {
                 follow_up.finish(reg)?;
-                return Err(RuntimeError::Invalid("no clone was made".into()));
+                return Err(RuntimeError::Failed("no clone was made".into()));
             };
             let answer = json!({"ok": true, "name": c.name, "pid": c.pid, "address": c.address});
             Ok((answer, follow_up))
         }
-        Some(op) => Err(RuntimeError::Invalid(format!("unknown op {op:?}"))),
-        None => Err(RuntimeError::Invalid("request needs \"op\"".into())),
+        Some(op) => Err(RuntimeError::InvalidInput(format!("unknown op {op:?}"))),
+        None => Err(RuntimeError::InvalidInput("request needs \"op\"".into())),
     }
 }

@@ -7,28 +7,49 @@
 //! root ([`launch`]) and becomes the box [`init`]; init starts the command; the
 //! monitor relays output to the [`logs`], and records the exit status in the
 //! [`state`].
+//!
+//! The modules form layers whose imports run one way (see `docs/architecture.md`,
+//! checked by `tests/layering.rs`):
+//!
+//! ```text
+//! api         the `nestbox serve` request loop
+//!  └ templates   freeze, templates, clones, pools, working sets, prepared claims
+//!     └ lifecycle   monitor, launch, init, exec, logs, residency, plain-box operations
+//!        └ network     network glue of a box (leases, attach, release) and the network pool
+//!           └ records     error, diag, paths, size, spec, state, registry, liveness, process
+//! ```
+//!
+//! A lower layer never names a higher one. Where the life of a box needs what a
+//! higher layer knows (a template's clones when it is stopped or removed), the
+//! higher layer passes it down through [`lifecycle::ops::Relations`]; [`ops`]
+//! is the full set of operations with the templates layer's relations plugged in.
 
 pub mod api;
-pub mod clone;
+pub mod diag;
 pub mod error;
-pub mod exec;
-pub mod init;
-pub mod launch;
+pub mod lifecycle;
 pub mod liveness;
-pub mod logs;
-pub mod monitor;
 pub mod network;
-pub mod network_pool;
-pub mod ops;
 pub mod paths;
-pub mod prepared_claim;
 pub mod process;
 pub mod registry;
-pub mod residency;
 pub mod size;
 pub mod spec;
 pub mod state;
-pub mod template;
-pub mod working_set;
+pub mod templates;
 
 pub use error::{Result, RuntimeError};
+
+// The modules' paths before they were grouped, kept so that callers (the CLI and
+// other crates) need not change.
+pub use lifecycle::{exec, init, launch, logs, monitor, residency};
+pub use network::pool as network_pool;
+pub use templates::{clone, prepared_claim, template, working_set};
+
+/// The operations the CLI offers on boxes, templates and clones included: the
+/// plain-box operations of [`lifecycle::ops`], with `stop`, `rm` and `inspect`
+/// aware of templates and clones ([`templates::ops`]).
+pub mod ops {
+    pub use crate::lifecycle::ops::*;
+    pub use crate::templates::ops::{inspect, remove, stop};
+}

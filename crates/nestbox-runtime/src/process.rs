@@ -1,8 +1,10 @@
 //! Small process helpers shared by the monitor, init, exec and the detached
-//! start: shell-style exit codes from wait statuses, waiting for one child, and
-//! pointing stdio at `/dev/null`.
+//! start: shell-style exit codes from wait statuses, waiting for one child,
+//! pointing stdio at `/dev/null`, becoming a daemon, and running a pool refill in
+//! a detached idle-priority process.
 
 use std::os::fd::{AsFd, AsRawFd, OwnedFd};
+use std::time::Duration;
 
 use nix::sys::wait::{waitpid, WaitStatus};
 use nix::unistd::Pid;
@@ -56,6 +58,8 @@ pub fn stdio_to_dev_null() {
         .open("/dev/null")
     {
         for fd in 0..3 {
+            // Best effort, as documented: dup2 onto 0-2 fails only with EINTR
+            // or EBUSY (a racing open), and the old descriptor then stays.
             let _ = nix::unistd::dup2(null.as_raw_fd(), fd);
         }
     }
@@ -82,5 +86,66 @@ pub fn pid_of_pidfd(pidfd: &OwnedFd) -> crate::Result<i32> {
     text.lines()
         .find_map(|l| l.strip_prefix("Pid:"))
         .and_then(|v| v.trim().parse().ok())
-        .ok_or_else(|| crate::RuntimeError::Invalid(format!("no pid in {path}")))
+        .ok_or_else(|| crate::RuntimeError::Failed(format!("no pid in {path}")))
+}
+
+/// Leave the caller's session and terminal; stdio to /dev/null.
+pub(crate) fn become_daemon() {
+    // setsid fails only for a process group leader, which a forked child is
+    // not; chdir("/") cannot fail for a process that has a root. Neither
+    // failure would keep the daemon from working.
+    let _ = nix::unistd::setsid();
+    let _ = nix::unistd::chdir("/");
+    stdio_to_dev_null();
+}
+
+/// How long a pool refill waits before it starts: boxes and clones often come
+/// in bursts, and a refill takes locks (the kernel's RTNL for a network
+/// namespace, a template's clone lock and a ptrace stop for a clone) and CPU
+/// time that the next requests of the burst need.
+const REFILL_DELAY: Duration = Duration::from_millis(100);
+
+/// Run the pool refill `work` in a detached child process (its own session,
+/// stdio on /dev/null, none of the caller's descriptors) and return at once.
+/// The child waits [`REFILL_DELAY`] and runs under SCHED_IDLE, so it takes no
+/// CPU time from the request that drew from the pool or from the next ones; on
+/// a machine with no idle time the pool stays empty and requests are served
+/// the slow way. The child exits 0 if `work` succeeds.
+pub(crate) fn spawn_refill(work: impl FnOnce() -> crate::Result<()>) {
+    // Forked twice, so that the refill is nobody's child to reap (a long-lived
+    // caller such as `nestbox serve` would otherwise collect zombies).
+    // SAFETY: the callers (the CLI, a box's monitor, `nestbox serve`) are
+    // single-threaded, so the children may run arbitrary code.
+    match unsafe { nix::unistd::fork() } {
+        Ok(nix::unistd::ForkResult::Parent { child }) => {
+            // Reaps the intermediate child, which exits at once; it is our
+            // own child, so the wait cannot fail but for EINTR, after which
+            // the kernel reaps nothing and a zombie stays until we exit.
+            let _ = nix::sys::wait::waitpid(child, None);
+            return;
+        }
+        Ok(nix::unistd::ForkResult::Child) => {}
+        Err(_) => return,
+    }
+    // SAFETY: as above: this intermediate child is single-threaded too.
+    let second = unsafe { nix::unistd::fork() };
+    if !matches!(second, Ok(nix::unistd::ForkResult::Child)) {
+        // SAFETY: _exit ends the intermediate child without running the
+        // caller's exit handlers or flushing its buffers twice.
+        unsafe { libc::_exit(0) }
+    }
+    // SAFETY: this child never returns to its caller (it ends with exit below),
+    // so no object up the stack uses a descriptor again; `work` opens its own.
+    if unsafe { close_fds_from(3) }.is_err() {
+        // SAFETY: _exit ends the child without running the caller's exit handlers.
+        unsafe { libc::_exit(1) }
+    }
+    crate::diag::descriptors_closed();
+    become_daemon();
+    let param = libc::sched_param { sched_priority: 0 };
+    // SAFETY: sets this (new, single-threaded) process's own scheduling
+    // policy; `param` is a valid sched_param for SCHED_IDLE.
+    unsafe { libc::sched_setscheduler(0, libc::SCHED_IDLE, &param) };
+    std::thread::sleep(REFILL_DELAY);
+    std::process::exit(i32::from(work().is_err()))
 }

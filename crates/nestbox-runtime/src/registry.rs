@@ -56,6 +56,10 @@ impl BoxRecord {
     pub fn log_path(&self) -> PathBuf {
         self.lib_dir.join("log")
     }
+    /// The detached monitor's warnings and errors (see [`crate::diag`]).
+    pub fn monitor_log_path(&self) -> PathBuf {
+        self.lib_dir.join("monitor.log")
+    }
     /// Writable layer `index` of the root view: (upper, work).
     pub fn layer_dirs(&self, index: usize) -> (PathBuf, PathBuf) {
         (
@@ -119,11 +123,13 @@ impl Registry {
             })
         })();
         if let Err(e) = built {
+            // `gc` removes a half-made record (an orphan) that this leaves.
             let _ = fs::remove_dir_all(&tmp);
             return Err(e);
         }
         let lib_dir = self.roots.box_lib(&id);
         if let Err(e) = mkdir_p(&lib_dir) {
+            // As above: the mkdir's error is the one to report.
             let _ = fs::remove_dir_all(&final_dir);
             return Err(e);
         }
@@ -373,6 +379,8 @@ fn open_up(dir: &Path) {
     if !meta.is_dir() {
         return;
     }
+    // Best effort: a directory still closed makes the removal fail, which
+    // reports it.
     let _ = fs::set_permissions(dir, fs::Permissions::from_mode(0o700));
     if let Ok(entries) = fs::read_dir(dir) {
         for e in entries.flatten() {

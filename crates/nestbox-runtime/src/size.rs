@@ -6,7 +6,7 @@ use crate::{Result, RuntimeError};
 /// 1024, case-insensitive, an optional trailing `b`/`ib` accepted: `64MiB`).
 pub fn parse_size(text: &str) -> Result<u64> {
     let bad = || {
-        RuntimeError::Invalid(format!(
+        RuntimeError::InvalidInput(format!(
             "invalid size {text:?} (expected e.g. 64m, 1.5g, 512k or a byte count)"
         ))
     };

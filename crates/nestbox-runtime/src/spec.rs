@@ -102,7 +102,7 @@ impl NetworkMode {
             "bridge" => Ok(NetworkMode::Bridge),
             "none" => Ok(NetworkMode::None),
             "host" => Ok(NetworkMode::Host),
-            other => Err(RuntimeError::Invalid(format!(
+            other => Err(RuntimeError::InvalidInput(format!(
                 "unknown --network {other:?} (use bridge, none or host)"
             ))),
         }
@@ -259,7 +259,7 @@ pub fn resolve_capabilities(add: &[String], drop: &[String]) -> Result<CapNames>
 }
 
 fn invalid(msg: impl Into<String>) -> RuntimeError {
-    RuntimeError::Invalid(msg.into())
+    RuntimeError::InvalidInput(msg.into())
 }
 
 /// Box names: 1–64 of letters, digits, `_`, `.`, `-`, starting with a letter or digit.
@@ -479,7 +479,7 @@ mod tests {
 /// A signal by number, name or name without `SIG` (`9`, `SIGKILL`, `kill`).
 pub fn parse_signal(s: &str) -> Result<nix::sys::signal::Signal> {
     use std::str::FromStr;
-    let unknown = || RuntimeError::Invalid(format!("unknown signal {s:?}"));
+    let unknown = || RuntimeError::InvalidInput(format!("unknown signal {s:?}"));
     if let Ok(n) = s.parse::<i32>() {
         return nix::sys::signal::Signal::try_from(n).map_err(|_| unknown());
     }

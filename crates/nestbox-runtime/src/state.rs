@@ -176,6 +176,8 @@ pub fn write_json<T: Serialize>(path: &Path, value: &T) -> Result<()> {
         .map_err(RuntimeError::io("write", &tmp))?;
     drop(f);
     fs::rename(&tmp, path).map_err(|e| {
+        // The rename's error is the one to report; a temporary file left
+        // behind is replaced by the next write of the same file.
         let _ = fs::remove_file(&tmp);
         RuntimeError::io("rename", path)(e)
     })

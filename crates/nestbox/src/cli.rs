@@ -52,6 +52,10 @@ enum Command {
         /// Keep printing new output until the box exits.
         #[arg(short, long)]
         follow: bool,
+        /// Print the warnings and errors of the box's detached monitor instead
+        /// (`$ROOT/lib/boxes/<id>/monitor.log`).
+        #[arg(long, conflicts_with = "follow")]
+        monitor: bool,
         /// Box name.
         name: String,
     },
@@ -379,7 +383,12 @@ pub fn dispatch(cli: Cli) -> Result<i32> {
             );
             Ok(0)
         }
-        Command::Logs { follow, name } => output::logs(&reg, &name, follow).map(|_| 0),
+        Command::Logs {
+            monitor: true,
+            name,
+            ..
+        } => output::monitor_log(&reg, &name).map(|_| 0),
+        Command::Logs { follow, name, .. } => output::logs(&reg, &name, follow).map(|_| 0),
         Command::Exec(args) => {
             let opts = ExecOptions {
                 command: args.command,
@@ -453,7 +462,7 @@ fn run(reg: &Registry, args: RunArgs) -> Result<i32> {
 
 fn build_spec(a: RunArgs) -> Result<BoxSpec> {
     if a.command.is_empty() {
-        bail!(RuntimeError::Invalid(
+        bail!(RuntimeError::InvalidInput(
             "missing command: usage is nestbox run [OPTIONS] -- CMD [ARGS...]".into()
         ));
     }
@@ -469,11 +478,11 @@ fn build_spec(a: RunArgs) -> Result<BoxSpec> {
             Some(("seccomp", "unconfined")) => seccomp = SeccompChoice::Unconfined,
             Some(("seccomp", path)) => {
                 let text = std::fs::read_to_string(path)
-                    .map_err(|e| RuntimeError::Invalid(format!("--security-opt seccomp={path}: {e}")))?;
+                    .map_err(|e| RuntimeError::InvalidInput(format!("--security-opt seccomp={path}: {e}")))?;
                 seccomp = SeccompChoice::Profile { path: path.into(), text };
             }
             _ if opt == "no-new-privileges" || opt == "no-new-privileges=true" => {}
-            _ => bail!(RuntimeError::Invalid(format!(
+            _ => bail!(RuntimeError::InvalidInput(format!(
                 "unsupported --security-opt {opt:?} (supported: seccomp=unconfined, seccomp=FILE, no-new-privileges)"
             ))),
         }
@@ -582,7 +591,7 @@ fn check_userns_available() -> Result<()> {
     let max = read("/proc/sys/user/max_user_namespaces");
     let clone = read("/proc/sys/kernel/unprivileged_userns_clone");
     if max.as_deref() == Some("0") || clone.as_deref() == Some("0") {
-        bail!(RuntimeError::Invalid(
+        bail!(RuntimeError::InvalidInput(
             "running without root needs unprivileged user namespaces, which this kernel has disabled \
              (user.max_user_namespaces / kernel.unprivileged_userns_clone)"
                 .into()

@@ -31,6 +31,9 @@ fn main() -> ExitCode {
             return ExitCode::from(nestbox_runtime::error::EXIT_NESTBOX_ERROR as u8);
         }
     };
+    // Warnings of the CLI's own process go to stderr; a detached monitor and
+    // `nestbox serve` switch to their log files.
+    nestbox_runtime::diag::to_stderr();
     match cli::dispatch(args) {
         Ok(code) => ExitCode::from(code.clamp(0, 255) as u8),
         Err(e) => {
@@ -44,14 +47,28 @@ fn main() -> ExitCode {
     }
 }
 
-/// The error and its causes on one line.
+/// The error on one line: the CLI's own contexts (`--memory: …`), then the first
+/// typed error, whose message already carries its causes (every nestbox error
+/// type shows its cause in its message), so its sources are not printed again.
 fn one_line(e: &anyhow::Error) -> String {
     let mut parts: Vec<String> = Vec::new();
     for cause in e.chain() {
-        let s = cause.to_string();
-        if !parts.iter().any(|p| p.contains(&s)) {
-            parts.push(s);
+        parts.push(cause.to_string());
+        if is_complete(cause) {
+            break;
         }
     }
     parts.join(": ").replace('\n', " ")
+}
+
+/// Whether an error's message is the whole story: a nestbox error type, or one
+/// without a source. Only the CLI's contexts (anyhow's) fail this.
+fn is_complete(e: &(dyn std::error::Error + 'static)) -> bool {
+    e.source().is_none()
+        || e.is::<nestbox_runtime::RuntimeError>()
+        || e.is::<nestbox_net::NetError>()
+        || e.is::<nestbox_store::StoreError>()
+        || e.is::<nestbox_image::ImageError>()
+        || e.is::<nestbox_cgroup::CgroupError>()
+        || e.is::<std::io::Error>()
 }

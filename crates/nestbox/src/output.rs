@@ -4,8 +4,9 @@ use anyhow::Result;
 use nestbox_runtime::registry::Registry;
 use nestbox_runtime::size::format_size;
 use nestbox_runtime::state::{now, Status};
-use nestbox_runtime::{logs, ops};
+use nestbox_runtime::{logs, ops, RuntimeError};
 use serde_json::json;
+use std::io::Write as _;
 
 /// `ps`: a table, or JSON with `--json`.
 pub fn ps(reg: &Registry, all: bool, as_json: bool) -> Result<()> {
@@ -94,9 +95,23 @@ pub fn logs(reg: &Registry, name: &str, follow: bool) -> Result<()> {
     Ok(())
 }
 
+/// `logs --monitor`: the detached monitor's warnings and errors, if it wrote any.
+pub fn monitor_log(reg: &Registry, name: &str) -> Result<()> {
+    let record = reg.load(name)?;
+    let path = record.monitor_log_path();
+    match std::fs::read(&path) {
+        Ok(text) => std::io::stdout().write_all(&text)?,
+        // Nothing to report: the monitor opens its log on its first line.
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(RuntimeError::io("read", &path)(e).into()),
+    }
+    Ok(())
+}
+
 /// `stats [--json]`.
 pub fn stats(reg: &Registry, name: &str, as_json: bool) -> Result<()> {
     let s = ops::stats(reg, name)?;
+    // A box removed since its stats were read has no sharing figures to show.
     let sharing = reg
         .load(name)
         .ok()

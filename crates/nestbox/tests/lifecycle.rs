@@ -134,6 +134,39 @@ fn a_box_idle_long_enough_for_its_monitor_and_init_to_shed_memory_still_works() 
 }
 
 #[test]
+fn a_detached_monitors_failure_after_start_is_in_its_log() {
+    let Some(root) = TestRoot::new("a_detached_monitors_failure_after_start_is_in_its_log") else {
+        return;
+    };
+    root.detached_sh("lc-monlog", &[], "echo ready; sleep 60");
+    root.wait_log("lc-monlog", "ready", START);
+    assert_eq!(
+        root.ok(&["logs", "--monitor", "lc-monlog"]),
+        "",
+        "nothing to report yet"
+    );
+    let v = root.inspect("lc-monlog");
+    let monitor = v["state"]["monitor_pid"].as_i64().expect("monitor_pid") as i32;
+    // A directory in place of the record's lock file: the monitor cannot
+    // record the box's end, after having reported the box started.
+    let lock = root.path().join("run/boxes/lc-monlog/lock");
+    std::fs::remove_file(&lock).unwrap();
+    std::fs::create_dir(&lock).unwrap();
+    root.ok(&["kill", "lc-monlog"]);
+    wait_for("the monitor to end", START, || !pid_alive(monitor));
+    let log = root.ok(&["logs", "--monitor", "lc-monlog"]);
+    let lines: Vec<&str> = log.lines().collect();
+    assert_eq!(lines.len(), 1, "{log}");
+    assert!(
+        lines[0].contains(" ERROR box \"lc-monlog\": open ") && lines[0].contains("/lock: "),
+        "{log}"
+    );
+    std::fs::remove_dir(&lock).unwrap();
+    std::fs::File::create(&lock).unwrap();
+    root.ok(&["rm", "-f", "lc-monlog"]);
+}
+
+#[test]
 fn inspect_describes_a_running_box() {
     let Some(root) = TestRoot::new("inspect_describes_a_running_box") else {
         return;

@@ -60,7 +60,7 @@ pub fn size(roots: &Roots) -> usize {
 /// removed, missing ones are made by the next [`fill`]).
 pub fn set_size(roots: &Roots, n: usize) -> Result<()> {
     if n > MAX_SIZE {
-        return Err(RuntimeError::Invalid(format!(
+        return Err(RuntimeError::InvalidInput(format!(
             "network pool size {n} is too large (at most {MAX_SIZE})"
         )));
     }
@@ -172,11 +172,17 @@ fn make_entry(roots: &Roots) -> Result<()> {
 }
 
 /// Undo an entry: its lease and attachment, its mount (the namespace and veth
-/// go with it) and its directory. Best effort.
+/// go with it) and its directory. Best effort: an entry half undone is not
+/// `intact` and is undone again by the next `clear` or `gc`, so the removal
+/// steps' errors (the mount or a file already gone) are ignored.
 fn remove_entry(roots: &Roots, dir: &Path) {
     if let Ok(id) = fs::read_to_string(dir.join(ID_FILE)) {
         if let Ok(Some(net)) = crate::network::view(roots) {
-            let _ = net.detach_exited(id.trim());
+            crate::diag::warn_on_err(
+                None,
+                "releasing a pooled namespace's address",
+                net.detach_exited(id.trim()),
+            );
         }
     }
     let target = dir.join(MOUNT_FILE);
@@ -218,7 +224,7 @@ pub fn claim(roots: &Roots, box_id: &str, names: &[&str]) -> Result<Option<Claim
             .map_err(RuntimeError::io("open", &target))?
             .into();
         let net = crate::network::view(roots)?
-            .ok_or_else(|| RuntimeError::Invalid("the network of the pool is gone".to_string()))?;
+            .ok_or_else(|| RuntimeError::Failed("the network of the pool is gone".to_string()))?;
         let attachment = net.reassign(pool_id.trim(), box_id, names)?;
         Ok(Claimed {
             netns,
@@ -239,6 +245,7 @@ pub fn claim(roots: &Roots, box_id: &str, names: &[&str]) -> Result<Option<Claim
 pub fn release(roots: &Roots, box_id: &str) {
     let dir = pool_dir(roots).join(format!("{CLAIMED}{box_id}"));
     if dir.exists() {
+        // Best effort, as in `remove_entry`: `gc` clears what is left.
         let target = dir.join(MOUNT_FILE);
         let _ = nestbox_sys::mount::detach(&target);
         let _ = fs::remove_file(&target);
@@ -309,6 +316,8 @@ pub fn remove_with(roots: &Roots, remove_network: impl FnOnce() -> Result<()>) -
     clear_locked(roots, None);
     remove_network()?;
     drop(lock);
+    // The pool's directory goes with the network if nothing else is in it
+    // (a refill's entry may be); a leftover lock file is harmless.
     let _ = fs::remove_file(pool_dir(roots).join(".lock"));
     let _ = fs::remove_dir(pool_dir(roots));
     Ok(())
@@ -321,12 +330,12 @@ pub fn is_pool_id(id: &str) -> bool {
 }
 
 /// Refill the pool in a detached process, off the caller's path (see
-/// [`crate::ops::spawn_refill`]: delayed, at idle priority).
+/// [`crate::process::spawn_refill`]: delayed, at idle priority).
 pub fn spawn_fill(roots: &Roots) {
     if ready_count(roots) >= size(roots) {
         return;
     }
-    crate::ops::spawn_refill(|| fill(roots).map(|_| ()));
+    crate::process::spawn_refill(|| fill(roots).map(|_| ()));
 }
 
 /// Join `netns` on the calling thread; the guard holds the namespace it was in,

@@ -21,6 +21,10 @@ use crate::{Result, RuntimeError};
 
 /// Run a box in the foreground: returns how it ended.
 pub fn run_foreground(reg: &Registry, spec: &BoxSpec) -> Result<Outcome> {
+    run_foreground_inner(reg, spec).map_err(|e| e.in_box(&spec.name))
+}
+
+fn run_foreground_inner(reg: &Registry, spec: &BoxSpec) -> Result<Outcome> {
     spec.validate()?;
     let record = reg.create(spec)?;
     run_box(reg, &record, Mode::Foreground)
@@ -29,21 +33,34 @@ pub fn run_foreground(reg: &Registry, spec: &BoxSpec) -> Result<Outcome> {
 /// Start a box in the background under a detached monitor; returns once the
 /// command runs (or with the reason it could not start).
 pub fn run_detached(reg: &Registry, spec: &BoxSpec) -> Result<()> {
+    run_detached_inner(reg, spec).map_err(|e| e.in_box(&spec.name))
+}
+
+fn run_detached_inner(reg: &Registry, spec: &BoxSpec) -> Result<()> {
     spec.validate()?;
     let record = reg.create(spec)?;
     let (ready_r, ready_w) = pipe2(OFlag::O_CLOEXEC).map_err(RuntimeError::sys("pipe2"))?;
     // SAFETY: the CLI is single-threaded, so the child may run arbitrary code.
     match unsafe { fork() } {
         Err(e) => {
-            let _ = reg.remove(&record);
+            crate::diag::warn_on_err(
+                Some(record.name()),
+                "removing the record",
+                reg.remove(&record),
+            );
             Err(RuntimeError::sys("fork monitor")(e))
         }
         Ok(ForkResult::Child) => {
             drop(ready_r);
-            become_daemon();
+            crate::process::become_daemon();
             let code = match run_box(reg, &record, Mode::Detached(ready_w)) {
                 Ok(o) => o.exit_code,
-                Err(e) => e.exit_code(),
+                Err(e) => {
+                    // A start error was reported to the caller as well; one
+                    // after the start has no one else to tell.
+                    tracing::error!(box_name = record.name(), "{e}");
+                    e.exit_code()
+                }
             };
             std::process::exit(code)
         }
@@ -54,62 +71,9 @@ pub fn run_detached(reg: &Registry, spec: &BoxSpec) -> Result<()> {
     }
 }
 
-/// Leave the caller's session and terminal; stdio to /dev/null.
-pub(crate) fn become_daemon() {
-    let _ = nix::unistd::setsid();
-    let _ = nix::unistd::chdir("/");
-    crate::process::stdio_to_dev_null();
-}
-
-/// How long a pool refill waits before it starts: boxes and clones often come
-/// in bursts, and a refill takes locks (the kernel's RTNL for a network
-/// namespace, a template's clone lock and a ptrace stop for a clone) and CPU
-/// time that the next requests of the burst need.
-const REFILL_DELAY: Duration = Duration::from_millis(100);
-
-/// Run the pool refill `work` in a detached child process (its own session,
-/// stdio on /dev/null, none of the caller's descriptors) and return at once.
-/// The child waits [`REFILL_DELAY`] and runs under SCHED_IDLE, so it takes no
-/// CPU time from the request that drew from the pool or from the next ones; on
-/// a machine with no idle time the pool stays empty and requests are served
-/// the slow way. The child exits 0 if `work` succeeds.
-pub(crate) fn spawn_refill(work: impl FnOnce() -> Result<()>) {
-    // Forked twice, so that the refill is nobody's child to reap (a long-lived
-    // caller such as `nestbox serve` would otherwise collect zombies).
-    // SAFETY: the callers (the CLI, a box's monitor, `nestbox serve`) are
-    // single-threaded, so the children may run arbitrary code.
-    match unsafe { nix::unistd::fork() } {
-        Ok(nix::unistd::ForkResult::Parent { child }) => {
-            let _ = nix::sys::wait::waitpid(child, None);
-            return;
-        }
-        Ok(nix::unistd::ForkResult::Child) => {}
-        Err(_) => return,
-    }
-    // SAFETY: as above: this intermediate child is single-threaded too.
-    let second = unsafe { nix::unistd::fork() };
-    if !matches!(second, Ok(nix::unistd::ForkResult::Child)) {
-        // SAFETY: _exit ends the intermediate child without running the
-        // caller's exit handlers or flushing its buffers twice.
-        unsafe { libc::_exit(0) }
-    }
-    // SAFETY: this child never returns to its caller (it ends with exit below),
-    // so no object up the stack uses a descriptor again; `work` opens its own.
-    if unsafe { crate::process::close_fds_from(3) }.is_err() {
-        // SAFETY: _exit ends the child without running the caller's exit handlers.
-        unsafe { libc::_exit(1) }
-    }
-    become_daemon();
-    let param = libc::sched_param { sched_priority: 0 };
-    // SAFETY: sets this (new, single-threaded) process's own scheduling
-    // policy; `param` is a valid sched_param for SCHED_IDLE.
-    unsafe { libc::sched_setscheduler(0, libc::SCHED_IDLE, &param) };
-    std::thread::sleep(REFILL_DELAY);
-    std::process::exit(i32::from(work().is_err()))
-}
-
 fn wait_ready(reg: &Registry, record: &BoxRecord, ready: OwnedFd) -> Result<()> {
     let mut text = String::new();
+    // A read error leaves `text` short, which reads as "the monitor died" below.
     let _ = File::from(ready).read_to_string(&mut text);
     if text == "ok" {
         return Ok(());
@@ -121,7 +85,11 @@ fn wait_ready(reg: &Registry, record: &BoxRecord, ready: OwnedFd) -> Result<()> 
         });
     }
     // The monitor died before saying anything: clean up what it left.
-    let _ = cleanup_dead(reg, record);
+    crate::diag::warn_on_err(
+        Some(record.name()),
+        "cleaning up",
+        cleanup_dead(reg, record),
+    );
     Err(RuntimeError::Launch {
         code: 125,
         message: format!(
@@ -131,24 +99,71 @@ fn wait_ready(reg: &Registry, record: &BoxRecord, ready: OwnedFd) -> Result<()> 
     })
 }
 
+/// What a higher layer knows about a box that its life does not: a template's
+/// clones, what a leaving clone teaches its template. The operations below take
+/// it as a parameter, so that this layer never imports the templates layer;
+/// [`PlainBoxes`] knows of no relation (every box is a plain box).
+pub trait Relations {
+    /// Whether the frozen box `record` must keep its init after its process was
+    /// stopped (a template whose clones live in its pid namespace).
+    fn keeps_init(&self, reg: &Registry, record: &BoxRecord) -> Result<bool>;
+    /// Remove the frozen box `record` when the higher layer owns its removal (a
+    /// template: its pool first, its init kept for its clones). `None`: remove
+    /// it as a plain box.
+    fn remove_frozen(&self, reg: &Registry, record: &BoxRecord) -> Option<Result<()>>;
+    /// Called just before a running box is killed for `rm -f`.
+    fn before_removal(&self, reg: &Registry, record: &BoxRecord);
+    /// More to say about a box in `inspect` (`memory_sharing`).
+    fn inspect_extra(&self, reg: &Registry, record: &BoxRecord) -> Option<serde_json::Value>;
+    /// Called once `record`'s box is removed (`rm`), cgroup, address and record gone.
+    fn after_removal(&self, reg: &Registry, record: &BoxRecord);
+}
+
+/// No relations: every box is a plain box.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct PlainBoxes;
+
+impl Relations for PlainBoxes {
+    fn keeps_init(&self, _: &Registry, _: &BoxRecord) -> Result<bool> {
+        Ok(false)
+    }
+    fn remove_frozen(&self, _: &Registry, _: &BoxRecord) -> Option<Result<()>> {
+        None
+    }
+    fn before_removal(&self, _: &Registry, _: &BoxRecord) {}
+    fn inspect_extra(&self, _: &Registry, _: &BoxRecord) -> Option<serde_json::Value> {
+        None
+    }
+    fn after_removal(&self, _: &Registry, _: &BoxRecord) {}
+}
+
 /// Stop a box: SIGTERM to its command (through init), SIGKILL after `timeout`.
 /// Stopping a box that is not running does nothing.
 pub fn stop(reg: &Registry, name: &str, timeout: Duration) -> Result<()> {
+    stop_with(reg, &PlainBoxes, name, timeout)
+}
+
+/// [`stop`], with what `rel` knows about the box.
+pub fn stop_with(reg: &Registry, rel: &dyn Relations, name: &str, timeout: Duration) -> Result<()> {
+    stop_inner(reg, rel, name, timeout).map_err(|e| e.in_box(name))
+}
+
+fn stop_inner(reg: &Registry, rel: &dyn Relations, name: &str, timeout: Duration) -> Result<()> {
     let record = reg.load(name)?;
     let Some(target) = signal_target(&record) else {
         return settle(reg, &record);
     };
+    // ESRCH: the box ended meanwhile, which is what stop wants.
     let _ = kill(target, Signal::SIGTERM);
     let watched = match record.state.effective_status() {
         Status::Frozen => record.state.template.as_ref().map(|t| t.process),
         _ => record.state.init,
     };
     if !wait_until(timeout, || !watched.is_some_and(|p| p.alive())) {
+        // As above: ESRCH means it is gone.
         let _ = kill(target, Signal::SIGKILL);
     }
-    if record.state.effective_status() == Status::Frozen
-        && !crate::template::clones_of(reg, name)?.is_empty()
-    {
+    if record.state.effective_status() == Status::Frozen && rel.keeps_init(reg, &record)? {
         // Its init stays for the clones; the monitor records the end when it goes.
         return Ok(());
     }
@@ -157,10 +172,14 @@ pub fn stop(reg: &Registry, name: &str, timeout: Duration) -> Result<()> {
 
 /// Send `signal` to the box's command (SIGKILL ends the whole box at once).
 pub fn kill_box(reg: &Registry, name: &str, signal: Signal) -> Result<()> {
+    kill_inner(reg, name, signal).map_err(|e| e.in_box(name))
+}
+
+fn kill_inner(reg: &Registry, name: &str, signal: Signal) -> Result<()> {
     let record = reg.load(name)?;
     let target =
         signal_target(&record).ok_or_else(|| RuntimeError::NotRunning(name.to_string()))?;
-    kill(target, signal).map_err(RuntimeError::sys(format!("kill box {name:?}")))
+    kill(target, signal).map_err(RuntimeError::sys(format!("kill {}", signal.as_str())))
 }
 
 /// Where a box's signals go: its init, which forwards them to the command. A
@@ -172,7 +191,8 @@ fn signal_target(record: &BoxRecord) -> Option<Pid> {
         return Some(init);
     }
     if let Some(cg) = &record.state.cgroup {
-        let _ = cg.set_frozen(false, Duration::from_secs(5));
+        let thawed = cg.set_frozen(false, Duration::from_secs(5));
+        crate::diag::warn_on_err(Some(record.name()), "thawing", thawed);
     }
     match &record.state.template {
         Some(t) if t.process.alive() => Some(Pid::from_raw(t.process.pid)),
@@ -182,25 +202,36 @@ fn signal_target(record: &BoxRecord) -> Option<Pid> {
 
 /// Remove a box; a running one only with `force` (it is killed first). A frozen
 /// box is thawed first (a frozen process cannot die); a template with live clones
-/// keeps its init until they are gone (see [`crate::template::remove_box`]).
+/// keeps its init until they are gone (see [`Relations::remove_frozen`]).
 pub fn remove(reg: &Registry, name: &str, force: bool) -> Result<()> {
+    remove_with(reg, &PlainBoxes, name, force)
+}
+
+/// [`remove`], with what `rel` knows about the box.
+pub fn remove_with(reg: &Registry, rel: &dyn Relations, name: &str, force: bool) -> Result<()> {
+    remove_inner(reg, rel, name, force).map_err(|e| e.in_box(name))
+}
+
+fn remove_inner(reg: &Registry, rel: &dyn Relations, name: &str, force: bool) -> Result<()> {
     let record = reg.load(name)?;
     if record.state.effective_status() == Status::Frozen {
         if !force {
             return Err(RuntimeError::StillRunning(name.to_string()));
         }
-        if record.state.template.is_some() {
-            return crate::template::remove_box(reg, &record);
+        if let Some(done) = rel.remove_frozen(reg, &record) {
+            return done;
         }
         if let Some(cg) = &record.state.cgroup {
-            let _ = cg.set_frozen(false, Duration::from_secs(5));
+            let thawed = cg.set_frozen(false, Duration::from_secs(5));
+            crate::diag::warn_on_err(Some(name), "thawing", thawed);
         }
     }
     if let Some(init) = running_init(&record) {
         if !force {
             return Err(RuntimeError::StillRunning(name.to_string()));
         }
-        crate::clone::learn_from_leaving_clone(reg, &record);
+        rel.before_removal(reg, &record);
+        // ESRCH: it died meanwhile, as wanted.
         let _ = kill(init, Signal::SIGKILL);
     } else if record.state.effective_status() == Status::Creating && !force {
         return Err(RuntimeError::StillRunning(name.to_string()));
@@ -208,37 +239,14 @@ pub fn remove(reg: &Registry, name: &str, force: bool) -> Result<()> {
     settle(reg, &record)?;
     let record = reg.load(name)?;
     if let Some(cg) = &record.state.cgroup {
+        // A process that survives the kill makes the removal fail, which reports it.
         let _ = cg.kill_all();
         cg.remove()?;
     }
     crate::network::release(reg.roots(), &record.state.id)?;
     reg.remove(&record)?;
-    if let Some(src) = &record.spec.clone_of {
-        settle_removed_template(reg, &src.template_box);
-    }
+    rel.after_removal(reg, &record);
     Ok(())
-}
-
-/// If template box `name` was removed while it had clones and none is left,
-/// wait for it to go: its init leaves once its last clone has (it checks
-/// twice a second), and its monitor then releases its network address and
-/// removes its record. Without this, `rm -f` of the last clone returned while
-/// the template still held its address, and a `network rm` right after was
-/// refused. Best effort: a monitor that is dead is cleaned up after here.
-fn settle_removed_template(reg: &Registry, name: &str) {
-    let Ok(t) = reg.load(name) else { return };
-    let removed = t.state.template.as_ref().is_some_and(|i| i.removed);
-    if !removed || !crate::template::clones_of(reg, name).is_ok_and(|c| c.is_empty()) {
-        return;
-    }
-    let gone = || reg.load(name).map_or(true, |r| r.state.id != t.state.id);
-    if !wait_until(Duration::from_secs(10), gone) {
-        if let Ok(r) = reg.load(name) {
-            if r.state.effective_status() == Status::Dead {
-                let _ = cleanup_dead(reg, &r).and_then(|()| reg.remove(&r));
-            }
-        }
-    }
 }
 
 /// The host pid of a running box's init.
@@ -275,8 +283,9 @@ fn reg_status(reg: &Registry, name: &str) -> Option<Status> {
 }
 
 /// Free what a dead box (monitor gone) still holds and mark it dead.
-fn cleanup_dead(reg: &Registry, record: &BoxRecord) -> Result<()> {
+pub(crate) fn cleanup_dead(reg: &Registry, record: &BoxRecord) -> Result<()> {
     if let Some(cg) = &record.state.cgroup {
+        // A process that survives the kill makes the removal fail, which reports it.
         let _ = cg.kill_all();
         cg.remove()?;
     }
@@ -289,7 +298,7 @@ fn cleanup_dead(reg: &Registry, record: &BoxRecord) -> Result<()> {
     .map(|_| ())
 }
 
-fn wait_until(limit: Duration, mut done: impl FnMut() -> bool) -> bool {
+pub(crate) fn wait_until(limit: Duration, mut done: impl FnMut() -> bool) -> bool {
     let end = Instant::now() + limit;
     let mut pause = Duration::from_millis(2);
     while Instant::now() < end {
@@ -304,6 +313,10 @@ fn wait_until(limit: Duration, mut done: impl FnMut() -> bool) -> bool {
 
 /// Resource figures: live from the cgroup while running, else the last recorded.
 pub fn stats(reg: &Registry, name: &str) -> Result<Stats> {
+    stats_inner(reg, name).map_err(|e| e.in_box(name))
+}
+
+fn stats_inner(reg: &Registry, name: &str) -> Result<Stats> {
     let record = reg.load(name)?;
     if let (Some(cg), Some(_)) = (&record.state.cgroup, running_init(&record)) {
         return Ok(cg.stats()?);
@@ -317,7 +330,12 @@ pub fn stats(reg: &Registry, name: &str) -> Result<Stats> {
 
 /// Everything known about a box, as JSON.
 pub fn inspect(reg: &Registry, name: &str) -> Result<serde_json::Value> {
-    let record = reg.load(name)?;
+    inspect_with(reg, &PlainBoxes, name)
+}
+
+/// [`inspect`], with what `rel` knows about the box.
+pub fn inspect_with(reg: &Registry, rel: &dyn Relations, name: &str) -> Result<serde_json::Value> {
+    let record = reg.load(name).map_err(|e| e.in_box(name))?;
     let status = record.state.effective_status();
     let pids = match (&record.state.cgroup, running_init(&record)) {
         (Some(cg), Some(_)) => cg.procs().unwrap_or_default(),
@@ -338,7 +356,7 @@ pub fn inspect(reg: &Registry, name: &str) -> Result<serde_json::Value> {
         "exit_code": record.state.exit_code,
         "oom_killed": record.state.oom_killed,
         "log_path": record.log_path(),
-        "memory_sharing": crate::clone::sharing(reg, &record),
+        "memory_sharing": rel.inspect_extra(reg, &record),
     }))
 }
 
@@ -379,6 +397,7 @@ pub fn gc(reg: &Registry) -> Result<GcReport> {
                 .is_none_or(|id| live_ids.iter().any(|l| l == id))
         };
         for cg in nestbox_cgroup::find_stale(&h, &live) {
+            // As above: the removal reports a process that survived.
             let _ = cg.kill_all();
             cg.remove()?;
             report

@@ -86,6 +86,7 @@ struct Running {
 pub fn run_box(reg: &Registry, record: &BoxRecord, mode: Mode) -> Result<Outcome> {
     if matches!(mode, Mode::Detached(_)) {
         crate::residency::one_malloc_arena();
+        crate::diag::to_file(record.monitor_log_path(), false);
     }
     let signals = block_forwarded_signals()?;
     let started = start(reg, record, matches!(mode, Mode::Foreground));
@@ -97,6 +98,8 @@ pub fn run_box(reg: &Registry, record: &BoxRecord, mode: Mode) -> Result<Outcome
         Ok(r) => r,
         Err(e) => {
             if let Some(mut ready) = ready {
+                // A caller that left cannot be told; the error is returned
+                // (and logged) all the same.
                 let _ = write!(ready, "{}\t{}", e.exit_code(), e);
             }
             return Err(e);
@@ -104,6 +107,7 @@ pub fn run_box(reg: &Registry, record: &BoxRecord, mode: Mode) -> Result<Outcome
     };
     let foreground = ready.is_none();
     if let Some(mut ready) = ready {
+        // A caller that left (EPIPE) needs no answer: the box runs anyway.
         let _ = ready.write_all(b"ok");
     }
     let exit_code = supervise(record, &running, signals, foreground);
@@ -115,12 +119,16 @@ fn start(reg: &Registry, record: &BoxRecord, hold_mount_ns: bool) -> Result<Runn
     let mut cgroup = None;
     let result = start_inner(reg, record, &mut cgroup, hold_mount_ns);
     if result.is_err() {
+        // The start's error is the one returned; what its cleanup could not
+        // undo is logged, and `gc` finds it by its id later.
+        let name = Some(record.name());
         if let Some(cg) = &cgroup {
-            let _ = cg.kill_all();
-            let _ = cg.remove();
+            crate::diag::warn_on_err(name, "killing the box's processes", cg.kill_all());
+            crate::diag::warn_on_err(name, "removing the cgroup", cg.remove());
         }
-        let _ = crate::network::release(reg.roots(), &record.state.id);
-        let _ = reg.remove(record);
+        let released = crate::network::release(reg.roots(), &record.state.id);
+        crate::diag::warn_on_err(name, "releasing the network", released);
+        crate::diag::warn_on_err(name, "removing the record", reg.remove(record));
     }
     result
 }
@@ -133,11 +141,14 @@ fn start_inner(
 ) -> Result<Running> {
     let spec = &record.spec;
     let template = match &spec.clone_of {
-        Some(src) => Some(crate::template::load_template(reg, &src.template_box)?),
+        Some(src) => Some(crate::lifecycle::nested::load_template(
+            reg,
+            &src.template_box,
+        )?),
         None => None,
     };
     let (idmap, owner, cookie) = match &template {
-        Some(t) => crate::template::shell_identity(t)?,
+        Some(t) => crate::lifecycle::nested::shell_identity(t)?,
         None => {
             let idmap = spec.userns.then(IdMap::for_caller);
             (
@@ -261,6 +272,8 @@ fn start_inner(
         } else {
             let back = crate::network_pool::leave(own);
             if let (Ok((Forked::Parent(pid), _)), Err(_)) = (&forked, &back) {
+                // Our own child, just forked: the kill and the wait cannot fail
+                // but for a child already dead (ESRCH) or reaped.
                 let _ = kill(pid.to_owned(), Signal::SIGKILL);
                 let _ = waitpid(pid.to_owned(), None);
             }
@@ -284,6 +297,7 @@ fn start_inner(
     };
     drop((go_r, rep_w, out_w, err_w, stdin));
     let abandon = |e: RuntimeError| {
+        // As above: our own child; ESRCH only if it died already.
         let _ = kill(child, Signal::SIGKILL);
         let _ = waitpid(child, None);
         // A box process that failed on its own (assembling its root before
@@ -322,6 +336,8 @@ fn start_inner(
     nix::unistd::write(&go_w, b"g").map_err(|e| abandon(RuntimeError::sys("start box")(e)))?;
     drop(go_w);
     if let Some((code, message)) = read_report(&rep_r) {
+        // The box's process reported its failure and exits: reap it (it is
+        // our child, so only EINTR could fail, leaving a zombie until we exit).
         let _ = waitpid(child, None);
         return Err(RuntimeError::Launch { code, message });
     }
@@ -419,7 +435,7 @@ fn fork_nested_in(
         }
         _ => None,
     };
-    let in_template = crate::template::enter_pid_namespace_of(t)?;
+    let in_template = crate::lifecycle::nested::enter_pid_namespace_of(t)?;
     // SAFETY: the monitor is single-threaded, so the helper may run arbitrary
     // code; no clone flags.
     let forked = unsafe { fork_into(CloneFlags::empty()) };
@@ -445,7 +461,7 @@ fn fork_nested_in(
         Forked::Parent(helper) => {
             let code = crate::process::wait_exit_code(helper);
             if code != 0 {
-                return Err(RuntimeError::Invalid(format!(
+                return Err(RuntimeError::Failed(format!(
                     "could not create the clone's namespaces under template {:?}",
                     t.name()
                 )));
@@ -457,9 +473,7 @@ fn fork_nested_in(
                 .split_whitespace()
                 .filter_map(|p| p.parse::<i32>().ok())
                 .next_back()
-                .ok_or_else(|| {
-                    RuntimeError::Invalid("the clone's first process vanished".into())
-                })?;
+                .ok_or_else(|| RuntimeError::Failed("the clone's first process vanished".into()))?;
             Ok((Forked::Parent(Pid::from_raw(pid)), maps_written))
         }
     }
@@ -509,11 +523,10 @@ fn create_cgroup(spec: &BoxSpec, id: &str) -> Result<Option<BoxCgroup>> {
     let attempt = Hierarchies::detect().and_then(|h| BoxCgroup::create(&h, id, &spec.limits));
     match attempt {
         Ok(cg) => Ok(Some(cg)),
-        Err(e) if !nix::unistd::geteuid().is_root() && !wants_limits => {
-            let _ = e;
-            Ok(None)
-        }
-        Err(e) if !nix::unistd::geteuid().is_root() => Err(RuntimeError::Invalid(format!(
+        // Without root, a box with no limits runs without a cgroup of its own
+        // (documented): the reason there is none is no news.
+        Err(_) if !nix::unistd::geteuid().is_root() && !wants_limits => Ok(None),
+        Err(e) if !nix::unistd::geteuid().is_root() => Err(RuntimeError::InvalidInput(format!(
             "resource limits need a cgroup this user can write (run as root or in a delegated cgroup): {e}"
         ))),
         Err(e) => Err(e.into()),
@@ -610,8 +623,10 @@ fn launch_plan(
 /// box sees the host's id and every clone gets a new one.
 fn new_machine_id() -> Result<String> {
     let mut bytes = [0u8; 16];
-    getrandom::getrandom(&mut bytes)
-        .map_err(|e| RuntimeError::Invalid(format!("no randomness for a machine id: {e}")))?;
+    getrandom::getrandom(&mut bytes).map_err(|cause| RuntimeError::Random {
+        what: "a machine id",
+        cause,
+    })?;
     let id: String = bytes.iter().map(|b| format!("{b:02x}")).collect();
     Ok(format!("{id}\n"))
 }
@@ -645,8 +660,10 @@ pub fn seccomp_program(
 /// A fresh random setns cookie.
 pub fn new_setns_cookie() -> Result<[u64; 2]> {
     let mut bytes = [0u8; 16];
-    getrandom::getrandom(&mut bytes)
-        .map_err(|e| RuntimeError::Invalid(format!("no randomness for the box's cookie: {e}")))?;
+    getrandom::getrandom(&mut bytes).map_err(|cause| RuntimeError::Random {
+        what: "the box's cookie",
+        cause,
+    })?;
     let (a, b) = bytes.split_at(8);
     let word = |s: &[u8]| u64::from_ne_bytes(s.try_into().unwrap_or([0; 8]));
     Ok([word(a), word(b)])
@@ -669,7 +686,17 @@ fn block_forwarded_signals() -> Result<SignalFd> {
 
 /// Relay output and signals until init exits; returns its exit code.
 fn supervise(record: &BoxRecord, run: &Running, signals: SignalFd, foreground: bool) -> i32 {
-    let mut log = LogWriter::open(&record.log_path()).ok();
+    let mut log = match LogWriter::open(&record.log_path()) {
+        Ok(l) => Some(l),
+        Err(e) => {
+            tracing::error!(
+                box_name = record.name(),
+                "the box's output is not logged: {e}"
+            );
+            None
+        }
+    };
+    let mut log_failed = false;
     let mut open = [true, true];
     let mut buf = vec![0u8; 64 * 1024];
     let mut dropped_file_pages = false;
@@ -683,9 +710,16 @@ fn supervise(record: &BoxRecord, run: &Running, signals: SignalFd, foreground: b
             Ok(0) | Err(_) => false,
             Ok(n) => {
                 if let Some(l) = log.as_mut() {
-                    let _ = l.append(stream, &buf[..n]);
+                    if let Err(e) = l.append(stream, &buf[..n]) {
+                        // Once: a full disk fails every write after.
+                        if !std::mem::replace(&mut log_failed, true) {
+                            tracing::error!(box_name = record.name(), "writing the box's log: {e}");
+                        }
+                    }
                 }
                 if foreground {
+                    // A terminal that went away (EPIPE) cannot be written
+                    // to; the log has the output.
                     let _ = if which == 0 {
                         std::io::stdout().write_all(&buf[..n])
                     } else {
@@ -739,6 +773,7 @@ fn supervise(record: &BoxRecord, run: &Running, signals: SignalFd, foreground: b
         if ready[1] {
             while let Ok(Some(info)) = signals.read_signal() {
                 if let Ok(sig) = Signal::try_from(info.ssi_signo as i32) {
+                    // ESRCH: init is exiting; its end is seen on the pidfd.
                     let _ = kill(run.init, sig);
                 }
             }
@@ -761,6 +796,7 @@ fn supervise(record: &BoxRecord, run: &Running, signals: SignalFd, foreground: b
         }
     }
     if foreground {
+        // As for the writes above: a terminal gone, the log has it.
         let _ = std::io::stdout().flush();
     }
     code
@@ -792,14 +828,23 @@ fn finish(reg: &Registry, record: &BoxRecord, run: Running, exit_code: i32) -> R
         // The final figures are kept for `inspect` of an exited box; a box
         // removed on exit has no one to show them to.
         if !record.spec.remove_on_exit {
-            stats = cg.stats().ok();
+            stats = match cg.stats() {
+                Ok(s) => Some(s),
+                Err(e) => {
+                    tracing::warn!(box_name = record.name(), "reading the final stats: {e}");
+                    None
+                }
+            };
         }
-        let _ = cg.kill_all();
-        let _ = cg.remove();
+        // What cannot be removed now is logged, and `gc` removes it later.
+        let name = Some(record.name());
+        crate::diag::warn_on_err(name, "killing the box's processes", cg.kill_all());
+        crate::diag::warn_on_err(name, "removing the cgroup", cg.remove());
     }
     // Only a bridged box holds anything on the network.
     if record.spec.network.mode == NetworkMode::Bridge {
-        let _ = crate::network::release_exited(reg.roots(), &record.state.id);
+        let released = crate::network::release_exited(reg.roots(), &record.state.id);
+        crate::diag::warn_on_err(Some(record.name()), "releasing the network", released);
     }
     let oom_killed = oom_kills > 0 && exit_code == 128 + Signal::SIGKILL as i32;
     // A template removed while clones depended on it goes once its init has.

@@ -32,6 +32,9 @@ pub fn adopt() -> ! {
 }
 
 fn serve(command: Pid) -> ! {
+    // Init has nowhere to report (its stdio is /dev/null and no log path
+    // applies in the box), so its ignored results carry their reason here.
+    // PR_SET_DUMPABLE with 0 fails only for an invalid argument, never here.
     let _ = nix::sys::prctl::set_dumpable(false);
     set_process_title(INIT_TITLE);
     keep_only_kill_capability();
@@ -65,6 +68,7 @@ fn serve(command: Pid) -> ! {
                     }
                 }
                 Some(s) => {
+                    // ESRCH: the command is exiting; its end comes as SIGCHLD.
                     let _ = kill(command, s);
                 }
                 None => {}
@@ -84,6 +88,8 @@ fn linger_for_clones(sfd: &SignalFd) {
             nix::poll::PollFlags::POLLIN,
         )];
         if nix::poll::poll(&mut fds, nix::poll::PollTimeout::from(500u16)).unwrap_or(0) > 0 {
+            // Draining the signal only wakes the loop; reaping every child
+            // (pid 0: none in particular) returns nothing we need.
             let _ = sfd.read_signal();
             let _ = reap(Pid::from_raw(0));
         }
@@ -144,6 +150,7 @@ pub const INIT_TITLE: &str = "nestbox-init";
 /// Replace the command line inherited from the nestbox CLI (which names host
 /// paths such as the state root) with `title`, in place, and set the thread name.
 fn set_process_title(title: &str) {
+    // Cosmetic (the thread name in ps); the title fits, so it cannot fail.
     let _ = nix::sys::prctl::set_name(&std::ffi::CString::new(title).unwrap_or_default());
     let Ok(stat) = std::fs::read_to_string("/proc/self/stat") else {
         return;

@@ -104,14 +104,32 @@ impl FollowUp {
         let Some(net) = crate::network::view(reg.roots())? else {
             return Ok(());
         };
+        let mut first_error = None;
         for (id, name) in &self.hosts {
-            // A clone removed meanwhile has no entry left to rename.
-            if reg.load(name).is_ok_and(|r| r.state.id == *id) {
-                net.rename(id, &[name.as_str()])?;
+            if !still_running(reg, id, name) {
+                continue;
+            }
+            if let Err(e) = net.rename(id, &[name.as_str()]) {
+                // The clone may have ended or been removed since the check
+                // above: its address is released before its record says so
+                // (the monitor releases, then records the end; `rm` releases,
+                // then removes the record). A clone still running that has no
+                // address is a real error.
+                if still_running(reg, id, name) {
+                    first_error.get_or_insert(RuntimeError::from(e).in_box(name));
+                }
             }
         }
-        Ok(())
+        first_error.map_or(Ok(()), Err)
     }
+}
+
+/// Whether the box `name` is still the clone with id `id` and its init lives.
+/// A box's address is only ever released after its init has died, so a box
+/// for which this holds must have its address.
+fn still_running(reg: &Registry, id: &str, name: &str) -> bool {
+    reg.load(name)
+        .is_ok_and(|r| r.state.id == id && r.state.init.is_some_and(|p| p.alive()))
 }
 
 /// Make the clones of template `template`: claimed from its pool first (when the
@@ -133,7 +151,7 @@ pub fn clone_template_answer_first(
 ) -> Result<(Vec<Cloned>, FollowUp)> {
     let t = crate::template::load_frozen(reg, template)?;
     if req.count == 0 {
-        return Err(RuntimeError::Invalid(
+        return Err(RuntimeError::InvalidInput(
             "the clone count must be at least 1".into(),
         ));
     }
@@ -172,7 +190,7 @@ pub fn clone_template_answer_first(
         Ok(forked) => made.extend(forked),
         Err(e) => {
             // The claimed clones are made and stay: their bookkeeping is done.
-            let _ = follow_up.finish(reg);
+            crate::diag::warn_on_err(None, "after a clone", follow_up.finish(reg));
             return Err(e);
         }
     }
@@ -190,10 +208,10 @@ fn fork_fresh(reg: &Registry, t: &BoxRecord, req: &CloneRequest) -> Result<Vec<C
         || current.state.effective_status() != crate::state::Status::Frozen
         || current.state.template.as_ref().is_none_or(|i| i.removed)
     {
-        return Err(RuntimeError::Invalid(format!(
-            "template box {:?} has been removed",
-            t.name()
-        )));
+        return Err(RuntimeError::WrongState {
+            name: t.name().to_string(),
+            problem: "is a template that has been removed".into(),
+        });
     }
     let names = req.names.clone();
     let mut shells = Vec::new();
@@ -202,7 +220,8 @@ fn fork_fresh(reg: &Registry, t: &BoxRecord, req: &CloneRequest) -> Result<Vec<C
     if result.is_err() {
         for name in &shells {
             if reg.load(name).is_ok() {
-                let _ = crate::ops::remove(reg, name, true);
+                let removed = crate::templates::ops::remove(reg, name, true);
+                crate::diag::warn_on_err(Some(name), "removing a shell of a failed clone", removed);
             }
         }
     }
@@ -242,7 +261,8 @@ pub(crate) fn learn_from_leaving_clone(reg: &Registry, r: &BoxRecord) {
     });
     if pooling {
         let file = working_set_file_of(reg, &src.template_box);
-        let _ = crate::working_set::record(&file, process.pid);
+        let recorded = crate::working_set::record(&file, process.pid);
+        crate::diag::warn_on_err(Some(r.name()), "recording the working set", recorded);
     }
 }
 
@@ -260,7 +280,7 @@ fn clone_names(reg: &Registry, t: &BoxRecord, req: &CloneRequest) -> Result<Vec<
     }
     if !req.names.is_empty() {
         if req.names.len() != req.count {
-            return Err(RuntimeError::Invalid(format!(
+            return Err(RuntimeError::InvalidInput(format!(
                 "{} names given for {} clones",
                 req.names.len(),
                 req.count
@@ -289,7 +309,8 @@ pub(crate) fn check_new_name(reg: &Registry, name: &str) -> Result<()> {
 fn check_capacity(count: usize, limits: &Limits) -> Result<()> {
     let count = count as u64;
     let pid_max: u64 = read_number("/proc/sys/kernel/pid_max").unwrap_or(32768);
-    // Tasks in use: the fourth field of /proc/loadavg ("running/total").
+    // Tasks in use: the fourth field of /proc/loadavg ("running/total"); an
+    // unreadable file counts as none in use (the kernel refuses forks anyway).
     let running: u64 = std::fs::read_to_string("/proc/loadavg")
         .ok()
         .and_then(|l| {
@@ -301,7 +322,7 @@ fn check_capacity(count: usize, limits: &Limits) -> Result<()> {
         .unwrap_or(0);
     let pids_per_clone = PIDS_PER_CLONE.max(limits.pids.unwrap_or(0).min(PIDS_PER_CLONE));
     if running + count * pids_per_clone > pid_max {
-        return Err(RuntimeError::Invalid(format!(
+        return Err(RuntimeError::Resources(format!(
             "{count} clones need about {} processes, but only {} more fit under kernel.pid_max={pid_max}",
             count * pids_per_clone,
             pid_max.saturating_sub(running)
@@ -309,7 +330,7 @@ fn check_capacity(count: usize, limits: &Limits) -> Result<()> {
     }
     let available = meminfo_available().unwrap_or(u64::MAX);
     if count.saturating_mul(MEMORY_PER_CLONE) > available {
-        return Err(RuntimeError::Invalid(format!(
+        return Err(RuntimeError::Resources(format!(
             "{count} clones need about {} of memory before they write, but only {} is available",
             crate::size::format_size(count * MEMORY_PER_CLONE),
             crate::size::format_size(available)
@@ -370,7 +391,7 @@ fn start_shells(
         let spec = clone_spec(t, name, req);
         // Recorded first, so a shell whose start fails midway is removed too.
         made.push(name.clone());
-        crate::ops::run_detached(reg, &spec)?;
+        crate::lifecycle::ops::run_detached(reg, &spec)?;
     }
     Ok(())
 }
@@ -382,9 +403,13 @@ fn fork_into_shells(
     shells: &[String],
     req: &CloneRequest,
 ) -> Result<Vec<Cloned>> {
-    let info =
-        t.state.template.clone().ok_or_else(|| {
-            RuntimeError::Invalid(format!("box {:?} is not a template", t.name()))
+    let info = t
+        .state
+        .template
+        .clone()
+        .ok_or_else(|| RuntimeError::WrongState {
+            name: t.name().to_string(),
+            problem: "is not a template".into(),
         })?;
     let cgroup = t
         .state
@@ -443,11 +468,18 @@ fn prefetch_when_stopped(file: &std::path::Path, pid: i32) {
         }
         std::thread::sleep(Duration::from_micros(200));
     }
-    let _ = crate::working_set::prefetch(file, pid);
+    // An optimisation only: a page not copied ahead is faulted in on use.
+    if let Err(e) = crate::working_set::prefetch(file, pid) {
+        tracing::warn!("prefetching the working set into pid {pid}: {e}");
+    }
 }
 
 fn remote_error(template: &str, e: nestbox_remote::RemoteError) -> RuntimeError {
-    RuntimeError::Invalid(format!("cloning template box {template:?}: {e}"))
+    RuntimeError::Remote {
+        what: "cloning template box",
+        name: template.to_string(),
+        source: e,
+    }
 }
 
 /// Fork one clone into the shell box `name`.
@@ -486,12 +518,17 @@ fn fork_one(
         },
         inventory: Some(inventory.to_vec()),
     };
-    let forked = nestbox_remote::remote_fork(tracee, &plan)
-        .map_err(|e| RuntimeError::Invalid(format!("forking clone {name:?}: {e}")))?;
+    let forked =
+        nestbox_remote::remote_fork(tracee, &plan).map_err(|source| RuntimeError::Remote {
+            what: "forking clone",
+            name: name.to_string(),
+            source,
+        })?;
     let fork_ms = forked.elapsed.as_secs_f64() * 1e3;
     if forked.ns_pid != crate::init::ADOPTED_PID {
+        // ESRCH only if the new process died already, as wanted.
         let _ = nix::sys::signal::kill(Pid::from_raw(forked.pid), Signal::SIGKILL);
-        return Err(RuntimeError::Invalid(format!(
+        return Err(RuntimeError::Failed(format!(
             "clone {name:?} got pid {} in its shell instead of {}",
             forked.ns_pid,
             crate::init::ADOPTED_PID
@@ -620,7 +657,12 @@ pub(crate) fn take_pooled(
     let pid = match wake_claimed(c, name, req) {
         Ok(pid) => pid,
         Err(e) => {
-            let _ = crate::ops::remove(reg, name, true);
+            let removed = crate::templates::ops::remove(reg, name, true);
+            crate::diag::warn_on_err(
+                Some(name),
+                "removing a clone that could not be woken",
+                removed,
+            );
             return Err(e);
         }
     };
@@ -693,7 +735,8 @@ pub fn fill_pool(reg: &Registry, template: &str) -> Result<usize> {
         .map(|p| p.pid)
         .collect();
     for pid in recent.iter().rev().take(WORKING_SET_SOURCES) {
-        let _ = crate::working_set::record(&working_set_file(reg, &t), *pid);
+        let recorded = crate::working_set::record(&working_set_file(reg, &t), *pid);
+        crate::diag::warn_on_err(Some(t.name()), "recording the working set", recorded);
     }
     let req = CloneRequest {
         count: want - have,
@@ -705,16 +748,19 @@ pub fn fill_pool(reg: &Registry, template: &str) -> Result<usize> {
 }
 
 /// Refill the pool in a detached process, off the caller's critical path (see
-/// [`crate::ops::spawn_refill`]: delayed, at idle priority).
+/// [`crate::process::spawn_refill`]: delayed, at idle priority).
 fn spawn_refill(reg: &Registry, template: &str) {
-    crate::ops::spawn_refill(|| fill_pool(reg, template).map(|_| ()));
+    crate::process::spawn_refill(|| fill_pool(reg, template).map(|_| ()));
 }
 
 /// Refuse, before freezing, a process holding a descriptor no clone rule covers.
 pub fn check_fds(name: &str, pid: Pid) -> Result<()> {
     nestbox_remote::inspect_fds(pid.as_raw())
         .and_then(|entries| nestbox_remote::ensure_clonable(pid.as_raw(), &entries))
-        .map_err(|e| RuntimeError::Invalid(format!("box {name:?} cannot be cloned: {e}")))
+        .map_err(|e| RuntimeError::Unsupported {
+            name: name.to_string(),
+            problem: format!("cannot be cloned: {e}"),
+        })
 }
 
 /// Memory of one process from /proc/PID/smaps_rollup, in bytes.
@@ -794,4 +840,40 @@ pub fn sharing(reg: &Registry, record: &BoxRecord) -> Option<serde_json::Value> 
         "total_pss_bytes": pss,
         "sharing_ratio": if pss > 0 { rss as f64 / pss as f64 } else { 1.0 },
     }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::paths::Roots;
+    use crate::spec::tests_support::sample;
+
+    /// The check behind a claim's follow-up: a clone that ended or went since
+    /// its claim (its address released before its record says so) is skipped,
+    /// not reported; one whose init lives must have its address.
+    #[test]
+    fn a_follow_up_skips_clones_that_ended_or_went() {
+        let dir = tempfile::tempdir().unwrap();
+        let reg = Registry::new(Roots::under(dir.path()));
+        let rec = reg.create(&sample("c1")).unwrap();
+        let id = rec.state.id.clone();
+        // Not started: no init.
+        assert!(!still_running(&reg, &id, "c1"));
+        // Its init lives (this test's own process stands for it).
+        let me = ProcRef::of(std::process::id() as i32).unwrap();
+        reg.update("c1", |s| s.init = Some(me)).unwrap();
+        assert!(still_running(&reg, &id, "c1"));
+        // Another box under the name now.
+        assert!(!still_running(&reg, "another-id", "c1"));
+        // Its init died (a pid and start time that no process has).
+        let dead = ProcRef {
+            pid: me.pid,
+            start_time: me.start_time + 1,
+        };
+        reg.update("c1", |s| s.init = Some(dead)).unwrap();
+        assert!(!still_running(&reg, &id, "c1"));
+        // Removed.
+        reg.remove(&reg.load("c1").unwrap()).unwrap();
+        assert!(!still_running(&reg, &id, "c1"));
+    }
 }

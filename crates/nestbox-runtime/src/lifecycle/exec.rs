@@ -36,8 +36,12 @@ pub struct ExecOptions {
 
 /// Run `opts.command` in the running box `name`; returns its exit code.
 pub fn exec(reg: &Registry, name: &str, opts: &ExecOptions) -> Result<i32> {
+    exec_inner(reg, name, opts).map_err(|e| e.in_box(name))
+}
+
+fn exec_inner(reg: &Registry, name: &str, opts: &ExecOptions) -> Result<i32> {
     if opts.command.is_empty() {
-        return Err(RuntimeError::Invalid(
+        return Err(RuntimeError::InvalidInput(
             "missing command: usage is nestbox exec BOX -- CMD [ARGS...]".into(),
         ));
     }
@@ -88,7 +92,10 @@ fn helper_main(
     plan: &CommandPlan,
     report: i32,
 ) -> ! {
+    // It joins the box's mount namespace: no log path of the host applies.
+    crate::diag::off();
     let fail = |msg: String| -> ! {
+        // A caller gone cannot be told; the exit code 125 still says it failed.
         let _ = nix::unistd::write(
             // SAFETY: `report` stays open for the life of this process.
             unsafe { std::os::fd::BorrowedFd::borrow_raw(report) },
@@ -109,6 +116,7 @@ fn helper_main(
     match unsafe { fork() } {
         Err(e) => fail(format!("fork: {e}")),
         Ok(ForkResult::Child) => {
+            // Fails only for an invalid signal, and SIGKILL is valid.
             let _ = nix::sys::prctl::set_pdeathsig(Signal::SIGKILL);
             exec_command(plan, report)
         }
@@ -124,6 +132,7 @@ fn helper_main(
 fn ignore_interrupts() {
     for s in [Signal::SIGINT, Signal::SIGQUIT] {
         // SAFETY: SIG_IGN runs no handler code.
+        // (signal fails only for SIGKILL/SIGSTOP, not these.)
         let _ = unsafe { signal(s, SigHandler::SigIgn) };
     }
 }

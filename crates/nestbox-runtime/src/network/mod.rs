@@ -3,6 +3,12 @@
 //! and resolver files are added to its mounts; once the process (and so its
 //! network namespace) exists, the veth pair, address, routes, published ports and
 //! bandwidth classes are set up; when the box ends, all of it is released.
+//! [`pool`] holds network namespaces made and attached ahead of time.
+//!
+//! This layer imports only the records (spec, paths, registry, process): the
+//! life of a box and the templates build on it.
+
+pub mod pool;
 
 use std::os::fd::AsFd;
 use std::path::PathBuf;
@@ -83,12 +89,11 @@ pub fn remove(roots: &Roots) -> Result<bool> {
         .filter(|l| !crate::network_pool::is_pool_id(&l.box_id))
         .collect();
     if let Some(l) = leases.first() {
-        return Err(crate::RuntimeError::Invalid(format!(
-            "network {:?} still has {} box(es) (box id {}): remove them first",
-            net.config().name,
-            leases.len(),
-            l.box_id
-        )));
+        return Err(crate::RuntimeError::NetworkInUse {
+            network: net.config().name.clone(),
+            count: leases.len(),
+            box_id: l.box_id.clone(),
+        });
     }
     // Checked again under the network's lock: a box given an address since stops it.
     crate::network_pool::remove_with(roots, || {
@@ -153,7 +158,11 @@ impl Pending {
 
     /// Give the lease back (the box did not start).
     pub fn release(self) {
-        let _ = self.network.detach(&self.lease.box_id);
+        crate::diag::warn_on_err(
+            None,
+            &format!("releasing the lease of box id {}", self.lease.box_id),
+            self.network.detach(&self.lease.box_id),
+        );
     }
 }
 

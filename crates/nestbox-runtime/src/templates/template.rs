@@ -8,13 +8,12 @@
 //! kills its process, and its init lingers until the last clone is gone (see
 //! [`crate::init`]).
 
-use std::os::fd::AsFd;
 use std::time::{Duration, Instant};
 
-use nestbox_isolation::idmap::{IdMap, IdRange};
 use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
 
+pub use crate::lifecycle::nested::{enter_pid_namespace_of, load_template, shell_identity};
 use crate::liveness::ProcRef;
 use crate::registry::{BoxRecord, Registry};
 use crate::state::{now, Status, TemplateInfo};
@@ -49,41 +48,57 @@ pub fn freeze(
     as_name: Option<&str>,
     pool: usize,
 ) -> Result<TemplateInfo> {
+    freeze_inner(reg, name, as_name, pool).map_err(|e| e.in_box(name))
+}
+
+fn freeze_inner(
+    reg: &Registry,
+    name: &str,
+    as_name: Option<&str>,
+    pool: usize,
+) -> Result<TemplateInfo> {
     let template_name = as_name.unwrap_or(name).to_string();
     crate::spec::validate_name(&template_name)?;
     if template_name != name && (reg.load(&template_name).is_ok()) {
         return Err(RuntimeError::NameInUse(template_name));
     }
     if let Some(other) = find_template(reg, &template_name)? {
-        return Err(RuntimeError::Invalid(format!(
-            "a template named {template_name:?} already exists (box {:?})",
-            other.name()
-        )));
+        return Err(RuntimeError::TemplateNameInUse {
+            name: template_name,
+            box_name: other.name().to_string(),
+        });
     }
     let record = reg.load(name)?;
     match record.state.effective_status() {
         Status::Running => {}
         Status::Frozen => {
-            return Err(RuntimeError::Invalid(format!(
-                "box {name:?} is already frozen"
-            )))
+            return Err(RuntimeError::WrongState {
+                name: name.to_string(),
+                problem: "is already frozen".into(),
+            })
         }
         other => {
-            return Err(RuntimeError::Invalid(format!(
-                "box {name:?} has {}: only a running box can be frozen",
-                match other {
-                    Status::Exited => "exited",
-                    Status::Dead => "died",
-                    _ => "not started",
-                }
-            )))
+            return Err(RuntimeError::WrongState {
+                name: name.to_string(),
+                problem: format!(
+                    "has {}: only a running box can be frozen",
+                    match other {
+                        Status::Exited => "exited",
+                        Status::Dead => "died",
+                        _ => "not started",
+                    }
+                ),
+            })
         }
     }
-    let cgroup = record.state.cgroup.clone().ok_or_else(|| {
-        RuntimeError::Invalid(format!(
-            "box {name:?} has no cgroup, so it cannot be frozen (run nestbox as root)"
-        ))
-    })?;
+    let cgroup = record
+        .state
+        .cgroup
+        .clone()
+        .ok_or_else(|| RuntimeError::Unsupported {
+            name: name.to_string(),
+            problem: "has no cgroup, so it cannot be frozen (run nestbox as root)".into(),
+        })?;
     let process = template_process(&record)?;
     check_cloneable(
         name,
@@ -93,9 +108,16 @@ pub fn freeze(
     let started = Instant::now();
     cgroup.set_frozen(true, FREEZER_TIMEOUT)?;
     let freeze_ms = started.elapsed().as_secs_f64() * 1e3;
-    let process = ProcRef::of(process.as_raw()).ok_or_else(|| {
-        RuntimeError::Invalid(format!("the process of box {name:?} exited while freezing"))
-    })?;
+    let Some(process) = ProcRef::of(process.as_raw()) else {
+        // Not a template: left as it was, running.
+        if let Err(e) = cgroup.set_frozen(false, FREEZER_TIMEOUT) {
+            tracing::warn!(box_name = name, "thawing after a failed freeze: {e}");
+        }
+        return Err(RuntimeError::WrongState {
+            name: name.to_string(),
+            problem: "lost its process while freezing".into(),
+        });
+    };
     let info = TemplateInfo {
         name: template_name,
         process,
@@ -110,7 +132,11 @@ pub fn freeze(
         s.template = Some(recorded);
     });
     if let Err(e) = update {
-        let _ = cgroup.set_frozen(false, FREEZER_TIMEOUT);
+        crate::diag::warn_on_err(
+            Some(name),
+            "thawing after a failed freeze",
+            cgroup.set_frozen(false, FREEZER_TIMEOUT),
+        );
         return Err(e);
     }
     Ok(info)
@@ -128,14 +154,21 @@ fn template_process(record: &BoxRecord) -> Result<Pid> {
     let others: Vec<i32> = cgroup.procs()?.into_iter().filter(|p| *p != init).collect();
     match others.as_slice() {
         [one] => Ok(Pid::from_raw(*one)),
-        [] => Err(RuntimeError::Invalid(format!(
-            "box {name:?} has no process to freeze besides its init"
-        ))),
-        many => Err(RuntimeError::Invalid(format!(
-            "box {name:?} has {} processes (host pids {}): cloning needs a box with a single process",
-            many.len(),
-            many.iter().map(|p| p.to_string()).collect::<Vec<_>>().join(", ")
-        ))),
+        [] => Err(RuntimeError::Unsupported {
+            name: name.to_string(),
+            problem: "has no process to freeze besides its init".into(),
+        }),
+        many => Err(RuntimeError::Unsupported {
+            name: name.to_string(),
+            problem: format!(
+                "has {} processes (host pids {}): cloning needs a box with a single process",
+                many.len(),
+                many.iter()
+                    .map(|p| p.to_string())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ),
+        }),
     }
 }
 
@@ -154,15 +187,19 @@ fn check_cloneable(name: &str, pid: Pid, root_uid: u32) -> Result<()> {
     let comm = field("Name:");
     let threads: u32 = field("Threads:").parse().unwrap_or(1);
     if threads != 1 {
-        return Err(RuntimeError::Invalid(format!(
-            "box {name:?}: process {pid} ({comm}) has {threads} threads; cloning supports single-threaded processes only"
-        )));
+        return Err(RuntimeError::Unsupported {
+            name: name.to_string(),
+            problem: format!("cannot be cloned: process {pid} ({comm}) has {threads} threads; cloning supports single-threaded processes only"),
+        });
     }
     let tracer: i32 = field("TracerPid:").parse().unwrap_or(0);
     if tracer != 0 {
-        return Err(RuntimeError::Invalid(format!(
-            "box {name:?}: process {pid} ({comm}) is already being traced by pid {tracer}"
-        )));
+        return Err(RuntimeError::WrongState {
+            name: name.to_string(),
+            problem: format!(
+                "cannot be cloned: process {pid} ({comm}) is already being traced by pid {tracer}"
+            ),
+        });
     }
     let euid = field("Uid:")
         .split_whitespace()
@@ -170,9 +207,10 @@ fn check_cloneable(name: &str, pid: Pid, root_uid: u32) -> Result<()> {
         .unwrap_or("0")
         .to_string();
     if euid != root_uid.to_string() {
-        return Err(RuntimeError::Invalid(format!(
-            "box {name:?}: process {pid} ({comm}) runs as uid {euid}; cloning supports processes running as root in the box"
-        )));
+        return Err(RuntimeError::Unsupported {
+            name: name.to_string(),
+            problem: format!("cannot be cloned: process {pid} ({comm}) runs as uid {euid}; cloning supports processes running as root in the box"),
+        });
     }
     crate::clone::check_fds(name, pid)
 }
@@ -196,77 +234,26 @@ pub fn find_template(reg: &Registry, name: &str) -> Result<Option<BoxRecord>> {
 pub fn load_frozen(reg: &Registry, name: &str) -> Result<BoxRecord> {
     let Some(record) = find_template(reg, name)? else {
         return Err(match reg.load(name) {
-            Ok(_) => RuntimeError::Invalid(format!(
-                "box {name:?} is not a template: freeze it first (nestbox freeze {name})"
-            )),
-            Err(_) => RuntimeError::Invalid(format!("no template named {name:?}")),
+            Ok(_) => RuntimeError::WrongState {
+                name: name.to_string(),
+                problem: format!("is not a template: freeze it first (nestbox freeze {name})"),
+            },
+            Err(_) => RuntimeError::NoSuchTemplate(name.to_string()),
         });
     };
     let Some(info) = record.state.template.clone() else {
-        return Err(RuntimeError::Invalid(format!("no template named {name:?}")));
+        return Err(RuntimeError::NoSuchTemplate(name.to_string()));
     };
     if info.removed || record.state.effective_status() != Status::Frozen {
-        return Err(RuntimeError::Invalid(format!(
-            "template {name:?} has been removed"
-        )));
+        return Err(RuntimeError::TemplateRemoved(name.to_string()));
     }
     if !info.process.alive() {
-        return Err(RuntimeError::Invalid(format!(
-            "the process of template {name:?} is gone"
-        )));
+        return Err(
+            RuntimeError::Failed(format!("the process of template {name:?} is gone"))
+                .in_box(record.name()),
+        );
     }
     Ok(record)
-}
-
-/// The template box behind a clone shell being started.
-pub fn load_template(reg: &Registry, box_name: &str) -> Result<BoxRecord> {
-    let record = reg.load(box_name)?;
-    match (&record.state.template, record.state.init) {
-        (Some(_), Some(init)) if init.alive() => Ok(record),
-        _ => Err(RuntimeError::Invalid(format!(
-            "box {box_name:?} is not a live template"
-        ))),
-    }
-}
-
-/// What a clone shell of template `t` gets: a user namespace mapping every id of
-/// the template's to itself (so the template's process, owner of that namespace,
-/// may enter it), the host owner of its layers, and the template's setns cookie.
-#[allow(clippy::type_complexity)]
-pub fn shell_identity(
-    t: &BoxRecord,
-) -> Result<(Option<IdMap>, Option<(u32, u32)>, Option<[u64; 2]>)> {
-    let identity = |r: Option<IdRange>| match r {
-        Some(r) => IdRange {
-            inside: r.inside,
-            outside: r.inside,
-            count: r.count,
-        },
-        None => IdRange {
-            inside: 0,
-            outside: 0,
-            count: u32::MAX,
-        },
-    };
-    let map = IdMap {
-        uid: identity(t.state.idmap.map(|m| m.uid)),
-        gid: identity(t.state.idmap.map(|m| m.gid)),
-    };
-    let owner = t.state.idmap.map(|m| m.host_root());
-    Ok((Some(map), owner, t.state.setns_cookie))
-}
-
-/// Make the calling (single-threaded) process create its next children in the pid
-/// namespace of template `t`'s init, until the guard is left or dropped.
-pub fn enter_pid_namespace_of(t: &BoxRecord) -> Result<nestbox_sys::ns::NsGuard> {
-    let init = t
-        .state
-        .init
-        .ok_or_else(|| RuntimeError::NotRunning(t.name().to_string()))?;
-    let path = format!("/proc/{}/ns/pid", init.pid);
-    let ns = std::fs::File::open(&path).map_err(RuntimeError::io("open", &path))?;
-    nestbox_sys::ns::NsGuard::enter(ns.as_fd(), nestbox_sys::ns::Namespace::Pid)
-        .map_err(RuntimeError::sys(format!("setns({path})")))
 }
 
 /// Whether `record` is a clone (or a clone shell being made) of template box
@@ -324,7 +311,7 @@ pub fn list(reg: &Registry) -> Result<Vec<TemplateSummary>> {
 pub fn remove(reg: &Registry, name: &str) -> Result<()> {
     let record = match find_template(reg, name)? {
         Some(r) => r,
-        None => return Err(RuntimeError::Invalid(format!("no template named {name:?}"))),
+        None => return Err(RuntimeError::NoSuchTemplate(name.to_string())),
     };
     remove_box(reg, &record)
 }
@@ -337,18 +324,19 @@ pub fn remove_box(reg: &Registry, record: &BoxRecord) -> Result<()> {
     // finds the template gone and makes nothing.
     let _lock = crate::clone::clone_lock(record)?;
     for pooled in reg.names_prefixed(&crate::clone::pool_prefix(record))? {
-        match crate::ops::remove(reg, &pooled, true) {
+        match crate::templates::ops::remove(reg, &pooled, true) {
             Ok(()) | Err(RuntimeError::NoSuchBox(_)) => {}
             Err(e) => return Err(e),
         }
     }
     if clones_of(reg, box_name)?.is_empty() {
         if let Some(cg) = &record.state.cgroup {
-            let _ = cg.set_frozen(false, FREEZER_TIMEOUT);
+            let thawed = cg.set_frozen(false, FREEZER_TIMEOUT);
+            crate::diag::warn_on_err(Some(box_name), "thawing", thawed);
         }
         // Thawed: from here on it is removed like any running box.
         reg.update(box_name, |s| s.status = Status::Running)?;
-        return crate::ops::remove(reg, box_name, true);
+        return crate::templates::ops::remove(reg, box_name, true);
     }
     let info = record.state.template.clone();
     reg.update(box_name, |s| {
@@ -358,11 +346,13 @@ pub fn remove_box(reg: &Registry, record: &BoxRecord) -> Result<()> {
     })?;
     if let Some(t) = info {
         if t.process.alive() {
+            // ESRCH: it died meanwhile, as wanted.
             let _ = kill(Pid::from_raw(t.process.pid), Signal::SIGKILL);
         }
     }
     if let Some(cg) = &record.state.cgroup {
-        let _ = cg.set_frozen(false, FREEZER_TIMEOUT);
+        let thawed = cg.set_frozen(false, FREEZER_TIMEOUT);
+        crate::diag::warn_on_err(Some(box_name), "thawing", thawed);
     }
     Ok(())
 }

@@ -64,7 +64,7 @@ impl CommandPlan {
     ) -> crate::Result<Self> {
         let cstr = |s: &String| {
             CString::new(s.as_bytes()).map_err(|_| {
-                crate::RuntimeError::Invalid(format!(
+                crate::RuntimeError::InvalidInput(format!(
                     "argument or variable contains a NUL byte: {s:?}"
                 ))
             })
@@ -133,6 +133,8 @@ pub struct ChildFds {
 
 /// Body of the box's first process (pid 1 of the new pid namespace). Never returns.
 pub fn box_first_process(plan: &LaunchPlan, fds: ChildFds) -> ! {
+    // The monitor's log path means nothing in the box's mount namespace.
+    crate::diag::off();
     match setup_box(plan, fds) {
         Ok(Some(command)) => {
             // The command holds its own copy until exec; init must not keep the pipe open.
@@ -305,8 +307,10 @@ fn reset_signals() {
             continue;
         }
         // SAFETY: installing SIG_DFL involves no handler code at all.
+        // (signal fails only for SIGKILL/SIGSTOP, skipped above.)
         let _ = unsafe { nix::sys::signal::signal(sig, nix::sys::signal::SigHandler::SigDfl) };
     }
+    // Fails only for an invalid `how`, and SIG_SETMASK is valid.
     let _ = sigprocmask(SigmaskHow::SIG_SETMASK, Some(&SigSet::empty()), None);
 }
 
@@ -355,6 +359,7 @@ fn fail(report: RawFd, code: i32, message: &str) -> ! {
     let line = format!("{code}\t{message}");
     // SAFETY: `report` is a valid open fd owned by this process until exit.
     let fd = unsafe { BorrowedFd::borrow_raw(report) };
+    // A monitor gone cannot be told; the exit code still says it failed.
     let _ = nix::unistd::write(fd, line.as_bytes());
     // SAFETY: _exit skips atexit handlers and buffered-stdio flushing, which a
     // forked child must not run twice.

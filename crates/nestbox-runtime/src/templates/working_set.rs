@@ -189,7 +189,7 @@ pub fn prefetch(file: &Path, pid: i32) -> Result<usize> {
         return Ok(0);
     }
     if !is_stopped(pid) {
-        return Err(RuntimeError::Invalid(format!(
+        return Err(RuntimeError::Failed(format!(
             "process {pid} is not stopped: its pages are not prefetched"
         )));
     }
@@ -355,6 +355,8 @@ mod tests {
                     // SAFETY: p lies inside the 64-page read-only mapping above.
                     unsafe { (p as *const u8).read_volatile() };
                 }
+                // The parent waits for this byte; if it cannot be written the
+                // parent's read fails and the test with it.
                 let _ = nix::unistd::write(&w, b"x");
                 std::thread::sleep(std::time::Duration::from_secs(30));
                 // SAFETY: _exit ends this forked child without running the
@@ -388,6 +390,7 @@ mod tests {
         // SAFETY: as above; this child only stops itself and then exits.
         let stopped = match unsafe { fork() }.unwrap() {
             ForkResult::Child => {
+                // Stopping oneself cannot fail; the test checks the stop.
                 let _ = kill(Pid::this(), Signal::SIGSTOP);
                 // SAFETY: as above.
                 unsafe { libc::_exit(0) }

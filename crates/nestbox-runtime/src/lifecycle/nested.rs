@@ -1,0 +1,64 @@
+//! A box started inside another box's pid namespace: a clone shell, whose first
+//! process is created in its template's pid namespace, in a user namespace that
+//! maps the template's ids to themselves. The monitor needs these from the
+//! template's record; they live here, below the templates layer, so that the
+//! life of a box never imports templates.
+
+use std::os::fd::AsFd;
+
+use nestbox_isolation::idmap::{IdMap, IdRange};
+
+use crate::registry::{BoxRecord, Registry};
+use crate::{Result, RuntimeError};
+
+/// The template box behind a clone shell being started.
+pub fn load_template(reg: &Registry, box_name: &str) -> Result<BoxRecord> {
+    let record = reg.load(box_name)?;
+    match (&record.state.template, record.state.init) {
+        (Some(_), Some(init)) if init.alive() => Ok(record),
+        _ => Err(RuntimeError::WrongState {
+            name: box_name.to_string(),
+            problem: "is not a live template".into(),
+        }),
+    }
+}
+
+/// What a clone shell of template `t` gets: a user namespace mapping every id of
+/// the template's to itself (so the template's process, owner of that namespace,
+/// may enter it), the host owner of its layers, and the template's setns cookie.
+#[allow(clippy::type_complexity)]
+pub fn shell_identity(
+    t: &BoxRecord,
+) -> Result<(Option<IdMap>, Option<(u32, u32)>, Option<[u64; 2]>)> {
+    let identity = |r: Option<IdRange>| match r {
+        Some(r) => IdRange {
+            inside: r.inside,
+            outside: r.inside,
+            count: r.count,
+        },
+        None => IdRange {
+            inside: 0,
+            outside: 0,
+            count: u32::MAX,
+        },
+    };
+    let map = IdMap {
+        uid: identity(t.state.idmap.map(|m| m.uid)),
+        gid: identity(t.state.idmap.map(|m| m.gid)),
+    };
+    let owner = t.state.idmap.map(|m| m.host_root());
+    Ok((Some(map), owner, t.state.setns_cookie))
+}
+
+/// Make the calling (single-threaded) process create its next children in the pid
+/// namespace of template `t`'s init, until the guard is left or dropped.
+pub fn enter_pid_namespace_of(t: &BoxRecord) -> Result<nestbox_sys::ns::NsGuard> {
+    let init = t
+        .state
+        .init
+        .ok_or_else(|| RuntimeError::NotRunning(t.name().to_string()))?;
+    let path = format!("/proc/{}/ns/pid", init.pid);
+    let ns = std::fs::File::open(&path).map_err(RuntimeError::io("open", &path))?;
+    nestbox_sys::ns::NsGuard::enter(ns.as_fd(), nestbox_sys::ns::Namespace::Pid)
+        .map_err(RuntimeError::sys(format!("setns({path})")))
+}

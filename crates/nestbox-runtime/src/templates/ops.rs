@@ -1,0 +1,79 @@
+//! The box operations that must know about templates and clones: `stop` leaves a
+//! template's init for its clones, `rm` removes a template with its pool and
+//! learns from a leaving clone, `inspect` shows how much memory a clone shares.
+//! They are the plain-box operations of [`crate::lifecycle::ops`] with
+//! [`TemplateRelations`] plugged in.
+
+use std::time::Duration;
+
+use crate::lifecycle::ops::{self as plain, Relations};
+use crate::registry::{BoxRecord, Registry};
+use crate::state::Status;
+use crate::Result;
+
+/// What the templates layer knows about a box: whether it is a template with
+/// clones, or a clone whose template learns from it.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct TemplateRelations;
+
+impl Relations for TemplateRelations {
+    fn keeps_init(&self, reg: &Registry, record: &BoxRecord) -> Result<bool> {
+        Ok(!crate::template::clones_of(reg, record.name())?.is_empty())
+    }
+    fn remove_frozen(&self, reg: &Registry, record: &BoxRecord) -> Option<Result<()>> {
+        record
+            .state
+            .template
+            .is_some()
+            .then(|| crate::template::remove_box(reg, record))
+    }
+    fn before_removal(&self, reg: &Registry, record: &BoxRecord) {
+        crate::clone::learn_from_leaving_clone(reg, record);
+    }
+    fn inspect_extra(&self, reg: &Registry, record: &BoxRecord) -> Option<serde_json::Value> {
+        crate::clone::sharing(reg, record)
+    }
+    fn after_removal(&self, reg: &Registry, record: &BoxRecord) {
+        if let Some(src) = &record.spec.clone_of {
+            settle_removed_template(reg, &src.template_box);
+        }
+    }
+}
+
+/// Stop a box (see [`plain::stop`]); a template with live clones keeps its init.
+pub fn stop(reg: &Registry, name: &str, timeout: Duration) -> Result<()> {
+    plain::stop_with(reg, &TemplateRelations, name, timeout)
+}
+
+/// Remove a box (see [`plain::remove`]); a template goes with its pool.
+pub fn remove(reg: &Registry, name: &str, force: bool) -> Result<()> {
+    plain::remove_with(reg, &TemplateRelations, name, force)
+}
+
+/// Everything known about a box, as JSON (see [`plain::inspect`]).
+pub fn inspect(reg: &Registry, name: &str) -> Result<serde_json::Value> {
+    plain::inspect_with(reg, &TemplateRelations, name)
+}
+
+/// If template box `name` was removed while it had clones and none is left,
+/// wait for it to go: its init leaves once its last clone has (it checks
+/// twice a second), and its monitor then releases its network address and
+/// removes its record. Without this, `rm -f` of the last clone returned while
+/// the template still held its address, and a `network rm` right after was
+/// refused. Best effort: a monitor that is dead is cleaned up after here.
+fn settle_removed_template(reg: &Registry, name: &str) {
+    let Ok(t) = reg.load(name) else { return };
+    let removed = t.state.template.as_ref().is_some_and(|i| i.removed);
+    if !removed || !crate::template::clones_of(reg, name).is_ok_and(|c| c.is_empty()) {
+        return;
+    }
+    let gone = || reg.load(name).map_or(true, |r| r.state.id != t.state.id);
+    if !plain::wait_until(Duration::from_secs(10), gone) {
+        if let Ok(r) = reg.load(name) {
+            if r.state.effective_status() == Status::Dead {
+                let cleaned = plain::cleanup_dead(reg, &r).and_then(|()| reg.remove(&r));
+                crate::diag::warn_on_err(Some(name), "cleaning up a removed template", cleaned);
+            }
+        }
+    }
+}
