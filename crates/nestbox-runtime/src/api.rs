@@ -165,7 +165,13 @@ pub fn serve(reg: &Registry, socket: &Path) -> Result<()> {
     // A stale socket (no server answered above); ENOENT if there is none.
     // Anything else makes the bind fail, which reports it.
     let _ = std::fs::remove_file(socket);
-    let listener = UnixListener::bind(socket).map_err(RuntimeError::io("bind", socket))?;
+    // The socket is born mode 0600: a chmod after the bind would leave a
+    // moment in which another user could connect (the directory is 0711).
+    // `serve` is single-threaded here, so the process-wide umask is ours.
+    let previous = nix::sys::stat::umask(nix::sys::stat::Mode::from_bits_truncate(0o177));
+    let bound = UnixListener::bind(socket);
+    nix::sys::stat::umask(previous);
+    let listener = bound.map_err(RuntimeError::io("bind", socket))?;
     std::fs::set_permissions(socket, std::fs::Permissions::from_mode(0o600))
         .map_err(RuntimeError::io("chmod", socket))?;
     let result = serve_on(reg, &listener);
