@@ -15,7 +15,9 @@
 # Env: N (runs per command, default 200), WARMUP (default 10),
 #      BENCHES (subset/order of "nestbox runc bwrap"; the first is the one
 #      the ratios are relative to), NESTBOX_RUN_FLAGS (default "--rm"),
-#      NESTBOX_BIN, RESULTS_DIR.
+#      NESTBOX_BIN, RESULTS_DIR; NESTBOX_BASE_BIN (another build, e.g. the
+#      previous head: benches base-none and base-pool run it interleaved with
+#      the others, in a root of its own).
 # Writes: $RESULTS_DIR/start-samples.csv, start-summary.json, start.md
 set -euo pipefail
 # shellcheck source-path=SCRIPTDIR
@@ -38,6 +40,8 @@ command -v python3 >/dev/null || die "python3 missing (run bench/setup.sh)"
 work=$(make_tmpdir nestbox-bench-start)
 nb_root=$work/nestbox-root
 nb_pool_root=$work/nestbox-pool-root
+base_root=$work/base-root
+base_pool_root=$work/base-pool-root
 runc_root=$work/runc-state
 bundle=$work/bundle
 
@@ -45,6 +49,10 @@ cleanup() {
     local status=$? name id
     nestbox_clean_root "$nb_root"
     nestbox_clean_root "$nb_pool_root"
+    if [[ -n ${NESTBOX_BASE_BIN:-} ]]; then
+        NESTBOX=$NESTBOX_BASE_BIN nestbox_clean_root "$base_root"
+        NESTBOX=$NESTBOX_BASE_BIN nestbox_clean_root "$base_pool_root"
+    fi
     if [[ -d $runc_root ]]; then
         while read -r id; do
             [[ -z $id ]] || runc --root "$runc_root" delete -f "$id" >/dev/null 2>&1 || true
@@ -72,6 +80,17 @@ for b in "${benches[@]}"; do
         require_nestbox "$nb_root"
         args+=(--bench nestbox-none "$NESTBOX --root $nb_root run --network none $NESTBOX_RUN_FLAGS -- /bin/true")
         ;;
+    base-none)
+        [[ -x ${NESTBOX_BASE_BIN:-} ]] || die "base-none needs NESTBOX_BASE_BIN"
+        NESTBOX=$NESTBOX_BASE_BIN require_nestbox "$base_root"
+        args+=(--bench base-none "$NESTBOX_BASE_BIN --root $base_root run --network none $NESTBOX_RUN_FLAGS -- /bin/true")
+        ;;
+    base-pool)
+        [[ -x ${NESTBOX_BASE_BIN:-} ]] || die "base-pool needs NESTBOX_BASE_BIN"
+        NESTBOX=$NESTBOX_BASE_BIN require_nestbox "$base_pool_root"
+        "$NESTBOX_BASE_BIN" --root "$base_pool_root" network pool "$POOL" >/dev/null
+        args+=(--bench base-pool "$NESTBOX_BASE_BIN --root $base_pool_root run $NESTBOX_RUN_FLAGS -- /bin/true")
+        ;;
     runc)
         command -v runc >/dev/null || die "runc missing (run bench/setup.sh)"
         make_runc_bundle "$bundle"
@@ -90,7 +109,7 @@ for b in "${benches[@]}"; do
         bw+=(--proc /proc --dev /dev /bin/true)
         args+=(--bench bwrap "${bw[*]}")
         ;;
-    *) die "unknown benchmark '$b' in BENCHES (nestbox, nestbox-pool, nestbox-none, runc, bwrap)" ;;
+    *) die "unknown benchmark '$b' in BENCHES (nestbox, nestbox-pool, nestbox-none, base-none, base-pool, runc, bwrap)" ;;
     esac
 done
 ((${#args[@]})) || die "BENCHES is empty"
