@@ -40,6 +40,17 @@ pub fn run_detached(reg: &Registry, spec: &BoxSpec) -> Result<()> {
         }
         Ok(ForkResult::Child) => {
             drop(ready_r);
+            // The monitor outlives the caller: it must keep none of the caller's
+            // descriptors but its ready pipe. Otherwise a lock the caller holds
+            // (a template's clone lock while it starts clone shells) stays held
+            // for the monitor's whole life should the caller die before
+            // unlocking it, and `nestbox serve`'s listening socket keeps
+            // accepting connections no one answers after the server died.
+            let keep = std::os::fd::AsRawFd::as_raw_fd(&ready_w) as u32;
+            if keep > 3 {
+                crate::process::close_fds_range(3, keep - 1);
+            }
+            crate::process::close_fds_from(keep + 1);
             become_daemon();
             let code = match run_box(reg, &record, Mode::Detached(ready_w)) {
                 Ok(o) => o.exit_code,

@@ -44,6 +44,15 @@ pub fn close_fds_from(first: u32) {
     }
 }
 
+/// Close the descriptors `first..=last` of this process (see [`close_fds_from`]).
+pub fn close_fds_range(first: u32, last: u32) {
+    // SAFETY: close_range only closes descriptors of this process; the caller
+    // holds no Rust object owning one of them that it will use again.
+    unsafe {
+        libc::syscall(libc::SYS_close_range, first, last, 0u32);
+    }
+}
+
 /// Point stdin, stdout and stderr at `/dev/null` (best effort).
 pub fn stdio_to_dev_null() {
     if let Ok(null) = std::fs::OpenOptions::new()
