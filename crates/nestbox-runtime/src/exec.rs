@@ -49,7 +49,15 @@ pub fn exec(reg: &Registry, name: &str, opts: &ExecOptions) -> Result<i32> {
     let mut spec = record.spec.clone();
     spec.env.extend(opts.env.iter().cloned());
     spec.validate()?;
-    let namespaces = NamespaceHandles::open(Pid::from_raw(init.pid))?;
+    // The box may end between the check above and here: its namespaces are then
+    // gone, and that is "not running", not a failure.
+    let namespaces = NamespaceHandles::open(Pid::from_raw(init.pid)).map_err(|e| {
+        if init.alive() {
+            RuntimeError::from(e)
+        } else {
+            RuntimeError::NotRunning(name.to_string())
+        }
+    })?;
     let setgroups = record.state.idmap.is_none_or(|m| m.allows_setgroups());
     let plan = CommandPlan::new(
         &opts.command,
