@@ -621,6 +621,12 @@ pub(crate) fn take_pooled(
         Ok(pid) => pid,
         Err(e) => {
             let _ = crate::ops::remove(reg, name, true);
+            // Its template was removed meanwhile (which ends the pool's clones):
+            // not a failure of this request, which takes the next one or forks.
+            let gone = |p: Option<crate::liveness::ProcRef>| p.is_none_or(|p| !p.alive());
+            if gone(c.state.init) || gone(c.state.clone.as_ref().and_then(|i| i.process)) {
+                return Ok(None);
+            }
             return Err(e);
         }
     };

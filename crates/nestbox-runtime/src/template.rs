@@ -265,7 +265,14 @@ pub fn enter_pid_namespace_of(t: &BoxRecord) -> Result<()> {
         .init
         .ok_or_else(|| RuntimeError::NotRunning(t.name().to_string()))?;
     let path = format!("/proc/{}/ns/pid", init.pid);
-    let ns = std::fs::File::open(&path).map_err(RuntimeError::io("open", &path))?;
+    let ns = std::fs::File::open(&path).map_err(|e| {
+        if init.alive() {
+            RuntimeError::io("open", &path)(e)
+        } else {
+            // Removed since it was loaded: its last clone has gone.
+            RuntimeError::Invalid(format!("template box {:?} has been removed", t.name()))
+        }
+    })?;
     setns(ns.as_fd(), CloneFlags::CLONE_NEWPID).map_err(RuntimeError::sys(format!("setns({path})")))
 }
 
