@@ -367,8 +367,8 @@ class World:
 
 
 OPS = [  # (name, weight)
-    ("run_rm", 8), ("run_d", 14), ("exec", 12), ("stop", 5), ("rm", 12),
-    ("freeze", 8), ("clone_cli", 10), ("clone_api", 10), ("template_rm", 5),
+    ("run_rm", 6), ("run_d", 14), ("exec", 10), ("stop", 3), ("rm", 10),
+    ("freeze", 14), ("clone_cli", 12), ("clone_api", 12), ("template_rm", 3),
     ("network_pool", 3),
 ]
 
@@ -477,6 +477,7 @@ class Killer:
         self.nb, self.serve, self.rng = nb, serve, rng
         self.targets: collections.Counter = collections.Counter()
         self.n = 0
+        self.template = "kt"
 
     def state(self, name: str) -> dict | None:
         try:
@@ -506,12 +507,16 @@ class Killer:
         self.nb.judge("kill_setup", ["run", "-d", name], rc, err, dur)
         return name
 
-    def ensure_template(self) -> None:
-        if any(t.get("name") == "kt" and not t.get("removed") for t in self.templates()):
-            return
+    def ensure_template(self) -> str:
+        """The name of a live template (frozen now if need be)."""
+        if any(t.get("name") == self.template and not t.get("removed")
+               for t in self.templates()):
+            return self.template
         name = self.live_box()
-        rc, _, err, dur = self.nb.call(["freeze", name, "--as", "kt", "--pool", "1"])
-        self.nb.judge("kill_setup", ["freeze", name, "--as", "kt"], rc, err, dur)
+        self.template = f"kt{self.n}"
+        rc, _, err, dur = self.nb.call(["freeze", name, "--as", self.template, "--pool", "1"])
+        self.nb.judge("kill_setup", ["freeze", name, "--as", self.template], rc, err, dur)
+        return self.template
 
     def templates(self) -> list[dict]:
         rc, out, err, _ = self.nb.call(["template", "ls", "--json"])
@@ -539,19 +544,19 @@ class Killer:
         self.n += 1
         choice = self.rng.choice(["run_d", "run_rm", "rm", "stop", "freeze", "clone", "template_rm",
                                   "network_pool", "exec"])
-        box = ""
+        box, template = "", ""
         if choice in ("rm", "stop", "freeze", "exec"):
             box = self.live_box()
         if choice in ("clone", "template_rm"):
-            self.ensure_template()
+            template = self.ensure_template()
         args = {
             "run_d": ["run", "-d", "--name", f"k{self.n}", "--", "sleep", "infinity"],
             "run_rm": ["run", "--rm", "--", "/bin/true"],
             "rm": ["rm", "-f", box],
             "stop": ["stop", "-t", "1", box],
             "freeze": ["freeze", box, "--as", f"kf{self.n}", "--pool", "1"],
-            "clone": ["clone", "kt", "-d"],
-            "template_rm": ["template", "rm", "kt"],
+            "clone": ["clone", template, "-d"],
+            "template_rm": ["template", "rm", template],
             "network_pool": ["network", "pool", str(self.rng.randint(0, 2))],
             "exec": ["exec", box, "--", "/bin/true"],
         }[choice]
@@ -608,10 +613,10 @@ class Killer:
                     self.nb.stats.fail(f"{' '.join(args)}: panic: {err.strip()[:300]}")
 
     def kill_serve(self) -> None:
-        self.ensure_template()
+        template = self.ensure_template()
         result: list = []
         t = threading.Thread(target=lambda: result.append(
-            self.serve.request({"op": "clone", "template": "kt"}, timeout=OP_TIMEOUT)))
+            self.serve.request({"op": "clone", "template": template}, timeout=OP_TIMEOUT)))
         t.start()
         self.delay()
         if self.serve.proc:
