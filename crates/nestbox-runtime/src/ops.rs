@@ -218,7 +218,28 @@ pub fn remove(reg: &Registry, name: &str, force: bool) -> Result<()> {
         cg.remove()?;
     }
     crate::network::release(reg.roots(), &record.state.id)?;
-    reg.remove(&record)
+    reg.remove(&record)?;
+    if let Some(of) = &record.spec.clone_of {
+        wait_for_removed_template(reg, &of.template_box);
+    }
+    Ok(())
+}
+
+/// The last clone of a removed template takes the template's box with it: its
+/// init, which lingered for the clones, sees them gone within half a second and
+/// its monitor removes the box. Wait for that (bounded), so that what `rm` was
+/// asked to remove is gone when it returns: a `network rm` right after must not
+/// find the template's address still leased.
+fn wait_for_removed_template(reg: &Registry, box_name: &str) {
+    let going = || {
+        reg.load(box_name).is_ok_and(|t| {
+            t.state.template.as_ref().is_some_and(|i| i.removed)
+                && crate::template::clones_of(reg, box_name).is_ok_and(|c| c.is_empty())
+        })
+    };
+    if going() {
+        wait_until(Duration::from_secs(5), || !going());
+    }
 }
 
 /// The host pid of a running box's init.
