@@ -665,25 +665,29 @@ def clean_root(nb: Nestbox, stats: Stats) -> None:
         names = [t["name"] for t in json.loads(out) if not t.get("removed")]
         if names:
             step(["template", "rm", *names])
-    for _ in range(3):
-        rc, out, _, _ = nb.call(["ps", "-a", "--json"])
-        if rc != 0:
-            break
-        names = [b["name"] for b in json.loads(out)]
-        if not names:
-            break
-        for n in names:
-            nb.call(["rm", "-f", n])  # may race with a template's box going by itself
-        time.sleep(0.5)
-    end = time.monotonic() + 15
-    while time.monotonic() < end:
-        rc, out, _, _ = nb.call(["ps", "-a", "--json"])
-        if rc == 0 and not json.loads(out):
-            break
-        time.sleep(0.2)
+    rc, out, _, _ = nb.call(["ps", "-a", "--json"])
+    if rc == 0:
+        for b in json.loads(out):
+            # A removed template's box may go by itself meanwhile (its last clone
+            # went): "no box named" is fine.
+            step(["rm", "-f", b["name"]])
+    # Once every rm -f has returned, what it removed is gone: a removed template's
+    # box too (with its last clone), so nothing may still be listed, and the
+    # network must be removable at once.
+    rc, out, _, _ = nb.call(["ps", "-a", "--json"])
+    if rc == 0 and json.loads(out):
+        stats.fail(f"boxes still listed after every rm -f returned: {[b['name'] for b in json.loads(out)]}")
+        end = time.monotonic() + 15
+        while time.monotonic() < end:
+            rc, out, _, _ = nb.call(["ps", "-a", "--json"])
+            if rc == 0 and not json.loads(out):
+                break
+            time.sleep(0.2)
     step(["network", "pool", "0"])
     step(["gc"])
-    step(["network", "rm"])
+    rc, _, err, _ = nb.call(["network", "rm"])
+    if rc != 0:
+        stats.fail(f"network rm after every box was removed: exit {rc}: {err.strip()}")
 
 
 def leftovers(nb: Nestbox, ids: set[str], binary: str) -> list[str]:
