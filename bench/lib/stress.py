@@ -477,6 +477,8 @@ class Killer:
         self.nb, self.serve, self.rng = nb, serve, rng
         self.targets: collections.Counter = collections.Counter()
         self.n = 0
+        self.cycles = 0
+        self.orphans_checked = 0
         self.template = "kt"
 
     def state(self, name: str) -> dict | None:
@@ -531,6 +533,9 @@ class Killer:
         getattr(self, "kill_" + target)()
         rc, _, err, dur = self.nb.call(["gc"])
         self.nb.judge("gc", ["gc"], rc, err, dur)
+        self.cycles += 1
+        if self.cycles % 10 == 0:
+            self.check_after_gc()
         # Keep the number of boxes bounded: remove some of what the cycle left.
         rc, out, _, _ = self.nb.call(["ps", "-a", "--json"])
         if rc == 0:
@@ -539,6 +544,73 @@ class Killer:
                 for b in self.rng.sample(boxes, len(boxes) - 6):
                     rc, _, err, dur = self.nb.call(["rm", "-f", b["name"]])
                     self.nb.judge("kill_cleanup", ["rm", "-f", b["name"]], rc, err, dur)
+
+    def orphans(self) -> set[str]:
+        """What no record of the root owns, and boxes gc should have removed."""
+        tag = fnv_tag(os.path.join(self.nb.root, "run").encode())
+        ids, out = set(), set()
+        boxes = os.path.join(self.nb.root, "run", "boxes")
+        for name in listdir(boxes):
+            try:
+                with open(os.path.join(boxes, name, "state.json")) as f:
+                    st = json.load(f)
+            except (OSError, ValueError):
+                continue  # going, or not written yet
+            ids.add(st["id"])
+        rc, text, _, _ = self.nb.call(["ps", "-a", "--json"])
+        if rc == 0:
+            for b in json.loads(text):
+                if b.get("status") == "dead":
+                    out.add(f"dead box {b['name']}")
+        pool_ids = set()
+        netpool = os.path.join(self.nb.root, "run", "netpool")
+        for d in listdir(netpool):
+            if d.startswith("box-"):
+                if d[4:] not in ids:
+                    out.add(f"pooled namespace {d} of no box")
+            else:
+                try:
+                    with open(os.path.join(netpool, d, "pool-id")) as f:
+                        pool_ids.add(f.read().strip())
+                except OSError:
+                    pass
+        for i in listdir(os.path.join(self.nb.root, "lib", "boxes")):
+            if i not in ids:
+                out.add(f"layer dir lib/boxes/{i} of no box")
+        netdir = os.path.join(self.nb.root, "lib", "network")
+        for d in listdir(netdir):
+            try:
+                with open(os.path.join(netdir, d, "state.json")) as f:
+                    leased = json.load(f).get("boxes", {})
+            except (OSError, ValueError):
+                continue
+            for i in leased:
+                if i not in ids and i not in pool_ids:
+                    out.add(f"address lease {d}/{i} of no box")
+        for dirpath, dirnames, _ in os.walk("/sys/fs/cgroup"):
+            for d in list(dirnames):
+                if d.startswith(f"nestbox-{tag}-"):
+                    if d[len(f"nestbox-{tag}-"):] not in ids:
+                        out.add(f"cgroup {d} of no box")
+                    dirnames.remove(d)
+            if dirpath.count("/") > 10:
+                dirnames.clear()
+        return out
+
+    def check_after_gc(self) -> None:
+        """After gc, nothing may be left that no box owns. A refill or a start in
+        progress makes things before their record says so: only what is orphaned
+        in two looks 1.5 s apart (after a second gc) counts."""
+        first = self.orphans()
+        if not first:
+            self.orphans_checked += 1
+            return
+        time.sleep(1.5)
+        rc, _, err, dur = self.nb.call(["gc"])
+        self.nb.judge("gc", ["gc"], rc, err, dur)
+        for item in sorted(first & self.orphans()):
+            self.nb.stats.fail(f"after gc (kill cycle {self.cycles}): {item}")
+        self.orphans_checked += 1
 
     def kill_cli(self) -> None:
         self.n += 1
@@ -848,6 +920,7 @@ def main() -> int:
     report["ops"] = dict(stats.ops)
     report["ok"] = dict(stats.ok)
     report["kill_targets"] = dict(killer.targets)
+    report["orphan_checks_after_gc"] = killer.orphans_checked
     report["refused"] = {f"{op}: {pat}": n for (op, pat), n in sorted(stats.errors.items())}
     report["failures"] = stats.failures
     report["durations_p50_ms"] = {k: round(sorted(v)[len(v) // 2] * 1000, 1)
