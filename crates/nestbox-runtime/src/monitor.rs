@@ -408,7 +408,14 @@ fn fork_nested_in(
         _ => None,
     };
     crate::template::enter_pid_namespace_of(t)?;
-    let forked = fork_into(CloneFlags::empty());
+    let forked = fork_into(CloneFlags::empty()).map_err(|e| match t.state.init {
+        // The template's init is exiting (the template was removed, or stopped):
+        // its pid namespace takes no new process (ENOMEM).
+        Some(init) if init.ends_within(std::time::Duration::from_secs(1)) => {
+            RuntimeError::Invalid(format!("template box {:?} has been removed", t.name()))
+        }
+        _ => RuntimeError::from(e),
+    });
     if let Ok(Forked::Parent(_)) | Err(_) = &forked {
         // Children (threads too) of the monitor are born in its own pid namespace
         // again: a thread cannot be created while the two differ.
