@@ -51,8 +51,9 @@ pub fn exec(reg: &Registry, name: &str, opts: &ExecOptions) -> Result<i32> {
     spec.validate()?;
     // The box may end between the check above and here: its namespaces are then
     // gone, and that is "not running", not a failure.
+    // (An exiting init loses its namespace links before it is a zombie: ENOENT.)
     let namespaces = NamespaceHandles::open(Pid::from_raw(init.pid)).map_err(|e| {
-        if init.alive() {
+        if init.alive() && e.errno != nix::errno::Errno::ENOENT {
             RuntimeError::from(e)
         } else {
             RuntimeError::NotRunning(name.to_string())
@@ -84,6 +85,13 @@ pub fn exec(reg: &Registry, name: &str, opts: &ExecOptions) -> Result<i32> {
     let report = read_report(rep_r);
     let code = crate::process::wait_exit_code(helper);
     if let Some((code, message)) = report {
+        // Joining failed because the box ended meanwhile (its cgroup removed,
+        // its pid namespace without init: fork answers ENOMEM).
+        if code == crate::error::EXIT_NESTBOX_ERROR
+            && init.ends_within(std::time::Duration::from_secs(1))
+        {
+            return Err(RuntimeError::NotRunning(name.to_string()));
+        }
         return Err(RuntimeError::Launch { code, message });
     }
     Ok(code)
