@@ -449,7 +449,9 @@ fn prefetch_when_stopped(file: &std::path::Path, pid: i32) {
 fn remote_error(template: &str, e: nestbox_remote::RemoteError) -> RuntimeError {
     // A template's process goes only when the template is removed (template rm,
     // rm -f, stop), which may race with this clone.
-    if let nestbox_remote::RemoteError::NoSuchProcess { .. } = e {
+    if let nestbox_remote::RemoteError::NoSuchProcess { .. }
+    | nestbox_remote::RemoteError::Exited { .. } = e
+    {
         return RuntimeError::Invalid(format!("template box {template:?} has been removed"));
     }
     RuntimeError::Invalid(format!("cloning template box {template:?}: {e}"))
