@@ -346,7 +346,7 @@ class World:
     def __init__(self, rng: random.Random):
         self.lock = threading.Lock()
         self.boxes = [f"s{i}" for i in range(10)]
-        self.templates = ["t0", "t1", "t2"]
+        self.templates = [f"t{i}" for i in range(5)]
         self.clones: list[str] = []
 
     def add_clone(self, name: str) -> None:
@@ -355,7 +355,7 @@ class World:
 
     def any_box(self, rng: random.Random) -> str:
         with self.lock:
-            if self.clones and rng.random() < 0.4:
+            if self.clones and rng.random() < 0.5:
                 return rng.choice(self.clones)
         return rng.choice(self.boxes)
 
