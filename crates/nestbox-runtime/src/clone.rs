@@ -104,10 +104,20 @@ impl FollowUp {
         let Some(net) = crate::network::view(reg.roots())? else {
             return Ok(());
         };
+        // A clone removed meanwhile has no entry left to rename; one being
+        // removed (its init is killed first, its lease released after) may lose
+        // it between the check and the rename.
+        let live = |id: &str, name: &str| {
+            reg.load(name)
+                .is_ok_and(|r| r.state.id == id && r.state.init.is_some_and(|i| i.alive()))
+        };
         for (id, name) in &self.hosts {
-            // A clone removed meanwhile has no entry left to rename.
-            if reg.load(name).is_ok_and(|r| r.state.id == *id) {
-                net.rename(id, &[name.as_str()])?;
+            if live(id, name) {
+                if let Err(e) = net.rename(id, &[name.as_str()]) {
+                    if live(id, name) {
+                        return Err(e.into());
+                    }
+                }
             }
         }
         Ok(())
