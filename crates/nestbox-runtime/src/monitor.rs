@@ -411,7 +411,7 @@ fn fork_nested_in(
     let forked = fork_into(CloneFlags::empty()).map_err(|e| match t.state.init {
         // The template's init is exiting (the template was removed, or stopped):
         // its pid namespace takes no new process (ENOMEM).
-        Some(init) if init.ends_within(std::time::Duration::from_secs(1)) => {
+        Some(init) if init.ends_within(std::time::Duration::from_secs(5)) => {
             RuntimeError::Invalid(format!("template box {:?} has been removed", t.name()))
         }
         _ => RuntimeError::from(e),
