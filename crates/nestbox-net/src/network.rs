@@ -989,13 +989,21 @@ impl Network {
     /// and any veth on the bridge or class on the IFB that no box owns.
     /// Returns the ids of the boxes removed.
     pub fn gc(&self, live: &[&str]) -> Result<Vec<String>> {
+        self.gc_with(&|id| live.contains(&id))
+    }
+
+    /// [`Network::gc`] with liveness asked of `live` for each leased box, while
+    /// the network's state is locked: a caller whose boxes lease their address
+    /// only once their record exists can look records up afresh there, so a
+    /// box started while its garbage collection runs is never taken for dead.
+    pub fn gc_with(&self, live: &dyn Fn(&str) -> bool) -> Result<Vec<String>> {
         let mut locked = state::lock(&self.config.state_dir)?;
         let mut nl = Netlink::open()?;
         let dead: Vec<String> = locked
             .state
             .boxes
             .keys()
-            .filter(|id| !live.contains(&id.as_str()))
+            .filter(|id| !live(id.as_str()))
             .cloned()
             .collect();
         let mut nft = false;

@@ -371,14 +371,33 @@ pub fn gc(reg: &Registry) -> Result<GcReport> {
             live_ids.push(record.state.id.clone());
         }
     }
+    // A box's cgroup, address and layers are made after its record is visible
+    // (created, or renamed by a claim); a box started while this runs is not in
+    // the listing above. So before anything is released as no box's, its id is
+    // looked up again in fresh listings (two: a directory read may miss a
+    // record renamed while it reads).
+    let known = std::cell::RefCell::new(live_ids.clone());
+    let is_live = |id: &str| {
+        if known.borrow().iter().any(|l| l == id) {
+            return true;
+        }
+        for _ in 0..2 {
+            let now: Vec<String> = reg
+                .list()
+                .map(|l| l.into_iter().map(|r| r.state.id).collect())
+                .unwrap_or_default();
+            let hit = now.iter().any(|l| l == id);
+            known.borrow_mut().extend(now);
+            if hit {
+                return true;
+            }
+        }
+        false
+    };
     if let Ok(h) = Hierarchies::detect() {
         // Cgroups of other roots count as live: only this root's own are collected.
         let roots = reg.roots();
-        let live = |cg_id: &str| {
-            roots
-                .box_id_of_cgroup(cg_id)
-                .is_none_or(|id| live_ids.iter().any(|l| l == id))
-        };
+        let live = |cg_id: &str| roots.box_id_of_cgroup(cg_id).is_none_or(&is_live);
         for cg in nestbox_cgroup::find_stale(&h, &live) {
             let _ = cg.kill_all();
             cg.remove()?;
@@ -387,10 +406,22 @@ pub fn gc(reg: &Registry) -> Result<GcReport> {
                 .extend(cg.paths().into_values().map(|p| p.display().to_string()));
         }
     }
-    for id in crate::network::gc(reg.roots(), &live_ids)? {
+    let live_now: Vec<String> = reg
+        .list()?
+        .into_iter()
+        .map(|r| r.state.id)
+        .chain(live_ids.iter().cloned())
+        .collect();
+    for id in crate::network::gc(reg.roots(), &live_now, &is_live)? {
         report.network.push(id);
     }
-    for dir in reg.orphans(&live_ids) {
+    let live_now: Vec<String> = reg
+        .list()?
+        .into_iter()
+        .map(|r| r.state.id)
+        .chain(live_now)
+        .collect();
+    for dir in reg.orphans(&live_now) {
         crate::registry::remove_tree(&dir)?;
         report.dirs.push(dir.display().to_string());
     }
