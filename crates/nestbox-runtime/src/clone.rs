@@ -421,7 +421,17 @@ fn fork_into_shells(
     });
     let refrozen = cgroup.set_frozen(true, FREEZER_TIMEOUT);
     let detached = tracee.detach();
-    let forked = forked?;
+    // A template process that ended while it was being forked (its template
+    // removed or stopped meanwhile) fails the fork in many ways (no process,
+    // no mappings left to find a syscall instruction in, ...): all of them
+    // mean the template went.
+    let forked = forked.map_err(|e| {
+        if info.process.ends_within(Duration::from_secs(1)) {
+            RuntimeError::Invalid(format!("template box {:?} has been removed", t.name()))
+        } else {
+            e
+        }
+    })?;
     refrozen?;
     detached.map_err(|e| remote_error(t.name(), e))?;
     // A pooled clone can be claimed once its record names its process: only
@@ -553,7 +563,14 @@ pub(crate) fn clone_lock(t: &BoxRecord) -> Result<nix::fcntl::Flock<File>> {
         .truncate(false)
         .write(true)
         .open(&path)
-        .map_err(RuntimeError::io("open", &path))?;
+        .map_err(|e| {
+            if e.kind() == std::io::ErrorKind::NotFound {
+                // Its record went since it was loaded (template rm, rm -f).
+                RuntimeError::Invalid(format!("template box {:?} has been removed", t.name()))
+            } else {
+                RuntimeError::io("open", &path)(e)
+            }
+        })?;
     nix::fcntl::Flock::lock(file, nix::fcntl::FlockArg::LockExclusive)
         .map_err(|(_, e)| RuntimeError::sys(format!("flock {}", path.display()))(e))
 }
@@ -737,7 +754,13 @@ fn spawn_refill(reg: &Registry, template: &str) {
 pub fn check_fds(name: &str, pid: Pid) -> Result<()> {
     nestbox_remote::inspect_fds(pid.as_raw())
         .and_then(|entries| nestbox_remote::ensure_clonable(pid.as_raw(), &entries))
-        .map_err(|e| RuntimeError::Invalid(format!("box {name:?} cannot be cloned: {e}")))
+        .map_err(|e| match e {
+            // It ended since it was found (a stop or rm -f racing with freeze).
+            nestbox_remote::RemoteError::NoSuchProcess { .. } => {
+                RuntimeError::Invalid(format!("the process of box {name:?} exited while freezing"))
+            }
+            e => RuntimeError::Invalid(format!("box {name:?} cannot be cloned: {e}")),
+        })
 }
 
 /// Memory of one process from /proc/PID/smaps_rollup, in bytes.
