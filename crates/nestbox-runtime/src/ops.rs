@@ -362,6 +362,28 @@ pub struct GcReport {
 pub fn gc(reg: &Registry) -> Result<GcReport> {
     let mut report = GcReport::default();
     let mut live_ids = Vec::new();
+    let records = reg.list()?;
+    // A pooled clone is hidden from ps, so no one can rm it: one that ended, or
+    // whose template box is gone (its pool outlived it: a pooled shell whose
+    // maker was killed, a refill racing with the template's removal), is
+    // collected here.
+    let unclaimable = |r: &BoxRecord| {
+        r.is_pooled()
+            && (r.state.effective_status() == Status::Exited
+                || !records.iter().any(|t| {
+                    t.state.template.is_some()
+                        && r.name().starts_with(&crate::clone::pool_prefix(t))
+                }))
+    };
+    for record in &records {
+        if record.state.effective_status() != Status::Dead && unclaimable(record) {
+            match remove(reg, record.name(), true) {
+                Ok(()) => report.boxes.push(record.name().to_string()),
+                Err(RuntimeError::NoSuchBox(_)) => {}
+                Err(e) => return Err(e),
+            }
+        }
+    }
     for record in reg.list()? {
         if record.state.effective_status() == Status::Dead {
             cleanup_dead(reg, &record)?;
