@@ -757,6 +757,16 @@ def clean_root(nb: Nestbox, stats: Stats) -> None:
             time.sleep(0.2)
     step(["network", "pool", "0"])
     step(["gc"])
+    # gc leaves a record being made or removed (.new-*, .rm-*) alone until it is
+    # 5 s old (its maker may be at work): one left by a killed command goes then.
+    try:
+        half = [n for n in os.listdir(os.path.join(nb.root, "run", "boxes"))
+                if n.startswith((".new-", ".rm-"))]
+    except OSError:
+        half = []
+    if half:
+        time.sleep(6)
+        step(["gc"])
     rc, _, err, _ = nb.call(["network", "rm"])
     if rc != 0:
         stats.fail(f"network rm after every box was removed: exit {rc}: {err.strip()}")
@@ -819,7 +829,11 @@ def leftovers(nb: Nestbox, ids: set[str], binary: str) -> list[str]:
         for box_id in leased:
             left.append(f"address lease {d}/{box_id}")
     for sub in (("run", "boxes"), ("lib", "boxes"), ("run", "netpool")):
-        for n in listdir(os.path.join(nb.root, *sub)):
+        try:
+            names = os.listdir(os.path.join(nb.root, *sub))  # dot entries too
+        except OSError:
+            names = []
+        for n in names:
             left.append(f"state {'/'.join(sub)}/{n}")
     return left
 

@@ -444,6 +444,25 @@ pub fn gc(reg: &Registry) -> Result<GcReport> {
         .chain(live_now)
         .collect();
     for dir in reg.orphans(&live_now) {
+        // A record being made (.new-) or removed (.rm-) by another command right
+        // now is no leftover (both take well under a second): only one its maker
+        // left behind, dying, is. A layer directory made by a box started
+        // meanwhile belongs to a live box.
+        let name = dir
+            .file_name()
+            .map(|n| n.to_string_lossy().to_string())
+            .unwrap_or_default();
+        if name.starts_with(".new-") || name.starts_with(".rm-") {
+            let age = std::fs::symlink_metadata(&dir)
+                .and_then(|m| m.modified())
+                .ok()
+                .and_then(|t| t.elapsed().ok());
+            if age.is_none_or(|a| a < Duration::from_secs(5)) {
+                continue;
+            }
+        } else if is_live(&name) {
+            continue;
+        }
         crate::registry::remove_tree(&dir)?;
         report.dirs.push(dir.display().to_string());
     }
