@@ -314,7 +314,21 @@ fn start_inner(
         .then(|| File::open(format!("/proc/{child}/ns/mnt")).ok())
         .flatten()
         .map(OwnedFd::from);
-    nix::unistd::write(&go_w, b"g").map_err(|e| abandon(RuntimeError::sys("start box")(e)))?;
+    nix::unistd::write(&go_w, b"g").map_err(|e| {
+        abandon(match &template {
+            // A clone shell's first process lives in its template's pid
+            // namespace: the kernel killed it when the template's init ended
+            // (the template was removed meanwhile).
+            Some(t)
+                if t.state
+                    .init
+                    .is_some_and(|i| i.ends_within(Duration::from_secs(1))) =>
+            {
+                RuntimeError::Invalid(format!("template box {:?} has been removed", t.name()))
+            }
+            _ => RuntimeError::sys("start box")(e),
+        })
+    })?;
     drop(go_w);
     if let Some((code, message)) = read_report(&rep_r) {
         let _ = waitpid(child, None);
