@@ -26,6 +26,21 @@ impl ProcRef {
         })
     }
 
+    /// Whether this process ends within `limit` (checked every 10 ms): after a
+    /// call failed because the process was exiting, e.g. a pid namespace whose
+    /// init is exiting refuses new processes with ENOMEM before the init is a
+    /// zombie.
+    pub fn ends_within(&self, limit: std::time::Duration) -> bool {
+        let end = std::time::Instant::now() + limit;
+        while self.alive() {
+            if std::time::Instant::now() >= end {
+                return false;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+        true
+    }
+
     /// Whether this exact process is still alive (zombies count as dead).
     pub fn alive(&self) -> bool {
         match read_stat(self.pid) {

@@ -45,9 +45,22 @@ pub fn wait_exit_code(pid: Pid) -> i32 {
 /// owns one of those descriptors and uses or closes it afterwards.
 pub unsafe fn close_fds_from(first: u32) -> crate::Result<()> {
     // SAFETY: the caller upholds the condition of close_range (above).
-    unsafe { nestbox_sys::fd::close_range(first, u32::MAX) }.map_err(crate::RuntimeError::sys(
-        format!("close_range({first}, ~0)"),
-    ))
+    unsafe { close_fds(first, u32::MAX) }
+}
+
+/// Close the descriptors `first..=last` of this process (none if `last <
+/// first`), checked, as [`close_fds_from`] does.
+///
+/// # Safety
+/// As for [`close_fds_from`].
+pub unsafe fn close_fds(first: u32, last: u32) -> crate::Result<()> {
+    if last < first {
+        return Ok(());
+    }
+    // SAFETY: the caller upholds the condition of close_range (above).
+    unsafe { nestbox_sys::fd::close_range(first, last) }.map_err(crate::RuntimeError::sys(format!(
+        "close_range({first}, {last})"
+    )))
 }
 
 /// Point stdin, stdout and stderr at `/dev/null` (best effort).

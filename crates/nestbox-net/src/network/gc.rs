@@ -16,6 +16,14 @@ impl Network {
     /// and any veth on the bridge or class on the IFB that no box owns.
     /// Returns the ids of the boxes removed.
     pub fn gc(&self, live: &[&str]) -> Result<Vec<String>> {
+        self.gc_with(&|id| live.contains(&id))
+    }
+
+    /// [`Network::gc`] with liveness asked of `live` for each leased box, while
+    /// the network's state is locked: a caller whose boxes lease their address
+    /// only once their record exists can look records up afresh there, so a
+    /// box started while its garbage collection runs is never taken for dead.
+    pub fn gc_with(&self, live: &dyn Fn(&str) -> bool) -> Result<Vec<String>> {
         let Some(mut locked) = state::lock_existing(&self.config.state_dir)? else {
             return Ok(Vec::new());
         };
@@ -24,7 +32,7 @@ impl Network {
             .state
             .boxes
             .keys()
-            .filter(|id| !live.contains(&id.as_str()))
+            .filter(|id| !live(id.as_str()))
             .cloned()
             .collect();
         let mut nft = false;

@@ -53,7 +53,16 @@ fn exec_inner(reg: &Registry, name: &str, opts: &ExecOptions) -> Result<i32> {
     let mut spec = record.spec.clone();
     spec.env.extend(opts.env.iter().cloned());
     spec.validate()?;
-    let namespaces = NamespaceHandles::open(Pid::from_raw(init.pid))?;
+    // The box may end between the check above and here: its namespaces are then
+    // gone, and that is "not running", not a failure.
+    // (An exiting init loses its namespace links before it is a zombie: ENOENT.)
+    let namespaces = NamespaceHandles::open(Pid::from_raw(init.pid)).map_err(|e| {
+        if init.alive() && e.errno != nix::errno::Errno::ENOENT {
+            RuntimeError::from(e)
+        } else {
+            RuntimeError::NotRunning(name.to_string())
+        }
+    })?;
     let setgroups = record.state.idmap.is_none_or(|m| m.allows_setgroups());
     let plan = CommandPlan::new(
         &opts.command,
@@ -80,6 +89,13 @@ fn exec_inner(reg: &Registry, name: &str, opts: &ExecOptions) -> Result<i32> {
     let report = read_report(rep_r);
     let code = crate::process::wait_exit_code(helper);
     if let Some((code, message)) = report {
+        // Joining failed because the box ended meanwhile (its cgroup removed,
+        // its pid namespace without init: fork answers ENOMEM).
+        if code == crate::error::EXIT_NESTBOX_ERROR
+            && init.ends_within(std::time::Duration::from_secs(1))
+        {
+            return Err(RuntimeError::NotRunning(name.to_string()));
+        }
         return Err(RuntimeError::Launch { code, message });
     }
     Ok(code)

@@ -333,7 +333,21 @@ fn start_inner(
         .then(|| File::open(format!("/proc/{child}/ns/mnt")).ok())
         .flatten()
         .map(OwnedFd::from);
-    nix::unistd::write(&go_w, b"g").map_err(|e| abandon(RuntimeError::sys("start box")(e)))?;
+    nix::unistd::write(&go_w, b"g").map_err(|e| {
+        abandon(match &template {
+            // A clone shell's first process lives in its template's pid
+            // namespace: the kernel killed it when the template's init ended
+            // (the template was removed meanwhile).
+            Some(t)
+                if t.state
+                    .init
+                    .is_some_and(|i| i.ends_within(Duration::from_secs(1))) =>
+            {
+                RuntimeError::TemplateRemoved(t.name().to_string())
+            }
+            _ => RuntimeError::sys("start box")(e),
+        })
+    })?;
     drop(go_w);
     if let Some((code, message)) = read_report(&rep_r) {
         // The box's process reported its failure and exits: reap it (it is
@@ -438,7 +452,14 @@ fn fork_nested_in(
     let in_template = crate::lifecycle::nested::enter_pid_namespace_of(t)?;
     // SAFETY: the monitor is single-threaded, so the helper may run arbitrary
     // code; no clone flags.
-    let forked = unsafe { fork_into(CloneFlags::empty()) };
+    let forked = unsafe { fork_into(CloneFlags::empty()) }.map_err(|e| match t.state.init {
+        // The template's init is exiting (the template was removed, or stopped):
+        // its pid namespace takes no new process (ENOMEM).
+        Some(init) if init.ends_within(std::time::Duration::from_secs(5)) => {
+            RuntimeError::TemplateRemoved(t.name().to_string())
+        }
+        _ => RuntimeError::from(e),
+    });
     if let Ok(Forked::Child) = &forked {
         // The helper is in the template's pid namespace and stays there.
         in_template.stay();

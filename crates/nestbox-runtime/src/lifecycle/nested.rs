@@ -58,7 +58,14 @@ pub fn enter_pid_namespace_of(t: &BoxRecord) -> Result<nestbox_sys::ns::NsGuard>
         .init
         .ok_or_else(|| RuntimeError::NotRunning(t.name().to_string()))?;
     let path = format!("/proc/{}/ns/pid", init.pid);
-    let ns = std::fs::File::open(&path).map_err(RuntimeError::io("open", &path))?;
+    let ns = std::fs::File::open(&path).map_err(|e| {
+        if init.alive() {
+            RuntimeError::io("open", &path)(e)
+        } else {
+            // Removed since it was loaded: its last clone has gone.
+            RuntimeError::TemplateRemoved(t.name().to_string())
+        }
+    })?;
     nestbox_sys::ns::NsGuard::enter(ns.as_fd(), nestbox_sys::ns::Namespace::Pid)
         .map_err(RuntimeError::sys(format!("setns({path})")))
 }

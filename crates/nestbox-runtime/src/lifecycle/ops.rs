@@ -52,6 +52,25 @@ fn run_detached_inner(reg: &Registry, spec: &BoxSpec) -> Result<()> {
         }
         Ok(ForkResult::Child) => {
             drop(ready_r);
+            // The monitor outlives the caller: it must keep none of the caller's
+            // descriptors but its ready pipe. Otherwise a lock the caller holds
+            // (a template's clone lock while it starts clone shells) stays held
+            // for the monitor's whole life should the caller die before
+            // unlocking it, and `nestbox serve`'s listening socket keeps
+            // accepting connections no one answers after the server died.
+            let keep = std::os::fd::AsRawFd::as_raw_fd(&ready_w) as u32;
+            // SAFETY: this child never returns to its callers (it ends with
+            // exit below), so the objects up the stack that own the closed
+            // descriptors are never used or dropped again; `reg` and `record`
+            // hold no descriptor, and `ready_w` is kept.
+            let closed = unsafe {
+                crate::process::close_fds(3, keep.saturating_sub(1))
+                    .and_then(|()| crate::process::close_fds_from(keep + 1))
+            };
+            if let Err(e) = closed {
+                tracing::error!(box_name = record.name(), "{e}");
+                std::process::exit(crate::error::EXIT_NESTBOX_ERROR);
+            }
             crate::process::become_daemon();
             let code = match run_box(reg, &record, Mode::Detached(ready_w)) {
                 Ok(o) => o.exit_code,
@@ -379,6 +398,28 @@ pub struct GcReport {
 pub fn gc(reg: &Registry) -> Result<GcReport> {
     let mut report = GcReport::default();
     let mut live_ids = Vec::new();
+    let records = reg.list()?;
+    // A pooled clone is hidden from ps, so no one can rm it: one that ended, or
+    // whose template box is gone (its pool outlived it: a pooled shell whose
+    // maker was killed, a refill racing with the template's removal), is
+    // collected here.
+    let unclaimable = |r: &BoxRecord| {
+        r.is_pooled()
+            && (r.state.effective_status() == Status::Exited
+                || !records.iter().any(|t| {
+                    t.state.template.is_some()
+                        && r.name().starts_with(&crate::clone::pool_prefix(t))
+                }))
+    };
+    for record in &records {
+        if record.state.effective_status() != Status::Dead && unclaimable(record) {
+            match remove(reg, record.name(), true) {
+                Ok(()) => report.boxes.push(record.name().to_string()),
+                Err(RuntimeError::NoSuchBox(_)) => {}
+                Err(e) => return Err(e),
+            }
+        }
+    }
     for record in reg.list()? {
         if record.state.effective_status() == Status::Dead {
             cleanup_dead(reg, &record)?;
@@ -388,14 +429,33 @@ pub fn gc(reg: &Registry) -> Result<GcReport> {
             live_ids.push(record.state.id.clone());
         }
     }
+    // A box's cgroup, address and layers are made after its record is visible
+    // (created, or renamed by a claim); a box started while this runs is not in
+    // the listing above. So before anything is released as no box's, its id is
+    // looked up again in fresh listings (two: a directory read may miss a
+    // record renamed while it reads).
+    let known = std::cell::RefCell::new(live_ids.clone());
+    let is_live = |id: &str| {
+        if known.borrow().iter().any(|l| l == id) {
+            return true;
+        }
+        for _ in 0..2 {
+            let now: Vec<String> = reg
+                .list()
+                .map(|l| l.into_iter().map(|r| r.state.id).collect())
+                .unwrap_or_default();
+            let hit = now.iter().any(|l| l == id);
+            known.borrow_mut().extend(now);
+            if hit {
+                return true;
+            }
+        }
+        false
+    };
     if let Ok(h) = Hierarchies::detect() {
         // Cgroups of other roots count as live: only this root's own are collected.
         let roots = reg.roots();
-        let live = |cg_id: &str| {
-            roots
-                .box_id_of_cgroup(cg_id)
-                .is_none_or(|id| live_ids.iter().any(|l| l == id))
-        };
+        let live = |cg_id: &str| roots.box_id_of_cgroup(cg_id).is_none_or(&is_live);
         for cg in nestbox_cgroup::find_stale(&h, &live) {
             // As above: the removal reports a process that survived.
             let _ = cg.kill_all();
@@ -405,10 +465,41 @@ pub fn gc(reg: &Registry) -> Result<GcReport> {
                 .extend(cg.paths().into_values().map(|p| p.display().to_string()));
         }
     }
-    for id in crate::network::gc(reg.roots(), &live_ids)? {
+    let live_now: Vec<String> = reg
+        .list()?
+        .into_iter()
+        .map(|r| r.state.id)
+        .chain(live_ids.iter().cloned())
+        .collect();
+    for id in crate::network::gc(reg.roots(), &live_now, &is_live)? {
         report.network.push(id);
     }
-    for dir in reg.orphans(&live_ids) {
+    let live_now: Vec<String> = reg
+        .list()?
+        .into_iter()
+        .map(|r| r.state.id)
+        .chain(live_now)
+        .collect();
+    for dir in reg.orphans(&live_now) {
+        // A record being made (.new-) or removed (.rm-) by another command right
+        // now is no leftover (both take well under a second): only one its maker
+        // left behind, dying, is. A layer directory made by a box started
+        // meanwhile belongs to a live box.
+        let name = dir
+            .file_name()
+            .map(|n| n.to_string_lossy().to_string())
+            .unwrap_or_default();
+        if name.starts_with(".new-") || name.starts_with(".rm-") {
+            let age = std::fs::symlink_metadata(&dir)
+                .and_then(|m| m.modified())
+                .ok()
+                .and_then(|t| t.elapsed().ok());
+            if age.is_none_or(|a| a < Duration::from_secs(5)) {
+                continue;
+            }
+        } else if is_live(&name) {
+            continue;
+        }
         crate::registry::remove_tree(&dir)?;
         report.dirs.push(dir.display().to_string());
     }

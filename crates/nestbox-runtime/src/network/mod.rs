@@ -186,22 +186,14 @@ pub fn release_exited(roots: &Roots, box_id: &str) -> Result<()> {
     Ok(())
 }
 
-/// Release what boxes not in `live` still hold; the ids released.
-pub fn gc(roots: &Roots, live: &[String]) -> Result<Vec<String>> {
+/// Release what boxes not `live` still hold; the ids released. `live` is
+/// asked under the network's lock (see `Network::gc_with`); `live_now` are the
+/// boxes live when the pool's entries are looked at.
+pub fn gc(roots: &Roots, live_now: &[String], live: &dyn Fn(&str) -> bool) -> Result<Vec<String>> {
     if !state_dir(roots).exists() {
         return Ok(Vec::new());
     }
-    crate::network_pool::clear(roots, live)?;
-    let mut live: Vec<&str> = live.iter().map(String::as_str).collect();
+    crate::network_pool::clear(roots, live_now)?;
     // Namespaces waiting in the pool are no leftovers.
-    let pool_ids = view(roots)?
-        .map(|n| n.leases())
-        .transpose()?
-        .unwrap_or_default()
-        .into_iter()
-        .map(|l| l.box_id)
-        .filter(|id| crate::network_pool::is_pool_id(id))
-        .collect::<Vec<_>>();
-    live.extend(pool_ids.iter().map(String::as_str));
-    Ok(open(roots)?.gc(&live)?)
+    Ok(open(roots)?.gc_with(&|id| crate::network_pool::is_pool_id(id) || live(id))?)
 }

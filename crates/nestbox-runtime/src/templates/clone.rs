@@ -436,7 +436,17 @@ fn fork_into_shells(
     });
     let refrozen = cgroup.set_frozen(true, FREEZER_TIMEOUT);
     let detached = tracee.detach();
-    let forked = forked?;
+    // A template process that ended while it was being forked (its template
+    // removed or stopped meanwhile) fails the fork in many ways (no process,
+    // no mappings left to find a syscall instruction in, ...): all of them
+    // mean the template went.
+    let forked = forked.map_err(|e| {
+        if info.process.ends_within(Duration::from_secs(1)) {
+            RuntimeError::TemplateRemoved(t.name().to_string())
+        } else {
+            e
+        }
+    })?;
     refrozen?;
     detached.map_err(|e| remote_error(t.name(), e))?;
     // A pooled clone can be claimed once its record names its process: only
@@ -475,6 +485,13 @@ fn prefetch_when_stopped(file: &std::path::Path, pid: i32) {
 }
 
 fn remote_error(template: &str, e: nestbox_remote::RemoteError) -> RuntimeError {
+    // A template's process goes only when the template is removed (template rm,
+    // rm -f, stop), which may race with this clone.
+    if let nestbox_remote::RemoteError::NoSuchProcess { .. }
+    | nestbox_remote::RemoteError::Exited { .. } = e
+    {
+        return RuntimeError::TemplateRemoved(template.to_string());
+    }
     RuntimeError::Remote {
         what: "cloning template box",
         name: template.to_string(),
@@ -573,7 +590,14 @@ pub(crate) fn clone_lock(t: &BoxRecord) -> Result<nix::fcntl::Flock<File>> {
         .truncate(false)
         .write(true)
         .open(&path)
-        .map_err(RuntimeError::io("open", &path))?;
+        .map_err(|e| {
+            if e.kind() == std::io::ErrorKind::NotFound {
+                // Its record went since it was loaded (template rm, rm -f).
+                RuntimeError::TemplateRemoved(t.name().to_string())
+            } else {
+                RuntimeError::io("open", &path)(e)
+            }
+        })?;
     nix::fcntl::Flock::lock(file, nix::fcntl::FlockArg::LockExclusive)
         .map_err(|(_, e)| RuntimeError::sys(format!("flock {}", path.display()))(e))
 }
@@ -663,6 +687,12 @@ pub(crate) fn take_pooled(
                 "removing a clone that could not be woken",
                 removed,
             );
+            // Its template was removed meanwhile (which ends the pool's clones):
+            // not a failure of this request, which takes the next one or forks.
+            let gone = |p: Option<crate::liveness::ProcRef>| p.is_none_or(|p| !p.alive());
+            if gone(c.state.init) || gone(c.state.clone.as_ref().and_then(|i| i.process)) {
+                return Ok(None);
+            }
             return Err(e);
         }
     };
@@ -757,9 +787,16 @@ fn spawn_refill(reg: &Registry, template: &str) {
 pub fn check_fds(name: &str, pid: Pid) -> Result<()> {
     nestbox_remote::inspect_fds(pid.as_raw())
         .and_then(|entries| nestbox_remote::ensure_clonable(pid.as_raw(), &entries))
-        .map_err(|e| RuntimeError::Unsupported {
-            name: name.to_string(),
-            problem: format!("cannot be cloned: {e}"),
+        .map_err(|e| match e {
+            // It ended since it was found (a stop or rm -f racing with freeze).
+            nestbox_remote::RemoteError::NoSuchProcess { .. } => RuntimeError::WrongState {
+                name: name.to_string(),
+                problem: "exited while freezing".to_string(),
+            },
+            e => RuntimeError::Unsupported {
+                name: name.to_string(),
+                problem: format!("cannot be cloned: {e}"),
+            },
         })
 }
 

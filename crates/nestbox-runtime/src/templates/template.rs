@@ -127,17 +127,28 @@ fn freeze_inner(
         removed: false,
     };
     let recorded = info.clone();
+    // Only the box frozen, and only while it still runs: a stop or rm -f racing
+    // with this freeze may have recorded its end (or a new box taken the name)
+    // since it was loaded, and a template must never be recorded over that.
+    let mut frozen = false;
     let update = reg.update(name, |s| {
-        s.status = Status::Frozen;
-        s.template = Some(recorded);
+        if s.id == record.state.id && s.status == Status::Running {
+            s.status = Status::Frozen;
+            s.template = Some(recorded);
+            frozen = true;
+        }
     });
-    if let Err(e) = update {
+    if update.is_err() || !frozen {
         crate::diag::warn_on_err(
             Some(name),
             "thawing after a failed freeze",
             cgroup.set_frozen(false, FREEZER_TIMEOUT),
         );
-        return Err(e);
+        update?;
+        return Err(RuntimeError::WrongState {
+            name: name.to_string(),
+            problem: "exited while freezing".to_string(),
+        });
     }
     Ok(info)
 }
@@ -175,8 +186,17 @@ fn template_process(record: &BoxRecord) -> Result<Pid> {
 /// Refuse processes nestbox cannot fork remotely, naming the reason.
 /// `root_uid` is the host uid of the box's root.
 fn check_cloneable(name: &str, pid: Pid, root_uid: u32) -> Result<()> {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status"))
-        .map_err(RuntimeError::io("read", format!("/proc/{pid}/status")))?;
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).map_err(|e| {
+        if e.kind() == std::io::ErrorKind::NotFound {
+            // It ended since the cgroup was read (a stop or rm -f racing).
+            RuntimeError::WrongState {
+                name: name.to_string(),
+                problem: "exited while freezing".to_string(),
+            }
+        } else {
+            RuntimeError::io("read", format!("/proc/{pid}/status"))(e)
+        }
+    })?;
     let field = |key: &str| {
         status
             .lines()
