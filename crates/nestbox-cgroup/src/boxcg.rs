@@ -494,12 +494,18 @@ impl BoxCgroup {
     }
 
     /// Freezes (`frozen`) or thaws the box, waiting up to `timeout` for the
-    /// kernel to confirm. A freeze that times out is undone.
+    /// kernel to confirm. A freeze that times out is undone. Thawing a cgroup
+    /// that is gone (the box ended and its cgroup was removed meanwhile)
+    /// succeeds: nothing of it is frozen any more.
     pub fn set_frozen(&self, frozen: bool, timeout: Duration) -> Result<(), CgroupError> {
-        match self.locate("freezer", None) {
+        let result = match self.locate("freezer", None) {
             Some(Loc::V1(d)) => v1::set_frozen(d, frozen, timeout),
             Some(Loc::V2(d)) => v2::set_frozen(d, frozen, timeout),
             None => Err(CgroupError::NoController { what: "freezer" }),
+        };
+        match result {
+            Err(e) if !frozen && e.is_not_found() => Ok(()),
+            other => other,
         }
     }
 

@@ -593,6 +593,22 @@ fn freeze_thaw_v1_and_v2() {
 }
 
 #[test]
+fn thawing_a_removed_cgroup_succeeds_and_freezing_it_fails() {
+    let tmp = tempfile::tempdir().unwrap();
+    for h in [
+        testfs::hybrid(&tmp.path().join("hybrid")),
+        testfs::pure_v2(&tmp.path().join("v2")),
+    ] {
+        let cg = BoxCgroup::create(&h, "gone", &Limits::default()).unwrap();
+        cg.remove().unwrap();
+        cg.set_frozen(false, Duration::from_millis(50))
+            .expect("nothing of a removed cgroup is frozen");
+        let e = cg.set_frozen(true, Duration::from_millis(50)).unwrap_err();
+        assert!(e.is_not_found(), "{e}");
+    }
+}
+
+#[test]
 fn kill_all_on_fake_trees() {
     let tmp = tempfile::tempdir().unwrap();
     let h = testfs::pure_v2(tmp.path());

@@ -163,7 +163,9 @@ fn is_frozen(dir: &Path) -> Result<Option<bool>, CgroupError> {
 /// again and an error returned.
 pub(crate) fn set_frozen(dir: &Path, frozen: bool, timeout: Duration) -> Result<(), CgroupError> {
     let file = dir.join("cgroup.freeze");
-    if !file.exists() {
+    // A cgroup that is gone is not a kernel without the freezer: the write
+    // below then fails with ENOENT, which callers can tell apart.
+    if !file.exists() && dir.is_dir() {
         return Err(CgroupError::Unsupported {
             option: "freeze",
             reason: format!(

@@ -38,6 +38,14 @@ impl BoxRecord {
     pub fn name(&self) -> &str {
         &self.spec.name
     }
+    /// The name clones of this box are made from: its template name if it was
+    /// frozen (`freeze --as`), its box name otherwise.
+    pub fn template_name(&self) -> &str {
+        self.state
+            .template
+            .as_ref()
+            .map_or(self.name(), |t| t.name.as_str())
+    }
     /// Whether this is a clone waiting in its template's pool (forked ahead of
     /// time, stopped, under a name with the reserved pool prefix) rather than a
     /// box of its own: claiming it is renaming it.

@@ -343,7 +343,7 @@ fn start_inner(
                     .init
                     .is_some_and(|i| i.ends_within(Duration::from_secs(1))) =>
             {
-                RuntimeError::TemplateRemoved(t.name().to_string())
+                RuntimeError::TemplateRemoved(t.template_name().to_string())
             }
             _ => RuntimeError::sys("start box")(e),
         })
@@ -456,7 +456,7 @@ fn fork_nested_in(
         // The template's init is exiting (the template was removed, or stopped):
         // its pid namespace takes no new process (ENOMEM).
         Some(init) if init.ends_within(std::time::Duration::from_secs(5)) => {
-            RuntimeError::TemplateRemoved(t.name().to_string())
+            RuntimeError::TemplateRemoved(t.template_name().to_string())
         }
         _ => RuntimeError::from(e),
     });

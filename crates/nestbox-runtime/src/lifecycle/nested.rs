@@ -63,7 +63,7 @@ pub fn enter_pid_namespace_of(t: &BoxRecord) -> Result<nestbox_sys::ns::NsGuard>
             RuntimeError::io("open", &path)(e)
         } else {
             // Removed since it was loaded: its last clone has gone.
-            RuntimeError::TemplateRemoved(t.name().to_string())
+            RuntimeError::TemplateRemoved(t.template_name().to_string())
         }
     })?;
     nestbox_sys::ns::NsGuard::enter(ns.as_fd(), nestbox_sys::ns::Namespace::Pid)

@@ -208,10 +208,7 @@ fn fork_fresh(reg: &Registry, t: &BoxRecord, req: &CloneRequest) -> Result<Vec<C
         || current.state.effective_status() != crate::state::Status::Frozen
         || current.state.template.as_ref().is_none_or(|i| i.removed)
     {
-        return Err(RuntimeError::WrongState {
-            name: t.name().to_string(),
-            problem: "is a template that has been removed".into(),
-        });
+        return Err(RuntimeError::TemplateRemoved(t.template_name().to_string()));
     }
     let names = req.names.clone();
     let mut shells = Vec::new();
@@ -442,7 +439,7 @@ fn fork_into_shells(
     // mean the template went.
     let forked = forked.map_err(|e| {
         if info.process.ends_within(Duration::from_secs(1)) {
-            RuntimeError::TemplateRemoved(t.name().to_string())
+            RuntimeError::TemplateRemoved(t.template_name().to_string())
         } else {
             e
         }
@@ -593,7 +590,7 @@ pub(crate) fn clone_lock(t: &BoxRecord) -> Result<nix::fcntl::Flock<File>> {
         .map_err(|e| {
             if e.kind() == std::io::ErrorKind::NotFound {
                 // Its record went since it was loaded (template rm, rm -f).
-                RuntimeError::TemplateRemoved(t.name().to_string())
+                RuntimeError::TemplateRemoved(t.template_name().to_string())
             } else {
                 RuntimeError::io("open", &path)(e)
             }
