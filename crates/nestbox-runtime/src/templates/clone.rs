@@ -512,8 +512,17 @@ fn fork_one(
         .state
         .init
         .ok_or_else(|| RuntimeError::NotRunning(name.to_string()))?;
-    let namespaces = shell_namespaces(init.pid)?;
-    let stdio = shell_stdio(init.pid)?;
+    // The shell ended meanwhile (the clone was removed or stopped by a racing
+    // command, or its template went, which the caller tells apart).
+    let ended = |e: RuntimeError| {
+        if init.alive() {
+            e
+        } else {
+            RuntimeError::NotRunning(name.to_string())
+        }
+    };
+    let namespaces = shell_namespaces(init.pid).map_err(ended)?;
+    let stdio = shell_stdio(init.pid).map_err(ended)?;
     let plan = nestbox_remote::ForkPlan {
         namespaces: namespaces.iter().map(|(k, f)| (*k, f.as_fd())).collect(),
         setns_cookie: cookie,

@@ -115,7 +115,7 @@ fn freeze_inner(
         }
         return Err(RuntimeError::WrongState {
             name: name.to_string(),
-            problem: "lost its process while freezing".into(),
+            problem: "exited while freezing".into(),
         });
     };
     let info = TemplateInfo {
