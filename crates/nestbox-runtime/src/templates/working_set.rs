@@ -167,16 +167,35 @@ fn merge(pages: &mut Vec<u64>, more: Vec<u64>) {
 pub fn record(file: &Path, pid: i32) -> Result<usize> {
     let mut set = WorkingSet::load(file);
     if set.sources < LEARN_FROM {
-        let written = pages_where(pid, Mappings::WritablePrivate, |e| {
+        let learned = pages_where(pid, Mappings::WritablePrivate, |e| {
             e & PRESENT != 0 && e & EXCLUSIVE != 0
-        })?;
-        let read = pages_where(pid, Mappings::FileReadOnly, |e| e & PRESENT != 0)?;
+        })
+        .and_then(|w| {
+            Ok((
+                w,
+                pages_where(pid, Mappings::FileReadOnly, |e| e & PRESENT != 0)?,
+            ))
+        });
+        let (written, read) = match learned {
+            Ok(pages) => pages,
+            // The clone ended meanwhile (removed, or its template went): it
+            // has nothing left to teach, which is no failure.
+            Err(e) if process_ended(&e) => return Ok(set.written.len() + set.read.len()),
+            Err(e) => return Err(e),
+        };
         merge(&mut set.written, written);
         merge(&mut set.read, read);
         set.sources += 1;
         set.save(file)?;
     }
     Ok(set.written.len() + set.read.len())
+}
+
+/// Whether `e` says the process read was gone: its /proc entries vanish
+/// (ENOENT) or answer ESRCH once it has exited.
+fn process_ended(e: &RuntimeError) -> bool {
+    matches!(e, RuntimeError::Io { source, .. }
+        if matches!(source.raw_os_error(), Some(libc::ESRCH | libc::ENOENT)))
 }
 
 /// Touch, in stopped process `pid`, each recorded page it has not touched yet:
@@ -248,6 +267,19 @@ mod tests {
     use nix::sys::signal::{kill, Signal};
     use nix::sys::wait::{waitpid, WaitPidFlag, WaitStatus};
     use nix::unistd::{fork, ForkResult, Pid};
+
+    #[test]
+    fn recording_a_process_that_ended_learns_nothing_and_is_no_error() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("working-set");
+        // A child that has exited and been reaped: its pid names no process.
+        let child = std::process::Command::new("true").spawn().unwrap();
+        let pid = child.id() as i32;
+        let status = { child }.wait().unwrap();
+        assert!(status.success());
+        assert_eq!(record(&file, pid).unwrap(), 0);
+        assert!(!file.exists(), "nothing learned, nothing written");
+    }
 
     #[test]
     fn mappings_are_told_apart() {
