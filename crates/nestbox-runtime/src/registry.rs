@@ -359,22 +359,27 @@ pub fn generated_name() -> String {
 
 /// Remove a directory tree that may hold directories without permissions
 /// (overlayfs leaves `work/work` with mode 000, which a caller without
-/// CAP_DAC_OVERRIDE cannot list): on EACCES, open up the modes and retry.
-/// A tree that does not exist is fine.
+/// CAP_DAC_OVERRIDE cannot list): on EACCES, open up the modes and retry. A
+/// process that is ending (a monitor writing its last log line) may create a
+/// file in the tree while it is removed (ENOTEMPTY): removed again, a few
+/// times. A tree that does not exist is fine.
 pub fn remove_tree(path: &Path) -> Result<()> {
-    match fs::remove_dir_all(path) {
-        Ok(()) => return Ok(()),
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
-        Err(e) if e.kind() != std::io::ErrorKind::PermissionDenied => {
-            return Err(RuntimeError::io("remove", path)(e))
+    let mut opened_up = false;
+    let mut attempts = 0;
+    loop {
+        attempts += 1;
+        match fs::remove_dir_all(path) {
+            Ok(()) => return Ok(()),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+            Err(e) if e.kind() == std::io::ErrorKind::PermissionDenied && !opened_up => {
+                open_up(path);
+                opened_up = true;
+            }
+            Err(e) if e.raw_os_error() == Some(libc::ENOTEMPTY) && attempts < 5 => {
+                std::thread::sleep(std::time::Duration::from_millis(10));
+            }
+            Err(e) => return Err(RuntimeError::io("remove", path)(e)),
         }
-        Err(_) => {}
-    }
-    open_up(path);
-    match fs::remove_dir_all(path) {
-        Ok(()) => Ok(()),
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
-        Err(e) => Err(RuntimeError::io("remove", path)(e)),
     }
 }
 
