@@ -16,5 +16,10 @@ echo "== unit and integration tests"
 # afterwards); the script fails if a binary runs fewer tests than it lists, a
 # test is ignored, or (under CI=true) a test could not run here.
 python3 scripts/run-tests.py
+echo "== stress and fault suite (short)"
+# Concurrent clients racing on shared boxes and templates, then SIGKILLs of the
+# CLI, monitors and serve followed by gc: no leftover, no undocumented error
+# (bench/README.md). The full run is bench/stress.sh with its defaults.
+CYCLES=200 CLIENTS=4 KILLS=40 bench/stress.sh
 echo "== leak check"
 scripts/check-leaks.sh
