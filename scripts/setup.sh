@@ -10,7 +10,7 @@ if ! command -v cargo >/dev/null 2>&1 && [ -x "$HOME/.cargo/bin/cargo" ]; then
   export PATH="$HOME/.cargo/bin:$PATH"
 fi
 if ! command -v cargo >/dev/null 2>&1; then
-  echo "setup: cargo (Rust >= 1.80) is required and was not found on PATH or in ~/.cargo/bin" >&2
+  echo "setup: cargo (Rust >= 1.85, the workspace's rust-version) is required and was not found on PATH or in ~/.cargo/bin" >&2
   exit 1
 fi
 
