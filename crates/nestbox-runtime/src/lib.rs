@@ -28,6 +28,7 @@ pub mod residency;
 pub mod size;
 pub mod spec;
 pub mod state;
+pub mod store_ops;
 pub mod template;
 pub mod working_set;
 
