@@ -43,16 +43,19 @@ pub fn fuzz<S>(
     } else {
         default_cases
     };
-    let mut runner = TestRunner::new(Config {
+    let config = Config {
         cases: per_round,
         failure_persistence: None,
         // Shrinking a failure found late in a long run must not take as long again.
         max_shrink_time: 120_000,
         ..Config::default()
-    });
+    };
     let start = Instant::now();
     let mut cases: u64 = 0;
     loop {
+        // A runner counts its successes for good, so each round has its own
+        // (seeded from the OS: every round and every run draws new cases).
+        let mut runner = TestRunner::new(config.clone());
         if let Err(e) = runner.run(&strategy, &test) {
             println!(
                 "fuzz-stats target={target} seconds={:.1} cases={cases} failures=1",

@@ -110,6 +110,9 @@ impl StoreError {
     }
 }
 
+/// Result of store operations.
+pub type Result<T, E = StoreError> = std::result::Result<T, E>;
+
 /// `text` with control characters (newlines among them) escaped, so an error
 /// quoting hostile input still displays as one line.
 pub(crate) fn one_line(text: &str) -> String {
@@ -147,6 +150,3 @@ mod tests {
         assert!(!e.to_string().contains(['\n', '\t']), "{e}");
     }
 }
-
-/// Result of store operations.
-pub type Result<T, E = StoreError> = std::result::Result<T, E>;
