@@ -164,7 +164,13 @@ pub fn read_layer(
         let kind = match etype {
             EntryType::Directory => Kind::Dir,
             EntryType::Regular | EntryType::Continuous | EntryType::GNUSparse => {
-                let (object, size) = txn.put_reader(&mut entry, &meta, &corrupt, &|_| {})?;
+                let (object, size) = txn
+                    .put_reader(&mut entry, &meta, &corrupt, &|_| {})
+                    .map_err(|e| match e {
+                        // Metadata the store cannot keep: say which entry has it.
+                        StoreError::Unsupported(why) => refused(why),
+                        e => e,
+                    })?;
                 Kind::File { object, size }
             }
             EntryType::Symlink => {
