@@ -902,6 +902,38 @@ fn oci_and_docker_import() {
 
 // -------------------------------------------------------- regression inputs
 
+/// Found by `tar_import_hostile_headers` (600 s run): an empty
+/// `security.capability` PAX xattr was set (the kernel validates only
+/// non-empty file capabilities) and could not be read back (EINVAL), so
+/// `store verify` failed on the fresh image. Now refused.
+#[test]
+fn regression_empty_security_capability_xattr() {
+    let case = TarCase {
+        members: vec![Member {
+            name: b"etc/oci-layout".to_vec(),
+            kind: b'0',
+            link: b"a".to_vec(),
+            data: b"content".to_vec(),
+            size: SizeField::Exact,
+            mode: 14376,
+            uid: 1021,
+            gid: 2823,
+            mtime: 59703,
+            dev: (50, 12),
+            gnu_long: false,
+            pax: vec![("SCHILY.xattr.security.capability".into(), vec![])],
+            bad_checksum: false,
+        }],
+        end: true,
+        mutations: vec![],
+        compress: Compress::None,
+        mutate_compressed: false,
+    };
+    if let Err(e) = check_tar(&case, true) {
+        panic!("{e}");
+    }
+}
+
 /// Found by `tar_import_hostile_headers` and `oci_and_docker_import`: a
 /// regular file with an mtime beyond what the filesystem keeps (the kernel
 /// clamps it silently) was stored under the key of the time asked for, so
