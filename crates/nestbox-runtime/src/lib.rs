@@ -36,6 +36,7 @@ pub mod registry;
 pub mod size;
 pub mod spec;
 pub mod state;
+pub mod store_ops;
 pub mod templates;
 
 pub use error::{Result, RuntimeError};

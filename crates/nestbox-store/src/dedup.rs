@@ -434,10 +434,12 @@ fn adopt(file: &Path, object: &Path) -> Result<()> {
 fn replace_with_link(object: &Path, file: &Path) -> Result<()> {
     let dir = file.parent().expect("layer files have a parent");
     let tmp = dir.join(format!(".nestbox-dedup-{}", std::process::id()));
+    // A leftover of an earlier run: if it cannot be removed, the link below
+    // fails with EEXIST and says so, so the result may be ignored here.
     let _ = fs::remove_file(&tmp);
     fs::hard_link(object, &tmp).map_err(StoreError::io("link", &tmp))?;
     fs::rename(&tmp, file).map_err(|e| {
-        let _ = fs::remove_file(&tmp);
+        crate::store::discard_file(&tmp);
         StoreError::io("rename", file)(e)
     })
 }

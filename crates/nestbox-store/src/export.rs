@@ -41,7 +41,7 @@ impl Store {
             fs::rename(&tmp, out).map_err(StoreError::io("rename", out))
         })();
         if result.is_err() {
-            let _ = fs::remove_file(&tmp);
+            crate::store::discard_file(&tmp);
         }
         result
     }

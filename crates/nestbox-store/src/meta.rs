@@ -156,6 +156,18 @@ impl Meta {
         ];
         nix::sys::stat::futimens(fd.as_raw_fd(), &times[0], &times[1])
             .map_err(StoreError::sys("futimens", path))?;
+        // The kernel clamps a time the filesystem cannot hold (ext4 keeps up to
+        // 2446) without an error; an object whose inode differs from its key
+        // would be reported corrupt by `store verify` ever after.
+        let kept = nix::sys::stat::fstat(fd.as_raw_fd())
+            .map_err(StoreError::sys("fstat", path))?
+            .st_mtime;
+        if kept != self.mtime {
+            return Err(StoreError::Unsupported(format!(
+                "mtime {} is out of the range this filesystem stores (it keeps {kept})",
+                self.mtime
+            )));
+        }
         Ok(())
     }
 

@@ -120,12 +120,12 @@ impl Store {
             f.sync_all().map_err(StoreError::io("fsync", &tmp))
         })();
         if let Err(e) = written {
-            let _ = fs::remove_file(&tmp);
+            crate::store::discard_file(&tmp);
             return Err(e);
         }
         let fin = self.ref_path(&r.name);
         let linked = fs::hard_link(&tmp, &fin);
-        let _ = fs::remove_file(&tmp);
+        crate::store::discard_file(&tmp);
         match linked {
             Ok(()) => fsync_dir(&dir),
             Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {

@@ -161,6 +161,24 @@ impl Store {
     }
 }
 
+/// Remove the temporary file `path` an operation leaves once it has failed or
+/// is done with it. Best effort: the operation's own result is what the caller
+/// reports, so a file that cannot be removed is logged, not returned.
+pub(crate) fn discard_file(path: &Path) {
+    match fs::remove_file(path) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => tracing::warn!(path = %path.display(), error = %e, "temporary file left behind"),
+    }
+}
+
+/// [`discard_file`] for a temporary directory tree.
+pub(crate) fn discard_tree(path: &Path) {
+    if let Err(e) = crate::tree::remove_tree(path) {
+        tracing::warn!(path = %path.display(), error = %e, "temporary tree left behind");
+    }
+}
+
 /// fsync the directory `dir` (makes a rename or link in it durable).
 pub fn fsync_dir(dir: &Path) -> Result<()> {
     let f = fs::File::open(dir).map_err(StoreError::io("open", dir))?;

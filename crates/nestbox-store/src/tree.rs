@@ -57,18 +57,18 @@ pub(crate) fn ensure_tree_locked(
         crate::hash::hex(&rnd)
     ));
     if let Err(e) = build(store, manifest, &tmp) {
-        let _ = remove_tree(&tmp);
+        crate::store::discard_tree(&tmp);
         return Err(e);
     }
     match fs::rename(&tmp, &path) {
         Ok(()) => Ok(path),
         // Another process built it meanwhile: use theirs.
         Err(_) if path.is_dir() => {
-            let _ = remove_tree(&tmp);
+            crate::store::discard_tree(&tmp);
             Ok(path)
         }
         Err(e) => {
-            let _ = remove_tree(&tmp);
+            crate::store::discard_tree(&tmp);
             Err(StoreError::io("rename", &path)(e))
         }
     }
@@ -162,6 +162,8 @@ fn open_up(path: &Path) {
         return;
     };
     if md.is_dir() {
+        // Best effort: where it fails, the removal that follows fails and
+        // reports the path, so the result may be ignored here.
         let _ = fs::set_permissions(path, fs::Permissions::from_mode(0o700));
         if let Ok(entries) = fs::read_dir(path) {
             for e in entries.flatten() {

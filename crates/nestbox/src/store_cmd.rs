@@ -1,17 +1,16 @@
 //! `nestbox image|commit|store|dedup`: the content-addressed image store from the
-//! command line. The store lives under the images directory of the nestbox root
-//! (`$ROOT/lib/images/store`); box records come from the registry, which is how
-//! `image rm` refuses images still in use, `commit` finds a box's writable layer
-//! and `dedup` tells boxes that run (skipped) from boxes that do not.
+//! command line. This file parses arguments and prints; the rules (images in use,
+//! which layer a commit takes, which boxes dedup may touch) are the runtime's
+//! [`nestbox_runtime::store_ops`], shared with the API.
 
 use std::io::IsTerminal;
 use std::path::PathBuf;
 
-use anyhow::{bail, Context, Result};
+use anyhow::Result;
 use clap::{Args, Subcommand};
-use nestbox_runtime::registry::{BoxRecord, Registry};
-use nestbox_runtime::state::Status;
-use nestbox_store::{DedupLayer, DedupOptions, ImportOptions, Progress, Store};
+use nestbox_runtime::registry::Registry;
+use nestbox_runtime::store_ops::{self, open_store};
+use nestbox_store::{DedupOptions, ImportOptions, Progress};
 
 /// `nestbox image ...`
 #[derive(Debug, Subcommand)]
@@ -106,12 +105,6 @@ pub struct DedupArgs {
     pub samples: String,
 }
 
-fn open_store(reg: &Registry) -> Result<Store> {
-    Ok(Store::open(&nestbox_image::store_dir(
-        &reg.roots().images(),
-    ))?)
-}
-
 fn progress(quiet: bool, what: &str) -> Progress {
     Progress::bytes(!quiet && std::io::stderr().is_terminal(), what, None)
 }
@@ -131,16 +124,6 @@ fn human(bytes: u64) -> String {
     }
 }
 
-/// Boxes whose spec names image `name`.
-fn users_of(reg: &Registry, name: &str) -> Result<Vec<String>> {
-    Ok(reg
-        .list()?
-        .into_iter()
-        .filter(|r| r.spec.image == name)
-        .map(|r| r.name().to_string())
-        .collect())
-}
-
 /// Run an `image` subcommand.
 pub fn image(reg: &Registry, cmd: ImageCommand) -> Result<i32> {
     let store = open_store(reg)?;
@@ -151,12 +134,8 @@ pub fn image(reg: &Registry, cmd: ImageCommand) -> Result<i32> {
             quiet,
             allow_devices,
         } => {
-            if allow_devices && !nix::unistd::geteuid().is_root() {
-                bail!("--allow-devices needs root");
-            }
             let p = progress(quiet, &format!("import {name}"));
-            let r =
-                nestbox_store::import(&store, &src, &name, &ImportOptions { allow_devices }, &p);
+            let r = store_ops::import(&store, &src, &name, &ImportOptions { allow_devices }, &p);
             p.finish();
             let r = r?;
             println!(
@@ -195,39 +174,14 @@ pub fn image(reg: &Registry, cmd: ImageCommand) -> Result<i32> {
             Ok(0)
         }
         ImageCommand::Inspect { name } => {
-            let i = store.image(&name)?;
-            let m = store.manifest(&i.id)?;
-            let v = serde_json::json!({
-                "name": i.name,
-                "id": i.id,
-                "created": i.created,
-                "source": i.source,
-                "files": i.files,
-                "bytes": i.bytes,
-                "entries": m.entries.len(),
-                "tree": store.tree_path(&i.id),
-                "used_by": users_of(reg, &name)?,
-            });
-            println!("{}", serde_json::to_string_pretty(&v)?);
+            let info = store_ops::inspect(reg, &store, &name)?;
+            println!("{}", serde_json::to_string_pretty(&info)?);
             Ok(0)
         }
         ImageCommand::Rm { names } => {
             let mut code = 0;
             for name in names {
-                let users = users_of(reg, &name)?;
-                let result = if let Some(b) = users.first() {
-                    Err(anyhow::anyhow!(
-                        "image {name:?} is used by box {b:?}{}; remove the box first",
-                        if users.len() > 1 {
-                            format!(" and {} more", users.len() - 1)
-                        } else {
-                            String::new()
-                        }
-                    ))
-                } else {
-                    store.remove_image(&name).map_err(anyhow::Error::from)
-                };
-                match result {
+                match store_ops::remove_image(reg, &store, &name) {
                     Ok(()) => println!("{name}"),
                     Err(e) => {
                         eprintln!("nestbox: error: {e}");
@@ -246,26 +200,11 @@ pub fn image(reg: &Registry, cmd: ImageCommand) -> Result<i32> {
 
 /// Run `commit`.
 pub fn commit(reg: &Registry, args: CommitArgs) -> Result<i32> {
-    let record = reg.load(&args.r#box)?;
-    let base = &record.spec.image;
-    if base == nestbox_image::HOST_IMAGE {
-        bail!(
-            "box {:?} runs the built-in host image, which is not in the store: commit needs a box of a store image (import a root filesystem with `nestbox image import`)",
-            args.r#box
-        );
-    }
     let store = open_store(reg)?;
-    let (upper, _) = record.layer_dirs(0);
     let p = progress(args.quiet, &format!("commit {}", args.name));
-    let r = store.commit_upper(
-        base,
-        &upper,
-        &args.name,
-        &format!("commit of box {} (image {base})", args.r#box),
-        &p,
-    );
+    let r = store_ops::commit(reg, &store, &args.r#box, &args.name, &p);
     p.finish();
-    let (image, stats) = r.with_context(|| format!("commit box {:?}", args.r#box))?;
+    let (image, stats) = r?;
     println!(
         "{} {} ({} files, {}; {} new objects, {} stored)",
         image.name,
@@ -278,17 +217,12 @@ pub fn commit(reg: &Registry, args: CommitArgs) -> Result<i32> {
     Ok(0)
 }
 
-/// Root-layer upper directories of every box.
-fn box_layers(records: &[BoxRecord]) -> Vec<PathBuf> {
-    records.iter().map(|r| r.layer_dirs(0).0).collect()
-}
-
 /// Run a `store` subcommand.
 pub fn store(reg: &Registry, cmd: StoreCommand) -> Result<i32> {
     let store = open_store(reg)?;
     match cmd {
         StoreCommand::Df { json } => {
-            let u = store.usage(&box_layers(&reg.list()?))?;
+            let u = store_ops::usage(reg, &store)?;
             if json {
                 println!("{}", serde_json::to_string_pretty(&u)?);
                 return Ok(0);
@@ -359,66 +293,21 @@ pub fn store(reg: &Registry, cmd: StoreCommand) -> Result<i32> {
 
 /// Run `dedup`.
 pub fn dedup(reg: &Registry, args: DedupArgs) -> Result<i32> {
-    let samples = args
-        .samples
-        .split(',')
-        .filter(|s| !s.trim().is_empty())
-        .map(|s| {
-            nestbox_runtime::size::parse_size(s.trim())
-                .map_err(|e| anyhow::anyhow!("--samples: {s:?}: {e}"))
-        })
-        .collect::<Result<Vec<u64>>>()?;
+    let samples = store_ops::parse_samples(&args.samples)?;
     let store = open_store(reg)?;
-    let mut layers = Vec::new();
-    let mut skipped: Vec<(String, String)> = Vec::new();
-    // Hold the lock of every box taking part, so none changes state meanwhile.
-    let mut locks = Vec::new();
-    for r in reg.list()? {
-        let name = r.name().to_string();
-        let lock = reg.lock(&name);
-        let status = reg
-            .load(&name)
-            .map(|r| r.state.effective_status())
-            .unwrap_or(Status::Dead);
-        match status {
-            Status::Exited => {
-                locks.push(lock);
-                layers.push(DedupLayer {
-                    label: name,
-                    upper: r.layer_dirs(0).0,
-                });
-            }
-            Status::Dead => skipped.push((
-                name,
-                "dead (its monitor is gone; `nestbox gc` removes it)".to_string(),
-            )),
-            // Running, being created, frozen: its overlay is mounted.
-            other => skipped.push((
-                name,
-                format!(
-                    "{}: its overlay is mounted and overlayfs writes upper files in place, so they must not become shared inodes",
-                    other.as_str()
-                ),
-            )),
-        }
-    }
-    let report = store.dedup(
-        &layers,
+    let outcome = store_ops::dedup(
+        reg,
+        &store,
         &DedupOptions {
             samples,
             dry_run: args.dry_run,
         },
     )?;
-    drop(locks);
     if args.json {
-        let mut v = serde_json::to_value(&report)?;
-        v["skipped_boxes"] = serde_json::json!(skipped
-            .iter()
-            .map(|(n, why)| serde_json::json!({"name": n, "reason": why}))
-            .collect::<Vec<_>>());
-        println!("{}", serde_json::to_string_pretty(&v)?);
+        println!("{}", serde_json::to_string_pretty(&outcome)?);
         return Ok(0);
     }
+    let (report, skipped) = (&outcome.report, &outcome.skipped);
     println!(
         "{} {} layers and {} store objects: {} candidate files, {}",
         if report.dry_run {
@@ -471,8 +360,8 @@ pub fn dedup(reg: &Registry, args: DedupArgs) -> Result<i32> {
             ":".into()
         }
     );
-    for (n, why) in &skipped {
-        println!("  {n}: {why}");
+    for s in skipped {
+        println!("  {}: {}", s.name, s.reason);
     }
     Ok(0)
 }

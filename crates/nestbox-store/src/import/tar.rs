@@ -164,7 +164,13 @@ pub fn read_layer(
         let kind = match etype {
             EntryType::Directory => Kind::Dir,
             EntryType::Regular | EntryType::Continuous | EntryType::GNUSparse => {
-                let (object, size) = txn.put_reader(&mut entry, &meta, &corrupt, &|_| {})?;
+                let (object, size) = txn
+                    .put_reader(&mut entry, &meta, &corrupt, &|_| {})
+                    .map_err(|e| match e {
+                        // Metadata the store cannot keep: say which entry has it.
+                        StoreError::Unsupported(why) => refused(why),
+                        e => e,
+                    })?;
                 Kind::File { object, size }
             }
             EntryType::Symlink => {
@@ -257,6 +263,15 @@ fn entry_meta<R: Read>(entry: &mut tar::Entry<'_, R>, src: &Path, shown: &str) -
             let ext = ext.map_err(|e| bad("pax header", e))?;
             let Ok(key) = ext.key() else { continue };
             if let Some(name) = key.strip_prefix("SCHILY.xattr.") {
+                // The kernel validates a file capability when it is set, except
+                // an empty one, which it stores and then cannot read back.
+                if name == "security.capability" && ext.value_bytes().is_empty() {
+                    return Err(StoreError::refused(
+                        src,
+                        shown,
+                        "empty security.capability xattr",
+                    ));
+                }
                 if !is_overlay_xattr(name) {
                     meta.xattrs
                         .insert(name.to_string(), XattrValue(ext.value_bytes().to_vec()));
