@@ -52,6 +52,11 @@ impl BoxRecord {
     pub fn is_pooled(&self) -> bool {
         self.spec.clone_of.is_some() && self.name().starts_with(crate::spec::POOL_NAME_PREFIX)
     }
+    /// The name prefix of the pooled clones of this box as a template
+    /// (`pool.<template id>.`): its pool's records are named so.
+    pub fn pool_prefix(&self) -> String {
+        format!("{}{}.", crate::spec::POOL_NAME_PREFIX, self.state.id)
+    }
     /// Record directory.
     pub fn run_dir(&self) -> &Path {
         &self.run_dir

@@ -406,10 +406,9 @@ pub fn gc(reg: &Registry) -> Result<GcReport> {
     let unclaimable = |r: &BoxRecord| {
         r.is_pooled()
             && (r.state.effective_status() == Status::Exited
-                || !records.iter().any(|t| {
-                    t.state.template.is_some()
-                        && r.name().starts_with(&crate::clone::pool_prefix(t))
-                }))
+                || !records
+                    .iter()
+                    .any(|t| t.state.template.is_some() && r.name().starts_with(&t.pool_prefix())))
     };
     for record in &records {
         if record.state.effective_status() != Status::Dead && unclaimable(record) {

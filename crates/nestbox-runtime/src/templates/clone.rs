@@ -265,14 +265,10 @@ pub(crate) fn learn_from_leaving_clone(reg: &Registry, r: &BoxRecord) {
 
 /// The name prefix of template box `t`'s pooled clones: a claim finds them by
 /// their directory names, without reading any other record.
-pub(crate) fn pool_prefix(t: &BoxRecord) -> String {
-    format!("{}{}.", crate::spec::POOL_NAME_PREFIX, t.state.id)
-}
-
 fn clone_names(reg: &Registry, t: &BoxRecord, req: &CloneRequest) -> Result<Vec<String>> {
     if req.pooled {
         return Ok((0..req.count)
-            .map(|_| format!("{}{}", pool_prefix(t), crate::registry::new_id()))
+            .map(|_| format!("{}{}", t.pool_prefix(), crate::registry::new_id()))
             .collect());
     }
     if !req.names.is_empty() {
@@ -611,7 +607,7 @@ pub(crate) fn clone_lock(t: &BoxRecord) -> Result<nix::fcntl::Flock<File>> {
 /// The pooled clones of template box `box_name` whose process lives.
 pub fn pooled_of(reg: &Registry, t: &BoxRecord) -> Result<Vec<BoxRecord>> {
     Ok(reg
-        .list_prefixed(&pool_prefix(t))?
+        .list_prefixed(&t.pool_prefix())?
         .into_iter()
         .filter(|r| live_pooled_clone_of(r, t))
         .collect())
@@ -658,7 +654,7 @@ fn claim_pooled(
 
 /// The first pooled clone of `t` whose process lives (in name order).
 pub(crate) fn first_live_pooled(reg: &Registry, t: &BoxRecord) -> Result<Option<BoxRecord>> {
-    for candidate in reg.names_prefixed(&pool_prefix(t))? {
+    for candidate in reg.names_prefixed(&t.pool_prefix())? {
         if let Ok(c) = reg.load(&candidate) {
             if live_pooled_clone_of(&c, t) {
                 return Ok(Some(c));

@@ -343,7 +343,7 @@ pub fn remove_box(reg: &Registry, record: &BoxRecord) -> Result<()> {
     // shells not yet forked into included; a refill that gets the lock later
     // finds the template gone and makes nothing.
     let _lock = crate::clone::clone_lock(record)?;
-    for pooled in reg.names_prefixed(&crate::clone::pool_prefix(record))? {
+    for pooled in reg.names_prefixed(&record.pool_prefix())? {
         match crate::templates::ops::remove(reg, &pooled, true) {
             Ok(()) | Err(RuntimeError::NoSuchBox(_)) => {}
             Err(e) => return Err(e),
