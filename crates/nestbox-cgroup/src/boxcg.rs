@@ -247,8 +247,12 @@ impl PendingCgroup {
                 warnings,
             }),
             Err(e) => {
+                // The first error is reported; a directory that cannot be
+                // removed now is logged and found again by `gc` (by its name).
                 for d in made.iter().rev() {
-                    let _ = fsutil::remove_dir(d);
+                    if let Err(e) = fsutil::remove_dir(d) {
+                        tracing::warn!("removing a half-made cgroup: {e}");
+                    }
                 }
                 Err(e)
             }

@@ -108,6 +108,8 @@ pub(crate) fn make_dir(dir: &Path) -> Result<(), CgroupError> {
         Ok(())
     };
     if let Err(e) = seed() {
+        // Only fake cgroupfs trees of unit tests are seeded: the seeding error
+        // is what matters; the temporary tree goes with the test's tempdir.
         let _ = fs::remove_dir_all(dir);
         return Err(e);
     }
@@ -170,6 +172,9 @@ fn remove_plain_dir(dir: &Path) -> Result<(), CgroupError> {
     };
     for entry in entries.flatten() {
         if entry.file_type().map(|t| t.is_file()).unwrap_or(false) {
+            // Files only exist in fake trees (cgroupfs files cannot be
+            // removed, and need not be); one left makes remove_dir below fail,
+            // which reports it.
             let _ = fs::remove_file(entry.path());
         }
     }

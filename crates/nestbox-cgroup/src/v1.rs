@@ -173,7 +173,10 @@ pub(crate) fn set_frozen(dir: &Path, frozen: bool, timeout: Duration) -> Result<
         return Ok(());
     }
     if frozen {
-        let _ = fsutil::write(&file, "THAWED");
+        // As in v2: the timeout is reported, a failed undo logged.
+        if let Err(e) = fsutil::write(&file, "THAWED") {
+            tracing::warn!("undoing a freeze that timed out: {e}");
+        }
     }
     Err(CgroupError::Timeout {
         what: format!("freezer.state {want}"),

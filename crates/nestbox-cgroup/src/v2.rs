@@ -182,7 +182,11 @@ pub(crate) fn set_frozen(dir: &Path, frozen: bool, timeout: Duration) -> Result<
         return Ok(());
     }
     if frozen {
-        let _ = fsutil::write(&file, "0");
+        // The timeout is what is reported; a freeze the undo could not lift
+        // is logged, and the caller's thaw or kill_all meets it again.
+        if let Err(e) = fsutil::write(&file, "0") {
+            tracing::warn!("undoing a freeze that timed out: {e}");
+        }
     }
     Err(CgroupError::Timeout {
         what: format!("\"frozen {}\" in cgroup.events", u8::from(frozen)),

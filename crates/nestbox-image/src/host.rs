@@ -88,9 +88,12 @@ impl HostImage {
         let tmp = self
             .cache
             .join(format!(".skeleton-tmp-{}", std::process::id()));
+        // A leftover of an earlier attempt of this pid; absent is the usual case.
         let _ = fs::remove_dir_all(&tmp);
         self.build_skeleton(&tmp, owner).inspect_err(|_| {
-            let _ = fs::remove_dir_all(&tmp);
+            if let Err(e) = fs::remove_dir_all(&tmp) {
+                tracing::warn!("removing {}: {e}", tmp.display());
+            }
         })?;
         fs::set_permissions(&tmp, fs::Permissions::from_mode(0o755))
             .map_err(ImageError::io("chmod", &tmp))?;

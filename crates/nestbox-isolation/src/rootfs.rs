@@ -150,6 +150,8 @@ fn place_file(root: &Path, index: usize, path: &Path, content: &[u8]) -> Result<
     let bound = make_mountpoint(&target, false)
         .and_then(|()| mounts::bind(&staging, &target, false))
         .and_then(|()| mounts::remount_read_only(&target));
+    // The staging file is in the box's own /dev tmpfs: one that could not be
+    // unlinked is invisible under its bind and goes with the box.
     let _ = fs::remove_file(&staging);
     bound
 }

@@ -157,8 +157,12 @@ fn receive(
         }
     }
     if n != 1 || got_flags & libc::MSG_CTRUNC != 0 || received.len() != count {
+        // The failure below is reported; an fd that could not be closed in the
+        // tracee (it is already failing) is logged.
         for fd in &received {
-            let _ = tracee.syscall("close", String::new, libc::SYS_close, &[*fd as u64]);
+            if let Err(e) = tracee.syscall("close", String::new, libc::SYS_close, &[*fd as u64]) {
+                tracing::warn!("closing fd {fd} in the tracee after a failed transfer: {e}");
+            }
         }
         return Err(RemoteError::Injected {
             syscall: "recvmsg",

@@ -442,13 +442,19 @@ impl Session {
     /// memory (C1 shared it); unmap it through the template itself.
     fn clean_template(&mut self, template: &mut Tracee) {
         if let Some(addr) = self.scratch_in_template.take() {
-            let _ = template.syscall(
+            // Already after a failure, which is what is reported: a scratch
+            // area left mapped or registers not restored are logged.
+            if let Err(e) = template.syscall(
                 "munmap",
                 || "scratch area left by a failed fork".into(),
                 libc::SYS_munmap,
                 &[addr, SCRATCH_LEN as u64],
-            );
-            let _ = template.restore_regs();
+            ) {
+                tracing::warn!("unmapping the scratch area in the template: {e}");
+            }
+            if let Err(e) = template.restore_regs() {
+                tracing::warn!("restoring the template's registers after a failed fork: {e}");
+            }
         }
     }
 }

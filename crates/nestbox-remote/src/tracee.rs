@@ -392,9 +392,13 @@ impl Drop for Tracee {
                     // PTRACE_DETACH needs a stopped tracee: give the pending
                     // interrupt a moment (a frozen tracee stays attached until
                     // this process exits, when the kernel detaches it).
+                    // A tracee that does not stop in time is detached below
+                    // all the same (and fails there, logged).
                     let _ = self.wait_stopped(Duration::from_millis(100));
                 }
-                let _ = self.detach_inner();
+                if let Err(e) = self.detach_inner() {
+                    tracing::warn!("detaching from the template on drop: {e}");
+                }
             }
             Role::Child => self.kill(),
         }

@@ -91,7 +91,9 @@ impl<'s> Txn<'s> {
         let own = match own {
             Ok(l) => l,
             Err(e) => {
-                let _ = fs::remove_dir_all(&hidden);
+                if let Err(r) = fs::remove_dir_all(&hidden) {
+                    tracing::warn!("removing {}: {r}", hidden.display());
+                }
                 return Err(e);
             }
         };
@@ -162,7 +164,9 @@ impl<'s> Txn<'s> {
             Ok(v) => v,
             Err(e) => {
                 drop(out);
-                let _ = fs::remove_file(&tmp);
+                if let Err(r) = fs::remove_file(&tmp) {
+                    tracing::warn!("removing {}: {r}", tmp.display());
+                }
                 return Err(e);
             }
         };
@@ -180,6 +184,7 @@ impl<'s> Txn<'s> {
             .open(&tmp)
             .map_err(StoreError::io("create", &tmp))?;
         if let Err(e) = out.write_all(data) {
+            // In the transaction's directory, removed with it.
             let _ = fs::remove_file(&tmp);
             return Err(StoreError::io("write", &tmp)(e));
         }
@@ -245,6 +250,7 @@ impl<'s> Txn<'s> {
                 Ok(()) => {}
                 // Published meanwhile by another import: same content and metadata.
                 Err(nix::errno::Errno::EEXIST) => {
+                    // Our copy is in the transaction's directory, removed with it.
                     let _ = fs::remove_file(&tmp);
                 }
                 Err(e) => return Err(StoreError::sys("rename", &fin)(e)),
@@ -277,7 +283,13 @@ impl<'s> Txn<'s> {
 
 impl Drop for Txn<'_> {
     fn drop(&mut self) {
-        let _ = fs::remove_dir_all(&self.dir);
+        // A transaction's directory that cannot be removed is logged; store
+        // gc removes transaction leftovers.
+        if let Err(e) = fs::remove_dir_all(&self.dir) {
+            if e.kind() != std::io::ErrorKind::NotFound {
+                tracing::warn!("removing {}: {e}", self.dir.display());
+            }
+        }
     }
 }
 
