@@ -143,15 +143,12 @@ pub(crate) fn spawn_refill(work: impl FnOnce() -> crate::Result<()>) {
     // SAFETY: as above: this intermediate child is single-threaded too.
     let second = unsafe { nix::unistd::fork() };
     if !matches!(second, Ok(nix::unistd::ForkResult::Child)) {
-        // SAFETY: _exit ends the intermediate child without running the
-        // caller's exit handlers or flushing its buffers twice.
-        unsafe { libc::_exit(0) }
+        nestbox_sys::process::exit_now(0)
     }
     // SAFETY: this child never returns to its caller (it ends with exit below),
     // so no object up the stack uses a descriptor again; `work` opens its own.
     if unsafe { close_fds_from(3) }.is_err() {
-        // SAFETY: _exit ends the child without running the caller's exit handlers.
-        unsafe { libc::_exit(1) }
+        nestbox_sys::process::exit_now(1)
     }
     crate::diag::descriptors_closed();
     become_daemon();

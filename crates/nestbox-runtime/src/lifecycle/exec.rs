@@ -117,8 +117,7 @@ fn helper_main(
             unsafe { std::os::fd::BorrowedFd::borrow_raw(report) },
             format!("125\t{msg}").as_bytes(),
         );
-        // SAFETY: a forked child must not run the parent's exit handlers.
-        unsafe { libc::_exit(125) }
+        nestbox_sys::process::exit_now(125)
     };
     if let Some(cg) = &record.state.cgroup {
         if let Err(e) = cg.join_self() {
@@ -139,8 +138,7 @@ fn helper_main(
         Ok(ForkResult::Parent { child }) => {
             // SAFETY: closing our copy of the report pipe; the command keeps its own.
             unsafe { libc::close(report) };
-            // SAFETY: as above, no exit handlers in a forked child.
-            unsafe { libc::_exit(crate::process::wait_exit_code(child)) }
+            nestbox_sys::process::exit_now(crate::process::wait_exit_code(child))
         }
     }
 }

@@ -139,9 +139,7 @@ fn reap(command: Pid) -> Option<i32> {
 }
 
 fn exit_with(code: i32) -> ! {
-    // SAFETY: _exit ends the process without running handlers from the monitor's
-    // address space that this forked process inherited.
-    unsafe { libc::_exit(code) }
+    nestbox_sys::process::exit_now(code)
 }
 
 /// How init shows up in the box's `ps`.

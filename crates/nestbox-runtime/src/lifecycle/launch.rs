@@ -195,8 +195,7 @@ fn setup_box(plan: &LaunchPlan, fds: ChildFds) -> Result<Option<Pid>, Failure> {
     match nix::unistd::read(go, &mut byte) {
         Ok(1) => {}
         // The monitor gave up on the box (or died): leave quietly.
-        // SAFETY: _exit in a forked child avoids running the parent's exit handlers.
-        _ => unsafe { libc::_exit(EXIT_NESTBOX_ERROR) },
+        _ => nestbox_sys::process::exit_now(EXIT_NESTBOX_ERROR),
     }
     // SAFETY: `go` is this process's own descriptor and is not used again.
     unsafe { libc::close(go) };
@@ -361,9 +360,7 @@ fn fail(report: RawFd, code: i32, message: &str) -> ! {
     let fd = unsafe { BorrowedFd::borrow_raw(report) };
     // A monitor gone cannot be told; the exit code still says it failed.
     let _ = nix::unistd::write(fd, line.as_bytes());
-    // SAFETY: _exit skips atexit handlers and buffered-stdio flushing, which a
-    // forked child must not run twice.
-    unsafe { libc::_exit(code) }
+    nestbox_sys::process::exit_now(code)
 }
 
 /// Read a failure report (`CODE\tMESSAGE`) until EOF; `None` when the pipe closed

@@ -474,10 +474,8 @@ fn fork_nested_in(
     match forked? {
         Forked::Child => match nested_helper(template_userns, flags, idmap) {
             Ok(Forked::Child) => Ok((Forked::Child, maps_written)),
-            // SAFETY: _exit in a forked helper skips the monitor's exit handlers.
-            Ok(Forked::Parent(_)) => unsafe { libc::_exit(0) },
-            // SAFETY: as above.
-            Err(_) => unsafe { libc::_exit(crate::error::EXIT_NESTBOX_ERROR) },
+            Ok(Forked::Parent(_)) => nestbox_sys::process::exit_now(0),
+            Err(_) => nestbox_sys::process::exit_now(crate::error::EXIT_NESTBOX_ERROR),
         },
         Forked::Parent(helper) => {
             let code = crate::process::wait_exit_code(helper);

@@ -391,9 +391,7 @@ mod tests {
                 // parent's read fails and the test with it.
                 let _ = nix::unistd::write(&w, b"x");
                 std::thread::sleep(std::time::Duration::from_secs(30));
-                // SAFETY: _exit ends this forked child without running the
-                // test harness's exit handlers.
-                unsafe { libc::_exit(0) }
+                nestbox_sys::process::exit_now(0)
             }
             ForkResult::Parent { child } => child,
         };
@@ -424,8 +422,7 @@ mod tests {
             ForkResult::Child => {
                 // Stopping oneself cannot fail; the test checks the stop.
                 let _ = kill(Pid::this(), Signal::SIGSTOP);
-                // SAFETY: as above.
-                unsafe { libc::_exit(0) }
+                nestbox_sys::process::exit_now(0)
             }
             ForkResult::Parent { child } => child,
         };
