@@ -118,29 +118,6 @@ struct ProcCgroup {
     path: String,
 }
 
-/// Decodes the octal escapes (`\040`) mountinfo uses for special characters.
-fn unescape(s: &str) -> String {
-    let b = s.as_bytes();
-    let mut out = Vec::with_capacity(b.len());
-    let mut i = 0;
-    while i < b.len() {
-        if b[i] == b'\\'
-            && i + 3 < b.len()
-            && b[i + 1..i + 4].iter().all(|c| (b'0'..=b'7').contains(c))
-        {
-            let v = (b[i + 1] - b'0') as u32 * 64
-                + (b[i + 2] - b'0') as u32 * 8
-                + (b[i + 3] - b'0') as u32;
-            out.push(v as u8);
-            i += 4;
-        } else {
-            out.push(b[i]);
-            i += 1;
-        }
-    }
-    String::from_utf8_lossy(&out).into_owned()
-}
-
 fn parse_mountinfo(text: &str) -> Vec<CgroupMount> {
     let mut out = Vec::new();
     for line in text.lines() {
@@ -156,8 +133,8 @@ fn parse_mountinfo(text: &str) -> Vec<CgroupMount> {
             continue;
         }
         out.push(CgroupMount {
-            root: unescape(fields[3]),
-            mount_point: unescape(fields[4]),
+            root: nestbox_sys::mount::unescape_mountinfo(fields[3]),
+            mount_point: nestbox_sys::mount::unescape_mountinfo(fields[4]),
             fstype: fstype.to_string(),
             super_opts: fields[sep + 3].split(',').map(str::to_string).collect(),
         });
@@ -507,12 +484,6 @@ mod tests {
     fn nothing_mounted() {
         let err = Hierarchies::from_proc_text("", "0::/\n", Path::new("/")).unwrap_err();
         assert!(matches!(err, CgroupError::Detect { .. }));
-    }
-
-    #[test]
-    fn unescape_octal() {
-        assert_eq!(unescape(r"/a\040b"), "/a b");
-        assert_eq!(unescape(r"/a\04"), r"/a\04");
     }
 
     #[test]

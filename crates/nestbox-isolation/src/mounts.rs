@@ -54,37 +54,12 @@ fn mounts_at_or_below(mountinfo: &str, target: &Path) -> Vec<std::path::PathBuf>
         let Some(field) = line.split(' ').nth(4) else {
             continue;
         };
-        let path = std::path::PathBuf::from(unescape_octal(field));
+        let path = std::path::PathBuf::from(sys::unescape_mountinfo(field));
         if path.starts_with(target) && !seen.contains(&path) {
             seen.push(path);
         }
     }
     seen
-}
-
-/// Undo mountinfo's octal escapes (`\040` for a space, `\011`, `\012`, `\134`).
-fn unescape_octal(field: &str) -> String {
-    let bytes = field.as_bytes();
-    let mut out = Vec::with_capacity(bytes.len());
-    let mut i = 0;
-    while i < bytes.len() {
-        if bytes[i] == b'\\'
-            && i + 3 < bytes.len()
-            && bytes[i + 1..i + 4]
-                .iter()
-                .all(|b| (b'0'..=b'7').contains(b))
-        {
-            let value = bytes[i + 1..i + 4]
-                .iter()
-                .fold(0u32, |acc, b| acc * 8 + u32::from(b - b'0'));
-            out.push(value as u8);
-            i += 4;
-        } else {
-            out.push(bytes[i]);
-            i += 1;
-        }
-    }
-    String::from_utf8_lossy(&out).into_owned()
 }
 
 /// The mount flags that must be preserved on a bind remount (locked in a user namespace).
@@ -171,8 +146,6 @@ mod tests {
                 std::path::PathBuf::from("/box/vol/a b")
             ]
         );
-        assert_eq!(unescape_octal("a\\134b\\011"), "a\\b\t");
-        assert_eq!(unescape_octal("tail\\04"), "tail\\04");
     }
 
     #[test]

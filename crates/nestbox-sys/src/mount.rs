@@ -91,6 +91,33 @@ pub fn pivot_root(new_root: &Path, put_old: &Path) -> Result<()> {
     nix::unistd::pivot_root(new_root, put_old)
 }
 
+/// Undo the octal escapes (`\040` for a space, `\011`, `\012`, `\134`) the
+/// kernel writes into the path fields of `/proc/*/mountinfo`. A backslash not
+/// followed by three octal digits is kept as it is.
+pub fn unescape_mountinfo(field: &str) -> String {
+    let bytes = field.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        if bytes[i] == b'\\'
+            && i + 3 < bytes.len()
+            && bytes[i + 1..i + 4]
+                .iter()
+                .all(|b| (b'0'..=b'7').contains(b))
+        {
+            let value = bytes[i + 1..i + 4]
+                .iter()
+                .fold(0u32, |acc, b| acc * 8 + u32::from(b - b'0'));
+            out.push(value as u8);
+            i += 4;
+        } else {
+            out.push(bytes[i]);
+            i += 1;
+        }
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -104,5 +131,13 @@ mod tests {
             matches!(e, nix::errno::Errno::ENOENT | nix::errno::Errno::EPERM),
             "{e}"
         );
+    }
+
+    #[test]
+    fn mountinfo_escapes_are_undone() {
+        assert_eq!(unescape_mountinfo(r"/a\040b"), "/a b");
+        assert_eq!(unescape_mountinfo(r"a\134b\011"), "a\\b\t");
+        assert_eq!(unescape_mountinfo(r"/a\04"), r"/a\04");
+        assert_eq!(unescape_mountinfo(r"tail\"), r"tail\");
     }
 }

@@ -552,15 +552,8 @@ fn serve_answers_clone_requests_on_its_socket() {
         125,
         "already answers",
     );
-    let stream = std::os::unix::net::UnixStream::connect(&socket).unwrap();
-    let mut reader = BufReader::new(stream.try_clone().unwrap());
-    let mut writer = stream;
-    let mut call = |req: &str| -> serde_json::Value {
-        writer.write_all(format!("{req}\n").as_bytes()).unwrap();
-        let mut line = String::new();
-        reader.read_line(&mut line).unwrap();
-        serde_json::from_str(&line).unwrap()
-    };
+    let mut api = ApiClient::connect(&socket);
+    let mut call = |req: &str| api.call(req);
     assert_eq!(call(r#"{"op":"ping"}"#)["ok"], true);
     // A second connection is served while the first stays open, also when
     // it closes its side right after its request.
@@ -661,7 +654,6 @@ fn serve_answers_clone_requests_on_its_socket() {
 /// report "has no address" for it.
 #[test]
 fn serve_follow_up_of_a_clone_that_ended_meanwhile_is_no_error() {
-    use std::io::{BufRead, BufReader, Write};
     use std::os::fd::AsRawFd;
     let Some(root) = TestRoot::new("serve_follow_up_of_a_clone_that_ended_meanwhile_is_no_error")
     else {
@@ -676,15 +668,8 @@ fn serve_follow_up_of_a_clone_that_ended_meanwhile_is_no_error() {
     wait_for("the socket", Duration::from_secs(20), || {
         std::os::unix::net::UnixStream::connect(&socket).is_ok()
     });
-    let stream = std::os::unix::net::UnixStream::connect(&socket).unwrap();
-    let mut reader = BufReader::new(stream.try_clone().unwrap());
-    let mut writer = stream;
-    let mut call = |req: &str| -> serde_json::Value {
-        writer.write_all(format!("{req}\n").as_bytes()).unwrap();
-        let mut line = String::new();
-        reader.read_line(&mut line).unwrap();
-        serde_json::from_str(&line).unwrap()
-    };
+    let mut api = ApiClient::connect(&socket);
+    let mut call = |req: &str| api.call(req);
     // Claim a pooled clone and stop the server before its follow-up (5 ms
     // of idleness later) names the clone in the hosts file; if the follow-up
     // was quicker, try again with the next pooled clone.

@@ -771,3 +771,35 @@ fn reader(pipe: Option<impl Read + Send + 'static>) -> mpsc::Receiver<String> {
     });
     rx
 }
+
+/// A connection to `nestbox serve`'s socket: one JSON request per line, one
+/// JSON answer per line.
+pub struct ApiClient {
+    reader: std::io::BufReader<std::os::unix::net::UnixStream>,
+    writer: std::os::unix::net::UnixStream,
+}
+
+impl ApiClient {
+    /// Connect to the server at `socket`.
+    #[track_caller]
+    pub fn connect(socket: &Path) -> Self {
+        let stream = std::os::unix::net::UnixStream::connect(socket).expect("connect to serve");
+        let reader = std::io::BufReader::new(stream.try_clone().expect("clone the stream"));
+        ApiClient {
+            reader,
+            writer: stream,
+        }
+    }
+
+    /// Send request `req` (one JSON object) and read its answer.
+    #[track_caller]
+    pub fn call(&mut self, req: &str) -> Value {
+        use std::io::{BufRead, Write};
+        self.writer
+            .write_all(format!("{req}\n").as_bytes())
+            .expect("send a request");
+        let mut line = String::new();
+        self.reader.read_line(&mut line).expect("read an answer");
+        serde_json::from_str(&line).unwrap_or_else(|e| panic!("answer is not JSON ({e}): {line}"))
+    }
+}
