@@ -33,6 +33,8 @@ import subprocess
 import sys
 import time
 
+from jsonlines import exchange  # bench/lib, beside this script
+
 
 def sh(nestbox: str, root: str, *args: str, timeout: float = 120) -> str:
     out = subprocess.run([nestbox, "--root", root, *args], capture_output=True, text=True, timeout=timeout)
@@ -66,13 +68,7 @@ def http_get(addr: str) -> bytes:
 
 def api_call(s: socket.socket, name: str) -> dict:
     """One clone request on the connected socket `s`."""
-    s.sendall(json.dumps({"op": "clone", "template": "tpl", "name": name}).encode() + b"\n")
-    data = b""
-    while not data.endswith(b"\n"):
-        chunk = s.recv(65536)
-        if not chunk:
-            break
-        data += chunk
+    data = exchange(s, {"op": "clone", "template": "tpl", "name": name})
     answer = json.loads(data)
     if not answer.get("ok"):
         raise SystemExit(f"api clone failed: {answer}")

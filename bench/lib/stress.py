@@ -42,6 +42,8 @@ import sys
 import threading
 import time
 
+from jsonlines import exchange  # bench/lib, beside this script
+
 OP_TIMEOUT = 60.0  # seconds; an operation that takes longer is a hang
 ALLOWED_KINDS = {"input", "missing", "conflict", "limit"}
 FAILURE_KINDS = {"system", "corrupt"}
@@ -318,13 +320,7 @@ class Serve:
             with socket.socket(socket.AF_UNIX) as s:
                 s.settimeout(timeout)
                 s.connect(self.sock)
-                s.sendall(json.dumps(req).encode() + b"\n")
-                data = b""
-                while not data.endswith(b"\n"):
-                    chunk = s.recv(65536)
-                    if not chunk:
-                        break
-                    data += chunk
+                data = exchange(s, req)
         except socket.timeout:
             return None, "hang"
         except OSError as e:
@@ -854,6 +850,18 @@ def check_leaks(nb: Nestbox, ids: set[str], binary: str, phase: str) -> list[str
 # ---------------------------------------------------------------- main
 
 
+def end_phase(nb: Nestbox, serve, checker, stats: Stats, binary: str, phase: str) -> list[str]:
+    """Stop the server and the record checker (one last check), remove every box
+    and template of the root, and return what of it is left on the machine."""
+    serve.stop()
+    checker.stop.set()
+    checker.join()
+    checker.check_once()
+    clean_root(nb, stats)
+    checker.collect_ids()
+    return check_leaks(nb, checker.ids, binary, phase)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--nestbox", required=True)
@@ -895,13 +903,7 @@ def main() -> int:
             print(f"stress: {budget.done}/{a.cycles} cycles, {len(stats.failures)} failures",
                   file=sys.stderr, flush=True)
     report["stress_seconds"] = round(time.monotonic() - t0, 1)
-    serve.stop()
-    checker.stop.set()
-    checker.join()
-    checker.check_once()
-    clean_root(nb, stats)
-    checker.collect_ids()
-    report["stress_leftovers"] = check_leaks(nb, checker.ids, a.nestbox, "the stress phase")
+    report["stress_leftovers"] = end_phase(nb, serve, checker, stats, a.nestbox, "the stress phase")
 
     # Phase 2.
     t1 = time.monotonic()
@@ -915,13 +917,7 @@ def main() -> int:
             print(f"stress: {i + 1}/{a.kills} kill cycles, {len(stats.failures)} failures",
                   file=sys.stderr, flush=True)
     report["kill_seconds"] = round(time.monotonic() - t1, 1)
-    serve.stop()
-    checker.stop.set()
-    checker.join()
-    checker.check_once()
-    clean_root(nb, stats)
-    checker.collect_ids()
-    report["kill_leftovers"] = check_leaks(nb, checker.ids, a.nestbox, "the kill phase")
+    report["kill_leftovers"] = end_phase(nb, serve, checker, stats, a.nestbox, "the kill phase")
 
     try:
         with open(serve.log_path) as f:
