@@ -11,6 +11,7 @@
 
 use serde::Serialize;
 
+use crate::batch::Batch;
 use crate::error::Result;
 use crate::memory::Scratch;
 use crate::procfs::{read_to_string, Status};
@@ -70,24 +71,6 @@ pub(crate) fn restore(
     want: &CapState,
     securebits: u64,
 ) -> Result<()> {
-    for cap in 0..=last_cap() {
-        if want.bounding & (1 << cap) == 0 {
-            tracee.syscall(
-                "prctl(PR_CAPBSET_DROP)",
-                || format!("capability {cap}"),
-                libc::SYS_prctl,
-                &[libc::PR_CAPBSET_DROP as u64, u64::from(cap)],
-            )?;
-        }
-    }
-    if securebits != 0 {
-        tracee.syscall(
-            "prctl(PR_SET_SECUREBITS)",
-            || format!("securebits {securebits:#x}"),
-            libc::SYS_prctl,
-            &[libc::PR_SET_SECUREBITS as u64, securebits],
-        )?;
-    }
     let mut bytes = Vec::with_capacity(32);
     bytes.extend_from_slice(&CAPABILITY_VERSION_3.to_ne_bytes());
     bytes.extend_from_slice(&0i32.to_ne_bytes());
@@ -98,30 +81,49 @@ pub(crate) fn restore(
     }
     scratch.reset();
     let header = scratch.put(tracee, &bytes)?;
-    tracee.syscall(
+    // One resume for all of it (some thirty calls): see batch.rs.
+    let mut batch = Batch::new();
+    for cap in 0..=last_cap() {
+        if want.bounding & (1 << cap) == 0 {
+            batch.push(
+                "prctl(PR_CAPBSET_DROP)",
+                format!("capability {cap}"),
+                libc::SYS_prctl,
+                &[libc::PR_CAPBSET_DROP as u64, u64::from(cap)],
+            );
+        }
+    }
+    if securebits != 0 {
+        batch.push(
+            "prctl(PR_SET_SECUREBITS)",
+            format!("securebits {securebits:#x}"),
+            libc::SYS_prctl,
+            &[libc::PR_SET_SECUREBITS as u64, securebits],
+        );
+    }
+    batch.push(
         "capset",
-        || {
-            format!(
-                "effective {:#x} permitted {:#x}",
-                want.effective, want.permitted
-            )
-        },
+        format!(
+            "effective {:#x} permitted {:#x}",
+            want.effective, want.permitted
+        ),
         libc::SYS_capset,
         &[header, header + 8],
-    )?;
+    );
     for cap in 0..=last_cap() {
         if want.ambient & (1 << cap) != 0 {
-            tracee.syscall(
+            batch.push(
                 "prctl(PR_CAP_AMBIENT_RAISE)",
-                || format!("capability {cap}"),
+                format!("capability {cap}"),
                 libc::SYS_prctl,
                 &[
                     libc::PR_CAP_AMBIENT as u64,
                     libc::PR_CAP_AMBIENT_RAISE as u64,
                     u64::from(cap),
                 ],
-            )?;
+            );
         }
     }
+    batch.run(tracee, scratch)?;
     Ok(())
 }

@@ -33,6 +33,7 @@ use std::time::{Duration, Instant};
 use nix::sys::signal::Signal;
 use serde::Serialize;
 
+use crate::batch::Batch;
 use crate::caps::{self, CapState};
 use crate::error::{RemoteError, Result};
 use crate::fdinfo::{ensure_clonable, inspect_fds, refresh_volatile, FdEntry};
@@ -338,34 +339,35 @@ impl Session {
         let stdio = [stdio_fds[0], stdio_fds[1], stdio_fds[2]];
         self.phases.mark("fd hand-over");
 
-        let securebits = c1.syscall(
-            "prctl(PR_GET_SECUREBITS)",
-            String::new,
-            libc::SYS_prctl,
-            &[libc::PR_GET_SECUREBITS as u64],
-        )?;
-        for ((kind, _), fd) in namespaces.iter().zip(ns_fds) {
-            c1.syscall(
-                "setns",
-                || format!("{} namespace", kind.proc_name()),
-                libc::SYS_setns,
-                &[*fd as u64, kind.clone_flag() as u64, cookie0, cookie1],
-            )?;
-        }
+        // The namespaces and the working directory in one resume (batch.rs).
         scratch.reset();
         let cwd = state.cwd.as_os_str().as_encoded_bytes();
         let cwd_addr = scratch.put_path(&c1, cwd)?;
-        c1.syscall(
+        let mut batch = Batch::new();
+        batch.push(
+            "prctl(PR_GET_SECUREBITS)",
+            String::new(),
+            libc::SYS_prctl,
+            &[libc::PR_GET_SECUREBITS as u64],
+        );
+        for ((kind, _), fd) in namespaces.iter().zip(ns_fds) {
+            batch.push(
+                "setns",
+                format!("{} namespace", kind.proc_name()),
+                libc::SYS_setns,
+                &[*fd as u64, kind.clone_flag() as u64, cookie0, cookie1],
+            );
+        }
+        batch.push(
             "chdir",
-            || {
-                format!(
-                    "to the template's working directory {}",
-                    state.cwd.display()
-                )
-            },
+            format!(
+                "to the template's working directory {}",
+                state.cwd.display()
+            ),
             libc::SYS_chdir,
             &[cwd_addr],
-        )?;
+        );
+        let securebits = batch.run(&mut c1, scratch)?[0];
         self.phases.mark("setns + chdir");
 
         let outcomes = retarget(&mut c1, scratch, entries, stdio)?;

@@ -41,11 +41,13 @@
 //! # Ok(()) }
 //! ```
 
+mod batch;
 mod caps;
 mod error;
 mod fdinfo;
 mod fdtransfer;
 mod fork;
+mod hugepages;
 mod inject;
 mod layout;
 mod memory;
@@ -61,6 +63,7 @@ pub use fdinfo::{
 };
 pub use fdtransfer::{install_fds, MAX_FDS};
 pub use fork::{remote_fork, ForkPlan, Forked, NsKind};
+pub use hugepages::{collapse_anonymous, collapsible_ranges, Collapsed};
 pub use procfs::check_single_threaded;
 pub use retarget::FdOutcome;
 pub use tracee::{Regs, Tracee};

@@ -78,7 +78,9 @@ impl Scratch {
             &[
                 0,
                 SCRATCH_LEN as u64,
-                (libc::PROT_READ | libc::PROT_WRITE) as u64,
+                // Executable too: it holds the program of injected batches
+                // (batch.rs). It is unmapped before any clone runs.
+                (libc::PROT_READ | libc::PROT_WRITE | libc::PROT_EXEC) as u64,
                 (libc::MAP_PRIVATE | libc::MAP_ANONYMOUS) as u64,
                 u64::MAX,
                 0,

@@ -125,6 +125,44 @@ pub fn exit_now(code: i32) -> ! {
     unsafe { libc::_exit(code) }
 }
 
+/// `MADV_COLLAPSE` (Linux 6.1): make a range of anonymous memory transparent
+/// huge pages now, copying its small pages into them.
+pub const MADV_COLLAPSE: i32 = 25;
+
+/// `process_madvise(2)`: give `advice` for the range `[start, start + len)` of
+/// the memory of the process `pidfd` refers to; the bytes advised.
+///
+/// Safe to call: the range is only a hint to the kernel about the other
+/// process's mappings (this process's memory is not touched), and the advice
+/// values the kernel accepts here (`MADV_COLD`, `MADV_PAGEOUT`,
+/// `MADV_WILLNEED`, `MADV_COLLAPSE`) never change the memory's contents.
+pub fn process_madvise(
+    pidfd: std::os::fd::BorrowedFd<'_>,
+    start: u64,
+    len: u64,
+    advice: i32,
+) -> Result<usize> {
+    use std::os::fd::AsRawFd;
+    let iov = libc::iovec {
+        iov_base: start as *mut libc::c_void,
+        iov_len: len as usize,
+    };
+    // SAFETY: the kernel reads one iovec from `iov`, which lives for the call;
+    // the addresses in it belong to the other process and are never
+    // dereferenced here.
+    let ret = unsafe {
+        libc::syscall(
+            libc::SYS_process_madvise,
+            pidfd.as_raw_fd(),
+            &iov as *const libc::iovec,
+            1usize,
+            advice,
+            0u32,
+        )
+    };
+    Errno::result(ret).map(|n| n as usize)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -118,6 +118,18 @@ fn freeze_inner(
             problem: "exited while freezing".into(),
         });
     };
+    // Fewer page-table entries for every fork to copy (see
+    // nestbox_remote::collapse_anonymous); an optimisation only.
+    match nestbox_remote::collapse_anonymous(process.pid) {
+        Ok(done) if done.failed > 0 => tracing::warn!(
+            box_name = name,
+            "{} of {} ranges of the template's memory not collapsed into huge pages",
+            done.failed,
+            done.failed + done.ranges
+        ),
+        Ok(_) => {}
+        Err(e) => tracing::warn!(box_name = name, "collapsing the template's memory: {e}"),
+    }
     let info = TemplateInfo {
         name: template_name,
         process,
