@@ -21,7 +21,11 @@ the pool (forked ahead of time) and the pool refills in the background.
 
 Every answer is fetched with the same minimal HTTP/1.0 client on a raw socket.
 
-Usage: clonebench.py NESTBOX ROOT SERVER_PY N K POOL OUT_JSON API_SOCKET
+The server is SERVER_FILE, mounted read-only into each box at /srv.<its
+extension> and started with COMMAND (a JSON list naming that path; default
+["python3", "/srv.py"]).
+
+Usage: clonebench.py NESTBOX ROOT SERVER_FILE N K POOL OUT_JSON API_SOCKET [COMMAND]
 """
 
 from __future__ import annotations
@@ -61,7 +65,8 @@ def http_get(addr: str) -> bytes:
         data = b""
         while chunk := s.recv(65536):
             data += chunk
-    if not data.startswith(b"HTTP/1.0 200"):
+    # Python's http.server answers HTTP/1.0, Node's http module HTTP/1.1.
+    if not data.startswith((b"HTTP/1.0 200", b"HTTP/1.1 200")):
         raise OSError(f"bad answer {data[:40]!r}")
     return data
 
@@ -139,10 +144,12 @@ def main() -> None:
     nestbox, root, server = sys.argv[1], sys.argv[2], sys.argv[3]
     n, k, pool, out = int(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6]), sys.argv[7]
     api_socket = sys.argv[8]
-    vol = f"{server}:/srv.py:ro"
+    command = json.loads(sys.argv[9]) if len(sys.argv) > 9 else ["python3", "/srv.py"]
+    inside = "/srv" + server[server.rfind("."):]
+    vol = f"{server}:{inside}:ro"
     # The template: started, warmed with a request, frozen.
     t0 = time.perf_counter()
-    sh(nestbox, root, "run", "-d", "--name", "tpl", "-v", vol, "--", "python3", "/srv.py")
+    sh(nestbox, root, "run", "-d", "--name", "tpl", "-v", vol, "--", *command)
     taddr = address(nestbox, root, "tpl")
     wait_answer(taddr)
     template_cold_ms = (time.perf_counter() - t0) * 1e3
@@ -184,7 +191,7 @@ def main() -> None:
         # Cold start of the same server in a fresh box.
         name = f"cold{i}"
         t = time.perf_counter()
-        sh(nestbox, root, "run", "-d", "--name", name, "-v", vol, "--", "python3", "/srv.py")
+        sh(nestbox, root, "run", "-d", "--name", name, "-v", vol, "--", *command)
         wait_answer(state_address(root, name))
         cold_ms.append((time.perf_counter() - t) * 1e3)
         sh(nestbox, root, "rm", "-f", name)
@@ -204,6 +211,7 @@ def main() -> None:
     sh(nestbox, root, "rm", "-f", "tpl")
 
     result = {
+        "command": command,
         "pool": pool,
         "template_rss_bytes": template_rss,
         "template_first_answer_ms": template_cold_ms,
