@@ -54,6 +54,7 @@ mod memory;
 mod procfs;
 mod retarget;
 mod tracee;
+pub mod tree;
 
 pub use caps::CapState;
 pub use error::{RemoteError, Result};
