@@ -163,6 +163,32 @@ pub fn process_madvise(
     Errno::result(ret).map(|n| n as usize)
 }
 
+/// `prlimit(pid, resource)`: the (soft, hard) limit of another process.
+pub fn get_rlimit(pid: i32, resource: i32) -> Result<(u64, u64)> {
+    let mut old = libc::rlimit64 {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: the kernel writes one rlimit64 into `old`, which lives for the
+    // call; no new limit is passed.
+    let ret = unsafe { libc::prlimit64(pid, resource as _, std::ptr::null(), &mut old) };
+    Errno::result(ret)?;
+    Ok((old.rlim_cur, old.rlim_max))
+}
+
+/// `prlimit(pid, resource, soft, hard)`: set another process's limit (raising
+/// a hard limit needs `CAP_SYS_RESOURCE`).
+pub fn set_rlimit(pid: i32, resource: i32, soft: u64, hard: u64) -> Result<()> {
+    let new = libc::rlimit64 {
+        rlim_cur: soft,
+        rlim_max: hard,
+    };
+    // SAFETY: the kernel reads one rlimit64 from `new`, which lives for the
+    // call; the old limit is not asked for.
+    let ret = unsafe { libc::prlimit64(pid, resource as _, &new, std::ptr::null_mut()) };
+    Errno::result(ret).map(drop)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
