@@ -189,6 +189,16 @@ pub fn set_rlimit(pid: i32, resource: i32, soft: u64, hard: u64) -> Result<()> {
     Errno::result(ret).map(drop)
 }
 
+/// `kcmp(pid1, pid2, KCMP_FILE, fd1, fd2)`: whether fd `fd1` of `pid1` and fd
+/// `fd2` of `pid2` are the same open file description (needs ptrace access to
+/// both; root has it).
+pub fn same_open_file(pid1: i32, fd1: i32, pid2: i32, fd2: i32) -> Result<bool> {
+    const KCMP_FILE: libc::c_int = 0;
+    // SAFETY: kcmp takes only integers and reads nothing from this process.
+    let ret = unsafe { libc::syscall(libc::SYS_kcmp, pid1, pid2, KCMP_FILE, fd1, fd2) };
+    Errno::result(ret).map(|order| order == 0)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
