@@ -51,6 +51,7 @@ mod layout;
 mod memory;
 mod procfs;
 mod retarget;
+mod threads;
 mod tracee;
 
 pub use caps::CapState;
@@ -61,6 +62,6 @@ pub use fdinfo::{
 };
 pub use fdtransfer::{install_fds, MAX_FDS};
 pub use fork::{remote_fork, ForkPlan, Forked, NsKind};
-pub use procfs::check_single_threaded;
 pub use retarget::FdOutcome;
+pub use threads::ThreadState;
 pub use tracee::{Regs, Tracee};
