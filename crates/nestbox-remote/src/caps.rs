@@ -63,28 +63,22 @@ pub(crate) fn last_cap() -> u32 {
         .unwrap_or(40)
 }
 
-/// Give `tracee` (which has just joined a user namespace and holds every
-/// capability in it) the capability state `want` and `securebits`.
-pub(crate) fn restore(
+/// Restoring the capability state of `tracee`, which has just joined a user
+/// namespace and holds every capability in it, part one: drop from its
+/// bounding set (now `current`) what `bounding` lacks, and set `securebits`.
+/// The effective set is untouched: threads cloned afterwards inherit both, and
+/// still every capability. Part two is [`restore_sets`]. One resume for all
+/// of it (some thirty calls): see batch.rs.
+pub(crate) fn restore_bounding(
     tracee: &mut Tracee,
     scratch: &mut Scratch,
-    want: &CapState,
+    bounding: u64,
+    current: u64,
     securebits: u64,
 ) -> Result<()> {
-    let mut bytes = Vec::with_capacity(32);
-    bytes.extend_from_slice(&CAPABILITY_VERSION_3.to_ne_bytes());
-    bytes.extend_from_slice(&0i32.to_ne_bytes());
-    for half in [0, 32] {
-        bytes.extend_from_slice(&((want.effective >> half) as u32).to_ne_bytes());
-        bytes.extend_from_slice(&((want.permitted >> half) as u32).to_ne_bytes());
-        bytes.extend_from_slice(&((want.inheritable >> half) as u32).to_ne_bytes());
-    }
-    scratch.reset();
-    let header = scratch.put(tracee, &bytes)?;
-    // One resume for all of it (some thirty calls): see batch.rs.
     let mut batch = Batch::new();
     for cap in 0..=last_cap() {
-        if want.bounding & (1 << cap) == 0 {
+        if bounding & (1 << cap) == 0 && current & (1 << cap) != 0 {
             batch.push(
                 "prctl(PR_CAPBSET_DROP)",
                 format!("capability {cap}"),
@@ -101,6 +95,29 @@ pub(crate) fn restore(
             &[libc::PR_SET_SECUREBITS as u64, securebits],
         );
     }
+    scratch.reset();
+    batch.run(tracee, scratch)?;
+    Ok(())
+}
+
+/// Restoring the capability state, part two: the effective, permitted,
+/// inheritable and ambient sets of `tracee`, in one resume.
+pub(crate) fn restore_sets(
+    tracee: &mut Tracee,
+    scratch: &mut Scratch,
+    want: &CapState,
+) -> Result<()> {
+    let mut bytes = Vec::with_capacity(32);
+    bytes.extend_from_slice(&CAPABILITY_VERSION_3.to_ne_bytes());
+    bytes.extend_from_slice(&0i32.to_ne_bytes());
+    for half in [0, 32] {
+        bytes.extend_from_slice(&((want.effective >> half) as u32).to_ne_bytes());
+        bytes.extend_from_slice(&((want.permitted >> half) as u32).to_ne_bytes());
+        bytes.extend_from_slice(&((want.inheritable >> half) as u32).to_ne_bytes());
+    }
+    scratch.reset();
+    let header = scratch.put(tracee, &bytes)?;
+    let mut batch = Batch::new();
     batch.push(
         "capset",
         format!(

@@ -25,12 +25,13 @@ pub enum RemoteError {
         /// Host pid of the tracer, from `/proc/PID/status`.
         tracer: i32,
     },
-    /// The template has more than one thread.
-    #[error("process {pid} has {threads} threads; only single-threaded processes can be forked remotely")]
-    MultiThreaded {
+    /// The template's main thread has exited while other threads run on (a
+    /// zombie leader): its state (registers, pid) is gone.
+    #[error("process {pid} cannot be forked: its main thread has exited ({threads} threads left)")]
+    ZombieLeader {
         /// Host pid.
         pid: i32,
-        /// Number of threads.
+        /// Number of threads (the exited leader included).
         threads: usize,
     },
     /// The template runs 32-bit code (only x86_64 processes are supported).

@@ -34,7 +34,7 @@ use nix::sys::signal::Signal;
 use serde::Serialize;
 
 use crate::batch::Batch;
-use crate::caps::{self, CapState};
+use crate::caps;
 use crate::error::{RemoteError, Result};
 use crate::fdinfo::{ensure_clonable, inspect_fds, refresh_volatile, FdEntry};
 use crate::fdtransfer::install_fds_with;
@@ -42,7 +42,8 @@ use crate::layout;
 use crate::memory::{Scratch, SCRATCH_LEN};
 use crate::procfs::{self, Status};
 use crate::retarget::{retarget, FdOutcome};
-use crate::tracee::{Regs, Tracee, TRACE_OPTIONS};
+use crate::threads::{self, ThreadState};
+use crate::tracee::{task_ids, Tracee, TRACE_OPTIONS};
 
 /// A namespace of the clone shell to join.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
@@ -166,17 +167,38 @@ impl Phases {
 
 /// What is read from the template before it forks.
 struct TemplateState {
-    regs: Regs,
-    caps: CapState,
     cwd: PathBuf,
     ns_pid: i32,
-    rseq: Option<(u64, u32, u32)>,
-    robust_list: (u64, u64),
-    altstack: Option<libc::stack_t>,
+    /// The main thread (its registers are the ones G resumes with).
+    leader: ThreadState,
+    /// The other threads, re-created in G.
+    threads: Vec<ThreadState>,
 }
 
-/// Fork the stopped, single-threaded `template` into the clone shell described by
-/// `plan`. The template is left stopped with its registers intact; detach it with
+impl TemplateState {
+    /// A pid in the box's pid namespace that no thread of the template has
+    /// (for G1, which must not take a pid a thread of G is re-created with).
+    fn free_ns_pid(&self) -> i32 {
+        let highest = self
+            .threads
+            .iter()
+            .map(|t| t.ns_tid)
+            .chain([self.ns_pid])
+            .max()
+            .unwrap_or(self.ns_pid);
+        if highest == i32::MAX {
+            // Not reachable with the kernel's pid_max (at most 2^22).
+            2
+        } else {
+            highest + 1
+        }
+    }
+}
+
+/// Fork the stopped `template` (seized with every thread by
+/// [`Tracee::seize_and_interrupt`]) into the clone shell described by `plan`,
+/// every thread re-created in the clone (see the threads module). The template
+/// is left stopped with its registers intact; detach it with
 /// [`Tracee::detach`]. The clone's process is running when this returns.
 ///
 /// # Errors
@@ -198,10 +220,7 @@ pub fn remote_fork(template: &mut Tracee, plan: &ForkPlan<'_>) -> Result<Forked>
         return Err(RemoteError::Plan("a namespace kind is given twice".into()));
     }
     let status = Status::read(pid)?;
-    let threads = status.threads()?;
-    if threads != 1 {
-        return Err(RemoteError::MultiThreaded { pid, threads });
-    }
+    ensure_all_threads_held(template)?;
     let entries = match &plan.inventory {
         Some(entries) => {
             let mut entries = entries.clone();
@@ -259,55 +278,45 @@ pub fn remote_fork(template: &mut Tracee, plan: &ForkPlan<'_>) -> Result<Forked>
     }
 }
 
+/// Every thread of the template must be stopped under us: a thread left
+/// running would change the memory while it is copied.
+fn ensure_all_threads_held(template: &Tracee) -> Result<()> {
+    let held = |tid: i32| {
+        tid == template.pid()
+            || template
+                .threads()
+                .iter()
+                .any(|t| t.pid() == tid && t.is_stopped())
+    };
+    match task_ids(template.pid())?
+        .into_iter()
+        .find(|tid| !held(*tid))
+    {
+        None => Ok(()),
+        Some(tid) => Err(RemoteError::NotStopped {
+            pid: tid,
+            what: "every thread of the template (seize it with Tracee::seize_and_interrupt)",
+        }),
+    }
+}
+
 fn read_template(template: &mut Tracee, status: &Status) -> Result<TemplateState> {
     let pid = template.pid();
-    let regs = *template.original_regs().ok_or(RemoteError::NotStopped {
-        pid,
-        what: "registers saved at the first stop",
-    })?;
-    let caps = CapState::read(pid)?;
     let cwd = procfs::cwd(pid)?;
     let ns_pid = status.innermost_pid()?;
-    // Kernels without the request (before 5.13) simply have no rseq to carry.
-    let rseq = template.rseq_configuration().unwrap_or(None);
-    let robust_list = robust_list(pid)?;
-    let altstack = query_altstack(template, &regs)?;
+    let syscall_insn = template.find_syscall_insn()?;
+    let leader = ThreadState::capture(template)?;
+    let mut threads = Vec::with_capacity(template.threads().len());
+    for thread in template.threads_mut() {
+        thread.syscall_insn = syscall_insn;
+        threads.push(ThreadState::capture(thread)?);
+    }
     Ok(TemplateState {
-        regs,
-        caps,
         cwd,
         ns_pid,
-        rseq,
-        robust_list,
-        altstack,
+        leader,
+        threads,
     })
-}
-
-/// `get_robust_list(pid)`: (head, length).
-fn robust_list(pid: i32) -> Result<(u64, u64)> {
-    nestbox_sys::process::robust_list(pid).map_err(|e| RemoteError::Sys {
-        op: "get_robust_list",
-        pid,
-        source: e.into(),
-    })
-}
-
-/// The template's alternate signal stack, read with an injected `sigaltstack`
-/// into its own stack below the red zone (memory it does not use). `CLONE_VM`
-/// children do not inherit it, so G gets it back explicitly.
-fn query_altstack(template: &mut Tracee, regs: &Regs) -> Result<Option<libc::stack_t>> {
-    let size = std::mem::size_of::<libc::stack_t>() as u64;
-    let addr = (regs.rsp - 128 - 2 * size) & !15;
-    template.syscall(
-        "sigaltstack",
-        || "reading the template's alternate signal stack".into(),
-        libc::SYS_sigaltstack,
-        &[0, addr],
-    )?;
-    let mut buf = vec![0u8; size as usize];
-    template.read_mem(addr, &mut buf)?;
-    let ss = layout::parse_stack_t(&buf);
-    Ok((ss.ss_flags & libc::SS_DISABLE == 0).then_some(ss))
 }
 
 struct Session {
@@ -380,11 +389,7 @@ impl Session {
         self.phases.mark("cgroup");
 
         // G1: a fork (the one copy of the page tables) into the shell's pid namespace.
-        let g1_ns_pid = if state.ns_pid == i32::MAX {
-            2
-        } else {
-            state.ns_pid + 1
-        };
+        let g1_ns_pid = state.free_ns_pid();
         let (g1_pid, clone3_ok) = fork_into(&mut c1, scratch, 0, g1_ns_pid, plan.setns_cookie)?;
         let mut g1 = Tracee::adopt(g1_pid, insn)?;
         self.phases.mark("fork G1");
@@ -413,22 +418,38 @@ impl Session {
         self.phases.mark("fork G");
         g1.exit_group(0)?;
         self.phases.mark("G1 exit");
+        if !clone3_ok && !state.threads.is_empty() {
+            return Err(RemoteError::Plan(format!(
+                "the template's seccomp filter refuses clone3 with the given cookie, so its {} other threads cannot be re-created with their tids",
+                state.threads.len()
+            )));
+        }
 
         let mut g_scratch = g1_scratch.inherited();
         let joined_user_ns = namespaces.iter().any(|(kind, _)| *kind == NsKind::User);
-        fix_up(&mut g, &mut g_scratch, state, securebits, joined_user_ns)?;
+        let threads = fix_up(
+            &mut g,
+            &mut g_scratch,
+            state,
+            securebits,
+            joined_user_ns,
+            plan.setns_cookie,
+        )?;
         g_scratch.unmap(&mut g)?;
         self.phases.mark("G fix-up");
-        g.set_original(state.regs);
+        g.set_original(state.leader.regs);
         let ns_pid = if clone3_ok {
             state.ns_pid
         } else {
             Status::read(g_pid)?.innermost_pid()?
         };
+        for thread in threads {
+            thread.detach()?;
+        }
         g.detach()?;
         self.phases.mark("detach G");
         if let Some(sig) = plan.on_clone_signal {
-            // G is single-threaded: tgid == tid.
+            // To the main thread (stop signals stop every thread).
             nestbox_sys::process::tgkill(g_pid, g_pid, sig as i32).map_err(|e| {
                 RemoteError::Sys {
                     op: "tgkill (on-clone signal)",
@@ -542,45 +563,38 @@ fn legacy_fork(parent: &mut Tracee, flags: u64) -> Result<i32> {
     )
 }
 
-/// In G: re-register rseq and the robust futex list, put back the alternate
-/// signal stack, restore the capability state.
+/// In G: give the main thread what fork or `CLONE_VM` does not carry over
+/// (rseq area, robust futex list, alternate signal stack, clear-child-tid
+/// address; its FPU state and signal mask are set again too), re-create the
+/// other threads (while G still holds every capability in its user namespace,
+/// which `set_tid` needs), then restore the capability state. Returns the new
+/// threads, stopped.
 fn fix_up(
     g: &mut Tracee,
     scratch: &mut Scratch,
     state: &TemplateState,
     securebits: u64,
     joined_user_ns: bool,
-) -> Result<()> {
-    if let Some((ptr, len, sig)) = state.rseq {
+    cookie: [u64; 2],
+) -> Result<Vec<Tracee>> {
+    threads::apply(g, scratch, &state.leader, false)?;
+    if state.leader.clear_child_tid != 0 {
         g.syscall(
-            "rseq",
-            || format!("re-registering the rseq area at {ptr:#x}"),
-            libc::SYS_rseq,
-            &[ptr, u64::from(len), 0, u64::from(sig)],
+            "set_tid_address",
+            || "restoring the main thread's clear_child_tid".into(),
+            libc::SYS_set_tid_address,
+            &[state.leader.clear_child_tid],
         )?;
     }
-    let (head, len) = state.robust_list;
-    if head != 0 {
-        g.syscall(
-            "set_robust_list",
-            String::new,
-            libc::SYS_set_robust_list,
-            &[head, len],
-        )?;
-    }
-    if let Some(mut ss) = state.altstack {
-        ss.ss_flags &= !libc::SS_ONSTACK;
-        scratch.reset();
-        let addr = scratch.put(g, &layout::stack_t(&ss))?;
-        g.syscall(
-            "sigaltstack",
-            || "restoring the template's alternate signal stack".into(),
-            libc::SYS_sigaltstack,
-            &[addr, 0],
-        )?;
-    }
+    let caps = &state.leader.caps;
     if joined_user_ns {
-        caps::restore(g, scratch, &state.caps, securebits)?;
+        // Threads cloned after this inherit the bounding set and securebits.
+        caps::restore_bounding(g, scratch, caps.bounding, !0, securebits)?;
     }
-    Ok(())
+    let mut threads = threads::recreate(g, scratch, &state.threads, cookie)?;
+    if joined_user_ns {
+        threads::restore_caps(&mut threads, scratch, &state.threads, caps.bounding)?;
+        caps::restore_sets(g, scratch, caps)?;
+    }
+    Ok(threads)
 }

@@ -54,6 +54,7 @@ mod memory;
 mod procfs;
 mod procstate;
 mod retarget;
+mod threads;
 mod tracee;
 pub mod tree;
 
@@ -66,7 +67,7 @@ pub use fdinfo::{
 pub use fdtransfer::{install_fds, MAX_FDS};
 pub use fork::{remote_fork, ForkPlan, Forked, NsKind};
 pub use hugepages::{collapse_anonymous, collapsible_ranges, Collapsed};
-pub use procfs::check_single_threaded;
 pub use procstate::ProcessState;
 pub use retarget::FdOutcome;
+pub use threads::ThreadState;
 pub use tracee::{Regs, Tracee};

@@ -137,13 +137,3 @@ pub(crate) fn maps(pid: i32) -> Result<Vec<Mapping>> {
     }
     Ok(out)
 }
-
-/// Refuse a process with more than one thread, naming it and its thread count.
-pub fn check_single_threaded(pid: i32) -> Result<()> {
-    let threads = Status::read(pid)?.threads()?;
-    if threads == 1 {
-        Ok(())
-    } else {
-        Err(RemoteError::MultiThreaded { pid, threads })
-    }
-}

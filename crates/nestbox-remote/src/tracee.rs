@@ -1,6 +1,11 @@
 //! A process under our ptrace: attach with `PTRACE_SEIZE` + `PTRACE_INTERRUPT`, wait
 //! for its stop, read and write its registers, detach or kill it.
 //!
+//! ptrace works per thread: a [`Tracee`] is one traced thread. The template's
+//! [`Tracee`] is its thread-group leader, and it also holds the other threads of
+//! the group ([`Tracee::threads`]), seized, stopped and detached with it, so that
+//! the whole process stands still while it is forked.
+//!
 //! A [`Tracee`] is tied to the thread that attached (ptrace requests are only
 //! accepted from the tracing thread), so it is neither `Send` nor `Sync`. While a
 //! tracee exists, the calling process must not reap with `waitpid(-1, __WALL)`
@@ -46,9 +51,12 @@ pub(crate) enum Stop {
     Signal(i32),
 }
 
-/// A process attached with `PTRACE_SEIZE`.
+/// A thread attached with `PTRACE_SEIZE` (for the template: its leader, holding
+/// the other threads of its group).
 pub struct Tracee {
     pid: i32,
+    /// Its thread group (process) id.
+    tgid: i32,
     role: Role,
     attached: bool,
     stopped: bool,
@@ -60,6 +68,9 @@ pub struct Tracee {
     deferred: Vec<i32>,
     /// Address of a `syscall` instruction in the tracee (0 until found).
     pub(crate) syscall_insn: u64,
+    /// The other threads of the template's thread group (empty for every
+    /// other tracee), in the order they were seized.
+    threads: Vec<Tracee>,
     _not_send: PhantomData<*const ()>,
 }
 
@@ -67,6 +78,11 @@ impl fmt::Debug for Tracee {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Tracee")
             .field("pid", &self.pid)
+            .field("tgid", &self.tgid)
+            .field(
+                "threads",
+                &self.threads.iter().map(|t| t.pid).collect::<Vec<_>>(),
+            )
             .field("role", &self.role)
             .field("attached", &self.attached)
             .field("stopped", &self.stopped)
@@ -104,36 +120,136 @@ pub(crate) fn waitpid(pid: i32, flags: libc::c_int) -> Result<Option<libc::c_int
     nestbox_sys::process::waitpid_raw(pid, flags).map_err(ptrace_err("waitpid", pid))
 }
 
+/// The thread ids of process `pid` (`/proc/PID/task`), ascending.
+pub(crate) fn task_ids(pid: i32) -> Result<Vec<i32>> {
+    let path = crate::procfs::proc_path(pid, "task");
+    let dir = std::fs::read_dir(&path).map_err(|source| {
+        if source.kind() == std::io::ErrorKind::NotFound {
+            RemoteError::NoSuchProcess { pid }
+        } else {
+            RemoteError::Proc {
+                path: path.clone(),
+                source,
+            }
+        }
+    })?;
+    let mut tids: Vec<i32> = dir
+        .flatten()
+        .filter_map(|e| e.file_name().to_str().and_then(|s| s.parse().ok()))
+        .collect();
+    tids.sort_unstable();
+    Ok(tids)
+}
+
 impl Tracee {
-    /// `PTRACE_SEIZE` the process (auto-attaching its future children) and ask it to
-    /// stop with `PTRACE_INTERRUPT`. Returns at once: a process in a frozen cgroup
-    /// only stops once thawed; call [`Tracee::wait_stopped`] after thawing.
+    /// `PTRACE_SEIZE` the process, every one of its threads (auto-attaching
+    /// their future children and threads) and ask each to stop with
+    /// `PTRACE_INTERRUPT`. Returns at once: a process in a frozen cgroup only
+    /// stops once thawed; call [`Tracee::wait_stopped`] after thawing.
     ///
     /// # Errors
     /// [`RemoteError::AlreadyTraced`] when another tracer holds the process,
-    /// [`RemoteError::NoSuchProcess`] when it does not exist.
+    /// [`RemoteError::NoSuchProcess`] when it does not exist,
+    /// [`RemoteError::ZombieLeader`] when its main thread has exited.
     pub fn seize_and_interrupt(pid: i32) -> Result<Tracee> {
-        if let Err(err) =
-            sys_ptrace::seize(pid, TRACE_OPTIONS).map_err(ptrace_err("PTRACE_SEIZE", pid))
-        {
-            return Err(match err.errno() {
-                Some(libc::ESRCH) => RemoteError::NoSuchProcess { pid },
-                Some(libc::EPERM) => match Status::read(pid).and_then(|s| s.tracer_pid()) {
-                    Ok(tracer) if tracer != 0 => RemoteError::AlreadyTraced { pid, tracer },
-                    _ => err,
-                },
-                _ => err,
-            });
+        let status = Status::read(pid)?;
+        if status.get("State")?.starts_with('Z') {
+            let threads = status.threads()?;
+            if threads > 1 {
+                return Err(RemoteError::ZombieLeader { pid, threads });
+            }
+            return Err(RemoteError::NoSuchProcess { pid });
         }
-        let mut tracee = Tracee::new(pid, Role::Template);
-        tracee.attached = true;
-        sys_ptrace::interrupt(pid).map_err(ptrace_err("PTRACE_INTERRUPT", pid))?;
+        let mut tracee =
+            Tracee::seize_thread(pid, pid)?.ok_or(RemoteError::NoSuchProcess { pid })?;
+        tracee.seize_new_threads()?;
         Ok(tracee)
+    }
+
+    /// Seize and interrupt thread `tid` of process `tgid`; `None` when it has
+    /// exited meanwhile (only for a thread that is not the leader).
+    fn seize_thread(tgid: i32, tid: i32) -> Result<Option<Tracee>> {
+        if let Err(err) =
+            sys_ptrace::seize(tid, TRACE_OPTIONS).map_err(ptrace_err("PTRACE_SEIZE", tid))
+        {
+            return match err.errno() {
+                Some(libc::ESRCH) if tid == tgid => Err(RemoteError::NoSuchProcess { pid: tid }),
+                Some(libc::ESRCH) => Ok(None),
+                Some(libc::EPERM) => match Status::read(tid).and_then(|s| s.tracer_pid()) {
+                    // A thread cloned by one we had already seized is attached
+                    // to us automatically; it stops on its own.
+                    Ok(tracer) if tracer == std::process::id() as i32 && tid != tgid => {
+                        let mut thread = Tracee::new(tid, Role::Template);
+                        thread.tgid = tgid;
+                        thread.attached = true;
+                        Ok(Some(thread))
+                    }
+                    Ok(tracer) if tracer != 0 => {
+                        Err(RemoteError::AlreadyTraced { pid: tgid, tracer })
+                    }
+                    Err(RemoteError::NoSuchProcess { .. }) if tid != tgid => Ok(None),
+                    _ => Err(err),
+                },
+                _ => Err(err),
+            };
+        }
+        let mut tracee = Tracee::new(tid, Role::Template);
+        tracee.tgid = tgid;
+        tracee.attached = true;
+        match sys_ptrace::interrupt(tid) {
+            Ok(()) => Ok(Some(tracee)),
+            // It exited between the seize and the interrupt.
+            Err(nix::errno::Errno::ESRCH) if tid != tgid => {
+                tracee.mark_gone();
+                Ok(None)
+            }
+            Err(e) => Err(ptrace_err("PTRACE_INTERRUPT", tid)(e)),
+        }
+    }
+
+    /// Seize the threads of the process that are not seized yet (a thread
+    /// created between the listing of `/proc/PID/task` and the seize of its
+    /// creator shows up in the next listing); returns whether any was new.
+    fn seize_new_threads(&mut self) -> Result<bool> {
+        let mut any = false;
+        loop {
+            let mut new = false;
+            for tid in task_ids(self.pid)? {
+                if tid == self.pid || self.threads.iter().any(|t| t.pid == tid) {
+                    continue;
+                }
+                if let Some(thread) = Tracee::seize_thread(self.pid, tid)? {
+                    self.threads.push(thread);
+                    new = true;
+                }
+            }
+            if !new {
+                return Ok(any);
+            }
+            any = true;
+        }
+    }
+
+    /// The other threads of the template process, seized with it (empty for a
+    /// tracee that is not a template).
+    pub fn threads(&self) -> &[Tracee] {
+        &self.threads
+    }
+
+    /// The other threads of the template process, to read their state.
+    pub fn threads_mut(&mut self) -> &mut [Tracee] {
+        &mut self.threads
+    }
+
+    /// The thread group (process) id of the tracee.
+    pub fn tgid(&self) -> i32 {
+        self.tgid
     }
 
     pub(crate) fn new(pid: i32, role: Role) -> Tracee {
         Tracee {
             pid,
+            tgid: pid,
             role,
             attached: false,
             stopped: false,
@@ -141,6 +257,7 @@ impl Tracee {
             current: None,
             deferred: Vec::new(),
             syscall_insn: 0,
+            threads: Vec::new(),
             _not_send: PhantomData,
         }
     }
@@ -148,7 +265,15 @@ impl Tracee {
     /// Take over an auto-attached child (from a fork event): wait for its first
     /// stop. It is killed if dropped.
     pub(crate) fn adopt(pid: i32, syscall_insn: u64) -> Result<Tracee> {
+        Tracee::adopt_thread(pid, pid, syscall_insn)
+    }
+
+    /// Take over an auto-attached thread `tid` of process `tgid` (from a clone
+    /// event): wait for its first stop. Its process is killed if dropped.
+    pub(crate) fn adopt_thread(tid: i32, tgid: i32, syscall_insn: u64) -> Result<Tracee> {
+        let pid = tid;
         let mut child = Tracee::new(pid, Role::Child);
+        child.tgid = tgid;
         child.attached = true;
         child.syscall_insn = syscall_insn;
         loop {
@@ -177,13 +302,59 @@ impl Tracee {
         self.stopped
     }
 
-    /// Wait until the tracee has stopped after [`Tracee::seize_and_interrupt`], for
-    /// at most `timeout`. Records its registers as the ones it will resume with.
+    /// Wait until the tracee, and every thread seized with it, has stopped after
+    /// [`Tracee::seize_and_interrupt`], for at most `timeout` in all. Records
+    /// their registers as the ones they will resume with. A thread that exits
+    /// meanwhile is forgotten; one created meanwhile is seized and waited for.
     pub fn wait_stopped(&mut self, timeout: Duration) -> Result<()> {
+        let deadline = Instant::now() + timeout;
+        let pid = self.pid;
+        let mut born = Vec::new();
+        self.wait_own_stop(deadline, &mut born)?;
+        loop {
+            let mut i = 0;
+            while i < self.threads.len() {
+                match self.threads[i].wait_own_stop(deadline, &mut born) {
+                    Ok(()) => i += 1,
+                    Err(RemoteError::Exited { .. }) => {
+                        self.threads.remove(i);
+                    }
+                    Err(e) => return Err(e),
+                }
+            }
+            // Threads cloned by a thread before it stopped were attached to
+            // us automatically (PTRACE_O_TRACECLONE) and stop on their own.
+            let mut adopted = false;
+            for tid in born.drain(..) {
+                if self.threads.iter().any(|t| t.pid == tid) {
+                    continue;
+                }
+                if Status::read(tid)
+                    .and_then(|s| s.decimal::<i32>("Tgid"))
+                    .ok()
+                    == Some(pid)
+                {
+                    let mut thread = Tracee::new(tid, Role::Template);
+                    thread.tgid = pid;
+                    thread.attached = true;
+                    self.threads.push(thread);
+                    adopted = true;
+                }
+            }
+            if !self.seize_new_threads()? && !adopted {
+                return Ok(());
+            }
+        }
+    }
+
+    /// Wait for this one thread's stop until `deadline`; the ids of threads and
+    /// children it created meanwhile are added to `born`.
+    fn wait_own_stop(&mut self, deadline: Instant, born: &mut Vec<i32>) -> Result<()> {
         if self.stopped {
             return Ok(());
         }
         let start = Instant::now();
+        let timeout = deadline.saturating_duration_since(start);
         let mut pause = Duration::from_micros(20);
         loop {
             match waitpid(self.pid, libc::WNOHANG)? {
@@ -191,7 +362,12 @@ impl Tracee {
                     match self.decode(status)? {
                         Stop::Interrupt => {}
                         Stop::Signal(sig) => self.defer(sig),
-                        Stop::NewChild(_) | Stop::OtherEvent(_) => {
+                        Stop::NewChild(child) => {
+                            born.push(child);
+                            self.resume(libc::PTRACE_CONT, 0)?;
+                            continue;
+                        }
+                        Stop::OtherEvent(_) => {
                             self.resume(libc::PTRACE_CONT, 0)?;
                             continue;
                         }
@@ -207,7 +383,7 @@ impl Tracee {
                     self.current = Some(regs);
                     return Ok(());
                 }
-                None if start.elapsed() >= timeout => {
+                None if Instant::now() >= deadline => {
                     return Err(RemoteError::Timeout {
                         pid: self.pid,
                         timeout,
@@ -331,12 +507,29 @@ impl Tracee {
     }
 
     /// Restore the original registers, re-send signals that arrived while we held
-    /// the process, and detach so it runs (unless its cgroup is frozen).
+    /// the process, and detach so it runs (unless its cgroup is frozen); the
+    /// same for every thread seized with it. The first failure is returned,
+    /// after every thread has been tried.
     pub fn detach(mut self) -> Result<()> {
         self.detach_inner()
     }
 
     fn detach_inner(&mut self) -> Result<()> {
+        let mut first_err = None;
+        for thread in &mut self.threads {
+            if let Err(e) = thread.detach_inner() {
+                first_err.get_or_insert(e);
+            }
+        }
+        self.threads.clear();
+        let own = self.detach_own();
+        match first_err {
+            Some(e) => own.and(Err(e)),
+            None => own,
+        }
+    }
+
+    fn detach_own(&mut self) -> Result<()> {
         if !self.attached {
             return Ok(());
         }
@@ -344,10 +537,9 @@ impl Tracee {
             self.restore_regs()?;
         }
         for sig in std::mem::take(&mut self.deferred) {
-            // The tgid equals the tid: the processes we drive are single-threaded.
             // Best effort: a signal that cannot be re-sent (the process is gone)
             // has nobody left to reach.
-            let _ = nestbox_sys::process::tgkill(self.pid, self.pid, sig);
+            let _ = nestbox_sys::process::tgkill(self.tgid, self.pid, sig);
         }
         let result = sys_ptrace::detach(self.pid, 0).map_err(ptrace_err("PTRACE_DETACH", self.pid));
         self.attached = false;
@@ -388,7 +580,8 @@ impl Drop for Tracee {
     fn drop(&mut self) {
         match self.role {
             Role::Template => {
-                if self.attached && !self.stopped {
+                let unstopped = |t: &Tracee| t.attached && !t.stopped;
+                if unstopped(self) || self.threads.iter().any(unstopped) {
                     // PTRACE_DETACH needs a stopped tracee: give the pending
                     // interrupt a moment (a frozen tracee stays attached until
                     // this process exits, when the kernel detaches it).

@@ -380,22 +380,19 @@ fn failure_midway() {
     );
 }
 
+/// Multi-threaded templates are cloned now (tests/remote_threads.rs has the
+/// thorough checks): the clone has the template's two threads and answers.
 fn multi_threaded() {
     let mut sc = Scenario::start("threads");
     let shell = sc.shell();
     let null = dev_null();
-    let err = sc
+    let forked = sc
         .fork(shell, [&null, &null, &null], None)
-        .expect_err("must refuse");
-    println!("  {err}");
-    match err {
-        RemoteError::MultiThreaded { pid, threads } => {
-            assert_eq!(pid, sc.template);
-            assert_eq!(threads, 2);
-        }
-        other => panic!("unexpected error {other}"),
-    }
+        .expect("a two-thread template clones");
+    assert_eq!(status_field(forked.pid, "Threads"), "2");
+    assert_eq!(ask(forked.pid, "inc"), "1");
     assert_eq!(ask(sc.template, "inc"), "1");
+    kill_and_wait_gone(forked.pid);
 }
 
 fn already_traced() {

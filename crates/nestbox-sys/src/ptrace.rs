@@ -164,6 +164,85 @@ pub fn rseq_configuration(pid: i32) -> Result<Option<(u64, u32, u32)>> {
     )))
 }
 
+/// Request numbers of `PTRACE_GETSIGMASK` / `PTRACE_SETSIGMASK` (Linux 3.11).
+const PTRACE_GETSIGMASK: libc::c_uint = 0x420a;
+const PTRACE_SETSIGMASK: libc::c_uint = 0x420b;
+/// `PTRACE_GETREGSET` / `PTRACE_SETREGSET`.
+const PTRACE_GETREGSET: libc::c_uint = 0x4204;
+const PTRACE_SETREGSET: libc::c_uint = 0x4205;
+
+/// `PTRACE_GETREGSET` of register set `note` (`NT_*`) into `buf`; returns how
+/// many bytes the kernel wrote (the set's size, when `buf` is large enough).
+pub fn get_regset(pid: i32, note: u32, buf: &mut [u8]) -> Result<usize> {
+    let mut iov = libc::iovec {
+        iov_base: buf.as_mut_ptr().cast(),
+        iov_len: buf.len(),
+    };
+    // SAFETY: `data` points to a live iovec describing `buf`, which the kernel
+    // writes at most `iov_len` bytes of, and whose length it updates.
+    let rc = unsafe {
+        libc::ptrace(
+            PTRACE_GETREGSET,
+            pid,
+            note as usize as *mut libc::c_void,
+            std::ptr::addr_of_mut!(iov),
+        )
+    };
+    Errno::result(rc)?;
+    Ok(iov.iov_len)
+}
+
+/// `PTRACE_SETREGSET` of register set `note` (`NT_*`) from `data`.
+pub fn set_regset(pid: i32, note: u32, data: &[u8]) -> Result<()> {
+    let iov = libc::iovec {
+        iov_base: data.as_ptr().cast_mut().cast(),
+        iov_len: data.len(),
+    };
+    // SAFETY: `data` points to a live iovec describing `data`, which the
+    // request only reads.
+    let rc = unsafe {
+        libc::ptrace(
+            PTRACE_SETREGSET,
+            pid,
+            note as usize as *mut libc::c_void,
+            std::ptr::addr_of!(iov),
+        )
+    };
+    Errno::result(rc).map(drop)
+}
+
+/// `PTRACE_GETSIGMASK`: the tracee thread's blocked-signal mask (bit `n - 1`
+/// for signal `n`).
+pub fn get_sigmask(pid: i32) -> Result<u64> {
+    let mut mask: u64 = 0;
+    // SAFETY: `data` points to a live u64 and `addr` gives its size, the kernel
+    // sigset size on x86_64, which bounds what the request writes.
+    let rc = unsafe {
+        libc::ptrace(
+            PTRACE_GETSIGMASK,
+            pid,
+            std::mem::size_of::<u64>() as *mut libc::c_void,
+            std::ptr::addr_of_mut!(mask),
+        )
+    };
+    Errno::result(rc).map(|_| mask)
+}
+
+/// `PTRACE_SETSIGMASK`: set the tracee thread's blocked-signal mask.
+pub fn set_sigmask(pid: i32, mask: u64) -> Result<()> {
+    // SAFETY: `data` points to a live u64 of the size given in `addr`, which the
+    // request only reads.
+    let rc = unsafe {
+        libc::ptrace(
+            PTRACE_SETSIGMASK,
+            pid,
+            std::mem::size_of::<u64>() as *mut libc::c_void,
+            std::ptr::addr_of!(mask),
+        )
+    };
+    Errno::result(rc).map(drop)
+}
+
 /// The 27 words of `regs` in the kernel's order, for comparing register sets
 /// (`user_regs_struct` has no `PartialEq` without libc's extra traits).
 pub fn regs_words(r: &Regs) -> [u64; 27] {
