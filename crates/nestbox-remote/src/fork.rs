@@ -34,7 +34,7 @@ use nix::sys::signal::Signal;
 use serde::Serialize;
 
 use crate::batch::Batch;
-use crate::caps;
+use crate::caps::{self, CapState};
 use crate::error::{RemoteError, Result};
 use crate::fdinfo::{ensure_clonable, inspect_fds, refresh_volatile, FdEntry};
 use crate::fdtransfer::install_fds_with;
@@ -145,9 +145,9 @@ pub struct Forked {
 
 /// Records how long each step of a remote fork takes.
 #[derive(Debug)]
-struct Phases {
+pub(crate) struct Phases {
     last: Instant,
-    done: Vec<(&'static str, Duration)>,
+    pub(crate) done: Vec<(&'static str, Duration)>,
 }
 
 impl Phases {
@@ -158,7 +158,7 @@ impl Phases {
         }
     }
 
-    fn mark(&mut self, name: &'static str) {
+    pub(crate) fn mark(&mut self, name: &'static str) {
         let now = Instant::now();
         self.done.push((name, now - self.last));
         self.last = now;
@@ -206,6 +206,73 @@ impl TemplateState {
 /// made so far are killed and the template is as before.
 pub fn remote_fork(template: &mut Tracee, plan: &ForkPlan<'_>) -> Result<Forked> {
     let start = Instant::now();
+    let (made, mut phases) = make_root(template, plan, start)?;
+    let ns_pid = made.ns_pid;
+    let fds = made.fds.clone();
+    let pid = made.release(plan.on_clone_signal)?;
+    phases.mark("detach G");
+    Ok(Forked {
+        pid,
+        ns_pid,
+        fds,
+        elapsed: start.elapsed(),
+        phases: phases.done,
+    })
+}
+
+/// A process of a clone that has been made and is held stopped: its main
+/// thread, its re-created threads (their state set), the scratch area mapped
+/// in it, and what is left to do before it runs: [`Made::release`]. Until then
+/// it may fork children of its own (it still holds every capability in its
+/// user namespace, which `set_tid` needs). Dropped, it is killed.
+#[derive(Debug)]
+pub(crate) struct Made {
+    pub process: Tracee,
+    pub threads: Vec<Tracee>,
+    pub scratch: Scratch,
+    /// Its pid in the clone's pid namespace.
+    pub ns_pid: i32,
+    /// The capability sets its main thread gets at release (`None`: it did not
+    /// join a user namespace, so it keeps its own).
+    pub caps: Option<CapState>,
+    /// What was done with each of its template's fds.
+    pub fds: Vec<FdOutcome>,
+}
+
+impl Made {
+    /// Give the main thread its capability sets, unmap the scratch area, let
+    /// every thread go, then send `signal` (if any) to the process. Returns
+    /// its host pid.
+    pub(crate) fn release(mut self, signal: Option<Signal>) -> Result<i32> {
+        if let Some(caps) = &self.caps {
+            caps::restore_sets(&mut self.process, &mut self.scratch, caps)?;
+        }
+        self.scratch.unmap(&mut self.process)?;
+        for thread in std::mem::take(&mut self.threads) {
+            thread.detach()?;
+        }
+        let pid = self.process.pid();
+        self.process.detach()?;
+        if let Some(sig) = signal {
+            // To the main thread (stop signals stop every thread).
+            nestbox_sys::process::tgkill(pid, pid, sig as i32).map_err(|e| RemoteError::Sys {
+                op: "tgkill (on-clone signal)",
+                pid,
+                source: e.into(),
+            })?;
+        }
+        Ok(pid)
+    }
+}
+
+/// Make (and hold stopped) the clone of the stopped `template`, a child of
+/// its box's init, in the shell of `plan`: everything [`remote_fork`] does but
+/// the release. Returns it with the phases so far.
+pub(crate) fn make_root(
+    template: &mut Tracee,
+    plan: &ForkPlan<'_>,
+    start: Instant,
+) -> Result<(Made, Phases)> {
     let mut phases = Phases::new(start);
     if !template.is_stopped() {
         return Err(RemoteError::NotStopped {
@@ -264,13 +331,7 @@ pub fn remote_fork(template: &mut Tracee, plan: &ForkPlan<'_>) -> Result<Forked>
         &state,
     );
     match result {
-        Ok((pid, ns_pid, fds)) => Ok(Forked {
-            pid,
-            ns_pid,
-            fds,
-            elapsed: start.elapsed(),
-            phases: std::mem::take(&mut session.phases.done),
-        }),
+        Ok(made) => Ok((made, session.phases)),
         Err(err) => {
             session.clean_template(template);
             Err(err)
@@ -336,7 +397,7 @@ impl Session {
         namespaces: &[(NsKind, BorrowedFd<'_>)],
         entries: &[FdEntry],
         state: &TemplateState,
-    ) -> Result<(i32, i32, Vec<FdOutcome>)> {
+    ) -> Result<Made> {
         let insn = template.syscall_insn;
         let [cookie0, cookie1] = plan.setns_cookie;
 
@@ -435,7 +496,6 @@ impl Session {
             joined_user_ns,
             plan.setns_cookie,
         )?;
-        g_scratch.unmap(&mut g)?;
         self.phases.mark("G fix-up");
         g.set_original(state.leader.regs);
         let ns_pid = if clone3_ok {
@@ -443,22 +503,14 @@ impl Session {
         } else {
             Status::read(g_pid)?.innermost_pid()?
         };
-        for thread in threads {
-            thread.detach()?;
-        }
-        g.detach()?;
-        self.phases.mark("detach G");
-        if let Some(sig) = plan.on_clone_signal {
-            // To the main thread (stop signals stop every thread).
-            nestbox_sys::process::tgkill(g_pid, g_pid, sig as i32).map_err(|e| {
-                RemoteError::Sys {
-                    op: "tgkill (on-clone signal)",
-                    pid: g_pid,
-                    source: e.into(),
-                }
-            })?;
-        }
-        Ok((g_pid, ns_pid, outcomes))
+        Ok(Made {
+            process: g,
+            threads,
+            scratch: g_scratch,
+            ns_pid,
+            caps: joined_user_ns.then_some(state.leader.caps),
+            fds: outcomes,
+        })
     }
 
     /// After a failure: the scratch area may still be mapped in the template's
@@ -567,8 +619,8 @@ fn legacy_fork(parent: &mut Tracee, flags: u64) -> Result<i32> {
 /// (rseq area, robust futex list, alternate signal stack, clear-child-tid
 /// address; its FPU state and signal mask are set again too), re-create the
 /// other threads (while G still holds every capability in its user namespace,
-/// which `set_tid` needs), then restore the capability state. Returns the new
-/// threads, stopped.
+/// which `set_tid` needs) with their capability state. G's own capability sets
+/// are restored at [`Made::release`]. Returns the new threads, stopped.
 fn fix_up(
     g: &mut Tracee,
     scratch: &mut Scratch,
@@ -594,7 +646,6 @@ fn fix_up(
     let mut threads = threads::recreate(g, scratch, &state.threads, cookie)?;
     if joined_user_ns {
         threads::restore_caps(&mut threads, scratch, &state.threads, caps.bounding)?;
-        caps::restore_sets(g, scratch, caps)?;
     }
     Ok(threads)
 }
