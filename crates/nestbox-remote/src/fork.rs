@@ -166,13 +166,16 @@ impl Phases {
 }
 
 /// What is read from the template before it forks.
-struct TemplateState {
-    cwd: PathBuf,
-    ns_pid: i32,
+pub(crate) struct TemplateState {
+    pub(crate) cwd: PathBuf,
+    pub(crate) ns_pid: i32,
     /// The main thread (its registers are the ones G resumes with).
-    leader: ThreadState,
+    pub(crate) leader: ThreadState,
     /// The other threads, re-created in G.
-    threads: Vec<ThreadState>,
+    pub(crate) threads: Vec<ThreadState>,
+    /// The lowest pid G1 may take (above every pid and tid of the box's
+    /// process tree, which the tree's processes are given later).
+    pub(crate) free_floor: i32,
 }
 
 impl TemplateState {
@@ -183,7 +186,7 @@ impl TemplateState {
             .threads
             .iter()
             .map(|t| t.ns_tid)
-            .chain([self.ns_pid])
+            .chain([self.ns_pid, self.free_floor - 1])
             .max()
             .unwrap_or(self.ns_pid);
         if highest == i32::MAX {
@@ -206,7 +209,7 @@ impl TemplateState {
 /// made so far are killed and the template is as before.
 pub fn remote_fork(template: &mut Tracee, plan: &ForkPlan<'_>) -> Result<Forked> {
     let start = Instant::now();
-    let (made, mut phases) = make_root(template, plan, start)?;
+    let (made, mut phases) = make_root(template, plan, start, 0)?;
     let ns_pid = made.ns_pid;
     let fds = made.fds.clone();
     let pid = made.release(plan.on_clone_signal)?;
@@ -272,6 +275,7 @@ pub(crate) fn make_root(
     template: &mut Tracee,
     plan: &ForkPlan<'_>,
     start: Instant,
+    free_floor: i32,
 ) -> Result<(Made, Phases)> {
     let mut phases = Phases::new(start);
     if !template.is_stopped() {
@@ -298,7 +302,8 @@ pub(crate) fn make_root(
     };
     ensure_clonable(pid, &entries)?;
     phases.mark("inventory");
-    let state = read_template(template, &status)?;
+    let mut state = read_template(template, &status)?;
+    state.free_floor = free_floor;
     template.find_syscall_insn()?;
     phases.mark("template state");
 
@@ -341,7 +346,7 @@ pub(crate) fn make_root(
 
 /// Every thread of the template must be stopped under us: a thread left
 /// running would change the memory while it is copied.
-fn ensure_all_threads_held(template: &Tracee) -> Result<()> {
+pub(crate) fn ensure_all_threads_held(template: &Tracee) -> Result<()> {
     let held = |tid: i32| {
         tid == template.pid()
             || template
@@ -361,7 +366,7 @@ fn ensure_all_threads_held(template: &Tracee) -> Result<()> {
     }
 }
 
-fn read_template(template: &mut Tracee, status: &Status) -> Result<TemplateState> {
+pub(crate) fn read_template(template: &mut Tracee, status: &Status) -> Result<TemplateState> {
     let pid = template.pid();
     let cwd = procfs::cwd(pid)?;
     let ns_pid = status.innermost_pid()?;
@@ -377,6 +382,7 @@ fn read_template(template: &mut Tracee, status: &Status) -> Result<TemplateState
         ns_pid,
         leader,
         threads,
+        free_floor: 0,
     })
 }
 
@@ -575,7 +581,7 @@ fn move_to_cgroup(pid: i32, path: &std::path::Path) -> Result<()> {
 /// Fork `parent` with `clone3` (`flags`, exit signal SIGCHLD, pid `ns_pid` in the
 /// namespace it creates children in). Falls back to `clone` when `clone3` is not
 /// allowed (ENOSYS from the seccomp filter), and says so.
-fn fork_into(
+pub(crate) fn fork_into(
     parent: &mut Tracee,
     scratch: &mut Scratch,
     flags: u64,
@@ -621,7 +627,7 @@ fn legacy_fork(parent: &mut Tracee, flags: u64) -> Result<i32> {
 /// other threads (while G still holds every capability in its user namespace,
 /// which `set_tid` needs) with their capability state. G's own capability sets
 /// are restored at [`Made::release`]. Returns the new threads, stopped.
-fn fix_up(
+pub(crate) fn fix_up(
     g: &mut Tracee,
     scratch: &mut Scratch,
     state: &TemplateState,

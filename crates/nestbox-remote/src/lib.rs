@@ -57,6 +57,8 @@ mod retarget;
 mod threads;
 mod tracee;
 pub mod tree;
+mod treefork;
+mod treememory;
 
 pub use caps::CapState;
 pub use error::{RemoteError, Result};
@@ -71,3 +73,5 @@ pub use procstate::ProcessState;
 pub use retarget::FdOutcome;
 pub use threads::ThreadState;
 pub use tracee::{Regs, Tracee};
+pub use treefork::{remote_fork_tree, ForkedProcess, ForkedTree};
+pub use treememory::MemoryCopied;

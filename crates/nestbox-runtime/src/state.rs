@@ -113,6 +113,9 @@ pub struct TemplateInfo {
 pub struct CloneInfo {
     /// The clone's process (host pid), once forked.
     pub process: Option<ProcRef>,
+    /// Its other processes, when its template has a process tree.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub others: Vec<ProcRef>,
     /// Time from the start of the fork to the clone running, in milliseconds.
     pub fork_ms: Option<f64>,
 }

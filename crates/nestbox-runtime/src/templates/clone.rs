@@ -62,6 +62,8 @@ pub struct Cloned {
     pub fork_ms: f64,
     /// Its address on the box network, if it has one.
     pub address: Option<String>,
+    /// Host pids of its other processes (a template with a process tree).
+    pub others: Vec<i32>,
 }
 
 /// What a claim from the pool leaves for after the caller has its answer: the
@@ -410,25 +412,48 @@ fn fork_into_shells(
         .clone()
         .ok_or_else(|| RuntimeError::NotRunning(t.name().to_string()))?;
     let cookie = t.state.setns_cookie.unwrap_or_default();
-    let mut tracee = nestbox_remote::Tracee::seize_and_interrupt(info.process.pid)
-        .map_err(|e| remote_error(t.name(), e))?;
+    // The template's process tree (frozen, so it cannot change), each process
+    // stopped under ptrace with all its threads.
+    let steps = crate::template::template_tree(t)?;
+    let mut tracees = Vec::with_capacity(steps.len());
+    for step in &steps {
+        tracees.push(
+            nestbox_remote::Tracee::seize_and_interrupt(step.process.host_pid)
+                .map_err(|e| remote_error(t.name(), e))?,
+        );
+    }
     // The stop request is served once the process runs: thaw for the fork, freeze
     // again before letting go of it.
     let thawed = cgroup.set_frozen(false, FREEZER_TIMEOUT);
     let forked = thawed.map_err(RuntimeError::from).and_then(|()| {
-        tracee
-            .wait_stopped(Duration::from_secs(5))
-            .map_err(|e| remote_error(t.name(), e))?;
+        for tracee in &mut tracees {
+            tracee
+                .wait_stopped(Duration::from_secs(5))
+                .map_err(|e| remote_error(t.name(), e))?;
+        }
         let inventory =
             nestbox_remote::inspect_fds(info.process.pid).map_err(|e| remote_error(t.name(), e))?;
         let mut out = Vec::new();
         for name in shells {
-            out.push(fork_one(reg, &mut tracee, name, cookie, &inventory, req)?);
+            out.push(fork_one(
+                reg,
+                &mut tracees,
+                &steps,
+                name,
+                cookie,
+                &inventory,
+                req,
+            )?);
         }
         Ok(out)
     });
     let refrozen = cgroup.set_frozen(true, FREEZER_TIMEOUT);
-    let detached = tracee.detach();
+    let mut detached = Ok(());
+    for tracee in tracees {
+        if let Err(e) = tracee.detach() {
+            detached = Err(e);
+        }
+    }
     // A template process that ended while it was being forked (its template
     // removed or stopped meanwhile) fails the fork in many ways (no process,
     // no mappings left to find a syscall instruction in, ...): all of them
@@ -451,9 +476,11 @@ fn fork_into_shells(
             prefetch_when_stopped(&file, c.pid);
         }
         let process = ProcRef::of(c.pid);
+        let others: Vec<ProcRef> = c.others.iter().filter_map(|p| ProcRef::of(*p)).collect();
         reg.update(&c.name, |s| {
             s.clone = Some(CloneInfo {
                 process,
+                others,
                 fork_ms: Some(c.fork_ms),
             });
         })?;
@@ -495,7 +522,8 @@ fn remote_error(template: &str, e: nestbox_remote::RemoteError) -> RuntimeError 
 /// Fork one clone into the shell box `name`.
 fn fork_one(
     reg: &Registry,
-    tracee: &mut nestbox_remote::Tracee,
+    tracees: &mut [nestbox_remote::Tracee],
+    steps: &[nestbox_remote::tree::Step],
     name: &str,
     cookie: [u64; 2],
     inventory: &[nestbox_remote::FdEntry],
@@ -537,25 +565,30 @@ fn fork_one(
         },
         inventory: Some(inventory.to_vec()),
     };
-    let forked =
-        nestbox_remote::remote_fork(tracee, &plan).map_err(|source| RuntimeError::Remote {
+    let forked = nestbox_remote::remote_fork_tree(tracees, steps, &plan).map_err(|source| {
+        RuntimeError::Remote {
             what: "forking clone",
             name: name.to_string(),
             source,
-        })?;
+        }
+    })?;
     let fork_ms = forked.elapsed.as_secs_f64() * 1e3;
-    if forked.ns_pid != crate::init::ADOPTED_PID {
-        // ESRCH only if the new process died already, as wanted.
-        let _ = nix::sys::signal::kill(Pid::from_raw(forked.pid), Signal::SIGKILL);
+    let root = forked.processes[0].clone();
+    if root.ns_pid != crate::init::ADOPTED_PID {
+        for p in &forked.processes {
+            // ESRCH only if the new process died already, as wanted.
+            let _ = nix::sys::signal::kill(Pid::from_raw(p.pid), Signal::SIGKILL);
+        }
         return Err(RuntimeError::Failed(format!(
             "clone {name:?} got pid {} in its shell instead of {}",
-            forked.ns_pid,
+            root.ns_pid,
             crate::init::ADOPTED_PID
         )));
     }
     Ok(Cloned {
         name: name.to_string(),
-        pid: forked.pid,
+        pid: root.pid,
+        others: forked.processes[1..].iter().map(|p| p.pid).collect(),
         fork_ms,
         address: network_address(&shell),
     })
@@ -704,6 +737,7 @@ pub(crate) fn take_pooled(
     Ok(Some(Cloned {
         name: name.to_string(),
         pid,
+        others: Vec::new(),
         fork_ms: started.elapsed().as_secs_f64() * 1e3,
         address: network_address(c),
     }))
@@ -726,6 +760,17 @@ fn wake_claimed(c: &BoxRecord, name: &str, req: &CloneRequest) -> Result<i32> {
     // Its identity first: the process may read its hostname at once.
     set_hostname_in(init.pid, name)?;
     let pid_t = Pid::from_raw(pid);
+    // Children first, as they were let go (a parent wakes to a complete tree).
+    let others: Vec<i32> = c
+        .state
+        .clone
+        .as_ref()
+        .map(|c| c.others.iter().map(|p| p.pid).collect())
+        .unwrap_or_default();
+    for other in others.iter().rev() {
+        nix::sys::signal::kill(Pid::from_raw(*other), Signal::SIGCONT)
+            .map_err(RuntimeError::sys(format!("wake clone {name:?}")))?;
+    }
     nix::sys::signal::kill(pid_t, Signal::SIGCONT)
         .map_err(RuntimeError::sys(format!("wake clone {name:?}")))?;
     if let Some(sig) = req.on_clone_signal {

@@ -99,12 +99,15 @@ fn freeze_inner(
             name: name.to_string(),
             problem: "has no cgroup, so it cannot be frozen (run nestbox as root)".into(),
         })?;
-    let process = template_process(&record)?;
-    check_cloneable(
-        name,
-        process,
-        record.state.idmap.map(|m| m.uid.outside).unwrap_or(0),
-    )?;
+    let steps = template_tree(&record)?;
+    for step in &steps {
+        check_cloneable(
+            name,
+            Pid::from_raw(step.process.host_pid),
+            record.state.idmap.map(|m| m.uid.outside).unwrap_or(0),
+        )?;
+    }
+    let process = Pid::from_raw(steps[0].process.host_pid);
     let started = Instant::now();
     cgroup.set_frozen(true, FREEZER_TIMEOUT)?;
     let freeze_ms = started.elapsed().as_secs_f64() * 1e3;
@@ -120,15 +123,18 @@ fn freeze_inner(
     };
     // Fewer page-table entries for every fork to copy (see
     // nestbox_remote::collapse_anonymous); an optimisation only.
-    match nestbox_remote::collapse_anonymous(process.pid) {
-        Ok(done) if done.failed > 0 => tracing::warn!(
-            box_name = name,
-            "{} of {} ranges of the template's memory not collapsed into huge pages",
-            done.failed,
-            done.failed + done.ranges
-        ),
-        Ok(_) => {}
-        Err(e) => tracing::warn!(box_name = name, "collapsing the template's memory: {e}"),
+    for step in &steps {
+        match nestbox_remote::collapse_anonymous(step.process.host_pid) {
+            Ok(done) if done.failed > 0 => tracing::warn!(
+                box_name = name,
+                "{} of {} ranges of the memory of process {} not collapsed into huge pages",
+                done.failed,
+                done.failed + done.ranges,
+                step.process.host_pid
+            ),
+            Ok(_) => {}
+            Err(e) => tracing::warn!(box_name = name, "collapsing the template's memory: {e}"),
+        }
     }
     let info = TemplateInfo {
         name: template_name,
@@ -165,8 +171,11 @@ fn freeze_inner(
     Ok(info)
 }
 
-/// The one process of a box besides its init (the process clones fork from).
-fn template_process(record: &BoxRecord) -> Result<Pid> {
+/// The processes of a box besides its init, in the order a clone re-creates
+/// them (`nestbox_remote::tree`): the first is the box's main process, which
+/// clones fork from. Refuses a tree a clone cannot reproduce, naming the
+/// process.
+pub(crate) fn template_tree(record: &BoxRecord) -> Result<Vec<nestbox_remote::tree::Step>> {
     let name = record.name();
     let init = record.state.init.map(|p| p.pid).unwrap_or(0);
     let cgroup = record
@@ -175,24 +184,25 @@ fn template_process(record: &BoxRecord) -> Result<Pid> {
         .as_ref()
         .ok_or_else(|| RuntimeError::NotRunning(name.to_string()))?;
     let others: Vec<i32> = cgroup.procs()?.into_iter().filter(|p| *p != init).collect();
-    match others.as_slice() {
-        [one] => Ok(Pid::from_raw(*one)),
-        [] => Err(RuntimeError::Unsupported {
+    if others.is_empty() {
+        return Err(RuntimeError::Unsupported {
             name: name.to_string(),
             problem: "has no process to freeze besides its init".into(),
-        }),
-        many => Err(RuntimeError::Unsupported {
-            name: name.to_string(),
-            problem: format!(
-                "has {} processes (host pids {}): cloning needs a box with a single process",
-                many.len(),
-                many.iter()
-                    .map(|p| p.to_string())
-                    .collect::<Vec<_>>()
-                    .join(", ")
-            ),
-        }),
+        });
     }
+    let refused = |e: nestbox_remote::RemoteError| match e {
+        // One ended since the cgroup was read (a stop or rm -f racing).
+        nestbox_remote::RemoteError::NoSuchProcess { .. } => RuntimeError::WrongState {
+            name: name.to_string(),
+            problem: "exited while freezing".to_string(),
+        },
+        e => RuntimeError::Unsupported {
+            name: name.to_string(),
+            problem: format!("cannot be cloned: {e}"),
+        },
+    };
+    let processes = nestbox_remote::tree::read_box(init, &others).map_err(refused)?;
+    nestbox_remote::tree::plan(&processes).map_err(refused)
 }
 
 /// Refuse processes nestbox cannot fork remotely, naming the reason.

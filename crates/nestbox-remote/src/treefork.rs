@@ -1,0 +1,280 @@
+//! Remote fork of a whole box: every process of its tree, in the order
+//! tree.rs plans, with the same pids, parents, sessions and groups.
+//!
+//! A process whose parent is the box's init is made by the remote fork of
+//! fork.rs ([`make_root`]): its memory is its template process's,
+//! copy-on-write. Any other process is forked by its parent's clone, held
+//! stopped for the purpose (`clone3` with `set_tid`: the same pid), then given
+//! its own template process's memory (treememory.rs), state (procstate.rs),
+//! fds and threads. Every process is held until the whole tree is made (a
+//! parent forks its children while it still has every capability in the
+//! clone's user namespace), then all are let go, children first.
+//!
+//! fds of a forked child: an fd that is the same open file description in the
+//! child and its parent in the template stays the one the parent's clone has
+//! (so a listening socket or a pipe end the two share in the template is
+//! shared in the clone); any other fd of the child is re-targeted in it by the
+//! rules of the clone fd matrix, and fds the parent's clone has that the child
+//! does not are closed. The child's fds 0–2 stay the clone's stdio.
+
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+use serde::Serialize;
+
+use crate::error::{RemoteError, Result};
+use crate::fdinfo::{ensure_clonable, inspect_fds, FdEntry};
+use crate::fork::{
+    ensure_all_threads_held, fix_up, fork_into, make_root, read_template, ForkPlan, Made,
+};
+use crate::memory::{Scratch, SCRATCH_LEN};
+use crate::procfs::Status;
+use crate::procstate::ProcessState;
+use crate::retarget::{retarget, FdOutcome};
+use crate::tracee::{Tracee, TRACE_OPTIONS};
+use crate::tree::{Membership, Origin, Step};
+use crate::treememory::make_like_sibling;
+
+/// One process of the clone, once made.
+#[derive(Debug, Clone, Serialize)]
+pub struct ForkedProcess {
+    /// Its pid in the clone's pid namespace (the template process's).
+    pub ns_pid: i32,
+    /// Its host pid.
+    pub pid: i32,
+}
+
+/// The result of a remote fork of a process tree.
+#[derive(Debug, Clone, Serialize)]
+pub struct ForkedTree {
+    /// Every process made, in the order made (the first is the box's main
+    /// process).
+    pub processes: Vec<ForkedProcess>,
+    /// What happened to each fd of the first process's template.
+    pub fds: Vec<FdOutcome>,
+    /// Time from the start of the call to the last process running.
+    pub elapsed: Duration,
+}
+
+/// Fork the template box whose processes are `templates` (each seized with
+/// every thread and stopped, in the order of `steps` from
+/// [`crate::tree::plan`]) into the clone shell of `plan`. `plan.inventory`
+/// is the first process's fd inventory if already taken. On success every
+/// process of the clone runs (or has received `plan.on_clone_signal`); the
+/// template processes are left stopped, their registers intact.
+///
+/// # Errors
+/// Any failure names the process, call and fd concerned; every process made
+/// so far is killed and the template is left as it was.
+pub fn remote_fork_tree(
+    templates: &mut [Tracee],
+    steps: &[Step],
+    plan: &ForkPlan<'_>,
+) -> Result<ForkedTree> {
+    let start = Instant::now();
+    if templates.len() != steps.len() || steps.is_empty() {
+        return Err(RemoteError::Plan(format!(
+            "{} template processes for {} steps of the tree",
+            templates.len(),
+            steps.len()
+        )));
+    }
+    let host_of: BTreeMap<i32, i32> = steps
+        .iter()
+        .map(|s| (s.process.pid, s.process.host_pid))
+        .collect();
+    // Above every pid and tid of the box (for the intermediate processes).
+    let mut free_floor = 2;
+    for t in templates.iter() {
+        for tid in std::iter::once(t.pid()).chain(t.threads().iter().map(Tracee::pid)) {
+            free_floor = free_floor.max(Status::read(tid)?.innermost_pid()? + 1);
+        }
+    }
+    // The state of every process of a tree (not needed for a box of one).
+    let mut states: BTreeMap<i32, ProcessState> = BTreeMap::new();
+    if steps.len() > 1 {
+        for (template, step) in templates.iter_mut().zip(steps) {
+            states.insert(step.process.pid, ProcessState::capture(template)?);
+        }
+    }
+    let mut made: Vec<(i32, Made)> = Vec::with_capacity(steps.len());
+    for (i, (template, step)) in templates.iter_mut().zip(steps).enumerate() {
+        let pid = step.process.pid;
+        let mut process = match step.origin {
+            Origin::RemoteFork => {
+                let own_plan = ForkPlan {
+                    namespaces: plan.namespaces.clone(),
+                    setns_cookie: plan.setns_cookie,
+                    cgroup_task_files: plan.cgroup_task_files.clone(),
+                    stdio: plan.stdio,
+                    on_clone_signal: None,
+                    inventory: if i == 0 { plan.inventory.clone() } else { None },
+                };
+                make_root(template, &own_plan, start, free_floor)?.0
+            }
+            Origin::ForkedBy(parent) => {
+                let own = &states[&pid];
+                own.check_inherits(template.pid(), &states[&parent])?;
+                let parent_made = made
+                    .iter_mut()
+                    .find(|(p, _)| *p == parent)
+                    .map(|(_, m)| m)
+                    .ok_or_else(|| {
+                        RemoteError::Plan(format!("the parent {parent} of {pid} was not made"))
+                    })?;
+                let base = host_of[&parent];
+                fork_child(parent_made, template, base, pid, own, plan)?
+            }
+        };
+        set_membership(&mut process, step.membership)?;
+        made.push((pid, process));
+    }
+    let fds = made.first().map(|(_, m)| m.fds.clone()).unwrap_or_default();
+    let mut processes = Vec::with_capacity(made.len());
+    // Children first: a parent runs only once everything it may wait for is there.
+    let mut released = Vec::with_capacity(made.len());
+    while let Some((ns_pid, m)) = made.pop() {
+        let pid = m.release(plan.on_clone_signal)?;
+        released.push(ForkedProcess { ns_pid, pid });
+    }
+    processes.extend(released.into_iter().rev());
+    Ok(ForkedTree {
+        processes,
+        fds,
+        elapsed: start.elapsed(),
+    })
+}
+
+/// `setsid()` or `setpgid()` in the held process, as the plan says.
+fn set_membership(process: &mut Made, membership: Membership) -> Result<()> {
+    let p = &mut process.process;
+    match membership {
+        Membership::Inherit => return Ok(()),
+        Membership::NewSession => {
+            p.syscall("setsid", String::new, libc::SYS_setsid, &[])?;
+        }
+        Membership::OwnGroup => {
+            p.syscall(
+                "setpgid",
+                || "its own group".into(),
+                libc::SYS_setpgid,
+                &[0, 0],
+            )?;
+        }
+        Membership::JoinGroup(pgid) => {
+            p.syscall(
+                "setpgid",
+                || format!("joining group {pgid}"),
+                libc::SYS_setpgid,
+                &[0, pgid as u64],
+            )?;
+        }
+    }
+    Ok(())
+}
+
+/// Fork the child `template` (box pid `ns_pid`, whose template parent has host
+/// pid `base`) from the held clone of its parent, and make it its template's
+/// copy: memory, process state, fds, threads. Returned held.
+fn fork_child(
+    parent: &mut Made,
+    template: &mut Tracee,
+    base: i32,
+    ns_pid: i32,
+    process_state: &ProcessState,
+    plan: &ForkPlan<'_>,
+) -> Result<Made> {
+    let target = template.pid();
+    ensure_all_threads_held(template)?;
+    let status = Status::read(target)?;
+    let entries = inspect_fds(target)?;
+    ensure_clonable(target, &entries)?;
+    let mut state = read_template(template, &status)?;
+    state.ns_pid = ns_pid;
+
+    let insn = parent.process.syscall_insn;
+    let (x_pid, with_pid) = fork_into(
+        &mut parent.process,
+        &mut parent.scratch,
+        0,
+        ns_pid,
+        plan.setns_cookie,
+    )?;
+    let mut x = Tracee::adopt(x_pid, insn)?;
+    x.set_options(TRACE_OPTIONS | libc::PTRACE_O_EXITKILL)?;
+    if !with_pid {
+        return Err(RemoteError::Plan(format!(
+            "the seccomp filter refuses clone3 with the given cookie, so process {ns_pid} of the tree cannot get its pid"
+        )));
+    }
+    let mut scratch = parent.scratch.inherited();
+    make_like_sibling(&mut x, &mut scratch, SCRATCH_LEN as u64, base, target)?;
+    process_state.apply(&mut x)?;
+    let outcomes = child_fds(&mut x, &mut scratch, base, target, &entries)?;
+    // A fork keeps its parent's rseq registration; the template's own is
+    // registered below (fix_up), which needs none in place.
+    if let Some((ptr, len, sig)) = x.rseq_configuration()? {
+        x.syscall(
+            "rseq",
+            || format!("unregistering the rseq area at {ptr:#x} inherited from the parent"),
+            libc::SYS_rseq,
+            &[ptr, u64::from(len), 1, u64::from(sig)],
+        )?;
+    }
+    // Bounding set, securebits and capability sets: as the parent's clone,
+    // which has them from the same box (check_inherits); the main thread's
+    // sets are put back at release.
+    let threads = fix_up(
+        &mut x,
+        &mut scratch,
+        &state,
+        0,
+        parent.caps.is_some(),
+        plan.setns_cookie,
+    )?;
+    x.set_original(state.leader.regs);
+    Ok(Made {
+        process: x,
+        threads,
+        scratch,
+        ns_pid,
+        caps: parent.caps.map(|_| state.leader.caps),
+        fds: outcomes,
+    })
+}
+
+/// The fds of the forked child `x`: see the module documentation.
+fn child_fds(
+    x: &mut Tracee,
+    scratch: &mut Scratch,
+    base: i32,
+    target: i32,
+    entries: &[FdEntry],
+) -> Result<Vec<FdOutcome>> {
+    let have = inspect_fds(x.pid())?;
+    let same_as_parent =
+        |fd: i32| nestbox_sys::process::same_open_file(base, fd, target, fd).unwrap_or(false);
+    let own: Vec<FdEntry> = entries
+        .iter()
+        .filter(|e| e.fd > 2 && !same_as_parent(e.fd))
+        .cloned()
+        .collect();
+    let keep = |fd: i32| fd <= 2 || entries.iter().any(|e| e.fd == fd && same_as_parent(fd));
+    let mut close = Vec::new();
+    for e in &have {
+        if !keep(e.fd) {
+            close.push(e.fd);
+        }
+    }
+    for fd in close {
+        x.syscall(
+            "close",
+            || format!("fd {fd} of the parent's clone, not the child's"),
+            libc::SYS_close,
+            &[fd as u64],
+        )?;
+    }
+    let mut outcomes = retarget(x, scratch, &own, [0, 1, 2])?;
+    outcomes.sort_by_key(|o| o.fd);
+    Ok(outcomes)
+}
