@@ -91,8 +91,9 @@ impl ThreadState {
             pid: tid,
             what: "registers saved at the first stop",
         })?;
-        let ns_tid = Status::read(tid)?.innermost_pid()?;
-        let caps = CapState::read(tid)?;
+        let status = Status::read(tid)?;
+        let ns_tid = status.innermost_pid()?;
+        let caps = CapState::from_status(&status)?;
         let name = read_name(tid)?;
         let fpu = read_fpu(tid)?;
         let sigmask =
