@@ -19,6 +19,11 @@ need=()
 for pkg in python3 procps util-linux iproute2 ca-certificates busybox-static nftables; do
   dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || need+=("$pkg")
 done
+# Programs the clone tests of real multi-threaded servers run (crates/nestbox/tests/
+# clone_apps.rs), looked for where those tests look: the box sees the host's /usr.
+[ -x /usr/bin/node ] || need+=(nodejs)
+[ -x /usr/bin/java ] || need+=(default-jdk-headless)
+[ -x /usr/local/go/bin/go ] || command -v go >/dev/null 2>&1 || need+=(golang-go)
 if [ "${#need[@]}" -gt 0 ]; then
   if [ "$(id -u)" -ne 0 ]; then
     echo "setup: missing Debian packages (${need[*]}); run as root to install them" >&2

@@ -42,7 +42,11 @@ pub struct CapState {
 impl CapState {
     /// Read from `/proc/PID/status`.
     pub fn read(pid: i32) -> Result<CapState> {
-        let status = Status::read(pid)?;
+        CapState::from_status(&Status::read(pid)?)
+    }
+
+    /// From a `/proc/PID/status` already read.
+    pub fn from_status(status: &Status) -> Result<CapState> {
         Ok(CapState {
             inheritable: status.hex("CapInh")?,
             permitted: status.hex("CapPrm")?,

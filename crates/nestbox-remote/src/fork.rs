@@ -370,13 +370,20 @@ pub(crate) fn read_template(template: &mut Tracee, status: &Status) -> Result<Te
     let pid = template.pid();
     let cwd = procfs::cwd(pid)?;
     let ns_pid = status.innermost_pid()?;
-    let syscall_insn = template.find_syscall_insn()?;
-    let leader = ThreadState::capture(template)?;
-    let mut threads = Vec::with_capacity(template.threads().len());
-    for thread in template.threads_mut() {
-        thread.syscall_insn = syscall_insn;
-        threads.push(ThreadState::capture(thread)?);
-    }
+    let (leader, threads) = match template.captured.clone() {
+        Some(captured) => captured,
+        None => {
+            let syscall_insn = template.find_syscall_insn()?;
+            let leader = ThreadState::capture(template)?;
+            let mut threads = Vec::with_capacity(template.threads().len());
+            for thread in template.threads_mut() {
+                thread.syscall_insn = syscall_insn;
+                threads.push(ThreadState::capture(thread)?);
+            }
+            template.captured = Some((leader.clone(), threads.clone()));
+            (leader, threads)
+        }
+    };
     Ok(TemplateState {
         cwd,
         ns_pid,

@@ -74,6 +74,8 @@ pub struct ThreadState {
     pub clear_child_tid: u64,
     /// Capability sets (per thread in Linux).
     pub caps: CapState,
+    /// Its name (`comm`, what `PR_SET_NAME` set: `/proc/PID/task/TID/comm`).
+    pub name: Vec<u8>,
 }
 
 impl ThreadState {
@@ -89,8 +91,10 @@ impl ThreadState {
             pid: tid,
             what: "registers saved at the first stop",
         })?;
-        let ns_tid = Status::read(tid)?.innermost_pid()?;
-        let caps = CapState::read(tid)?;
+        let status = Status::read(tid)?;
+        let ns_tid = status.innermost_pid()?;
+        let caps = CapState::from_status(&status)?;
+        let name = read_name(tid)?;
         let fpu = read_fpu(tid)?;
         let sigmask =
             nestbox_sys::ptrace::get_sigmask(tid).map_err(ptrace_err("PTRACE_GETSIGMASK", tid))?;
@@ -116,6 +120,7 @@ impl ThreadState {
             altstack,
             clear_child_tid,
             caps,
+            name,
         })
     }
 
@@ -131,6 +136,16 @@ impl ThreadState {
         }
         regs
     }
+}
+
+/// The thread's name, without the newline `/proc` adds.
+fn read_name(tid: i32) -> Result<Vec<u8>> {
+    let path = crate::procfs::proc_path(tid, "comm");
+    let mut name = std::fs::read(&path).map_err(|source| RemoteError::Proc { path, source })?;
+    if name.last() == Some(&b'\n') {
+        name.pop();
+    }
+    Ok(name)
 }
 
 /// The thread's XSAVE area, as large as the kernel has it (the FXSAVE area on
@@ -237,6 +252,16 @@ pub(crate) fn apply(
             String::new,
             libc::SYS_set_robust_list,
             &[head, len],
+        )?;
+    }
+    if with_regs && read_name(tid)? != state.name {
+        scratch.reset();
+        let addr = scratch.put_path(t, &state.name)?;
+        t.syscall(
+            "prctl(PR_SET_NAME)",
+            || format!("naming a thread {:?}", String::from_utf8_lossy(&state.name)),
+            libc::SYS_prctl,
+            &[libc::PR_SET_NAME as u64, addr],
         )?;
     }
     if let Some((sp, size, flags)) = state.altstack {
@@ -365,6 +390,7 @@ mod tests {
                 no_new_privs: false,
                 seccomp: 0,
             },
+            name: Vec::new(),
         }
     }
 

@@ -22,6 +22,7 @@ use nestbox_sys::ptrace::{self as sys_ptrace, regs_words};
 
 use crate::error::{RemoteError, Result};
 use crate::procfs::Status;
+use crate::threads::ThreadState;
 
 /// The x86_64 general-purpose registers as `PTRACE_GETREGS` returns them.
 pub type Regs = libc::user_regs_struct;
@@ -71,6 +72,9 @@ pub struct Tracee {
     /// The other threads of the template's thread group (empty for every
     /// other tracee), in the order they were seized.
     threads: Vec<Tracee>,
+    /// The state of the leader and of `threads`, once read: it stays what it
+    /// is while every thread is held, so the forks of one stop share it.
+    pub(crate) captured: Option<(ThreadState, Vec<ThreadState>)>,
     _not_send: PhantomData<*const ()>,
 }
 
@@ -258,6 +262,7 @@ impl Tracee {
             deferred: Vec::new(),
             syscall_insn: 0,
             threads: Vec::new(),
+            captured: None,
             _not_send: PhantomData,
         }
     }
@@ -344,6 +349,7 @@ impl Tracee {
             if !self.seize_new_threads()? && !adopted {
                 return Ok(());
             }
+            self.captured = None;
         }
     }
 
@@ -515,6 +521,7 @@ impl Tracee {
     }
 
     fn detach_inner(&mut self) -> Result<()> {
+        self.captured = None;
         let mut first_err = None;
         for thread in &mut self.threads {
             if let Err(e) = thread.detach_inner() {

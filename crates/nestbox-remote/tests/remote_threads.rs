@@ -167,11 +167,13 @@ fn threads_continue() {
     for (ns, host) in &clone_tasks {
         let t = template_tasks[ns];
         for key in [
+            "Name",
             "SigBlk",
             "SigIgn",
             "SigCgt",
             "Seccomp",
             "CapEff",
+            "CapBnd",
             "NoNewPrivs",
         ] {
             assert_eq!(

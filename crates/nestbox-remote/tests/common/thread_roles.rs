@@ -33,13 +33,10 @@ pub const WORKERS: [&str; 8] = [
 /// Index of the worker with an alternate signal stack and a SIGUSR1 handler.
 pub const ALTSTACK: usize = 7;
 
-const ZERO_U64: AtomicU64 = AtomicU64::new(0);
-const ZERO_U32: AtomicU32 = AtomicU32::new(0);
-const ZERO_I32: AtomicI32 = AtomicI32::new(0);
-static COUNTS: [AtomicU64; 8] = [ZERO_U64; 8];
-static MXCSR: [AtomicU32; 8] = [ZERO_U32; 8];
-static TIDS: [AtomicI32; 8] = [ZERO_I32; 8];
-static LIVE: [AtomicI32; 8] = [ZERO_I32; 8];
+static COUNTS: [AtomicU64; 8] = [const { AtomicU64::new(0) }; 8];
+static MXCSR: [AtomicU32; 8] = [const { AtomicU32::new(0) }; 8];
+static TIDS: [AtomicI32; 8] = [const { AtomicI32::new(0) }; 8];
+static LIVE: [AtomicI32; 8] = [const { AtomicI32::new(0) }; 8];
 static ONSTACK: AtomicU64 = AtomicU64::new(0);
 static ALT_BASE: AtomicUsize = AtomicUsize::new(0);
 const ALT_SIZE: usize = 64 * 1024;
@@ -360,9 +357,9 @@ pub fn template(zombie: bool) -> ! {
         unsafe { libc::syscall(libc::SYS_exit, 0) };
         unreachable!();
     }
-    for i in 0..WORKERS.len() {
+    for (i, name) in WORKERS.iter().enumerate() {
         std::thread::Builder::new()
-            .name(WORKERS[i].into())
+            .name((*name).into())
             .spawn(move || worker(i))
             .unwrap_or_else(|_| die("spawn"));
     }

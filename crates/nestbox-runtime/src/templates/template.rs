@@ -228,10 +228,10 @@ fn check_cloneable(name: &str, pid: Pid, root_uid: u32) -> Result<()> {
     };
     let comm = field("Name:");
     let threads: u32 = field("Threads:").parse().unwrap_or(1);
-    if threads != 1 {
+    if threads > 1 && field("State:").starts_with('Z') {
         return Err(RuntimeError::Unsupported {
             name: name.to_string(),
-            problem: format!("cannot be cloned: process {pid} ({comm}) has {threads} threads; cloning supports single-threaded processes only"),
+            problem: format!("cannot be cloned: the main thread of process {pid} ({comm}) has exited ({threads} threads left)"),
         });
     }
     let tracer: i32 = field("TracerPid:").parse().unwrap_or(0);

@@ -1,0 +1,429 @@
+//! Freeze and clone of real multi-threaded servers, seen from outside: a
+//! Node.js HTTP server, a Go `net/http` server, a Java server on
+//! `com.sun.net.httpserver` with a fixed thread pool, and a Python server that
+//! hands requests to a pre-started `ThreadPoolExecutor`. Each is warmed up with
+//! requests that count in memory, frozen and cloned 20 times; every clone
+//! answers with the template's count continued, then counts on its own, and the
+//! template is untouched (a clone made afterwards starts from the frozen
+//! count). Plus 100 clones of a threaded template, removed without a trace.
+//!
+//! The programs come from the host (`/usr` is bound read-only into boxes; the
+//! Go server is built on the host and given to the box through a volume). A
+//! missing program skips the test, which under `CI=true` is a failure
+//! (`scripts/setup.sh` installs them).
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use common::*;
+
+const NODE_SERVER: &str = r#"
+const http = require('http'), os = require('os'), crypto = require('crypto');
+let count = 0;
+http.createServer((req, res) => {
+  const n = ++count;
+  // Answered from libuv's thread pool: its threads must run in the clone.
+  crypto.pbkdf2('key', 'salt', 1, 16, 'sha256', () => {
+    const body = `${n} ${os.hostname()}\n`;
+    res.writeHead(200, {'Content-Length': Buffer.byteLength(body)});
+    res.end(body);
+  });
+}).listen(8080, '127.0.0.1', () => {
+  crypto.pbkdf2('key', 'salt', 1, 16, 'sha256', () => console.log('ready'));
+});
+"#;
+
+const GO_SERVER: &str = r#"package main
+
+import (
+	"fmt"
+	"net"
+	"net/http"
+	"os"
+	"sync/atomic"
+)
+
+var count atomic.Int64
+
+func main() {
+	http.HandleFunc("/", func(w http.ResponseWriter, r *http.Request) {
+		n := count.Add(1)
+		host, _ := os.Hostname()
+		fmt.Fprintf(w, "%d %s\n", n, host)
+	})
+	ln, err := net.Listen("tcp", "127.0.0.1:8080")
+	if err != nil {
+		panic(err)
+	}
+	fmt.Println("ready")
+	http.Serve(ln, nil)
+}
+"#;
+
+const JAVA_SERVER: &str = r#"
+import com.sun.net.httpserver.HttpServer;
+import java.net.InetSocketAddress;
+import java.nio.file.Files;
+import java.nio.file.Path;
+import java.util.concurrent.Executors;
+import java.util.concurrent.ThreadPoolExecutor;
+import java.util.concurrent.atomic.AtomicLong;
+
+public class Server {
+    public static void main(String[] args) throws Exception {
+        AtomicLong count = new AtomicLong();
+        HttpServer server = HttpServer.create(new InetSocketAddress("127.0.0.1", 8080), 0);
+        server.createContext("/", ex -> {
+            long n = count.incrementAndGet();
+            String host = Files.readString(Path.of("/proc/sys/kernel/hostname")).trim();
+            byte[] body = (n + " " + host + "\n").getBytes();
+            ex.sendResponseHeaders(200, body.length);
+            ex.getResponseBody().write(body);
+            ex.close();
+        });
+        ThreadPoolExecutor pool = (ThreadPoolExecutor) Executors.newFixedThreadPool(4);
+        pool.prestartAllCoreThreads();
+        server.setExecutor(pool);
+        server.start();
+        System.out.println("ready");
+    }
+}
+"#;
+
+/// Requests counted by the executor's threads (all four started before
+/// `ready`), answered by the server's thread.
+const PYTHON_POOL_SERVER: &str = r#"
+import concurrent.futures, http.server, os, threading
+pool = concurrent.futures.ThreadPoolExecutor(4)
+started = threading.Barrier(5)
+for _ in range(4):
+    pool.submit(started.wait)
+started.wait()
+count = 0
+lock = threading.Lock()
+def work():
+    global count
+    with lock:
+        count += 1
+        return count
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        n = pool.submit(work).result(timeout=10)
+        body = f'{n} {os.uname().nodename}\n'.encode()
+        self.send_response(200)
+        self.send_header('Content-Length', str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+    def log_message(self, *a):
+        pass
+server = http.server.HTTPServer(('127.0.0.1', 8080), H)
+print('ready', flush=True)
+server.serve_forever()
+"#;
+
+/// A server program: its files (put in a host directory mounted at `/app`),
+/// its command in the box, and how many threads it has at least once ready.
+struct App {
+    dir: tempfile::TempDir,
+    cmd: Vec<String>,
+    min_threads: usize,
+}
+
+impl App {
+    fn new(files: &[(&str, &str)], cmd: &[&str], min_threads: usize) -> App {
+        let dir = tempfile::Builder::new()
+            .prefix("nestbox-test-app-")
+            .tempdir_in("/tmp")
+            .expect("app dir");
+        for (name, text) in files {
+            std::fs::write(dir.path().join(name), text).expect("write app file");
+        }
+        std::fs::set_permissions(
+            dir.path(),
+            std::os::unix::fs::PermissionsExt::from_mode(0o755),
+        )
+        .expect("chmod app dir");
+        App {
+            dir,
+            cmd: cmd.iter().map(|s| s.to_string()).collect(),
+            min_threads,
+        }
+    }
+
+    fn volume(&self) -> String {
+        format!("{}:/app:ro", self.dir.path().display())
+    }
+}
+
+/// Whether `program` is installed (a skip otherwise, a failure under CI).
+fn have(test: &str, program: &Path) -> bool {
+    nestbox_testkit::require(
+        program.exists(),
+        test,
+        &format!(
+            "{} is not installed (scripts/setup.sh installs it)",
+            program.display()
+        ),
+    )
+}
+
+/// The Go toolchain: /usr/local/go or the one on PATH.
+fn go_binary() -> PathBuf {
+    let local = PathBuf::from("/usr/local/go/bin/go");
+    if local.exists() {
+        return local;
+    }
+    std::env::var_os("PATH")
+        .and_then(|paths| {
+            std::env::split_paths(&paths)
+                .map(|p| p.join("go"))
+                .find(|p| p.exists())
+        })
+        .unwrap_or(local)
+}
+
+/// Ask the server in box `name`: (count, hostname).
+fn get(root: &TestRoot, name: &str) -> (u64, String) {
+    let code = "import urllib.request; \
+                print(urllib.request.urlopen('http://127.0.0.1:8080/', timeout=10).read().decode().strip())";
+    let out = root.run(&["exec", name, "--", "python3", "-c", code]).ok();
+    let fields: Vec<&str> = out.stdout.split_whitespace().collect();
+    assert_eq!(fields.len(), 2, "answer of {name}: {out}");
+    (fields[0].parse().unwrap(), fields[1].to_string())
+}
+
+/// Host pid of the process of box `name` (a template or a clone).
+fn process_of(root: &TestRoot, name: &str) -> ProcId {
+    let v = root.inspect(name);
+    let state = &v["state"];
+    let process = if state["clone"]["process"].is_object() {
+        &state["clone"]["process"]
+    } else {
+        &state["template"]["process"]
+    };
+    ProcId {
+        pid: process["pid"]
+            .as_i64()
+            .unwrap_or_else(|| panic!("pid of {name}: {v}")) as i32,
+        start_time: process["start_time"].as_u64().unwrap(),
+    }
+}
+
+fn threads_of(pid: i32) -> usize {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("status");
+    status_field(&status, "Threads")
+        .and_then(|t| t.parse().ok())
+        .expect("Threads")
+}
+
+/// Start `app` as box `tpl`, warm it with 3 requests, freeze it, make 20
+/// clones and check that each continues from the frozen state on its own.
+fn clone_twenty(root: &TestRoot, app: &App) {
+    let volume = app.volume();
+    let mut args = vec!["run", "-d", "--name", "tpl", "-v", &volume, "--"];
+    args.extend(app.cmd.iter().map(String::as_str));
+    root.ok(&args);
+    wait_for("the server to listen", Duration::from_secs(60), || {
+        root.ok(&["logs", "tpl"]).contains("ready")
+    });
+    for i in 1..=3 {
+        assert_eq!(get(root, "tpl"), (i, "tpl".to_string()));
+    }
+    root.ok(&["freeze", "tpl"]);
+    let template = process_of(root, "tpl");
+    let threads = threads_of(template.pid);
+    assert!(
+        threads >= app.min_threads,
+        "the template has {threads} threads, expected at least {}",
+        app.min_threads
+    );
+    println!("template with {threads} threads");
+    let names = root
+        .run_timeout(
+            &["clone", "tpl", "-n", "20", "-d", "--name", "c"],
+            Duration::from_secs(180),
+        )
+        .ok()
+        .stdout;
+    let names: Vec<&str> = names.lines().collect();
+    assert_eq!(names.len(), 20);
+    for n in &names {
+        assert_eq!(get(root, n), (4, n.to_string()), "clone {n} continues");
+        let p = process_of(root, n);
+        assert!(
+            threads_of(p.pid) >= app.min_threads,
+            "clone {n} runs with its threads"
+        );
+    }
+    // Each goes on alone.
+    assert_eq!(get(root, "c-1").0, 5);
+    assert_eq!(get(root, "c-1").0, 6);
+    assert_eq!(get(root, "c-2").0, 5);
+    assert_eq!(get(root, "c-20").0, 5);
+    assert_eq!(get(root, "c-1").0, 7);
+    // The template is untouched: frozen with its threads, and a clone made now
+    // starts from its count.
+    assert!(template.alive());
+    assert_eq!(threads_of(template.pid), threads);
+    root.ok(&["clone", "tpl", "-d", "--name", "late"]);
+    assert_eq!(get(root, "late"), (4, "late".to_string()));
+    let mut rm = vec!["rm", "-f", "late", "tpl"];
+    rm.extend(names.iter().copied());
+    root.run_timeout(&rm, Duration::from_secs(180)).ok();
+}
+
+#[test]
+fn node_http_server_clones_continue() {
+    let test = "node_http_server_clones_continue";
+    let Some(root) = TestRoot::new(test) else {
+        return;
+    };
+    if !have(test, Path::new("/usr/bin/node")) {
+        return;
+    }
+    let app = App::new(
+        &[("server.js", NODE_SERVER)],
+        &["node", "/app/server.js"],
+        7,
+    );
+    clone_twenty(&root, &app);
+}
+
+#[test]
+fn go_http_server_clones_continue() {
+    let test = "go_http_server_clones_continue";
+    let Some(root) = TestRoot::new(test) else {
+        return;
+    };
+    let go = go_binary();
+    if !have(test, &go) {
+        return;
+    }
+    let app = App::new(
+        &[
+            ("main.go", GO_SERVER),
+            ("go.mod", "module server\n\ngo 1.22\n"),
+        ],
+        &["/app/server"],
+        3,
+    );
+    let mut build = std::process::Command::new(&go);
+    build
+        .args(["build", "-o", "server", "."])
+        .current_dir(app.dir.path())
+        .env("CGO_ENABLED", "0");
+    if std::env::var_os("HOME").is_none() {
+        build.env("GOCACHE", app.dir.path().join("cache"));
+    }
+    let out = build.output().expect("run go build");
+    assert!(
+        out.status.success(),
+        "go build: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    clone_twenty(&root, &app);
+}
+
+#[test]
+fn java_http_server_with_a_thread_pool_clones_continue() {
+    let test = "java_http_server_with_a_thread_pool_clones_continue";
+    let Some(root) = TestRoot::new(test) else {
+        return;
+    };
+    if !have(test, Path::new("/usr/bin/java")) {
+        return;
+    }
+    // Without the perf data file (a MAP_SHARED file in /tmp, shared memory).
+    let app = App::new(
+        &[("Server.java", JAVA_SERVER)],
+        &["java", "-XX:-UsePerfData", "/app/Server.java"],
+        10,
+    );
+    clone_twenty(&root, &app);
+}
+
+#[test]
+fn python_thread_pool_server_clones_continue() {
+    let test = "python_thread_pool_server_clones_continue";
+    let Some(root) = TestRoot::new(test) else {
+        return;
+    };
+    let app = App::new(
+        &[("server.py", PYTHON_POOL_SERVER)],
+        &["python3", "/app/server.py"],
+        5,
+    );
+    clone_twenty(&root, &app);
+}
+
+#[test]
+fn serial_hundred_clones_of_a_threaded_template_then_rm_leave_nothing() {
+    let test = "serial_hundred_clones_of_a_threaded_template_then_rm_leave_nothing";
+    let Some(root) = TestRoot::new(test) else {
+        return;
+    };
+    let app = App::new(
+        &[("server.py", PYTHON_POOL_SERVER)],
+        &["python3", "/app/server.py"],
+        5,
+    );
+    let volume = app.volume();
+    root.ok(&[
+        "run",
+        "-d",
+        "--name",
+        "tpl",
+        "-v",
+        &volume,
+        "--",
+        "python3",
+        "/app/server.py",
+    ]);
+    wait_for("the server to listen", Duration::from_secs(30), || {
+        root.ok(&["logs", "tpl"]).contains("ready")
+    });
+    assert_eq!(get(&root, "tpl").0, 1);
+    root.ok(&["freeze", "tpl"]);
+    let names = root
+        .run_timeout(
+            &["clone", "tpl", "-n", "100", "-d", "--name", "c"],
+            Duration::from_secs(600),
+        )
+        .ok()
+        .stdout;
+    let names: Vec<String> = names.lines().map(str::to_string).collect();
+    assert_eq!(names.len(), 100);
+    let mut processes = vec![process_of(&root, "tpl")];
+    for n in &names {
+        let p = process_of(&root, n);
+        assert_eq!(
+            threads_of(p.pid),
+            5,
+            "clone {n} has the template's 5 threads"
+        );
+        processes.push(p);
+    }
+    for n in ["c-1", "c-50", "c-100"] {
+        assert_eq!(get(&root, n), (2, n.to_string()));
+    }
+    let mut rm = vec!["rm", "-f", "tpl"];
+    rm.extend(names.iter().map(String::as_str));
+    root.run_timeout(&rm, Duration::from_secs(600)).ok();
+    // Nothing left: no box, record, process, cgroup or mount of this root.
+    root.assert_no_boxes();
+    for p in &processes {
+        assert!(!p.alive(), "process {} is gone", p.pid);
+    }
+    let cgroups = root.cgroup_dirs();
+    assert!(cgroups.is_empty(), "cgroups left: {cgroups:?}");
+    let root_path = root.path().display().to_string();
+    let mounts: Vec<String> = std::fs::read_to_string("/proc/self/mountinfo")
+        .expect("mountinfo")
+        .lines()
+        .filter(|l| l.contains(&root_path))
+        .map(str::to_string)
+        .collect();
+    assert!(mounts.is_empty(), "mounts left: {mounts:?}");
+}
