@@ -207,12 +207,9 @@ fn fork_child(
             "the seccomp filter refuses clone3 with the given cookie, so process {ns_pid} of the tree cannot get its pid"
         )));
     }
-    let mut scratch = parent.scratch.inherited();
-    make_like_sibling(&mut x, &mut scratch, SCRATCH_LEN as u64, base, target)?;
-    process_state.apply(&mut x)?;
-    let outcomes = child_fds(&mut x, &mut scratch, base, target, &entries)?;
-    // A fork keeps its parent's rseq registration; the template's own is
-    // registered below (fix_up), which needs none in place.
+    // A fork keeps its parent's rseq registration, which the kernel writes to
+    // on every return to user space: gone before the memory changes under it.
+    // The template's own is registered by fix_up, below.
     if let Some((ptr, len, sig)) = x.rseq_configuration()? {
         x.syscall(
             "rseq",
@@ -221,6 +218,10 @@ fn fork_child(
             &[ptr, u64::from(len), 1, u64::from(sig)],
         )?;
     }
+    let mut scratch = parent.scratch.inherited();
+    make_like_sibling(&mut x, &mut scratch, SCRATCH_LEN as u64, base, target)?;
+    process_state.apply(&mut x)?;
+    let outcomes = child_fds(&mut x, &mut scratch, base, target, &entries)?;
     // Bounding set, securebits and capability sets: as the parent's clone,
     // which has them from the same box (check_inherits); the main thread's
     // sets are put back at release.
@@ -259,10 +260,11 @@ fn child_fds(
         .filter(|e| e.fd > 2 && !same_as_parent(e.fd))
         .cloned()
         .collect();
-    let keep = |fd: i32| fd <= 2 || entries.iter().any(|e| e.fd == fd && same_as_parent(fd));
+    // The parent's fds the child does not have at all go; a number the child
+    // has is replaced by its own object below (dup3 onto it).
     let mut close = Vec::new();
     for e in &have {
-        if !keep(e.fd) {
+        if e.fd > 2 && !entries.iter().any(|own| own.fd == e.fd) {
             close.push(e.fd);
         }
     }
@@ -273,6 +275,20 @@ fn child_fds(
             libc::SYS_close,
             &[fd as u64],
         )?;
+    }
+    // A number the child has and the parent's clone does not is held by a
+    // placeholder meanwhile, so that no new object is made on it (the
+    // re-targeting makes each object on a free number and moves it onto its
+    // own with dup3).
+    for e in &own {
+        if !have.iter().any(|h| h.fd == e.fd) {
+            x.syscall(
+                "dup3",
+                || format!("holding fd {} for the child's own object", e.fd),
+                libc::SYS_dup3,
+                &[0, e.fd as u64, libc::O_CLOEXEC as u64],
+            )?;
+        }
     }
     let mut outcomes = retarget(x, scratch, &own, [0, 1, 2])?;
     outcomes.sort_by_key(|o| o.fd);

@@ -17,11 +17,16 @@
 //!   `target` has (present or swapped) is copied into `x`; a page `x` has that
 //!   `target` does not is dropped (`MADV_DONTNEED`: zero, or the file's);
 //! - in a newly mapped range every page `target` holds privately is copied;
-//! - the program break is set to `target`'s (`PR_SET_MM_MAP`).
+//! - a `[vdso]` elsewhere (the child ran `exec`) is moved there
+//!   (`arch_prctl(ARCH_MAP_VDSO_64)`), while injected calls run from a
+//!   `syscall` instruction in the scratch area;
+//! - the layout fields of the memory descriptor (code, data, program break,
+//!   stack, arguments, environment, auxiliary vector) and the executable are
+//!   set to `target`'s (`PR_SET_MM_MAP`).
 //!
-//! A process whose `[vdso]` moved (it ran `exec`), or that has a shared
-//! mapping its parent lacks, is refused with one line: such a child needs the
-//! full rebuild of its address space.
+//! The scratch area of `x` (inherited from its parent's clone) is moved first
+//! if `target` has memory where it is. A shared mapping the parent lacks, or a
+//! mapping of something that has no path, is refused with one line naming it.
 
 use std::fs::File;
 use std::os::unix::fs::FileExt;
@@ -176,28 +181,28 @@ pub(crate) fn make_like_sibling(
             "process {target} cannot be re-created from its parent's clone: {why}"
         ))
     };
-    let x_maps = read_maps(x.pid())?;
     let t_maps = read_maps(target)?;
+    let overlaps = |addr: u64, maps: &[Vma]| {
+        maps.iter()
+            .any(|v| v.start < addr + scratch_len && addr < v.end)
+    };
+    if overlaps(scratch.addr, &t_maps) {
+        let x_maps = read_maps(x.pid())?;
+        let addr = free_range(&t_maps, &x_maps, scratch_len).ok_or_else(|| {
+            refuse("no room for the clone's scratch area in its address space".into())
+        })?;
+        let moved = Scratch::map_at(x, addr)?;
+        scratch.unmap(x)?;
+        *scratch = moved;
+    }
+    let x_maps = read_maps(x.pid())?;
     let special = |maps: &[Vma]| -> Vec<(u64, u64, String)> {
         maps.iter()
             .filter(|v| v.special())
             .map(|v| (v.start, v.end, v.name.clone()))
             .collect()
     };
-    if special(&x_maps) != special(&t_maps) {
-        return Err(refuse(
-            "its vDSO is elsewhere than its parent's (it ran exec)".into(),
-        ));
-    }
-    let s_end = scratch.addr + scratch_len;
-    if t_maps
-        .iter()
-        .any(|v| v.start < s_end && scratch.addr < v.end)
-    {
-        return Err(refuse(
-            "it has memory where the clone's scratch area is".into(),
-        ));
-    }
+    let move_vdso = special(&x_maps) != special(&t_maps);
     let mut done = MemoryCopied::default();
     let kept: Vec<&Vma> = t_maps
         .iter()
@@ -205,12 +210,14 @@ pub(crate) fn make_like_sibling(
         .collect();
     let fresh: Vec<&Vma> = t_maps
         .iter()
-        .filter(|t| !x_maps.iter().any(|v| v.same_as(t)))
+        .filter(|t| !t.special() && !x_maps.iter().any(|v| v.same_as(t)))
         .collect();
     for v in &fresh {
-        if !v.private() {
+        // A read-only shared mapping of a file (opened read-only: it can never
+        // be made writable) is mapped again from the clone's root.
+        if !v.private() && (v.anonymous() || v.perms.as_bytes().get(1) == Some(&b'w')) {
             return Err(refuse(format!(
-                "it has a shared mapping its parent lacks ({:#x}-{:#x} {})",
+                "it has a writable or anonymous shared mapping its parent lacks ({:#x}-{:#x} {})",
                 v.start, v.end, v.name
             )));
         }
@@ -243,7 +250,12 @@ pub(crate) fn make_like_sibling(
     batch.run(x, scratch)?;
     for v in &fresh {
         scratch.reset();
-        let mut flags = (libc::MAP_PRIVATE | libc::MAP_FIXED) as u64;
+        let sharing = if v.private() {
+            libc::MAP_PRIVATE
+        } else {
+            libc::MAP_SHARED
+        };
+        let mut flags = (sharing | libc::MAP_FIXED) as u64;
         let (fd, offset) = if v.anonymous() {
             flags |= libc::MAP_ANONYMOUS as u64;
             if v.name == "[stack]" {
@@ -274,6 +286,11 @@ pub(crate) fn make_like_sibling(
             x.syscall("close", String::new, libc::SYS_close, &[fd])?;
         }
         mapped?;
+        done.mappings_changed += 1;
+    }
+
+    if move_vdso {
+        relocate_vdso(x, scratch, &x_maps, &t_maps)?;
         done.mappings_changed += 1;
     }
 
@@ -336,8 +353,70 @@ pub(crate) fn make_like_sibling(
     }
     scratch.reset();
     drop_pages.run(x, scratch)?;
-    set_brk_like(x, scratch, target)?;
+    set_layout_like(x, scratch, target)?;
     Ok(done)
+}
+
+/// A range of `len` bytes free in both layouts, high in the address space
+/// (below the highest mapping under 2^47 of either, page-aligned).
+fn free_range(a: &[Vma], b: &[Vma], len: u64) -> Option<u64> {
+    let mut used: Vec<(u64, u64)> = a
+        .iter()
+        .chain(b)
+        .filter(|v| v.end <= 1 << 47)
+        .map(|v| (v.start, v.end))
+        .collect();
+    used.sort_unstable();
+    // Walk the gaps from the top down; keep a page of guard on both sides.
+    let guard = PAGE;
+    for pair in used.windows(2).rev() {
+        let (lo, hi) = (pair[0].1, pair[1].0);
+        if hi > lo && hi - lo >= len + 2 * guard {
+            return Some((hi - guard - len) & !(PAGE - 1));
+        }
+    }
+    None
+}
+
+/// Move the vDSO (and its data pages) of `x` to where `target` has them.
+fn relocate_vdso(
+    x: &mut Tracee,
+    scratch: &mut Scratch,
+    x_maps: &[Vma],
+    t_maps: &[Vma],
+) -> Result<()> {
+    /// `ARCH_MAP_VDSO_64` (asm/prctl.h).
+    const ARCH_MAP_VDSO_64: u64 = 0x2003;
+    let start = t_maps
+        .iter()
+        .filter(|v| v.special() && v.name != "[vsyscall]")
+        .map(|v| v.start)
+        .min()
+        .ok_or_else(|| RemoteError::Plan("the template process has no vDSO".into()))?;
+    // Injected calls run from a `syscall` instruction of our own meanwhile.
+    scratch.reset();
+    let insn = scratch.put(x, &[0x0f, 0x05])?;
+    x.syscall_insn = insn;
+    for v in x_maps
+        .iter()
+        .filter(|v| v.special() && v.name != "[vsyscall]")
+    {
+        x.syscall(
+            "munmap",
+            || format!("{} at {:#x}", v.name, v.start),
+            libc::SYS_munmap,
+            &[v.start, v.end - v.start],
+        )?;
+    }
+    x.syscall(
+        "arch_prctl(ARCH_MAP_VDSO_64)",
+        || format!("at {start:#x}"),
+        libc::SYS_arch_prctl,
+        &[ARCH_MAP_VDSO_64, start],
+    )?;
+    x.syscall_insn = 0;
+    x.find_syscall_insn()?;
+    Ok(())
 }
 
 /// `/proc/PID/stat` fields 26.. (1-based field numbers of proc(5)).
@@ -355,60 +434,82 @@ fn stat_fields(pid: i32) -> Result<Vec<u64>> {
         .collect())
 }
 
-/// Give `x` the memory layout fields of `target` (start and end of code and
-/// data, program break, stack, arguments, environment) with `PR_SET_MM_MAP`,
-/// keeping `x`'s auxiliary vector and executable.
-fn set_brk_like(x: &mut Tracee, scratch: &mut Scratch, target: i32) -> Result<()> {
-    let f = stat_fields(target)?;
+/// The layout fields of `pid`'s memory descriptor, in `struct prctl_mm_map`
+/// order (start and end of code and data, start of the break, the break,
+/// start of the stack, arguments, environment).
+fn layout_of(pid: i32) -> Result<[u64; 11]> {
+    let f = stat_fields(pid)?;
     // proc(5) field n is index n - 3 here.
     let field = |n: usize| f.get(n - 3).copied().unwrap_or(0);
     let start_brk = field(47);
     // The current break is not in /proc: it ends the [heap] mapping, or is
-    // start_brk when there is none (page-aligned either way, as brk(2) keeps
-    // the mapping).
-    let brk = read_maps(target)?
+    // start_brk when there is none (page-aligned, within the mapping brk(2)
+    // keeps).
+    let brk = read_maps(pid)?
         .iter()
         .find(|v| v.name == "[heap]")
         .map(|v| v.end)
         .unwrap_or(start_brk);
-    let x_brk = read_maps(x.pid())?
-        .iter()
-        .find(|v| v.name == "[heap]")
-        .map(|v| v.end)
-        .unwrap_or(start_brk);
-    if brk == x_brk {
+    Ok([
+        field(26),
+        field(27),
+        field(45),
+        field(46),
+        start_brk,
+        brk,
+        field(28),
+        field(48),
+        field(49),
+        field(50),
+        field(51),
+    ])
+}
+
+/// Give `x` the layout fields, auxiliary vector and executable of `target`
+/// with `PR_SET_MM_MAP`, when any differs.
+fn set_layout_like(x: &mut Tracee, scratch: &mut Scratch, target: i32) -> Result<()> {
+    let want = layout_of(target)?;
+    let read = |pid: i32, name: &str| {
+        std::fs::read(proc_path(pid, name)).map_err(|source| RemoteError::Proc {
+            path: proc_path(pid, name),
+            source,
+        })
+    };
+    let auxv = read(target, "auxv")?;
+    let exe = std::fs::read_link(proc_path(target, "exe")).ok();
+    let same_exe = exe == std::fs::read_link(proc_path(x.pid(), "exe")).ok();
+    if want == layout_of(x.pid())? && auxv == read(x.pid(), "auxv")? && same_exe {
         return Ok(());
     }
-    let auxv = std::fs::read(proc_path(x.pid(), "auxv")).map_err(|source| RemoteError::Proc {
-        path: proc_path(x.pid(), "auxv"),
-        source,
-    })?;
     scratch.reset();
+    let exe_fd = match (&exe, same_exe) {
+        (Some(path), false) => {
+            let addr = scratch.put_path(x, path.as_os_str().as_encoded_bytes())?;
+            x.syscall(
+                "openat",
+                || format!("the executable {}", path.display()),
+                libc::SYS_openat,
+                &[
+                    libc::AT_FDCWD as u64,
+                    addr,
+                    (libc::O_RDONLY | libc::O_CLOEXEC) as u64,
+                ],
+            )? as u32
+        }
+        _ => u32::MAX,
+    };
     let auxv_addr = scratch.put(x, &auxv)?;
     // struct prctl_mm_map (linux/prctl.h).
     let mut map = Vec::with_capacity(104);
-    for value in [
-        field(26), // start_code
-        field(27), // end_code
-        field(45), // start_data
-        field(46), // end_data
-        start_brk,
-        brk,
-        field(28), // start_stack
-        field(48), // arg_start
-        field(49), // arg_end
-        field(50), // env_start
-        field(51), // env_end
-        auxv_addr,
-    ] {
+    for value in want.iter().chain([&auxv_addr]) {
         map.extend_from_slice(&value.to_ne_bytes());
     }
     map.extend_from_slice(&(auxv.len() as u32).to_ne_bytes());
-    map.extend_from_slice(&u32::MAX.to_ne_bytes()); // exe_fd: unchanged
+    map.extend_from_slice(&exe_fd.to_ne_bytes());
     let map_addr = scratch.put(x, &map)?;
-    x.syscall(
+    let set = x.syscall(
         "prctl(PR_SET_MM, PR_SET_MM_MAP)",
-        || format!("program break {brk:#x}"),
+        || format!("program break {:#x}", want[5]),
         libc::SYS_prctl,
         &[
             libc::PR_SET_MM as u64,
@@ -416,6 +517,10 @@ fn set_brk_like(x: &mut Tracee, scratch: &mut Scratch, target: i32) -> Result<()
             map_addr,
             map.len() as u64,
         ],
-    )?;
+    );
+    if exe_fd != u32::MAX {
+        x.syscall("close", String::new, libc::SYS_close, &[u64::from(exe_fd)])?;
+    }
+    set?;
     Ok(())
 }
