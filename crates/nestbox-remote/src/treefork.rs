@@ -233,7 +233,9 @@ fn fork_child(
         parent.caps.is_some(),
         plan.setns_cookie,
     )?;
-    x.set_original(state.leader.regs);
+    // Its restart block is its parent's (the fork copied it), not its
+    // template's: a call to resume through it is re-run instead.
+    x.set_original(state.leader.resume_regs());
     Ok(Made {
         process: x,
         threads,
