@@ -887,7 +887,16 @@ impl ProcessMemory {
 pub fn sharing(reg: &Registry, record: &BoxRecord) -> Option<serde_json::Value> {
     if let (Some(c), Some(src)) = (&record.state.clone, &record.spec.clone_of) {
         let p = c.process.filter(|p| p.alive())?;
-        let m = ProcessMemory::of(p.pid)?;
+        let mut m = ProcessMemory::of(p.pid)?;
+        // A clone of a process tree: all its processes.
+        for other in c.others.iter().filter(|p| p.alive()) {
+            if let Some(o) = ProcessMemory::of(other.pid) {
+                m.rss += o.rss;
+                m.pss += o.pss;
+                m.private += o.private;
+                m.shared += o.shared;
+            }
+        }
         return Some(serde_json::json!({
             "role": "clone",
             "template": src.template,
