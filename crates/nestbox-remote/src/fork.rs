@@ -413,6 +413,7 @@ impl Session {
         self.phases.mark("G1 exit");
 
         let mut g_scratch = g1_scratch.inherited();
+        crate::shmem::make_private(&mut g, &mut g_scratch, template.pid(), entries)?;
         let joined_user_ns = namespaces.iter().any(|(kind, _)| *kind == NsKind::User);
         fix_up(&mut g, &mut g_scratch, state, securebits, joined_user_ns)?;
         g_scratch.unmap(&mut g)?;

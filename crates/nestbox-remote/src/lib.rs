@@ -48,9 +48,11 @@ mod fdtransfer;
 mod fork;
 mod inject;
 mod layout;
+pub mod maps;
 mod memory;
 mod procfs;
 mod retarget;
+mod shmem;
 mod tracee;
 
 pub use caps::CapState;
@@ -63,4 +65,5 @@ pub use fdtransfer::{install_fds, MAX_FDS};
 pub use fork::{remote_fork, ForkPlan, Forked, NsKind};
 pub use procfs::check_single_threaded;
 pub use retarget::FdOutcome;
+pub use shmem::{SharedCopy, SharedKind, SharedObjects};
 pub use tracee::{Regs, Tracee};
