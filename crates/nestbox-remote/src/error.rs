@@ -145,6 +145,18 @@ pub enum RemoteError {
     /// The fork plan is inconsistent.
     #[error("invalid fork plan: {0}")]
     Plan(String),
+    /// A mapping of the process cannot be given to the clone as its own object.
+    #[error("mapping {range} ({name}) of pid {pid} cannot be made private to the clone: {reason}")]
+    UnsupportedMapping {
+        /// Host pid of the process.
+        pid: i32,
+        /// The range, as `/proc/PID/maps` shows it.
+        range: String,
+        /// The mapped object's name.
+        name: String,
+        /// Why.
+        reason: String,
+    },
 }
 
 fn context_suffix(context: &str) -> String {

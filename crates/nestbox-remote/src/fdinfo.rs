@@ -142,6 +142,10 @@ pub enum FdAction {
     Recreate,
     /// Closed in the clone.
     Close,
+    /// A memfd or deleted file open for writing: the clone gets a new object with
+    /// a copy of its contents (the same new object its mappings get), made in the
+    /// clone's final process (`shmem.rs`).
+    CopyShared,
     /// No rule: the clone is refused.
     Unsupported(String),
 }
@@ -154,6 +158,7 @@ impl fmt::Display for FdAction {
             FdAction::Stdio => f.write_str("replaced by the clone's stdio"),
             FdAction::Recreate => f.write_str("re-created"),
             FdAction::Close => f.write_str("closed"),
+            FdAction::CopyShared => f.write_str("copied to a new object"),
             FdAction::Unsupported(why) => write!(f, "unsupported: {why}"),
         }
     }
@@ -194,9 +199,11 @@ impl FdEntry {
             FdKind::File { deleted, path } => {
                 if !self.writable() {
                     FdAction::Shared
-                } else if *deleted || !path.starts_with('/') {
+                } else if *deleted {
+                    FdAction::CopyShared
+                } else if !path.starts_with('/') {
                     FdAction::Unsupported(
-                        "a file open for writing that has no path any more (deleted file or memfd) cannot be reopened in the clone".into(),
+                        "a file open for writing that has no path cannot be reopened in the clone".into(),
                     )
                 } else {
                     FdAction::Reopen

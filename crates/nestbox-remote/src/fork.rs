@@ -500,6 +500,7 @@ impl Session {
         }
 
         let mut g_scratch = g1_scratch.inherited();
+        crate::shmem::make_private(&mut g, &mut g_scratch, template.pid(), entries)?;
         let joined_user_ns = namespaces.iter().any(|(kind, _)| *kind == NsKind::User);
         let threads = fix_up(
             &mut g,

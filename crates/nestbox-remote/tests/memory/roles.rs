@@ -1,0 +1,239 @@
+//! The memory template of `remote_memory.rs`, run by re-executing the test binary
+//! as the scenario's `template` role with `NBR_MODE=memory`: one single-threaded
+//! process that holds one counter in each kind of shared object, each reachable a
+//! second way (a second mapping, a second attachment, an fd), and answers line
+//! commands on 127.0.0.1:7777 with a blocking `accept`.
+//!
+//! * `inc`: add one to every counter (through the first mapping; the fd-only memfd
+//!   through `pwrite`), then answer like `get`;
+//! * `get`: every counter, read through each of its ways;
+//! * `shmid`: `shmget(key, 0, 0)` of the System V segment in the caller's IPC namespace.
+
+use std::ffi::CString;
+use std::io::{BufRead, BufReader, Write};
+use std::net::TcpListener;
+use std::path::PathBuf;
+
+const PAGE: usize = 4096;
+
+fn die(what: &str) -> ! {
+    eprintln!(
+        "memory role failed: {what}: {}",
+        std::io::Error::last_os_error()
+    );
+    std::process::exit(101)
+}
+
+fn ok<T: PartialOrd + Default>(v: T, what: &str) -> T {
+    if v < T::default() {
+        die(what)
+    }
+    v
+}
+
+fn map(len: usize, prot: i32, flags: i32, fd: i32, offset: i64, what: &str) -> *mut u8 {
+    // SAFETY: a new mapping at an address the kernel chooses; nothing is aliased.
+    let p = unsafe { libc::mmap(std::ptr::null_mut(), len, prot, flags, fd, offset) };
+    if p == libc::MAP_FAILED {
+        die(what)
+    }
+    p.cast()
+}
+
+struct Mem {
+    anon: *mut u64,
+    anon2: *mut u64,
+    memfd: i32,
+    m1: *mut u64,
+    m2: *mut u64,
+    deep: *mut u8,
+    only: i32,
+    shm: *mut u64,
+    file: *mut u64,
+    v1: *mut u64,
+    v2: *const u64,
+    key: i32,
+}
+
+fn read_u64_at(fd: i32, offset: i64) -> u64 {
+    let mut b = [0u8; 8];
+    // SAFETY: pread into an 8-byte buffer.
+    ok(
+        unsafe { libc::pread(fd, b.as_mut_ptr().cast(), 8, offset) },
+        "pread",
+    );
+    u64::from_ne_bytes(b)
+}
+
+impl Mem {
+    fn get(&self) -> String {
+        let mut only = [0u8; 8];
+        // SAFETY: pread into an 8-byte buffer; every pointer is one of our live
+        // mappings (reads of shared memory only this process writes now).
+        unsafe {
+            ok(
+                libc::pread(self.only, only.as_mut_ptr().cast(), 8, 0),
+                "pread only",
+            );
+            let pos = libc::lseek(self.only, 0, libc::SEEK_CUR);
+            format!(
+                "anon={}/{} memfd={}/{}/{} deep={} only={} pos={} shm={} file={} sysv={}/{}",
+                self.anon.read_volatile(),
+                self.anon2.read_volatile(),
+                self.m1.read_volatile(),
+                self.m2.read_volatile(),
+                read_u64_at(self.memfd, 0),
+                self.deep.read_volatile(),
+                u64::from_ne_bytes(only),
+                pos,
+                self.shm.read_volatile(),
+                self.file.read_volatile(),
+                self.v1.read_volatile(),
+                self.v2.read_volatile(),
+            )
+        }
+    }
+
+    fn inc(&self) -> String {
+        // SAFETY: as in get; this process is the only writer of its mappings.
+        unsafe {
+            for p in [self.anon, self.m1, self.shm, self.file, self.v1] {
+                p.write_volatile(p.read_volatile() + 1);
+            }
+            self.deep
+                .write_volatile(self.deep.read_volatile().wrapping_add(1));
+            let n = read_u64_at(self.only, 0) + 1;
+            ok(
+                libc::pwrite(self.only, n.to_ne_bytes().as_ptr().cast(), 8, 0),
+                "pwrite only",
+            );
+        }
+        self.get()
+    }
+}
+
+/// The memory template (see the module documentation).
+pub fn memory_template() -> ! {
+    // SAFETY: close_range with plain integers (fds inherited from cargo).
+    unsafe { libc::syscall(libc::SYS_close_range, 3u32, u32::MAX, 0u32) };
+    let dir = PathBuf::from(std::env::var("NBR_DIR").unwrap_or_else(|_| die("NBR_DIR")));
+    let tag = std::env::var("NBR_ABSTRACT").unwrap_or_else(|_| die("NBR_ABSTRACT"));
+    let rw = libc::PROT_READ | libc::PROT_WRITE;
+    let shared = libc::MAP_SHARED;
+    let anon = map(
+        4 * PAGE,
+        rw,
+        shared | libc::MAP_ANONYMOUS,
+        -1,
+        0,
+        "mmap anon",
+    );
+    // SAFETY: mremap with old size 0 makes a second mapping of the same shared object.
+    let anon2 = unsafe { libc::mremap(anon.cast(), 0, 4 * PAGE, libc::MREMAP_MAYMOVE) };
+    if anon2 == libc::MAP_FAILED {
+        die("mremap")
+    }
+    let name = CString::new("nbmem").unwrap_or_else(|_| die("name"));
+    // SAFETY: memfd_create with a NUL-terminated name.
+    let memfd = ok(
+        unsafe { libc::memfd_create(name.as_ptr(), 0) },
+        "memfd_create",
+    );
+    // SAFETY: ftruncate on our fd.
+    ok(
+        unsafe { libc::ftruncate(memfd, (256 * PAGE) as i64) },
+        "ftruncate",
+    );
+    let m1 = map(256 * PAGE, rw, shared, memfd, 0, "mmap memfd");
+    let m2 = map(PAGE, rw, shared, memfd, 0, "mmap memfd again");
+    let only_name = CString::new("nbonly").unwrap_or_else(|_| die("name"));
+    // SAFETY: memfd_create with a NUL-terminated name.
+    let only = ok(
+        unsafe { libc::memfd_create(only_name.as_ptr(), libc::MFD_CLOEXEC) },
+        "memfd_create only",
+    );
+    // SAFETY: pwrite/lseek on our fd from a live buffer.
+    unsafe {
+        ok(
+            libc::pwrite(only, [0u8; 16].as_ptr().cast(), 16, 0),
+            "pwrite",
+        );
+        libc::lseek(only, 5, libc::SEEK_SET);
+    }
+    let shm_path = format!("/dev/shm/{tag}");
+    let file_path = dir.join("data/shared.bin");
+    let mut ptrs = Vec::new();
+    for (path, len) in [(PathBuf::from(&shm_path), PAGE), (file_path, 2 * PAGE)] {
+        let c = CString::new(path.to_str().unwrap_or_else(|| die("path")))
+            .unwrap_or_else(|_| die("nul"));
+        // SAFETY: open with a NUL-terminated path; ftruncate/close on the fd it gives.
+        let fd = ok(
+            unsafe {
+                libc::open(
+                    c.as_ptr(),
+                    libc::O_RDWR | libc::O_CREAT | libc::O_CLOEXEC,
+                    0o640,
+                )
+            },
+            "open shared file",
+        );
+        // SAFETY: as above.
+        ok(unsafe { libc::ftruncate(fd, len as i64) }, "ftruncate file");
+        ptrs.push(map(len, rw, shared, fd, 0, "mmap file"));
+        // SAFETY: our fd; the mapping keeps the file.
+        unsafe { libc::close(fd) };
+    }
+    let pid: i32 = std::fs::read_link("/proc/self")
+        .ok()
+        .and_then(|p| p.to_str().and_then(|s| s.parse().ok()))
+        .unwrap_or_else(|| die("/proc/self"));
+    let key = 0x4e42_0000 | (pid & 0xffff);
+    // SAFETY: shmget/shmat with plain arguments; the attachments are new mappings.
+    let (shmid, v1, v2) = unsafe {
+        let id = ok(
+            libc::shmget(key, 2 * PAGE + 100, libc::IPC_CREAT | 0o640),
+            "shmget",
+        );
+        let v1 = libc::shmat(id, std::ptr::null(), 0);
+        let v2 = libc::shmat(id, std::ptr::null(), libc::SHM_RDONLY);
+        if v1 as isize == -1 || v2 as isize == -1 {
+            die("shmat")
+        }
+        (id, v1, v2)
+    };
+    let mem = Mem {
+        anon: anon.cast(),
+        anon2: anon2.cast(),
+        memfd,
+        m1: m1.cast(),
+        m2: m2.cast(),
+        // SAFETY: page 100 of the 256-page memfd mapping.
+        deep: unsafe { m1.add(100 * PAGE + 17) },
+        only,
+        shm: ptrs[0].cast(),
+        file: ptrs[1].cast(),
+        v1: v1.cast(),
+        v2: v2.cast(),
+        key,
+    };
+    let listener = TcpListener::bind(("127.0.0.1", 7777)).unwrap_or_else(|_| die("bind"));
+    println!("ready {pid} memfd={memfd} only={only} key={key} shmid={shmid} shm={shm_path}");
+    loop {
+        let Ok((conn, _)) = listener.accept() else {
+            continue;
+        };
+        let mut line = String::new();
+        let mut reader = BufReader::new(&conn);
+        if reader.read_line(&mut line).is_err() {
+            continue;
+        }
+        let reply = match line.trim() {
+            "inc" => mem.inc(),
+            "get" => mem.get(),
+            // SAFETY: shmget with plain arguments.
+            "shmid" => unsafe { libc::shmget(mem.key, 0, 0) }.to_string(),
+            other => format!("unknown {other}"),
+        };
+        let _ = (&conn).write_all(format!("{reply}\n").as_bytes());
+    }
+}
