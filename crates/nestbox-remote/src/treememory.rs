@@ -204,13 +204,27 @@ pub(crate) fn make_like_sibling(
     };
     let move_vdso = special(&x_maps) != special(&t_maps);
     let mut done = MemoryCopied::default();
+    // A shared mapping the child inherited from its parent (the same object at
+    // the same range in both template processes) is, in `x`, the one its
+    // parent's clone has: the clone's own copy of the object (shmem.rs), shared
+    // by the clone's processes as the template's processes share theirs.
+    let b_maps = read_maps(base)?;
+    let inherited_shared = |t: &Vma, v: &Vma| {
+        !t.private()
+            && !v.private()
+            && t.start == v.start
+            && t.end == v.end
+            && t.perms == v.perms
+            && b_maps.iter().any(|b| b.same_as(t))
+    };
+    let matches = |t: &Vma, v: &Vma| v.same_as(t) || inherited_shared(t, v);
     let kept: Vec<&Vma> = t_maps
         .iter()
-        .filter(|t| x_maps.iter().any(|v| v.same_as(t)))
+        .filter(|t| x_maps.iter().any(|v| matches(t, v)))
         .collect();
     let fresh: Vec<&Vma> = t_maps
         .iter()
-        .filter(|t| !t.special() && !x_maps.iter().any(|v| v.same_as(t)))
+        .filter(|t| !t.special() && !x_maps.iter().any(|v| matches(t, v)))
         .collect();
     for v in &fresh {
         // A read-only shared mapping of a file (opened read-only: it can never
@@ -233,7 +247,7 @@ pub(crate) fn make_like_sibling(
     let mut batch = Batch::new();
     for v in x_maps
         .iter()
-        .filter(|v| !t_maps.iter().any(|t| t.same_as(v)))
+        .filter(|v| !t_maps.iter().any(|t| matches(t, v)))
     {
         if v.start == scratch.addr || v.special() {
             continue;
