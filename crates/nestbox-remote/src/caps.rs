@@ -105,16 +105,8 @@ pub(crate) fn restore_sets(
     scratch: &mut Scratch,
     want: &CapState,
 ) -> Result<()> {
-    let mut bytes = Vec::with_capacity(32);
-    bytes.extend_from_slice(&CAPABILITY_VERSION_3.to_ne_bytes());
-    bytes.extend_from_slice(&0i32.to_ne_bytes());
-    for half in [0, 32] {
-        bytes.extend_from_slice(&((want.effective >> half) as u32).to_ne_bytes());
-        bytes.extend_from_slice(&((want.permitted >> half) as u32).to_ne_bytes());
-        bytes.extend_from_slice(&((want.inheritable >> half) as u32).to_ne_bytes());
-    }
     scratch.reset();
-    let header = scratch.put(tracee, &bytes)?;
+    let header = scratch.put(tracee, &capset_data(want))?;
     tracee.syscall(
         "capset",
         || {
@@ -126,6 +118,25 @@ pub(crate) fn restore_sets(
         libc::SYS_capset,
         &[header, header + 8],
     )?;
+    raise_ambient(tracee, want)
+}
+
+/// The `capset` argument for `want`: the v3 header (pid 0: the calling
+/// thread) at offset 0, then the two data structures at offset 8.
+pub(crate) fn capset_data(want: &CapState) -> Vec<u8> {
+    let mut bytes = Vec::with_capacity(32);
+    bytes.extend_from_slice(&CAPABILITY_VERSION_3.to_ne_bytes());
+    bytes.extend_from_slice(&0i32.to_ne_bytes());
+    for half in [0, 32] {
+        bytes.extend_from_slice(&((want.effective >> half) as u32).to_ne_bytes());
+        bytes.extend_from_slice(&((want.permitted >> half) as u32).to_ne_bytes());
+        bytes.extend_from_slice(&((want.inheritable >> half) as u32).to_ne_bytes());
+    }
+    bytes
+}
+
+/// Raise the ambient capabilities of `want` in `tracee` (after `capset`).
+pub(crate) fn raise_ambient(tracee: &mut Tracee, want: &CapState) -> Result<()> {
     for cap in 0..=last_cap() {
         if want.ambient & (1 << cap) != 0 {
             tracee.syscall(

@@ -307,12 +307,19 @@ fn read_template(template: &mut Tracee, status: &Status) -> Result<TemplateState
         Some(captured) => captured,
         None => {
             let syscall_insn = template.find_syscall_insn()?;
-            let leader = ThreadState::capture(template)?;
-            let mut threads = Vec::with_capacity(template.threads().len());
-            for thread in template.threads_mut() {
+            // Every thread at once: the leader first, then the others.
+            let mut others = template.take_threads();
+            let mut group: Vec<&mut Tracee> = Vec::with_capacity(others.len() + 1);
+            group.push(&mut *template);
+            for thread in &mut others {
                 thread.syscall_insn = syscall_insn;
-                threads.push(ThreadState::capture(thread)?);
+                group.push(thread);
             }
+            let captured = threads::capture_all(&mut group);
+            drop(group);
+            template.put_threads(others);
+            let mut threads = captured?;
+            let leader = threads.remove(0);
             template.captured = Some((leader.clone(), threads.clone()));
             (leader, threads)
         }
@@ -582,7 +589,7 @@ fn fix_up(
     joined_user_ns: bool,
     cookie: [u64; 2],
 ) -> Result<Vec<Tracee>> {
-    threads::apply(g, scratch, &state.leader, false)?;
+    threads::apply_all(&mut [&mut *g], scratch, &[&state.leader], false)?;
     if state.leader.clear_child_tid != 0 {
         g.syscall(
             "set_tid_address",

@@ -245,6 +245,17 @@ impl Tracee {
         &mut self.threads
     }
 
+    /// Take the other threads out (to drive them together with the leader);
+    /// give them back with [`Tracee::put_threads`].
+    pub(crate) fn take_threads(&mut self) -> Vec<Tracee> {
+        std::mem::take(&mut self.threads)
+    }
+
+    /// Give back the threads taken with [`Tracee::take_threads`].
+    pub(crate) fn put_threads(&mut self, threads: Vec<Tracee>) {
+        self.threads = threads;
+    }
+
     /// The thread group (process) id of the tracee.
     pub fn tgid(&self) -> i32 {
         self.tgid
