@@ -34,6 +34,7 @@ use nix::sys::signal::Signal;
 use serde::Serialize;
 
 use crate::caps;
+use crate::dontfork;
 use crate::error::{RemoteError, Result};
 use crate::fdinfo::{ensure_clonable, inspect_fds, refresh_volatile, FdEntry};
 use crate::fdtransfer::install_fds_with;
@@ -172,6 +173,8 @@ struct TemplateState {
     leader: ThreadState,
     /// The other threads, re-created in G.
     threads: Vec<ThreadState>,
+    /// Ranges of its memory marked `MADV_DONTFORK`.
+    dontfork: Vec<(u64, u64)>,
 }
 
 impl TemplateState {
@@ -324,7 +327,16 @@ fn read_template(template: &mut Tracee, status: &Status) -> Result<TemplateState
             (leader, threads)
         }
     };
+    let dontfork = match template.dontfork.clone() {
+        Some(ranges) => ranges,
+        None => {
+            let ranges = dontfork::ranges(pid)?;
+            template.dontfork = Some(ranges.clone());
+            ranges
+        }
+    };
     Ok(TemplateState {
+        dontfork,
         cwd,
         ns_pid,
         leader,
@@ -402,7 +414,14 @@ impl Session {
 
         // G1: a fork (the one copy of the page tables) into the shell's pid namespace.
         let g1_ns_pid = state.free_ns_pid();
-        let (g1_pid, clone3_ok) = fork_into(&mut c1, scratch, 0, g1_ns_pid, plan.setns_cookie)?;
+        // Regions the fork would skip (MADV_DONTFORK) are copied this once: C1
+        // shares the template's memory, whose marks are put back right after.
+        let unmarked = dontfork::advise(&mut c1, &state.dontfork, libc::MADV_DOFORK);
+        let forked =
+            unmarked.and_then(|()| fork_into(&mut c1, scratch, 0, g1_ns_pid, plan.setns_cookie));
+        let remarked = dontfork::advise(&mut c1, &state.dontfork, libc::MADV_DONTFORK);
+        let (g1_pid, clone3_ok) = forked?;
+        remarked?;
         let mut g1 = Tracee::adopt(g1_pid, insn)?;
         self.phases.mark("fork G1");
         let g1_scratch = scratch.inherited();
@@ -590,6 +609,7 @@ fn fix_up(
     cookie: [u64; 2],
 ) -> Result<Vec<Tracee>> {
     threads::apply_all(&mut [&mut *g], scratch, &[&state.leader], false)?;
+    dontfork::advise(g, &state.dontfork, libc::MADV_DONTFORK)?;
     if state.leader.clear_child_tid != 0 {
         g.syscall(
             "set_tid_address",

@@ -42,6 +42,7 @@
 //! ```
 
 mod caps;
+mod dontfork;
 mod error;
 mod fdinfo;
 mod fdtransfer;
