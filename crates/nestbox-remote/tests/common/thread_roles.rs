@@ -370,10 +370,12 @@ pub fn template(zombie: bool) -> ! {
             0,
         )
     };
+    if region == libc::MAP_FAILED {
+        die("mmap");
+    }
     // SAFETY: advising the mapping just made.
-    if region == libc::MAP_FAILED
-        || unsafe { libc::madvise(region, 2 * 4096, libc::MADV_DONTFORK) } != 0
-    {
+    let advised = unsafe { libc::madvise(region, 2 * 4096, libc::MADV_DONTFORK) };
+    if advised != 0 {
         die("dontfork region");
     }
     DONTFORK.store(region as usize, Ordering::SeqCst);
