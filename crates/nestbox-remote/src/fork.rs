@@ -34,7 +34,7 @@ use nix::sys::signal::Signal;
 use serde::Serialize;
 
 use crate::caps;
-use crate::dontfork;
+use crate::dontfork::DontFork;
 use crate::error::{RemoteError, Result};
 use crate::fdinfo::{ensure_clonable, inspect_fds, refresh_volatile, FdEntry};
 use crate::fdtransfer::install_fds_with;
@@ -174,7 +174,7 @@ struct TemplateState {
     /// The other threads, re-created in G.
     threads: Vec<ThreadState>,
     /// Ranges of its memory marked `MADV_DONTFORK`.
-    dontfork: Vec<(u64, u64)>,
+    dontfork: DontFork,
 }
 
 impl TemplateState {
@@ -328,11 +328,11 @@ fn read_template(template: &mut Tracee, status: &Status) -> Result<TemplateState
         }
     };
     let dontfork = match template.dontfork.clone() {
-        Some(ranges) => ranges,
+        Some(dontfork) => dontfork,
         None => {
-            let ranges = dontfork::ranges(pid)?;
-            template.dontfork = Some(ranges.clone());
-            ranges
+            let dontfork = DontFork::read(pid)?;
+            template.dontfork = Some(dontfork.clone());
+            dontfork
         }
     };
     Ok(TemplateState {
@@ -354,7 +354,7 @@ impl Session {
     #[allow(clippy::too_many_arguments)]
     fn run(
         &mut self,
-        template: &Tracee,
+        template: &mut Tracee,
         mut c1: Tracee,
         scratch: &mut Scratch,
         plan: &ForkPlan<'_>,
@@ -416,10 +416,10 @@ impl Session {
         let g1_ns_pid = state.free_ns_pid();
         // Regions the fork would skip (MADV_DONTFORK) are copied this once: C1
         // shares the template's memory, whose marks are put back right after.
-        let unmarked = dontfork::advise(&mut c1, &state.dontfork, libc::MADV_DOFORK);
+        let unmarked = state.dontfork.unmark(&mut c1);
         let forked =
             unmarked.and_then(|()| fork_into(&mut c1, scratch, 0, g1_ns_pid, plan.setns_cookie));
-        let remarked = dontfork::advise(&mut c1, &state.dontfork, libc::MADV_DONTFORK);
+        let remarked = remark_template(template, &mut c1, &state.dontfork);
         let (g1_pid, clone3_ok) = forked?;
         remarked?;
         let mut g1 = Tracee::adopt(g1_pid, insn)?;
@@ -458,7 +458,7 @@ impl Session {
 
         let mut g_scratch = g1_scratch.inherited();
         let joined_user_ns = namespaces.iter().any(|(kind, _)| *kind == NsKind::User);
-        let threads = fix_up(
+        let mut threads = fix_up(
             &mut g,
             &mut g_scratch,
             state,
@@ -466,6 +466,12 @@ impl Session {
             joined_user_ns,
             plan.setns_cookie,
         )?;
+        {
+            let mut group: Vec<&mut Tracee> = Vec::with_capacity(threads.len() + 1);
+            group.push(&mut g);
+            group.extend(threads.iter_mut());
+            state.dontfork.mark(&mut group)?;
+        }
         g_scratch.unmap(&mut g)?;
         self.phases.mark("G fix-up");
         g.set_original(state.leader.regs);
@@ -511,6 +517,33 @@ impl Session {
             }
         }
     }
+}
+
+/// Put the `MADV_DONTFORK` marks back in the template's memory, spread over
+/// its stopped threads and C1 (which shares that memory), whose registers are
+/// then put back.
+fn remark_template(template: &mut Tracee, c1: &mut Tracee, dontfork: &DontFork) -> Result<()> {
+    if dontfork.ranges.is_empty() {
+        return Ok(());
+    }
+    let mut others = template.take_threads();
+    let marked = {
+        let mut group: Vec<&mut Tracee> = Vec::with_capacity(others.len() + 2);
+        group.push(c1);
+        group.push(&mut *template);
+        group.extend(others.iter_mut());
+        let marked = dontfork.mark(&mut group);
+        let mut restored = Ok(());
+        for thread in group.into_iter().skip(1) {
+            let r = thread.restore_regs();
+            if restored.is_ok() {
+                restored = r;
+            }
+        }
+        marked.and(restored)
+    };
+    template.put_threads(others);
+    marked
 }
 
 /// Close the fds that were handed over (one `close_range` when contiguous).
@@ -609,7 +642,6 @@ fn fix_up(
     cookie: [u64; 2],
 ) -> Result<Vec<Tracee>> {
     threads::apply_all(&mut [&mut *g], scratch, &[&state.leader], false)?;
-    dontfork::advise(g, &state.dontfork, libc::MADV_DONTFORK)?;
     if state.leader.clear_child_tid != 0 {
         g.syscall(
             "set_tid_address",

@@ -249,7 +249,7 @@ fn syscall_each(
 
 /// [`syscall_each`], a negative result an [`RemoteError::Injected`] error
 /// naming `name`, the thread and `context`.
-fn syscall_each_checked(
+pub(crate) fn syscall_each_checked(
     threads: &mut [&mut Tracee],
     name: &'static str,
     context: &str,

@@ -77,7 +77,7 @@ pub struct Tracee {
     pub(crate) captured: Option<(ThreadState, Vec<ThreadState>)>,
     /// The `MADV_DONTFORK` ranges of the template's memory, once read (they
     /// do not change while it is held either).
-    pub(crate) dontfork: Option<Vec<(u64, u64)>>,
+    pub(crate) dontfork: Option<crate::dontfork::DontFork>,
     _not_send: PhantomData<*const ()>,
 }
 

@@ -227,8 +227,23 @@ fn threads_continue() {
     for pid in [p, g] {
         assert!(
             dontfork_marked(pid, df_addr),
-            "the region at {df_addr:#x} is MADV_DONTFORK in {pid}"
+            "the page at {df_addr:#x} is MADV_DONTFORK in {pid}"
         );
+        assert!(
+            !dontfork_marked(pid, df_addr + 4096),
+            "the page at {:#x} is not MADV_DONTFORK in {pid}",
+            df_addr + 4096
+        );
+        assert!(
+            dontfork_marked(pid, df_addr + 8192),
+            "the page at {:#x} is MADV_DONTFORK in {pid}",
+            df_addr + 8192
+        );
+        let mut word = [0u8; 8];
+        let mem = std::fs::File::open(format!("/proc/{pid}/mem")).expect("mem");
+        std::os::unix::fs::FileExt::read_exact_at(&mem, &mut word, df_addr + 8192)
+            .expect("read the marker");
+        assert_eq!(u64::from_ne_bytes(word), thread_roles::MARKER, "in {pid}");
     }
     println!("  MADV_DONTFORK counter: template {df_before}, clone {df_clone}");
 

@@ -46,6 +46,8 @@ static ROBUST: AtomicUsize = AtomicUsize::new(0);
 static NEVER: AtomicU32 = AtomicU32::new(0);
 /// A counter in a mapping marked `MADV_DONTFORK` (as V8 marks its heap).
 static DONTFORK: AtomicUsize = AtomicUsize::new(0);
+/// The word at the start of the third page of that mapping.
+pub const MARKER: u64 = 0x5eed_f00d_cafe_d00d;
 
 fn dontfork_counter() -> &'static AtomicU64 {
     // SAFETY: DONTFORK holds the address of a page-aligned mapping that lives
@@ -359,11 +361,14 @@ pub fn template(zombie: bool) -> ! {
         }
     }
     ROBUST.store(std::ptr::from_mut(mutex) as usize, Ordering::SeqCst);
+    // Three pages: the first and the last marked MADV_DONTFORK, the middle one
+    // not (two separate ranges around an ordinary mapping); the last holds a
+    // marker word.
     // SAFETY: a fresh anonymous mapping, kept for the life of the process.
     let region = unsafe {
         libc::mmap(
             std::ptr::null_mut(),
-            2 * 4096,
+            3 * 4096,
             libc::PROT_READ | libc::PROT_WRITE,
             libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
             -1,
@@ -373,11 +378,16 @@ pub fn template(zombie: bool) -> ! {
     if region == libc::MAP_FAILED {
         die("mmap");
     }
-    // SAFETY: advising the mapping just made.
-    let advised = unsafe { libc::madvise(region, 2 * 4096, libc::MADV_DONTFORK) };
-    if advised != 0 {
+    let last = (region as usize + 2 * 4096) as *mut libc::c_void;
+    // SAFETY: advising the first page of the mapping just made.
+    let first_advised = unsafe { libc::madvise(region, 4096, libc::MADV_DONTFORK) };
+    // SAFETY: advising its last page.
+    let last_advised = unsafe { libc::madvise(last, 4096, libc::MADV_DONTFORK) };
+    if first_advised != 0 || last_advised != 0 {
         die("dontfork region");
     }
+    // SAFETY: the last page is mapped read-write and page-aligned.
+    unsafe { *(last as *mut u64) = MARKER };
     DONTFORK.store(region as usize, Ordering::SeqCst);
     confine();
     if zombie {
