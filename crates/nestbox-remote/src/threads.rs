@@ -217,6 +217,21 @@ fn syscall_each(
     threads: &mut [&mut Tracee],
     calls: &[Option<(i64, Vec<u64>)>],
 ) -> Result<Vec<Option<i64>>> {
+    let (out, err) = syscall_each_full(threads, calls);
+    match err {
+        Some(e) => Err(e),
+        None => Ok(out.into_iter().map(|r| r.map(|(rax, _)| rax)).collect()),
+    }
+}
+
+/// [`syscall_each`] giving, for each call, its raw result and the host pid
+/// of a child it created, whatever failed (returned apart: the children made
+/// must be taken over even then).
+#[allow(clippy::type_complexity)]
+fn syscall_each_full(
+    threads: &mut [&mut Tracee],
+    calls: &[Option<(i64, Vec<u64>)>],
+) -> (Vec<Option<(i64, Option<i32>)>>, Option<RemoteError>) {
     let mut begun = vec![false; threads.len()];
     let mut first_err = None;
     for (i, (thread, call)) in threads.iter_mut().zip(calls).enumerate() {
@@ -234,17 +249,14 @@ fn syscall_each(
     for (i, thread) in threads.iter_mut().enumerate() {
         if begun[i] {
             match thread.end_syscall() {
-                Ok((rax, _)) => out[i] = Some(rax),
+                Ok(result) => out[i] = Some(result),
                 Err(e) => {
                     first_err.get_or_insert(e);
                 }
             }
         }
     }
-    match first_err {
-        Some(e) => Err(e),
-        None => Ok(out),
-    }
+    (out, first_err)
 }
 
 /// [`syscall_each`], a negative result an [`RemoteError::Injected`] error
@@ -387,55 +399,98 @@ pub(crate) fn recreate(
     threads: &[ThreadState],
     cookie: [u64; 2],
 ) -> Result<Vec<Tracee>> {
-    let mut tids = Vec::with_capacity(threads.len());
-    for state in threads {
+    // In rounds: every thread of G made so far clones one more at the same
+    // time, so n threads take about log2(n) rounds, not n. A thread clones
+    // with the attributes of its creator, and before any is given its own
+    // state every creator has G's main thread's (bounding set, securebits,
+    // mask, name, full capabilities for set_tid).
+    let mut made: Vec<Tracee> = Vec::with_capacity(threads.len());
+    let (insn, tgid) = (g.syscall_insn, g.pid());
+    let mut next = 0;
+    while next < threads.len() {
+        let mut creators: Vec<&mut Tracee> = Vec::with_capacity(made.len() + 1);
+        creators.push(&mut *g);
+        creators.extend(made.iter_mut());
+        let count = creators.len().min(threads.len() - next).min(CHUNK);
+        let creators = &mut creators[..count];
+        let round = &threads[next..next + count];
         scratch.reset();
-        let tid_addr = scratch.put(g, &state.ns_tid.to_ne_bytes())?;
-        let mut flags = (libc::CLONE_VM
-            | libc::CLONE_FS
-            | libc::CLONE_FILES
-            | libc::CLONE_SIGHAND
-            | libc::CLONE_THREAD
-            | libc::CLONE_SYSVSEM
-            | libc::CLONE_SETTLS) as u64;
-        if state.clear_child_tid != 0 {
-            flags |= libc::CLONE_CHILD_CLEARTID as u64;
+        let mut calls = Vec::with_capacity(count);
+        for (creator, state) in creators.iter().zip(round) {
+            let tid_addr = scratch.put(creator, &state.ns_tid.to_ne_bytes())?;
+            let args_addr = scratch.put(creator, &clone_args(state, tid_addr).to_bytes())?;
+            calls.push(Some((
+                libc::SYS_clone3,
+                vec![
+                    args_addr,
+                    layout::CLONE_ARGS_SIZE as u64,
+                    cookie[0],
+                    cookie[1],
+                ],
+            )));
         }
-        let args = layout::CloneArgs {
-            flags,
-            child_tid: state.clear_child_tid,
-            tls: state.regs.fs_base,
-            set_tid: tid_addr,
-            set_tid_size: 1,
-            ..layout::CloneArgs::default()
-        };
-        let args_addr = scratch.put(g, &args.to_bytes())?;
-        tids.push(g.fork_syscall(
-            "clone3",
-            || {
-                format!(
-                    "thread {} (tid {} in the box)",
-                    state.host_tid, state.ns_tid
-                )
-            },
-            libc::SYS_clone3,
-            &[
-                args_addr,
-                layout::CLONE_ARGS_SIZE as u64,
-                cookie[0],
-                cookie[1],
-            ],
-        )?);
-    }
-    // Their first stops came meanwhile: taking them over does not wait.
-    let mut made = Vec::with_capacity(tids.len());
-    for tid in tids {
-        made.push(Tracee::adopt_thread(tid, g.pid(), g.syscall_insn)?);
+        let (results, failed) = syscall_each_full(creators, &calls);
+        // Whatever failed, the threads made are taken over (and so killed
+        // with G on failure).
+        let mut new = Vec::with_capacity(count);
+        for result in results.iter().flatten() {
+            if let (_, Some(tid)) = result {
+                new.push(Tracee::adopt_thread(*tid, tgid, insn)?);
+            }
+        }
+        if let Some(e) = failed {
+            return Err(e);
+        }
+        for ((result, state), creator) in results.iter().zip(round).zip(creators.iter()) {
+            let rax = result.map_or(0, |(rax, _)| rax);
+            if (-4095..0).contains(&rax) {
+                return Err(RemoteError::Injected {
+                    syscall: "clone3",
+                    pid: creator.pid(),
+                    context: format!(
+                        "thread {} (tid {} in the box)",
+                        state.host_tid, state.ns_tid
+                    ),
+                    source: std::io::Error::from_raw_os_error(-rax as i32),
+                });
+            }
+        }
+        if new.len() != count {
+            return Err(RemoteError::NotStopped {
+                pid: tgid,
+                what: "a clone event after an injected clone3",
+            });
+        }
+        made.extend(new);
+        next += count;
     }
     let mut refs: Vec<&mut Tracee> = made.iter_mut().collect();
     let states: Vec<&ThreadState> = threads.iter().collect();
     apply_all(&mut refs, scratch, &states, true)?;
     Ok(made)
+}
+
+/// The `clone3` arguments that re-create the thread of `state`, its tid read
+/// from `tid_addr`.
+fn clone_args(state: &ThreadState, tid_addr: u64) -> layout::CloneArgs {
+    let mut flags = (libc::CLONE_VM
+        | libc::CLONE_FS
+        | libc::CLONE_FILES
+        | libc::CLONE_SIGHAND
+        | libc::CLONE_THREAD
+        | libc::CLONE_SYSVSEM
+        | libc::CLONE_SETTLS) as u64;
+    if state.clear_child_tid != 0 {
+        flags |= libc::CLONE_CHILD_CLEARTID as u64;
+    }
+    layout::CloneArgs {
+        flags,
+        child_tid: state.clear_child_tid,
+        tls: state.regs.fs_base,
+        set_tid: tid_addr,
+        set_tid_size: 1,
+        ..layout::CloneArgs::default()
+    }
 }
 
 /// Give the re-created `threads` the capability sets of their `states`. They
