@@ -19,10 +19,15 @@
 //!    and owns the memory alone. With `clone3` (allowed by the cookie) G gets the
 //!    pid P has in its own namespace, and G1 a different one.
 //!
+//! Memory P marked `MADV_DONTFORK` (V8's heap) is unmarked by C1 just around
+//! the fork of G1 and marked again in both ([`crate::dontfork`]).
+//!
 //! In G the injected calls re-register what fork or `CLONE_VM` does not carry
-//! over (rseq area, robust futex list, alternate signal stack) and restore P's
-//! capability state; then G gets P's exact registers (an interrupted syscall is
-//! restarted) and is detached. On any failure every process made so far is
+//! over (rseq area, robust futex list, alternate signal stack, clear-child-tid
+//! address), re-create P's other threads with their tids and state
+//! ([`crate::threads`]) and restore P's capability state; then G and its
+//! threads get P's exact registers (an interrupted syscall is restarted) and
+//! are detached. On any failure every process made so far is
 //! killed and the template is left as it was.
 
 use std::io::Write;
