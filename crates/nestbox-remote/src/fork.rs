@@ -178,7 +178,7 @@ struct TemplateState {
     leader: ThreadState,
     /// The other threads, re-created in G.
     threads: Vec<ThreadState>,
-    /// Ranges of its memory marked `MADV_DONTFORK`.
+    /// Ranges of its memory marked `MADV_DONTFORK` (read after the rest).
     dontfork: DontFork,
 }
 
@@ -238,9 +238,18 @@ pub fn remote_fork(template: &mut Tracee, plan: &ForkPlan<'_>) -> Result<Forked>
     };
     ensure_clonable(pid, &entries)?;
     phases.mark("inventory");
-    let state = read_template(template, &status)?;
+    let mut state = read_template(template, &status)?;
     template.find_syscall_insn()?;
     phases.mark("template state");
+    state.dontfork = match template.dontfork.clone() {
+        Some(dontfork) => dontfork,
+        None => {
+            let dontfork = DontFork::read(pid)?;
+            template.dontfork = Some(dontfork.clone());
+            dontfork
+        }
+    };
+    phases.mark("MADV_DONTFORK ranges");
 
     // C1: shares the template's memory, child of the template's parent.
     let flags = (libc::CLONE_VM | libc::CLONE_PARENT) as u64;
@@ -332,16 +341,8 @@ fn read_template(template: &mut Tracee, status: &Status) -> Result<TemplateState
             (leader, threads)
         }
     };
-    let dontfork = match template.dontfork.clone() {
-        Some(dontfork) => dontfork,
-        None => {
-            let dontfork = DontFork::read(pid)?;
-            template.dontfork = Some(dontfork.clone());
-            dontfork
-        }
-    };
     Ok(TemplateState {
-        dontfork,
+        dontfork: DontFork::default(),
         cwd,
         ns_pid,
         leader,
