@@ -71,8 +71,8 @@ pub(crate) fn last_cap() -> u32 {
 /// namespace and holds every capability in it, part one: drop from its
 /// bounding set (now `current`) what `bounding` lacks, and set `securebits`.
 /// The effective set is untouched: threads cloned afterwards inherit both, and
-/// still every capability. Part two is [`restore_sets`]. One resume for all
-/// of it (some thirty calls): see batch.rs.
+/// still every capability. Part two is [`restore_sets`]. All in one resume
+/// (some thirty calls; see batch.rs), through `scratch`.
 pub(crate) fn restore_bounding(
     tracee: &mut Tracee,
     scratch: &mut Scratch,
@@ -104,13 +104,32 @@ pub(crate) fn restore_bounding(
     Ok(())
 }
 
-/// Restoring the capability state, part two: the effective, permitted,
-/// inheritable and ambient sets of `tracee`, in one resume.
+/// Restoring the capability state, part two: the effective, permitted, inheritable and
+/// ambient sets of `tracee`.
 pub(crate) fn restore_sets(
     tracee: &mut Tracee,
     scratch: &mut Scratch,
     want: &CapState,
 ) -> Result<()> {
+    scratch.reset();
+    let header = scratch.put(tracee, &capset_data(want))?;
+    tracee.syscall(
+        "capset",
+        || {
+            format!(
+                "effective {:#x} permitted {:#x}",
+                want.effective, want.permitted
+            )
+        },
+        libc::SYS_capset,
+        &[header, header + 8],
+    )?;
+    raise_ambient(tracee, want)
+}
+
+/// The `capset` argument for `want`: the v3 header (pid 0: the calling
+/// thread) at offset 0, then the two data structures at offset 8.
+pub(crate) fn capset_data(want: &CapState) -> Vec<u8> {
     let mut bytes = Vec::with_capacity(32);
     bytes.extend_from_slice(&CAPABILITY_VERSION_3.to_ne_bytes());
     bytes.extend_from_slice(&0i32.to_ne_bytes());
@@ -119,32 +138,24 @@ pub(crate) fn restore_sets(
         bytes.extend_from_slice(&((want.permitted >> half) as u32).to_ne_bytes());
         bytes.extend_from_slice(&((want.inheritable >> half) as u32).to_ne_bytes());
     }
-    scratch.reset();
-    let header = scratch.put(tracee, &bytes)?;
-    let mut batch = Batch::new();
-    batch.push(
-        "capset",
-        format!(
-            "effective {:#x} permitted {:#x}",
-            want.effective, want.permitted
-        ),
-        libc::SYS_capset,
-        &[header, header + 8],
-    );
+    bytes
+}
+
+/// Raise the ambient capabilities of `want` in `tracee` (after `capset`).
+pub(crate) fn raise_ambient(tracee: &mut Tracee, want: &CapState) -> Result<()> {
     for cap in 0..=last_cap() {
         if want.ambient & (1 << cap) != 0 {
-            batch.push(
+            tracee.syscall(
                 "prctl(PR_CAP_AMBIENT_RAISE)",
-                format!("capability {cap}"),
+                || format!("capability {cap}"),
                 libc::SYS_prctl,
                 &[
                     libc::PR_CAP_AMBIENT as u64,
                     libc::PR_CAP_AMBIENT_RAISE as u64,
                     u64::from(cap),
                 ],
-            );
+            )?;
         }
     }
-    batch.run(tracee, scratch)?;
     Ok(())
 }

@@ -19,10 +19,15 @@
 //!    and owns the memory alone. With `clone3` (allowed by the cookie) G gets the
 //!    pid P has in its own namespace, and G1 a different one.
 //!
+//! Memory P marked `MADV_DONTFORK` (V8's heap) is unmarked by C1 just around
+//! the fork of G1 and marked again in both ([`crate::dontfork`]).
+//!
 //! In G the injected calls re-register what fork or `CLONE_VM` does not carry
-//! over (rseq area, robust futex list, alternate signal stack) and restore P's
-//! capability state; then G gets P's exact registers (an interrupted syscall is
-//! restarted) and is detached. On any failure every process made so far is
+//! over (rseq area, robust futex list, alternate signal stack, clear-child-tid
+//! address), re-create P's other threads with their tids and state
+//! ([`crate::threads`]) and restore P's capability state; then G and its
+//! threads get P's exact registers (an interrupted syscall is restarted) and
+//! are detached. On any failure every process made so far is
 //! killed and the template is left as it was.
 
 use std::io::Write;
@@ -35,6 +40,7 @@ use serde::Serialize;
 
 use crate::batch::Batch;
 use crate::caps::{self, CapState};
+use crate::dontfork::DontFork;
 use crate::error::{RemoteError, Result};
 use crate::fdinfo::{ensure_clonable, inspect_fds, refresh_volatile, FdEntry};
 use crate::fdtransfer::install_fds_with;
@@ -176,6 +182,8 @@ pub(crate) struct TemplateState {
     /// The lowest pid G1 may take (above every pid and tid of the box's
     /// process tree, which the tree's processes are given later).
     pub(crate) free_floor: i32,
+    /// Ranges of its memory marked `MADV_DONTFORK` (read after the rest).
+    pub(crate) dontfork: DontFork,
 }
 
 impl TemplateState {
@@ -306,6 +314,15 @@ pub(crate) fn make_root(
     state.free_floor = free_floor;
     template.find_syscall_insn()?;
     phases.mark("template state");
+    state.dontfork = match template.dontfork.clone() {
+        Some(dontfork) => dontfork,
+        None => {
+            let dontfork = DontFork::read(pid)?;
+            template.dontfork = Some(dontfork.clone());
+            dontfork
+        }
+    };
+    phases.mark("MADV_DONTFORK ranges");
 
     // C1: shares the template's memory, child of the template's parent.
     let flags = (libc::CLONE_VM | libc::CLONE_PARENT) as u64;
@@ -374,17 +391,25 @@ pub(crate) fn read_template(template: &mut Tracee, status: &Status) -> Result<Te
         Some(captured) => captured,
         None => {
             let syscall_insn = template.find_syscall_insn()?;
-            let leader = ThreadState::capture(template)?;
-            let mut threads = Vec::with_capacity(template.threads().len());
-            for thread in template.threads_mut() {
+            // Every thread at once: the leader first, then the others.
+            let mut others = template.take_threads();
+            let mut group: Vec<&mut Tracee> = Vec::with_capacity(others.len() + 1);
+            group.push(&mut *template);
+            for thread in &mut others {
                 thread.syscall_insn = syscall_insn;
-                threads.push(ThreadState::capture(thread)?);
+                group.push(thread);
             }
+            let captured = threads::capture_all(&mut group);
+            drop(group);
+            template.put_threads(others);
+            let mut threads = captured?;
+            let leader = threads.remove(0);
             template.captured = Some((leader.clone(), threads.clone()));
             (leader, threads)
         }
     };
     Ok(TemplateState {
+        dontfork: DontFork::default(),
         cwd,
         ns_pid,
         leader,
@@ -403,7 +428,7 @@ impl Session {
     #[allow(clippy::too_many_arguments)]
     fn run(
         &mut self,
-        template: &Tracee,
+        template: &mut Tracee,
         mut c1: Tracee,
         scratch: &mut Scratch,
         plan: &ForkPlan<'_>,
@@ -464,7 +489,14 @@ impl Session {
 
         // G1: a fork (the one copy of the page tables) into the shell's pid namespace.
         let g1_ns_pid = state.free_ns_pid();
-        let (g1_pid, clone3_ok) = fork_into(&mut c1, scratch, 0, g1_ns_pid, plan.setns_cookie)?;
+        // Regions the fork would skip (MADV_DONTFORK) are copied this once: C1
+        // shares the template's memory, whose marks are put back right after.
+        let unmarked = state.dontfork.unmark(&mut c1);
+        let forked =
+            unmarked.and_then(|()| fork_into(&mut c1, scratch, 0, g1_ns_pid, plan.setns_cookie));
+        let remarked = remark_template(template, &mut c1, &state.dontfork);
+        let (g1_pid, clone3_ok) = forked?;
+        remarked?;
         let mut g1 = Tracee::adopt(g1_pid, insn)?;
         self.phases.mark("fork G1");
         let g1_scratch = scratch.inherited();
@@ -502,7 +534,7 @@ impl Session {
         let mut g_scratch = g1_scratch.inherited();
         crate::shmem::make_private(&mut g, &mut g_scratch, template.pid(), entries)?;
         let joined_user_ns = namespaces.iter().any(|(kind, _)| *kind == NsKind::User);
-        let threads = fix_up(
+        let mut threads = fix_up(
             &mut g,
             &mut g_scratch,
             state,
@@ -510,6 +542,12 @@ impl Session {
             joined_user_ns,
             plan.setns_cookie,
         )?;
+        {
+            let mut group: Vec<&mut Tracee> = Vec::with_capacity(threads.len() + 1);
+            group.push(&mut g);
+            group.extend(threads.iter_mut());
+            state.dontfork.mark(&mut group)?;
+        }
         self.phases.mark("G fix-up");
         g.set_original(state.leader.regs);
         let ns_pid = if clone3_ok {
@@ -546,6 +584,33 @@ impl Session {
             }
         }
     }
+}
+
+/// Put the `MADV_DONTFORK` marks back in the template's memory, spread over
+/// its stopped threads and C1 (which shares that memory), whose registers are
+/// then put back.
+fn remark_template(template: &mut Tracee, c1: &mut Tracee, dontfork: &DontFork) -> Result<()> {
+    if dontfork.ranges.is_empty() {
+        return Ok(());
+    }
+    let mut others = template.take_threads();
+    let marked = {
+        let mut group: Vec<&mut Tracee> = Vec::with_capacity(others.len() + 2);
+        group.push(c1);
+        group.push(&mut *template);
+        group.extend(others.iter_mut());
+        let marked = dontfork.mark(&mut group);
+        let mut restored = Ok(());
+        for thread in group.into_iter().skip(1) {
+            let r = thread.restore_regs();
+            if restored.is_ok() {
+                restored = r;
+            }
+        }
+        marked.and(restored)
+    };
+    template.put_threads(others);
+    marked
 }
 
 /// Close the fds that were handed over (one `close_range` when contiguous).
@@ -643,7 +708,7 @@ pub(crate) fn fix_up(
     joined_user_ns: bool,
     cookie: [u64; 2],
 ) -> Result<Vec<Tracee>> {
-    threads::apply(g, scratch, &state.leader, false)?;
+    threads::apply_all(&mut [&mut *g], scratch, &[&state.leader], false)?;
     if state.leader.clear_child_tid != 0 {
         g.syscall(
             "set_tid_address",

@@ -86,6 +86,14 @@ impl Tracee {
     /// (negative errno on failure), plus the host pid of a child it created (for
     /// fork/clone). The tracee ends stopped, with the syscall's result registers.
     pub(crate) fn inject_raw(&mut self, nr: i64, args: &[u64]) -> Result<(i64, Option<i32>)> {
+        self.begin_syscall(nr, args)?;
+        self.end_syscall()
+    }
+
+    /// First half of [`Tracee::inject_raw`]: load the call and let the tracee
+    /// step through it. Several tracees may run their calls at once; each is
+    /// then waited for with [`Tracee::end_syscall`].
+    pub(crate) fn begin_syscall(&mut self, nr: i64, args: &[u64]) -> Result<()> {
         let insn = self.find_syscall_insn()?;
         let mut regs = match self.current {
             Some(regs) => regs,
@@ -102,9 +110,16 @@ impl Tracee {
         regs.r9 = arg(5);
         regs.rip = insn;
         self.set_regs(&regs)?;
+        self.resume(libc::PTRACE_SINGLESTEP, 0)
+    }
+
+    /// Second half of [`Tracee::inject_raw`]: wait until the call begun with
+    /// [`Tracee::begin_syscall`] has returned; its raw `rax` and the host pid of
+    /// a child it created.
+    pub(crate) fn end_syscall(&mut self) -> Result<(i64, Option<i32>)> {
+        let insn = self.syscall_insn;
         let mut child = None;
         loop {
-            self.resume(libc::PTRACE_SINGLESTEP, 0)?;
             match self.wait_blocking()? {
                 Stop::Signal(libc::SIGTRAP) => {
                     let after = self.get_regs()?;
@@ -125,6 +140,7 @@ impl Tracee {
                 Stop::NewChild(pid) => child = Some(pid),
                 Stop::Interrupt | Stop::OtherEvent(_) => {}
             }
+            self.resume(libc::PTRACE_SINGLESTEP, 0)?;
         }
     }
 

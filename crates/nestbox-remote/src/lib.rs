@@ -43,6 +43,7 @@
 
 mod batch;
 mod caps;
+mod dontfork;
 mod error;
 mod fdinfo;
 mod fdtransfer;

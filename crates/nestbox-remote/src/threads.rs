@@ -86,42 +86,8 @@ impl ThreadState {
     /// # Errors
     /// A failed ptrace request or injected call, naming the thread.
     pub fn capture(thread: &mut Tracee) -> Result<ThreadState> {
-        let tid = thread.pid();
-        let regs = *thread.original_regs().ok_or(RemoteError::NotStopped {
-            pid: tid,
-            what: "registers saved at the first stop",
-        })?;
-        let status = Status::read(tid)?;
-        let ns_tid = status.innermost_pid()?;
-        let caps = CapState::from_status(&status)?;
-        let name = read_name(tid)?;
-        let fpu = read_fpu(tid)?;
-        let sigmask =
-            nestbox_sys::ptrace::get_sigmask(tid).map_err(ptrace_err("PTRACE_GETSIGMASK", tid))?;
-        // Kernels without the request (before 5.13) simply have no rseq to carry.
-        let rseq = thread.rseq_configuration().unwrap_or(None);
-        let robust_list = nestbox_sys::process::robust_list(tid).map_err(|e| RemoteError::Sys {
-            op: "get_robust_list",
-            pid: tid,
-            source: e.into(),
-        })?;
-        let queried = query_in_thread(thread, &regs);
-        let restored = thread.restore_regs();
-        let (altstack, clear_child_tid) = queried?;
-        restored?;
-        Ok(ThreadState {
-            host_tid: tid,
-            ns_tid,
-            regs,
-            fpu,
-            sigmask,
-            rseq,
-            robust_list,
-            altstack,
-            clear_child_tid,
-            caps,
-            name,
-        })
+        let mut states = capture_all(&mut [thread])?;
+        Ok(states.remove(0))
     }
 
     /// The registers the re-created thread resumes with: the template's, except
@@ -136,6 +102,434 @@ impl ThreadState {
         }
         regs
     }
+}
+
+/// [`ThreadState::capture`] of several stopped threads at once: the syscalls
+/// injected in them run in all of them together (see [`syscall_each`]).
+pub(crate) fn capture_all(threads: &mut [&mut Tracee]) -> Result<Vec<ThreadState>> {
+    let mut states = Vec::with_capacity(threads.len());
+    for thread in threads.iter() {
+        states.push(read_without_injection(thread)?);
+    }
+    // Answers go below each thread's red zone: stack_t, then clear_child_tid.
+    let stack_len = std::mem::size_of::<libc::stack_t>() as u64;
+    let answer_at = |s: &ThreadState| (s.regs.rsp - RED_ZONE - stack_len - 8 - 16) & !15;
+    let tid_at = |s: &ThreadState| answer_at(s) + stack_len.next_multiple_of(8);
+    let altstacks: Vec<_> = states
+        .iter()
+        .map(|s| Some((libc::SYS_sigaltstack, vec![0, answer_at(s)])))
+        .collect();
+    let tid_addresses: Vec<_> = states
+        .iter()
+        .map(|s| Some((libc::SYS_prctl, vec![PR_GET_TID_ADDRESS, tid_at(s)])))
+        .collect();
+    let queried = syscall_each(threads, &altstacks).and_then(|alt| {
+        let tid = syscall_each(threads, &tid_addresses)?;
+        Ok((alt, tid))
+    });
+    let mut restored = Ok(());
+    for thread in threads.iter_mut() {
+        let r = thread.restore_regs();
+        if restored.is_ok() {
+            restored = r;
+        }
+    }
+    let (alt, tid) = queried?;
+    restored?;
+    for (i, (thread, state)) in threads.iter().zip(states.iter_mut()).enumerate() {
+        let failed = |syscall: &'static str, rc: i64| RemoteError::Injected {
+            syscall,
+            pid: thread.pid(),
+            context: "reading a thread's state".into(),
+            source: std::io::Error::from_raw_os_error(-rc as i32),
+        };
+        let alt_rc = alt[i].unwrap_or(0);
+        if alt_rc < 0 {
+            return Err(failed("sigaltstack", alt_rc));
+        }
+        let addr = answer_at(state);
+        let mut buf = vec![0u8; (tid_at(state) - addr + 8) as usize];
+        thread.read_mem(addr, &mut buf)?;
+        let ss = layout::parse_stack_t(&buf);
+        state.altstack = (ss.ss_flags & libc::SS_DISABLE == 0).then_some((
+            ss.ss_sp as u64,
+            ss.ss_size as u64,
+            ss.ss_flags & !libc::SS_ONSTACK,
+        ));
+        state.clear_child_tid = match tid[i].unwrap_or(0) {
+            // A kernel without CONFIG_CHECKPOINT_RESTORE cannot tell it: the
+            // thread is re-created without one (only a joiner of an exiting
+            // thread cares).
+            rc if rc == -i64::from(libc::EINVAL) => {
+                tracing::warn!(
+                    tid = thread.pid(),
+                    "PR_GET_TID_ADDRESS unsupported: clear_child_tid not carried"
+                );
+                0
+            }
+            rc if rc < 0 => return Err(failed("prctl(PR_GET_TID_ADDRESS)", rc)),
+            _ => {
+                let at = (tid_at(state) - addr) as usize;
+                u64::from_ne_bytes(buf[at..at + 8].try_into().unwrap_or([0; 8]))
+            }
+        };
+    }
+    Ok(states)
+}
+
+/// What ptrace and `/proc` tell about a stopped thread (the alternate stack
+/// and clear-child-tid address are left empty).
+fn read_without_injection(thread: &Tracee) -> Result<ThreadState> {
+    let tid = thread.pid();
+    let regs = *thread.original_regs().ok_or(RemoteError::NotStopped {
+        pid: tid,
+        what: "registers saved at the first stop",
+    })?;
+    let status = Status::read(tid)?;
+    let robust_list = nestbox_sys::process::robust_list(tid).map_err(|e| RemoteError::Sys {
+        op: "get_robust_list",
+        pid: tid,
+        source: e.into(),
+    })?;
+    Ok(ThreadState {
+        host_tid: tid,
+        ns_tid: status.innermost_pid()?,
+        regs,
+        fpu: read_fpu(tid)?,
+        sigmask: nestbox_sys::ptrace::get_sigmask(tid)
+            .map_err(ptrace_err("PTRACE_GETSIGMASK", tid))?,
+        // Kernels without the request (before 5.13) simply have no rseq to carry.
+        rseq: thread.rseq_configuration().unwrap_or(None),
+        robust_list,
+        altstack: None,
+        clear_child_tid: 0,
+        caps: CapState::from_status(&status)?,
+        name: read_name(tid)?,
+    })
+}
+
+/// Run one syscall in each of `threads` (`None`: none in that one), all at
+/// once: each steps through its own while the others do, and they are waited
+/// for in turn, so their round trips overlap instead of adding up. Returns the
+/// raw results in order. Every call begun is waited for, even after a failure,
+/// so that no thread is left mid-step.
+fn syscall_each(
+    threads: &mut [&mut Tracee],
+    calls: &[Option<(i64, Vec<u64>)>],
+) -> Result<Vec<Option<i64>>> {
+    let (out, err) = syscall_each_full(threads, calls);
+    match err {
+        Some(e) => Err(e),
+        None => Ok(out.into_iter().map(|r| r.map(|(rax, _)| rax)).collect()),
+    }
+}
+
+/// [`syscall_each`] giving, for each call, its raw result and the host pid
+/// of a child it created, whatever failed (returned apart: the children made
+/// must be taken over even then).
+#[allow(clippy::type_complexity)]
+fn syscall_each_full(
+    threads: &mut [&mut Tracee],
+    calls: &[Option<(i64, Vec<u64>)>],
+) -> (Vec<Option<(i64, Option<i32>)>>, Option<RemoteError>) {
+    let mut begun = vec![false; threads.len()];
+    let mut first_err = None;
+    for (i, (thread, call)) in threads.iter_mut().zip(calls).enumerate() {
+        if let Some((nr, args)) = call {
+            match thread.begin_syscall(*nr, args) {
+                Ok(()) => begun[i] = true,
+                Err(e) => {
+                    first_err = Some(e);
+                    break;
+                }
+            }
+        }
+    }
+    let mut out = vec![None; threads.len()];
+    for (i, thread) in threads.iter_mut().enumerate() {
+        if begun[i] {
+            match thread.end_syscall() {
+                Ok(result) => out[i] = Some(result),
+                Err(e) => {
+                    first_err.get_or_insert(e);
+                }
+            }
+        }
+    }
+    (out, first_err)
+}
+
+/// [`syscall_each`], a negative result an [`RemoteError::Injected`] error
+/// naming `name`, the thread and `context`.
+pub(crate) fn syscall_each_checked(
+    threads: &mut [&mut Tracee],
+    name: &'static str,
+    context: &str,
+    calls: &[Option<(i64, Vec<u64>)>],
+) -> Result<()> {
+    let results = syscall_each(threads, calls)?;
+    for (thread, rc) in threads.iter().zip(results) {
+        if let Some(rc) = rc.filter(|rc| (-4095..0).contains(rc)) {
+            return Err(RemoteError::Injected {
+                syscall: name,
+                pid: thread.pid(),
+                context: context.to_string(),
+                source: std::io::Error::from_raw_os_error(-rc as i32),
+            });
+        }
+    }
+    Ok(())
+}
+
+/// How many threads share the scratch area in one round of [`apply_all`]
+/// (each needs at most 48 bytes of it).
+const CHUNK: usize = 256;
+
+/// Give the re-created `threads` (stopped) the parts of their `states` that are
+/// set through ptrace and by syscalls injected in them (all threads of a chunk
+/// at once); `with_regs` also sets their registers and names (the main thread
+/// of a clone keeps its own, carried by the fork). Each resumes with its
+/// registers at detach.
+pub(crate) fn apply_all(
+    threads: &mut [&mut Tracee],
+    scratch: &mut Scratch,
+    states: &[&ThreadState],
+    with_regs: bool,
+) -> Result<()> {
+    for (thread, state) in threads.iter_mut().zip(states) {
+        let tid = thread.pid();
+        if with_regs {
+            let regs = state.resume_regs();
+            // Injections below run from the thread's own registers (its stack).
+            thread.set_regs(&regs)?;
+            thread.set_original(regs);
+        }
+        let (note, bytes) = &state.fpu;
+        nestbox_sys::ptrace::set_regset(tid, *note, bytes)
+            .map_err(ptrace_err("PTRACE_SETREGSET (FPU/vector state)", tid))?;
+        nestbox_sys::ptrace::set_sigmask(tid, state.sigmask)
+            .map_err(ptrace_err("PTRACE_SETSIGMASK", tid))?;
+    }
+    let rseq: Vec<_> = states
+        .iter()
+        .map(|s| {
+            s.rseq.map(|(ptr, len, sig)| {
+                (libc::SYS_rseq, vec![ptr, u64::from(len), 0, u64::from(sig)])
+            })
+        })
+        .collect();
+    syscall_each_checked(
+        threads,
+        "rseq",
+        "re-registering a thread's rseq area",
+        &rseq,
+    )?;
+    let robust: Vec<_> = states
+        .iter()
+        .map(|s| {
+            let (head, len) = s.robust_list;
+            (head != 0).then(|| (libc::SYS_set_robust_list, vec![head, len]))
+        })
+        .collect();
+    syscall_each_checked(
+        threads,
+        "set_robust_list",
+        "a thread's robust futex list",
+        &robust,
+    )?;
+    // Threads start with their creator's name.
+    let inherited = match (with_regs, threads.first()) {
+        (true, Some(first)) => Some(read_name(first.pid())?),
+        _ => None,
+    };
+    let mut start = 0;
+    while start < threads.len() {
+        let end = (start + CHUNK).min(threads.len());
+        let chunk = &mut threads[start..end];
+        let chunk_states = &states[start..end];
+        scratch.reset();
+        let mut names = Vec::with_capacity(chunk.len());
+        let mut stacks = Vec::with_capacity(chunk.len());
+        for (thread, state) in chunk.iter().zip(chunk_states) {
+            names.push(match &inherited {
+                Some(inherited) if *inherited != state.name => {
+                    let addr = scratch.put_path(thread, &state.name)?;
+                    Some((libc::SYS_prctl, vec![libc::PR_SET_NAME as u64, addr]))
+                }
+                _ => None,
+            });
+            stacks.push(match state.altstack {
+                Some((sp, size, flags)) => {
+                    let ss = libc::stack_t {
+                        ss_sp: sp as *mut libc::c_void,
+                        ss_flags: flags,
+                        ss_size: size as usize,
+                    };
+                    let addr = scratch.put(thread, &layout::stack_t(&ss))?;
+                    Some((libc::SYS_sigaltstack, vec![addr, 0]))
+                }
+                None => None,
+            });
+        }
+        syscall_each_checked(chunk, "prctl(PR_SET_NAME)", "naming a thread", &names)?;
+        syscall_each_checked(
+            chunk,
+            "sigaltstack",
+            "restoring a thread's alternate signal stack",
+            &stacks,
+        )?;
+        start = end;
+    }
+    Ok(())
+}
+
+/// Re-create the template threads `threads` (not its leader) in `g`, the
+/// clone's process, stopped in an injection, whose memory `scratch` is in.
+/// Each gets its tid in the pid namespace `g` lives in, which must be free
+/// there; `cookie` goes in the arguments the seccomp filter checks. Returns the
+/// new threads, stopped with their state set: detach them to let them run
+/// (dropped, they kill the whole process).
+///
+/// # Errors
+/// A failed `clone3` (`EEXIST`: the tid is taken; `EPERM`: no `CAP_SYS_ADMIN`
+/// in the pid namespace's user namespace), ptrace request or injected call.
+pub(crate) fn recreate(
+    g: &mut Tracee,
+    scratch: &mut Scratch,
+    threads: &[ThreadState],
+    cookie: [u64; 2],
+) -> Result<Vec<Tracee>> {
+    // In rounds: every thread of G made so far clones one more at the same
+    // time, so n threads take about log2(n) rounds, not n. A thread clones
+    // with the attributes of its creator, and before any is given its own
+    // state every creator has G's main thread's (bounding set, securebits,
+    // mask, name, full capabilities for set_tid).
+    let mut made: Vec<Tracee> = Vec::with_capacity(threads.len());
+    let (insn, tgid) = (g.syscall_insn, g.pid());
+    let mut next = 0;
+    while next < threads.len() {
+        let mut creators: Vec<&mut Tracee> = Vec::with_capacity(made.len() + 1);
+        creators.push(&mut *g);
+        creators.extend(made.iter_mut());
+        let count = creators.len().min(threads.len() - next).min(CHUNK);
+        let creators = &mut creators[..count];
+        let round = &threads[next..next + count];
+        scratch.reset();
+        let mut calls = Vec::with_capacity(count);
+        for (creator, state) in creators.iter().zip(round) {
+            let tid_addr = scratch.put(creator, &state.ns_tid.to_ne_bytes())?;
+            let args_addr = scratch.put(creator, &clone_args(state, tid_addr).to_bytes())?;
+            calls.push(Some((
+                libc::SYS_clone3,
+                vec![
+                    args_addr,
+                    layout::CLONE_ARGS_SIZE as u64,
+                    cookie[0],
+                    cookie[1],
+                ],
+            )));
+        }
+        let (results, failed) = syscall_each_full(creators, &calls);
+        // Whatever failed, the threads made are taken over (and so killed
+        // with G on failure).
+        let mut new = Vec::with_capacity(count);
+        for result in results.iter().flatten() {
+            if let (_, Some(tid)) = result {
+                new.push(Tracee::adopt_thread(*tid, tgid, insn)?);
+            }
+        }
+        if let Some(e) = failed {
+            return Err(e);
+        }
+        for ((result, state), creator) in results.iter().zip(round).zip(creators.iter()) {
+            let rax = result.map_or(0, |(rax, _)| rax);
+            if (-4095..0).contains(&rax) {
+                return Err(RemoteError::Injected {
+                    syscall: "clone3",
+                    pid: creator.pid(),
+                    context: format!(
+                        "thread {} (tid {} in the box)",
+                        state.host_tid, state.ns_tid
+                    ),
+                    source: std::io::Error::from_raw_os_error(-rax as i32),
+                });
+            }
+        }
+        if new.len() != count {
+            return Err(RemoteError::NotStopped {
+                pid: tgid,
+                what: "a clone event after an injected clone3",
+            });
+        }
+        made.extend(new);
+        next += count;
+    }
+    let mut refs: Vec<&mut Tracee> = made.iter_mut().collect();
+    let states: Vec<&ThreadState> = threads.iter().collect();
+    apply_all(&mut refs, scratch, &states, true)?;
+    Ok(made)
+}
+
+/// The `clone3` arguments that re-create the thread of `state`, its tid read
+/// from `tid_addr`.
+fn clone_args(state: &ThreadState, tid_addr: u64) -> layout::CloneArgs {
+    let mut flags = (libc::CLONE_VM
+        | libc::CLONE_FS
+        | libc::CLONE_FILES
+        | libc::CLONE_SIGHAND
+        | libc::CLONE_THREAD
+        | libc::CLONE_SYSVSEM
+        | libc::CLONE_SETTLS) as u64;
+    if state.clear_child_tid != 0 {
+        flags |= libc::CLONE_CHILD_CLEARTID as u64;
+    }
+    layout::CloneArgs {
+        flags,
+        child_tid: state.clear_child_tid,
+        tls: state.regs.fs_base,
+        set_tid: tid_addr,
+        set_tid_size: 1,
+        ..layout::CloneArgs::default()
+    }
+}
+
+/// Give the re-created `threads` the capability sets of their `states`. They
+/// were cloned with the bounding set `inherited` and every other capability
+/// of their creator; what a thread's own bounding set lacks beyond that is
+/// dropped in it.
+pub(crate) fn restore_caps(
+    threads: &mut [Tracee],
+    scratch: &mut Scratch,
+    states: &[ThreadState],
+    inherited: u64,
+) -> Result<()> {
+    for (thread, state) in threads.iter_mut().zip(states) {
+        if state.caps.bounding != inherited {
+            caps::restore_bounding(thread, scratch, state.caps.bounding, inherited, 0)?;
+        }
+    }
+    let mut refs: Vec<&mut Tracee> = threads.iter_mut().collect();
+    let mut start = 0;
+    while start < refs.len() {
+        let end = (start + CHUNK).min(refs.len());
+        scratch.reset();
+        let mut calls = Vec::with_capacity(end - start);
+        for (thread, state) in refs[start..end].iter().zip(&states[start..end]) {
+            let data = scratch.put(thread, &caps::capset_data(&state.caps))?;
+            calls.push(Some((libc::SYS_capset, vec![data, data + 8])));
+        }
+        syscall_each_checked(
+            &mut refs[start..end],
+            "capset",
+            "a thread's capability sets",
+            &calls,
+        )?;
+        start = end;
+    }
+    for (thread, state) in threads.iter_mut().zip(states) {
+        caps::raise_ambient(thread, &state.caps)?;
+    }
+    Ok(())
 }
 
 /// The thread's name, without the newline `/proc` adds.
@@ -165,200 +559,6 @@ fn read_fpu(tid: i32) -> Result<(u32, Vec<u8>)> {
         }
         Err(e) => Err(ptrace_err("PTRACE_GETREGSET NT_X86_XSTATE", tid)(e)),
     }
-}
-
-/// Read the alternate signal stack and the `clear_child_tid` address by
-/// syscalls injected in `thread`, their results written below its red zone.
-#[allow(clippy::type_complexity)]
-fn query_in_thread(thread: &mut Tracee, regs: &Regs) -> Result<(Option<(u64, u64, i32)>, u64)> {
-    let stack_len = std::mem::size_of::<libc::stack_t>() as u64;
-    let addr = (regs.rsp - RED_ZONE - stack_len - 8 - 16) & !15;
-    let tid_addr = addr + stack_len.next_multiple_of(8);
-    thread.syscall(
-        "sigaltstack",
-        || "reading a thread's alternate signal stack".into(),
-        libc::SYS_sigaltstack,
-        &[0, addr],
-    )?;
-    let clear_child_tid =
-        match thread.inject_raw(libc::SYS_prctl, &[PR_GET_TID_ADDRESS, tid_addr])? {
-            // A kernel without CONFIG_CHECKPOINT_RESTORE cannot tell it: the thread
-            // is re-created without one (only a joiner of an exiting thread cares).
-            (rc, _) if rc == -i64::from(libc::EINVAL) => {
-                tracing::warn!(
-                    tid = thread.pid(),
-                    "PR_GET_TID_ADDRESS unsupported: clear_child_tid not carried"
-                );
-                None
-            }
-            (rc, _) if rc < 0 => {
-                return Err(RemoteError::Injected {
-                    syscall: "prctl(PR_GET_TID_ADDRESS)",
-                    pid: thread.pid(),
-                    context: String::new(),
-                    source: std::io::Error::from_raw_os_error(-rc as i32),
-                })
-            }
-            _ => Some(()),
-        };
-    let mut buf = vec![0u8; (tid_addr - addr + 8) as usize];
-    thread.read_mem(addr, &mut buf)?;
-    let ss = layout::parse_stack_t(&buf);
-    let altstack = (ss.ss_flags & libc::SS_DISABLE == 0).then_some((
-        ss.ss_sp as u64,
-        ss.ss_size as u64,
-        ss.ss_flags & !libc::SS_ONSTACK,
-    ));
-    let at = (tid_addr - addr) as usize;
-    let cct = clear_child_tid.map_or(0, |()| {
-        u64::from_ne_bytes(buf[at..at + 8].try_into().unwrap_or([0; 8]))
-    });
-    Ok((altstack, cct))
-}
-
-/// Give thread `t` (re-created, stopped) the parts of `state` that are set
-/// through ptrace and by injection in the thread; `with_regs` also sets its
-/// registers (the thread resumes with them at detach).
-pub(crate) fn apply(
-    t: &mut Tracee,
-    scratch: &mut Scratch,
-    state: &ThreadState,
-    with_regs: bool,
-) -> Result<()> {
-    let tid = t.pid();
-    if with_regs {
-        let regs = state.resume_regs();
-        // Injections below run from the thread's own registers (its stack).
-        t.set_regs(&regs)?;
-        t.set_original(regs);
-    }
-    let (note, bytes) = &state.fpu;
-    nestbox_sys::ptrace::set_regset(tid, *note, bytes)
-        .map_err(ptrace_err("PTRACE_SETREGSET (FPU/vector state)", tid))?;
-    nestbox_sys::ptrace::set_sigmask(tid, state.sigmask)
-        .map_err(ptrace_err("PTRACE_SETSIGMASK", tid))?;
-    if let Some((ptr, len, sig)) = state.rseq {
-        t.syscall(
-            "rseq",
-            || format!("re-registering the rseq area at {ptr:#x}"),
-            libc::SYS_rseq,
-            &[ptr, u64::from(len), 0, u64::from(sig)],
-        )?;
-    }
-    let (head, len) = state.robust_list;
-    if head != 0 {
-        t.syscall(
-            "set_robust_list",
-            String::new,
-            libc::SYS_set_robust_list,
-            &[head, len],
-        )?;
-    }
-    if with_regs && read_name(tid)? != state.name {
-        scratch.reset();
-        let addr = scratch.put_path(t, &state.name)?;
-        t.syscall(
-            "prctl(PR_SET_NAME)",
-            || format!("naming a thread {:?}", String::from_utf8_lossy(&state.name)),
-            libc::SYS_prctl,
-            &[libc::PR_SET_NAME as u64, addr],
-        )?;
-    }
-    if let Some((sp, size, flags)) = state.altstack {
-        let ss = libc::stack_t {
-            ss_sp: sp as *mut libc::c_void,
-            ss_flags: flags,
-            ss_size: size as usize,
-        };
-        scratch.reset();
-        let addr = scratch.put(t, &layout::stack_t(&ss))?;
-        t.syscall(
-            "sigaltstack",
-            || "restoring a thread's alternate signal stack".into(),
-            libc::SYS_sigaltstack,
-            &[addr, 0],
-        )?;
-    }
-    Ok(())
-}
-
-/// Re-create the template threads `threads` (not its leader) in `g`, the
-/// clone's process, stopped in an injection, whose memory `scratch` is in.
-/// Each gets its tid in the pid namespace `g` lives in, which must be free
-/// there; `cookie` goes in the arguments the seccomp filter checks. Returns the
-/// new threads, stopped with their state set: detach them to let them run
-/// (dropped, they kill the whole process).
-///
-/// # Errors
-/// A failed `clone3` (`EEXIST`: the tid is taken; `EPERM`: no `CAP_SYS_ADMIN`
-/// in the pid namespace's user namespace), ptrace request or injected call.
-pub(crate) fn recreate(
-    g: &mut Tracee,
-    scratch: &mut Scratch,
-    threads: &[ThreadState],
-    cookie: [u64; 2],
-) -> Result<Vec<Tracee>> {
-    let mut made = Vec::with_capacity(threads.len());
-    for state in threads {
-        scratch.reset();
-        let tid_addr = scratch.put(g, &state.ns_tid.to_ne_bytes())?;
-        let mut flags = (libc::CLONE_VM
-            | libc::CLONE_FS
-            | libc::CLONE_FILES
-            | libc::CLONE_SIGHAND
-            | libc::CLONE_THREAD
-            | libc::CLONE_SYSVSEM
-            | libc::CLONE_SETTLS) as u64;
-        if state.clear_child_tid != 0 {
-            flags |= libc::CLONE_CHILD_CLEARTID as u64;
-        }
-        let args = layout::CloneArgs {
-            flags,
-            child_tid: state.clear_child_tid,
-            tls: state.regs.fs_base,
-            set_tid: tid_addr,
-            set_tid_size: 1,
-            ..layout::CloneArgs::default()
-        };
-        let args_addr = scratch.put(g, &args.to_bytes())?;
-        let host_tid = g.fork_syscall(
-            "clone3",
-            || {
-                format!(
-                    "thread {} (tid {} in the box)",
-                    state.host_tid, state.ns_tid
-                )
-            },
-            libc::SYS_clone3,
-            &[
-                args_addr,
-                layout::CLONE_ARGS_SIZE as u64,
-                cookie[0],
-                cookie[1],
-            ],
-        )?;
-        let mut thread = Tracee::adopt_thread(host_tid, g.pid(), g.syscall_insn)?;
-        apply(&mut thread, scratch, state, true)?;
-        made.push(thread);
-    }
-    Ok(made)
-}
-
-/// Give the re-created `threads` the capability sets of their `states`. They
-/// were cloned with the bounding set `inherited` and every other capability
-/// of their creator; what a thread's own bounding set lacks beyond that is
-/// dropped in it.
-pub(crate) fn restore_caps(
-    threads: &mut [Tracee],
-    scratch: &mut Scratch,
-    states: &[ThreadState],
-    inherited: u64,
-) -> Result<()> {
-    for (thread, state) in threads.iter_mut().zip(states) {
-        caps::restore_bounding(thread, scratch, state.caps.bounding, inherited, 0)?;
-        caps::restore_sets(thread, scratch, &state.caps)?;
-    }
-    Ok(())
 }
 
 #[cfg(test)]

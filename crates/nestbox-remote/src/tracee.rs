@@ -75,6 +75,9 @@ pub struct Tracee {
     /// The state of the leader and of `threads`, once read: it stays what it
     /// is while every thread is held, so the forks of one stop share it.
     pub(crate) captured: Option<(ThreadState, Vec<ThreadState>)>,
+    /// The `MADV_DONTFORK` ranges of the template's memory, once read (they
+    /// do not change while it is held either).
+    pub(crate) dontfork: Option<crate::dontfork::DontFork>,
     _not_send: PhantomData<*const ()>,
 }
 
@@ -245,6 +248,17 @@ impl Tracee {
         &mut self.threads
     }
 
+    /// Take the other threads out (to drive them together with the leader);
+    /// give them back with [`Tracee::put_threads`].
+    pub(crate) fn take_threads(&mut self) -> Vec<Tracee> {
+        std::mem::take(&mut self.threads)
+    }
+
+    /// Give back the threads taken with [`Tracee::take_threads`].
+    pub(crate) fn put_threads(&mut self, threads: Vec<Tracee>) {
+        self.threads = threads;
+    }
+
     /// The thread group (process) id of the tracee.
     pub fn tgid(&self) -> i32 {
         self.tgid
@@ -263,6 +277,7 @@ impl Tracee {
             syscall_insn: 0,
             threads: Vec::new(),
             captured: None,
+            dontfork: None,
             _not_send: PhantomData,
         }
     }
@@ -350,6 +365,7 @@ impl Tracee {
                 return Ok(());
             }
             self.captured = None;
+            self.dontfork = None;
         }
     }
 
@@ -522,6 +538,7 @@ impl Tracee {
 
     fn detach_inner(&mut self) -> Result<()> {
         self.captured = None;
+        self.dontfork = None;
         let mut first_err = None;
         for thread in &mut self.threads {
             if let Err(e) = thread.detach_inner() {

@@ -132,6 +132,29 @@ fn wait_all_beyond(pid: i32, than: &[u64]) -> Vec<u64> {
     last
 }
 
+/// Whether the mapping of `pid` at `addr` has `dc` (`MADV_DONTFORK`) in its
+/// `VmFlags`.
+fn dontfork_marked(pid: i32, addr: u64) -> bool {
+    let smaps = std::fs::read_to_string(format!("/proc/{pid}/smaps")).expect("smaps");
+    let mut inside = false;
+    for line in smaps.lines() {
+        if let Some(flags) = line.strip_prefix("VmFlags:") {
+            if inside {
+                return flags.split_whitespace().any(|f| f == "dc");
+            }
+        } else if let Some((start, end)) = line
+            .split_whitespace()
+            .next()
+            .and_then(|r| r.split_once('-'))
+        {
+            if let (Ok(s), Ok(e)) = (u64::from_str_radix(start, 16), u64::from_str_radix(end, 16)) {
+                inside = s <= addr && addr < e;
+            }
+        }
+    }
+    false
+}
+
 fn threads_continue() {
     let mut sc = Scenario::start("mt");
     let p = sc.template;
@@ -188,6 +211,41 @@ fn threads_continue() {
         .map(|h| task_field(g, *h, "SigBlk"))
         .collect();
     assert_eq!(masks.len(), 9, "a distinct mask per thread: {masks:?}");
+
+    // The MADV_DONTFORK region was carried, its mark too, in both.
+    let template_df = ask(p, "get");
+    let (df_addr, df_before) = field(&template_df, "dontfork=")
+        .split_once(':')
+        .expect("dontfork");
+    let df_addr = u64::from_str_radix(df_addr.trim_start_matches("0x"), 16).expect("addr");
+    let df_before: u64 = df_before.parse().expect("count");
+    let clone_df = ask(init, "get");
+    let (_, df_clone) = field(&clone_df, "dontfork=")
+        .split_once(':')
+        .expect("dontfork");
+    assert!(df_clone.parse::<u64>().expect("count") > 0);
+    for pid in [p, g] {
+        assert!(
+            dontfork_marked(pid, df_addr),
+            "the page at {df_addr:#x} is MADV_DONTFORK in {pid}"
+        );
+        assert!(
+            !dontfork_marked(pid, df_addr + 4096),
+            "the page at {:#x} is not MADV_DONTFORK in {pid}",
+            df_addr + 4096
+        );
+        assert!(
+            dontfork_marked(pid, df_addr + 8192),
+            "the page at {:#x} is MADV_DONTFORK in {pid}",
+            df_addr + 8192
+        );
+        let mut word = [0u8; 8];
+        let mem = std::fs::File::open(format!("/proc/{pid}/mem")).expect("mem");
+        std::os::unix::fs::FileExt::read_exact_at(&mem, &mut word, df_addr + 8192)
+            .expect("read the marker");
+        assert_eq!(u64::from_ne_bytes(word), thread_roles::MARKER, "in {pid}");
+    }
+    println!("  MADV_DONTFORK counter: template {df_before}, clone {df_clone}");
 
     // Every thread goes on from where the template's was, in the clone.
     let first = counts(&ask(init, "get"));

@@ -44,6 +44,16 @@ static WAKE: (Mutex<u64>, Condvar) = (Mutex::new(0), Condvar::new());
 static EVENTFD: AtomicI32 = AtomicI32::new(-1);
 static ROBUST: AtomicUsize = AtomicUsize::new(0);
 static NEVER: AtomicU32 = AtomicU32::new(0);
+/// A counter in a mapping marked `MADV_DONTFORK` (as V8 marks its heap).
+static DONTFORK: AtomicUsize = AtomicUsize::new(0);
+/// The word at the start of the third page of that mapping.
+pub const MARKER: u64 = 0x5eed_f00d_cafe_d00d;
+
+fn dontfork_counter() -> &'static AtomicU64 {
+    // SAFETY: DONTFORK holds the address of a page-aligned mapping that lives
+    // forever (set before the workers start), so an AtomicU64 there is valid.
+    unsafe { &*(DONTFORK.load(Ordering::SeqCst) as *const AtomicU64) }
+}
 
 /// The MXCSR worker `i` runs with: all exceptions masked, rounding mode
 /// `i % 4`, flush-to-zero for odd `i`.
@@ -189,6 +199,7 @@ fn worker(i: usize) {
         "nanosleep" => loop {
             sleep_ms(50);
             round(i);
+            dontfork_counter().fetch_add(1, Ordering::SeqCst);
             let (m, cv) = &WAKE;
             *m.lock().unwrap_or_else(|e| e.into_inner()) += 1;
             cv.notify_all();
@@ -303,10 +314,12 @@ fn serve(listener: &TcpListener) -> ! {
             |f: &dyn Fn(usize) -> String| (0..WORKERS.len()).map(f).collect::<Vec<_>>().join(",");
         let reply = match String::from_utf8_lossy(&line).as_ref() {
             "get" => format!(
-                "counts={} mxcsr={} onstack={}",
+                "counts={} mxcsr={} onstack={} dontfork={:#x}:{}",
                 join(&|i| COUNTS[i].load(Ordering::SeqCst).to_string()),
                 join(&|i| format!("{:#x}", MXCSR[i].load(Ordering::SeqCst))),
-                ONSTACK.load(Ordering::SeqCst)
+                ONSTACK.load(Ordering::SeqCst),
+                DONTFORK.load(Ordering::SeqCst),
+                dontfork_counter().load(Ordering::SeqCst)
             ),
             "ids" => join(&|i| {
                 format!(
@@ -348,6 +361,34 @@ pub fn template(zombie: bool) -> ! {
         }
     }
     ROBUST.store(std::ptr::from_mut(mutex) as usize, Ordering::SeqCst);
+    // Three pages: the first and the last marked MADV_DONTFORK, the middle one
+    // not (two separate ranges around an ordinary mapping); the last holds a
+    // marker word.
+    // SAFETY: a fresh anonymous mapping, kept for the life of the process.
+    let region = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            3 * 4096,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+            -1,
+            0,
+        )
+    };
+    if region == libc::MAP_FAILED {
+        die("mmap");
+    }
+    let last = (region as usize + 2 * 4096) as *mut libc::c_void;
+    // SAFETY: advising the first page of the mapping just made.
+    let first_advised = unsafe { libc::madvise(region, 4096, libc::MADV_DONTFORK) };
+    // SAFETY: advising its last page.
+    let last_advised = unsafe { libc::madvise(last, 4096, libc::MADV_DONTFORK) };
+    if first_advised != 0 || last_advised != 0 {
+        die("dontfork region");
+    }
+    // SAFETY: the last page is mapped read-write and page-aligned.
+    unsafe { *(last as *mut u64) = MARKER };
+    DONTFORK.store(region as usize, Ordering::SeqCst);
     confine();
     if zombie {
         std::thread::spawn(move || serve(&listener));
