@@ -548,6 +548,7 @@ impl Session {
             group.extend(threads.iter_mut());
             state.dontfork.mark(&mut group)?;
         }
+        rearm_signalfd_watches(&mut g, &mut g_scratch, entries)?;
         self.phases.mark("G fix-up");
         g.set_original(state.leader.regs);
         let ns_pid = if clone3_ok {
@@ -727,4 +728,66 @@ pub(crate) fn fix_up(
         threads::restore_caps(&mut threads, scratch, &state.threads, caps.bounding)?;
     }
     Ok(threads)
+}
+
+/// Register every signalfd watched by an epoll instance again, from `g`.
+///
+/// An epoll registration of a signalfd waits on the signal queue of the
+/// process that made it: C1, which re-created the epoll instance and exits.
+/// When C1's signal handlers go, the kernel detaches the registration
+/// (`POLLFREE`), after which no signal of the clone would ever wake it: the
+/// registration is made again in the clone's own process (delete, then add
+/// with the same events and data).
+pub(crate) fn rearm_signalfd_watches(
+    g: &mut Tracee,
+    scratch: &mut Scratch,
+    entries: &[FdEntry],
+) -> Result<()> {
+    use crate::fdinfo::FdKind;
+    let signalfds: Vec<i32> = entries
+        .iter()
+        .filter(|e| matches!(e.kind, FdKind::SignalFd { .. }))
+        .map(|e| e.fd)
+        .collect();
+    if signalfds.is_empty() {
+        return Ok(());
+    }
+    let mut batch = Batch::new();
+    scratch.reset();
+    for entry in entries {
+        let FdKind::Epoll(watches) = &entry.kind else {
+            continue;
+        };
+        for watch in watches.iter().filter(|w| signalfds.contains(&w.fd)) {
+            let mut event = Vec::with_capacity(12);
+            event.extend_from_slice(&watch.events.to_ne_bytes());
+            event.extend_from_slice(&watch.data.to_ne_bytes());
+            let addr = scratch.put(g, &event)?;
+            let context = format!("epoll fd {} watching signalfd {}", entry.fd, watch.fd);
+            batch.push(
+                "epoll_ctl(EPOLL_CTL_DEL)",
+                context.clone(),
+                libc::SYS_epoll_ctl,
+                &[
+                    entry.fd as u64,
+                    libc::EPOLL_CTL_DEL as u64,
+                    watch.fd as u64,
+                    0,
+                ],
+            );
+            batch.push(
+                "epoll_ctl(EPOLL_CTL_ADD)",
+                context,
+                libc::SYS_epoll_ctl,
+                &[
+                    entry.fd as u64,
+                    libc::EPOLL_CTL_ADD as u64,
+                    watch.fd as u64,
+                    addr,
+                ],
+            );
+        }
+    }
+    batch.run(g, scratch)?;
+    Ok(())
 }
