@@ -145,6 +145,10 @@ pub enum RemoteError {
     /// The fork plan is inconsistent.
     #[error("invalid fork plan: {0}")]
     Plan(String),
+    /// Something of the template a clone cannot reproduce (a process tree, a
+    /// mapping), said in one line naming the process.
+    #[error("{0}")]
+    Unclonable(String),
     /// A mapping of the process cannot be given to the clone as its own object.
     #[error("mapping {range} ({name}) of pid {pid} cannot be made private to the clone: {reason}")]
     UnsupportedMapping {

@@ -71,7 +71,7 @@ impl ProcessState {
         let pid = template.pid();
         let status = Status::read(pid)?;
         let umask = u32::from_str_radix(status.get("Umask")?, 8)
-            .map_err(|_| RemoteError::Plan(format!("process {pid}: bad Umask in its status")))?;
+            .map_err(|_| RemoteError::Unclonable(format!("process {pid}: bad Umask in its status")))?;
         let inherited = INHERITED
             .iter()
             .map(|key| Ok((key.to_string(), status.get(key).unwrap_or("").to_string())))
@@ -106,7 +106,7 @@ impl ProcessState {
     pub fn check_inherits(&self, pid: i32, parent: &ProcessState) -> Result<()> {
         for ((key, mine), (_, theirs)) in self.inherited.iter().zip(&parent.inherited) {
             if mine != theirs {
-                return Err(RemoteError::Plan(format!(
+                return Err(RemoteError::Unclonable(format!(
                     "process {pid} ({}) has {key} {mine:?} where its parent has {theirs:?}: a clone cannot re-create it",
                     self.comm
                 )));

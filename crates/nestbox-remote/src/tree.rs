@@ -87,7 +87,7 @@ pub fn read_box(init: i32, host_pids: &[i32]) -> Result<Vec<BoxProcess>> {
             text.split_whitespace()
                 .last()
                 .and_then(|v| v.parse().ok())
-                .ok_or_else(|| RemoteError::Plan(format!("process {host_pid}: bad {key} {text:?}")))
+                .ok_or_else(|| RemoteError::Unclonable(format!("process {host_pid}: bad {key} {text:?}")))
         };
         let host_ppid: i32 = status.decimal("PPid")?;
         ns_pid_of.insert(host_pid, pid);
@@ -96,7 +96,7 @@ pub fn read_box(init: i32, host_pids: &[i32]) -> Result<Vec<BoxProcess>> {
     raw.into_iter()
         .map(|(host_pid, pid, host_ppid, sid, pgid)| {
             let ppid = *ns_pid_of.get(&host_ppid).ok_or_else(|| {
-                RemoteError::Plan(format!(
+                RemoteError::Unclonable(format!(
                     "process {host_pid} (pid {pid} in its box) has a parent outside the box (host pid {host_ppid})"
                 ))
             })?;
@@ -136,7 +136,7 @@ pub fn plan(processes: &[BoxProcess]) -> Result<Vec<Step>> {
             } else if by_pid.contains_key(&p.ppid) {
                 Origin::ForkedBy(p.ppid)
             } else {
-                return Err(RemoteError::Plan(format!(
+                return Err(RemoteError::Unclonable(format!(
                     "process {} (pid {} in its box) has a parent (pid {}) that is not in the box",
                     p.host_pid, p.pid, p.ppid
                 )));
@@ -157,12 +157,12 @@ pub fn plan(processes: &[BoxProcess]) -> Result<Vec<Step>> {
             let membership = if p.sid == p.pid {
                 Membership::NewSession
             } else if origin == Origin::RemoteFork {
-                return Err(RemoteError::Plan(format!(
+                return Err(RemoteError::Unclonable(format!(
                     "process {} (pid {} in its box) is a child of the box's init but does not lead its own session (session {}): a clone cannot re-create it",
                     p.host_pid, p.pid, p.sid
                 )));
             } else if inherited.map(|(sid, _)| sid) != Some(p.sid) {
-                return Err(RemoteError::Plan(format!(
+                return Err(RemoteError::Unclonable(format!(
                     "process {} (pid {} in its box) is in session {}, which is neither its own nor its parent's: a clone cannot re-create it",
                     p.host_pid, p.pid, p.sid
                 )));
@@ -171,7 +171,7 @@ pub fn plan(processes: &[BoxProcess]) -> Result<Vec<Step>> {
             } else if inherited.map(|(_, pgid)| pgid) == Some(p.pgid) {
                 Membership::Inherit
             } else if !by_pid.contains_key(&p.pgid) {
-                return Err(RemoteError::Plan(format!(
+                return Err(RemoteError::Unclonable(format!(
                     "process {} (pid {} in its box) is in process group {}, whose leader is not in the box: a clone cannot re-create it",
                     p.host_pid, p.pid, p.pgid
                 )));
@@ -183,7 +183,7 @@ pub fn plan(processes: &[BoxProcess]) -> Result<Vec<Step>> {
                 continue;
             };
             if membership == Membership::NewSession && p.pgid != p.pid {
-                return Err(RemoteError::Plan(format!(
+                return Err(RemoteError::Unclonable(format!(
                     "process {} (pid {} in its box) leads session {} but is in process group {}: a clone cannot re-create it",
                     p.host_pid, p.pid, p.sid, p.pgid
                 )));
@@ -199,7 +199,7 @@ pub fn plan(processes: &[BoxProcess]) -> Result<Vec<Step>> {
         }
         if left.len() == before {
             let names: Vec<String> = left.iter().map(|p| p.pid.to_string()).collect();
-            return Err(RemoteError::Plan(format!(
+            return Err(RemoteError::Unclonable(format!(
                 "the process tree of the box cannot be re-created in an order that gives every process its group (pids {})",
                 names.join(", ")
             )));

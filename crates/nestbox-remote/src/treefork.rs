@@ -203,7 +203,7 @@ fn fork_child(
     let mut x = Tracee::adopt(x_pid, insn)?;
     x.set_options(TRACE_OPTIONS | libc::PTRACE_O_EXITKILL)?;
     if !with_pid {
-        return Err(RemoteError::Plan(format!(
+        return Err(RemoteError::Unclonable(format!(
             "the seccomp filter refuses clone3 with the given cookie, so process {ns_pid} of the tree cannot get its pid"
         )));
     }

@@ -177,7 +177,7 @@ pub(crate) fn make_like_sibling(
     target: i32,
 ) -> Result<MemoryCopied> {
     let refuse = |why: String| {
-        RemoteError::Plan(format!(
+        RemoteError::Unclonable(format!(
             "process {target} cannot be re-created from its parent's clone: {why}"
         ))
     };
@@ -406,7 +406,7 @@ fn relocate_vdso(
         .filter(|v| v.special() && v.name != "[vsyscall]")
         .map(|v| v.start)
         .min()
-        .ok_or_else(|| RemoteError::Plan("the template process has no vDSO".into()))?;
+        .ok_or_else(|| RemoteError::Unclonable("the template process has no vDSO".into()))?;
     // Injected calls run from a `syscall` instruction of our own meanwhile.
     scratch.reset();
     let insn = scratch.put(x, &[0x0f, 0x05])?;
