@@ -368,7 +368,7 @@ impl Session {
         )?;
         self.phases.mark("setns + chdir");
 
-        let outcomes = retarget(&mut c1, scratch, entries, stdio)?;
+        let outcomes = retarget(&mut c1, scratch, template.pid(), entries, stdio)?;
         close_all(&mut c1, &installed)?;
         self.phases.mark("fd re-targeting");
 
@@ -415,6 +415,7 @@ impl Session {
         let mut g_scratch = g1_scratch.inherited();
         let joined_user_ns = namespaces.iter().any(|(kind, _)| *kind == NsKind::User);
         fix_up(&mut g, &mut g_scratch, state, securebits, joined_user_ns)?;
+        crate::retarget::own_pidfds(&mut g, entries)?;
         g_scratch.unmap(&mut g)?;
         self.phases.mark("G fix-up");
         g.set_original(state.regs);

@@ -47,18 +47,23 @@ mod fdinfo;
 mod fdtransfer;
 mod fork;
 mod inject;
+mod inotify;
 mod layout;
 mod memory;
+mod objects;
+mod placeholder;
 mod procfs;
 mod retarget;
 mod tracee;
+mod unixdiag;
 
 pub use caps::CapState;
 pub use error::{RemoteError, Result};
 pub use fdinfo::{
-    ensure_clonable, inspect_fds, refresh_volatile, EpollWatch, FdAction, FdEntry, FdKind,
-    SocketInfo,
+    ensure_clonable, inspect_fds, mark_peers_inside, refresh_volatile, EpollWatch, FdAction,
+    FdEntry, FdKind, InotifyWatch, SocketInfo,
 };
+pub use objects::{object_of, CloneObjects, ObjectKey, TemplateEnd};
 pub use fdtransfer::{install_fds, MAX_FDS};
 pub use fork::{remote_fork, ForkPlan, Forked, NsKind};
 pub use procfs::check_single_threaded;
