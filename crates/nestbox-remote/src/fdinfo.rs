@@ -325,9 +325,7 @@ pub fn inspect_fds(pid: i32) -> Result<Vec<FdEntry>> {
 /// Fill in the peer inode of every connected Unix socket of `entries` (fds of
 /// `pid`), from sock_diag in `pid`'s network namespace.
 pub(crate) fn resolve_unix_peers(pid: i32, entries: &mut [FdEntry]) -> Result<()> {
-    let connected_unix = |e: &FdEntry| {
-        matches!(&e.kind, FdKind::Socket(s) if s.domain == libc::AF_UNIX && s.connected)
-    };
+    let connected_unix = |e: &FdEntry| matches!(&e.kind, FdKind::Socket(s) if s.domain == libc::AF_UNIX && s.connected);
     if !entries.iter().any(connected_unix) {
         return Ok(());
     }

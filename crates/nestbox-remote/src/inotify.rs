@@ -56,7 +56,7 @@ pub(crate) fn parse_watches(pid: i32, info: &str) -> Result<Vec<InotifyWatch>, S
 }
 
 fn parse_hex_bytes(text: &str) -> Option<Vec<u8>> {
-    if text.len() % 2 != 0 {
+    if !text.len().is_multiple_of(2) {
         return None;
     }
     (0..text.len())
@@ -159,7 +159,10 @@ inotify wd:3 ino:13 sdev:fe00000 mask:2 ignored_mask:0 fhandle-bytes:8 fhandle-t
 inotify wd:1 ino:98e0bd sdev:fe00000 mask:100 ignored_mask:0\n";
         let watches = parse_watches(-1, info).unwrap();
         assert_eq!(watches.len(), 2);
-        assert_eq!((watches[0].wd, watches[0].mask, watches[0].ino), (1, 0x100, 0x98e0bd));
+        assert_eq!(
+            (watches[0].wd, watches[0].mask, watches[0].ino),
+            (1, 0x100, 0x98e0bd)
+        );
         assert_eq!((watches[1].wd, watches[1].sdev), (3, 0xfe00000));
         assert_eq!(watches[0].path, None, "no handle, no path");
         assert_eq!(parse_hex_bytes("13ff"), Some(vec![0x13, 0xff]));

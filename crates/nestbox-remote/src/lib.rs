@@ -63,9 +63,9 @@ pub use fdinfo::{
     ensure_clonable, inspect_fds, mark_peers_inside, refresh_volatile, EpollWatch, FdAction,
     FdEntry, FdKind, InotifyWatch, SocketInfo,
 };
-pub use objects::{object_of, CloneObjects, ObjectKey, TemplateEnd};
 pub use fdtransfer::{install_fds, MAX_FDS};
 pub use fork::{remote_fork, ForkPlan, Forked, NsKind};
+pub use objects::{object_of, CloneObjects, ObjectKey, TemplateEnd};
 pub use procfs::check_single_threaded;
 pub use retarget::FdOutcome;
 pub use tracee::{Regs, Tracee};

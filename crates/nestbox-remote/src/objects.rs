@@ -154,17 +154,23 @@ impl CloneObjects {
                 pidfd_getfd(&creator, tracee.pid(), nums[0])?,
                 pidfd_getfd(&creator, tracee.pid(), nums[1])?,
             ];
-            let mut template_fd = |side: Option<usize>, readable: bool| -> Result<Option<(i32, i32, OwnedFd)>> {
+            let mut template_fd = |side: Option<usize>,
+                                   readable: bool|
+             -> Result<Option<(i32, i32, OwnedFd)>> {
                 let end = object.ends.iter().find(|e| {
                     side.is_none_or(|s| e.side == s)
                         && (!readable || e.flags & libc::O_ACCMODE != libc::O_WRONLY)
                 });
                 let Some(end) = end else { return Ok(None) };
-                if !template_pidfds.contains_key(&end.pid) {
-                    template_pidfds.insert(end.pid, pidfd_open(end.pid)?);
-                }
-                let pidfd = &template_pidfds[&end.pid];
-                Ok(Some((end.pid, end.fd, pidfd_getfd(pidfd, end.pid, end.fd)?)))
+                let pidfd = match template_pidfds.entry(end.pid) {
+                    std::collections::btree_map::Entry::Occupied(e) => e.into_mut(),
+                    std::collections::btree_map::Entry::Vacant(e) => e.insert(pidfd_open(end.pid)?),
+                };
+                Ok(Some((
+                    end.pid,
+                    end.fd,
+                    pidfd_getfd(pidfd, end.pid, end.fd)?,
+                )))
             };
             match object.kind {
                 Kind::Pipe => {
@@ -224,8 +230,7 @@ impl CloneObjects {
             for end in object.ends.iter().filter(|e| e.pid == template_pid) {
                 // A pipe end opened for reading and writing (a FIFO opened
                 // O_RDWR): a new open of the new pipe, through /proc.
-                let rdwr = object.kind == Kind::Pipe
-                    && end.flags & libc::O_ACCMODE == libc::O_RDWR;
+                let rdwr = object.kind == Kind::Pipe && end.flags & libc::O_ACCMODE == libc::O_RDWR;
                 let (from, handed) = if rdwr || !creator {
                     let reopened;
                     let fd = if rdwr {

@@ -254,9 +254,7 @@ impl Ctx<'_> {
             self.scratch.reset();
             let buf = self.scratch.reserve(4096)?;
             loop {
-                let (rax, _) = self
-                    .tracee
-                    .inject_raw(libc::SYS_read, &[tmp, buf, 4096])?;
+                let (rax, _) = self.tracee.inject_raw(libc::SYS_read, &[tmp, buf, 4096])?;
                 if rax <= 0 {
                     break;
                 }
@@ -475,6 +473,17 @@ pub(crate) fn own_pidfds(tracee: &mut Tracee, entries: &[FdEntry]) -> Result<()>
             libc::SYS_pidfd_open,
             &[me, flags],
         )?;
+        if tmp == fd as u64 {
+            // The number was free (closed in the first process): it got it.
+            let cloexec = u64::from(entry.flags & libc::O_CLOEXEC != 0);
+            tracee.syscall(
+                "fcntl(F_SETFD)",
+                || format!("for fd {fd}"),
+                libc::SYS_fcntl,
+                &[tmp, libc::F_SETFD as u64, cloexec],
+            )?;
+            continue;
+        }
         let cloexec = (entry.flags & libc::O_CLOEXEC) as u64;
         tracee.syscall(
             "dup3",

@@ -50,14 +50,7 @@ pub(crate) fn peers(pid: i32) -> Result<HashMap<u64, u64>> {
     request.extend_from_slice(&u32::MAX.to_ne_bytes()); // no cookie
     request.extend_from_slice(&u32::MAX.to_ne_bytes());
     // SAFETY: `request` is a valid buffer of its length; the socket is ours.
-    let sent = unsafe {
-        libc::send(
-            sock.as_raw_fd(),
-            request.as_ptr().cast(),
-            request.len(),
-            0,
-        )
-    };
+    let sent = unsafe { libc::send(sock.as_raw_fd(), request.as_ptr().cast(), request.len(), 0) };
     if sent < 0 {
         return Err(sys_err("send(sock_diag dump)", pid)(
             io::Error::last_os_error(),
