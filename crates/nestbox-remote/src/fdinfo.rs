@@ -57,6 +57,17 @@ pub struct SocketInfo {
     pub nodelay: Option<bool>,
     /// Listen backlog, when the kernel tells it (TCP: `TCP_INFO`).
     pub backlog: Option<i32>,
+    /// `getpeername`, raw `sockaddr` bytes (empty if not connected).
+    pub peer_addr: Vec<u8>,
+    /// Inode of the socket (`socket:[INO]`).
+    pub ino: u64,
+    /// Connected Unix sockets: the peer's inode (`UNIX_DIAG_PEER` of sock_diag);
+    /// `Some(0)` when the peer was closed; `None` for other sockets.
+    pub peer: Option<u64>,
+    /// The peer is a socket of the box connected back to this one (both ends
+    /// held by the box's processes): set by [`inspect_fds`] for one process and
+    /// by [`crate::mark_peers_inside`] for several.
+    pub peer_inside: bool,
 }
 
 impl SocketInfo {
@@ -125,8 +136,36 @@ pub enum FdKind {
         /// Signal mask.
         mask: u64,
     },
-    /// Anything else (inotify, fanotify, pidfd, io_uring, userfaultfd, ...).
+    /// An inotify instance and its watches.
+    Inotify(Vec<InotifyWatch>),
+    /// A pidfd.
+    PidFd {
+        /// The process's pid as the tracer sees it (`Pid:`; -1: it ended).
+        pid: i32,
+        /// Its pid in its innermost pid namespace (last of `NSpid:`).
+        ns_pid: i32,
+        /// It is the inspected process itself.
+        own: bool,
+    },
+    /// Anything else (fanotify, io_uring, userfaultfd, ...).
     Other,
+}
+
+/// One watch of an inotify instance (`inotify wd:` line of its fdinfo).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct InotifyWatch {
+    /// Watch descriptor.
+    pub wd: i32,
+    /// Event mask as given to `inotify_add_watch` (the kernel's internal bits
+    /// above `IN_ALL_EVENTS`, e.g. `IN_ONESHOT`, included as shown).
+    pub mask: u32,
+    /// Inode of the watched file.
+    pub ino: u64,
+    /// Device of the watched file (kernel encoding: major << 20 | minor).
+    pub sdev: u64,
+    /// The watched file's path in the template's mount namespace, found from
+    /// its file handle (`open_by_handle_at`); `None` when it could not be.
+    pub path: Option<String>,
 }
 
 /// What happens to an fd in a clone.
@@ -146,6 +185,13 @@ pub enum FdAction {
     /// a copy of its contents (the same new object its mappings get), made in the
     /// clone's final process (`shmem.rs`).
     CopyShared,
+    /// One end of a new connected object (pipe, FIFO, Unix socket pair or
+    /// connection inside the box): the clone's ends are connected as the
+    /// template's, with the data buffered in them copied (`crate::objects`).
+    Pair,
+    /// A connection to outside the box: a placeholder on the same number that
+    /// fails reads and writes as a reset connection would.
+    Placeholder,
     /// No rule: the clone is refused.
     Unsupported(String),
 }
@@ -159,6 +205,8 @@ impl fmt::Display for FdAction {
             FdAction::Recreate => f.write_str("re-created"),
             FdAction::Close => f.write_str("closed"),
             FdAction::CopyShared => f.write_str("copied to a new object"),
+            FdAction::Pair => f.write_str("re-created as a new connected object"),
+            FdAction::Placeholder => f.write_str("a reset placeholder"),
             FdAction::Unsupported(why) => write!(f, "unsupported: {why}"),
         }
     }
@@ -210,11 +258,19 @@ impl FdEntry {
                 }
             }
             FdKind::Directory | FdKind::CharDevice | FdKind::BlockDevice => FdAction::Shared,
-            FdKind::Pipe => FdAction::Unsupported(
-                "a pipe or FIFO other than stdin/stdout/stderr would stay shared with the template".into(),
-            ),
+            FdKind::Pipe => FdAction::Pair,
             FdKind::Socket(sock) => match sock.domain {
-                libc::AF_INET | libc::AF_INET6 | libc::AF_UNIX if sock.connected => FdAction::Close,
+                libc::AF_UNIX if sock.connected && (sock.peer_inside || sock.peer == Some(0)) => {
+                    FdAction::Pair
+                }
+                libc::AF_INET | libc::AF_INET6
+                    if sock.connected && sock.sock_type == libc::SOCK_DGRAM =>
+                {
+                    FdAction::Recreate
+                }
+                libc::AF_INET | libc::AF_INET6 | libc::AF_UNIX if sock.connected => {
+                    FdAction::Placeholder
+                }
                 libc::AF_INET | libc::AF_INET6 | libc::AF_UNIX => FdAction::Recreate,
                 other => FdAction::Unsupported(format!(
                     "sockets of address family {other} have no clone rule (only AF_INET, AF_INET6, AF_UNIX)"
@@ -227,8 +283,19 @@ impl FdEntry {
                 Some(_) => FdAction::Unsupported("an epoll instance watching itself".into()),
                 None => FdAction::Recreate,
             },
+            FdKind::Inotify(watches) => match watches.iter().find(|w| w.path.is_none()) {
+                Some(w) => FdAction::Unsupported(format!(
+                    "the file of its watch {} (inode {:#x}) has no path the clone could watch again",
+                    w.wd, w.ino
+                )),
+                None => FdAction::Recreate,
+            },
+            FdKind::PidFd { own: true, .. } => FdAction::Recreate,
+            FdKind::PidFd { pid, ns_pid, .. } => FdAction::Unsupported(format!(
+                "a pidfd of another process (pid {pid}, {ns_pid} in its namespace), which the clone has no copy of"
+            )),
             FdKind::Other => FdAction::Unsupported(format!(
-                "{} has no clone rule (inotify, fanotify, pidfd, io_uring, userfaultfd and other special fds cannot be cloned)",
+                "{} has no clone rule (fanotify, io_uring, userfaultfd and other special fds cannot be cloned)",
                 self.target
             )),
         }
@@ -260,7 +327,53 @@ pub fn inspect_fds(pid: i32) -> Result<Vec<FdEntry>> {
             Err(e) => return Err(e),
         }
     }
+    resolve_unix_peers(pid, &mut out)?;
+    mark_peers_inside(&mut [&mut out[..]]);
     Ok(out)
+}
+
+/// Fill in the peer inode of every connected Unix socket of `entries` (fds of
+/// `pid`), from sock_diag in `pid`'s network namespace.
+pub(crate) fn resolve_unix_peers(pid: i32, entries: &mut [FdEntry]) -> Result<()> {
+    let connected_unix = |e: &FdEntry| matches!(&e.kind, FdKind::Socket(s) if s.domain == libc::AF_UNIX && s.connected);
+    if !entries.iter().any(connected_unix) {
+        return Ok(());
+    }
+    let peers = crate::unixdiag::peers(pid)?;
+    for entry in entries.iter_mut() {
+        if let FdKind::Socket(sock) = &mut entry.kind {
+            if sock.domain == libc::AF_UNIX && sock.connected {
+                sock.peer = Some(peers.get(&sock.ino).copied().unwrap_or(0));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Mark the connected Unix sockets whose peer is held by one of the given
+/// processes' fds and connected back (`SocketInfo::peer_inside`): the
+/// inventories of all the processes of a box, so that a connection between two
+/// of them is re-created as a pair and any other as a placeholder.
+pub fn mark_peers_inside(processes: &mut [&mut [FdEntry]]) {
+    let mut peer_of = std::collections::HashMap::new();
+    for entries in processes.iter() {
+        for entry in entries.iter() {
+            if let FdKind::Socket(s) = &entry.kind {
+                if let Some(peer) = s.peer.filter(|p| *p != 0) {
+                    peer_of.insert(s.ino, peer);
+                }
+            }
+        }
+    }
+    for entries in processes.iter_mut() {
+        for entry in entries.iter_mut() {
+            if let FdKind::Socket(s) = &mut entry.kind {
+                s.peer_inside = s
+                    .peer
+                    .is_some_and(|p| p != 0 && peer_of.get(&p) == Some(&s.ino));
+            }
+        }
+    }
 }
 
 /// Re-read the entries whose state changes while the process is frozen (timerfd
@@ -362,10 +475,27 @@ fn inspect_one(pid: i32, fd: i32, pidfd: &mut Option<OwnedFd>) -> Result<FdEntry
                 mask: u64::from_str_radix(field("sigmask").unwrap_or(""), 16)
                     .map_err(|_| bad("sigmask is not hexadecimal".into()))?,
             },
+            "inotify" => FdKind::Inotify(crate::inotify::parse_watches(pid, &info).map_err(bad)?),
+            "[pidfd]" => {
+                let of = field("Pid")
+                    .and_then(|s| s.parse().ok())
+                    .ok_or_else(|| bad("no Pid".into()))?;
+                let ns_pid = field("NSpid")
+                    .and_then(|s| s.split_whitespace().last())
+                    .and_then(|s| s.parse().ok())
+                    .unwrap_or(of);
+                FdKind::PidFd {
+                    pid: of,
+                    ns_pid,
+                    own: of == pid,
+                }
+            }
             _ => FdKind::Other,
         }
     } else if target.starts_with("socket:") {
-        FdKind::Socket(inspect_socket(pid, fd, pidfd)?)
+        let mut sock = inspect_socket(pid, fd, pidfd)?;
+        sock.ino = ino;
+        FdKind::Socket(sock)
     } else if target.starts_with("pipe:") {
         FdKind::Pipe
     } else if target.starts_with('/') {
@@ -532,7 +662,8 @@ fn inspect_socket(pid: i32, fd: i32, pidfd: &mut Option<OwnedFd>) -> Result<Sock
     let inet = domain == libc::AF_INET || domain == libc::AF_INET6;
     let tcp = inet && sock_type == libc::SOCK_STREAM && protocol == libc::IPPROTO_TCP;
     let local = sockname(&sock, libc::getsockname).unwrap_or_default();
-    let connected = sockname(&sock, libc::getpeername).is_ok();
+    let peer_addr = sockname(&sock, libc::getpeername);
+    let connected = peer_addr.is_ok();
     let backlog = if tcp && listening {
         tcp_listen_backlog(&sock)
     } else {
@@ -552,6 +683,10 @@ fn inspect_socket(pid: i32, fd: i32, pidfd: &mut Option<OwnedFd>) -> Result<Sock
         v6only: (domain == libc::AF_INET6).then(|| flag(libc::IPPROTO_IPV6, libc::IPV6_V6ONLY)),
         nodelay: tcp.then(|| flag(libc::IPPROTO_TCP, libc::TCP_NODELAY)),
         backlog,
+        peer_addr: peer_addr.unwrap_or_default(),
+        ino: 0,
+        peer: None,
+        peer_inside: false,
     })
 }
 

@@ -46,6 +46,7 @@ use crate::fdinfo::{ensure_clonable, inspect_fds, refresh_volatile, FdEntry};
 use crate::fdtransfer::install_fds_with;
 use crate::layout;
 use crate::memory::{Scratch, SCRATCH_LEN};
+use crate::objects::CloneObjects;
 use crate::procfs::{self, Status};
 use crate::retarget::{retarget, FdOutcome};
 use crate::threads::{self, ThreadState};
@@ -217,7 +218,7 @@ impl TemplateState {
 /// made so far are killed and the template is as before.
 pub fn remote_fork(template: &mut Tracee, plan: &ForkPlan<'_>) -> Result<Forked> {
     let start = Instant::now();
-    let (made, mut phases) = make_root(template, plan, start, 0)?;
+    let (made, mut phases) = make_root(template, plan, start, 0, None)?;
     let ns_pid = made.ns_pid;
     let fds = made.fds.clone();
     let pid = made.release(plan.on_clone_signal)?;
@@ -284,6 +285,7 @@ pub(crate) fn make_root(
     plan: &ForkPlan<'_>,
     start: Instant,
     free_floor: i32,
+    objects: Option<&mut CloneObjects>,
 ) -> Result<(Made, Phases)> {
     let mut phases = Phases::new(start);
     if !template.is_stopped() {
@@ -351,6 +353,7 @@ pub(crate) fn make_root(
         &namespaces,
         &entries,
         &state,
+        objects,
     );
     match result {
         Ok(made) => Ok((made, session.phases)),
@@ -435,6 +438,7 @@ impl Session {
         namespaces: &[(NsKind, BorrowedFd<'_>)],
         entries: &[FdEntry],
         state: &TemplateState,
+        objects: Option<&mut CloneObjects>,
     ) -> Result<Made> {
         let insn = template.syscall_insn;
         let [cookie0, cookie1] = plan.setns_cookie;
@@ -478,7 +482,7 @@ impl Session {
         let securebits = batch.run(&mut c1, scratch)?[0];
         self.phases.mark("setns + chdir");
 
-        let outcomes = retarget(&mut c1, scratch, entries, stdio)?;
+        let outcomes = retarget(&mut c1, scratch, template.pid(), entries, stdio, objects)?;
         close_all(&mut c1, &installed)?;
         self.phases.mark("fd re-targeting");
 
@@ -549,6 +553,7 @@ impl Session {
             state.dontfork.mark(&mut group)?;
         }
         rearm_signalfd_watches(&mut g, &mut g_scratch, entries)?;
+        crate::retarget::own_pidfds(&mut g, entries)?;
         self.phases.mark("G fix-up");
         g.set_original(state.leader.regs);
         let ns_pid = if clone3_ok {

@@ -50,9 +50,12 @@ mod fdtransfer;
 mod fork;
 mod hugepages;
 mod inject;
+mod inotify;
 mod layout;
 pub mod maps;
 mod memory;
+mod objects;
+mod placeholder;
 mod procfs;
 mod procstate;
 mod retarget;
@@ -62,16 +65,18 @@ mod tracee;
 pub mod tree;
 mod treefork;
 mod treememory;
+mod unixdiag;
 
 pub use caps::CapState;
 pub use error::{RemoteError, Result};
 pub use fdinfo::{
-    ensure_clonable, inspect_fds, refresh_volatile, EpollWatch, FdAction, FdEntry, FdKind,
-    SocketInfo,
+    ensure_clonable, inspect_fds, mark_peers_inside, refresh_volatile, EpollWatch, FdAction,
+    FdEntry, FdKind, InotifyWatch, SocketInfo,
 };
 pub use fdtransfer::{install_fds, MAX_FDS};
 pub use fork::{remote_fork, ForkPlan, Forked, NsKind};
 pub use hugepages::{collapse_anonymous, collapsible_ranges, Collapsed};
+pub use objects::{object_of, CloneObjects, ObjectKey, TemplateEnd};
 pub use procstate::ProcessState;
 pub use retarget::FdOutcome;
 pub use shmem::{SharedCopy, SharedKind, SharedObjects};

@@ -70,8 +70,9 @@ impl ProcessState {
     pub fn capture(template: &mut Tracee) -> Result<ProcessState> {
         let pid = template.pid();
         let status = Status::read(pid)?;
-        let umask = u32::from_str_radix(status.get("Umask")?, 8)
-            .map_err(|_| RemoteError::Unclonable(format!("process {pid}: bad Umask in its status")))?;
+        let umask = u32::from_str_radix(status.get("Umask")?, 8).map_err(|_| {
+            RemoteError::Unclonable(format!("process {pid}: bad Umask in its status"))
+        })?;
         let inherited = INHERITED
             .iter()
             .map(|key| Ok((key.to_string(), status.get(key).unwrap_or("").to_string())))

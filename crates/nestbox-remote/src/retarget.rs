@@ -5,13 +5,19 @@
 //!
 //! New objects are created on a free fd number and moved onto the template's
 //! number with `dup3`, keeping its close-on-exec flag; epoll instances are rebuilt
-//! last, once the fds they watch have been re-targeted.
+//! last, once the fds they watch have been re-targeted. Connected objects
+//! (pipes, socket pairs) go through [`CloneObjects`], outside connections
+//! become [`placeholder`]s, and a pidfd of the template process itself is
+//! opened again in the clone's process ([`own_pidfds`]), which exists only
+//! after the last fork.
 
 use serde::Serialize;
 
 use crate::error::Result;
-use crate::fdinfo::{FdAction, FdEntry, FdKind, SocketInfo};
+use crate::fdinfo::{FdAction, FdEntry, FdKind, InotifyWatch, SocketInfo};
 use crate::memory::Scratch;
+use crate::objects::CloneObjects;
+use crate::placeholder;
 use crate::tracee::Tracee;
 
 /// What was done with one fd of the template in the clone.
@@ -162,6 +168,105 @@ impl Ctx<'_> {
             let backlog = sock.backlog.unwrap_or(libc::SOMAXCONN);
             self.call("listen", fd, libc::SYS_listen, &[tmp, backlog as u64])?;
         }
+        if sock.connected && !sock.peer_addr.is_empty() {
+            // A connected datagram socket: connected again to the same peer,
+            // from the clone's network namespace.
+            self.scratch.reset();
+            let addr = self.scratch.put(self.tracee, &sock.peer_addr)?;
+            self.call(
+                "connect",
+                fd,
+                libc::SYS_connect,
+                &[tmp, addr, sock.peer_addr.len() as u64],
+            )?;
+        }
+        self.install(tmp, entry)
+    }
+
+    fn placeholder(&mut self, template_pid: i32, entry: &FdEntry, sock: &SocketInfo) -> Result<()> {
+        let tmp = placeholder::make(self.tracee, self.scratch, template_pid, entry, sock)?;
+        let status = Self::nonblock(entry) as u64;
+        self.call(
+            "fcntl(F_SETFL)",
+            entry.fd,
+            libc::SYS_fcntl,
+            &[tmp as u64, libc::F_SETFL as u64, status],
+        )?;
+        self.install(tmp as u64, entry)
+    }
+
+    /// A new inotify instance with the same watches at the same watch
+    /// descriptors: wds are allocated in increasing order (cyclically) within
+    /// an instance, so a gap before a wd is skipped by adding and removing a
+    /// watch on the first watched path as often as needed; the `IN_IGNORED`
+    /// events that leaves are read out before the fd is installed.
+    fn inotify(&mut self, entry: &FdEntry, watches: &[InotifyWatch]) -> Result<()> {
+        let fd = entry.fd;
+        let tmp = self.call(
+            "inotify_init1",
+            fd,
+            libc::SYS_inotify_init1,
+            &[(libc::IN_CLOEXEC | libc::IN_NONBLOCK) as u64],
+        )?;
+        let mut next = 1;
+        let mut skipped = false;
+        for watch in watches {
+            let path = watch.path.as_deref().unwrap_or("/");
+            self.scratch.reset();
+            let addr = self.scratch.put_path(self.tracee, path.as_bytes())?;
+            while next < watch.wd {
+                // A watch of its own inode gets the next wd; removed at once.
+                let filler = self.tracee.syscall(
+                    "inotify_add_watch",
+                    || format!("filling wd {next} for fd {fd}"),
+                    libc::SYS_inotify_add_watch,
+                    &[tmp, addr, libc::IN_ATTRIB as u64],
+                )? as i32;
+                self.tracee.syscall(
+                    "inotify_rm_watch",
+                    || format!("filling wd {next} for fd {fd}"),
+                    libc::SYS_inotify_rm_watch,
+                    &[tmp, filler as u64],
+                )?;
+                skipped = true;
+                next = filler + 1;
+            }
+            let wd = self.tracee.syscall(
+                "inotify_add_watch",
+                || format!("watch {} of {path} for fd {fd}", watch.wd),
+                libc::SYS_inotify_add_watch,
+                &[tmp, addr, u64::from(watch.mask)],
+            )? as i32;
+            if wd != watch.wd {
+                return Err(crate::RemoteError::Injected {
+                    syscall: "inotify_add_watch",
+                    pid: self.tracee.pid(),
+                    context: format!(
+                        "watch of {path} for fd {fd} got wd {wd} instead of {} (is that file watched twice?)",
+                        watch.wd
+                    ),
+                    source: std::io::Error::from_raw_os_error(libc::EEXIST),
+                });
+            }
+            next = wd + 1;
+        }
+        if skipped {
+            self.scratch.reset();
+            let buf = self.scratch.reserve(4096)?;
+            loop {
+                let (rax, _) = self.tracee.inject_raw(libc::SYS_read, &[tmp, buf, 4096])?;
+                if rax <= 0 {
+                    break;
+                }
+            }
+        }
+        let status = Self::nonblock(entry) as u64;
+        self.call(
+            "fcntl(F_SETFL)",
+            fd,
+            libc::SYS_fcntl,
+            &[tmp, libc::F_SETFL as u64, status],
+        )?;
         self.install(tmp, entry)
     }
 
@@ -233,7 +338,7 @@ impl Ctx<'_> {
         self.install(tmp, entry)
     }
 
-    fn epoll(&mut self, entry: &FdEntry, entries: &[FdEntry]) -> Result<()> {
+    fn epoll(&mut self, entry: &FdEntry) -> Result<()> {
         let tmp = self.call(
             "epoll_create1",
             entry.fd,
@@ -244,10 +349,6 @@ impl Ctx<'_> {
             return Ok(());
         };
         for watch in watches {
-            let watched = entries.iter().find(|e| e.fd == watch.fd);
-            if watched.map(FdEntry::action) == Some(FdAction::Close) {
-                continue;
-            }
             // packed struct epoll_event on x86_64: u32 events, u64 data.
             let mut event = Vec::with_capacity(12);
             event.extend_from_slice(&watch.events.to_ne_bytes());
@@ -266,27 +367,61 @@ impl Ctx<'_> {
     }
 }
 
-/// Apply the fd matrix in `tracee` (a fork of the template that has joined the
-/// clone's mount and network namespaces). `stdio` are the clone's stdio fds as
-/// installed in `tracee`.
+/// Apply the fd matrix in `tracee` (a fork of template process `template_pid`
+/// that has joined the clone's mount and network namespaces). `stdio` are the
+/// clone's stdio fds as installed in `tracee`. `shared`: the connected objects
+/// of the whole box (a process tree), created in the first process re-targeted
+/// and installed in each; `None`: those of this process alone.
 pub(crate) fn retarget(
     tracee: &mut Tracee,
     scratch: &mut Scratch,
+    template_pid: i32,
     entries: &[FdEntry],
     stdio: [i32; 3],
+    shared: Option<&mut CloneObjects>,
 ) -> Result<Vec<FdOutcome>> {
-    let mut ctx = Ctx { tracee, scratch };
     let actions: Vec<FdAction> = entries.iter().map(FdEntry::action).collect();
-    // Pass 1: close; pass 2: reopen and re-create (except epoll); pass 3: stdio;
-    // pass 4: epoll, which needs the final targets of the fds it watches.
-    for (entry, action) in entries.iter().zip(&actions) {
-        if *action == FdAction::Close {
-            ctx.call("close", entry.fd, libc::SYS_close, &[entry.fd as u64])?;
+    // Pass 1: pidfds of the process itself are closed (opened again in the
+    // clone's process, see own_pidfds); pass 2: connected objects; pass 3:
+    // placeholders, reopen and re-create (except epoll); pass 4: stdio;
+    // pass 5: epoll, which needs the final targets of the fds it watches.
+    for entry in entries {
+        if matches!(entry.kind, FdKind::PidFd { own: true, .. }) {
+            tracee.syscall(
+                "close",
+                || format!("for fd {}", entry.fd),
+                libc::SYS_close,
+                &[entry.fd as u64],
+            )?;
         }
     }
+    match shared {
+        Some(objects) if objects.is_created() => {
+            objects.install(tracee, scratch, template_pid, false)?;
+        }
+        Some(objects) => {
+            if !objects.is_empty() {
+                objects.create(tracee, scratch)?;
+                objects.install(tracee, scratch, template_pid, true)?;
+                objects.close_in_creator(tracee)?;
+            }
+        }
+        None => {
+            let mut objects = CloneObjects::plan(&[(template_pid, entries)]);
+            if !objects.is_empty() {
+                objects.create(tracee, scratch)?;
+                objects.install(tracee, scratch, template_pid, true)?;
+                objects.close_in_creator(tracee)?;
+            }
+        }
+    }
+    let mut ctx = Ctx { tracee, scratch };
     for (entry, action) in entries.iter().zip(&actions) {
         match (action, &entry.kind) {
             (FdAction::Reopen, FdKind::File { path, .. }) => ctx.reopen(entry, path)?,
+            (FdAction::Placeholder, FdKind::Socket(sock)) => {
+                ctx.placeholder(template_pid, entry, sock)?
+            }
             (FdAction::Recreate, FdKind::Socket(sock)) => ctx.socket(entry, sock)?,
             (FdAction::Recreate, FdKind::EventFd { count, semaphore }) => {
                 ctx.eventfd(entry, *count, *semaphore)?
@@ -301,6 +436,7 @@ pub(crate) fn retarget(
                 },
             ) => ctx.timerfd(entry, *clockid, *ticks, *value, *interval)?,
             (FdAction::Recreate, FdKind::SignalFd { mask }) => ctx.signalfd(entry, *mask)?,
+            (FdAction::Recreate, FdKind::Inotify(watches)) => ctx.inotify(entry, watches)?,
             _ => {}
         }
     }
@@ -318,7 +454,7 @@ pub(crate) fn retarget(
     }
     for (entry, action) in entries.iter().zip(&actions) {
         if let (FdAction::Recreate, FdKind::Epoll(_)) = (action, &entry.kind) {
-            ctx.epoll(entry, entries)?;
+            ctx.epoll(entry)?;
         }
     }
     Ok(entries
@@ -330,4 +466,48 @@ pub(crate) fn retarget(
             action,
         })
         .collect())
+}
+
+/// In the clone's process (in the clone's pid namespace): a pidfd of itself at
+/// each fd where the template had a pidfd of itself, with its `O_NONBLOCK`
+/// (`PIDFD_NONBLOCK`) and close-on-exec flags.
+pub(crate) fn own_pidfds(tracee: &mut Tracee, entries: &[FdEntry]) -> Result<()> {
+    let own: Vec<&FdEntry> = entries
+        .iter()
+        .filter(|e| matches!(e.kind, FdKind::PidFd { own: true, .. }))
+        .collect();
+    if own.is_empty() {
+        return Ok(());
+    }
+    let me = tracee.syscall("getpid", String::new, libc::SYS_getpid, &[])?;
+    for entry in own {
+        let fd = entry.fd;
+        let flags = (entry.flags & libc::O_NONBLOCK) as u64;
+        let tmp = tracee.syscall(
+            "pidfd_open",
+            || format!("pidfd of the clone's process for fd {fd}"),
+            libc::SYS_pidfd_open,
+            &[me, flags],
+        )?;
+        if tmp == fd as u64 {
+            // The number was free (closed in the first process): it got it.
+            let cloexec = u64::from(entry.flags & libc::O_CLOEXEC != 0);
+            tracee.syscall(
+                "fcntl(F_SETFD)",
+                || format!("for fd {fd}"),
+                libc::SYS_fcntl,
+                &[tmp, libc::F_SETFD as u64, cloexec],
+            )?;
+            continue;
+        }
+        let cloexec = (entry.flags & libc::O_CLOEXEC) as u64;
+        tracee.syscall(
+            "dup3",
+            || format!("for fd {fd}"),
+            libc::SYS_dup3,
+            &[tmp, fd as u64, cloexec],
+        )?;
+        tracee.syscall("close", || format!("for fd {fd}"), libc::SYS_close, &[tmp])?;
+    }
+    Ok(())
 }

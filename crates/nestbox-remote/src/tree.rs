@@ -87,7 +87,9 @@ pub fn read_box(init: i32, host_pids: &[i32]) -> Result<Vec<BoxProcess>> {
             text.split_whitespace()
                 .last()
                 .and_then(|v| v.parse().ok())
-                .ok_or_else(|| RemoteError::Unclonable(format!("process {host_pid}: bad {key} {text:?}")))
+                .ok_or_else(|| {
+                    RemoteError::Unclonable(format!("process {host_pid}: bad {key} {text:?}"))
+                })
         };
         let host_ppid: i32 = status.decimal("PPid")?;
         ns_pid_of.insert(host_pid, pid);

@@ -23,11 +23,12 @@ use std::time::{Duration, Instant};
 use serde::Serialize;
 
 use crate::error::{RemoteError, Result};
-use crate::fdinfo::{ensure_clonable, inspect_fds, FdEntry};
+use crate::fdinfo::{ensure_clonable, inspect_fds, mark_peers_inside, refresh_volatile, FdEntry};
 use crate::fork::{
     ensure_all_threads_held, fix_up, fork_into, make_root, read_template, ForkPlan, Made,
 };
 use crate::memory::{Scratch, SCRATCH_LEN};
+use crate::objects::CloneObjects;
 use crate::procfs::Status;
 use crate::procstate::ProcessState;
 use crate::retarget::{retarget, FdOutcome};
@@ -97,6 +98,32 @@ pub fn remote_fork_tree(
             states.insert(step.process.pid, ProcessState::capture(template)?);
         }
     }
+    // The fds of every process, with the Unix connections between them known
+    // (mark_peers_inside), and the connected objects of the whole box: made
+    // in the first process, installed in each.
+    let mut inventories: Vec<Vec<FdEntry>> = Vec::with_capacity(steps.len());
+    for (i, template) in templates.iter().enumerate() {
+        inventories.push(match (&plan.inventory, i) {
+            (Some(entries), 0) => {
+                let mut entries = entries.clone();
+                refresh_volatile(template.pid(), &mut entries)?;
+                entries
+            }
+            _ => inspect_fds(template.pid())?,
+        });
+    }
+    if steps.len() > 1 {
+        let mut all: Vec<&mut [FdEntry]> =
+            inventories.iter_mut().map(|v| v.as_mut_slice()).collect();
+        mark_peers_inside(&mut all);
+    }
+    let mut objects = CloneObjects::plan(
+        &templates
+            .iter()
+            .zip(&inventories)
+            .map(|(t, e)| (t.pid(), e.as_slice()))
+            .collect::<Vec<_>>(),
+    );
     let mut made: Vec<(i32, Made)> = Vec::with_capacity(steps.len());
     for (i, (template, step)) in templates.iter_mut().zip(steps).enumerate() {
         let pid = step.process.pid;
@@ -108,9 +135,9 @@ pub fn remote_fork_tree(
                     cgroup_task_files: plan.cgroup_task_files.clone(),
                     stdio: plan.stdio,
                     on_clone_signal: None,
-                    inventory: if i == 0 { plan.inventory.clone() } else { None },
+                    inventory: Some(inventories[i].clone()),
                 };
-                make_root(template, &own_plan, start, free_floor)?.0
+                make_root(template, &own_plan, start, free_floor, Some(&mut objects))?.0
             }
             Origin::ForkedBy(parent) => {
                 let own = &states[&pid];
@@ -123,7 +150,14 @@ pub fn remote_fork_tree(
                         RemoteError::Plan(format!("the parent {parent} of {pid} was not made"))
                     })?;
                 let base = host_of[&parent];
-                fork_child(parent_made, template, base, pid, own, plan)?
+                let child = Child {
+                    template,
+                    base,
+                    ns_pid: pid,
+                    process_state: own,
+                    entries: &inventories[i],
+                };
+                fork_child(parent_made, child, &mut objects, plan)?
             }
         };
         set_membership(&mut process, step.membership)?;
@@ -173,22 +207,38 @@ fn set_membership(process: &mut Made, membership: Membership) -> Result<()> {
     Ok(())
 }
 
-/// Fork the child `template` (box pid `ns_pid`, whose template parent has host
-/// pid `base`) from the held clone of its parent, and make it its template's
+/// A child of a template's process tree, to be forked by its parent's clone.
+struct Child<'a> {
+    /// The template process, stopped with all its threads.
+    template: &'a mut Tracee,
+    /// Host pid of its parent in the template.
+    base: i32,
+    /// Its pid in the box.
+    ns_pid: i32,
+    process_state: &'a ProcessState,
+    /// Its fds (with the box's Unix connections marked).
+    entries: &'a [FdEntry],
+}
+
+/// Fork `child` from the held clone of its parent and make it its template's
 /// copy: memory, process state, fds, threads. Returned held.
 fn fork_child(
     parent: &mut Made,
-    template: &mut Tracee,
-    base: i32,
-    ns_pid: i32,
-    process_state: &ProcessState,
+    child: Child<'_>,
+    objects: &mut CloneObjects,
     plan: &ForkPlan<'_>,
 ) -> Result<Made> {
+    let Child {
+        template,
+        base,
+        ns_pid,
+        process_state,
+        entries,
+    } = child;
     let target = template.pid();
     ensure_all_threads_held(template)?;
     let status = Status::read(target)?;
-    let entries = inspect_fds(target)?;
-    ensure_clonable(target, &entries)?;
+    ensure_clonable(target, entries)?;
     let mut state = read_template(template, &status)?;
     state.ns_pid = ns_pid;
 
@@ -221,7 +271,7 @@ fn fork_child(
     let mut scratch = parent.scratch.inherited();
     make_like_sibling(&mut x, &mut scratch, SCRATCH_LEN as u64, base, target)?;
     process_state.apply(&mut x)?;
-    let outcomes = child_fds(&mut x, &mut scratch, base, target, &entries)?;
+    let outcomes = child_fds(&mut x, &mut scratch, base, target, entries, objects)?;
     // Bounding set, securebits and capability sets: as the parent's clone,
     // which has them from the same box (check_inherits); the main thread's
     // sets are put back at release.
@@ -235,6 +285,7 @@ fn fork_child(
     )?;
     // Its restart block is its parent's (the fork copied it), not its
     // template's: a call to resume through it is re-run instead.
+    crate::retarget::own_pidfds(&mut x, entries)?;
     x.set_original(state.leader.resume_regs());
     Ok(Made {
         process: x,
@@ -253,6 +304,7 @@ fn child_fds(
     base: i32,
     target: i32,
     entries: &[FdEntry],
+    objects: &mut CloneObjects,
 ) -> Result<Vec<FdOutcome>> {
     let have = inspect_fds(x.pid())?;
     let same_as_parent =
@@ -292,7 +344,7 @@ fn child_fds(
             )?;
         }
     }
-    let mut outcomes = retarget(x, scratch, &own, [0, 1, 2])?;
+    let mut outcomes = retarget(x, scratch, target, &own, [0, 1, 2], Some(objects))?;
     outcomes.sort_by_key(|o| o.fd);
     Ok(outcomes)
 }

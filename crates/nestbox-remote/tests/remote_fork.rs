@@ -45,6 +45,15 @@ fn main() {
         ("multi_threaded_template_is_refused", multi_threaded),
         ("already_traced_template_is_refused", already_traced),
         ("inspect_fds_classifies_every_kind", inspect_kinds),
+        ("pipe_data_is_carried_over", pipe_data),
+        ("socket_pairs_carry_data_both_ways", socket_pairs),
+        ("unix_connection_inside_the_box_is_a_pair", unix_connection),
+        (
+            "outside_connection_becomes_a_reset_placeholder",
+            outside_placeholder,
+        ),
+        ("inotify_is_recreated_with_its_watches", inotify_watches),
+        ("pidfd_of_the_process_points_to_the_clone", own_pidfd),
         ("remote_fork_timing", timing),
     ];
     // libtest's command line (filters, --skip, --exact, --list, --ignored …)
@@ -201,13 +210,13 @@ fn clone_of_epoll_template() {
     let left: u64 = left.parse().expect("secs");
     assert!((980..=1000).contains(&left), "timer left {left}");
     assert_eq!(interval, "7");
-    // Connected sockets: closed.
+    // Connected sockets: new objects on the same numbers.
     for name in ["client", "server", "pair_a", "pair_b"] {
         assert!(
-            !Path::new(&format!("/proc/{g}/fd/{}", fd(name))).exists(),
-            "{name} must be closed"
+            Path::new(&format!("/proc/{g}/fd/{}", fd(name))).exists(),
+            "{name} must stay taken"
         );
-        assert!(Path::new(&format!("/proc/{p}/fd/{}", fd(name))).exists());
+        assert!(!same_file(p, fd(name), g, fd(name)), "{name} must be new");
     }
     // The reported inventory agrees.
     let action = |fd: i32| {
@@ -219,7 +228,8 @@ fn clone_of_epoll_template() {
     };
     assert_eq!(action(fd("log")), Some(FdAction::Reopen));
     assert_eq!(action(fd("ro")), Some(FdAction::Shared));
-    assert_eq!(action(fd("client")), Some(FdAction::Close));
+    assert_eq!(action(fd("client")), Some(FdAction::Placeholder));
+    assert_eq!(action(fd("pair_a")), Some(FdAction::Pair));
     assert_eq!(action(fd("epoll")), Some(FdAction::Recreate));
     assert_eq!(action(1), Some(FdAction::Stdio));
 
@@ -299,7 +309,7 @@ fn blocked_in_nanosleep() {
 }
 
 fn unsupported_fd() {
-    let mut sc = Scenario::start("inotify");
+    let mut sc = Scenario::start("unsupported");
     let shell = sc.shell();
     let p = sc.template;
     let init = sc.shell_ref(shell).init;
@@ -316,14 +326,14 @@ fn unsupported_fd() {
     match &err {
         RemoteError::UnsupportedFd { pid, fd, kind, .. } => {
             assert_eq!(*pid, p);
-            assert_eq!(*fd, sc.fd("inotify"));
-            assert!(kind.contains("inotify"), "{kind}");
+            assert_eq!(*fd, sc.fd("otherpidfd"));
+            assert!(kind.contains("pidfd"), "{kind}");
         }
         other => panic!("unexpected error {other}"),
     }
     assert!(err
         .to_string()
-        .contains(&format!("fd {}", sc.fd("inotify"))));
+        .contains(&format!("fd {}", sc.fd("otherpidfd"))));
     std::thread::sleep(Duration::from_millis(100));
     assert_eq!(
         (
@@ -435,9 +445,10 @@ fn inspect_kinds() {
         ("eventfd", FdAction::Recreate),
         ("timerfd", FdAction::Recreate),
         ("signalfd", FdAction::Recreate),
-        ("client", FdAction::Close),
-        ("server", FdAction::Close),
-        ("pair_a", FdAction::Close),
+        ("client", FdAction::Placeholder),
+        ("server", FdAction::Placeholder),
+        ("pair_a", FdAction::Pair),
+        ("pair_b", FdAction::Pair),
         ("epoll", FdAction::Recreate),
     ] {
         assert_eq!(action(name), want, "{name}");
@@ -514,4 +525,247 @@ fn timing() {
         times[times.len() - 1],
         times.len()
     );
+}
+
+/// A template of mode `pairs` forked once into a shell: (scenario, template,
+/// clone, the shell's init).
+fn forked_pairs() -> (Scenario, i32, i32, i32) {
+    let mut sc = Scenario::start("pairs");
+    let shell = sc.shell();
+    let null = dev_null();
+    let forked = sc
+        .fork(shell, [&null, &null, &null], None)
+        .expect("remote_fork");
+    let (p, g, init) = (sc.template, forked.pid, sc.shell_ref(shell).init);
+    (sc, p, g, init)
+}
+
+/// Bytes queued in fd `fd` of `pid`, seen through a duplicate (FIONREAD).
+fn queued(pid: i32, fd: i32) -> i32 {
+    let pidfd = nestbox_sys::pidfd::pidfd_open(pid).expect("pidfd_open");
+    let dup =
+        nestbox_sys::pidfd::pidfd_getfd(std::os::fd::AsFd::as_fd(&pidfd), fd).expect("pidfd_getfd");
+    let mut n: libc::c_int = 0;
+    // SAFETY: FIONREAD writes one int.
+    let rc = unsafe {
+        libc::ioctl(
+            std::os::fd::AsRawFd::as_raw_fd(&dup),
+            libc::FIONREAD,
+            &mut n,
+        )
+    };
+    assert_eq!(rc, 0, "FIONREAD: {}", std::io::Error::last_os_error());
+    n
+}
+
+fn fdinfo(pid: i32, fd: i32) -> String {
+    std::fs::read_to_string(format!("/proc/{pid}/fdinfo/{fd}")).expect("fdinfo")
+}
+
+fn fd_flags(pid: i32, fd: i32) -> i32 {
+    let info = fdinfo(pid, fd);
+    let flags = info
+        .lines()
+        .find_map(|l| l.strip_prefix("flags:"))
+        .expect("flags");
+    i32::from_str_radix(flags.trim(), 8).expect("octal")
+}
+
+fn pipe_data() {
+    let (sc, p, g, init) = forked_pairs();
+    let fd = |n: &str| sc.fd(n);
+    let (r, r2, w, half) = (fd("pipe_r"), fd("pipe_r2"), fd("pipe_w"), fd("half_r"));
+    for n in [r, w, half] {
+        assert!(!same_file(p, n, g, n), "fd {n} must be a new pipe");
+    }
+    assert!(same_file(g, r, g, r2), "dup'd fds stay one open file");
+    assert_eq!(
+        queued(g, r),
+        10,
+        "the clone's pipe holds the template's data"
+    );
+    assert_eq!(ask(init, &format!("read {r}")), "data pipe-data|");
+    assert_eq!(
+        ask(init, &format!("read {r2}")),
+        "none",
+        "one pipe, read once"
+    );
+    assert_eq!(ask(init, &format!("send {w} clone")), "ok 5");
+    assert_eq!(ask(init, &format!("read {r2}")), "data clone");
+    // Flags carried: the read end is non-blocking, both close-on-exec.
+    assert_ne!(fd_flags(g, r) & libc::O_NONBLOCK, 0);
+    assert_eq!(fd_flags(g, w) & libc::O_NONBLOCK, 0);
+    assert_ne!(fd_flags(g, w) & libc::O_CLOEXEC, 0);
+    // A pipe whose writer is gone: its data, then end of file.
+    assert_eq!(ask(init, &format!("read {half}")), "data last words");
+    assert_eq!(ask(init, &format!("read {half}")), "eof");
+    // The template's pipes are untouched.
+    assert_eq!(queued(p, r), 10);
+    assert_eq!(queued(p, half), 10);
+    assert_eq!(ask(p, &format!("read {r}")), "data pipe-data|");
+    assert_eq!(ask(p, &format!("read {half}")), "data last words");
+    kill_and_wait_gone(g);
+}
+
+fn socket_pairs() {
+    let (sc, p, g, init) = forked_pairs();
+    let fd = |n: &str| sc.fd(n);
+    let (a, b, da, db) = (fd("s_a"), fd("s_b"), fd("d_a"), fd("d_b"));
+    for n in [a, b, da, db] {
+        assert!(!same_file(p, n, g, n), "fd {n} must be a new socket");
+    }
+    assert_eq!(ask(init, &format!("read {b}")), "data to-b|");
+    assert_eq!(ask(init, &format!("read {a}")), "data to-a|");
+    assert_eq!(ask(init, &format!("send {a} ping")), "ok 4");
+    assert_eq!(ask(init, &format!("read {b}")), "data ping");
+    assert_eq!(ask(init, &format!("send {b} pong")), "ok 4");
+    assert_eq!(ask(init, &format!("read {a}")), "data pong");
+    // Datagram boundaries are kept, in both directions.
+    assert_eq!(ask(init, &format!("recvs {db}")), "msgs m1,msg2,third");
+    assert_eq!(ask(init, &format!("recvs {da}")), "msgs back");
+    assert_eq!(ask(init, &format!("send {da} x1")), "ok 2");
+    assert_eq!(ask(init, &format!("send {da} x22")), "ok 3");
+    assert_eq!(ask(init, &format!("recvs {db}")), "msgs x1,x22");
+    // The template's queues are as they were (and its peek offset unset).
+    assert_eq!(queued(p, b), 5);
+    assert_eq!(ask(p, &format!("read {b}")), "data to-b|");
+    assert_eq!(ask(p, &format!("read {a}")), "data to-a|");
+    assert_eq!(ask(p, &format!("recvs {db}")), "msgs m1,msg2,third");
+    assert_eq!(ask(p, &format!("recvs {da}")), "msgs back");
+    kill_and_wait_gone(g);
+}
+
+fn unix_connection() {
+    let (sc, p, g, init) = forked_pairs();
+    let (c, s) = (sc.fd("c_client"), sc.fd("c_server"));
+    for n in [c, s] {
+        assert!(!same_file(p, n, g, n), "fd {n} must be a new socket");
+    }
+    assert_eq!(ask(init, &format!("read {s}")), "data from-client|");
+    assert_eq!(ask(init, &format!("read {c}")), "data from-server|");
+    assert_eq!(ask(init, &format!("send {c} again")), "ok 5");
+    assert_eq!(ask(init, &format!("read {s}")), "data again");
+    assert_eq!(queued(p, s), 12);
+    assert_eq!(ask(p, &format!("read {s}")), "data from-client|");
+    assert_eq!(ask(p, &format!("read {c}")), "data from-server|");
+    kill_and_wait_gone(g);
+}
+
+fn outside_placeholder() {
+    let (sc, p, g, init) = forked_pairs();
+    let (client, server) = (sc.fd("client"), sc.fd("server"));
+    for n in [client, server] {
+        assert!(!same_file(p, n, g, n), "fd {n} must be a placeholder");
+    }
+    // The clone's epoll loop was woken by the reset.
+    wait_until("the clone's loop to notice", Duration::from_secs(3), || {
+        ask(init, "noticed") != "0x0"
+    });
+    let events = u32::from_str_radix(ask(init, "noticed").trim_start_matches("0x"), 16).unwrap();
+    assert_ne!(events & libc::EPOLLERR as u32, 0, "events {events:#x}");
+    assert_ne!(events & libc::EPOLLHUP as u32, 0, "events {events:#x}");
+    assert_eq!(
+        ask(p, "noticed"),
+        "0x0",
+        "the template's connection is alive"
+    );
+    // Reads: reset, then end of file; writes: broken pipe.
+    assert_eq!(
+        ask(init, &format!("read {client}")),
+        format!("err {}", libc::ECONNRESET)
+    );
+    assert_eq!(ask(init, &format!("read {client}")), "eof");
+    assert_eq!(
+        ask(init, &format!("send {client} x")),
+        format!("err {}", libc::EPIPE)
+    );
+    assert_eq!(
+        ask(init, &format!("read {server}")),
+        format!("err {}", libc::ECONNRESET)
+    );
+    // The numbers stay taken: a new socket gets another one.
+    let fresh: i32 = ask(init, "socket").parse().unwrap();
+    assert!(fresh != client && fresh != server, "new socket got {fresh}");
+    assert!(Path::new(&format!("/proc/{g}/fd/{client}")).exists());
+    // The template's connection still works.
+    assert_eq!(ask(p, &format!("send {client} hi")), "ok 2");
+    assert_eq!(ask(p, &format!("read {server}")), "data hi");
+    kill_and_wait_gone(g);
+}
+
+fn inotify_watches() {
+    let (sc, p, g, init) = forked_pairs();
+    let ino = sc.fd("inotify");
+    assert_eq!((sc.fd("wa"), sc.fd("wc")), (1, 3), "the template's wds");
+    assert!(!same_file(p, ino, g, ino));
+    let watches = |pid: i32| -> Vec<(String, String)> {
+        fdinfo(pid, ino)
+            .lines()
+            .filter(|l| l.starts_with("inotify "))
+            .map(|l| {
+                let field = |k: &str| {
+                    l.split_whitespace()
+                        .find_map(|t| t.strip_prefix(k))
+                        .unwrap_or("")
+                        .to_string()
+                };
+                (field("wd:"), field("mask:"))
+            })
+            .collect()
+    };
+    let mut theirs = watches(g);
+    theirs.sort();
+    assert_eq!(
+        theirs,
+        vec![("1".into(), "100".into()), ("3".into(), "300".into())]
+    );
+    assert_ne!(fd_flags(g, ino) & libc::O_NONBLOCK, 0);
+    assert_eq!(
+        ask(init, &format!("inotify {ino}")),
+        "events",
+        "no event left over"
+    );
+    let wa = sc.dir.join("data/wa");
+    let wc = sc.dir.join("data/wc");
+    assert_eq!(
+        ask(init, &format!("touch {}", wa.join("x").display())),
+        "ok"
+    );
+    assert_eq!(
+        ask(init, &format!("touch {}", wc.join("y").display())),
+        "ok"
+    );
+    assert_eq!(
+        ask(init, &format!("inotify {ino}")),
+        "events 1:100:x,3:100:y"
+    );
+    // The clone's files are its own: the template saw nothing, and the
+    // template's own changes are not the clone's.
+    assert_eq!(ask(p, &format!("inotify {ino}")), "events");
+    assert_eq!(ask(p, &format!("touch {}", wa.join("t").display())), "ok");
+    assert_eq!(ask(p, &format!("inotify {ino}")), "events 1:100:t");
+    assert_eq!(ask(init, &format!("inotify {ino}")), "events");
+    kill_and_wait_gone(g);
+}
+
+fn own_pidfd() {
+    let (sc, p, g, init) = forked_pairs();
+    let fd = sc.fd("pidfd");
+    let pid_of = |pid: i32| -> String {
+        fdinfo(pid, fd)
+            .lines()
+            .find_map(|l| l.strip_prefix("Pid:"))
+            .map(|v| v.trim().to_string())
+            .unwrap_or_default()
+    };
+    assert_eq!(pid_of(p), p.to_string());
+    assert_eq!(
+        pid_of(g),
+        g.to_string(),
+        "the clone's pidfd is of the clone"
+    );
+    assert_ne!(fd_flags(g, fd) & libc::O_CLOEXEC, 0);
+    assert_eq!(ask(init, &format!("pidfd {fd}")), "ok");
+    kill_and_wait_gone(g);
+    assert_eq!(ask(p, &format!("pidfd {fd}")), "ok");
 }

@@ -303,11 +303,18 @@ fn freeze_refuses_what_cannot_be_cloned() {
     // but stays in the box's first session: no clone can give it that session.
     root.detached_sh("two", &[], "sh -c 'sleep 300 &'; sleep 300");
     wait_for("the orphaned job", Duration::from_secs(10), || {
-        root.run(&["exec", "two", "--", "sh", "-c", "ls /proc | grep -c '^[0-9]'"])
-            .stdout
-            .trim()
-            .parse::<u32>()
-            .unwrap_or(0)
+        root.run(&[
+            "exec",
+            "two",
+            "--",
+            "sh",
+            "-c",
+            "ls /proc | grep -c '^[0-9]'",
+        ])
+        .stdout
+        .trim()
+        .parse::<u32>()
+        .unwrap_or(0)
             >= 4
     });
     assert_error(

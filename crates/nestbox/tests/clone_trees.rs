@@ -1,5 +1,9 @@
-//! Cloning boxes with more than one process, seen from outside: a shell
-//! whose background child (a Python server it started with `&`) serves. Every clone has the template's
+//! Cloning boxes with more than one process, seen from outside: a prefork
+//! server (a Python master and two workers accepting on one listening socket,
+//! reporting to the master through a pipe, counting in shared memory) and a
+//! shell whose background child serves. Every clone has the template's
+//! processes with the same pids, parents, session and groups, continues from
+//! the frozen state and then diverges; the template is untouched. Every clone has the template's
 //! processes with the same pids, parents, session and groups, continues from
 //! the frozen state and then diverges; the template is untouched.
 
@@ -8,6 +12,40 @@ mod common;
 use std::time::Duration;
 
 use common::*;
+
+/// The prefork server. The master (pid 2) makes the shared counter, the
+/// listening socket and the report pipe, forks two workers, then blocks
+/// reading reports and writes their number to /tmp/reports. Each answer
+/// carries the counter after the request, the worker's pid and its parent's.
+const PREFORK: &str = r#"
+import mmap, os, socket, struct
+shared = mmap.mmap(-1, 4096)
+lsock = socket.socket()
+lsock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+lsock.bind(('0.0.0.0', 8080))
+lsock.listen(64)
+r, w = os.pipe()
+for _ in range(2):
+    if os.fork() == 0:
+        os.close(r)
+        while True:
+            conn, _ = lsock.accept()
+            conn.recv(4096)
+            n = struct.unpack('Q', shared[:8])[0] + 1
+            shared[:8] = struct.pack('Q', n)
+            body = f'{n} {os.getpid()} {os.getppid()} {os.getsid(0)}\n'.encode()
+            os.write(w, b'.')
+            conn.sendall(b'HTTP/1.0 200 OK\r\nContent-Length: %d\r\n\r\n' % len(body) + body)
+            conn.close()
+os.close(w)
+reports = 0
+print('ready', flush=True)
+while True:
+    reports += len(os.read(r, 4096))
+    with open('/tmp/reports.new', 'w') as f:
+        f.write(str(reports))
+    os.rename('/tmp/reports.new', '/tmp/reports')
+"#;
 
 /// GET / from the box's port 8080 (from a process exec'd into the box): the
 /// answer's fields.
@@ -43,6 +81,64 @@ fn tree(root: &TestRoot, name: &str) -> Vec<(i64, i64, i64, i64)> {
             (v[0], v[1], v[2], v[3])
         })
         .collect()
+}
+
+fn reports(root: &TestRoot, name: &str) -> i64 {
+    let out = root.run(&["exec", name, "--", "cat", "/tmp/reports"]);
+    out.stdout.trim().parse().unwrap_or(-1)
+}
+
+#[test]
+fn prefork_server_clones_keep_their_tree_pipe_and_shared_counter() {
+    let Some(root) = TestRoot::new("prefork_server_clones_keep_their_tree_pipe_and_shared_counter")
+    else {
+        return;
+    };
+    root.ok(&["run", "-d", "--name", "tpl", "--", "python3", "-c", PREFORK]);
+    wait_for("the prefork server", Duration::from_secs(20), || {
+        root.ok(&["logs", "tpl"]).contains("ready")
+    });
+    for i in 1..=4 {
+        assert_eq!(get(&root, "tpl")[0], i);
+    }
+    wait_for("the master to count 4 reports", Duration::from_secs(10), || {
+        reports(&root, "tpl") == 4
+    });
+    // master 2 (child of init, leads its session), workers 3 and 4.
+    let template_tree = tree(&root, "tpl");
+    assert_eq!(
+        template_tree,
+        vec![(2, 1, 2, 2), (3, 2, 2, 2), (4, 2, 2, 2)],
+        "the template's processes"
+    );
+    root.ok(&["freeze", "tpl"]);
+    let names: Vec<String> = root
+        .ok(&["clone", "tpl", "-d", "-n", "20", "--name", "c"])
+        .split_whitespace()
+        .map(str::to_string)
+        .collect();
+    assert_eq!(names.len(), 20);
+    for name in &names {
+        assert_eq!(tree(&root, name), template_tree, "processes of {name}");
+        let first = get(&root, name);
+        assert_eq!(first[0], 5, "{name} continues the shared counter: {first:?}");
+        assert!([3, 4].contains(&first[1]), "a worker answers: {first:?}");
+        assert_eq!((first[2], first[3]), (2, 2), "its parent and session: {first:?}");
+        let second = get(&root, name);
+        assert_eq!(second[0], 6, "{name} counts on: {second:?}");
+        wait_for("the master of the clone to count the reports", Duration::from_secs(10), || {
+            reports(&root, name) == 6
+        });
+    }
+    // The template's counter is where it was: a new clone starts from 4 again.
+    root.ok(&["clone", "tpl", "-d", "--name", "late"]);
+    assert_eq!(get(&root, "late")[0], 5);
+    assert_eq!(reports(&root, "late"), 5);
+    let mut all: Vec<&str> = names.iter().map(String::as_str).collect();
+    all.extend(["late", "tpl"]);
+    let mut args = vec!["rm", "-f"];
+    args.extend(all);
+    root.ok(&args);
 }
 
 /// A shell whose background child serves HTTP and which waits for it.

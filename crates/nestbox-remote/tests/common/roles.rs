@@ -228,6 +228,8 @@ fn setns_blocked() -> bool {
 
 struct State {
     counter: u64,
+    /// Events seen on the watched outside connection (mode `pairs`).
+    noticed: u32,
     log: File,
     eventfd: RawFd,
     timerfd: RawFd,
@@ -322,10 +324,13 @@ fn template() -> ! {
     let client = TcpStream::connect(("127.0.0.1", TCP_PORT)).unwrap_or_else(|_| die("connect"));
     let (server, _) = tcp.accept().unwrap_or_else(|_| die("accept"));
     let (pair_a, pair_b) = UnixStream::pair().unwrap_or_else(|_| die("socketpair"));
-    let extra = if has("inotify") {
-        // SAFETY: inotify_init1 takes flags only.
-        let fd = unsafe { libc::inotify_init1(libc::IN_CLOEXEC) };
-        format!(" inotify={fd}")
+    let extra = if has("unsupported") {
+        // A pidfd of another process (the namespace's init): no clone has it.
+        // SAFETY: pidfd_open takes integers only.
+        let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, libc::getppid(), 0) };
+        format!(" otherpidfd={fd}")
+    } else if has("pairs") {
+        pairs(&dir)
     } else if has("gone") {
         let f = OpenOptions::new()
             .write(true)
@@ -369,6 +374,10 @@ fn template() -> ! {
     watch(signalfd, inn, 5);
     watch(eventfd, inn | libc::EPOLLET as u32, 6);
     watch(timerfd, inn, 7);
+    if has("pairs") {
+        // The outside connection: its placeholder must wake the clone's loop.
+        watch(client.as_raw_fd(), inn | libc::EPOLLRDHUP as u32, 8);
+    }
 
     confine();
     println!(
@@ -395,6 +404,7 @@ fn template() -> ! {
     );
     let mut state = State {
         counter: 0,
+        noticed: 0,
         log,
         eventfd,
         timerfd,
@@ -434,6 +444,15 @@ fn template() -> ! {
                     while let Ok((conn, _)) = abs.accept() {
                         serve(&mut state, conn);
                     }
+                }
+                8 => {
+                    // Reset: noticed once, then no longer watched.
+                    state.noticed = ev.events;
+                    let mut none = libc::epoll_event { events: 0, u64: 0 };
+                    // SAFETY: removing a registration of our own epoll.
+                    unsafe {
+                        libc::epoll_ctl(epoll, libc::EPOLL_CTL_DEL, client.as_raw_fd(), &mut none)
+                    };
                 }
                 5 => {
                     let mut info = [0u8; 128];
@@ -517,6 +536,44 @@ fn serve(state: &mut State, mut conn: impl Conn) {
             // SAFETY: as above.
             unsafe { libc::timerfd_gettime(state.timerfd, &mut spec) };
             format!("{} {}", spec.it_value.tv_sec, spec.it_interval.tv_sec)
+        }
+        "noticed" => format!("{:#x}", state.noticed),
+        "read" => read_fd(arg.parse().unwrap_or(-1)),
+        "recvs" => recv_all(arg.parse().unwrap_or(-1)),
+        "send" => {
+            let (fd, text) = arg.split_once(' ').unwrap_or((arg, ""));
+            send_fd(fd.parse().unwrap_or(-1), text)
+        }
+        "socket" => {
+            // The number a new socket gets (then closed again).
+            // SAFETY: socket/close with integer arguments.
+            unsafe {
+                let fd = libc::socket(libc::AF_INET, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0);
+                libc::close(fd);
+                fd.to_string()
+            }
+        }
+        "touch" => match File::create(arg) {
+            Ok(_) => "ok".into(),
+            Err(e) => format!("error {e}"),
+        },
+        "inotify" => inotify_events(arg.parse().unwrap_or(-1)),
+        "pidfd" => {
+            // SAFETY: pidfd_send_signal with signal 0 only checks the target.
+            let rc = unsafe {
+                libc::syscall(
+                    libc::SYS_pidfd_send_signal,
+                    arg.parse::<i32>().unwrap_or(-1),
+                    0,
+                    std::ptr::null::<u8>(),
+                    0,
+                )
+            };
+            if rc == 0 {
+                "ok".into()
+            } else {
+                format!("err {}", errno())
+            }
         }
         "fd" => std::fs::read_link(format!("/proc/self/fd/{arg}"))
             .map(|p| p.display().to_string())
@@ -671,4 +728,187 @@ pub fn line_channel(reader: impl Read + Send + 'static) -> std::sync::mpsc::Rece
         }
     });
     rx
+}
+
+fn errno() -> i32 {
+    std::io::Error::last_os_error().raw_os_error().unwrap_or(0)
+}
+
+fn cpipe(flags: libc::c_int) -> (RawFd, RawFd) {
+    let mut fds = [0; 2];
+    // SAFETY: fds is a valid 2-int buffer.
+    check(
+        unsafe { libc::pipe2(fds.as_mut_ptr(), flags) }.into(),
+        "pipe2",
+    );
+    (fds[0], fds[1])
+}
+
+fn csocketpair(ty: libc::c_int) -> (RawFd, RawFd) {
+    let mut fds = [0; 2];
+    // SAFETY: fds is a valid 2-int buffer.
+    check(
+        unsafe { libc::socketpair(libc::AF_UNIX, ty | libc::SOCK_CLOEXEC, 0, fds.as_mut_ptr()) }
+            .into(),
+        "socketpair",
+    );
+    (fds[0], fds[1])
+}
+
+fn put(fd: RawFd, text: &str) {
+    // SAFETY: writing a valid buffer to our own fd.
+    let n = unsafe { libc::write(fd, text.as_ptr().cast(), text.len()) };
+    if n != text.len() as isize {
+        die("write");
+    }
+}
+
+/// Mode `pairs`: the connected objects of the fd matrix, with data buffered in
+/// them, and an inotify instance and a pidfd. Returns the ready line's part.
+fn pairs(dir: &Path) -> String {
+    // A pipe with data, its read end non-blocking and dup'd.
+    let (pipe_r, pipe_w) = cpipe(libc::O_CLOEXEC | libc::O_NONBLOCK);
+    // SAFETY: fcntl on our own fd.
+    unsafe { libc::fcntl(pipe_w, libc::F_SETFL, 0) };
+    put(pipe_w, "pipe-data\n");
+    // SAFETY: dup of our own fd.
+    let pipe_r2 = unsafe { libc::dup(pipe_r) };
+    // A pipe whose write end is gone: data, then end of file.
+    let (half_r, half_w) = cpipe(libc::O_CLOEXEC | libc::O_NONBLOCK);
+    put(half_w, "last words");
+    // SAFETY: closing our own fd.
+    unsafe { libc::close(half_w) };
+    // A stream socket pair with data both ways.
+    let (s_a, s_b) = csocketpair(libc::SOCK_STREAM | libc::SOCK_NONBLOCK);
+    put(s_a, "to-b\n");
+    put(s_b, "to-a\n");
+    // A datagram socket pair: three messages one way, one the other.
+    let (d_a, d_b) = csocketpair(libc::SOCK_DGRAM | libc::SOCK_NONBLOCK);
+    for m in ["m1", "msg2", "third"] {
+        put(d_a, m);
+    }
+    put(d_b, "back");
+    // A Unix connection made by connect and accept inside the box.
+    let path = dir.join("run/pairsock");
+    let listener = UnixListener::bind(&path).unwrap_or_else(|_| die("bind pairsock"));
+    let client = UnixStream::connect(&path).unwrap_or_else(|_| die("connect pairsock"));
+    let (server, _) = listener.accept().unwrap_or_else(|_| die("accept pairsock"));
+    drop(listener);
+    let _ = std::fs::remove_file(&path);
+    (&client)
+        .write_all(b"from-client\n")
+        .unwrap_or_else(|_| die("write"));
+    (&server)
+        .write_all(b"from-server\n")
+        .unwrap_or_else(|_| die("write"));
+    client
+        .set_nonblocking(true)
+        .unwrap_or_else(|_| die("nonblocking"));
+    server
+        .set_nonblocking(true)
+        .unwrap_or_else(|_| die("nonblocking"));
+    // inotify: wds 1 and 3 (2 removed: a gap).
+    for sub in ["wa", "wb", "wc"] {
+        let _ = std::fs::create_dir_all(dir.join("data").join(sub));
+    }
+    // SAFETY: inotify_init1 takes flags only.
+    let ino = unsafe { libc::inotify_init1(libc::IN_CLOEXEC | libc::IN_NONBLOCK) };
+    let add = |sub: &str, mask: u32| -> i32 {
+        let p = CString::new(
+            dir.join("data")
+                .join(sub)
+                .to_str()
+                .unwrap_or_else(|| die("path")),
+        )
+        .unwrap_or_else(|_| die("nul"));
+        // SAFETY: a NUL-terminated path.
+        unsafe { libc::inotify_add_watch(ino, p.as_ptr(), mask) }
+    };
+    let wa = add("wa", libc::IN_CREATE);
+    let wb = add("wb", libc::IN_CREATE);
+    let wc = add("wc", libc::IN_CREATE | libc::IN_DELETE);
+    // SAFETY: removing a watch of our own instance.
+    unsafe { libc::inotify_rm_watch(ino, wb) };
+    // Read the IN_IGNORED event of the removal: the queue is empty.
+    let _ = inotify_events(ino);
+    // A pidfd of this very process.
+    // SAFETY: pidfd_open takes integers only.
+    let pidfd = unsafe { libc::syscall(libc::SYS_pidfd_open, libc::getpid(), 0) } as RawFd;
+    let line = format!(
+        " pipe_r={pipe_r} pipe_r2={pipe_r2} pipe_w={pipe_w} half_r={half_r} s_a={s_a} s_b={s_b} d_a={d_a} d_b={d_b} c_client={} c_server={} inotify={ino} wa={wa} wc={wc} pidfd={pidfd}",
+        client.as_raw_fd(),
+        server.as_raw_fd()
+    );
+    std::mem::forget(client);
+    std::mem::forget(server);
+    line
+}
+
+/// Read what is available on `fd` without waiting long: `data TEXT` (newlines
+/// as `|`), `eof`, `none` or `err ERRNO`.
+fn read_fd(fd: RawFd) -> String {
+    let mut pfd = libc::pollfd {
+        fd,
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    // SAFETY: one valid pollfd.
+    if unsafe { libc::poll(&mut pfd, 1, 200) } == 0 {
+        return "none".into();
+    }
+    let mut buf = [0u8; 4096];
+    // SAFETY: reading into a valid buffer.
+    let n = unsafe { libc::read(fd, buf.as_mut_ptr().cast(), buf.len()) };
+    match n {
+        0 => "eof".into(),
+        n if n < 0 => format!("err {}", errno()),
+        n => format!(
+            "data {}",
+            String::from_utf8_lossy(&buf[..n as usize]).replace('\n', "|")
+        ),
+    }
+}
+
+/// Every datagram queued on `fd`, comma-separated.
+fn recv_all(fd: RawFd) -> String {
+    let mut msgs = Vec::new();
+    loop {
+        let mut buf = [0u8; 256];
+        // SAFETY: receiving into a valid buffer.
+        let n = unsafe { libc::recv(fd, buf.as_mut_ptr().cast(), buf.len(), libc::MSG_DONTWAIT) };
+        if n < 0 {
+            break;
+        }
+        msgs.push(String::from_utf8_lossy(&buf[..n as usize]).into_owned());
+    }
+    format!("msgs {}", msgs.join(","))
+}
+
+fn send_fd(fd: RawFd, text: &str) -> String {
+    // SAFETY: writing a valid buffer (SIGPIPE is ignored by Rust's runtime).
+    let n = unsafe { libc::write(fd, text.as_ptr().cast(), text.len()) };
+    if n < 0 {
+        format!("err {}", errno())
+    } else {
+        format!("ok {n}")
+    }
+}
+
+/// The events queued on inotify fd `fd`: `wd:mask:name` separated by commas.
+fn inotify_events(fd: RawFd) -> String {
+    let mut out = Vec::new();
+    let mut buf = [0u8; 4096];
+    // SAFETY: reading into a valid buffer.
+    let n = unsafe { libc::read(fd, buf.as_mut_ptr().cast(), buf.len()) };
+    let mut at = 0usize;
+    while n > 0 && at + 16 <= n as usize {
+        let word = |i: usize| u32::from_ne_bytes([buf[i], buf[i + 1], buf[i + 2], buf[i + 3]]);
+        let (wd, mask, len) = (word(at) as i32, word(at + 4), word(at + 12) as usize);
+        let name = &buf[at + 16..at + 16 + len];
+        let name =
+            String::from_utf8_lossy(name.split(|b| *b == 0).next().unwrap_or(&[])).into_owned();
+        out.push(format!("{wd}:{mask:x}:{name}"));
+        at += 16 + len;
+    }
+    format!("events {}", out.join(","))
 }

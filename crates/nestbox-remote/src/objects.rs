@@ -1,0 +1,576 @@
+//! The clone's new connected objects: pipes, FIFOs, Unix socket pairs and Unix
+//! connections between fds of the box ([`FdAction::Pair`]), each re-created
+//! once and installed at every fd that held the template's object.
+//!
+//! [`CloneObjects`] is a tracer-side table keyed by the template's object (the
+//! pipe's inode; for a Unix connection, the lower inode of its two sockets).
+//! Each object is created by injected calls in one forked process, after it
+//! joined the clone's namespaces (so a new socket belongs to the clone's
+//! network namespace), and the tracer takes a duplicate of each new end with
+//! `pidfd_getfd`. It then copies the data buffered in the template's object
+//! from a duplicate of the template's fd: `tee(2)` for a pipe (which does not
+//! consume it), `MSG_PEEK` reads for a socket (message by message, with
+//! `SO_PEEK_OFF` set to 0 and put back as it was), sent again from the other
+//! new end. The ends are then installed at the template's fd numbers: by
+//! `dup3` in the process that created them, and (for process trees) in any
+//! other process by handing the tracer's duplicates over with `SCM_RIGHTS`.
+//!
+//! An end of the template's object that no fd of the box holds (the other end
+//! of a pipe held by a process outside the box, a socket whose peer was
+//! closed) is closed in the clone: the clone's fds then see what they would
+//! see if that end went away (end of file after the buffered data, `EPIPE`).
+
+use std::collections::BTreeMap;
+use std::io;
+use std::os::fd::{AsRawFd, OwnedFd};
+
+use crate::error::{RemoteError, Result};
+use crate::fdinfo::{pidfd_getfd, pidfd_open, FdAction, FdEntry, FdKind};
+use crate::fdtransfer::install_fds_with;
+use crate::memory::Scratch;
+use crate::tracee::Tracee;
+
+/// The identity of a template's object.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum ObjectKey {
+    /// A pipe or FIFO, by the inode of the pipe.
+    Pipe(u64),
+    /// A pair of connected Unix sockets, by the lower of their two inodes.
+    Unix(u64),
+}
+
+/// One fd of a template process that holds an end of an object.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TemplateEnd {
+    /// Host pid of the template process.
+    pub pid: i32,
+    /// Its fd number.
+    pub fd: i32,
+    /// Which end: pipe 0 = read, 1 = write; Unix pair: 0 = the lower inode.
+    pub side: usize,
+    /// The fd's flags (`O_ACCMODE`, `O_NONBLOCK`, `O_CLOEXEC`).
+    pub flags: i32,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    Pipe,
+    Unix { sock_type: i32 },
+}
+
+#[derive(Debug)]
+struct Object {
+    kind: Kind,
+    /// The template's fds on this object, in every process given to the plan.
+    ends: Vec<TemplateEnd>,
+    /// The new ends, as duplicates held by the tracer.
+    made: Option<[OwnedFd; 2]>,
+    /// Their numbers in the process that created them, until closed there.
+    in_creator: Option<[i32; 2]>,
+}
+
+/// The clone's new objects, keyed by the template's (see the module docs).
+#[derive(Debug, Default)]
+pub struct CloneObjects {
+    objects: BTreeMap<ObjectKey, Object>,
+}
+
+/// The object and side an fd is an end of, when its rule is [`FdAction::Pair`].
+pub fn object_of(entry: &FdEntry) -> Option<(ObjectKey, usize)> {
+    if entry.action() != FdAction::Pair {
+        return None;
+    }
+    match &entry.kind {
+        FdKind::Pipe => {
+            let side = usize::from(entry.flags & libc::O_ACCMODE == libc::O_WRONLY);
+            Some((ObjectKey::Pipe(entry.ino), side))
+        }
+        FdKind::Socket(sock) => {
+            let peer = sock.peer.unwrap_or(0);
+            let other = if peer == 0 { u64::MAX } else { peer };
+            let low = sock.ino.min(other);
+            Some((ObjectKey::Unix(low), usize::from(sock.ino != low)))
+        }
+        _ => None,
+    }
+}
+
+impl CloneObjects {
+    /// The objects of the given template processes' fds (host pid, inventory).
+    pub fn plan(processes: &[(i32, &[FdEntry])]) -> CloneObjects {
+        let mut objects: BTreeMap<ObjectKey, Object> = BTreeMap::new();
+        for (pid, entries) in processes {
+            for entry in entries.iter() {
+                let Some((key, side)) = object_of(entry) else {
+                    continue;
+                };
+                let kind = match &entry.kind {
+                    FdKind::Socket(sock) => Kind::Unix {
+                        sock_type: sock.sock_type,
+                    },
+                    _ => Kind::Pipe,
+                };
+                objects
+                    .entry(key)
+                    .or_insert_with(|| Object {
+                        kind,
+                        ends: Vec::new(),
+                        made: None,
+                        in_creator: None,
+                    })
+                    .ends
+                    .push(TemplateEnd {
+                        pid: *pid,
+                        fd: entry.fd,
+                        side,
+                        flags: entry.flags,
+                    });
+            }
+        }
+        CloneObjects { objects }
+    }
+
+    /// Whether there is nothing to create.
+    pub fn is_empty(&self) -> bool {
+        self.objects.is_empty()
+    }
+
+    /// Whether the objects were created already (by [`CloneObjects::create`]
+    /// in an earlier process of the clone's tree), or there are none.
+    pub fn is_created(&self) -> bool {
+        self.objects.values().all(|o| o.made.is_some())
+    }
+
+    /// The template's fds on each object.
+    pub fn ends(&self) -> impl Iterator<Item = (ObjectKey, &[TemplateEnd])> {
+        self.objects.iter().map(|(k, o)| (*k, o.ends.as_slice()))
+    }
+
+    /// Create every object in `tracee` (a forked process in the clone's
+    /// namespaces), take the tracer's duplicates of the new ends, and copy the
+    /// data buffered in the template's objects (the template processes must be
+    /// stopped).
+    pub(crate) fn create(&mut self, tracee: &mut Tracee, scratch: &mut Scratch) -> Result<()> {
+        let creator = pidfd_open(tracee.pid())?;
+        let mut template_pidfds: BTreeMap<i32, OwnedFd> = BTreeMap::new();
+        for (key, object) in &mut self.objects {
+            let nums = make(tracee, scratch, object.kind)?;
+            object.in_creator = Some(nums);
+            let made = [
+                pidfd_getfd(&creator, tracee.pid(), nums[0])?,
+                pidfd_getfd(&creator, tracee.pid(), nums[1])?,
+            ];
+            let mut template_fd = |side: Option<usize>,
+                                   readable: bool|
+             -> Result<Option<(i32, i32, OwnedFd)>> {
+                let end = object.ends.iter().find(|e| {
+                    side.is_none_or(|s| e.side == s)
+                        && (!readable || e.flags & libc::O_ACCMODE != libc::O_WRONLY)
+                });
+                let Some(end) = end else { return Ok(None) };
+                let pidfd = match template_pidfds.entry(end.pid) {
+                    std::collections::btree_map::Entry::Occupied(e) => e.into_mut(),
+                    std::collections::btree_map::Entry::Vacant(e) => e.insert(pidfd_open(end.pid)?),
+                };
+                Ok(Some((
+                    end.pid,
+                    end.fd,
+                    pidfd_getfd(pidfd, end.pid, end.fd)?,
+                )))
+            };
+            match object.kind {
+                Kind::Pipe => {
+                    if let Some((pid, fd, from)) = template_fd(None, true)? {
+                        copy_pipe(&from, &made[1]).map_err(|source| RemoteError::Sys {
+                            op: "copying a pipe's buffered data (tee)",
+                            pid,
+                            source: io::Error::new(
+                                source.kind(),
+                                format!("fd {fd} (pipe {key:?}): {source}"),
+                            ),
+                        })?;
+                    }
+                }
+                Kind::Unix { sock_type } => {
+                    for side in 0..2 {
+                        if let Some((pid, fd, from)) = template_fd(Some(side), false)? {
+                            copy_queue(&from, sock_type, &made[1 - side]).map_err(|e| match e {
+                                CopyError::FdsInFlight => RemoteError::UnsupportedFd {
+                                    pid,
+                                    fd,
+                                    kind: format!("Unix socket {key:?}"),
+                                    reason: "data buffered in it carries fds (SCM_RIGHTS), which a clone cannot copy".into(),
+                                },
+                                CopyError::EmptyDatagram => RemoteError::UnsupportedFd {
+                                    pid,
+                                    fd,
+                                    kind: format!("Unix socket {key:?}"),
+                                    reason: "a zero-length datagram is buffered in it; its boundary cannot be copied".into(),
+                                },
+                                CopyError::Io(op, source) => RemoteError::Sys { op, pid, source },
+                            })?;
+                        }
+                    }
+                }
+            }
+            object.made = Some(made);
+        }
+        Ok(())
+    }
+
+    /// Install the new ends at the fds template process `template_pid` had on
+    /// them, in `tracee` (a process forked from it): `dup3` where `tracee`
+    /// created the objects, else a hand-over of the tracer's duplicates. Each
+    /// end gets the template's `O_NONBLOCK` and close-on-exec flags.
+    pub(crate) fn install(
+        &self,
+        tracee: &mut Tracee,
+        scratch: &mut Scratch,
+        template_pid: i32,
+        creator: bool,
+    ) -> Result<()> {
+        for object in self.objects.values() {
+            let Some(made) = &object.made else {
+                continue;
+            };
+            // Where it was created, its ends are still open there (until
+            // close_in_creator); elsewhere they are handed over.
+            let nums = object.in_creator.filter(|_| creator);
+            for end in object.ends.iter().filter(|e| e.pid == template_pid) {
+                // A pipe end opened for reading and writing (a FIFO opened
+                // O_RDWR): a new open of the new pipe, through /proc.
+                let rdwr = object.kind == Kind::Pipe && end.flags & libc::O_ACCMODE == libc::O_RDWR;
+                let (from, handed) = if rdwr || nums.is_none() {
+                    let reopened;
+                    let fd = if rdwr {
+                        reopened = reopen_rdwr(&made[0]).map_err(|source| RemoteError::Sys {
+                            op: "open(/proc/self/fd/N, O_RDWR) of a new pipe",
+                            pid: tracee.pid(),
+                            source,
+                        })?;
+                        &reopened
+                    } else {
+                        &made[end.side]
+                    };
+                    use std::os::fd::AsFd;
+                    let got = install_fds_with(tracee, scratch, &[fd.as_fd()])?;
+                    (got[0], true)
+                } else {
+                    (nums.map_or(-1, |n| n[end.side]), false)
+                };
+                let cloexec = (end.flags & libc::O_CLOEXEC) as u64;
+                tracee.syscall(
+                    "dup3",
+                    || format!("for fd {}", end.fd),
+                    libc::SYS_dup3,
+                    &[from as u64, end.fd as u64, cloexec],
+                )?;
+                if handed {
+                    tracee.syscall(
+                        "close",
+                        || format!("for fd {}", end.fd),
+                        libc::SYS_close,
+                        &[from as u64],
+                    )?;
+                }
+                let status = (end.flags & libc::O_NONBLOCK) as u64;
+                tracee.syscall(
+                    "fcntl(F_SETFL)",
+                    || format!("for fd {}", end.fd),
+                    libc::SYS_fcntl,
+                    &[end.fd as u64, libc::F_SETFL as u64, status],
+                )?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Close the new ends in the process that created them (their numbers there
+    /// were free in the template) once every end is installed.
+    pub(crate) fn close_in_creator(&mut self, tracee: &mut Tracee) -> Result<()> {
+        for object in self.objects.values_mut() {
+            if let Some(nums) = object.in_creator.take() {
+                for n in nums {
+                    tracee.syscall(
+                        "close",
+                        || "new object's temporary fd".into(),
+                        libc::SYS_close,
+                        &[n as u64],
+                    )?;
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Inject `pipe2` or `socketpair` (close-on-exec) and return the two fds.
+pub(crate) fn make_pair(
+    tracee: &mut Tracee,
+    scratch: &mut Scratch,
+    socket_type: Option<i32>,
+) -> Result<[i32; 2]> {
+    scratch.reset();
+    let addr = scratch.reserve(8)?;
+    match socket_type {
+        None => tracee.syscall(
+            "pipe2",
+            || "new pipe".into(),
+            libc::SYS_pipe2,
+            &[addr, libc::O_CLOEXEC as u64],
+        )?,
+        Some(ty) => tracee.syscall(
+            "socketpair",
+            || "new Unix socket pair".into(),
+            libc::SYS_socketpair,
+            &[
+                libc::AF_UNIX as u64,
+                (ty | libc::SOCK_CLOEXEC) as u64,
+                0,
+                addr,
+            ],
+        )?,
+    };
+    let mut pair = [0u8; 8];
+    tracee.read_mem(addr, &mut pair)?;
+    Ok([
+        i32::from_ne_bytes([pair[0], pair[1], pair[2], pair[3]]),
+        i32::from_ne_bytes([pair[4], pair[5], pair[6], pair[7]]),
+    ])
+}
+
+fn make(tracee: &mut Tracee, scratch: &mut Scratch, kind: Kind) -> Result<[i32; 2]> {
+    match kind {
+        Kind::Pipe => make_pair(tracee, scratch, None),
+        Kind::Unix { sock_type } => make_pair(tracee, scratch, Some(sock_type)),
+    }
+}
+
+fn reopen_rdwr(end: &OwnedFd) -> io::Result<OwnedFd> {
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(format!("/proc/self/fd/{}", end.as_raw_fd()))?;
+    Ok(file.into())
+}
+
+/// Copy what is buffered in the pipe behind `from` (a read end) into the pipe
+/// behind `to` (a write end), without consuming it: `tee` of all of it at once
+/// (a second `tee` would copy the same bytes again), into a pipe of the same
+/// capacity.
+fn copy_pipe(from: &OwnedFd, to: &OwnedFd) -> io::Result<()> {
+    // SAFETY: fcntl with integer arguments on fds we own.
+    let size = unsafe { libc::fcntl(from.as_raw_fd(), libc::F_GETPIPE_SZ) };
+    if size < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: as above.
+    if unsafe { libc::fcntl(to.as_raw_fd(), libc::F_SETPIPE_SZ, size) } < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    let mut avail: libc::c_int = 0;
+    // SAFETY: FIONREAD writes one int to the valid pointer.
+    if unsafe { libc::ioctl(from.as_raw_fd(), libc::FIONREAD, &mut avail) } < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    if avail <= 0 {
+        return Ok(());
+    }
+    // SAFETY: tee takes fds and integers; it duplicates pipe buffers only.
+    let n = unsafe {
+        libc::tee(
+            from.as_raw_fd(),
+            to.as_raw_fd(),
+            avail as usize,
+            libc::SPLICE_F_NONBLOCK,
+        )
+    };
+    if n < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    if n != avail as isize {
+        return Err(io::Error::new(
+            io::ErrorKind::WriteZero,
+            format!("tee copied {n} of {avail} buffered bytes"),
+        ));
+    }
+    Ok(())
+}
+
+#[derive(Debug)]
+pub(crate) enum CopyError {
+    FdsInFlight,
+    EmptyDatagram,
+    Io(&'static str, io::Error),
+}
+
+fn sockopt(fd: &OwnedFd, name: i32) -> io::Result<i32> {
+    let mut value: libc::c_int = 0;
+    let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
+    // SAFETY: value/len are valid out-pointers for an int option.
+    let rc = unsafe {
+        libc::getsockopt(
+            fd.as_raw_fd(),
+            libc::SOL_SOCKET,
+            name,
+            std::ptr::addr_of_mut!(value).cast(),
+            &mut len,
+        )
+    };
+    if rc < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(value)
+}
+
+fn set_sockopt(fd: &OwnedFd, name: i32, value: i32) -> io::Result<()> {
+    // SAFETY: a pointer to one int of the given length.
+    let rc = unsafe {
+        libc::setsockopt(
+            fd.as_raw_fd(),
+            libc::SOL_SOCKET,
+            name,
+            std::ptr::addr_of!(value).cast(),
+            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+        )
+    };
+    if rc < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// Copy the receive queue of the template's socket `from` (read with
+/// `MSG_PEEK`, so it stays) by sending it from `sender`, the new peer of the
+/// socket that replaces `from`: a stream's bytes, each datagram or packet as
+/// one message. `from`'s `SO_PEEK_OFF` is put back as it was.
+pub(crate) fn copy_queue(
+    from: &OwnedFd,
+    sock_type: i32,
+    sender: &OwnedFd,
+) -> std::result::Result<(), CopyError> {
+    let old_peek = sockopt(from, libc::SO_PEEK_OFF)
+        .map_err(|e| CopyError::Io("getsockopt(SO_PEEK_OFF)", e))?;
+    set_sockopt(from, libc::SO_PEEK_OFF, 0)
+        .map_err(|e| CopyError::Io("setsockopt(SO_PEEK_OFF)", e))?;
+    let copied = peek_and_send(from, sock_type, sender);
+    let restored = set_sockopt(from, libc::SO_PEEK_OFF, old_peek)
+        .map_err(|e| CopyError::Io("setsockopt(SO_PEEK_OFF)", e));
+    copied?;
+    restored
+}
+
+fn peek_and_send(
+    from: &OwnedFd,
+    sock_type: i32,
+    sender: &OwnedFd,
+) -> std::result::Result<(), CopyError> {
+    let stream = sock_type == libc::SOCK_STREAM;
+    let mut buf = vec![0u8; 256 * 1024];
+    let mut control = vec![0u8; 4096];
+    loop {
+        let mut iov = libc::iovec {
+            iov_base: buf.as_mut_ptr().cast(),
+            iov_len: buf.len(),
+        };
+        // SAFETY: msghdr is plain data; zeroed is a valid empty header.
+        let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+        msg.msg_iov = &mut iov;
+        msg.msg_iovlen = 1;
+        msg.msg_control = control.as_mut_ptr().cast();
+        msg.msg_controllen = control.len();
+        // SAFETY: msg points at live buffers of the lengths it states.
+        let n = unsafe {
+            libc::recvmsg(
+                from.as_raw_fd(),
+                &mut msg,
+                libc::MSG_PEEK | libc::MSG_DONTWAIT | libc::MSG_CMSG_CLOEXEC,
+            )
+        };
+        if n < 0 {
+            let e = io::Error::last_os_error();
+            return match e.raw_os_error() {
+                Some(libc::EAGAIN) => Ok(()),
+                _ => Err(CopyError::Io("recvmsg(MSG_PEEK)", e)),
+            };
+        }
+        if carries_fds(&msg) {
+            return Err(CopyError::FdsInFlight);
+        }
+        if msg.msg_flags & libc::MSG_TRUNC != 0 {
+            return Err(CopyError::Io(
+                "recvmsg(MSG_PEEK)",
+                io::Error::new(io::ErrorKind::InvalidData, "a message longer than 256 KiB"),
+            ));
+        }
+        let n = n as usize;
+        if n == 0 {
+            if stream {
+                // End of file: the peer shut down; nothing more is queued.
+                return Ok(());
+            }
+            return Err(CopyError::EmptyDatagram);
+        }
+        send_all(sender, &buf[..n], stream)?;
+    }
+}
+
+/// Whether a received message's control data holds `SCM_RIGHTS`; the fds it
+/// brought into this process are closed.
+fn carries_fds(msg: &libc::msghdr) -> bool {
+    let mut found = false;
+    // SAFETY: msg's control buffer was filled by recvmsg and msg_controllen
+    // says how much of it; CMSG_FIRSTHDR/NXTHDR stay within it.
+    unsafe {
+        let mut cmsg = libc::CMSG_FIRSTHDR(msg);
+        while !cmsg.is_null() {
+            if (*cmsg).cmsg_level == libc::SOL_SOCKET && (*cmsg).cmsg_type == libc::SCM_RIGHTS {
+                found = true;
+                let data = libc::CMSG_DATA(cmsg).cast::<i32>();
+                let count = ((*cmsg).cmsg_len as usize - libc::CMSG_LEN(0) as usize) / 4;
+                for i in 0..count {
+                    libc::close(data.add(i).read_unaligned());
+                }
+            }
+            cmsg = libc::CMSG_NXTHDR(msg, cmsg);
+        }
+    }
+    found
+}
+
+fn send_all(sender: &OwnedFd, data: &[u8], stream: bool) -> std::result::Result<(), CopyError> {
+    let mut grown = false;
+    let mut at = 0;
+    while at < data.len() {
+        // SAFETY: a valid buffer of the stated length.
+        let n = unsafe {
+            libc::send(
+                sender.as_raw_fd(),
+                data[at..].as_ptr().cast(),
+                data.len() - at,
+                libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL,
+            )
+        };
+        if n < 0 {
+            let e = io::Error::last_os_error();
+            if e.raw_os_error() == Some(libc::EAGAIN) && !grown {
+                // The template's queue was allowed to hold this much: give the
+                // new sender room for it (root may exceed wmem_max).
+                let want = (data.len() as i32).saturating_mul(4).max(4 << 20);
+                set_sockopt(sender, libc::SO_SNDBUFFORCE, want)
+                    .map_err(|e| CopyError::Io("setsockopt(SO_SNDBUFFORCE)", e))?;
+                grown = true;
+                continue;
+            }
+            return Err(CopyError::Io("send (copying buffered data)", e));
+        }
+        at += n as usize;
+        if !stream && at < data.len() {
+            return Err(CopyError::Io(
+                "send (copying buffered data)",
+                io::Error::new(io::ErrorKind::WriteZero, "a message was cut"),
+            ));
+        }
+    }
+    Ok(())
+}
