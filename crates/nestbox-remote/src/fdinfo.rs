@@ -271,6 +271,16 @@ impl FdEntry {
                 libc::AF_INET | libc::AF_INET6 | libc::AF_UNIX if sock.connected => {
                     FdAction::Placeholder
                 }
+                // A TCP connection that ended (reset: no peer any more) keeps
+                // its local address: it was a connection, and its address (the
+                // template's, or a listener's port) cannot be bound again.
+                libc::AF_INET | libc::AF_INET6
+                    if sock.sock_type == libc::SOCK_STREAM
+                        && !sock.listening
+                        && sock.local.get(2..4).is_some_and(|port| port != [0, 0]) =>
+                {
+                    FdAction::Placeholder
+                }
                 libc::AF_INET | libc::AF_INET6 | libc::AF_UNIX => FdAction::Recreate,
                 other => FdAction::Unsupported(format!(
                     "sockets of address family {other} have no clone rule (only AF_INET, AF_INET6, AF_UNIX)"

@@ -158,7 +158,7 @@ pub(crate) struct Phases {
 }
 
 impl Phases {
-    fn new(start: Instant) -> Phases {
+    pub(crate) fn new(start: Instant) -> Phases {
         Phases {
             last: start,
             done: Vec::with_capacity(16),

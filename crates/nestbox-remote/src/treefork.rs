@@ -25,7 +25,7 @@ use serde::Serialize;
 use crate::error::{RemoteError, Result};
 use crate::fdinfo::{ensure_clonable, inspect_fds, mark_peers_inside, refresh_volatile, FdEntry};
 use crate::fork::{
-    ensure_all_threads_held, fix_up, fork_into, make_root, read_template, ForkPlan, Made,
+    ensure_all_threads_held, fix_up, fork_into, make_root, read_template, ForkPlan, Made, Phases,
 };
 use crate::memory::{Scratch, SCRATCH_LEN};
 use crate::objects::CloneObjects;
@@ -55,6 +55,9 @@ pub struct ForkedTree {
     pub fds: Vec<FdOutcome>,
     /// Time from the start of the call to the last process running.
     pub elapsed: Duration,
+    /// Time spent in each step of making the first process, then in the rest
+    /// of the tree and in letting it go (for tuning).
+    pub phases: Vec<(&'static str, Duration)>,
 }
 
 /// Fork the template box whose processes are `templates` (each seized with
@@ -125,6 +128,7 @@ pub fn remote_fork_tree(
             .collect::<Vec<_>>(),
     );
     let mut made: Vec<(i32, Made)> = Vec::with_capacity(steps.len());
+    let mut root_phases = None;
     for (i, (template, step)) in templates.iter_mut().zip(steps).enumerate() {
         let pid = step.process.pid;
         let mut process = match step.origin {
@@ -137,7 +141,12 @@ pub fn remote_fork_tree(
                     on_clone_signal: None,
                     inventory: Some(inventories[i].clone()),
                 };
-                make_root(template, &own_plan, start, free_floor, Some(&mut objects))?.0
+                let (made, phases) =
+                    make_root(template, &own_plan, start, free_floor, Some(&mut objects))?;
+                if i == 0 {
+                    root_phases = Some(phases);
+                }
+                made
             }
             Origin::ForkedBy(parent) => {
                 let own = &states[&pid];
@@ -163,6 +172,10 @@ pub fn remote_fork_tree(
         set_membership(&mut process, step.membership)?;
         made.push((pid, process));
     }
+    let mut phases = root_phases.unwrap_or_else(|| Phases::new(start));
+    if made.len() > 1 {
+        phases.mark("other processes");
+    }
     let fds = made.first().map(|(_, m)| m.fds.clone()).unwrap_or_default();
     let mut processes = Vec::with_capacity(made.len());
     // Children first: a parent runs only once everything it may wait for is there.
@@ -172,10 +185,12 @@ pub fn remote_fork_tree(
         released.push(ForkedProcess { ns_pid, pid });
     }
     processes.extend(released.into_iter().rev());
+    phases.mark("release");
     Ok(ForkedTree {
         processes,
         fds,
         elapsed: start.elapsed(),
+        phases: phases.done,
     })
 }
 

@@ -101,9 +101,11 @@ fn prefork_server_clones_keep_their_tree_pipe_and_shared_counter() {
     for i in 1..=4 {
         assert_eq!(get(&root, "tpl")[0], i);
     }
-    wait_for("the master to count 4 reports", Duration::from_secs(10), || {
-        reports(&root, "tpl") == 4
-    });
+    wait_for(
+        "the master to count 4 reports",
+        Duration::from_secs(10),
+        || reports(&root, "tpl") == 4,
+    );
     // master 2 (child of init, leads its session), workers 3 and 4.
     let template_tree = tree(&root, "tpl");
     assert_eq!(
@@ -121,14 +123,23 @@ fn prefork_server_clones_keep_their_tree_pipe_and_shared_counter() {
     for name in &names {
         assert_eq!(tree(&root, name), template_tree, "processes of {name}");
         let first = get(&root, name);
-        assert_eq!(first[0], 5, "{name} continues the shared counter: {first:?}");
+        assert_eq!(
+            first[0], 5,
+            "{name} continues the shared counter: {first:?}"
+        );
         assert!([3, 4].contains(&first[1]), "a worker answers: {first:?}");
-        assert_eq!((first[2], first[3]), (2, 2), "its parent and session: {first:?}");
+        assert_eq!(
+            (first[2], first[3]),
+            (2, 2),
+            "its parent and session: {first:?}"
+        );
         let second = get(&root, name);
         assert_eq!(second[0], 6, "{name} counts on: {second:?}");
-        wait_for("the master of the clone to count the reports", Duration::from_secs(10), || {
-            reports(&root, name) == 6
-        });
+        wait_for(
+            "the master of the clone to count the reports",
+            Duration::from_secs(10),
+            || reports(&root, name) == 6,
+        );
     }
     // The template's counter is where it was: a new clone starts from 4 again.
     root.ok(&["clone", "tpl", "-d", "--name", "late"]);

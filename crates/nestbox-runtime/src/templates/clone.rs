@@ -573,6 +573,10 @@ fn fork_one(
         }
     })?;
     let fork_ms = forked.elapsed.as_secs_f64() * 1e3;
+    tracing::debug!(box_name = name, fork_ms, phases = ?forked.phases, "forked");
+    if std::env::var_os("NB_PHASES").is_some() {
+        eprintln!("PHASES {fork_ms:.2} {:?}", forked.phases);
+    }
     let root = forked.processes[0].clone();
     if root.ns_pid != crate::init::ADOPTED_PID {
         for p in &forked.processes {
