@@ -831,3 +831,88 @@ while True:
     );
     root.ok(&["rm", "-f", "c1", "tpl"]);
 }
+
+/// A server that holds connections it is asked to hold and, asked anything
+/// else, tells what reading each held connection gives now.
+const HOLDER: &str = r#"
+import socket
+l = socket.socket()
+l.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+l.bind(('0.0.0.0', 8080))
+l.listen(8)
+held = []
+print('ready', flush=True)
+while True:
+    c, _ = l.accept()
+    if c.recv(100).startswith(b'hold'):
+        held.append(c)
+        continue
+    out = []
+    for h in held:
+        h.setblocking(False)
+        try:
+            out.append('eof' if h.recv(10) == b'' else 'data')
+        except ConnectionResetError:
+            out.append('reset')
+        except BlockingIOError:
+            out.append('open')
+        except OSError as e:
+            out.append(type(e).__name__)
+    c.sendall((' '.join(out) + '\n').encode())
+    c.close()
+"#;
+
+/// A TCP connection that was reset while the template held it keeps its local
+/// address (the template's own bridge address): the clone gets a reset
+/// placeholder for it (its first read fails with ECONNRESET), not a socket
+/// bound again to an address the clone does not have.
+#[test]
+fn a_reset_connection_held_by_the_template_is_a_reset_placeholder_in_clones() {
+    use std::io::Write;
+    let Some(root) =
+        TestRoot::new("a_reset_connection_held_by_the_template_is_a_reset_placeholder_in_clones")
+    else {
+        return;
+    };
+    root.ok(&["run", "-d", "--name", "tpl", "--", "python3", "-c", HOLDER]);
+    wait_for("the holder to listen", Duration::from_secs(20), || {
+        root.ok(&["logs", "tpl"]).contains("ready")
+    });
+    let v: serde_json::Value = serde_json::from_str(&root.ok(&["inspect", "tpl"])).unwrap();
+    let addr = v["state"]["network"]["address"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let mut conn = std::net::TcpStream::connect((addr.as_str(), 8080)).unwrap();
+    conn.write_all(b"hold").unwrap();
+    std::thread::sleep(Duration::from_millis(200));
+    // SO_LINGER 0: closing sends a reset.
+    let linger = libc::linger {
+        l_onoff: 1,
+        l_linger: 0,
+    };
+    // SAFETY: setsockopt reads one linger struct from a live local.
+    let rc = unsafe {
+        libc::setsockopt(
+            std::os::fd::AsRawFd::as_raw_fd(&conn),
+            libc::SOL_SOCKET,
+            libc::SO_LINGER,
+            (&linger as *const libc::linger).cast(),
+            std::mem::size_of::<libc::linger>() as libc::socklen_t,
+        )
+    };
+    assert_eq!(rc, 0);
+    drop(conn);
+    std::thread::sleep(Duration::from_millis(200));
+    root.ok(&["freeze", "tpl"]);
+    root.ok(&["clone", "tpl", "-d", "--name", "c1"]);
+    let ask = "import socket; s = socket.create_connection(('127.0.0.1', 8080)); \
+               s.sendall(b'ask'); print(s.recv(100).decode().strip())";
+    let out = root.ok(&["exec", "c1", "--", "python3", "-c", ask]);
+    assert_eq!(
+        out.trim(),
+        "reset",
+        "the held connection reads as reset in the clone"
+    );
+    root.ok(&["rm", "-f", "c1", "tpl"]);
+}
