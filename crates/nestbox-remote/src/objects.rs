@@ -50,6 +50,8 @@ pub struct TemplateEnd {
     pub side: usize,
     /// The fd's flags (`O_ACCMODE`, `O_NONBLOCK`, `O_CLOEXEC`).
     pub flags: i32,
+    /// What it is (`/proc/PID/fd` link text).
+    pub target: String,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -124,6 +126,7 @@ impl CloneObjects {
                         fd: entry.fd,
                         side,
                         flags: entry.flags,
+                        target: entry.target.clone(),
                     });
             }
         }
@@ -147,7 +150,7 @@ impl CloneObjects {
     pub(crate) fn create(&mut self, tracee: &mut Tracee, scratch: &mut Scratch) -> Result<()> {
         let creator = pidfd_open(tracee.pid())?;
         let mut template_pidfds: BTreeMap<i32, OwnedFd> = BTreeMap::new();
-        for (key, object) in &mut self.objects {
+        for object in self.objects.values_mut() {
             let nums = make(tracee, scratch, object.kind)?;
             object.in_creator = Some(nums);
             let made = [
@@ -156,7 +159,7 @@ impl CloneObjects {
             ];
             let mut template_fd = |side: Option<usize>,
                                    readable: bool|
-             -> Result<Option<(i32, i32, OwnedFd)>> {
+             -> Result<Option<(i32, i32, String, OwnedFd)>> {
                 let end = object.ends.iter().find(|e| {
                     side.is_none_or(|s| e.side == s)
                         && (!readable || e.flags & libc::O_ACCMODE != libc::O_WRONLY)
@@ -166,39 +169,36 @@ impl CloneObjects {
                     std::collections::btree_map::Entry::Occupied(e) => e.into_mut(),
                     std::collections::btree_map::Entry::Vacant(e) => e.insert(pidfd_open(end.pid)?),
                 };
-                Ok(Some((
-                    end.pid,
-                    end.fd,
-                    pidfd_getfd(pidfd, end.pid, end.fd)?,
-                )))
+                let dup = pidfd_getfd(pidfd, end.pid, end.fd)?;
+                Ok(Some((end.pid, end.fd, end.target.clone(), dup)))
             };
             match object.kind {
                 Kind::Pipe => {
-                    if let Some((pid, fd, from)) = template_fd(None, true)? {
+                    if let Some((pid, fd, target, from)) = template_fd(None, true)? {
                         copy_pipe(&from, &made[1]).map_err(|source| RemoteError::Sys {
                             op: "copying a pipe's buffered data (tee)",
                             pid,
                             source: io::Error::new(
                                 source.kind(),
-                                format!("fd {fd} (pipe {key:?}): {source}"),
+                                format!("fd {fd} ({target}): {source}"),
                             ),
                         })?;
                     }
                 }
                 Kind::Unix { sock_type } => {
                     for side in 0..2 {
-                        if let Some((pid, fd, from)) = template_fd(Some(side), false)? {
+                        if let Some((pid, fd, target, from)) = template_fd(Some(side), false)? {
                             copy_queue(&from, sock_type, &made[1 - side]).map_err(|e| match e {
                                 CopyError::FdsInFlight => RemoteError::UnsupportedFd {
                                     pid,
                                     fd,
-                                    kind: format!("Unix socket {key:?}"),
+                                    kind: target.clone(),
                                     reason: "data buffered in it carries fds (SCM_RIGHTS), which a clone cannot copy".into(),
                                 },
                                 CopyError::EmptyDatagram => RemoteError::UnsupportedFd {
                                     pid,
                                     fd,
-                                    kind: format!("Unix socket {key:?}"),
+                                    kind: target.clone(),
                                     reason: "a zero-length datagram is buffered in it; its boundary cannot be copied".into(),
                                 },
                                 CopyError::Io(op, source) => RemoteError::Sys { op, pid, source },
