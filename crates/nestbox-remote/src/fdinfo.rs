@@ -281,6 +281,9 @@ impl FdEntry {
                 None => FdAction::Recreate,
             },
             FdKind::PidFd { own: true, .. } => FdAction::Recreate,
+            FdKind::PidFd { pid: -1, .. } => FdAction::Unsupported(
+                "a pidfd of a process that has ended, which the clone has no copy of".into(),
+            ),
             FdKind::PidFd { pid, ns_pid, .. } => FdAction::Unsupported(format!(
                 "a pidfd of another process (pid {pid}, {ns_pid} in its namespace), which the clone has no copy of"
             )),

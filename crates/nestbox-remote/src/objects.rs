@@ -565,3 +565,98 @@ fn send_all(sender: &OwnedFd, data: &[u8], stream: bool) -> std::result::Result<
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::fdinfo::{mark_peers_inside, SocketInfo};
+
+    fn unix(fd: i32, ino: u64, peer: Option<u64>, sock_type: i32) -> FdEntry {
+        FdEntry {
+            fd,
+            target: format!("socket:[{ino}]"),
+            flags: libc::O_RDWR,
+            pos: 0,
+            ino,
+            kind: FdKind::Socket(SocketInfo {
+                domain: libc::AF_UNIX,
+                sock_type,
+                protocol: 0,
+                listening: false,
+                connected: true,
+                local: Vec::new(),
+                reuseaddr: false,
+                reuseport: false,
+                keepalive: false,
+                broadcast: false,
+                v6only: None,
+                nodelay: None,
+                backlog: None,
+                peer_addr: vec![1, 0],
+                ino,
+                peer,
+                peer_inside: false,
+            }),
+        }
+    }
+
+    fn pipe(fd: i32, ino: u64, flags: i32) -> FdEntry {
+        FdEntry {
+            fd,
+            target: format!("pipe:[{ino}]"),
+            flags,
+            pos: 0,
+            ino,
+            kind: FdKind::Pipe,
+        }
+    }
+
+    /// Ends in two processes, a dup'd end, a peer outside, a closed peer.
+    #[test]
+    fn objects_are_keyed_by_the_template_object_across_processes() {
+        let mut first = vec![
+            unix(3, 100, Some(101), libc::SOCK_STREAM),
+            unix(4, 100, Some(101), libc::SOCK_STREAM),
+            unix(5, 200, Some(999), libc::SOCK_STREAM),
+            unix(6, 300, Some(0), libc::SOCK_DGRAM),
+            pipe(7, 50, libc::O_RDONLY),
+        ];
+        let mut second = vec![
+            unix(3, 101, Some(100), libc::SOCK_STREAM),
+            pipe(8, 50, libc::O_WRONLY),
+        ];
+        mark_peers_inside(&mut [&mut first[..], &mut second[..]]);
+        let actions: Vec<FdAction> = first.iter().map(FdEntry::action).collect();
+        assert_eq!(
+            actions,
+            [
+                FdAction::Pair,
+                FdAction::Pair,
+                FdAction::Placeholder,
+                FdAction::Pair,
+                FdAction::Pair
+            ]
+        );
+        assert_eq!(second[0].action(), FdAction::Pair);
+        let plan = CloneObjects::plan(&[(10, &first), (11, &second)]);
+        let objects: Vec<(ObjectKey, Vec<(i32, i32, usize)>)> = plan
+            .ends()
+            .map(|(k, ends)| (k, ends.iter().map(|e| (e.pid, e.fd, e.side)).collect()))
+            .collect();
+        assert_eq!(
+            objects,
+            [
+                (ObjectKey::Pipe(50), vec![(10, 7, 0), (11, 8, 1)]),
+                (
+                    ObjectKey::Unix(100),
+                    vec![(10, 3, 0), (10, 4, 0), (11, 3, 1)]
+                ),
+                (ObjectKey::Unix(300), vec![(10, 6, 0)]),
+            ]
+        );
+        // Alone, the first process's connection has its peer outside.
+        let mut alone = first.clone();
+        mark_peers_inside(&mut [&mut alone[..]]);
+        assert_eq!(alone[0].action(), FdAction::Placeholder);
+    }
+}

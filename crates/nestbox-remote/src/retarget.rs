@@ -137,7 +137,10 @@ impl Ctx<'_> {
         if sock.nodelay == Some(true) {
             self.setsockopt(fd, tmp, libc::IPPROTO_TCP, libc::TCP_NODELAY, 1)?;
         }
-        if sock.is_bound() {
+        // A connected datagram socket is not bound again: its local address
+        // may be the template's own (the clone has another), and `connect`
+        // chooses one.
+        if sock.is_bound() && !sock.connected {
             if let Some(path) = sock.unix_path() {
                 self.scratch.reset();
                 let addr = self.scratch.put_path(self.tracee, path)?;
@@ -377,6 +380,22 @@ pub(crate) fn retarget(
     entries: &[FdEntry],
     stdio: [i32; 3],
 ) -> Result<Vec<FdOutcome>> {
+    retarget_with(tracee, scratch, template_pid, entries, stdio, None)
+}
+
+/// [`retarget`] with the connected objects of a whole process tree: `objects`
+/// is the table planned over every template process
+/// ([`CloneObjects::plan`]) and whether `tracee` is the process that creates
+/// them (the first one re-targeted; the others get the same objects handed
+/// over). `None`: the objects of `entries` alone, created here.
+pub(crate) fn retarget_with(
+    tracee: &mut Tracee,
+    scratch: &mut Scratch,
+    template_pid: i32,
+    entries: &[FdEntry],
+    stdio: [i32; 3],
+    objects: Option<(&mut CloneObjects, bool)>,
+) -> Result<Vec<FdOutcome>> {
     let actions: Vec<FdAction> = entries.iter().map(FdEntry::action).collect();
     // Pass 1: pidfds of the process itself are closed (opened again in the
     // clone's process, see own_pidfds); pass 2: connected objects; pass 3:
@@ -392,13 +411,18 @@ pub(crate) fn retarget(
             )?;
         }
     }
-    let mut objects = CloneObjects::plan(&[(template_pid, entries)]);
-    if !objects.is_empty() {
+    let mut own = CloneObjects::plan(&[(template_pid, entries)]);
+    let (objects, creator) = match objects {
+        Some(shared) => shared,
+        None => (&mut own, true),
+    };
+    if creator && !objects.is_empty() {
         objects.create(tracee, scratch)?;
-        objects.install(tracee, scratch, template_pid, true)?;
+    }
+    objects.install(tracee, scratch, template_pid, creator)?;
+    if creator {
         objects.close_in_creator(tracee)?;
     }
-    drop(objects);
     let mut ctx = Ctx { tracee, scratch };
     for (entry, action) in entries.iter().zip(&actions) {
         match (action, &entry.kind) {
