@@ -639,7 +639,8 @@ mod tests {
         );
         assert_eq!(second[0].action(), FdAction::Pair);
         let plan = CloneObjects::plan(&[(10, &first), (11, &second)]);
-        let objects: Vec<(ObjectKey, Vec<(i32, i32, usize)>)> = plan
+        type Ends = Vec<(i32, i32, usize)>;
+        let objects: Vec<(ObjectKey, Ends)> = plan
             .ends()
             .map(|(k, ends)| (k, ends.iter().map(|e| (e.pid, e.fd, e.side)).collect()))
             .collect();
