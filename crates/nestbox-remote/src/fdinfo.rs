@@ -68,6 +68,9 @@ pub struct SocketInfo {
     /// held by the box's processes): set by [`inspect_fds`] for one process and
     /// by [`crate::mark_peers_inside`] for several.
     pub peer_inside: bool,
+    /// Connected Unix sockets: data queued for it carries fds (`SCM_RIGHTS`),
+    /// which no clone can copy (seen with `MSG_PEEK`, the queue untouched).
+    pub fds_in_flight: bool,
 }
 
 impl SocketInfo {
@@ -250,6 +253,10 @@ impl FdEntry {
             FdKind::Directory | FdKind::CharDevice | FdKind::BlockDevice => FdAction::Shared,
             FdKind::Pipe => FdAction::Pair,
             FdKind::Socket(sock) => match sock.domain {
+                libc::AF_UNIX if sock.fds_in_flight => FdAction::Unsupported(
+                    "data buffered in it carries fds (SCM_RIGHTS), which a clone cannot copy"
+                        .into(),
+                ),
                 libc::AF_UNIX if sock.connected && (sock.peer_inside || sock.peer == Some(0)) => {
                     FdAction::Pair
                 }
@@ -676,6 +683,17 @@ fn inspect_socket(pid: i32, fd: i32, pidfd: &mut Option<OwnedFd>) -> Result<Sock
         v6only: (domain == libc::AF_INET6).then(|| flag(libc::IPPROTO_IPV6, libc::IPV6_V6ONLY)),
         nodelay: tcp.then(|| flag(libc::IPPROTO_TCP, libc::TCP_NODELAY)),
         backlog,
+        fds_in_flight: if domain == libc::AF_UNIX && connected {
+            crate::objects::queue_carries_fds(&sock, sock_type).map_err(|source| {
+                RemoteError::Sys {
+                    op: "recvmsg(MSG_PEEK) of a Unix socket's queue",
+                    pid,
+                    source,
+                }
+            })?
+        } else {
+            false
+        },
         peer_addr: peer_addr.unwrap_or_default(),
         ino: 0,
         peer: None,

@@ -440,6 +440,25 @@ pub(crate) fn copy_queue(
     sock_type: i32,
     sender: &OwnedFd,
 ) -> std::result::Result<(), CopyError> {
+    scan_queue(from, sock_type, Some(sender))
+}
+
+/// Whether data queued for the socket `from` carries fds (`SCM_RIGHTS`),
+/// which no clone can copy: read with `MSG_PEEK` as [`copy_queue`] does, so
+/// the queue stays as it was.
+pub(crate) fn queue_carries_fds(from: &OwnedFd, sock_type: i32) -> io::Result<bool> {
+    match scan_queue(from, sock_type, None) {
+        Ok(()) | Err(CopyError::EmptyDatagram) => Ok(false),
+        Err(CopyError::FdsInFlight) => Ok(true),
+        Err(CopyError::Io(_, e)) => Err(e),
+    }
+}
+
+fn scan_queue(
+    from: &OwnedFd,
+    sock_type: i32,
+    sender: Option<&OwnedFd>,
+) -> std::result::Result<(), CopyError> {
     let old_peek = sockopt(from, libc::SO_PEEK_OFF)
         .map_err(|e| CopyError::Io("getsockopt(SO_PEEK_OFF)", e))?;
     set_sockopt(from, libc::SO_PEEK_OFF, 0)
@@ -454,7 +473,7 @@ pub(crate) fn copy_queue(
 fn peek_and_send(
     from: &OwnedFd,
     sock_type: i32,
-    sender: &OwnedFd,
+    sender: Option<&OwnedFd>,
 ) -> std::result::Result<(), CopyError> {
     let stream = sock_type == libc::SOCK_STREAM;
     let mut buf = vec![0u8; 256 * 1024];
@@ -502,7 +521,9 @@ fn peek_and_send(
             }
             return Err(CopyError::EmptyDatagram);
         }
-        send_all(sender, &buf[..n], stream)?;
+        if let Some(sender) = sender {
+            send_all(sender, &buf[..n], stream)?;
+        }
     }
 }
 
@@ -596,6 +617,7 @@ mod tests {
                 ino,
                 peer,
                 peer_inside: false,
+                fds_in_flight: false,
             }),
         }
     }

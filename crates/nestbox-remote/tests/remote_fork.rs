@@ -816,6 +816,10 @@ fn fds_in_flight() {
     let p = sc.template;
     let init = sc.shell_ref(shell).init;
     let maps_before = std::fs::read_to_string(format!("/proc/{p}/maps")).expect("maps");
+    // Refused by the inventory already (what freeze runs), and by the fork.
+    let entries = inspect_fds(p).expect("inspect");
+    let at_freeze = nestbox_remote::ensure_clonable(p, &entries).expect_err("must refuse");
+    assert!(at_freeze.to_string().contains("SCM_RIGHTS"), "{at_freeze}");
     let null = dev_null();
     let err = sc
         .fork(shell, [&null, &null, &null], None)
