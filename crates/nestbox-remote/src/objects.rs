@@ -264,13 +264,16 @@ impl CloneObjects {
                         &[from as u64],
                     )?;
                 }
+                // New ends are blocking: only a non-blocking one needs a call.
                 let status = (end.flags & libc::O_NONBLOCK) as u64;
-                tracee.syscall(
-                    "fcntl(F_SETFL)",
-                    || format!("for fd {}", end.fd),
-                    libc::SYS_fcntl,
-                    &[end.fd as u64, libc::F_SETFL as u64, status],
-                )?;
+                if status != 0 {
+                    tracee.syscall(
+                        "fcntl(F_SETFL)",
+                        || format!("for fd {}", end.fd),
+                        libc::SYS_fcntl,
+                        &[end.fd as u64, libc::F_SETFL as u64, status],
+                    )?;
+                }
             }
         }
         Ok(())

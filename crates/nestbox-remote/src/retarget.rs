@@ -189,12 +189,14 @@ impl Ctx<'_> {
     fn placeholder(&mut self, template_pid: i32, entry: &FdEntry, sock: &SocketInfo) -> Result<()> {
         let tmp = placeholder::make(self.tracee, self.scratch, template_pid, entry, sock)?;
         let status = Self::nonblock(entry) as u64;
-        self.call(
-            "fcntl(F_SETFL)",
-            entry.fd,
-            libc::SYS_fcntl,
-            &[tmp as u64, libc::F_SETFL as u64, status],
-        )?;
+        if status != 0 {
+            self.call(
+                "fcntl(F_SETFL)",
+                entry.fd,
+                libc::SYS_fcntl,
+                &[tmp as u64, libc::F_SETFL as u64, status],
+            )?;
+        }
         self.install(tmp as u64, entry)
     }
 
