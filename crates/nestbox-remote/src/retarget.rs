@@ -17,7 +17,7 @@ use crate::error::Result;
 use crate::fdinfo::{FdAction, FdEntry, FdKind, InotifyWatch, SocketInfo};
 use crate::memory::Scratch;
 use crate::objects::CloneObjects;
-use crate::placeholder;
+use crate::placeholder::{self, TcpResets};
 use crate::tracee::Tracee;
 
 /// What was done with one fd of the template in the clone.
@@ -186,8 +186,22 @@ impl Ctx<'_> {
         self.install(tmp, entry)
     }
 
-    fn placeholder(&mut self, template_pid: i32, entry: &FdEntry, sock: &SocketInfo) -> Result<()> {
-        let tmp = placeholder::make(self.tracee, self.scratch, template_pid, entry, sock)?;
+    fn placeholder(
+        &mut self,
+        template_pid: i32,
+        entry: &FdEntry,
+        sock: &SocketInfo,
+        resets: &mut Option<TcpResets>,
+    ) -> Result<()> {
+        let tmp = if sock.domain == libc::AF_UNIX {
+            placeholder::unix(self.tracee, self.scratch, template_pid, entry, sock)?
+        } else {
+            let resets = match resets {
+                Some(resets) => resets,
+                None => resets.insert(TcpResets::open(self.tracee, self.scratch)?),
+            };
+            resets.make(self.tracee, self.scratch, entry.fd)?
+        };
         let status = Self::nonblock(entry) as u64;
         if status != 0 {
             self.call(
@@ -426,11 +440,12 @@ pub(crate) fn retarget_with(
         objects.close_in_creator(tracee)?;
     }
     let mut ctx = Ctx { tracee, scratch };
+    let mut resets = None;
     for (entry, action) in entries.iter().zip(&actions) {
         match (action, &entry.kind) {
             (FdAction::Reopen, FdKind::File { path, .. }) => ctx.reopen(entry, path)?,
             (FdAction::Placeholder, FdKind::Socket(sock)) => {
-                ctx.placeholder(template_pid, entry, sock)?
+                ctx.placeholder(template_pid, entry, sock, &mut resets)?
             }
             (FdAction::Recreate, FdKind::Socket(sock)) => ctx.socket(entry, sock)?,
             (FdAction::Recreate, FdKind::EventFd { count, semaphore }) => {
@@ -449,6 +464,9 @@ pub(crate) fn retarget_with(
             (FdAction::Recreate, FdKind::Inotify(watches)) => ctx.inotify(entry, watches)?,
             _ => {}
         }
+    }
+    if let Some(resets) = resets {
+        resets.close(ctx.tracee)?;
     }
     for (entry, action) in entries.iter().zip(&actions) {
         if *action == FdAction::Stdio {
