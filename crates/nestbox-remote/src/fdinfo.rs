@@ -68,6 +68,9 @@ pub struct SocketInfo {
     /// held by the box's processes): set by [`inspect_fds`] for one process and
     /// by [`crate::mark_peers_inside`] for several.
     pub peer_inside: bool,
+    /// Connected Unix sockets: data queued for it carries fds (`SCM_RIGHTS`),
+    /// which no clone can copy (seen with `MSG_PEEK`, the queue untouched).
+    pub fds_in_flight: bool,
 }
 
 impl SocketInfo {
@@ -260,6 +263,10 @@ impl FdEntry {
             FdKind::Directory | FdKind::CharDevice | FdKind::BlockDevice => FdAction::Shared,
             FdKind::Pipe => FdAction::Pair,
             FdKind::Socket(sock) => match sock.domain {
+                libc::AF_UNIX if sock.fds_in_flight => FdAction::Unsupported(
+                    "data buffered in it carries fds (SCM_RIGHTS), which a clone cannot copy"
+                        .into(),
+                ),
                 libc::AF_UNIX if sock.connected && (sock.peer_inside || sock.peer == Some(0)) => {
                     FdAction::Pair
                 }
@@ -301,6 +308,9 @@ impl FdEntry {
                 None => FdAction::Recreate,
             },
             FdKind::PidFd { own: true, .. } => FdAction::Recreate,
+            FdKind::PidFd { pid: -1, .. } => FdAction::Unsupported(
+                "a pidfd of a process that has ended, which the clone has no copy of".into(),
+            ),
             FdKind::PidFd { pid, ns_pid, .. } => FdAction::Unsupported(format!(
                 "a pidfd of another process (pid {pid}, {ns_pid} in its namespace), which the clone has no copy of"
             )),
@@ -693,6 +703,17 @@ fn inspect_socket(pid: i32, fd: i32, pidfd: &mut Option<OwnedFd>) -> Result<Sock
         v6only: (domain == libc::AF_INET6).then(|| flag(libc::IPPROTO_IPV6, libc::IPV6_V6ONLY)),
         nodelay: tcp.then(|| flag(libc::IPPROTO_TCP, libc::TCP_NODELAY)),
         backlog,
+        fds_in_flight: if domain == libc::AF_UNIX && connected {
+            crate::objects::queue_carries_fds(&sock, sock_type).map_err(|source| {
+                RemoteError::Sys {
+                    op: "recvmsg(MSG_PEEK) of a Unix socket's queue",
+                    pid,
+                    source,
+                }
+            })?
+        } else {
+            false
+        },
         peer_addr: peer_addr.unwrap_or_default(),
         ino: 0,
         peer: None,

@@ -48,7 +48,7 @@ use crate::layout;
 use crate::memory::{Scratch, SCRATCH_LEN};
 use crate::objects::CloneObjects;
 use crate::procfs::{self, Status};
-use crate::retarget::{retarget, FdOutcome};
+use crate::retarget::{retarget_with, FdOutcome};
 use crate::threads::{self, ThreadState};
 use crate::tracee::{task_ids, Tracee, TRACE_OPTIONS};
 
@@ -482,7 +482,11 @@ impl Session {
         let securebits = batch.run(&mut c1, scratch)?[0];
         self.phases.mark("setns + chdir");
 
-        let outcomes = retarget(&mut c1, scratch, template.pid(), entries, stdio, objects)?;
+        let objects = objects.map(|o| {
+            let creator = !o.is_created();
+            (o, creator)
+        });
+        let outcomes = retarget_with(&mut c1, scratch, template.pid(), entries, stdio, objects)?;
         close_all(&mut c1, &installed)?;
         self.phases.mark("fd re-targeting");
 

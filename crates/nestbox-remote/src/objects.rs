@@ -50,6 +50,8 @@ pub struct TemplateEnd {
     pub side: usize,
     /// The fd's flags (`O_ACCMODE`, `O_NONBLOCK`, `O_CLOEXEC`).
     pub flags: i32,
+    /// What it is (`/proc/PID/fd` link text).
+    pub target: String,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -124,6 +126,7 @@ impl CloneObjects {
                         fd: entry.fd,
                         side,
                         flags: entry.flags,
+                        target: entry.target.clone(),
                     });
             }
         }
@@ -153,7 +156,7 @@ impl CloneObjects {
     pub(crate) fn create(&mut self, tracee: &mut Tracee, scratch: &mut Scratch) -> Result<()> {
         let creator = pidfd_open(tracee.pid())?;
         let mut template_pidfds: BTreeMap<i32, OwnedFd> = BTreeMap::new();
-        for (key, object) in &mut self.objects {
+        for object in self.objects.values_mut() {
             let nums = make(tracee, scratch, object.kind)?;
             object.in_creator = Some(nums);
             let made = [
@@ -162,7 +165,7 @@ impl CloneObjects {
             ];
             let mut template_fd = |side: Option<usize>,
                                    readable: bool|
-             -> Result<Option<(i32, i32, OwnedFd)>> {
+             -> Result<Option<(i32, i32, String, OwnedFd)>> {
                 let end = object.ends.iter().find(|e| {
                     side.is_none_or(|s| e.side == s)
                         && (!readable || e.flags & libc::O_ACCMODE != libc::O_WRONLY)
@@ -172,39 +175,36 @@ impl CloneObjects {
                     std::collections::btree_map::Entry::Occupied(e) => e.into_mut(),
                     std::collections::btree_map::Entry::Vacant(e) => e.insert(pidfd_open(end.pid)?),
                 };
-                Ok(Some((
-                    end.pid,
-                    end.fd,
-                    pidfd_getfd(pidfd, end.pid, end.fd)?,
-                )))
+                let dup = pidfd_getfd(pidfd, end.pid, end.fd)?;
+                Ok(Some((end.pid, end.fd, end.target.clone(), dup)))
             };
             match object.kind {
                 Kind::Pipe => {
-                    if let Some((pid, fd, from)) = template_fd(None, true)? {
+                    if let Some((pid, fd, target, from)) = template_fd(None, true)? {
                         copy_pipe(&from, &made[1]).map_err(|source| RemoteError::Sys {
                             op: "copying a pipe's buffered data (tee)",
                             pid,
                             source: io::Error::new(
                                 source.kind(),
-                                format!("fd {fd} (pipe {key:?}): {source}"),
+                                format!("fd {fd} ({target}): {source}"),
                             ),
                         })?;
                     }
                 }
                 Kind::Unix { sock_type } => {
                     for side in 0..2 {
-                        if let Some((pid, fd, from)) = template_fd(Some(side), false)? {
+                        if let Some((pid, fd, target, from)) = template_fd(Some(side), false)? {
                             copy_queue(&from, sock_type, &made[1 - side]).map_err(|e| match e {
                                 CopyError::FdsInFlight => RemoteError::UnsupportedFd {
                                     pid,
                                     fd,
-                                    kind: format!("Unix socket {key:?}"),
+                                    kind: target.clone(),
                                     reason: "data buffered in it carries fds (SCM_RIGHTS), which a clone cannot copy".into(),
                                 },
                                 CopyError::EmptyDatagram => RemoteError::UnsupportedFd {
                                     pid,
                                     fd,
-                                    kind: format!("Unix socket {key:?}"),
+                                    kind: target.clone(),
                                     reason: "a zero-length datagram is buffered in it; its boundary cannot be copied".into(),
                                 },
                                 CopyError::Io(op, source) => RemoteError::Sys { op, pid, source },
@@ -273,13 +273,16 @@ impl CloneObjects {
                         &[from as u64],
                     )?;
                 }
+                // New ends are blocking: only a non-blocking one needs a call.
                 let status = (end.flags & libc::O_NONBLOCK) as u64;
-                tracee.syscall(
-                    "fcntl(F_SETFL)",
-                    || format!("for fd {}", end.fd),
-                    libc::SYS_fcntl,
-                    &[end.fd as u64, libc::F_SETFL as u64, status],
-                )?;
+                if status != 0 {
+                    tracee.syscall(
+                        "fcntl(F_SETFL)",
+                        || format!("for fd {}", end.fd),
+                        libc::SYS_fcntl,
+                        &[end.fd as u64, libc::F_SETFL as u64, status],
+                    )?;
+                }
             }
         }
         Ok(())
@@ -449,6 +452,25 @@ pub(crate) fn copy_queue(
     sock_type: i32,
     sender: &OwnedFd,
 ) -> std::result::Result<(), CopyError> {
+    scan_queue(from, sock_type, Some(sender))
+}
+
+/// Whether data queued for the socket `from` carries fds (`SCM_RIGHTS`),
+/// which no clone can copy: read with `MSG_PEEK` as [`copy_queue`] does, so
+/// the queue stays as it was.
+pub(crate) fn queue_carries_fds(from: &OwnedFd, sock_type: i32) -> io::Result<bool> {
+    match scan_queue(from, sock_type, None) {
+        Ok(()) | Err(CopyError::EmptyDatagram) => Ok(false),
+        Err(CopyError::FdsInFlight) => Ok(true),
+        Err(CopyError::Io(_, e)) => Err(e),
+    }
+}
+
+fn scan_queue(
+    from: &OwnedFd,
+    sock_type: i32,
+    sender: Option<&OwnedFd>,
+) -> std::result::Result<(), CopyError> {
     let old_peek = sockopt(from, libc::SO_PEEK_OFF)
         .map_err(|e| CopyError::Io("getsockopt(SO_PEEK_OFF)", e))?;
     set_sockopt(from, libc::SO_PEEK_OFF, 0)
@@ -463,7 +485,7 @@ pub(crate) fn copy_queue(
 fn peek_and_send(
     from: &OwnedFd,
     sock_type: i32,
-    sender: &OwnedFd,
+    sender: Option<&OwnedFd>,
 ) -> std::result::Result<(), CopyError> {
     let stream = sock_type == libc::SOCK_STREAM;
     let mut buf = vec![0u8; 256 * 1024];
@@ -511,7 +533,9 @@ fn peek_and_send(
             }
             return Err(CopyError::EmptyDatagram);
         }
-        send_all(sender, &buf[..n], stream)?;
+        if let Some(sender) = sender {
+            send_all(sender, &buf[..n], stream)?;
+        }
     }
 }
 
@@ -573,4 +597,101 @@ fn send_all(sender: &OwnedFd, data: &[u8], stream: bool) -> std::result::Result<
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::fdinfo::{mark_peers_inside, SocketInfo};
+
+    fn unix(fd: i32, ino: u64, peer: Option<u64>, sock_type: i32) -> FdEntry {
+        FdEntry {
+            fd,
+            target: format!("socket:[{ino}]"),
+            flags: libc::O_RDWR,
+            pos: 0,
+            ino,
+            kind: FdKind::Socket(SocketInfo {
+                domain: libc::AF_UNIX,
+                sock_type,
+                protocol: 0,
+                listening: false,
+                connected: true,
+                local: Vec::new(),
+                reuseaddr: false,
+                reuseport: false,
+                keepalive: false,
+                broadcast: false,
+                v6only: None,
+                nodelay: None,
+                backlog: None,
+                peer_addr: vec![1, 0],
+                ino,
+                peer,
+                peer_inside: false,
+                fds_in_flight: false,
+            }),
+        }
+    }
+
+    fn pipe(fd: i32, ino: u64, flags: i32) -> FdEntry {
+        FdEntry {
+            fd,
+            target: format!("pipe:[{ino}]"),
+            flags,
+            pos: 0,
+            ino,
+            kind: FdKind::Pipe,
+        }
+    }
+
+    /// Ends in two processes, a dup'd end, a peer outside, a closed peer.
+    #[test]
+    fn objects_are_keyed_by_the_template_object_across_processes() {
+        let mut first = vec![
+            unix(3, 100, Some(101), libc::SOCK_STREAM),
+            unix(4, 100, Some(101), libc::SOCK_STREAM),
+            unix(5, 200, Some(999), libc::SOCK_STREAM),
+            unix(6, 300, Some(0), libc::SOCK_DGRAM),
+            pipe(7, 50, libc::O_RDONLY),
+        ];
+        let mut second = vec![
+            unix(3, 101, Some(100), libc::SOCK_STREAM),
+            pipe(8, 50, libc::O_WRONLY),
+        ];
+        mark_peers_inside(&mut [&mut first[..], &mut second[..]]);
+        let actions: Vec<FdAction> = first.iter().map(FdEntry::action).collect();
+        assert_eq!(
+            actions,
+            [
+                FdAction::Pair,
+                FdAction::Pair,
+                FdAction::Placeholder,
+                FdAction::Pair,
+                FdAction::Pair
+            ]
+        );
+        assert_eq!(second[0].action(), FdAction::Pair);
+        let plan = CloneObjects::plan(&[(10, &first), (11, &second)]);
+        type Ends = Vec<(i32, i32, usize)>;
+        let objects: Vec<(ObjectKey, Ends)> = plan
+            .ends()
+            .map(|(k, ends)| (k, ends.iter().map(|e| (e.pid, e.fd, e.side)).collect()))
+            .collect();
+        assert_eq!(
+            objects,
+            [
+                (ObjectKey::Pipe(50), vec![(10, 7, 0), (11, 8, 1)]),
+                (
+                    ObjectKey::Unix(100),
+                    vec![(10, 3, 0), (10, 4, 0), (11, 3, 1)]
+                ),
+                (ObjectKey::Unix(300), vec![(10, 6, 0)]),
+            ]
+        );
+        // Alone, the first process's connection has its peer outside.
+        let mut alone = first.clone();
+        mark_peers_inside(&mut [&mut alone[..]]);
+        assert_eq!(alone[0].action(), FdAction::Placeholder);
+    }
 }

@@ -6,6 +6,7 @@
 //! * TCP (v4 or v6): a loopback connection made and reset inside the forked
 //!   process, in the clone's network namespace: a listener on 127.0.0.1, a
 //!   `connect` to it, the accepted end closed with `SO_LINGER` 0 (an RST).
+//!   One listener serves every TCP placeholder of a process ([`TcpResets`]).
 //!   The placeholder is the connecting end: its first `read` fails with
 //!   `ECONNRESET`, later ones return end of file; a `write` fails with
 //!   `ECONNRESET`, then `EPIPE`; `epoll` reports `EPOLLIN | EPOLLERR |
@@ -31,51 +32,73 @@ use crate::memory::Scratch;
 use crate::objects::{copy_queue, make_pair, CopyError};
 use crate::tracee::Tracee;
 
-/// Make the placeholder for `entry` (a connected socket of template process
-/// `template_pid`) in `tracee` and return its (temporary) fd number there.
-pub(crate) fn make(
-    tracee: &mut Tracee,
-    scratch: &mut Scratch,
-    template_pid: i32,
-    entry: &FdEntry,
-    sock: &SocketInfo,
-) -> Result<i32> {
-    if sock.domain == libc::AF_UNIX {
-        unix(tracee, scratch, template_pid, entry, sock)
-    } else {
-        tcp(tracee, scratch, entry.fd)
-    }
+/// The loopback listener that TCP placeholders are made with, one per
+/// forked process (created at the first TCP placeholder, closed after the
+/// last).
+#[derive(Debug)]
+pub(crate) struct TcpResets {
+    listener: u64,
+    /// Its `sockaddr_in` (127.0.0.1 and the port the kernel chose).
+    addr: Vec<u8>,
 }
 
-fn tcp(tracee: &mut Tracee, scratch: &mut Scratch, fd: i32) -> Result<i32> {
-    let ctx = || format!("reset placeholder for fd {fd}");
-    let stream = (libc::SOCK_STREAM | libc::SOCK_CLOEXEC) as u64;
-    let inet = libc::AF_INET as u64;
-    let listener = tracee.syscall("socket", ctx, libc::SYS_socket, &[inet, stream, 0])?;
-    let result = (|| -> Result<i32> {
+impl TcpResets {
+    /// A listener on 127.0.0.1 (any port) in `tracee`'s network namespace.
+    pub(crate) fn open(tracee: &mut Tracee, scratch: &mut Scratch) -> Result<TcpResets> {
+        let ctx = || "listener for reset placeholders".to_string();
+        let stream = (libc::SOCK_STREAM | libc::SOCK_CLOEXEC) as u64;
+        let listener = tracee.syscall(
+            "socket",
+            ctx,
+            libc::SYS_socket,
+            &[libc::AF_INET as u64, stream, 0],
+        )?;
         // struct sockaddr_in { sa_family_t AF_INET; port 0; 127.0.0.1; zero[8] }
-        let mut addr = [0u8; 16];
+        let mut addr = vec![0u8; 16];
         addr[..2].copy_from_slice(&(libc::AF_INET as u16).to_ne_bytes());
         addr[4..8].copy_from_slice(&[127, 0, 0, 1]);
         scratch.reset();
         let addr_at = scratch.put(tracee, &addr)?;
         let len_at = scratch.put(tracee, &16u32.to_ne_bytes())?;
-        tracee.syscall("bind", ctx, libc::SYS_bind, &[listener, addr_at, 16])?;
-        tracee.syscall("listen", ctx, libc::SYS_listen, &[listener, 1])?;
-        tracee.syscall(
-            "getsockname",
+        let made = (|| -> Result<()> {
+            tracee.syscall("bind", ctx, libc::SYS_bind, &[listener, addr_at, 16])?;
+            tracee.syscall("listen", ctx, libc::SYS_listen, &[listener, 1])?;
+            tracee.syscall(
+                "getsockname",
+                ctx,
+                libc::SYS_getsockname,
+                &[listener, addr_at, len_at],
+            )?;
+            tracee.read_mem(addr_at, &mut addr)?;
+            Ok(())
+        })();
+        if let Err(e) = made {
+            // Failing already; the process is killed with the fd.
+            let _ = tracee.syscall("close", ctx, libc::SYS_close, &[listener]);
+            return Err(e);
+        }
+        Ok(TcpResets { listener, addr })
+    }
+
+    /// A reset TCP connection for fd `fd`: its (temporary) number in `tracee`.
+    pub(crate) fn make(&self, tracee: &mut Tracee, scratch: &mut Scratch, fd: i32) -> Result<i32> {
+        let ctx = || format!("reset placeholder for fd {fd}");
+        let stream = (libc::SOCK_STREAM | libc::SOCK_CLOEXEC) as u64;
+        scratch.reset();
+        let addr_at = scratch.put(tracee, &self.addr)?;
+        let conn = tracee.syscall(
+            "socket",
             ctx,
-            libc::SYS_getsockname,
-            &[listener, addr_at, len_at],
+            libc::SYS_socket,
+            &[libc::AF_INET as u64, stream, 0],
         )?;
-        let conn = tracee.syscall("socket", ctx, libc::SYS_socket, &[inet, stream, 0])?;
         // Loopback: the handshake completes within connect.
         tracee.syscall("connect", ctx, libc::SYS_connect, &[conn, addr_at, 16])?;
         let accepted = tracee.syscall(
             "accept4",
             ctx,
             libc::SYS_accept4,
-            &[listener, 0, 0, libc::SOCK_CLOEXEC as u64],
+            &[self.listener, 0, 0, libc::SOCK_CLOEXEC as u64],
         )?;
         // struct linger { l_onoff 1, l_linger 0 }: close sends an RST.
         let mut linger = [0u8; 8];
@@ -95,12 +118,23 @@ fn tcp(tracee: &mut Tracee, scratch: &mut Scratch, fd: i32) -> Result<i32> {
         )?;
         tracee.syscall("close", ctx, libc::SYS_close, &[accepted])?;
         Ok(conn as i32)
-    })();
-    tracee.syscall("close", ctx, libc::SYS_close, &[listener])?;
-    result
+    }
+
+    /// Close the listener.
+    pub(crate) fn close(self, tracee: &mut Tracee) -> Result<()> {
+        tracee.syscall(
+            "close",
+            || "listener for reset placeholders".into(),
+            libc::SYS_close,
+            &[self.listener],
+        )?;
+        Ok(())
+    }
 }
 
-fn unix(
+/// Make the placeholder of a connected Unix socket `entry` (of template
+/// process `template_pid`) in `tracee` and return its (temporary) fd number.
+pub(crate) fn unix(
     tracee: &mut Tracee,
     scratch: &mut Scratch,
     template_pid: i32,

@@ -17,7 +17,7 @@ use crate::error::Result;
 use crate::fdinfo::{FdAction, FdEntry, FdKind, InotifyWatch, SocketInfo};
 use crate::memory::Scratch;
 use crate::objects::CloneObjects;
-use crate::placeholder;
+use crate::placeholder::{self, TcpResets};
 use crate::tracee::Tracee;
 
 /// What was done with one fd of the template in the clone.
@@ -137,7 +137,10 @@ impl Ctx<'_> {
         if sock.nodelay == Some(true) {
             self.setsockopt(fd, tmp, libc::IPPROTO_TCP, libc::TCP_NODELAY, 1)?;
         }
-        if sock.is_bound() {
+        // A connected datagram socket is not bound again: its local address
+        // may be the template's own (the clone has another), and `connect`
+        // chooses one.
+        if sock.is_bound() && !sock.connected {
             if let Some(path) = sock.unix_path() {
                 self.scratch.reset();
                 let addr = self.scratch.put_path(self.tracee, path)?;
@@ -183,15 +186,31 @@ impl Ctx<'_> {
         self.install(tmp, entry)
     }
 
-    fn placeholder(&mut self, template_pid: i32, entry: &FdEntry, sock: &SocketInfo) -> Result<()> {
-        let tmp = placeholder::make(self.tracee, self.scratch, template_pid, entry, sock)?;
+    fn placeholder(
+        &mut self,
+        template_pid: i32,
+        entry: &FdEntry,
+        sock: &SocketInfo,
+        resets: &mut Option<TcpResets>,
+    ) -> Result<()> {
+        let tmp = if sock.domain == libc::AF_UNIX {
+            placeholder::unix(self.tracee, self.scratch, template_pid, entry, sock)?
+        } else {
+            let resets = match resets {
+                Some(resets) => resets,
+                None => resets.insert(TcpResets::open(self.tracee, self.scratch)?),
+            };
+            resets.make(self.tracee, self.scratch, entry.fd)?
+        };
         let status = Self::nonblock(entry) as u64;
-        self.call(
-            "fcntl(F_SETFL)",
-            entry.fd,
-            libc::SYS_fcntl,
-            &[tmp as u64, libc::F_SETFL as u64, status],
-        )?;
+        if status != 0 {
+            self.call(
+                "fcntl(F_SETFL)",
+                entry.fd,
+                libc::SYS_fcntl,
+                &[tmp as u64, libc::F_SETFL as u64, status],
+            )?;
+        }
         self.install(tmp as u64, entry)
     }
 
@@ -369,16 +388,18 @@ impl Ctx<'_> {
 
 /// Apply the fd matrix in `tracee` (a fork of template process `template_pid`
 /// that has joined the clone's mount and network namespaces). `stdio` are the
-/// clone's stdio fds as installed in `tracee`. `shared`: the connected objects
-/// of the whole box (a process tree), created in the first process re-targeted
-/// and installed in each; `None`: those of this process alone.
-pub(crate) fn retarget(
+/// clone's stdio fds as installed in `tracee`. For a process tree, `objects`
+/// is the table planned over every template process
+/// ([`CloneObjects::plan`]) and whether `tracee` is the process that creates
+/// them (the first one re-targeted; the others get the same objects handed
+/// over). `None`: the objects of `entries` alone, created here.
+pub(crate) fn retarget_with(
     tracee: &mut Tracee,
     scratch: &mut Scratch,
     template_pid: i32,
     entries: &[FdEntry],
     stdio: [i32; 3],
-    shared: Option<&mut CloneObjects>,
+    objects: Option<(&mut CloneObjects, bool)>,
 ) -> Result<Vec<FdOutcome>> {
     let actions: Vec<FdAction> = entries.iter().map(FdEntry::action).collect();
     // Pass 1: pidfds of the process itself are closed (opened again in the
@@ -395,32 +416,25 @@ pub(crate) fn retarget(
             )?;
         }
     }
-    match shared {
-        Some(objects) if objects.is_created() => {
-            objects.install(tracee, scratch, template_pid, false)?;
-        }
-        Some(objects) => {
-            if !objects.is_empty() {
-                objects.create(tracee, scratch)?;
-                objects.install(tracee, scratch, template_pid, true)?;
-                objects.close_in_creator(tracee)?;
-            }
-        }
-        None => {
-            let mut objects = CloneObjects::plan(&[(template_pid, entries)]);
-            if !objects.is_empty() {
-                objects.create(tracee, scratch)?;
-                objects.install(tracee, scratch, template_pid, true)?;
-                objects.close_in_creator(tracee)?;
-            }
-        }
+    let mut own = CloneObjects::plan(&[(template_pid, entries)]);
+    let (objects, creator) = match objects {
+        Some(shared) => shared,
+        None => (&mut own, true),
+    };
+    if creator && !objects.is_empty() {
+        objects.create(tracee, scratch)?;
+    }
+    objects.install(tracee, scratch, template_pid, creator)?;
+    if creator {
+        objects.close_in_creator(tracee)?;
     }
     let mut ctx = Ctx { tracee, scratch };
+    let mut resets = None;
     for (entry, action) in entries.iter().zip(&actions) {
         match (action, &entry.kind) {
             (FdAction::Reopen, FdKind::File { path, .. }) => ctx.reopen(entry, path)?,
             (FdAction::Placeholder, FdKind::Socket(sock)) => {
-                ctx.placeholder(template_pid, entry, sock)?
+                ctx.placeholder(template_pid, entry, sock, &mut resets)?
             }
             (FdAction::Recreate, FdKind::Socket(sock)) => ctx.socket(entry, sock)?,
             (FdAction::Recreate, FdKind::EventFd { count, semaphore }) => {
@@ -439,6 +453,9 @@ pub(crate) fn retarget(
             (FdAction::Recreate, FdKind::Inotify(watches)) => ctx.inotify(entry, watches)?,
             _ => {}
         }
+    }
+    if let Some(resets) = resets {
+        resets.close(ctx.tracee)?;
     }
     for (entry, action) in entries.iter().zip(&actions) {
         if *action == FdAction::Stdio {

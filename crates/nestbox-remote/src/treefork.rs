@@ -31,7 +31,7 @@ use crate::memory::{Scratch, SCRATCH_LEN};
 use crate::objects::CloneObjects;
 use crate::procfs::Status;
 use crate::procstate::ProcessState;
-use crate::retarget::{retarget, FdOutcome};
+use crate::retarget::{retarget_with, FdOutcome};
 use crate::tracee::{Tracee, TRACE_OPTIONS};
 use crate::tree::{Membership, Origin, Step};
 use crate::treememory::make_like_sibling;
@@ -359,7 +359,7 @@ fn child_fds(
             )?;
         }
     }
-    let mut outcomes = retarget(x, scratch, target, &own, [0, 1, 2], Some(objects))?;
+    let mut outcomes = retarget_with(x, scratch, target, &own, [0, 1, 2], Some((objects, false)))?;
     outcomes.sort_by_key(|o| o.fd);
     Ok(outcomes)
 }

@@ -39,8 +39,9 @@ pub(crate) fn peers(pid: i32) -> Result<HashMap<u64, u64>> {
     let flags = (libc::NLM_F_REQUEST | libc::NLM_F_DUMP) as u16;
     request.extend_from_slice(&flags.to_ne_bytes());
     request.extend_from_slice(&1u32.to_ne_bytes()); // seq
-    request.extend_from_slice(&0u32.to_ne_bytes()); // port id: the kernel's
-                                                    // struct unix_diag_req
+    request.extend_from_slice(&0u32.to_ne_bytes()); // port id
+
+    // struct unix_diag_req
     request.push(libc::AF_UNIX as u8);
     request.push(0); // protocol
     request.extend_from_slice(&0u16.to_ne_bytes()); // pad

@@ -54,6 +54,7 @@ fn main() {
         ),
         ("inotify_is_recreated_with_its_watches", inotify_watches),
         ("pidfd_of_the_process_points_to_the_clone", own_pidfd),
+        ("fds_in_flight_are_refused", fds_in_flight),
         ("remote_fork_timing", timing),
     ];
     // libtest's command line (filters, --skip, --exact, --list, --ignored …)
@@ -530,14 +531,26 @@ fn timing() {
 /// A template of mode `pairs` forked once into a shell: (scenario, template,
 /// clone, the shell's init).
 fn forked_pairs() -> (Scenario, i32, i32, i32) {
+    let (sc, p, g, init, _peer) = forked_pairs_with_peer();
+    (sc, p, g, init)
+}
+
+/// [`forked_pairs`], with the outside end of the template's `outside` Unix
+/// connection (which sent "outside-data" before the fork).
+fn forked_pairs_with_peer() -> (Scenario, i32, i32, i32, std::os::unix::net::UnixStream) {
     let mut sc = Scenario::start("pairs");
+    let (mut peer, _) = sc
+        .outside
+        .accept()
+        .expect("accept the template's connection");
+    std::io::Write::write_all(&mut peer, b"outside-data").expect("send");
     let shell = sc.shell();
     let null = dev_null();
     let forked = sc
         .fork(shell, [&null, &null, &null], None)
         .expect("remote_fork");
     let (p, g, init) = (sc.template, forked.pid, sc.shell_ref(shell).init);
-    (sc, p, g, init)
+    (sc, p, g, init, peer)
 }
 
 /// Bytes queued in fd `fd` of `pid`, seen through a duplicate (FIONREAD).
@@ -596,6 +609,14 @@ fn pipe_data() {
     assert_ne!(fd_flags(g, r) & libc::O_NONBLOCK, 0);
     assert_eq!(fd_flags(g, w) & libc::O_NONBLOCK, 0);
     assert_ne!(fd_flags(g, w) & libc::O_CLOEXEC, 0);
+    // A FIFO opened for reading and writing: a new pipe, opened so, with the data.
+    let fifo = fd("fifo");
+    assert!(!same_file(p, fifo, g, fifo));
+    assert_eq!(fd_flags(g, fifo) & libc::O_ACCMODE, libc::O_RDWR);
+    assert_eq!(ask(init, &format!("read {fifo}")), "data fifo-data");
+    assert_eq!(ask(init, &format!("send {fifo} again")), "ok 5");
+    assert_eq!(ask(init, &format!("read {fifo}")), "data again");
+    assert_eq!(queued(p, fifo), 9);
     // A pipe whose writer is gone: its data, then end of file.
     assert_eq!(ask(init, &format!("read {half}")), "data last words");
     assert_eq!(ask(init, &format!("read {half}")), "eof");
@@ -652,7 +673,7 @@ fn unix_connection() {
 }
 
 fn outside_placeholder() {
-    let (sc, p, g, init) = forked_pairs();
+    let (sc, p, g, init, peer) = forked_pairs_with_peer();
     let (client, server) = (sc.fd("client"), sc.fd("server"));
     for n in [client, server] {
         assert!(!same_file(p, n, g, n), "fd {n} must be a placeholder");
@@ -690,6 +711,22 @@ fn outside_placeholder() {
     // The template's connection still works.
     assert_eq!(ask(p, &format!("send {client} hi")), "ok 2");
     assert_eq!(ask(p, &format!("read {server}")), "data hi");
+    // A Unix connection to outside the box: the data it had received, then a
+    // reset, then end of file; the template's connection is alive.
+    let outside = sc.fd("outside");
+    assert!(!same_file(p, outside, g, outside));
+    assert_eq!(ask(init, &format!("read {outside}")), "data outside-data");
+    assert_eq!(
+        ask(init, &format!("read {outside}")),
+        format!("err {}", libc::ECONNRESET)
+    );
+    assert_eq!(ask(init, &format!("read {outside}")), "eof");
+    assert_eq!(ask(p, &format!("read {outside}")), "data outside-data");
+    assert_eq!(ask(p, &format!("read {outside}")), "none");
+    assert_eq!(ask(p, &format!("send {outside} back")), "ok 4");
+    let mut got = [0u8; 4];
+    std::io::Read::read_exact(&mut &peer, &mut got).expect("the template's data");
+    assert_eq!(&got, b"back");
     kill_and_wait_gone(g);
 }
 
@@ -768,4 +805,44 @@ fn own_pidfd() {
     assert_eq!(ask(init, &format!("pidfd {fd}")), "ok");
     kill_and_wait_gone(g);
     assert_eq!(ask(p, &format!("pidfd {fd}")), "ok");
+}
+
+fn fds_in_flight() {
+    let mut sc = Scenario::start("scmrights");
+    let shell = sc.shell();
+    let p = sc.template;
+    let init = sc.shell_ref(shell).init;
+    let maps_before = std::fs::read_to_string(format!("/proc/{p}/maps")).expect("maps");
+    // Refused by the inventory already (what freeze runs), and by the fork.
+    let entries = inspect_fds(p).expect("inspect");
+    let at_freeze = nestbox_remote::ensure_clonable(p, &entries).expect_err("must refuse");
+    assert!(at_freeze.to_string().contains("SCM_RIGHTS"), "{at_freeze}");
+    let null = dev_null();
+    let err = sc
+        .fork(shell, [&null, &null, &null], None)
+        .expect_err("must refuse");
+    println!("  {err}");
+    match &err {
+        RemoteError::UnsupportedFd {
+            pid, fd, reason, ..
+        } => {
+            assert_eq!(*pid, p);
+            assert_eq!(*fd, sc.fd("rights_b"));
+            assert!(reason.contains("SCM_RIGHTS"), "{reason}");
+        }
+        other => panic!("unexpected error {other}"),
+    }
+    assert_eq!(err.to_string().lines().count(), 1);
+    wait_until(
+        "the half-made processes to go",
+        Duration::from_secs(3),
+        || processes_in_pidns_of(init).len() == 1,
+    );
+    assert_eq!(
+        std::fs::read_to_string(format!("/proc/{p}/maps")).expect("maps"),
+        maps_before
+    );
+    // The message and its fd are still queued for the template.
+    assert_eq!(queued(p, sc.fd("rights_b")), 1);
+    assert_eq!(ask(p, "inc"), "1");
 }

@@ -331,6 +331,16 @@ fn template() -> ! {
         format!(" otherpidfd={fd}")
     } else if has("pairs") {
         pairs(&dir)
+    } else if has("scmrights") {
+        // A socket pair with an fd in flight: the clone must be refused.
+        let (a, b) = csocketpair(libc::SOCK_STREAM);
+        let rights = [null.as_raw_fd()];
+        let byte = [b'x'];
+        let iov = [std::io::IoSlice::new(&byte)];
+        let cmsg = [nix::sys::socket::ControlMessage::ScmRights(&rights)];
+        nix::sys::socket::sendmsg::<()>(a, &iov, &cmsg, nix::sys::socket::MsgFlags::empty(), None)
+            .unwrap_or_else(|_| die("sendmsg SCM_RIGHTS"));
+        format!(" rights_a={a} rights_b={b}")
     } else if has("gone") {
         let f = OpenOptions::new()
             .write(true)
@@ -807,6 +817,25 @@ fn pairs(dir: &Path) -> String {
     server
         .set_nonblocking(true)
         .unwrap_or_else(|_| die("nonblocking"));
+    // A FIFO opened for reading and writing, with data.
+    let fifo_path = CString::new(dir.join("run/fifo").to_str().unwrap_or_else(|| die("path")))
+        .unwrap_or_else(|_| die("nul"));
+    // SAFETY: NUL-terminated paths; plain calls.
+    let fifo = unsafe {
+        check(libc::mkfifo(fifo_path.as_ptr(), 0o600).into(), "mkfifo");
+        libc::open(
+            fifo_path.as_ptr(),
+            libc::O_RDWR | libc::O_NONBLOCK | libc::O_CLOEXEC,
+        )
+    };
+    put(fifo, "fifo-data");
+    // A Unix connection to a listener outside the box (the test accepts it
+    // and sends data), and one whose data carries an fd (mode scmrights).
+    let outside =
+        UnixStream::connect(dir.join("outside.sock")).unwrap_or_else(|_| die("connect outside"));
+    outside
+        .set_nonblocking(true)
+        .unwrap_or_else(|_| die("nonblocking"));
     // inotify: wds 1 and 3 (2 removed: a gap).
     for sub in ["wa", "wb", "wc"] {
         let _ = std::fs::create_dir_all(dir.join("data").join(sub));
@@ -835,10 +864,12 @@ fn pairs(dir: &Path) -> String {
     // SAFETY: pidfd_open takes integers only.
     let pidfd = unsafe { libc::syscall(libc::SYS_pidfd_open, libc::getpid(), 0) } as RawFd;
     let line = format!(
-        " pipe_r={pipe_r} pipe_r2={pipe_r2} pipe_w={pipe_w} half_r={half_r} s_a={s_a} s_b={s_b} d_a={d_a} d_b={d_b} c_client={} c_server={} inotify={ino} wa={wa} wc={wc} pidfd={pidfd}",
+        " fifo={fifo} outside={} pipe_r={pipe_r} pipe_r2={pipe_r2} pipe_w={pipe_w} half_r={half_r} s_a={s_a} s_b={s_b} d_a={d_a} d_b={d_b} c_client={} c_server={} inotify={ino} wa={wa} wc={wc} pidfd={pidfd}",
+        outside.as_raw_fd(),
         client.as_raw_fd(),
         server.as_raw_fd()
     );
+    std::mem::forget(outside);
     std::mem::forget(client);
     std::mem::forget(server);
     line

@@ -35,6 +35,9 @@ pub struct Scenario {
     pub cookie: [u64; 2],
     pub abstract_name: String,
     pub cgroups: Vec<PathBuf>,
+    /// A Unix listener outside the template's box (`outside.sock` in the
+    /// scenario directory), which mode `pairs` connects to.
+    pub outside: std::os::unix::net::UnixListener,
     pns: Child,
     shells: Vec<Shell>,
 }
@@ -87,6 +90,8 @@ impl Scenario {
         std::fs::write(dir.join("data/ro"), "readonly\n").expect("write ro");
         let cookie = [random_u64(), random_u64()];
         let abstract_name = format!("nbr-{}-{n}", std::process::id());
+        let outside = std::os::unix::net::UnixListener::bind(dir.join("outside.sock"))
+            .expect("bind outside.sock");
         let mut cmd = Command::new(std::env::current_exe().expect("current_exe"));
         cmd.env(ROLE, "pns")
             .env("NBR_DIR", &dir)
@@ -115,6 +120,7 @@ impl Scenario {
             cookie,
             abstract_name,
             cgroups: Vec::new(),
+            outside,
             pns,
             shells: Vec::new(),
         };
