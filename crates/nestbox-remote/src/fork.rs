@@ -238,18 +238,31 @@ pub fn remote_fork(template: &mut Tracee, plan: &ForkPlan<'_>) -> Result<Forked>
     };
     ensure_clonable(pid, &entries)?;
     phases.mark("inventory");
-    let mut state = read_template(template, &status)?;
-    template.find_syscall_insn()?;
+    // `/proc/PID/smaps` takes a while to generate (a page-table walk per
+    // mapping): read it on a helper thread while the threads are read here
+    // (ptrace requests must come from this thread; /proc reads need not).
+    let cached = template.dontfork.clone();
+    let (state, dontfork) = std::thread::scope(|scope| {
+        let reader = cached
+            .is_none()
+            .then(|| scope.spawn(move || DontFork::read(pid)));
+        let state = read_template(template, &status).and_then(|state| {
+            template.find_syscall_insn()?;
+            Ok(state)
+        });
+        let dontfork = match (reader, cached) {
+            (Some(reader), _) => reader
+                .join()
+                .unwrap_or_else(|panic| std::panic::resume_unwind(panic)),
+            (None, Some(cached)) => Ok(cached),
+            (None, None) => Ok(DontFork::default()),
+        };
+        (state, dontfork)
+    });
+    let mut state = state?;
+    state.dontfork = dontfork?;
+    template.dontfork = Some(state.dontfork.clone());
     phases.mark("template state");
-    state.dontfork = match template.dontfork.clone() {
-        Some(dontfork) => dontfork,
-        None => {
-            let dontfork = DontFork::read(pid)?;
-            template.dontfork = Some(dontfork.clone());
-            dontfork
-        }
-    };
-    phases.mark("MADV_DONTFORK ranges");
 
     // C1: shares the template's memory, child of the template's parent.
     let flags = (libc::CLONE_VM | libc::CLONE_PARENT) as u64;
