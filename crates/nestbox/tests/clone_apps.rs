@@ -480,3 +480,39 @@ fn serial_hundred_clones_of_a_threaded_template_then_rm_leave_nothing() {
         .collect();
     assert!(mounts.is_empty(), "mounts left: {mounts:?}");
 }
+
+/// A process whose main thread has exited while another runs on (a zombie
+/// leader) has lost its main thread's state: freeze refuses it in one line
+/// and leaves the box running.
+#[test]
+fn freeze_refuses_a_process_whose_main_thread_has_exited() {
+    let Some(root) = TestRoot::new("freeze_refuses_a_process_whose_main_thread_has_exited") else {
+        return;
+    };
+    // SYS_exit (60) ends the calling thread only.
+    let code = "import ctypes, threading, time\n\
+                threading.Thread(target=time.sleep, args=(300,)).start()\n\
+                print('ready', flush=True)\n\
+                ctypes.CDLL(None).syscall(60, 0)";
+    root.ok(&["run", "-d", "--name", "zl", "--", "python3", "-c", code]);
+    wait_for("the main thread to exit", Duration::from_secs(20), || {
+        root.ok(&["logs", "zl"]).contains("ready")
+            && root
+                .ok(&[
+                    "exec",
+                    "zl",
+                    "--",
+                    "sh",
+                    "-c",
+                    "grep -l '^State:.*Z' /proc/[0-9]*/status",
+                ])
+                .lines()
+                .count()
+                > 0
+    });
+    let out = root.run(&["freeze", "zl"]);
+    assert_error(&out, 125, "main thread");
+    assert_eq!(out.stderr.lines().count(), 1, "one line: {out}");
+    assert_eq!(root.status("zl").as_deref(), Some("running"));
+    root.ok(&["rm", "-f", "zl"]);
+}
