@@ -178,8 +178,6 @@ struct TemplateState {
     leader: ThreadState,
     /// The other threads, re-created in G.
     threads: Vec<ThreadState>,
-    /// Ranges of its memory marked `MADV_DONTFORK` (read after the rest).
-    dontfork: DontFork,
 }
 
 impl TemplateState {
@@ -213,6 +211,55 @@ impl TemplateState {
 /// made so far are killed and the template is as before.
 pub fn remote_fork(template: &mut Tracee, plan: &ForkPlan<'_>) -> Result<Forked> {
     let start = Instant::now();
+    // `/proc/PID/smaps` (for the MADV_DONTFORK ranges) takes a while to
+    // generate, a page-table walk per mapping: it is read on a helper thread
+    // while this one drives the fork up to the fork of G1, which needs it
+    // (ptrace requests must come from this thread; /proc reads need not).
+    let pid = template.pid();
+    let cached = template.dontfork.clone();
+    std::thread::scope(|scope| {
+        let mut dontfork = match cached {
+            Some(known) => DontForkSource::Known(known),
+            None => DontForkSource::Reading(scope.spawn(move || DontFork::read(pid))),
+        };
+        fork_held(template, plan, &mut dontfork, start)
+    })
+}
+
+/// The template's `MADV_DONTFORK` ranges: known already, or being read.
+enum DontForkSource<'scope> {
+    Known(DontFork),
+    Reading(std::thread::ScopedJoinHandle<'scope, Result<DontFork>>),
+    Taken,
+}
+
+impl DontForkSource<'_> {
+    /// The ranges (waiting for the reader), remembered in `template` for the
+    /// next forks of this stop.
+    fn get(&mut self, template: &mut Tracee) -> Result<DontFork> {
+        let dontfork = match std::mem::replace(self, DontForkSource::Taken) {
+            DontForkSource::Known(known) => known,
+            DontForkSource::Reading(reader) => reader
+                .join()
+                .unwrap_or_else(|panic| std::panic::resume_unwind(panic))?,
+            DontForkSource::Taken => {
+                return Err(RemoteError::Plan(
+                    "the MADV_DONTFORK ranges were taken twice".into(),
+                ))
+            }
+        };
+        template.dontfork = Some(dontfork.clone());
+        Ok(dontfork)
+    }
+}
+
+/// [`remote_fork`] with the `MADV_DONTFORK` ranges to come from `dontfork`.
+fn fork_held(
+    template: &mut Tracee,
+    plan: &ForkPlan<'_>,
+    dontfork: &mut DontForkSource<'_>,
+    start: Instant,
+) -> Result<Forked> {
     let mut phases = Phases::new(start);
     if !template.is_stopped() {
         return Err(RemoteError::NotStopped {
@@ -238,30 +285,8 @@ pub fn remote_fork(template: &mut Tracee, plan: &ForkPlan<'_>) -> Result<Forked>
     };
     ensure_clonable(pid, &entries)?;
     phases.mark("inventory");
-    // `/proc/PID/smaps` takes a while to generate (a page-table walk per
-    // mapping): read it on a helper thread while the threads are read here
-    // (ptrace requests must come from this thread; /proc reads need not).
-    let cached = template.dontfork.clone();
-    let (state, dontfork) = std::thread::scope(|scope| {
-        let reader = cached
-            .is_none()
-            .then(|| scope.spawn(move || DontFork::read(pid)));
-        let state = read_template(template, &status).and_then(|state| {
-            template.find_syscall_insn()?;
-            Ok(state)
-        });
-        let dontfork = match (reader, cached) {
-            (Some(reader), _) => reader
-                .join()
-                .unwrap_or_else(|panic| std::panic::resume_unwind(panic)),
-            (None, Some(cached)) => Ok(cached),
-            (None, None) => Ok(DontFork::default()),
-        };
-        (state, dontfork)
-    });
-    let mut state = state?;
-    state.dontfork = dontfork?;
-    template.dontfork = Some(state.dontfork.clone());
+    let state = read_template(template, &status)?;
+    template.find_syscall_insn()?;
     phases.mark("template state");
 
     // C1: shares the template's memory, child of the template's parent.
@@ -291,6 +316,7 @@ pub fn remote_fork(template: &mut Tracee, plan: &ForkPlan<'_>) -> Result<Forked>
         &namespaces,
         &entries,
         &state,
+        dontfork,
     );
     match result {
         Ok((pid, ns_pid, fds)) => Ok(Forked {
@@ -355,7 +381,6 @@ fn read_template(template: &mut Tracee, status: &Status) -> Result<TemplateState
         }
     };
     Ok(TemplateState {
-        dontfork: DontFork::default(),
         cwd,
         ns_pid,
         leader,
@@ -380,6 +405,7 @@ impl Session {
         namespaces: &[(NsKind, BorrowedFd<'_>)],
         entries: &[FdEntry],
         state: &TemplateState,
+        dontfork: &mut DontForkSource<'_>,
     ) -> Result<(i32, i32, Vec<FdOutcome>)> {
         let insn = template.syscall_insn;
         let [cookie0, cookie1] = plan.setns_cookie;
@@ -435,10 +461,12 @@ impl Session {
         let g1_ns_pid = state.free_ns_pid();
         // Regions the fork would skip (MADV_DONTFORK) are copied this once: C1
         // shares the template's memory, whose marks are put back right after.
-        let unmarked = state.dontfork.unmark(&mut c1);
+        let dontfork = dontfork.get(template)?;
+        self.phases.mark("MADV_DONTFORK ranges");
+        let unmarked = dontfork.unmark(&mut c1);
         let forked =
             unmarked.and_then(|()| fork_into(&mut c1, scratch, 0, g1_ns_pid, plan.setns_cookie));
-        let remarked = remark_template(template, &mut c1, &state.dontfork);
+        let remarked = remark_template(template, &mut c1, &dontfork);
         let (g1_pid, clone3_ok) = forked?;
         remarked?;
         let mut g1 = Tracee::adopt(g1_pid, insn)?;
@@ -489,7 +517,7 @@ impl Session {
             let mut group: Vec<&mut Tracee> = Vec::with_capacity(threads.len() + 1);
             group.push(&mut g);
             group.extend(threads.iter_mut());
-            state.dontfork.mark(&mut group)?;
+            dontfork.mark(&mut group)?;
         }
         g_scratch.unmap(&mut g)?;
         self.phases.mark("G fix-up");
