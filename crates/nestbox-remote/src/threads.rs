@@ -8,7 +8,8 @@
 //! the rseq registration (`PTRACE_GET_RSEQ_CONFIGURATION`), the robust futex
 //! list (`get_robust_list(tid)`), and, read by syscalls injected in the thread
 //! itself, its alternate signal stack and `clear_child_tid` address
-//! (`prctl(PR_GET_TID_ADDRESS)`); plus its tid in the box's pid namespace.
+//! (`prctl(PR_GET_TID_ADDRESS)`); plus its tid in the box's pid namespace, its
+//! capability sets and its name (`/proc/PID/task/TID/status` and `comm`).
 //!
 //! A thread is re-created by a `clone3` injected in the clone's (already
 //! forked) process with the flags `pthread_create` uses, `set_tid` = its tid in
@@ -17,8 +18,14 @@
 //! so tids cached by runtimes stay right and futex words holding a tid (a
 //! mutex's owner, a robust list) keep naming the right thread. It is attached
 //! automatically (`PTRACE_O_TRACECLONE`), given its registers, XSAVE area and
-//! signal mask by ptrace, and its rseq area, robust list and alternate stack by
-//! syscalls injected in it.
+//! signal mask by ptrace, and its rseq area, robust list, alternate stack, name
+//! and capabilities by syscalls injected in it.
+//!
+//! Injected calls that concern many threads run in all of them at once
+//! ([`Tracee::begin_syscall`] in each, then [`Tracee::end_syscall`] in each),
+//! and the threads are made in rounds in which every thread made so far clones
+//! the next one, so the cost grows with log2 of the thread count for the
+//! clones and by one round trip per call kind for the rest.
 //!
 //! A thread stopped inside a syscall resumes as after a signal: the kernel
 //! restarts `-ERESTARTSYS`, `-ERESTARTNOINTR` and `-ERESTARTNOHAND` from the
