@@ -554,15 +554,12 @@ fn read_name(tid: i32) -> Result<Vec<u8>> {
 fn read_fpu(tid: i32) -> Result<(u32, Vec<u8>)> {
     let mut buf = vec![0u8; XSTATE_BUFFER];
     match nestbox_sys::ptrace::get_regset(tid, NT_X86_XSTATE, &mut buf) {
-        Ok(len) => {
-            buf.truncate(len);
-            Ok((NT_X86_XSTATE, buf))
-        }
+        // Kept at its size (a few KiB), not the buffer's.
+        Ok(len) => Ok((NT_X86_XSTATE, buf[..len].to_vec())),
         Err(nix::errno::Errno::ENODEV) => {
             let len = nestbox_sys::ptrace::get_regset(tid, NT_PRFPREG, &mut buf)
                 .map_err(ptrace_err("PTRACE_GETREGSET NT_PRFPREG", tid))?;
-            buf.truncate(len);
-            Ok((NT_PRFPREG, buf))
+            Ok((NT_PRFPREG, buf[..len].to_vec()))
         }
         Err(e) => Err(ptrace_err("PTRACE_GETREGSET NT_X86_XSTATE", tid)(e)),
     }
