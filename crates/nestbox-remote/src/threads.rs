@@ -99,12 +99,20 @@ impl ThreadState {
 
     /// The registers the re-created thread resumes with: the template's, except
     /// that a syscall to be resumed through the restart block is re-run from
-    /// the start (a new thread has no restart block of its own).
+    /// the start (a new thread has no restart block of its own). A thread
+    /// stopped in `restart_syscall` itself (resuming a call interrupted at an
+    /// earlier stop) no longer shows which call that was: it returns `EINTR`
+    /// from it, as the kernel makes such a call return when a signal handler
+    /// runs.
     pub fn resume_regs(&self) -> Regs {
         let mut regs = self.regs;
         if (regs.orig_rax as i64) >= 0 && regs.rax as i64 == -ERESTART_RESTARTBLOCK {
-            regs.rax = regs.orig_rax;
-            regs.rip -= 2;
+            if regs.orig_rax == libc::SYS_restart_syscall as u64 {
+                regs.rax = (-i64::from(libc::EINTR)) as u64;
+            } else {
+                regs.rax = regs.orig_rax;
+                regs.rip -= 2;
+            }
             regs.orig_rax = u64::MAX;
         }
         regs
@@ -605,6 +613,15 @@ mod tests {
         assert_eq!(
             (r.rax, r.rip, r.orig_rax),
             (nanosleep as u64, 0x1000, u64::MAX)
+        );
+    }
+
+    #[test]
+    fn a_thread_in_restart_syscall_gets_eintr() {
+        let r = state_with(-516, libc::SYS_restart_syscall, 0x1002).resume_regs();
+        assert_eq!(
+            (r.rax as i64, r.rip, r.orig_rax),
+            (-i64::from(libc::EINTR), 0x1002, u64::MAX)
         );
     }
 
