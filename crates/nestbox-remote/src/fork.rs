@@ -183,8 +183,6 @@ pub(crate) struct TemplateState {
     /// The lowest pid G1 may take (above every pid and tid of the box's
     /// process tree, which the tree's processes are given later).
     pub(crate) free_floor: i32,
-    /// Ranges of its memory marked `MADV_DONTFORK` (read after the rest).
-    pub(crate) dontfork: DontFork,
 }
 
 impl TemplateState {
@@ -287,6 +285,57 @@ pub(crate) fn make_root(
     free_floor: i32,
     objects: Option<&mut CloneObjects>,
 ) -> Result<(Made, Phases)> {
+    // `/proc/PID/smaps` (for the MADV_DONTFORK ranges) takes a while to
+    // generate, a page-table walk per mapping: it is read on a helper thread
+    // while this one drives the fork up to the fork of G1, which needs it
+    // (ptrace requests must come from this thread; /proc reads need not).
+    let pid = template.pid();
+    let cached = template.dontfork.clone();
+    std::thread::scope(|scope| {
+        let mut dontfork = match cached {
+            Some(known) => DontForkSource::Known(known),
+            None => DontForkSource::Reading(scope.spawn(move || DontFork::read(pid))),
+        };
+        fork_held(template, plan, &mut dontfork, start, free_floor, objects)
+    })
+}
+
+/// The template's `MADV_DONTFORK` ranges: known already, or being read.
+enum DontForkSource<'scope> {
+    Known(DontFork),
+    Reading(std::thread::ScopedJoinHandle<'scope, Result<DontFork>>),
+    Taken,
+}
+
+impl DontForkSource<'_> {
+    /// The ranges (waiting for the reader), remembered in `template` for the
+    /// next forks of this stop.
+    fn get(&mut self, template: &mut Tracee) -> Result<DontFork> {
+        let dontfork = match std::mem::replace(self, DontForkSource::Taken) {
+            DontForkSource::Known(known) => known,
+            DontForkSource::Reading(reader) => reader
+                .join()
+                .unwrap_or_else(|panic| std::panic::resume_unwind(panic))?,
+            DontForkSource::Taken => {
+                return Err(RemoteError::Plan(
+                    "the MADV_DONTFORK ranges were taken twice".into(),
+                ))
+            }
+        };
+        template.dontfork = Some(dontfork.clone());
+        Ok(dontfork)
+    }
+}
+
+/// [`make_root`] with the `MADV_DONTFORK` ranges to come from `dontfork`.
+fn fork_held(
+    template: &mut Tracee,
+    plan: &ForkPlan<'_>,
+    dontfork: &mut DontForkSource<'_>,
+    start: Instant,
+    free_floor: i32,
+    objects: Option<&mut CloneObjects>,
+) -> Result<(Made, Phases)> {
     let mut phases = Phases::new(start);
     if !template.is_stopped() {
         return Err(RemoteError::NotStopped {
@@ -316,15 +365,6 @@ pub(crate) fn make_root(
     state.free_floor = free_floor;
     template.find_syscall_insn()?;
     phases.mark("template state");
-    state.dontfork = match template.dontfork.clone() {
-        Some(dontfork) => dontfork,
-        None => {
-            let dontfork = DontFork::read(pid)?;
-            template.dontfork = Some(dontfork.clone());
-            dontfork
-        }
-    };
-    phases.mark("MADV_DONTFORK ranges");
 
     // C1: shares the template's memory, child of the template's parent.
     let flags = (libc::CLONE_VM | libc::CLONE_PARENT) as u64;
@@ -353,6 +393,7 @@ pub(crate) fn make_root(
         &namespaces,
         &entries,
         &state,
+        dontfork,
         objects,
     );
     match result {
@@ -412,7 +453,6 @@ pub(crate) fn read_template(template: &mut Tracee, status: &Status) -> Result<Te
         }
     };
     Ok(TemplateState {
-        dontfork: DontFork::default(),
         cwd,
         ns_pid,
         leader,
@@ -438,6 +478,7 @@ impl Session {
         namespaces: &[(NsKind, BorrowedFd<'_>)],
         entries: &[FdEntry],
         state: &TemplateState,
+        dontfork: &mut DontForkSource<'_>,
         objects: Option<&mut CloneObjects>,
     ) -> Result<Made> {
         let insn = template.syscall_insn;
@@ -499,10 +540,12 @@ impl Session {
         let g1_ns_pid = state.free_ns_pid();
         // Regions the fork would skip (MADV_DONTFORK) are copied this once: C1
         // shares the template's memory, whose marks are put back right after.
-        let unmarked = state.dontfork.unmark(&mut c1);
+        let dontfork = dontfork.get(template)?;
+        self.phases.mark("MADV_DONTFORK ranges");
+        let unmarked = dontfork.unmark(&mut c1);
         let forked =
             unmarked.and_then(|()| fork_into(&mut c1, scratch, 0, g1_ns_pid, plan.setns_cookie));
-        let remarked = remark_template(template, &mut c1, &state.dontfork);
+        let remarked = remark_template(template, &mut c1, &dontfork);
         let (g1_pid, clone3_ok) = forked?;
         remarked?;
         let mut g1 = Tracee::adopt(g1_pid, insn)?;
@@ -554,7 +597,7 @@ impl Session {
             let mut group: Vec<&mut Tracee> = Vec::with_capacity(threads.len() + 1);
             group.push(&mut g);
             group.extend(threads.iter_mut());
-            state.dontfork.mark(&mut group)?;
+            dontfork.mark(&mut group)?;
         }
         rearm_signalfd_watches(&mut g, &mut g_scratch, entries)?;
         crate::retarget::own_pidfds(&mut g, entries)?;

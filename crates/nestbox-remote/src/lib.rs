@@ -7,6 +7,8 @@
 //! every fd that must not stay shared re-targeted ([`inspect_fds`], the clone fd
 //! matrix in `docs/clone-fds.md`). The clone resumes with the template's exact
 //! registers, so an interrupted syscall is restarted as if nothing happened.
+//! Every thread of the template is seized with it and re-created in the clone
+//! with its tid and state ([`ThreadState`]).
 //!
 //! x86_64 only; the caller runs as root in the initial namespaces.
 //!

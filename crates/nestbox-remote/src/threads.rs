@@ -8,7 +8,8 @@
 //! the rseq registration (`PTRACE_GET_RSEQ_CONFIGURATION`), the robust futex
 //! list (`get_robust_list(tid)`), and, read by syscalls injected in the thread
 //! itself, its alternate signal stack and `clear_child_tid` address
-//! (`prctl(PR_GET_TID_ADDRESS)`); plus its tid in the box's pid namespace.
+//! (`prctl(PR_GET_TID_ADDRESS)`); plus its tid in the box's pid namespace, its
+//! capability sets and its name (`/proc/PID/task/TID/status` and `comm`).
 //!
 //! A thread is re-created by a `clone3` injected in the clone's (already
 //! forked) process with the flags `pthread_create` uses, `set_tid` = its tid in
@@ -17,8 +18,14 @@
 //! so tids cached by runtimes stay right and futex words holding a tid (a
 //! mutex's owner, a robust list) keep naming the right thread. It is attached
 //! automatically (`PTRACE_O_TRACECLONE`), given its registers, XSAVE area and
-//! signal mask by ptrace, and its rseq area, robust list and alternate stack by
-//! syscalls injected in it.
+//! signal mask by ptrace, and its rseq area, robust list, alternate stack, name
+//! and capabilities by syscalls injected in it.
+//!
+//! Injected calls that concern many threads run in all of them at once
+//! ([`Tracee::begin_syscall`] in each, then [`Tracee::end_syscall`] in each),
+//! and the threads are made in rounds in which every thread made so far clones
+//! the next one, so the cost grows with log2 of the thread count for the
+//! clones and by one round trip per call kind for the rest.
 //!
 //! A thread stopped inside a syscall resumes as after a signal: the kernel
 //! restarts `-ERESTARTSYS`, `-ERESTARTNOINTR` and `-ERESTARTNOHAND` from the
@@ -92,12 +99,20 @@ impl ThreadState {
 
     /// The registers the re-created thread resumes with: the template's, except
     /// that a syscall to be resumed through the restart block is re-run from
-    /// the start (a new thread has no restart block of its own).
+    /// the start (a new thread has no restart block of its own). A thread
+    /// stopped in `restart_syscall` itself (resuming a call interrupted at an
+    /// earlier stop) no longer shows which call that was: it returns `EINTR`
+    /// from it, as the kernel makes such a call return when a signal handler
+    /// runs.
     pub fn resume_regs(&self) -> Regs {
         let mut regs = self.regs;
         if (regs.orig_rax as i64) >= 0 && regs.rax as i64 == -ERESTART_RESTARTBLOCK {
-            regs.rax = regs.orig_rax;
-            regs.rip -= 2;
+            if regs.orig_rax == libc::SYS_restart_syscall as u64 {
+                regs.rax = (-i64::from(libc::EINTR)) as u64;
+            } else {
+                regs.rax = regs.orig_rax;
+                regs.rip -= 2;
+            }
             regs.orig_rax = u64::MAX;
         }
         regs
@@ -547,15 +562,12 @@ fn read_name(tid: i32) -> Result<Vec<u8>> {
 fn read_fpu(tid: i32) -> Result<(u32, Vec<u8>)> {
     let mut buf = vec![0u8; XSTATE_BUFFER];
     match nestbox_sys::ptrace::get_regset(tid, NT_X86_XSTATE, &mut buf) {
-        Ok(len) => {
-            buf.truncate(len);
-            Ok((NT_X86_XSTATE, buf))
-        }
+        // Kept at its size (a few KiB), not the buffer's.
+        Ok(len) => Ok((NT_X86_XSTATE, buf[..len].to_vec())),
         Err(nix::errno::Errno::ENODEV) => {
             let len = nestbox_sys::ptrace::get_regset(tid, NT_PRFPREG, &mut buf)
                 .map_err(ptrace_err("PTRACE_GETREGSET NT_PRFPREG", tid))?;
-            buf.truncate(len);
-            Ok((NT_PRFPREG, buf))
+            Ok((NT_PRFPREG, buf[..len].to_vec()))
         }
         Err(e) => Err(ptrace_err("PTRACE_GETREGSET NT_X86_XSTATE", tid)(e)),
     }
@@ -601,6 +613,15 @@ mod tests {
         assert_eq!(
             (r.rax, r.rip, r.orig_rax),
             (nanosleep as u64, 0x1000, u64::MAX)
+        );
+    }
+
+    #[test]
+    fn a_thread_in_restart_syscall_gets_eintr() {
+        let r = state_with(-516, libc::SYS_restart_syscall, 0x1002).resume_regs();
+        assert_eq!(
+            (r.rax as i64, r.rip, r.orig_rax),
+            (-i64::from(libc::EINTR), 0x1002, u64::MAX)
         );
     }
 

@@ -30,8 +30,9 @@ use thread_roles::{mxcsr_of, ALTSTACK, WORKERS};
 fn main() {
     if let Ok(role) = std::env::var(roles::ROLE) {
         let mode = std::env::var("NBR_MODE").unwrap_or_default();
-        if role == "template" && (mode == "mt" || mode == "zombie") {
-            thread_roles::template(mode == "zombie");
+        let modes: Vec<&str> = mode.split(',').collect();
+        if role == "template" && (modes.contains(&"mt") || modes.contains(&"zombie")) {
+            thread_roles::template(modes.contains(&"zombie"), modes.contains(&"long"));
         }
         roles::run(&role);
     }
@@ -41,6 +42,10 @@ fn main() {
             threads_continue,
         ),
         ("clones_of_a_threaded_template_diverge", clones_diverge),
+        (
+            "sleep_resumed_after_an_earlier_stop_ends_with_eintr_in_a_later_clone",
+            sleep_resumed_after_earlier_stop,
+        ),
         ("template_without_its_main_thread_is_refused", zombie_leader),
     ];
     let mut args = libtest_mimic::Arguments::from_args();
@@ -368,6 +373,48 @@ fn clones_diverge() {
     for (g, _) in clones {
         kill_and_wait_gone(g);
     }
+}
+
+/// A relative sleep interrupted by a stop resumes, once let go, through
+/// `restart_syscall`, which no longer says which call it resumes: a clone made
+/// at the next stop gets EINTR from it (as with a signal handler), while a
+/// clone made at the first stop re-runs the sleep in full.
+fn sleep_resumed_after_earlier_stop() {
+    let mut sc = Scenario::start("mt,long");
+    assert_eq!(sc.ready["threads"], "10");
+    let p = sc.template;
+    let long = |pid: i32| -> (u64, u64) {
+        let reply = ask(pid, "get");
+        let (rounds, eintr) = field(&reply, "long=").split_once(':').expect("long");
+        (
+            rounds.parse().expect("rounds"),
+            eintr.parse().expect("eintr"),
+        )
+    };
+    assert_eq!(long(p), (1, 0));
+    let null = dev_null();
+    let first_shell = sc.shell();
+    let first = sc
+        .fork(first_shell, [&null, &null, &null], None)
+        .expect("first remote_fork");
+    let first_init = sc.shell_ref(first_shell).init;
+    // Let the template's sleeper resume (through restart_syscall).
+    std::thread::sleep(Duration::from_millis(200));
+    let second_shell = sc.shell();
+    let second = sc
+        .fork(second_shell, [&null, &null, &null], None)
+        .expect("second remote_fork");
+    let second_init = sc.shell_ref(second_shell).init;
+    wait_until(
+        "the sleep to end with EINTR",
+        Duration::from_secs(5),
+        || long(second_init) == (2, 1),
+    );
+    std::thread::sleep(Duration::from_millis(300));
+    assert_eq!(long(first_init), (1, 0), "the first clone sleeps on");
+    assert_eq!(long(p), (1, 0), "the template sleeps on");
+    kill_and_wait_gone(first.pid);
+    kill_and_wait_gone(second.pid);
 }
 
 fn zombie_leader() {

@@ -358,6 +358,59 @@ fn python_thread_pool_server_clones_continue() {
     clone_twenty(&root, &app);
 }
 
+/// Clones of the template's pool (forked ahead, stopped with SIGSTOP, a
+/// signal for the whole thread group) are claimed with every thread going on.
+#[test]
+fn pooled_clones_of_a_threaded_template_are_claimed() {
+    let Some(root) = TestRoot::new("pooled_clones_of_a_threaded_template_are_claimed") else {
+        return;
+    };
+    let app = App::new(
+        &[("server.py", PYTHON_POOL_SERVER)],
+        &["python3", "/app/server.py"],
+        5,
+    );
+    let volume = app.volume();
+    root.ok(&[
+        "run",
+        "-d",
+        "--name",
+        "tpl",
+        "-v",
+        &volume,
+        "--",
+        "python3",
+        "/app/server.py",
+    ]);
+    wait_for("the server to listen", Duration::from_secs(30), || {
+        root.ok(&["logs", "tpl"]).contains("ready")
+    });
+    assert_eq!(get(&root, "tpl").0, 1);
+    root.ok(&["freeze", "tpl", "--pool", "3"]);
+    let pooled = || -> u64 {
+        let list: serde_json::Value =
+            serde_json::from_str(&root.ok(&["template", "ls", "--json"])).unwrap();
+        list[0]["pooled"].as_u64().unwrap()
+    };
+    wait_for("the pool to fill", Duration::from_secs(30), || {
+        pooled() == 3
+    });
+    for n in ["a", "b", "c", "d"] {
+        root.ok(&["clone", "tpl", "-d", "--name", n]);
+        assert_eq!(get(&root, n), (2, n.to_string()), "clone {n} continues");
+        assert_eq!(threads_of(process_of(&root, n).pid), 5);
+    }
+    assert_eq!(get(&root, "a").0, 3);
+    wait_for("the pool to refill", Duration::from_secs(30), || {
+        pooled() == 3
+    });
+    root.run_timeout(
+        &["rm", "-f", "a", "b", "c", "d", "tpl"],
+        Duration::from_secs(120),
+    )
+    .ok();
+}
+
 #[test]
 fn serial_hundred_clones_of_a_threaded_template_then_rm_leave_nothing() {
     let test = "serial_hundred_clones_of_a_threaded_template_then_rm_leave_nothing";
@@ -426,4 +479,40 @@ fn serial_hundred_clones_of_a_threaded_template_then_rm_leave_nothing() {
         .map(str::to_string)
         .collect();
     assert!(mounts.is_empty(), "mounts left: {mounts:?}");
+}
+
+/// A process whose main thread has exited while another runs on (a zombie
+/// leader) has lost its main thread's state: freeze refuses it in one line
+/// and leaves the box running.
+#[test]
+fn freeze_refuses_a_process_whose_main_thread_has_exited() {
+    let Some(root) = TestRoot::new("freeze_refuses_a_process_whose_main_thread_has_exited") else {
+        return;
+    };
+    // SYS_exit (60) ends the calling thread only.
+    let code = "import ctypes, threading, time\n\
+                threading.Thread(target=time.sleep, args=(300,)).start()\n\
+                print('ready', flush=True)\n\
+                ctypes.CDLL(None).syscall(60, 0)";
+    root.ok(&["run", "-d", "--name", "zl", "--", "python3", "-c", code]);
+    wait_for("the main thread to exit", Duration::from_secs(20), || {
+        root.ok(&["logs", "zl"]).contains("ready")
+            && root
+                .ok(&[
+                    "exec",
+                    "zl",
+                    "--",
+                    "sh",
+                    "-c",
+                    "grep -l '^State:.*Z' /proc/[0-9]*/status",
+                ])
+                .lines()
+                .count()
+                > 0
+    });
+    let out = root.run(&["freeze", "zl"]);
+    assert_error(&out, 125, "main thread");
+    assert_eq!(out.stderr.lines().count(), 1, "one line: {out}");
+    assert_eq!(root.status("zl").as_deref(), Some("running"));
+    root.ok(&["rm", "-f", "zl"]);
 }

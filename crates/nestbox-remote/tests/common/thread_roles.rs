@@ -46,6 +46,28 @@ static ROBUST: AtomicUsize = AtomicUsize::new(0);
 static NEVER: AtomicU32 = AtomicU32::new(0);
 /// A counter in a mapping marked `MADV_DONTFORK` (as V8 marks its heap).
 static DONTFORK: AtomicUsize = AtomicUsize::new(0);
+/// Rounds of the `long` thread (mode `long`) and how many of its hour-long
+/// sleeps ended with EINTR.
+static LONG_ROUNDS: AtomicU64 = AtomicU64::new(0);
+static LONG_EINTR: AtomicU64 = AtomicU64::new(0);
+
+/// The thread of mode `long`: sleeps an hour at a time, counting early ends.
+fn long_sleeper() {
+    LONG_ROUNDS.fetch_add(1, Ordering::SeqCst);
+    loop {
+        let ts = libc::timespec {
+            tv_sec: 3600,
+            tv_nsec: 0,
+        };
+        // SAFETY: ts is a valid timespec; no remainder wanted.
+        let rc = unsafe { libc::nanosleep(&ts, std::ptr::null_mut()) };
+        if rc == -1 && std::io::Error::last_os_error().raw_os_error() == Some(libc::EINTR) {
+            LONG_EINTR.fetch_add(1, Ordering::SeqCst);
+        }
+        LONG_ROUNDS.fetch_add(1, Ordering::SeqCst);
+    }
+}
+
 /// The word at the start of the third page of that mapping.
 pub const MARKER: u64 = 0x5eed_f00d_cafe_d00d;
 
@@ -314,12 +336,14 @@ fn serve(listener: &TcpListener) -> ! {
             |f: &dyn Fn(usize) -> String| (0..WORKERS.len()).map(f).collect::<Vec<_>>().join(",");
         let reply = match String::from_utf8_lossy(&line).as_ref() {
             "get" => format!(
-                "counts={} mxcsr={} onstack={} dontfork={:#x}:{}",
+                "counts={} mxcsr={} onstack={} dontfork={:#x}:{} long={}:{}",
                 join(&|i| COUNTS[i].load(Ordering::SeqCst).to_string()),
                 join(&|i| format!("{:#x}", MXCSR[i].load(Ordering::SeqCst))),
                 ONSTACK.load(Ordering::SeqCst),
                 DONTFORK.load(Ordering::SeqCst),
-                dontfork_counter().load(Ordering::SeqCst)
+                dontfork_counter().load(Ordering::SeqCst),
+                LONG_ROUNDS.load(Ordering::SeqCst),
+                LONG_EINTR.load(Ordering::SeqCst)
             ),
             "ids" => join(&|i| {
                 format!(
@@ -338,8 +362,9 @@ fn serve(listener: &TcpListener) -> ! {
     }
 }
 
-/// The `template` role in modes `mt` and `zombie`.
-pub fn template(zombie: bool) -> ! {
+/// The `template` role in modes `mt` (with `long`: one more thread, in an
+/// hour-long `nanosleep`) and `zombie`.
+pub fn template(zombie: bool, long: bool) -> ! {
     let listener =
         TcpListener::bind(("127.0.0.1", super::roles::TCP_PORT)).unwrap_or_else(|_| die("bind"));
     // SAFETY: eventfd takes flags only (blocking: a worker sleeps in read).
@@ -404,10 +429,19 @@ pub fn template(zombie: bool) -> ! {
             .spawn(move || worker(i))
             .unwrap_or_else(|_| die("spawn"));
     }
+    if long {
+        std::thread::spawn(long_sleeper);
+    }
     // Every worker has made a round: each is in its state.
-    while COUNTS.iter().any(|c| c.load(Ordering::SeqCst) == 0) {
+    while COUNTS.iter().any(|c| c.load(Ordering::SeqCst) == 0)
+        || (long && LONG_ROUNDS.load(Ordering::SeqCst) == 0)
+    {
         std::thread::sleep(Duration::from_millis(10));
     }
-    println!("ready {} threads={}", host_pid(), WORKERS.len() + 1);
+    println!(
+        "ready {} threads={}",
+        host_pid(),
+        WORKERS.len() + 1 + usize::from(long)
+    );
     serve(&listener)
 }
