@@ -838,17 +838,23 @@ fn spawn_refill(reg: &Registry, template: &str) {
 pub fn check_fds(name: &str, pid: Pid) -> Result<()> {
     nestbox_remote::inspect_fds(pid.as_raw())
         .and_then(|entries| nestbox_remote::ensure_clonable(pid.as_raw(), &entries))
-        .map_err(|e| match e {
-            // It ended since it was found (a stop or rm -f racing with freeze).
-            nestbox_remote::RemoteError::NoSuchProcess { .. } => RuntimeError::WrongState {
-                name: name.to_string(),
-                problem: "exited while freezing".to_string(),
-            },
-            e => RuntimeError::Unsupported {
-                name: name.to_string(),
-                problem: format!("cannot be cloned: {e}"),
-            },
-        })
+        .map_err(|e| refused_at_freeze(name, e))
+}
+
+/// Why box `name` cannot be frozen into a template, from the remote-fork
+/// layer's answer: a process that ended meanwhile (a stop or rm -f racing with
+/// the freeze) or something a clone cannot reproduce.
+pub(crate) fn refused_at_freeze(name: &str, e: nestbox_remote::RemoteError) -> RuntimeError {
+    match e {
+        nestbox_remote::RemoteError::NoSuchProcess { .. } => RuntimeError::WrongState {
+            name: name.to_string(),
+            problem: "exited while freezing".to_string(),
+        },
+        e => RuntimeError::Unsupported {
+            name: name.to_string(),
+            problem: format!("cannot be cloned: {e}"),
+        },
+    }
 }
 
 /// Memory of one process from /proc/PID/smaps_rollup, in bytes.

@@ -190,17 +190,7 @@ pub(crate) fn template_tree(record: &BoxRecord) -> Result<Vec<nestbox_remote::tr
             problem: "has no process to freeze besides its init".into(),
         });
     }
-    let refused = |e: nestbox_remote::RemoteError| match e {
-        // One ended since the cgroup was read (a stop or rm -f racing).
-        nestbox_remote::RemoteError::NoSuchProcess { .. } => RuntimeError::WrongState {
-            name: name.to_string(),
-            problem: "exited while freezing".to_string(),
-        },
-        e => RuntimeError::Unsupported {
-            name: name.to_string(),
-            problem: format!("cannot be cloned: {e}"),
-        },
-    };
+    let refused = |e| crate::clone::refused_at_freeze(name, e);
     let processes = nestbox_remote::tree::read_box(init, &others).map_err(refused)?;
     nestbox_remote::tree::plan(&processes).map_err(refused)
 }
