@@ -798,6 +798,7 @@ fn own_pidfd() {
             .map(|v| v.trim().to_string())
             .unwrap_or_default()
     };
+    assert!(!same_file(p, fd, g, fd), "a new pidfd");
     assert_eq!(pid_of(p), p.to_string());
     assert_eq!(
         pid_of(g),

@@ -189,16 +189,19 @@ fn asyncio_server_clones_answer_and_diverge() {
     // Every clone continues the template's counter under its own name, and its
     // event loop ran the SIGUSR1 handler through the re-created self-pipe.
     for n in &names {
+        let answer = get(&root, n);
+        assert_eq!((answer[0].as_str(), answer[1].as_str()), ("4", *n));
         wait_for("the signal handler", Duration::from_secs(10), || {
             get(&root, n)[2] == "1"
         });
-        let answer = get(&root, n);
-        assert_eq!(answer[1], *n);
     }
     // They diverge: each count is its own.
-    let first = get(&root, names[0])[0].parse::<u64>().unwrap();
-    assert_eq!(get(&root, names[0])[0], (first + 1).to_string());
-    assert_eq!(get(&root, names[1])[0], first.to_string());
+    let count = |n: &str| get(&root, n)[0].parse::<u64>().unwrap();
+    let (a, b) = (count(names[0]), count(names[1]));
+    for i in 1..=3 {
+        assert_eq!(count(names[0]), a + i);
+    }
+    assert_eq!(count(names[1]), b + 1);
     // The template is untouched: the same fds on the same objects.
     assert_eq!(fds_of(tpid), before);
     let mut args = vec!["rm", "-f"];
@@ -231,12 +234,12 @@ fn clones_reconnect_to_a_service_outside_their_box() {
     // of its own; the counter continues from the template's.
     let mut greetings = BTreeSet::new();
     for n in &names {
+        let answer = get(&root, n);
+        assert_eq!((answer[0].as_str(), answer[1].as_str()), ("3", *n));
         wait_for("the clone to reconnect", Duration::from_secs(10), || {
             get(&root, n)[2] == "1"
         });
         let answer = get(&root, n);
-        assert_eq!(answer[1], *n);
-        assert!(answer[0].parse::<u64>().unwrap() >= 3, "{answer:?}");
         assert_ne!(answer[3], "svc-1", "{n} reconnected: {answer:?}");
         greetings.insert(answer[3].clone());
         let log = root.ok(&["logs", n]);
