@@ -684,7 +684,7 @@ fn inspect_socket(pid: i32, fd: i32, pidfd: &mut Option<OwnedFd>) -> Result<Sock
         nodelay: tcp.then(|| flag(libc::IPPROTO_TCP, libc::TCP_NODELAY)),
         backlog,
         fds_in_flight: if domain == libc::AF_UNIX && connected {
-            crate::objects::queue_carries_fds(&sock, sock_type).map_err(|source| {
+            crate::buffered::queue_carries_fds(&sock, sock_type).map_err(|source| {
                 RemoteError::Sys {
                     op: "recvmsg(MSG_PEEK) of a Unix socket's queue",
                     pid,

@@ -41,6 +41,7 @@
 //! # Ok(()) }
 //! ```
 
+mod buffered;
 mod caps;
 mod error;
 mod fdinfo;
