@@ -257,3 +257,56 @@ fn clones_reconnect_to_a_service_outside_their_box() {
     args.extend(["app", "svc"]);
     root.run_timeout(&args, Duration::from_secs(120)).ok();
 }
+
+/// Watches with a gap in their wds, on directories of the box's own layer
+/// (overlayfs: found by inode, not by file handle); events printed.
+const WATCHER: &str = r#"
+import ctypes, os, struct
+libc = ctypes.CDLL(None, use_errno=True)
+fd = libc.inotify_init1(0)
+for d in ('/tmp/w', '/tmp/gap', '/tmp/v'):
+    os.makedirs(d, exist_ok=True)
+a = libc.inotify_add_watch(fd, b'/tmp/w', 0x100)
+g = libc.inotify_add_watch(fd, b'/tmp/gap', 0x100)
+v = libc.inotify_add_watch(fd, b'/tmp/v', 0x100)
+libc.inotify_rm_watch(fd, g)
+os.read(fd, 4096)
+print('ready', a, v, flush=True)
+while True:
+    buf = os.read(fd, 4096)
+    at = 0
+    while at < len(buf):
+        wd, mask, cookie, n = struct.unpack_from('iIII', buf, at)
+        name = buf[at + 16:at + 16 + n].rstrip(b'\0').decode()
+        print('event', wd, name, flush=True)
+        at += 16 + n
+"#;
+
+#[test]
+fn inotify_watches_of_a_box_are_watched_again_in_its_clones() {
+    let Some(root) = TestRoot::new("inotify_watches_of_a_box_are_watched_again_in_its_clones")
+    else {
+        return;
+    };
+    start(&root, "ino", WATCHER, &[]);
+    assert!(root.ok(&["logs", "ino"]).contains("ready 1 3"));
+    root.ok(&["freeze", "ino"]);
+    root.ok(&[
+        "clone", "ino", "-d", "--name", "a", "--name", "b", "-n", "2",
+    ]);
+    root.ok(&["exec", "a", "--", "touch", "/tmp/w/x", "/tmp/v/y"]);
+    wait_for("the clone's events", Duration::from_secs(10), || {
+        let log = root.ok(&["logs", "a"]);
+        log.contains("event 1 x") && log.contains("event 3 y")
+    });
+    // The other clone and the template saw nothing of it.
+    root.ok(&["exec", "b", "--", "touch", "/tmp/w/z"]);
+    wait_for("the other clone's event", Duration::from_secs(10), || {
+        root.ok(&["logs", "b"]).contains("event 1 z")
+    });
+    assert!(!root.ok(&["logs", "b"]).contains("event 1 x"));
+    assert!(!root.ok(&["logs", "a"]).contains("event 1 z"));
+    assert!(!root.ok(&["logs", "ino"]).contains("event"));
+    root.run_timeout(&["rm", "-f", "a", "b", "ino"], Duration::from_secs(60))
+        .ok();
+}
