@@ -239,7 +239,7 @@ impl Ctx<'_> {
                     "inotify_add_watch",
                     || format!("filling wd {next} for fd {fd}"),
                     libc::SYS_inotify_add_watch,
-                    &[tmp, addr, libc::IN_ATTRIB as u64],
+                    &[tmp, addr, (libc::IN_ATTRIB | libc::IN_DONT_FOLLOW) as u64],
                 )? as i32;
                 self.tracee.syscall(
                     "inotify_rm_watch",
@@ -254,7 +254,8 @@ impl Ctx<'_> {
                 "inotify_add_watch",
                 || format!("watch {} of {path} for fd {fd}", watch.wd),
                 libc::SYS_inotify_add_watch,
-                &[tmp, addr, u64::from(watch.mask)],
+                // The path names the watched inode itself, a symlink included.
+                &[tmp, addr, u64::from(watch.mask | libc::IN_DONT_FOLLOW)],
             )? as i32;
             if wd != watch.wd {
                 return Err(crate::RemoteError::Injected {
