@@ -553,6 +553,16 @@ fn forked_pairs_with_peer() -> (Scenario, i32, i32, i32, std::os::unix::net::Uni
         .fork(shell, [&null, &null, &null], None)
         .expect("remote_fork");
     let (p, g, init) = (sc.template, forked.pid, sc.shell_ref(shell).init);
+    let retarget = forked
+        .phases
+        .iter()
+        .find(|(name, _)| *name == "fd re-targeting")
+        .map(|(_, d)| *d);
+    println!(
+        "  remote_fork {:?}, of which fd re-targeting {retarget:?} ({} fds)",
+        forked.elapsed,
+        forked.fds.len()
+    );
     (sc, p, g, init, peer)
 }
 
