@@ -379,6 +379,7 @@ mod tests {
                 ino,
                 peer,
                 peer_inside: false,
+                peer_bound_inside: false,
                 fds_in_flight: false,
             }),
         }
@@ -439,6 +440,19 @@ mod tests {
                 (ObjectKey::Unix(300), vec![(10, 6, 0)]),
             ]
         );
+        // A client of a datagram server of the box is connected again.
+        let mut client = unix(9, 400, Some(500), libc::SOCK_DGRAM);
+        if let FdKind::Socket(sock) = &mut client.kind {
+            sock.peer_addr = b"\x01\0/run/log".to_vec();
+        }
+        let mut server = unix(10, 500, None, libc::SOCK_DGRAM);
+        if let FdKind::Socket(sock) = &mut server.kind {
+            sock.connected = false;
+        }
+        let mut third = [client, server];
+        mark_peers_inside(&mut [&mut third[..]]);
+        assert_eq!(third[0].action(), FdAction::Recreate);
+        assert_eq!(third[1].action(), FdAction::Recreate);
         // Alone, the first process's connection has its peer outside.
         let mut alone = first.clone();
         mark_peers_inside(&mut [&mut alone[..]]);

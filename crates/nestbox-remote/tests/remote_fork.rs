@@ -660,6 +660,12 @@ fn socket_pairs() {
     assert_eq!(ask(init, &format!("send {da} x1")), "ok 2");
     assert_eq!(ask(init, &format!("send {da} x22")), "ok 3");
     assert_eq!(ask(init, &format!("recvs {db}")), "msgs x1,x22");
+    // A client of the box's datagram server is connected to the clone's.
+    let (srv, cli) = (fd("dsrv"), fd("dcli"));
+    assert!(!same_file(p, cli, g, cli));
+    assert_eq!(ask(init, &format!("send {cli} hello")), "ok 5");
+    assert_eq!(ask(init, &format!("recvs {srv}")), "msgs hello");
+    assert_eq!(ask(p, &format!("recvs {srv}")), "msgs");
     // The template's queues are as they were (and its peek offset unset).
     assert_eq!(queued(p, b), 5);
     assert_eq!(ask(p, &format!("read {b}")), "data to-b|");
