@@ -68,6 +68,9 @@ pub struct SocketInfo {
     /// held by the box's processes): set by [`inspect_fds`] for one process and
     /// by [`crate::mark_peers_inside`] for several.
     pub peer_inside: bool,
+    /// A datagram socket connected to a socket of the box that is not
+    /// connected back (a bound server): set with `peer_inside`.
+    pub peer_bound_inside: bool,
     /// Connected Unix sockets: data queued for it carries fds (`SCM_RIGHTS`),
     /// which no clone can copy (seen with `MSG_PEEK`, the queue untouched).
     pub fds_in_flight: bool,
@@ -270,6 +273,11 @@ impl FdEntry {
                 libc::AF_UNIX if sock.connected && (sock.peer_inside || sock.peer == Some(0)) => {
                     FdAction::Pair
                 }
+                // A client of a datagram server of the box: connected again
+                // to the server's (re-created) address.
+                libc::AF_UNIX if sock.connected && sock.peer_bound_inside && sock.peer_addr.len() > 2 => {
+                    FdAction::Recreate
+                }
                 libc::AF_INET | libc::AF_INET6
                     if sock.connected && sock.sock_type == libc::SOCK_DGRAM =>
                 {
@@ -371,7 +379,8 @@ pub(crate) fn resolve_unix_peers(pid: i32, entries: &mut [FdEntry]) -> Result<()
 }
 
 /// Mark the connected Unix sockets whose peer is held by one of the given
-/// processes' fds and connected back (`SocketInfo::peer_inside`): the
+/// processes' fds and connected back (`SocketInfo::peer_inside`), or is a
+/// socket of theirs not connected back (`peer_bound_inside`): the
 /// inventories of all the processes of a box, so that a connection between two
 /// of them is re-created as a pair and any other as a placeholder.
 pub fn mark_peers_inside(processes: &mut [&mut [FdEntry]]) {
@@ -379,18 +388,18 @@ pub fn mark_peers_inside(processes: &mut [&mut [FdEntry]]) {
     for entries in processes.iter() {
         for entry in entries.iter() {
             if let FdKind::Socket(s) = &entry.kind {
-                if let Some(peer) = s.peer.filter(|p| *p != 0) {
-                    peer_of.insert(s.ino, peer);
-                }
+                peer_of.insert(s.ino, s.peer.unwrap_or(0));
             }
         }
     }
     for entries in processes.iter_mut() {
         for entry in entries.iter_mut() {
             if let FdKind::Socket(s) = &mut entry.kind {
-                s.peer_inside = s
-                    .peer
-                    .is_some_and(|p| p != 0 && peer_of.get(&p) == Some(&s.ino));
+                let peer = s.peer.unwrap_or(0);
+                let peers_peer = (peer != 0).then(|| peer_of.get(&peer)).flatten();
+                s.peer_inside = peers_peer == Some(&s.ino);
+                s.peer_bound_inside =
+                    s.sock_type == libc::SOCK_DGRAM && !s.peer_inside && peers_peer.is_some();
             }
         }
     }
@@ -704,7 +713,7 @@ fn inspect_socket(pid: i32, fd: i32, pidfd: &mut Option<OwnedFd>) -> Result<Sock
         nodelay: tcp.then(|| flag(libc::IPPROTO_TCP, libc::TCP_NODELAY)),
         backlog,
         fds_in_flight: if domain == libc::AF_UNIX && connected {
-            crate::objects::queue_carries_fds(&sock, sock_type).map_err(|source| {
+            crate::buffered::queue_carries_fds(&sock, sock_type).map_err(|source| {
                 RemoteError::Sys {
                     op: "recvmsg(MSG_PEEK) of a Unix socket's queue",
                     pid,
@@ -718,6 +727,7 @@ fn inspect_socket(pid: i32, fd: i32, pidfd: &mut Option<OwnedFd>) -> Result<Sock
         ino: 0,
         peer: None,
         peer_inside: false,
+        peer_bound_inside: false,
     })
 }
 

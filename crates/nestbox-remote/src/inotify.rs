@@ -6,7 +6,9 @@
 //! `open_by_handle_at` on each mount of the template that shows the watched
 //! file's device; the path the kernel shows for the opened file (relative to
 //! the template's mount namespace) is kept only if it leads, through
-//! `/proc/PID/root`, to that very inode.
+//! `/proc/PID/root`, to that very inode. Where no handle can be decoded
+//! (overlayfs, a box's root, decodes none without `nfs_export`), the inode is
+//! searched for, breadth first from the mount point, up to 200,000 entries.
 
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
@@ -113,6 +115,55 @@ fn find_path(
         });
         if same {
             return Some(path);
+        }
+    }
+    // No usable handle (overlayfs decodes none without its `nfs_export`
+    // option): look for the inode itself, breadth first from each mount of
+    // its device (watches are mostly directories near the top).
+    mounts
+        .iter()
+        .filter(|(dev, _)| *dev == sdev)
+        .find_map(|(_, point)| search(&root, point, sdev, ino))
+}
+
+/// Most directory entries [`search`] looks at per mount.
+const SEARCH_LIMIT: usize = 200_000;
+
+/// The path (in the template's mount namespace) of inode `ino` of device
+/// `sdev` under mount point `point`, searched breadth first through
+/// `/proc/PID/root` without leaving the device.
+fn search(root: &Path, point: &str, sdev: u64, ino: u64) -> Option<String> {
+    let kernel_dev = |dev: u64| (libc::major(dev) as u64) << 20 | libc::minor(dev) as u64;
+    let start = root.join(point.trim_start_matches('/'));
+    let meta = std::fs::symlink_metadata(&start).ok()?;
+    if meta.ino() == ino && kernel_dev(meta.dev()) == sdev {
+        return Some(point.to_string());
+    }
+    let mut queue = std::collections::VecDeque::from([point.trim_end_matches('/').to_string()]);
+    let mut seen = 0usize;
+    while let Some(dir) = queue.pop_front() {
+        let Ok(entries) = std::fs::read_dir(root.join(dir.trim_start_matches('/'))) else {
+            continue;
+        };
+        for entry in entries.flatten() {
+            seen += 1;
+            if seen > SEARCH_LIMIT {
+                return None;
+            }
+            let Ok(meta) = entry.metadata() else { continue };
+            let Some(name) = entry.file_name().to_str().map(str::to_string) else {
+                continue;
+            };
+            let path = format!("{dir}/{name}");
+            // A directory of an overlay reports the overlay's device; its
+            // other files report their layer's, with the same inode number.
+            let same_dev = kernel_dev(meta.dev()) == sdev;
+            if meta.ino() == ino && (same_dev || !meta.is_dir()) {
+                return Some(path);
+            }
+            if meta.is_dir() && same_dev {
+                queue.push_back(path);
+            }
         }
     }
     None

@@ -44,6 +44,7 @@
 //! ```
 
 mod batch;
+mod buffered;
 mod caps;
 mod dontfork;
 mod error;

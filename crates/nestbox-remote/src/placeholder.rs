@@ -26,10 +26,11 @@
 
 use std::os::fd::OwnedFd;
 
+use crate::buffered::{copy_queue, CopyError};
 use crate::error::Result;
 use crate::fdinfo::{pidfd_getfd, pidfd_open, FdEntry, SocketInfo};
 use crate::memory::Scratch;
-use crate::objects::{copy_queue, make_pair, CopyError};
+use crate::objects::make_pair;
 use crate::tracee::Tracee;
 
 /// The loopback listener that TCP placeholders are made with, one per

@@ -137,10 +137,10 @@ impl Ctx<'_> {
         if sock.nodelay == Some(true) {
             self.setsockopt(fd, tmp, libc::IPPROTO_TCP, libc::TCP_NODELAY, 1)?;
         }
-        // A connected datagram socket is not bound again: its local address
-        // may be the template's own (the clone has another), and `connect`
-        // chooses one.
-        if sock.is_bound() && !sock.connected {
+        // A connected UDP socket is not bound again: its local address may be
+        // the template's own (the clone has another), and `connect` chooses one.
+        let inet = sock.domain != libc::AF_UNIX;
+        if sock.is_bound() && !(inet && sock.connected) {
             if let Some(path) = sock.unix_path() {
                 self.scratch.reset();
                 let addr = self.scratch.put_path(self.tracee, path)?;
@@ -239,7 +239,7 @@ impl Ctx<'_> {
                     "inotify_add_watch",
                     || format!("filling wd {next} for fd {fd}"),
                     libc::SYS_inotify_add_watch,
-                    &[tmp, addr, libc::IN_ATTRIB as u64],
+                    &[tmp, addr, (libc::IN_ATTRIB | libc::IN_DONT_FOLLOW) as u64],
                 )? as i32;
                 self.tracee.syscall(
                     "inotify_rm_watch",
@@ -254,7 +254,8 @@ impl Ctx<'_> {
                 "inotify_add_watch",
                 || format!("watch {} of {path} for fd {fd}", watch.wd),
                 libc::SYS_inotify_add_watch,
-                &[tmp, addr, u64::from(watch.mask)],
+                // The path names the watched inode itself, a symlink included.
+                &[tmp, addr, u64::from(watch.mask | libc::IN_DONT_FOLLOW)],
             )? as i32;
             if wd != watch.wd {
                 return Err(crate::RemoteError::Injected {
@@ -430,8 +431,15 @@ pub(crate) fn retarget_with(
     }
     let mut ctx = Ctx { tracee, scratch };
     let mut resets = None;
+    // Clients of the box's Unix datagram servers connect once those exist.
+    let mut clients = Vec::new();
     for (entry, action) in entries.iter().zip(&actions) {
         match (action, &entry.kind) {
+            (FdAction::Recreate, FdKind::Socket(sock))
+                if sock.domain == libc::AF_UNIX && sock.connected =>
+            {
+                clients.push((entry, sock))
+            }
             (FdAction::Reopen, FdKind::File { path, .. }) => ctx.reopen(entry, path)?,
             (FdAction::Placeholder, FdKind::Socket(sock)) => {
                 ctx.placeholder(template_pid, entry, sock, &mut resets)?
@@ -456,6 +464,9 @@ pub(crate) fn retarget_with(
     }
     if let Some(resets) = resets {
         resets.close(ctx.tracee)?;
+    }
+    for (entry, sock) in clients {
+        ctx.socket(entry, sock)?;
     }
     for (entry, action) in entries.iter().zip(&actions) {
         if *action == FdAction::Stdio {

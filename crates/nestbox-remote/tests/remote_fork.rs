@@ -550,6 +550,16 @@ fn forked_pairs_with_peer() -> (Scenario, i32, i32, i32, std::os::unix::net::Uni
         .fork(shell, [&null, &null, &null], None)
         .expect("remote_fork");
     let (p, g, init) = (sc.template, forked.pid, sc.shell_ref(shell).init);
+    let retarget = forked
+        .phases
+        .iter()
+        .find(|(name, _)| *name == "fd re-targeting")
+        .map(|(_, d)| *d);
+    println!(
+        "  remote_fork {:?}, of which fd re-targeting {retarget:?} ({} fds)",
+        forked.elapsed,
+        forked.fds.len()
+    );
     (sc, p, g, init, peer)
 }
 
@@ -647,6 +657,12 @@ fn socket_pairs() {
     assert_eq!(ask(init, &format!("send {da} x1")), "ok 2");
     assert_eq!(ask(init, &format!("send {da} x22")), "ok 3");
     assert_eq!(ask(init, &format!("recvs {db}")), "msgs x1,x22");
+    // A client of the box's datagram server is connected to the clone's.
+    let (srv, cli) = (fd("dsrv"), fd("dcli"));
+    assert!(!same_file(p, cli, g, cli));
+    assert_eq!(ask(init, &format!("send {cli} hello")), "ok 5");
+    assert_eq!(ask(init, &format!("recvs {srv}")), "msgs hello");
+    assert_eq!(ask(p, &format!("recvs {srv}")), "msgs");
     // The template's queues are as they were (and its peek offset unset).
     assert_eq!(queued(p, b), 5);
     assert_eq!(ask(p, &format!("read {b}")), "data to-b|");
@@ -795,6 +811,7 @@ fn own_pidfd() {
             .map(|v| v.trim().to_string())
             .unwrap_or_default()
     };
+    assert!(!same_file(p, fd, g, fd), "a new pidfd");
     assert_eq!(pid_of(p), p.to_string());
     assert_eq!(
         pid_of(g),

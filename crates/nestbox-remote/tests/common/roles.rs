@@ -836,6 +836,14 @@ fn pairs(dir: &Path) -> String {
     outside
         .set_nonblocking(true)
         .unwrap_or_else(|_| die("nonblocking"));
+    // A datagram server of the box and a client connected to it.
+    let dsock = dir.join("run/dsock");
+    let dsrv = std::os::unix::net::UnixDatagram::bind(&dsock).unwrap_or_else(|_| die("bind dsock"));
+    let dcli = std::os::unix::net::UnixDatagram::unbound().unwrap_or_else(|_| die("dgram"));
+    dcli.connect(&dsock)
+        .unwrap_or_else(|_| die("connect dsock"));
+    dsrv.set_nonblocking(true)
+        .unwrap_or_else(|_| die("nonblocking"));
     // inotify: wds 1 and 3 (2 removed: a gap).
     for sub in ["wa", "wb", "wc"] {
         let _ = std::fs::create_dir_all(dir.join("data").join(sub));
@@ -864,12 +872,16 @@ fn pairs(dir: &Path) -> String {
     // SAFETY: pidfd_open takes integers only.
     let pidfd = unsafe { libc::syscall(libc::SYS_pidfd_open, libc::getpid(), 0) } as RawFd;
     let line = format!(
-        " fifo={fifo} outside={} pipe_r={pipe_r} pipe_r2={pipe_r2} pipe_w={pipe_w} half_r={half_r} s_a={s_a} s_b={s_b} d_a={d_a} d_b={d_b} c_client={} c_server={} inotify={ino} wa={wa} wc={wc} pidfd={pidfd}",
+        " fifo={fifo} outside={} dsrv={} dcli={} pipe_r={pipe_r} pipe_r2={pipe_r2} pipe_w={pipe_w} half_r={half_r} s_a={s_a} s_b={s_b} d_a={d_a} d_b={d_b} c_client={} c_server={} inotify={ino} wa={wa} wc={wc} pidfd={pidfd}",
         outside.as_raw_fd(),
+        dsrv.as_raw_fd(),
+        dcli.as_raw_fd(),
         client.as_raw_fd(),
         server.as_raw_fd()
     );
     std::mem::forget(outside);
+    std::mem::forget(dsrv);
+    std::mem::forget(dcli);
     std::mem::forget(client);
     std::mem::forget(server);
     line
