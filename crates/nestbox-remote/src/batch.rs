@@ -88,72 +88,92 @@ impl Batch {
             return Ok(Vec::new());
         }
         let program = scratch.put(tracee, &PROGRAM)?;
-        let mut table = Vec::with_capacity((self.calls.len() * 7 + 1) * 8);
-        for call in &self.calls {
-            table.extend_from_slice(&call.nr.to_ne_bytes());
-            for arg in call.args {
-                table.extend_from_slice(&arg.to_ne_bytes());
-            }
+        // As many calls a round as the scratch area holds (a call is 56 bytes
+        // of table and 8 of result).
+        let per_round = (scratch.free().saturating_sub(8) / 64).max(1);
+        let mut results = Vec::with_capacity(self.calls.len());
+        for round in self.calls.chunks(per_round) {
+            let mark = scratch.mark();
+            let got = run_round(tracee, scratch, program, round);
+            scratch.rewind(mark);
+            results.extend(got?);
         }
-        table.extend_from_slice(&(-1i64).to_ne_bytes());
-        let table_addr = scratch.put(tracee, &table)?;
-        let results_addr = scratch.reserve(self.calls.len() * 8)?;
-
-        let mut regs = match tracee.current {
-            Some(regs) => regs,
-            None => tracee.get_regs()?,
-        };
-        regs.rip = program;
-        regs.rbx = table_addr;
-        regs.r12 = results_addr;
-        // Not in a syscall: the kernel's restart logic must leave the program alone.
-        regs.orig_rax = u64::MAX;
-        tracee.set_regs(&regs)?;
-        let end = program + PROGRAM.len() as u64;
-        let after = loop {
-            tracee.resume(libc::PTRACE_CONT, 0)?;
-            match tracee.wait_blocking()? {
-                Stop::Signal(libc::SIGTRAP) => {
-                    let after = tracee.get_regs()?;
-                    tracee.current = Some(after);
-                    if after.rip == end {
-                        break after;
-                    }
-                    return Err(RemoteError::NotStopped {
-                        pid: tracee.pid(),
-                        what: "at the end of an injected batch of syscalls",
-                    });
-                }
-                Stop::Signal(sig) => tracee.defer(sig),
-                Stop::Interrupt | Stop::OtherEvent(_) | Stop::NewChild(_) => {}
-            }
-        };
-        let done = ((after.r12.saturating_sub(results_addr)) / 8) as usize;
-        let mut raw = vec![0u8; done * 8];
-        tracee.read_mem(results_addr, &mut raw)?;
-        let results: Vec<i64> = raw
-            .chunks_exact(8)
-            .map(|c| i64::from_ne_bytes(c.try_into().unwrap_or_default()))
-            .collect();
-        if let Some((i, &rax)) = results
-            .iter()
-            .enumerate()
-            .find(|(_, r)| (-4095..0).contains(*r))
-        {
-            let call = &self.calls[i];
-            return Err(RemoteError::Injected {
-                syscall: call.name,
-                pid: tracee.pid(),
-                context: call.context.clone(),
-                source: io::Error::from_raw_os_error(-rax as i32),
-            });
-        }
-        if results.len() != self.calls.len() {
-            return Err(RemoteError::NotStopped {
-                pid: tracee.pid(),
-                what: "after every call of an injected batch",
-            });
-        }
-        Ok(results.into_iter().map(|r| r as u64).collect())
+        Ok(results)
     }
+}
+
+/// Run `calls` with the program at `program`: see [`Batch::run`].
+fn run_round(
+    tracee: &mut Tracee,
+    scratch: &mut Scratch,
+    program: u64,
+    calls: &[Call],
+) -> Result<Vec<u64>> {
+    let mut table = Vec::with_capacity((calls.len() * 7 + 1) * 8);
+    for call in calls {
+        table.extend_from_slice(&call.nr.to_ne_bytes());
+        for arg in call.args {
+            table.extend_from_slice(&arg.to_ne_bytes());
+        }
+    }
+    table.extend_from_slice(&(-1i64).to_ne_bytes());
+    let table_addr = scratch.put(tracee, &table)?;
+    let results_addr = scratch.reserve(calls.len() * 8)?;
+
+    let mut regs = match tracee.current {
+        Some(regs) => regs,
+        None => tracee.get_regs()?,
+    };
+    regs.rip = program;
+    regs.rbx = table_addr;
+    regs.r12 = results_addr;
+    // Not in a syscall: the kernel's restart logic must leave the program alone.
+    regs.orig_rax = u64::MAX;
+    tracee.set_regs(&regs)?;
+    let end = program + PROGRAM.len() as u64;
+    let after = loop {
+        tracee.resume(libc::PTRACE_CONT, 0)?;
+        match tracee.wait_blocking()? {
+            Stop::Signal(libc::SIGTRAP) => {
+                let after = tracee.get_regs()?;
+                tracee.current = Some(after);
+                if after.rip == end {
+                    break after;
+                }
+                return Err(RemoteError::NotStopped {
+                    pid: tracee.pid(),
+                    what: "at the end of an injected batch of syscalls",
+                });
+            }
+            Stop::Signal(sig) => tracee.defer(sig),
+            Stop::Interrupt | Stop::OtherEvent(_) | Stop::NewChild(_) => {}
+        }
+    };
+    let done = ((after.r12.saturating_sub(results_addr)) / 8) as usize;
+    let mut raw = vec![0u8; done * 8];
+    tracee.read_mem(results_addr, &mut raw)?;
+    let results: Vec<i64> = raw
+        .chunks_exact(8)
+        .map(|c| i64::from_ne_bytes(c.try_into().unwrap_or_default()))
+        .collect();
+    if let Some((i, &rax)) = results
+        .iter()
+        .enumerate()
+        .find(|(_, r)| (-4095..0).contains(*r))
+    {
+        let call = &calls[i];
+        return Err(RemoteError::Injected {
+            syscall: call.name,
+            pid: tracee.pid(),
+            context: call.context.clone(),
+            source: io::Error::from_raw_os_error(-rax as i32),
+        });
+    }
+    if results.len() != calls.len() {
+        return Err(RemoteError::NotStopped {
+            pid: tracee.pid(),
+            what: "after every call of an injected batch",
+        });
+    }
+    Ok(results.into_iter().map(|r| r as u64).collect())
 }

@@ -152,6 +152,9 @@ pub enum FdKind {
         ns_pid: i32,
         /// It is the inspected process itself.
         own: bool,
+        /// It is another process of the same box (set over a whole box's
+        /// inventories by [`mark_pidfds_inside`]).
+        in_box: bool,
     },
     /// Anything else (fanotify, io_uring, userfaultfd, ...).
     Other,
@@ -315,7 +318,9 @@ impl FdEntry {
                 )),
                 None => FdAction::Recreate,
             },
-            FdKind::PidFd { own: true, .. } => FdAction::Recreate,
+            FdKind::PidFd { own: true, .. } | FdKind::PidFd { in_box: true, .. } => {
+                FdAction::Recreate
+            }
             FdKind::PidFd { pid: -1, .. } => FdAction::Unsupported(
                 "a pidfd of a process that has ended, which the clone has no copy of".into(),
             ),
@@ -400,6 +405,19 @@ pub fn mark_peers_inside(processes: &mut [&mut [FdEntry]]) {
                 s.peer_inside = peers_peer == Some(&s.ino);
                 s.peer_bound_inside =
                     s.sock_type == libc::SOCK_DGRAM && !s.peer_inside && peers_peer.is_some();
+            }
+        }
+    }
+}
+
+/// Mark the pidfds that refer to a process of the box (`host_pids`, the
+/// box's processes but its init): in a clone they refer to the clone's
+/// process with the same pid.
+pub fn mark_pidfds_inside(processes: &mut [&mut [FdEntry]], host_pids: &[i32]) {
+    for entries in processes.iter_mut() {
+        for entry in entries.iter_mut() {
+            if let FdKind::PidFd { pid, in_box, .. } = &mut entry.kind {
+                *in_box = host_pids.contains(pid);
             }
         }
     }
@@ -517,6 +535,7 @@ fn inspect_one(pid: i32, fd: i32, pidfd: &mut Option<OwnedFd>) -> Result<FdEntry
                     pid: of,
                     ns_pid,
                     own: of == pid,
+                    in_box: false,
                 }
             }
             _ => FdKind::Other,

@@ -73,8 +73,8 @@ mod unixdiag;
 pub use caps::CapState;
 pub use error::{RemoteError, Result};
 pub use fdinfo::{
-    ensure_clonable, inspect_fds, mark_peers_inside, refresh_volatile, EpollWatch, FdAction,
-    FdEntry, FdKind, InotifyWatch, SocketInfo,
+    ensure_clonable, inspect_fds, mark_peers_inside, mark_pidfds_inside, refresh_volatile,
+    EpollWatch, FdAction, FdEntry, FdKind, InotifyWatch, SocketInfo,
 };
 pub use fdtransfer::{install_fds, MAX_FDS};
 pub use fork::{remote_fork, ForkPlan, Forked, NsKind};
@@ -85,5 +85,5 @@ pub use retarget::FdOutcome;
 pub use shmem::{SharedCopy, SharedKind, SharedObjects};
 pub use threads::ThreadState;
 pub use tracee::{Regs, Tracee};
-pub use treefork::{remote_fork_tree, ForkedProcess, ForkedTree};
+pub use treefork::{check_box_fds, remote_fork_tree, ForkedProcess, ForkedTree};
 pub use treememory::MemoryCopied;

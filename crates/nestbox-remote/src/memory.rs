@@ -132,6 +132,21 @@ impl Scratch {
         self.used = 0;
     }
 
+    /// How much is in use: a mark to [`Scratch::rewind`] to.
+    pub fn mark(&self) -> usize {
+        self.used
+    }
+
+    /// Forget what was put since `mark`.
+    pub fn rewind(&mut self, mark: usize) {
+        self.used = self.used.min(mark);
+    }
+
+    /// Bytes still free.
+    pub fn free(&self) -> usize {
+        SCRATCH_LEN.saturating_sub(self.used.next_multiple_of(8))
+    }
+
     /// Reserve `len` bytes (8-aligned) and return their address in the tracee.
     pub fn reserve(&mut self, len: usize) -> Result<u64> {
         let start = self.used.next_multiple_of(8);

@@ -408,6 +408,8 @@ pub(crate) fn retarget_with(
     // placeholders, reopen and re-create (except epoll); pass 4: stdio;
     // pass 5: epoll, which needs the final targets of the fds it watches.
     for entry in entries {
+        // (A pidfd of another process of the box stays until box_pidfds
+        // replaces it, keeping its number taken meanwhile.)
         if matches!(entry.kind, FdKind::PidFd { own: true, .. }) {
             tracee.syscall(
                 "close",
@@ -536,6 +538,50 @@ pub(crate) fn own_pidfds(tracee: &mut Tracee, entries: &[FdEntry]) -> Result<()>
             &[tmp, fd as u64, cloexec],
         )?;
         tracee.syscall("close", || format!("for fd {fd}"), libc::SYS_close, &[tmp])?;
+    }
+    Ok(())
+}
+
+/// In a clone's process, once every process of the clone exists: a pidfd of
+/// the clone's process with pid `ns_pid` at each fd where the template had a
+/// pidfd of another process of its box (`pidfd_open` resolves the pid in the
+/// clone's pid namespace, where the pids are the template's).
+pub(crate) fn box_pidfds(tracee: &mut Tracee, entries: &[FdEntry]) -> Result<()> {
+    for entry in entries {
+        let FdKind::PidFd {
+            ns_pid,
+            own: false,
+            in_box: true,
+            ..
+        } = entry.kind
+        else {
+            continue;
+        };
+        let fd = entry.fd;
+        let flags = (entry.flags & libc::O_NONBLOCK) as u64;
+        let tmp = tracee.syscall(
+            "pidfd_open",
+            || format!("pidfd of the clone's pid {ns_pid} for fd {fd}"),
+            libc::SYS_pidfd_open,
+            &[ns_pid as u64, flags],
+        )?;
+        let cloexec = (entry.flags & libc::O_CLOEXEC) as u64;
+        if tmp != fd as u64 {
+            tracee.syscall(
+                "dup3",
+                || format!("for fd {fd}"),
+                libc::SYS_dup3,
+                &[tmp, fd as u64, cloexec],
+            )?;
+            tracee.syscall("close", || format!("for fd {fd}"), libc::SYS_close, &[tmp])?;
+        } else {
+            tracee.syscall(
+                "fcntl(F_SETFD)",
+                || format!("for fd {fd}"),
+                libc::SYS_fcntl,
+                &[tmp, libc::F_SETFD as u64, u64::from(cloexec != 0)],
+            )?;
+        }
     }
     Ok(())
 }

@@ -23,7 +23,9 @@ use std::time::{Duration, Instant};
 use serde::Serialize;
 
 use crate::error::{RemoteError, Result};
-use crate::fdinfo::{ensure_clonable, inspect_fds, mark_peers_inside, refresh_volatile, FdEntry};
+use crate::fdinfo::{
+    ensure_clonable, inspect_fds, mark_peers_inside, mark_pidfds_inside, refresh_volatile, FdEntry,
+};
 use crate::fork::{
     ensure_all_threads_held, fix_up, fork_into, make_root, read_template, ForkPlan, Made, Phases,
 };
@@ -31,7 +33,7 @@ use crate::memory::{Scratch, SCRATCH_LEN};
 use crate::objects::CloneObjects;
 use crate::procfs::Status;
 use crate::procstate::ProcessState;
-use crate::retarget::{retarget_with, FdOutcome};
+use crate::retarget::{box_pidfds, retarget_with, FdOutcome};
 use crate::tracee::{Tracee, TRACE_OPTIONS};
 use crate::tree::{Membership, Origin, Step};
 use crate::treememory::make_like_sibling;
@@ -101,9 +103,9 @@ pub fn remote_fork_tree(
             states.insert(step.process.pid, ProcessState::capture(template)?);
         }
     }
-    // The fds of every process, with the Unix connections between them known
-    // (mark_peers_inside), and the connected objects of the whole box: made
-    // in the first process, installed in each.
+    // The fds of every process, with the Unix connections and pidfds between
+    // them known, and the connected objects of the whole box: made in the
+    // first process, installed in each.
     let mut inventories: Vec<Vec<FdEntry>> = Vec::with_capacity(steps.len());
     for (i, template) in templates.iter().enumerate() {
         inventories.push(match (&plan.inventory, i) {
@@ -115,11 +117,8 @@ pub fn remote_fork_tree(
             _ => inspect_fds(template.pid())?,
         });
     }
-    if steps.len() > 1 {
-        let mut all: Vec<&mut [FdEntry]> =
-            inventories.iter_mut().map(|v| v.as_mut_slice()).collect();
-        mark_peers_inside(&mut all);
-    }
+    let host_pids: Vec<i32> = templates.iter().map(Tracee::pid).collect();
+    mark_box(&mut inventories, &host_pids);
     let mut objects = CloneObjects::plan(
         &templates
             .iter()
@@ -171,6 +170,10 @@ pub fn remote_fork_tree(
         };
         set_membership(&mut process, step.membership)?;
         made.push((pid, process));
+    }
+    // pidfds of other processes of the box, now that they all exist.
+    for ((_, m), entries) in made.iter_mut().zip(&inventories) {
+        box_pidfds(&mut m.process, entries)?;
     }
     let mut phases = root_phases.unwrap_or_else(|| Phases::new(start));
     if made.len() > 1 {
@@ -362,4 +365,34 @@ fn child_fds(
     let mut outcomes = retarget_with(x, scratch, target, &own, [0, 1, 2], Some((objects, false)))?;
     outcomes.sort_by_key(|o| o.fd);
     Ok(outcomes)
+}
+
+/// Mark, over the inventories of every process of a box (host pids
+/// `host_pids`, in the same order), the Unix connections and the pidfds
+/// between its processes.
+fn mark_box(inventories: &mut [Vec<FdEntry>], host_pids: &[i32]) {
+    let mut all: Vec<&mut [FdEntry]> = inventories.iter_mut().map(|v| v.as_mut_slice()).collect();
+    if all.len() > 1 {
+        mark_peers_inside(&mut all);
+    }
+    mark_pidfds_inside(&mut all, host_pids);
+}
+
+/// The fd inventories of the box's processes `host_pids` (its init excluded),
+/// with what connects them marked, each checked against the clone fd matrix:
+/// the freeze-time check of a whole box.
+///
+/// # Errors
+/// The first fd no rule covers, naming its process, fd and kind; a process that
+/// went.
+pub fn check_box_fds(host_pids: &[i32]) -> Result<()> {
+    let mut inventories = host_pids
+        .iter()
+        .map(|p| inspect_fds(*p))
+        .collect::<Result<Vec<_>>>()?;
+    mark_box(&mut inventories, host_pids);
+    for (pid, entries) in host_pids.iter().zip(&inventories) {
+        ensure_clonable(*pid, entries)?;
+    }
+    Ok(())
 }

@@ -328,7 +328,7 @@ pub(crate) fn make_like_sibling(
                 source,
             })
     };
-    let mut drop_pages = Batch::new();
+    let mut drop_ranges: Vec<(u64, u64)> = Vec::new();
     for v in &kept {
         if !v.private() || v.special() || !v.perms.starts_with('r') {
             continue;
@@ -347,12 +347,10 @@ pub(crate) fn make_like_sibling(
                 done.pages_copied += 1;
             } else {
                 // target has no private page here: x must not have one either.
-                drop_pages.push(
-                    "madvise(MADV_DONTNEED)",
-                    format!("{addr:#x}"),
-                    libc::SYS_madvise,
-                    &[addr, PAGE, libc::MADV_DONTNEED as u64],
-                );
+                match drop_ranges.last_mut() {
+                    Some((_, end)) if *end == addr => *end += PAGE,
+                    _ => drop_ranges.push((addr, addr + PAGE)),
+                }
             }
         }
     }
@@ -364,6 +362,15 @@ pub(crate) fn make_like_sibling(
                 done.pages_copied += 1;
             }
         }
+    }
+    let mut drop_pages = Batch::new();
+    for (start, end) in drop_ranges {
+        drop_pages.push(
+            "madvise(MADV_DONTNEED)",
+            format!("{start:#x}-{end:#x}"),
+            libc::SYS_madvise,
+            &[start, end - start, libc::MADV_DONTNEED as u64],
+        );
     }
     scratch.reset();
     drop_pages.run(x, scratch)?;

@@ -218,3 +218,60 @@ fn shell_with_a_background_child_clones_and_still_waits_for_it() {
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
     root.ok(&args);
 }
+
+/// A parent holding a pidfd of its child: asked, it kills the child through
+/// the pidfd and answers with what `waitpid` says of it.
+const PIDFD_PARENT: &str = r#"
+import http.server, os, signal
+child = os.fork()
+if child == 0:
+    while True:
+        signal.pause()
+pidfd = os.pidfd_open(child)
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        signal.pidfd_send_signal(pidfd, signal.SIGTERM)
+        _, status = os.waitpid(child, 0)
+        body = f'{os.waitstatus_to_exitcode(status)} {child}\n'.encode()
+        self.send_response(200)
+        self.send_header('Content-Length', str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+    def log_message(self, *a):
+        pass
+print('ready', flush=True)
+http.server.HTTPServer(('127.0.0.1', 8080), H).serve_forever()
+"#;
+
+#[test]
+fn a_pidfd_of_a_child_points_to_the_clones_child() {
+    let Some(root) = TestRoot::new("a_pidfd_of_a_child_points_to_the_clones_child") else {
+        return;
+    };
+    root.ok(&[
+        "run",
+        "-d",
+        "--name",
+        "tpl",
+        "--",
+        "python3",
+        "-c",
+        PIDFD_PARENT,
+    ]);
+    wait_for("the parent", Duration::from_secs(20), || {
+        root.ok(&["logs", "tpl"]).contains("ready")
+    });
+    let template_tree = tree(&root, "tpl");
+    assert_eq!(template_tree, vec![(2, 1, 2, 2), (3, 2, 2, 2)]);
+    root.ok(&["freeze", "tpl"]);
+    root.ok(&[
+        "clone", "tpl", "-d", "-n", "2", "--name", "c1", "--name", "c2",
+    ]);
+    // The clone's parent kills its own child through its pidfd and reaps it.
+    assert_eq!(get(&root, "c1"), vec![-15, 3]);
+    assert_eq!(tree(&root, "c1"), vec![(2, 1, 2, 2)]);
+    // The other clone's child, and so the template's, lives on.
+    assert_eq!(tree(&root, "c2"), template_tree);
+    assert_eq!(get(&root, "c2"), vec![-15, 3]);
+    root.ok(&["rm", "-f", "c1", "c2", "tpl"]);
+}

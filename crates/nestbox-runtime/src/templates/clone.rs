@@ -834,11 +834,10 @@ fn spawn_refill(reg: &Registry, template: &str) {
     crate::process::spawn_refill(|| fill_pool(reg, template).map(|_| ()));
 }
 
-/// Refuse, before freezing, a process holding a descriptor no clone rule covers.
-pub fn check_fds(name: &str, pid: Pid) -> Result<()> {
-    nestbox_remote::inspect_fds(pid.as_raw())
-        .and_then(|entries| nestbox_remote::ensure_clonable(pid.as_raw(), &entries))
-        .map_err(|e| refused_at_freeze(name, e))
+/// Refuse, before freezing, a box one of whose processes (`host_pids`, its
+/// init excluded) holds a descriptor no clone rule covers.
+pub fn check_fds(name: &str, host_pids: &[i32]) -> Result<()> {
+    nestbox_remote::check_box_fds(host_pids).map_err(|e| refused_at_freeze(name, e))
 }
 
 /// Why box `name` cannot be frozen into a template, from the remote-fork

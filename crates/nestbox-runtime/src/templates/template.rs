@@ -107,6 +107,8 @@ fn freeze_inner(
             record.state.idmap.map(|m| m.uid.outside).unwrap_or(0),
         )?;
     }
+    let host_pids: Vec<i32> = steps.iter().map(|s| s.process.host_pid).collect();
+    crate::clone::check_fds(name, &host_pids)?;
     let process = Pid::from_raw(steps[0].process.host_pid);
     let started = Instant::now();
     cgroup.set_frozen(true, FREEZER_TIMEOUT)?;
@@ -244,7 +246,7 @@ fn check_cloneable(name: &str, pid: Pid, root_uid: u32) -> Result<()> {
             problem: format!("cannot be cloned: process {pid} ({comm}) runs as uid {euid}; cloning supports processes running as root in the box"),
         });
     }
-    crate::clone::check_fds(name, pid)
+    Ok(())
 }
 
 /// Find the box holding the template called `name`.
