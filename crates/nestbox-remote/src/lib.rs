@@ -51,6 +51,7 @@ mod layout;
 pub mod maps;
 mod memory;
 mod procfs;
+pub mod rebuild;
 mod retarget;
 mod shmem;
 mod tracee;

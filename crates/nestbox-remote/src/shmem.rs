@@ -119,6 +119,8 @@ enum Source {
 #[derive(Debug)]
 struct Work {
     key: ObjectKey,
+    /// The process whose mapping or fd the template's object is read through.
+    source_pid: i32,
     kind: SharedKind,
     source: Source,
     vmas: Vec<Vma>,
@@ -209,6 +211,7 @@ impl SharedObjects {
             if index(&work, vma.object()).is_none() {
                 work.push(Work {
                     key: vma.object(),
+                    source_pid: pid,
                     kind: kind_of_mapping(vma),
                     source: Source::Mapping(vma.range_name()),
                     vmas: Vec::new(),
@@ -222,6 +225,7 @@ impl SharedObjects {
                 if let Some(kind) = kind_of_fd(entry) {
                     work.push(Work {
                         key,
+                        source_pid: pid,
                         kind,
                         source: Source::Fd(entry.fd),
                         vmas: Vec::new(),
@@ -268,6 +272,39 @@ impl SharedObjects {
         Ok(done)
     }
 
+    /// Map the shared mappings `vmas` of `source_pid` (a template process) into
+    /// `x` at the same ranges, on the clone's objects for their template objects
+    /// (made now, with the contents copied from `source_pid`'s, if the clone has
+    /// none yet). Used by the rebuild engine for mappings `x` lacks.
+    pub(crate) fn map_from(
+        &mut self,
+        x: &mut Tracee,
+        scratch: &mut Scratch,
+        source_pid: i32,
+        template_pid: i32,
+        vmas: &[Vma],
+    ) -> Result<Vec<SharedCopy>> {
+        let mut work: Vec<Work> = Vec::new();
+        for vma in vmas.iter().filter(|v| v.shared && v.is_file()) {
+            match work.iter_mut().find(|w| w.key == vma.object()) {
+                Some(w) => w.vmas.push(vma.clone()),
+                None => work.push(Work {
+                    key: vma.object(),
+                    source_pid,
+                    kind: kind_of_mapping(vma),
+                    source: Source::Mapping(vma.range_name()),
+                    vmas: vec![vma.clone()],
+                    fds: Vec::new(),
+                }),
+            }
+        }
+        let mut done = Vec::with_capacity(work.len());
+        for item in work {
+            done.push(self.replace(x, scratch, template_pid, item)?);
+        }
+        Ok(done)
+    }
+
     fn replace(
         &mut self,
         g: &mut Tracee,
@@ -288,7 +325,7 @@ impl SharedObjects {
                 install_one(g, scratch, fd.as_fd())?
             }
             None => {
-                let source = open_source(pid, &item.source)?;
+                let source = open_source(item.source_pid, &item.source)?;
                 let size = source
                     .metadata()
                     .map_err(|e| sys("fstat (template's shared object)", pid, e))?;
@@ -404,7 +441,7 @@ impl SharedObjects {
         let mut bytes_copied = 0;
         let fresh = !self.objects.contains_key(&item.key);
         let source = if fresh {
-            Some(open_source(pid, &item.source)?)
+            Some(open_source(item.source_pid, &item.source)?)
         } else {
             None
         };

@@ -19,20 +19,34 @@ mod scenario;
 use std::collections::HashMap;
 use std::os::unix::fs::MetadataExt;
 
-use nestbox_remote::maps::read_maps;
-use nestbox_remote::FdAction;
+use std::fs::File;
+use std::os::unix::fs::FileExt;
+use std::time::Duration;
+
+use nestbox_remote::maps::{read_maps, read_smaps, Vma};
+use nestbox_remote::rebuild::{fork_stopped, make_like, resume_with, RebuildStats};
+use nestbox_remote::{FdAction, SharedObjects, Tracee};
 
 use scenario::*;
 
 fn main() {
     if let Ok(role) = std::env::var(roles::ROLE) {
-        let memory = std::env::var("NBR_MODE").is_ok_and(|m| m.split(',').any(|x| x == "memory"));
-        if role == "template" && memory {
-            memory_roles::memory_template();
+        let mode = std::env::var("NBR_MODE").unwrap_or_default();
+        if role == "template" {
+            match mode.as_str() {
+                "memory" => memory_roles::memory_template(),
+                "rebuild" => memory_roles::rebuild_template(false),
+                "rebuild-exec" => memory_roles::rebuild_template(true),
+                _ => {}
+            }
         }
         roles::run(&role);
     }
-    let cases: &[(&str, fn())] = &[("shared_memory_is_private_to_the_clone", shared_private)];
+    let cases: &[(&str, fn())] = &[
+        ("shared_memory_is_private_to_the_clone", shared_private),
+        ("rebuild_into_a_forked_child", rebuild_forked),
+        ("rebuild_into_an_exec_child", rebuild_exec),
+    ];
     let mut args = libtest_mimic::Arguments::from_args();
     args.test_threads = Some(1);
     let trials = cases
@@ -194,4 +208,185 @@ fn shared_private() {
     }
     kill_and_wait_gone(g);
     assert_all(&ask(p, "get"), 4, "template after the clone is gone");
+}
+
+/// The layout as compared between X and B: range, protection, sharing, name.
+fn shape(vmas: &[Vma]) -> Vec<(u64, u64, i32, bool, String)> {
+    vmas.iter()
+        .map(|v| (v.start, v.end, v.prot, v.shared, v.name.clone()))
+        .collect()
+}
+
+extern "C" {
+    /// glibc's offset of the thread's rseq area from the thread pointer.
+    static __rseq_offset: isize;
+}
+
+/// X's address space equals B's: the same mappings, and the same bytes in every
+/// readable one (through /proc/PID/mem); `[vvar]` pages hold the kernel's clock
+/// data and are skipped, and so are the fields of the rseq area the kernel
+/// rewrites for the CPU each process last ran on (cpu_id_start, cpu_id, node_id,
+/// mm_cid), at `rseq`.
+fn assert_same_memory(x: i32, b: i32, rseq: u64) {
+    let cpu_fields = [rseq..rseq + 8, rseq + 24..rseq + 32];
+    let (xm, bm) = (read_maps(x).expect("maps"), read_maps(b).expect("maps"));
+    let (xs, bs) = (shape(&xm), shape(&bm));
+    let only_x: Vec<_> = xs.iter().filter(|v| !bs.contains(v)).collect();
+    let only_b: Vec<_> = bs.iter().filter(|v| !xs.contains(v)).collect();
+    assert!(
+        only_x.is_empty() && only_b.is_empty(),
+        "layouts of X and B: only in X {only_x:x?}, only in B {only_b:x?}"
+    );
+    let (xf, bf) = (
+        File::open(format!("/proc/{x}/mem")).expect("mem"),
+        File::open(format!("/proc/{b}/mem")).expect("mem"),
+    );
+    for v in bm.iter().filter(|v| v.prot & libc::PROT_READ != 0) {
+        if v.name.starts_with("[vvar") || v.name == "[vsyscall]" {
+            continue;
+        }
+        let mut page_b = vec![0u8; 4096];
+        let mut page_x = vec![0u8; 4096];
+        for addr in (v.start..v.end).step_by(4096) {
+            bf.read_exact_at(&mut page_b, addr)
+                .unwrap_or_else(|e| panic!("read B {addr:#x} ({}): {e}", v.name));
+            xf.read_exact_at(&mut page_x, addr)
+                .unwrap_or_else(|e| panic!("read X {addr:#x} ({}): {e}", v.name));
+            let diff: Vec<usize> = (0..4096)
+                .filter(|i| page_b[*i] != page_x[*i])
+                .filter(|i| !cpu_fields.iter().any(|r| r.contains(&(addr + *i as u64))))
+                .collect();
+            assert!(
+                diff.is_empty(),
+                "page {addr:#x} of {} differs at {diff:?}",
+                v.name
+            );
+        }
+    }
+}
+
+/// Rebuild a fork of A's clone into B; returns (X's pid, stats, B's pid, the
+/// lines the scenario printed until B was stopped).
+fn rebuild_case(
+    sc: &mut Scenario,
+    stdio: [&std::os::fd::OwnedFd; 3],
+) -> (i32, RebuildStats, i32, Vec<String>) {
+    let b_line = expect_line(&sc.lines, "b-ready ", Duration::from_secs(20));
+    let b: i32 = b_line
+        .split_whitespace()
+        .nth(1)
+        .and_then(|w| w.parse().ok())
+        .expect("b pid");
+    let shell = sc.shell();
+    let forked = sc.fork(shell, stdio, None).expect("remote_fork");
+    let mut g = Tracee::seize_and_interrupt(forked.pid).expect("seize G");
+    g.wait_stopped(Duration::from_secs(2)).expect("G stops");
+    let mut x = fork_stopped(&mut g).expect("fork X");
+    g.detach().expect("detach G");
+    let mut bt = Tracee::seize_and_interrupt(b).expect("seize B");
+    bt.wait_stopped(Duration::from_secs(2)).expect("B stops");
+    // B prints nothing more while stopped; let the reader thread catch up.
+    std::thread::sleep(Duration::from_millis(100));
+    let printed: Vec<String> = sc.lines.try_iter().collect();
+    let mut shared = SharedObjects::default();
+    let stats = make_like(&mut x, &mut shared, sc.template, &bt).expect("rebuild");
+    println!("  {stats:?}");
+    let b_regs = *bt.original_regs().expect("B's registers");
+    // SAFETY: reading a constant glibc exports (the same glibc as B's: B runs this
+    // binary, or Python on the same libc).
+    let offset = unsafe { __rseq_offset };
+    assert_same_memory(
+        x.pid(),
+        b,
+        b_regs.fs_base.wrapping_add_signed(offset as i64),
+    );
+    let xpid = x.pid();
+    resume_with(&mut x, b_regs);
+    x.detach().expect("detach X");
+    bt.detach().expect("detach B");
+    (xpid, stats, b, printed)
+}
+
+fn rebuild_forked() {
+    let mut sc = Scenario::start("rebuild");
+    let p = sc.template;
+    let null = dev_null();
+    // B answers on A's listener (A only waits).
+    let first = ask(p, "get");
+    assert!(first.starts_with("count=0 "), "{first}");
+    let sum = first.split_once(' ').expect("sum").1.to_string();
+    assert_eq!(ask(p, "get"), format!("count=1 {sum}"));
+    let (x, stats, b, _) = rebuild_case(&mut sc, [&null, &null, &null]);
+    assert!(stats.unmapped > 0 && stats.mapped > 0, "{stats:?}");
+    assert!(
+        stats.pages_kept > 400,
+        "A's unchanged pages stay shared: {stats:?}"
+    );
+    // Only what differs is private to X.
+    let private_kb: u64 = read_smaps(x)
+        .expect("smaps")
+        .iter()
+        .map(|v| v.private_dirty_kb)
+        .sum();
+    assert!(
+        private_kb <= stats.pages_written * 4 + 16,
+        "X's private memory {private_kb} kB for {} pages written",
+        stats.pages_written
+    );
+    // X continues as B, answering on the clone's listener, with B's memory.
+    let init = sc.shell_ref(0).init;
+    assert_eq!(ask(init, "get"), format!("count=2 {sum}"));
+    assert_eq!(ask(p, "get"), format!("count=2 {sum}"));
+    assert_eq!(ask(init, "get"), format!("count=3 {sum}"));
+    assert_eq!(ask(init, "get"), format!("count=4 {sum}"));
+    assert_eq!(ask(p, "get"), format!("count=3 {sum}"));
+    kill_and_wait_dead(x);
+    kill_and_wait_dead(b);
+}
+
+fn rebuild_exec() {
+    let mut sc = Scenario::start("rebuild-exec");
+    let null = dev_null();
+    let (out_r, out_w) = pipe();
+    let (x, stats, b, printed) = rebuild_case(&mut sc, [&null, &out_w, &null]);
+    assert!(
+        stats.exe_changed && stats.unmapped > 0 && stats.mapped > 0,
+        "{stats:?}"
+    );
+    assert_eq!(
+        std::fs::read_link(format!("/proc/{x}/exe")).expect("exe"),
+        std::fs::read_link(format!("/proc/{b}/exe")).expect("exe")
+    );
+    // B's last count before it was stopped; X continues from it.
+    let last: u64 = printed
+        .iter()
+        .rev()
+        .find_map(|l| l.strip_prefix("count "))
+        .map_or(0, |n| n.parse().expect("count"));
+    let lines = roles::line_channel(File::from(out_r));
+    let count = |line: String| -> u64 { line["count ".len()..].parse().expect("count") };
+    let first = count(expect_line(&lines, "count ", Duration::from_secs(5)));
+    assert!(
+        last > 0 && first == last + 1,
+        "X continues B's count: B at {last}, X at {first}"
+    );
+    for n in 1..20 {
+        assert_eq!(
+            count(expect_line(&lines, "count ", Duration::from_secs(5))),
+            first + n
+        );
+    }
+    kill_and_wait_dead(x);
+    kill_and_wait_dead(b);
+}
+
+/// Kill a process whose parent does not reap it (X's parent is the paused clone
+/// of A, B's is A) and wait until it is dead.
+fn kill_and_wait_dead(pid: i32) {
+    // SAFETY: kill with plain integers.
+    unsafe { libc::kill(pid, libc::SIGKILL) };
+    wait_until("the process to die", Duration::from_secs(5), || {
+        let state = status_field(pid, "State");
+        state.is_empty() || state.starts_with('Z')
+    });
 }

@@ -237,3 +237,117 @@ pub fn memory_template() -> ! {
         let _ = (&conn).write_all(format!("{reply}\n").as_bytes());
     }
 }
+
+fn host_pid() -> i32 {
+    std::fs::read_link("/proc/self")
+        .ok()
+        .and_then(|p| p.to_str().and_then(|s| s.parse().ok()))
+        .unwrap_or_else(|| die("/proc/self"))
+}
+
+fn fill(p: *mut u8, len: usize, seed: u8) {
+    for i in (0..len).step_by(64) {
+        // SAFETY: i < len, inside the mapping of `len` bytes at `p`.
+        unsafe { p.add(i).write_volatile(seed.wrapping_add((i / 4096) as u8)) };
+    }
+}
+
+fn checksum(p: *const u8, len: usize) -> u64 {
+    (0..len)
+        .step_by(64)
+        // SAFETY: i < len, inside the mapping of `len` bytes at `p`.
+        .map(|i| u64::from(unsafe { p.add(i).read_volatile() }) * (i as u64 + 1))
+        .sum()
+}
+
+/// The rebuild scenario's template A: memory of every kind (brk heap, large
+/// allocations, private anonymous mappings, a private file mapping), then a
+/// child B. Without `exec`, B writes some pages, unmaps one region, maps
+/// another, grows the heap, and answers `get` on A's listener with a counter and
+/// a checksum of its memory; with `exec`, B runs Python, counting on stdout. A
+/// then waits in `pause` (no memory written), as the clone of A does.
+pub fn rebuild_template(exec: bool) -> ! {
+    // SAFETY: close_range with plain integers (fds inherited from cargo).
+    unsafe { libc::syscall(libc::SYS_close_range, 3u32, u32::MAX, 0u32) };
+    let rw = libc::PROT_READ | libc::PROT_WRITE;
+    let private = libc::MAP_PRIVATE | libc::MAP_ANONYMOUS;
+    let small: Vec<Vec<u8>> = (0..2000).map(|i| vec![(i % 251) as u8; 500]).collect();
+    let mut big = vec![0u8; 2 << 20];
+    fill(big.as_mut_ptr(), big.len(), 1);
+    let r1 = map(64 * PAGE, rw, private, -1, 0, "mmap r1");
+    fill(r1, 64 * PAGE, 2);
+    let r2 = map(8 * PAGE, rw, private, -1, 0, "mmap r2");
+    fill(r2, 8 * PAGE, 3);
+    let dir = PathBuf::from(std::env::var("NBR_DIR").unwrap_or_else(|_| die("NBR_DIR")));
+    let ro = std::fs::File::open(dir.join("data/ro")).unwrap_or_else(|_| die("open ro"));
+    let fmap = map(
+        PAGE,
+        rw,
+        libc::MAP_PRIVATE,
+        std::os::fd::AsRawFd::as_raw_fd(&ro),
+        0,
+        "mmap ro",
+    );
+    // SAFETY: a private (copy-on-write) mapping of our own.
+    unsafe { fmap.write_volatile(b'R') };
+    drop(ro);
+    let listener = TcpListener::bind(("127.0.0.1", 7777)).unwrap_or_else(|_| die("bind"));
+    // Before the fork, so that it comes before B's line.
+    println!("ready {}", host_pid());
+    // SAFETY: the process is single-threaded.
+    let child = unsafe { libc::fork() };
+    if child < 0 {
+        die("fork")
+    }
+    if child > 0 {
+        loop {
+            // SAFETY: pause takes no arguments.
+            unsafe { libc::pause() };
+        }
+    }
+    if exec {
+        let err = std::os::unix::process::CommandExt::exec(
+            std::process::Command::new("/usr/bin/python3").args([
+                "-u",
+                "-c",
+                "import os,time\nprint('b-ready', open('/proc/self/stat').read().split()[0], flush=True)\ni=0\nwhile True:\n    i+=1\n    print('count', i, flush=True)\n    time.sleep(0.01)\n",
+            ]),
+        );
+        eprintln!("exec python3: {err}");
+        std::process::exit(101)
+    }
+    // B: write a few pages, unmap, map, grow the heap.
+    for i in [0usize, 100, 300] {
+        big[i * PAGE + 7] = 0xee;
+    }
+    // SAFETY: r2 is our mapping of 8 pages; r1 page 5 is inside r1.
+    unsafe {
+        libc::munmap(r2.cast(), 8 * PAGE);
+        r1.add(5 * PAGE).write_volatile(0x55);
+    }
+    let r3 = map(5 * PAGE, rw, private, -1, 0, "mmap r3");
+    fill(r3, 5 * PAGE, 4);
+    let more: Vec<Vec<u8>> = (0..3000).map(|i| vec![(i % 13) as u8; 700]).collect();
+    let sum = || {
+        checksum(big.as_ptr(), big.len())
+            + checksum(r1, 64 * PAGE)
+            + checksum(r3, 5 * PAGE)
+            + small.iter().chain(&more).map(|v| checksum(v.as_ptr(), v.len())).sum::<u64>()
+            // SAFETY: fmap is a live one-page mapping.
+            + u64::from(unsafe { fmap.read_volatile() })
+    };
+    println!("b-ready {}", host_pid());
+    let mut count = 0u64;
+    loop {
+        let Ok((conn, _)) = listener.accept() else {
+            continue;
+        };
+        let mut line = String::new();
+        if BufReader::new(&conn).read_line(&mut line).is_err() {
+            continue;
+        }
+        let reply = format!("count={count} sum={}", sum());
+        count += 1;
+        let _ = (&conn).write_all(format!("{reply}\n").as_bytes());
+    }
+}
