@@ -378,6 +378,57 @@ fn same_mapping(b: &Vma, t: &Vma) -> bool {
         && b.name == t.name
 }
 
+/// Whether X may keep the base's private mapping `b` where it overlaps the
+/// target's private mapping `t`: the same protection, object, file offsets
+/// (for the same addresses) and stack flag, and not the vDSO and the like.
+fn compatible(b: &Vma, t: &Vma) -> bool {
+    let anon_name = |v: &Vma| matches!(v.name.as_str(), "" | "[heap]");
+    !b.shared
+        && !t.shared
+        && !is_special(b)
+        && b.prot == t.prot
+        && b.object() == t.object()
+        && b.has_flag("gd") == t.has_flag("gd")
+        && if t.is_file() {
+            b.name == t.name && b.offset.wrapping_sub(b.start) == t.offset.wrapping_sub(t.start)
+        } else {
+            b.name == t.name || (anon_name(b) && anon_name(t))
+        }
+}
+
+/// `range` minus the sorted, disjoint-or-not `holes`.
+fn subtract(range: (u64, u64), holes: &[(u64, u64)]) -> Vec<(u64, u64)> {
+    let mut out = Vec::new();
+    let mut at = range.0;
+    for &(s, e) in holes {
+        if e <= at || s >= range.1 {
+            continue;
+        }
+        if s > at {
+            out.push((at, s));
+        }
+        at = at.max(e);
+        if at >= range.1 {
+            break;
+        }
+    }
+    if at < range.1 {
+        out.push((at, range.1));
+    }
+    out
+}
+
+/// The part `[start, end)` of mapping `t`.
+fn sub_vma(t: &Vma, start: u64, end: u64) -> Vma {
+    let mut part = t.clone();
+    if t.is_file() {
+        part.offset = t.offset + (start - t.start);
+    }
+    part.start = start;
+    part.end = end;
+    part
+}
+
 /// A free range of `len` bytes in neither layout, below 128 TiB.
 fn free_range(a: &[Vma], b: &[Vma], len: u64) -> Option<u64> {
     let mut taken: Vec<(u64, u64)> = a.iter().chain(b).map(|v| (v.start, v.end)).collect();
@@ -466,34 +517,41 @@ pub fn rebuild(
     scratch.addr = moved;
     let ours = (hole, hole + len);
 
-    // 1. Unmap what the target does not have identically.
-    let kept: Vec<bool> = target
-        .vmas
-        .iter()
-        .map(|t| {
-            !is_special(t)
-                && base.vmas.iter().any(|b| same_mapping(b, t))
-                && x_vmas.iter().any(|v| v.start == t.start && v.end == t.end)
-        })
-        .collect();
-    let keep_range = |v: &Vma| {
-        target
-            .vmas
-            .iter()
-            .zip(&kept)
-            .any(|(t, k)| *k && t.start == v.start && t.end == v.end)
-    };
+    // 1. Unmap what X keeps for no mapping of the target. X keeps a shared
+    // mapping the target has identically, and the part of a private mapping
+    // where the target has a compatible one (same protection, object and
+    // offsets): its pages are compared one by one below.
+    let mut keep: Vec<(u64, u64)> = Vec::new();
+    for t in target.vmas.iter().filter(|t| !is_special(t)) {
+        for b in &base.vmas {
+            if !x_vmas.iter().any(|v| v.start == b.start && v.end == b.end) {
+                continue;
+            }
+            if t.shared && same_mapping(b, t) {
+                keep.push((t.start, t.end));
+            } else if !t.shared && compatible(b, t) {
+                let (s, e) = (b.start.max(t.start), b.end.min(t.end));
+                if s < e {
+                    keep.push((s, e));
+                }
+            }
+        }
+    }
+    keep.sort_unstable();
     for v in &x_vmas {
-        if is_special(v) || (v.start >= ours.0 && v.end <= ours.1) || keep_range(v) {
+        if is_special(v) || (v.start >= ours.0 && v.end <= ours.1) {
             continue;
         }
-        x.syscall(
-            "munmap",
-            || format!("{} ({}) the target does not have", v.range_name(), v.name),
-            libc::SYS_munmap,
-            &[v.start, v.len()],
-        )?;
-        stats.unmapped += 1;
+        let pieces = subtract((v.start, v.end), &keep);
+        for (s, e) in &pieces {
+            x.syscall(
+                "munmap",
+                || format!("{s:#x}-{e:#x} of {} the target does not have", v.name),
+                libc::SYS_munmap,
+                &[*s, e - s],
+            )?;
+        }
+        stats.unmapped += usize::from(!pieces.is_empty());
     }
 
     // 2. The vDSO.
@@ -529,24 +587,22 @@ pub fn rebuild(
     }
 
     // 3. Map what X lacks.
-    let fresh: Vec<&Vma> = target
-        .vmas
-        .iter()
-        .zip(&kept)
-        .filter(|(t, k)| !**k && !is_special(t))
-        .map(|(t, _)| t)
-        .collect();
     // Writable shared memory gets the clone's own objects; read-only shared
     // mappings of files are mapped from the file like private ones.
     let writable_shared = |t: &Vma| t.shared && t.is_file() && t.has_flag("mw");
-    let shared_new: Vec<Vma> = fresh
-        .iter()
-        .filter(|t| writable_shared(t))
-        .map(|t| (*t).clone())
-        .collect();
-    for t in fresh.iter().filter(|t| !writable_shared(t)) {
-        map_private(x, &mut scratch, t, target_pid)?;
-        stats.mapped += 1;
+    let mut shared_new: Vec<Vma> = Vec::new();
+    for t in target.vmas.iter().filter(|t| !is_special(t)) {
+        let pieces = subtract((t.start, t.end), &keep);
+        if writable_shared(t) {
+            if !pieces.is_empty() {
+                shared_new.push(t.clone());
+            }
+            continue;
+        }
+        for (s, e) in pieces {
+            map_private(x, &mut scratch, &sub_vma(t, s, e), target_pid)?;
+            stats.mapped += 1;
+        }
     }
     if !shared_new.is_empty() {
         stats.mapped += shared_new.len();
@@ -563,12 +619,16 @@ pub fn rebuild(
             path: mem_path,
             source,
         })?;
-    for (t, k) in target.vmas.iter().zip(&kept) {
-        if t.shared || is_special(t) {
-            continue;
+    for t in target.vmas.iter().filter(|t| !t.shared && !is_special(t)) {
+        let fresh = subtract((t.start, t.end), &keep);
+        let kept = subtract((t.start, t.end), &fresh);
+        for (ranges, is_kept) in [(kept, true), (fresh, false)] {
+            for (s, e) in ranges {
+                let part = sub_vma(t, s, e);
+                let actions = source.page_actions(&part, is_kept)?;
+                copy_pages(x, &mem, source, &part, &actions, !is_kept, &mut stats)?;
+            }
         }
-        let actions = source.page_actions(t, *k)?;
-        copy_pages(x, &mem, source, t, &actions, !*k, &mut stats)?;
     }
 
     // 5. mm fields and exe.
@@ -834,6 +894,17 @@ mod tests {
         assert!(got >= 0x1002_0000 + PAGE, "{got:#x}");
         let got = free_range(&[], &[], 0x11000).expect("free");
         assert_eq!(got, 0x1000_0000);
+    }
+
+    #[test]
+    fn subtract_ranges() {
+        assert_eq!(subtract((0, 100), &[]), vec![(0, 100)]);
+        assert_eq!(
+            subtract((0, 100), &[(10, 20), (15, 30), (90, 200)]),
+            vec![(0, 10), (30, 90)]
+        );
+        assert_eq!(subtract((50, 60), &[(0, 100)]), vec![]);
+        assert_eq!(subtract((50, 60), &[(0, 10), (70, 80)]), vec![(50, 60)]);
     }
 
     #[test]
