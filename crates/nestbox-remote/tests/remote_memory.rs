@@ -319,9 +319,12 @@ fn rebuild_forked() {
     let (x, stats, b, _) = rebuild_case(&mut sc, [&null, &null, &null]);
     assert!(stats.unmapped > 0 && stats.mapped > 0, "{stats:?}");
     assert!(
-        stats.pages_kept > 400,
+        stats.pages_kept > 2000,
         "A's unchanged pages stay shared: {stats:?}"
     );
+    // B wrote about 525 pages (2.1 MB of new heap, 9 pages elsewhere) and its
+    // stack: only those are written, not the whole mappings around them.
+    assert!(stats.pages_written < 600, "{stats:?}");
     // Only what differs is private to X.
     let private_kb: u64 = read_smaps(x)
         .expect("smaps")
