@@ -66,5 +66,5 @@ pub use fdtransfer::{install_fds, MAX_FDS};
 pub use fork::{remote_fork, ForkPlan, Forked, NsKind};
 pub use procfs::check_single_threaded;
 pub use retarget::FdOutcome;
-pub use shmem::{SharedCopy, SharedKind, SharedObjects};
+pub use shmem::{ensure_memory_clonable, SharedCopy, SharedKind, SharedObjects};
 pub use tracee::{Regs, Tracee};

@@ -143,6 +143,53 @@ pub(crate) fn make_private(
     SharedObjects::default().make_private(g, scratch, template_pid, entries)
 }
 
+/// Refuse, before anything is forked (at freeze time), a process whose shared
+/// memory a clone could not get its own copy of: a writable shared mapping of
+/// something that is not a regular file (a device), or a System V segment
+/// attached only in part.
+///
+/// # Errors
+/// [`RemoteError::UnsupportedMapping`] naming the first such mapping.
+pub fn ensure_memory_clonable(pid: i32) -> Result<()> {
+    if !maps::read_maps(pid)?
+        .iter()
+        .any(|m| m.shared && m.is_file())
+    {
+        return Ok(());
+    }
+    let vmas = maps::read_smaps(pid)?;
+    for v in vmas
+        .iter()
+        .filter(|v| v.shared && v.is_file() && v.has_flag("mw"))
+    {
+        let refuse = |reason: &str| RemoteError::UnsupportedMapping {
+            pid,
+            range: v.range_name(),
+            name: v.name.clone(),
+            reason: reason.to_string(),
+        };
+        let meta = open_map_file(pid, &v.range_name(), false)?
+            .metadata()
+            .map_err(|e| sys("fstat (a shared mapping)", pid, e))?;
+        if !meta.file_type().is_file() {
+            return Err(refuse("it is not a regular file (a device?)"));
+        }
+        if let SharedKind::SysV { .. } = kind_of_mapping(v) {
+            let all: Vec<Vma> = vmas
+                .iter()
+                .filter(|w| w.shared && w.object() == v.object())
+                .cloned()
+                .collect();
+            if attachments(&all, meta.len()).is_none() {
+                return Err(refuse(
+                    "the System V segment is attached only in part (partly unmapped)",
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
 fn kind_of_mapping(vma: &Vma) -> SharedKind {
     let path = vma.path();
     if vma.name == "/dev/zero (deleted)" {

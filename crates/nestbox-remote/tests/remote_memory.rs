@@ -25,7 +25,7 @@ use std::time::Duration;
 
 use nestbox_remote::maps::{read_maps, read_smaps, Vma};
 use nestbox_remote::rebuild::{fork_stopped, make_like, resume_with, RebuildStats};
-use nestbox_remote::{FdAction, SharedObjects, Tracee};
+use nestbox_remote::{ensure_memory_clonable, FdAction, RemoteError, SharedObjects, Tracee};
 
 use scenario::*;
 
@@ -34,7 +34,7 @@ fn main() {
         let mode = std::env::var("NBR_MODE").unwrap_or_default();
         if role == "template" {
             match mode.as_str() {
-                "memory" => memory_roles::memory_template(),
+                "memory" | "memory-partial" => memory_roles::memory_template(),
                 "rebuild" => memory_roles::rebuild_template(false),
                 "rebuild-exec" => memory_roles::rebuild_template(true),
                 _ => {}
@@ -44,6 +44,10 @@ fn main() {
     }
     let cases: &[(&str, fn())] = &[
         ("shared_memory_is_private_to_the_clone", shared_private),
+        (
+            "partly_attached_segment_is_refused_before_anything_happens",
+            partly_attached,
+        ),
         ("rebuild_into_a_forked_child", rebuild_forked),
         ("rebuild_into_an_exec_child", rebuild_exec),
     ];
@@ -76,7 +80,7 @@ fn parse(reply: &str) -> HashMap<String, Vec<String>> {
 /// fd-only memfd's counter, pos its offset).
 fn assert_all(reply: &str, n: u64, who: &str) {
     let got = parse(reply);
-    for name in ["anon", "memfd", "shm", "file", "sysv", "only"] {
+    for name in ["anon", "memfd", "shm", "file", "sysv", "only", "dest"] {
         let values = got
             .get(name)
             .unwrap_or_else(|| panic!("{who}: no {name} in {reply}"));
@@ -100,6 +104,7 @@ fn objects(pid: i32, needle: &str) -> Vec<(u64, u64)> {
         .filter(|m| m.shared && m.name.contains(needle))
         .map(|m| m.object())
         .collect();
+    v.sort_unstable();
     v.dedup();
     v
 }
@@ -156,11 +161,12 @@ fn shared_private() {
     ] {
         let (t, c) = (objects(p, needle), objects(g, needle));
         assert!(!t.is_empty(), "template maps {needle}");
-        assert_eq!(c.len(), 1, "clone: one object for {needle}: {c:?}");
         if needle == "/SYSV" {
-            // A segment's inode is its id, which the clone's segment keeps.
-            assert_eq!(t, c, "same segment id");
+            // A segment's inode is its id, which the clone's segments keep.
+            assert_eq!(t, c, "same segment ids");
+            assert_eq!(c.len(), 2, "the keyed segment and the removed one");
         } else {
+            assert_eq!(c.len(), 1, "clone: one object for {needle}: {c:?}");
             assert!(
                 !t.contains(&c[0]),
                 "{needle}: the clone's object is a new one"
@@ -392,4 +398,49 @@ fn kill_and_wait_dead(pid: i32) {
         let state = status_field(pid, "State");
         state.is_empty() || state.starts_with('Z')
     });
+}
+
+fn partly_attached() {
+    let mut sc = Scenario::start("memory-partial");
+    let p = sc.template;
+    let _cleanup = Cleanup(
+        sc.ready["shm"].clone(),
+        sc.ready["shmid"].parse().expect("shmid"),
+    );
+    // `who`: the pid the error must name (0: the clone's process, not known here).
+    let refused = |err: RemoteError, who: i32| match err {
+        RemoteError::UnsupportedMapping {
+            pid, name, reason, ..
+        } => {
+            if who != 0 {
+                assert_eq!(pid, who);
+            }
+            assert!(name.starts_with("/SYSV"), "{name}");
+            assert!(reason.contains("in part"), "{reason}");
+        }
+        other => panic!("unexpected error {other}"),
+    };
+    let err = ensure_memory_clonable(p).expect_err("must refuse");
+    println!("  {err}");
+    refused(err, p);
+    // The fork is refused too, leaving nothing in the shell.
+    let shell = sc.shell();
+    let init = sc.shell_ref(shell).init;
+    let null = dev_null();
+    refused(
+        sc.fork(shell, [&null, &null, &null], None)
+            .expect_err("must refuse"),
+        0,
+    );
+    wait_until("the half-made clone to go", Duration::from_secs(3), || {
+        processes_in_pidns_of(init).len() == 1
+    });
+    assert_all(&ask(p, "inc"), 1, "template");
+    // A template without such a mapping passes the check.
+    let ok = Scenario::start("memory");
+    let _cleanup_ok = Cleanup(
+        ok.ready["shm"].clone(),
+        ok.ready["shmid"].parse().expect("shmid"),
+    );
+    ensure_memory_clonable(ok.template).expect("clonable");
 }

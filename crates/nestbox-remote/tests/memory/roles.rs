@@ -52,6 +52,7 @@ struct Mem {
     file: *mut u64,
     v1: *mut u64,
     v2: *const u64,
+    dest: *mut u64,
     key: i32,
 }
 
@@ -77,7 +78,7 @@ impl Mem {
             );
             let pos = libc::lseek(self.only, 0, libc::SEEK_CUR);
             format!(
-                "anon={}/{} memfd={}/{}/{} deep={} only={} pos={} shm={} file={} sysv={}/{}",
+                "anon={}/{} memfd={}/{}/{} deep={} only={} pos={} shm={} file={} sysv={}/{} dest={}",
                 self.anon.read_volatile(),
                 self.anon2.read_volatile(),
                 self.m1.read_volatile(),
@@ -90,6 +91,7 @@ impl Mem {
                 self.file.read_volatile(),
                 self.v1.read_volatile(),
                 self.v2.read_volatile(),
+                self.dest.read_volatile(),
             )
         }
     }
@@ -97,7 +99,7 @@ impl Mem {
     fn inc(&self) -> String {
         // SAFETY: as in get; this process is the only writer of its mappings.
         unsafe {
-            for p in [self.anon, self.m1, self.shm, self.file, self.v1] {
+            for p in [self.anon, self.m1, self.shm, self.file, self.v1, self.dest] {
                 p.write_volatile(p.read_volatile() + 1);
             }
             self.deep
@@ -201,6 +203,30 @@ pub fn memory_template() -> ! {
         }
         (id, v1, v2)
     };
+    // A private segment removed while attached (SHM_DEST), and, in mode
+    // `memory-partial`, the first attachment of the keyed one cut short.
+    // SAFETY: shmget/shmat/shmctl/munmap with plain arguments on our segments.
+    let dest = unsafe {
+        let id = ok(
+            libc::shmget(libc::IPC_PRIVATE, PAGE, 0o600),
+            "shmget private",
+        );
+        let p = libc::shmat(id, std::ptr::null(), 0);
+        if p as isize == -1 {
+            die("shmat private")
+        }
+        ok(
+            libc::shmctl(id, libc::IPC_RMID, std::ptr::null_mut()),
+            "IPC_RMID",
+        );
+        if std::env::var("NBR_MODE").is_ok_and(|m| m == "memory-partial") {
+            ok(
+                libc::munmap(v1.cast::<u8>().add(2 * PAGE).cast(), PAGE),
+                "munmap part",
+            );
+        }
+        p
+    };
     let mem = Mem {
         anon: anon.cast(),
         anon2: anon2.cast(),
@@ -214,6 +240,7 @@ pub fn memory_template() -> ! {
         file: ptrs[1].cast(),
         v1: v1.cast(),
         v2: v2.cast(),
+        dest: dest.cast(),
         key,
     };
     let listener = TcpListener::bind(("127.0.0.1", 7777)).unwrap_or_else(|_| die("bind"));
