@@ -80,7 +80,9 @@ fn parse(reply: &str) -> HashMap<String, Vec<String>> {
 /// fd-only memfd's counter, pos its offset).
 fn assert_all(reply: &str, n: u64, who: &str) {
     let got = parse(reply);
-    for name in ["anon", "memfd", "shm", "file", "sysv", "only", "dest"] {
+    for name in [
+        "anon", "memfd", "shm", "file", "sysv", "only", "dest", "deleted",
+    ] {
         let values = got
             .get(name)
             .unwrap_or_else(|| panic!("{who}: no {name} in {reply}"));
@@ -205,6 +207,19 @@ fn shared_private() {
         assert_eq!(action, Some(FdAction::CopyShared), "{name}");
     }
     assert_eq!(objects(g, "/memfd:nbmem")[0], fd_obj(g, &sc.ready["memfd"]));
+    // The deleted file open for writing: a memfd named after it, with its contents.
+    let fd = &sc.ready["deleted"];
+    assert_ne!(
+        fd_obj(p, fd),
+        fd_obj(g, fd),
+        "deleted file fd is a new object"
+    );
+    let link = std::fs::read_link(format!("/proc/{g}/fd/{fd}")).expect("link");
+    assert!(
+        link.to_string_lossy().starts_with("/memfd:")
+            && link.to_string_lossy().contains("data/deleted.bin"),
+        "{link:?}"
+    );
     // The template's files on disk hold the template's values, the clone's layer its own.
     let host_file = std::fs::read(sc.dir.join("data/shared.bin")).expect("file");
     assert_eq!(u64::from_ne_bytes(host_file[..8].try_into().expect("8")), 4);

@@ -53,6 +53,7 @@ struct Mem {
     v1: *mut u64,
     v2: *const u64,
     dest: *mut u64,
+    deleted: i32,
     key: i32,
 }
 
@@ -78,7 +79,7 @@ impl Mem {
             );
             let pos = libc::lseek(self.only, 0, libc::SEEK_CUR);
             format!(
-                "anon={}/{} memfd={}/{}/{} deep={} only={} pos={} shm={} file={} sysv={}/{} dest={}",
+                "anon={}/{} memfd={}/{}/{} deep={} only={} pos={} shm={} file={} sysv={}/{} dest={} deleted={}",
                 self.anon.read_volatile(),
                 self.anon2.read_volatile(),
                 self.m1.read_volatile(),
@@ -92,6 +93,7 @@ impl Mem {
                 self.v1.read_volatile(),
                 self.v2.read_volatile(),
                 self.dest.read_volatile(),
+                read_u64_at(self.deleted, 0),
             )
         }
     }
@@ -104,11 +106,13 @@ impl Mem {
             }
             self.deep
                 .write_volatile(self.deep.read_volatile().wrapping_add(1));
-            let n = read_u64_at(self.only, 0) + 1;
-            ok(
-                libc::pwrite(self.only, n.to_ne_bytes().as_ptr().cast(), 8, 0),
-                "pwrite only",
-            );
+            for fd in [self.only, self.deleted] {
+                let n = read_u64_at(fd, 0) + 1;
+                ok(
+                    libc::pwrite(fd, n.to_ne_bytes().as_ptr().cast(), 8, 0),
+                    "pwrite",
+                );
+            }
         }
         self.get()
     }
@@ -227,6 +231,18 @@ pub fn memory_template() -> ! {
         }
         p
     };
+    // A file open for writing, then unlinked.
+    let deleted_path = dir.join("data/deleted.bin");
+    let deleted = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .open(&deleted_path)
+        .unwrap_or_else(|_| die("open deleted.bin"));
+    std::io::Write::write_all(&mut &deleted, &[0u8; 64]).unwrap_or_else(|_| die("write"));
+    std::fs::remove_file(&deleted_path).unwrap_or_else(|_| die("unlink"));
+    let deleted = std::os::fd::IntoRawFd::into_raw_fd(deleted);
     let mem = Mem {
         anon: anon.cast(),
         anon2: anon2.cast(),
@@ -241,10 +257,13 @@ pub fn memory_template() -> ! {
         v1: v1.cast(),
         v2: v2.cast(),
         dest: dest.cast(),
+        deleted,
         key,
     };
     let listener = TcpListener::bind(("127.0.0.1", 7777)).unwrap_or_else(|_| die("bind"));
-    println!("ready {pid} memfd={memfd} only={only} key={key} shmid={shmid} shm={shm_path}");
+    println!(
+        "ready {pid} memfd={memfd} only={only} deleted={deleted} key={key} shmid={shmid} shm={shm_path}"
+    );
     loop {
         let Ok((conn, _)) = listener.accept() else {
             continue;
