@@ -12,25 +12,39 @@ use std::time::Duration;
 
 use common::*;
 
-/// A single-threaded HTTP server with one counter in shared anonymous memory and
-/// one in a memfd (mapped; also read through the fd). `/inc` adds one to both,
-/// `/get` reads them: "anon memfd memfd-through-fd".
+/// A single-threaded HTTP server with one counter in shared anonymous memory, one
+/// in a memfd (mapped; also read through the fd) and one in a mapped `/dev/shm`
+/// file (also read by path: the clone's must be its own file in its own
+/// `/dev/shm`). `/inc` adds one to each, `/get` reads them.
 const SERVER: &str = r#"
 import http.server, mmap, os, struct
 anon = mmap.mmap(-1, 4096)
 fd = os.memfd_create('nbcount')
 os.ftruncate(fd, 1 << 20)
 mem = mmap.mmap(fd, 1 << 20)
+sfd = os.open('/dev/shm/nbcount', os.O_RDWR | os.O_CREAT, 0o640)
+os.ftruncate(sfd, 4096)
+# Only the mapping stays: Python's mmap keeps a duplicate of the fd (on the
+# lowest free number, found first), closed too.
+dup = os.dup(sfd)
+os.close(dup)
+shm = mmap.mmap(sfd, 4096)
+os.close(dup)
+os.close(sfd)
 def values():
     a = struct.unpack_from('Q', anon, 0)[0]
     m = struct.unpack_from('Q', mem, 0)[0]
     f = struct.unpack('Q', os.pread(fd, 8, 0))[0]
-    return f'{a} {m} {f}'
+    s = struct.unpack_from('Q', shm, 0)[0]
+    with open('/dev/shm/nbcount', 'rb') as g:
+        p = struct.unpack('Q', g.read(8))[0]
+    return f'{a} {m} {f} {s} {p}'
 class H(http.server.BaseHTTPRequestHandler):
     def do_GET(self):
         if self.path == '/inc':
             struct.pack_into('Q', anon, 0, struct.unpack_from('Q', anon, 0)[0] + 1)
             struct.pack_into('Q', mem, 0, struct.unpack_from('Q', mem, 0)[0] + 1)
+            struct.pack_into('Q', shm, 0, struct.unpack_from('Q', shm, 0)[0] + 1)
         body = (values() + '\n').encode()
         self.send_response(200)
         self.send_header('Content-Length', str(len(body)))
@@ -43,7 +57,9 @@ print('ready', flush=True)
 server.serve_forever()
 "#;
 
-/// Ask box `name` for `path`: (anon, memfd, memfd through its fd).
+/// Ask box `name` for `path`: (anon, memfd, memfd through its fd); the
+/// `/dev/shm` file's counter, through its mapping and read by path, must agree
+/// with the others.
 fn get(root: &TestRoot, name: &str, path: &str) -> (u64, u64, u64) {
     let code = "import sys, urllib.request; \
                 print(urllib.request.urlopen('http://127.0.0.1:8080' + sys.argv[1], timeout=10).read().decode().strip())";
@@ -55,7 +71,8 @@ fn get(root: &TestRoot, name: &str, path: &str) -> (u64, u64, u64) {
         .split_whitespace()
         .map(|w| w.parse().unwrap())
         .collect();
-    assert_eq!(v.len(), 3, "answer of {name}: {out}");
+    assert_eq!(v.len(), 5, "answer of {name}: {out}");
+    assert_eq!((v[3], v[4]), (v[0], v[0]), "/dev/shm file of {name}: {out}");
     (v[0], v[1], v[2])
 }
 
