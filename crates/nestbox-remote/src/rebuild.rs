@@ -316,6 +316,9 @@ pub struct RebuildStats {
     pub pages_dropped: u64,
     /// Pages left as they were (shared with the base).
     pub pages_kept: u64,
+    /// Bytes copied into new shared objects of the clone (shared memory the
+    /// target has and the base has not).
+    pub shared_bytes_copied: u64,
     /// The vDSO was moved.
     pub vdso_moved: bool,
     /// The exe link was changed.
@@ -606,7 +609,8 @@ pub fn rebuild(
     }
     if !shared_new.is_empty() {
         stats.mapped += shared_new.len();
-        shared.map_from(x, &mut scratch, target_pid, target_pid, &shared_new)?;
+        let copies = shared.map_from(x, &mut scratch, target_pid, target_pid, &shared_new)?;
+        stats.shared_bytes_copied = copies.iter().map(|c| c.bytes_copied).sum();
     }
 
     // 4. Contents.

@@ -337,6 +337,16 @@ pub fn rebuild_template(exec: bool) -> ! {
     // SAFETY: a private (copy-on-write) mapping of our own.
     unsafe { fmap.write_volatile(b'R') };
     drop(ro);
+    // Shared anonymous memory A and B share (B writes it before the clone).
+    let both = map(
+        2 * PAGE,
+        rw,
+        libc::MAP_SHARED | libc::MAP_ANONYMOUS,
+        -1,
+        0,
+        "mmap both",
+    );
+    fill(both, 2 * PAGE, 6);
     let listener = TcpListener::bind(("127.0.0.1", 7777)).unwrap_or_else(|_| die("bind"));
     // Before the fork, so that it comes before B's line.
     println!("ready {}", host_pid());
@@ -373,11 +383,26 @@ pub fn rebuild_template(exec: bool) -> ! {
     }
     let r3 = map(5 * PAGE, rw, private, -1, 0, "mmap r3");
     fill(r3, 5 * PAGE, 4);
+    // Shared memory B made after the fork (A has none there), and a write into
+    // the memory it shares with A.
+    let own = map(
+        3 * PAGE,
+        rw,
+        libc::MAP_SHARED | libc::MAP_ANONYMOUS,
+        -1,
+        0,
+        "mmap own",
+    );
+    fill(own, 3 * PAGE, 7);
+    // SAFETY: inside the two-page shared mapping.
+    unsafe { both.add(PAGE + 8).write_volatile(0x77) };
     let more: Vec<Vec<u8>> = (0..3000).map(|i| vec![(i % 13) as u8; 700]).collect();
     let sum = || {
         checksum(big.as_ptr(), big.len())
             + checksum(r1, 64 * PAGE)
             + checksum(r3, 5 * PAGE)
+            + checksum(own, 3 * PAGE)
+            + checksum(both, 2 * PAGE)
             + small.iter().chain(&more).map(|v| checksum(v.as_ptr(), v.len())).sum::<u64>()
             // SAFETY: fmap is a live one-page mapping.
             + u64::from(unsafe { fmap.read_volatile() })
