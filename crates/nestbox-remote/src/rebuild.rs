@@ -222,6 +222,8 @@ pub trait PageSource {
 #[derive(Debug)]
 pub struct LiveProcess {
     target: i32,
+    /// Page frame number of the kernel's shared zero page (0: unknown).
+    zero_pfn: u64,
     base_pm: Pagemap,
     target_pm: Pagemap,
     mem: File,
@@ -237,11 +239,47 @@ impl LiveProcess {
         })?;
         Ok(LiveProcess {
             target: target_pid,
+            zero_pfn: zero_pfn().unwrap_or(0),
             base_pm: Pagemap::open(base_pid)?,
             target_pm: Pagemap::open(target_pid)?,
             mem,
         })
     }
+}
+
+/// The page frame number of the kernel's zero page: what a read of untouched
+/// anonymous memory maps (read once, in a page of our own).
+fn zero_pfn() -> Option<u64> {
+    static PFN: std::sync::OnceLock<Option<u64>> = std::sync::OnceLock::new();
+    *PFN.get_or_init(|| {
+        // SAFETY: a new private anonymous page of our own, read once and unmapped;
+        // nothing else refers to it.
+        let page = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                PAGE as usize,
+                libc::PROT_READ,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
+        };
+        if page == libc::MAP_FAILED {
+            return None;
+        }
+        // SAFETY: `page` is the readable page mapped above.
+        unsafe { std::ptr::read_volatile(page.cast::<u8>()) };
+        let addr = page as u64;
+        let entry = Pagemap::open(std::process::id() as i32)
+            .and_then(|pm| pm.range(addr, addr + PAGE))
+            .ok()
+            .and_then(|e| e.first().copied());
+        // SAFETY: unmapping the page mapped above, no longer used.
+        unsafe { libc::munmap(page, PAGE as usize) };
+        entry
+            .filter(|e| e.present() && e.pfn() != 0)
+            .map(|e| e.pfn())
+    })
 }
 
 /// The base's page is in memory as an anonymous (private, copied) page, or swapped.
@@ -273,6 +311,14 @@ impl PageSource for LiveProcess {
                 }
                 if file_backed && t.present() && t.0 & PM_FILE != 0 {
                     // The page cache's page: the file provides it.
+                    return if base_private {
+                        PageAction::Drop
+                    } else {
+                        PageAction::Keep
+                    };
+                }
+                if !file_backed && t.present() && self.zero_pfn != 0 && t.pfn() == self.zero_pfn {
+                    // The zero page: what X reads where it has no page.
                     return if base_private {
                         PageAction::Drop
                     } else {

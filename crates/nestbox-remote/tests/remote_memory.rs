@@ -352,6 +352,7 @@ fn rebuild_forked() {
     assert_eq!(ask(p, "get"), format!("count=1 {sum}"));
     let (x, stats, b, _) = rebuild_case(&mut sc, [&null, &null, &null]);
     assert!(stats.unmapped > 0 && stats.mapped > 0, "{stats:?}");
+    assert_eq!(stats.pages_dropped, 4, "the pages B dropped: {stats:?}");
     assert!(
         stats.pages_kept > 2000,
         "A's unchanged pages stay shared: {stats:?}"

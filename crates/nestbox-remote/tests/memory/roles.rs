@@ -376,10 +376,12 @@ pub fn rebuild_template(exec: bool) -> ! {
     for i in [0usize, 100, 300] {
         big[i * PAGE + 7] = 0xee;
     }
-    // SAFETY: r2 is our mapping of 8 pages; r1 page 5 is inside r1.
+    // SAFETY: r2 is our mapping of 8 pages; r1's pages 5 to 13 are inside r1.
     unsafe {
         libc::munmap(r2.cast(), 8 * PAGE);
         r1.add(5 * PAGE).write_volatile(0x55);
+        // Four pages B no longer has (they read as zeros again).
+        libc::madvise(r1.add(10 * PAGE).cast(), 4 * PAGE, libc::MADV_DONTNEED);
     }
     let r3 = map(5 * PAGE, rw, private, -1, 0, "mmap r3");
     fill(r3, 5 * PAGE, 4);
