@@ -151,10 +151,7 @@ pub(crate) fn make_private(
 /// # Errors
 /// [`RemoteError::UnsupportedMapping`] naming the first such mapping.
 pub fn ensure_memory_clonable(pid: i32) -> Result<()> {
-    if !maps::read_maps(pid)?
-        .iter()
-        .any(|m| m.shared && m.is_file())
-    {
+    if !maps::has_shared_mapping(pid)? {
         return Ok(());
     }
     let vmas = maps::read_smaps(pid)?;
@@ -244,8 +241,7 @@ impl SharedObjects {
             .iter()
             .filter(|e| e.action() == FdAction::CopyShared)
             .collect();
-        let cheap = maps::read_maps(pid)?;
-        if copy_fds.is_empty() && !cheap.iter().any(|m| m.shared && m.is_file()) {
+        if copy_fds.is_empty() && !maps::has_shared_mapping(pid)? {
             return Ok(Vec::new());
         }
         let vmas = maps::read_smaps(pid)?;
