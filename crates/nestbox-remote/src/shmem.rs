@@ -189,7 +189,8 @@ pub fn ensure_memory_clonable(pid: i32) -> Result<()> {
 
 fn kind_of_mapping(vma: &Vma) -> SharedKind {
     let path = vma.path();
-    if vma.name == "/dev/zero (deleted)" {
+    // Named shared anonymous memory (`PR_SET_VMA_ANON_NAME`) shows its name.
+    if vma.name == "/dev/zero (deleted)" || vma.name.starts_with("[anon_shmem:") {
         SharedKind::Anonymous
     } else if let (Some(key), true) = (path.strip_prefix("/SYSV"), vma.deleted()) {
         SharedKind::SysV {
@@ -1012,6 +1013,8 @@ mod tests {
         let mut v = vma(0, 0x1000, 0);
         assert_eq!(kind_of_mapping(&v), SharedKind::SysV { key: 1, shmid: 7 });
         v.name = "/dev/zero (deleted)".into();
+        assert_eq!(kind_of_mapping(&v), SharedKind::Anonymous);
+        v.name = "[anon_shmem:cache]".into();
         assert_eq!(kind_of_mapping(&v), SharedKind::Anonymous);
         v.name = "/memfd:a b (deleted)".into();
         assert_eq!(kind_of_mapping(&v), SharedKind::Memfd("a b".into()));
