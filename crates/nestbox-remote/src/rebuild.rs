@@ -55,6 +55,9 @@ const PR_SET_MM: u64 = 35;
 const PR_SET_MM_MAP: u64 = 14;
 /// `sizeof(struct prctl_mm_map)`.
 const PRCTL_MM_MAP_SIZE: usize = 104;
+/// `PR_SET_VMA` and its `PR_SET_VMA_ANON_NAME` option.
+const PR_SET_VMA: u64 = 0x5356_4d41;
+const PR_SET_VMA_ANON_NAME: u64 = 0;
 /// `RSEQ_FLAG_UNREGISTER`.
 const RSEQ_FLAG_UNREGISTER: u64 = 1;
 /// pagemap bit 61: the page is a file page or shared anonymous.
@@ -831,6 +834,21 @@ fn map_private(x: &mut Tracee, scratch: &mut Scratch, t: &Vma, target_pid: i32) 
             name: t.name.clone(),
             reason: format!("mapped at {addr:#x} instead"),
         });
+    }
+    if let Some(name) = t
+        .name
+        .strip_prefix("[anon:")
+        .and_then(|n| n.strip_suffix(']'))
+        .filter(|_| !t.is_file())
+    {
+        // The name is bookkeeping only: a kernel without CONFIG_ANON_VMA_NAME
+        // refuses it and the mapping stays unnamed.
+        scratch.reset();
+        let addr = scratch.put_path(x, name.as_bytes())?;
+        x.inject_syscall(
+            libc::SYS_prctl,
+            &[PR_SET_VMA, PR_SET_VMA_ANON_NAME, t.start, t.len(), addr],
+        )?;
     }
     for (flag, advice) in [
         ("dd", libc::MADV_DONTDUMP),
