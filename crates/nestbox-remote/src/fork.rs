@@ -49,6 +49,7 @@ use crate::memory::{Scratch, SCRATCH_LEN};
 use crate::objects::CloneObjects;
 use crate::procfs::{self, Status};
 use crate::retarget::{retarget_with, FdOutcome};
+use crate::shmem::SharedObjects;
 use crate::threads::{self, ThreadState};
 use crate::tracee::{task_ids, Tracee, TRACE_OPTIONS};
 
@@ -230,6 +231,15 @@ pub fn remote_fork(template: &mut Tracee, plan: &ForkPlan<'_>) -> Result<Forked>
     })
 }
 
+/// The new objects of a clone made of several processes, shared among them:
+/// connected objects (pipes, socket pairs) and shared memory, each made once
+/// and given to every process that has the template's.
+#[derive(Debug, Default)]
+pub(crate) struct CloneTables {
+    pub objects: CloneObjects,
+    pub shared: SharedObjects,
+}
+
 /// A process of a clone that has been made and is held stopped: its main
 /// thread, its re-created threads (their state set), the scratch area mapped
 /// in it, and what is left to do before it runs: [`Made::release`]. Until then
@@ -283,7 +293,7 @@ pub(crate) fn make_root(
     plan: &ForkPlan<'_>,
     start: Instant,
     free_floor: i32,
-    objects: Option<&mut CloneObjects>,
+    tables: Option<&mut CloneTables>,
 ) -> Result<(Made, Phases)> {
     // `/proc/PID/smaps` (for the MADV_DONTFORK ranges) takes a while to
     // generate, a page-table walk per mapping: it is read on a helper thread
@@ -296,7 +306,7 @@ pub(crate) fn make_root(
             Some(known) => DontForkSource::Known(known),
             None => DontForkSource::Reading(scope.spawn(move || DontFork::read(pid))),
         };
-        fork_held(template, plan, &mut dontfork, start, free_floor, objects)
+        fork_held(template, plan, &mut dontfork, start, free_floor, tables)
     })
 }
 
@@ -334,7 +344,7 @@ fn fork_held(
     dontfork: &mut DontForkSource<'_>,
     start: Instant,
     free_floor: i32,
-    objects: Option<&mut CloneObjects>,
+    tables: Option<&mut CloneTables>,
 ) -> Result<(Made, Phases)> {
     let mut phases = Phases::new(start);
     if !template.is_stopped() {
@@ -394,7 +404,7 @@ fn fork_held(
         &entries,
         &state,
         dontfork,
-        objects,
+        tables,
     );
     match result {
         Ok(made) => Ok((made, session.phases)),
@@ -479,7 +489,7 @@ impl Session {
         entries: &[FdEntry],
         state: &TemplateState,
         dontfork: &mut DontForkSource<'_>,
-        objects: Option<&mut CloneObjects>,
+        mut tables: Option<&mut CloneTables>,
     ) -> Result<Made> {
         let insn = template.syscall_insn;
         let [cookie0, cookie1] = plan.setns_cookie;
@@ -523,9 +533,9 @@ impl Session {
         let securebits = batch.run(&mut c1, scratch)?[0];
         self.phases.mark("setns + chdir");
 
-        let objects = objects.map(|o| {
-            let creator = !o.is_created();
-            (o, creator)
+        let objects = tables.as_deref_mut().map(|t| {
+            let creator = !t.objects.is_created();
+            (&mut t.objects, creator)
         });
         let outcomes = retarget_with(&mut c1, scratch, template.pid(), entries, stdio, objects)?;
         close_all(&mut c1, &installed)?;
@@ -583,7 +593,16 @@ impl Session {
         }
 
         let mut g_scratch = g1_scratch.inherited();
-        crate::shmem::make_private(&mut g, &mut g_scratch, template.pid(), entries)?;
+        match tables {
+            Some(tables) => {
+                tables
+                    .shared
+                    .make_private(&mut g, &mut g_scratch, template.pid(), entries)?;
+            }
+            None => {
+                crate::shmem::make_private(&mut g, &mut g_scratch, template.pid(), entries)?;
+            }
+        }
         let joined_user_ns = namespaces.iter().any(|(kind, _)| *kind == NsKind::User);
         let mut threads = fix_up(
             &mut g,

@@ -190,6 +190,22 @@ pub fn read_maps(pid: i32) -> Result<Vec<Vma>> {
     read(pid, "maps")
 }
 
+/// Whether `/proc/PID/maps` has any shared (`s`) mapping: a quick scan of the
+/// permission column, without parsing (the common case of a fork has none).
+pub fn has_shared_mapping(pid: i32) -> Result<bool> {
+    let path = proc_path(pid, "maps");
+    let text = std::fs::read(&path).map_err(|source| match source.kind() {
+        std::io::ErrorKind::NotFound => RemoteError::NoSuchProcess { pid },
+        _ => RemoteError::Proc { path, source },
+    })?;
+    Ok(text.split(|b| *b == b'\n').any(|line| {
+        line.iter()
+            .position(|b| *b == b' ')
+            .and_then(|i| line.get(i + 4))
+            == Some(&b's')
+    }))
+}
+
 /// `/proc/PID/smaps` (with `VmFlags` and page counts; walks the page tables).
 pub fn read_smaps(pid: i32) -> Result<Vec<Vma>> {
     read(pid, "smaps")
@@ -298,6 +314,30 @@ VmFlags: rd wr mr mw me gd ac
         assert_eq!(v[2].path(), "/memfd:my name");
         assert_eq!(v[2].dev, libc::makedev(0xfd, 1));
         assert_eq!(v[2].prot, libc::PROT_READ);
+    }
+
+    #[test]
+    fn finds_a_shared_mapping() {
+        let pid = std::process::id() as i32;
+        let before = has_shared_mapping(pid).expect("maps");
+        // SAFETY: a new shared anonymous page of our own, unmapped below.
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                4096,
+                libc::PROT_READ,
+                libc::MAP_SHARED | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
+        };
+        assert_ne!(p, libc::MAP_FAILED);
+        assert!(has_shared_mapping(pid).expect("maps"));
+        // SAFETY: the page mapped above.
+        unsafe { libc::munmap(p, 4096) };
+        // Other tests' threads may map shared memory meanwhile: only the
+        // positive case is certain.
+        let _ = before;
     }
 
     #[test]

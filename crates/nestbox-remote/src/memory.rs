@@ -89,25 +89,6 @@ impl Scratch {
         Ok(Scratch { addr, used: 0 })
     }
 
-    /// `mmap` a fresh scratch area in the tracee at `addr` exactly, which must
-    /// be free (`MAP_FIXED_NOREPLACE`).
-    pub fn map_at(tracee: &mut Tracee, addr: u64) -> Result<Scratch> {
-        let got = tracee.syscall(
-            "mmap",
-            || format!("scratch area at {addr:#x}"),
-            libc::SYS_mmap,
-            &[
-                addr,
-                SCRATCH_LEN as u64,
-                (libc::PROT_READ | libc::PROT_WRITE | libc::PROT_EXEC) as u64,
-                (libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_FIXED_NOREPLACE) as u64,
-                u64::MAX,
-                0,
-            ],
-        )?;
-        Ok(Scratch { addr: got, used: 0 })
-    }
-
     /// The same area as seen by a process forked from the one that mapped it.
     pub fn inherited(&self) -> Scratch {
         Scratch {

@@ -119,6 +119,8 @@ enum Source {
 #[derive(Debug)]
 struct Work {
     key: ObjectKey,
+    /// The process whose mapping or fd the template's object is read through.
+    source_pid: i32,
     kind: SharedKind,
     source: Source,
     vmas: Vec<Vma>,
@@ -141,9 +143,54 @@ pub(crate) fn make_private(
     SharedObjects::default().make_private(g, scratch, template_pid, entries)
 }
 
+/// Refuse, before anything is forked (at freeze time), a process whose shared
+/// memory a clone could not get its own copy of: a writable shared mapping of
+/// something that is not a regular file (a device), or a System V segment
+/// attached only in part.
+///
+/// # Errors
+/// [`RemoteError::UnsupportedMapping`] naming the first such mapping.
+pub fn ensure_memory_clonable(pid: i32) -> Result<()> {
+    if !maps::has_shared_mapping(pid)? {
+        return Ok(());
+    }
+    let vmas = maps::read_smaps(pid)?;
+    for v in vmas
+        .iter()
+        .filter(|v| v.shared && v.is_file() && v.has_flag("mw"))
+    {
+        let refuse = |reason: &str| RemoteError::UnsupportedMapping {
+            pid,
+            range: v.range_name(),
+            name: v.name.clone(),
+            reason: reason.to_string(),
+        };
+        let meta = open_map_file(pid, &v.range_name(), false)?
+            .metadata()
+            .map_err(|e| sys("fstat (a shared mapping)", pid, e))?;
+        if !meta.file_type().is_file() {
+            return Err(refuse("it is not a regular file (a device?)"));
+        }
+        if let SharedKind::SysV { .. } = kind_of_mapping(v) {
+            let all: Vec<Vma> = vmas
+                .iter()
+                .filter(|w| w.shared && w.object() == v.object())
+                .cloned()
+                .collect();
+            if attachments(&all, meta.len()).is_none() {
+                return Err(refuse(
+                    "the System V segment is attached only in part (partly unmapped)",
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
 fn kind_of_mapping(vma: &Vma) -> SharedKind {
     let path = vma.path();
-    if vma.name == "/dev/zero (deleted)" {
+    // Named shared anonymous memory (`PR_SET_VMA_ANON_NAME`) shows its name.
+    if vma.name == "/dev/zero (deleted)" || vma.name.starts_with("[anon_shmem:") {
         SharedKind::Anonymous
     } else if let (Some(key), true) = (path.strip_prefix("/SYSV"), vma.deleted()) {
         SharedKind::SysV {
@@ -195,8 +242,7 @@ impl SharedObjects {
             .iter()
             .filter(|e| e.action() == FdAction::CopyShared)
             .collect();
-        let cheap = maps::read_maps(pid)?;
-        if copy_fds.is_empty() && !cheap.iter().any(|m| m.shared && m.is_file()) {
+        if copy_fds.is_empty() && !maps::has_shared_mapping(pid)? {
             return Ok(Vec::new());
         }
         let vmas = maps::read_smaps(pid)?;
@@ -209,6 +255,7 @@ impl SharedObjects {
             if index(&work, vma.object()).is_none() {
                 work.push(Work {
                     key: vma.object(),
+                    source_pid: pid,
                     kind: kind_of_mapping(vma),
                     source: Source::Mapping(vma.range_name()),
                     vmas: Vec::new(),
@@ -222,6 +269,7 @@ impl SharedObjects {
                 if let Some(kind) = kind_of_fd(entry) {
                     work.push(Work {
                         key,
+                        source_pid: pid,
                         kind,
                         source: Source::Fd(entry.fd),
                         vmas: Vec::new(),
@@ -268,6 +316,39 @@ impl SharedObjects {
         Ok(done)
     }
 
+    /// Map the shared mappings `vmas` of `source_pid` (a template process) into
+    /// `x` at the same ranges, on the clone's objects for their template objects
+    /// (made now, with the contents copied from `source_pid`'s, if the clone has
+    /// none yet). Used by the rebuild engine for mappings `x` lacks.
+    pub(crate) fn map_from(
+        &mut self,
+        x: &mut Tracee,
+        scratch: &mut Scratch,
+        source_pid: i32,
+        template_pid: i32,
+        vmas: &[Vma],
+    ) -> Result<Vec<SharedCopy>> {
+        let mut work: Vec<Work> = Vec::new();
+        for vma in vmas.iter().filter(|v| v.shared && v.is_file()) {
+            match work.iter_mut().find(|w| w.key == vma.object()) {
+                Some(w) => w.vmas.push(vma.clone()),
+                None => work.push(Work {
+                    key: vma.object(),
+                    source_pid,
+                    kind: kind_of_mapping(vma),
+                    source: Source::Mapping(vma.range_name()),
+                    vmas: vec![vma.clone()],
+                    fds: Vec::new(),
+                }),
+            }
+        }
+        let mut done = Vec::with_capacity(work.len());
+        for item in work {
+            done.push(self.replace(x, scratch, template_pid, item)?);
+        }
+        Ok(done)
+    }
+
     fn replace(
         &mut self,
         g: &mut Tracee,
@@ -288,7 +369,7 @@ impl SharedObjects {
                 install_one(g, scratch, fd.as_fd())?
             }
             None => {
-                let source = open_source(pid, &item.source)?;
+                let source = open_source(item.source_pid, &item.source)?;
                 let size = source
                     .metadata()
                     .map_err(|e| sys("fstat (template's shared object)", pid, e))?;
@@ -404,7 +485,7 @@ impl SharedObjects {
         let mut bytes_copied = 0;
         let fresh = !self.objects.contains_key(&item.key);
         let source = if fresh {
-            Some(open_source(pid, &item.source)?)
+            Some(open_source(item.source_pid, &item.source)?)
         } else {
             None
         };
@@ -932,6 +1013,8 @@ mod tests {
         let mut v = vma(0, 0x1000, 0);
         assert_eq!(kind_of_mapping(&v), SharedKind::SysV { key: 1, shmid: 7 });
         v.name = "/dev/zero (deleted)".into();
+        assert_eq!(kind_of_mapping(&v), SharedKind::Anonymous);
+        v.name = "[anon_shmem:cache]".into();
         assert_eq!(kind_of_mapping(&v), SharedKind::Anonymous);
         v.name = "/memfd:a b (deleted)".into();
         assert_eq!(kind_of_mapping(&v), SharedKind::Memfd("a b".into()));

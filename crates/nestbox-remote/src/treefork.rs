@@ -5,7 +5,7 @@
 //! fork.rs ([`make_root`]): its memory is its template process's,
 //! copy-on-write. Any other process is forked by its parent's clone, held
 //! stopped for the purpose (`clone3` with `set_tid`: the same pid), then given
-//! its own template process's memory (treememory.rs), state (procstate.rs),
+//! its own template process's memory (rebuild.rs), state (procstate.rs),
 //! fds and threads. Every process is held until the whole tree is made (a
 //! parent forks its children while it still has every capability in the
 //! clone's user namespace), then all are let go, children first.
@@ -27,16 +27,18 @@ use crate::fdinfo::{
     ensure_clonable, inspect_fds, mark_peers_inside, mark_pidfds_inside, refresh_volatile, FdEntry,
 };
 use crate::fork::{
-    ensure_all_threads_held, fix_up, fork_into, make_root, read_template, ForkPlan, Made, Phases,
+    ensure_all_threads_held, fix_up, fork_into, make_root, read_template, CloneTables, ForkPlan,
+    Made, Phases,
 };
-use crate::memory::{Scratch, SCRATCH_LEN};
+use crate::memory::Scratch;
 use crate::objects::CloneObjects;
 use crate::procfs::Status;
 use crate::procstate::ProcessState;
+use crate::rebuild::{rebuild, Layout, LiveProcess};
 use crate::retarget::{box_pidfds, retarget_with, FdOutcome};
+use crate::shmem::SharedObjects;
 use crate::tracee::{Tracee, TRACE_OPTIONS};
 use crate::tree::{Membership, Origin, Step};
-use crate::treememory::make_like_sibling;
 
 /// One process of the clone, once made.
 #[derive(Debug, Clone, Serialize)]
@@ -119,13 +121,16 @@ pub fn remote_fork_tree(
     }
     let host_pids: Vec<i32> = templates.iter().map(Tracee::pid).collect();
     mark_box(&mut inventories, &host_pids);
-    let mut objects = CloneObjects::plan(
-        &templates
-            .iter()
-            .zip(&inventories)
-            .map(|(t, e)| (t.pid(), e.as_slice()))
-            .collect::<Vec<_>>(),
-    );
+    let mut tables = CloneTables {
+        objects: CloneObjects::plan(
+            &templates
+                .iter()
+                .zip(&inventories)
+                .map(|(t, e)| (t.pid(), e.as_slice()))
+                .collect::<Vec<_>>(),
+        ),
+        shared: SharedObjects::default(),
+    };
     let mut made: Vec<(i32, Made)> = Vec::with_capacity(steps.len());
     let mut root_phases = None;
     for (i, (template, step)) in templates.iter_mut().zip(steps).enumerate() {
@@ -141,7 +146,7 @@ pub fn remote_fork_tree(
                     inventory: Some(inventories[i].clone()),
                 };
                 let (made, phases) =
-                    make_root(template, &own_plan, start, free_floor, Some(&mut objects))?;
+                    make_root(template, &own_plan, start, free_floor, Some(&mut tables))?;
                 if i == 0 {
                     root_phases = Some(phases);
                 }
@@ -165,7 +170,7 @@ pub fn remote_fork_tree(
                     process_state: own,
                     entries: &inventories[i],
                 };
-                fork_child(parent_made, child, &mut objects, plan)?
+                fork_child(parent_made, child, &mut tables, plan)?
             }
         };
         set_membership(&mut process, step.membership)?;
@@ -243,7 +248,7 @@ struct Child<'a> {
 fn fork_child(
     parent: &mut Made,
     child: Child<'_>,
-    objects: &mut CloneObjects,
+    tables: &mut CloneTables,
     plan: &ForkPlan<'_>,
 ) -> Result<Made> {
     let Child {
@@ -275,21 +280,30 @@ fn fork_child(
             "the seccomp filter refuses clone3 with the given cookie, so process {ns_pid} of the tree cannot get its pid"
         )));
     }
-    // A fork keeps its parent's rseq registration, which the kernel writes to
-    // on every return to user space: gone before the memory changes under it.
-    // The template's own is registered by fix_up, below.
-    if let Some((ptr, len, sig)) = x.rseq_configuration()? {
-        x.syscall(
-            "rseq",
-            || format!("unregistering the rseq area at {ptr:#x} inherited from the parent"),
-            libc::SYS_rseq,
-            &[ptr, u64::from(len), 1, u64::from(sig)],
-        )?;
-    }
-    let mut scratch = parent.scratch.inherited();
-    make_like_sibling(&mut x, &mut scratch, SCRATCH_LEN as u64, base, target)?;
+    // Its memory, made like its template process's (rebuild.rs), with the
+    // shared memory of the box's clone (the table its parent's clone made).
+    // Its rseq area is registered below with the rest of its thread's state.
+    let mut target_layout = Layout::read(target)?;
+    target_layout.rseq = None;
+    let source = LiveProcess::open(base, target)?;
+    rebuild(
+        &mut x,
+        &mut tables.shared,
+        &Layout::read(base)?,
+        &target_layout,
+        target,
+        &source,
+    )?;
+    let mut scratch = Scratch::map(&mut x)?;
     process_state.apply(&mut x)?;
-    let outcomes = child_fds(&mut x, &mut scratch, base, target, entries, objects)?;
+    let outcomes = child_fds(
+        &mut x,
+        &mut scratch,
+        base,
+        target,
+        entries,
+        &mut tables.objects,
+    )?;
     // Bounding set, securebits and capability sets: as the parent's clone,
     // which has them from the same box (check_inherits); the main thread's
     // sets are put back at release.

@@ -1,0 +1,149 @@
+//! Shared memory of a clone, seen from outside: a box whose one process keeps a
+//! counter in shared anonymous memory and in a memfd (mapped, and read back
+//! through its fd) is frozen and cloned 20 times; every clone continues from the
+//! template's values and then diverges on its own, and the template's memory is
+//! untouched.
+
+mod common;
+
+use std::fs::File;
+use std::os::unix::fs::FileExt;
+use std::time::Duration;
+
+use common::*;
+
+/// A single-threaded HTTP server with one counter in shared anonymous memory, one
+/// in a memfd (mapped; also read through the fd) and one in a mapped `/dev/shm`
+/// file (also read by path: the clone's must be its own file in its own
+/// `/dev/shm`). `/inc` adds one to each, `/get` reads them.
+const SERVER: &str = r#"
+import http.server, mmap, os, struct
+anon = mmap.mmap(-1, 4096)
+fd = os.memfd_create('nbcount')
+os.ftruncate(fd, 1 << 20)
+mem = mmap.mmap(fd, 1 << 20)
+sfd = os.open('/dev/shm/nbcount', os.O_RDWR | os.O_CREAT, 0o640)
+os.ftruncate(sfd, 4096)
+# Only the mapping stays: Python's mmap keeps a duplicate of the fd (on the
+# lowest free number, found first), closed too.
+dup = os.dup(sfd)
+os.close(dup)
+shm = mmap.mmap(sfd, 4096)
+os.close(dup)
+os.close(sfd)
+def values():
+    a = struct.unpack_from('Q', anon, 0)[0]
+    m = struct.unpack_from('Q', mem, 0)[0]
+    f = struct.unpack('Q', os.pread(fd, 8, 0))[0]
+    s = struct.unpack_from('Q', shm, 0)[0]
+    with open('/dev/shm/nbcount', 'rb') as g:
+        p = struct.unpack('Q', g.read(8))[0]
+    return f'{a} {m} {f} {s} {p}'
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        if self.path == '/inc':
+            struct.pack_into('Q', anon, 0, struct.unpack_from('Q', anon, 0)[0] + 1)
+            struct.pack_into('Q', mem, 0, struct.unpack_from('Q', mem, 0)[0] + 1)
+            struct.pack_into('Q', shm, 0, struct.unpack_from('Q', shm, 0)[0] + 1)
+        body = (values() + '\n').encode()
+        self.send_response(200)
+        self.send_header('Content-Length', str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+    def log_message(self, *a):
+        pass
+server = http.server.HTTPServer(('127.0.0.1', 8080), H)
+print('ready', flush=True)
+server.serve_forever()
+"#;
+
+/// Ask box `name` for `path`: (anon, memfd, memfd through its fd); the
+/// `/dev/shm` file's counter, through its mapping and read by path, must agree
+/// with the others.
+fn get(root: &TestRoot, name: &str, path: &str) -> (u64, u64, u64) {
+    let code = "import sys, urllib.request; \
+                print(urllib.request.urlopen('http://127.0.0.1:8080' + sys.argv[1], timeout=10).read().decode().strip())";
+    let out = root
+        .run(&["exec", name, "--", "python3", "-c", code, path])
+        .ok();
+    let v: Vec<u64> = out
+        .stdout
+        .split_whitespace()
+        .map(|w| w.parse().unwrap())
+        .collect();
+    assert_eq!(v.len(), 5, "answer of {name}: {out}");
+    assert_eq!((v[3], v[4]), (v[0], v[0]), "/dev/shm file of {name}: {out}");
+    (v[0], v[1], v[2])
+}
+
+/// The counters in the template's shared memory, read from the host through
+/// `/proc/PID/map_files` (the template is frozen and cannot answer).
+fn template_values(pid: i32) -> (u64, u64) {
+    let maps = std::fs::read_to_string(format!("/proc/{pid}/maps")).unwrap();
+    let read = |needle: &str| -> u64 {
+        let line = maps
+            .lines()
+            .find(|l| l.contains(needle) && l.split_whitespace().nth(1).unwrap().ends_with('s'))
+            .unwrap_or_else(|| panic!("{needle} mapped in the template:\n{maps}"));
+        let range = line.split_whitespace().next().unwrap();
+        let file = File::open(format!("/proc/{pid}/map_files/{range}")).unwrap();
+        let mut b = [0u8; 8];
+        file.read_exact_at(&mut b, 0).unwrap();
+        u64::from_ne_bytes(b)
+    };
+    (read("/dev/zero (deleted)"), read("/memfd:nbcount"))
+}
+
+fn template_pid(root: &TestRoot, name: &str) -> i32 {
+    let list: serde_json::Value =
+        serde_json::from_str(&root.ok(&["template", "ls", "--json"])).unwrap();
+    list.as_array()
+        .unwrap()
+        .iter()
+        .find(|t| t["name"] == name)
+        .unwrap_or_else(|| panic!("template {name} listed: {list}"))["pid"]
+        .as_i64()
+        .unwrap() as i32
+}
+
+#[test]
+fn clones_get_their_own_shared_memory() {
+    let Some(root) = TestRoot::new("clones_get_their_own_shared_memory") else {
+        return;
+    };
+    let out = root
+        .run(&["run", "-d", "--name", "shm", "--", "python3", "-c", SERVER])
+        .ok();
+    assert_eq!(out.stdout.trim(), "shm");
+    wait_for("the server to listen", Duration::from_secs(20), || {
+        root.ok(&["logs", "shm"]).contains("ready")
+    });
+    for i in 1..=3 {
+        assert_eq!(get(&root, "shm", "/inc"), (i, i, i));
+    }
+    root.ok(&["freeze", "shm"]);
+    let tpid = template_pid(&root, "shm");
+    assert_eq!(template_values(tpid), (3, 3));
+    let names = root.ok(&["clone", "shm", "-n", "20", "-d", "--name", "m"]);
+    let names: Vec<&str> = names.lines().collect();
+    assert_eq!(names.len(), 20);
+    // Every clone continues from the template's values and writes its own.
+    for (i, n) in names.iter().enumerate() {
+        assert_eq!(get(&root, n, "/get"), (3, 3, 3), "{n}");
+        let times = 1 + (i as u64 % 3);
+        for k in 1..=times {
+            assert_eq!(get(&root, n, "/inc"), (3 + k, 3 + k, 3 + k), "{n}");
+        }
+    }
+    // Each clone's values are its own: no clone saw another's writes.
+    for (i, n) in names.iter().enumerate() {
+        let want = 3 + 1 + (i as u64 % 3);
+        assert_eq!(get(&root, n, "/get"), (want, want, want), "{n}");
+    }
+    // The template's memory is as it was frozen.
+    assert_eq!(template_values(tpid), (3, 3));
+    let mut args = vec!["rm", "-f"];
+    args.extend(names.iter().copied());
+    args.push("shm");
+    root.run_timeout(&args, Duration::from_secs(120)).ok();
+}
