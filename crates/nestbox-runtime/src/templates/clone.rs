@@ -835,9 +835,14 @@ fn spawn_refill(reg: &Registry, template: &str) {
 }
 
 /// Refuse, before freezing, a box one of whose processes (`host_pids`, its
-/// init excluded) holds a descriptor no clone rule covers.
+/// init excluded) holds a descriptor no clone rule covers, or shared memory a
+/// clone could not get its own copy of.
 pub fn check_fds(name: &str, host_pids: &[i32]) -> Result<()> {
-    nestbox_remote::check_box_fds(host_pids).map_err(|e| refused_at_freeze(name, e))
+    nestbox_remote::check_box_fds(host_pids).map_err(|e| refused_at_freeze(name, e))?;
+    for pid in host_pids {
+        nestbox_remote::ensure_memory_clonable(*pid).map_err(|e| refused_at_freeze(name, e))?;
+    }
+    Ok(())
 }
 
 /// Why box `name` cannot be frozen into a template, from the remote-fork
