@@ -13,7 +13,7 @@ use std::io;
 
 use crate::error::{RemoteError, Result};
 use crate::memory::Scratch;
-use crate::tracee::{Stop, Tracee};
+use crate::tracee::{is_fault, Stop, Tracee};
 
 /// The program, x86-64, position-independent. With `rbx` = the call table
 /// (entries of seven words: number, six arguments; ended by number -1) and
@@ -144,6 +144,13 @@ fn run_round(
                     pid: tracee.pid(),
                     what: "at the end of an injected batch of syscalls",
                 });
+            }
+            Stop::Signal(sig) if is_fault(sig) => {
+                return Err(RemoteError::Faulted {
+                    pid: tracee.pid(),
+                    signal: sig,
+                    what: "in an injected batch of syscalls",
+                })
             }
             Stop::Signal(sig) => tracee.defer(sig),
             Stop::Interrupt | Stop::OtherEvent(_) | Stop::NewChild(_) => {}

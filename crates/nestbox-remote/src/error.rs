@@ -149,6 +149,17 @@ pub enum RemoteError {
     /// mapping), said in one line naming the process.
     #[error("{0}")]
     Unclonable(String),
+    /// An injected call or batch faulted (the kernel raised a synchronous
+    /// signal at it); the signal is not delivered.
+    #[error("process {pid} faulted with signal {signal} {what}")]
+    Faulted {
+        /// Host pid of the process.
+        pid: i32,
+        /// The signal (SIGSEGV, SIGBUS, SIGILL, SIGFPE).
+        signal: i32,
+        /// Where: which injection.
+        what: &'static str,
+    },
     /// A mapping of the process cannot be given to the clone as its own object.
     #[error("mapping {range} ({name}) of pid {pid} cannot be made private to the clone: {reason}")]
     UnsupportedMapping {

@@ -256,7 +256,9 @@ impl FdEntry {
             FdKind::File { deleted, path } => {
                 if !self.writable() {
                     FdAction::Shared
-                } else if *deleted {
+                } else if *deleted || path.starts_with("/dev/shm/") {
+                    // (A clone's /dev/shm is a tmpfs of its own, empty: the
+                    // file is made there with the template's contents.)
                     FdAction::CopyShared
                 } else if !path.starts_with('/') {
                     FdAction::Unsupported(

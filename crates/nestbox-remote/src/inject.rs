@@ -12,7 +12,7 @@ use std::sync::OnceLock;
 
 use crate::error::{RemoteError, Result};
 use crate::procfs;
-use crate::tracee::{ptrace_err, Stop, Tracee};
+use crate::tracee::{is_fault, ptrace_err, Stop, Tracee};
 
 /// `0f 05`, little-endian.
 const SYSCALL_INSN: u16 = 0x050f;
@@ -135,6 +135,13 @@ impl Tracee {
                             what: "at the injected syscall instruction",
                         });
                     }
+                }
+                Stop::Signal(sig) if is_fault(sig) => {
+                    return Err(RemoteError::Faulted {
+                        pid: self.pid(),
+                        signal: sig,
+                        what: "at an injected syscall",
+                    })
                 }
                 Stop::Signal(sig) => self.defer(sig),
                 Stop::NewChild(pid) => child = Some(pid),

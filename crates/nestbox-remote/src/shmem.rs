@@ -208,9 +208,11 @@ fn kind_of_mapping(vma: &Vma) -> SharedKind {
 
 fn kind_of_fd(entry: &FdEntry) -> Option<SharedKind> {
     match &entry.kind {
-        FdKind::File { path, .. } => Some(match path.strip_prefix("/memfd:") {
+        FdKind::File { path, deleted } => Some(match path.strip_prefix("/memfd:") {
             Some(name) => SharedKind::Memfd(name.to_string()),
-            None => SharedKind::DeletedFile(path.clone()),
+            None if *deleted => SharedKind::DeletedFile(path.clone()),
+            // A file of the box's own /dev/shm (see FdEntry::action).
+            None => SharedKind::File(path.clone()),
         }),
         _ => None,
     }

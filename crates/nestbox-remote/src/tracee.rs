@@ -111,6 +111,15 @@ pub(crate) fn ptrace_err(
     }
 }
 
+/// Whether `sig` is raised by the kernel at a faulting instruction: stepping
+/// that instruction again would fault again, forever.
+pub(crate) fn is_fault(sig: i32) -> bool {
+    matches!(
+        sig,
+        libc::SIGSEGV | libc::SIGBUS | libc::SIGILL | libc::SIGFPE
+    )
+}
+
 /// Describe a wait status that is not a stop.
 pub(crate) fn describe_exit(status: libc::c_int) -> Option<String> {
     if libc::WIFEXITED(status) {

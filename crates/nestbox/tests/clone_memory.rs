@@ -147,3 +147,60 @@ fn clones_get_their_own_shared_memory() {
     args.push("shm");
     root.run_timeout(&args, Duration::from_secs(120)).ok();
 }
+
+/// A file of the box's /dev/shm kept open for writing (not mapped): each clone
+/// has the file in its own /dev/shm with the template's contents, and its
+/// writes through the fd stay its own.
+#[test]
+fn a_dev_shm_file_open_for_writing_is_each_clones_own() {
+    let Some(root) = TestRoot::new("a_dev_shm_file_open_for_writing_is_each_clones_own") else {
+        return;
+    };
+    let code = r#"
+import signal, time
+f = open('/dev/shm/counter', 'w+')
+f.write('template')
+f.flush()
+def on_usr1(*a):
+    f.write(' clone')
+    f.flush()
+signal.signal(signal.SIGUSR1, on_usr1)
+print('ready', flush=True)
+while True:
+    time.sleep(3600)
+"#;
+    root.ok(&[
+        "run",
+        "-d",
+        "--network",
+        "none",
+        "--name",
+        "tpl",
+        "--",
+        "python3",
+        "-c",
+        code,
+    ]);
+    wait_for("the program", Duration::from_secs(20), || {
+        root.ok(&["logs", "tpl"]).contains("ready")
+    });
+    root.ok(&["freeze", "tpl"]);
+    root.ok(&[
+        "clone",
+        "tpl",
+        "-d",
+        "--name",
+        "c1",
+        "--on-clone-signal",
+        "USR1",
+    ]);
+    root.ok(&["clone", "tpl", "-d", "--name", "c2"]);
+    wait_for("the clone's write", Duration::from_secs(10), || {
+        root.ok(&["exec", "c1", "--", "cat", "/dev/shm/counter"]) == "template clone"
+    });
+    assert_eq!(
+        root.ok(&["exec", "c2", "--", "cat", "/dev/shm/counter"]),
+        "template"
+    );
+    root.ok(&["rm", "-f", "c1", "c2", "tpl"]);
+}
