@@ -220,25 +220,37 @@ pub fn remote_fork(template: &mut Tracee, plan: &ForkPlan<'_>) -> Result<Forked>
     std::thread::scope(|scope| {
         let mut dontfork = match cached {
             Some(known) => DontForkSource::Known(known),
-            None => DontForkSource::Reading(scope.spawn(move || DontFork::read(pid))),
+            None => DontForkSource::Pending(scope, pid),
         };
         fork_held(template, plan, &mut dontfork, start)
     })
 }
 
-/// The template's `MADV_DONTFORK` ranges: known already, or being read.
-enum DontForkSource<'scope> {
+/// The template's `MADV_DONTFORK` ranges: known already, to be read, or being
+/// read.
+enum DontForkSource<'scope, 'env> {
     Known(DontFork),
+    Pending(&'scope std::thread::Scope<'scope, 'env>, i32),
     Reading(std::thread::ScopedJoinHandle<'scope, Result<DontFork>>),
     Taken,
 }
 
-impl DontForkSource<'_> {
+impl DontForkSource<'_, '_> {
+    /// Start reading them on a helper thread. The reading holds the memory
+    /// map's lock for a while, so it is started once the scratch area is
+    /// mapped in the template's memory (which needs that lock for writing).
+    fn start(&mut self) {
+        if let DontForkSource::Pending(scope, pid) = *self {
+            *self = DontForkSource::Reading(scope.spawn(move || DontFork::read(pid)));
+        }
+    }
+
     /// The ranges (waiting for the reader), remembered in `template` for the
     /// next forks of this stop.
     fn get(&mut self, template: &mut Tracee) -> Result<DontFork> {
         let dontfork = match std::mem::replace(self, DontForkSource::Taken) {
             DontForkSource::Known(known) => known,
+            DontForkSource::Pending(_, pid) => DontFork::read(pid)?,
             DontForkSource::Reading(reader) => reader
                 .join()
                 .unwrap_or_else(|panic| std::panic::resume_unwind(panic))?,
@@ -257,7 +269,7 @@ impl DontForkSource<'_> {
 fn fork_held(
     template: &mut Tracee,
     plan: &ForkPlan<'_>,
-    dontfork: &mut DontForkSource<'_>,
+    dontfork: &mut DontForkSource<'_, '_>,
     start: Instant,
 ) -> Result<Forked> {
     let mut phases = Phases::new(start);
@@ -303,6 +315,7 @@ fn fork_held(
     restored?;
     c1.set_options(TRACE_OPTIONS | libc::PTRACE_O_EXITKILL)?;
     let mut scratch = Scratch::map(&mut c1)?;
+    dontfork.start();
     phases.mark("fork C1");
     let mut session = Session {
         scratch_in_template: Some(scratch.addr),
@@ -405,7 +418,7 @@ impl Session {
         namespaces: &[(NsKind, BorrowedFd<'_>)],
         entries: &[FdEntry],
         state: &TemplateState,
-        dontfork: &mut DontForkSource<'_>,
+        dontfork: &mut DontForkSource<'_, '_>,
     ) -> Result<(i32, i32, Vec<FdOutcome>)> {
         let insn = template.syscall_insn;
         let [cookie0, cookie1] = plan.setns_cookie;
