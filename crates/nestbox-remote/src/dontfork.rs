@@ -1,8 +1,9 @@
 //! Mappings a fork does not copy: `madvise(MADV_DONTFORK)` regions (`dc` in the
 //! `VmFlags` of `/proc/PID/smaps`). V8 marks its whole heap so (Node.js), and a
-//! clone made by fork would miss them. The remote fork clears the mark in the
-//! template's memory (through C1, which shares it) just around the fork of G1,
-//! puts it back at once, and marks the same regions in the clone.
+//! clone made by fork would miss them. When a plain fork of G1 comes out smaller
+//! than the template, the remote fork reads them, clears the mark in the
+//! template's memory (through C1, which shares it) just around a second fork of
+//! G1, puts it back at once, and marks the same regions in the clone.
 
 use crate::error::{RemoteError, Result};
 use crate::procfs::{proc_path, read_to_string};

@@ -19,8 +19,9 @@
 //!    and owns the memory alone. With `clone3` (allowed by the cookie) G gets the
 //!    pid P has in its own namespace, and G1 a different one.
 //!
-//! Memory P marked `MADV_DONTFORK` (V8's heap) is unmarked by C1 just around
-//! the fork of G1 and marked again in both ([`crate::dontfork`]).
+//! Memory P marked `MADV_DONTFORK` (V8's heap), which a fork skips, is found
+//! by G1 coming out smaller than P; it is then unmarked by C1 just around a
+//! second fork of G1 and marked again in both ([`crate::dontfork`]).
 //!
 //! In G the injected calls re-register what fork or `CLONE_VM` does not carry
 //! over (rseq area, robust futex list, alternate signal stack, clear-child-tid
@@ -211,67 +212,6 @@ impl TemplateState {
 /// made so far are killed and the template is as before.
 pub fn remote_fork(template: &mut Tracee, plan: &ForkPlan<'_>) -> Result<Forked> {
     let start = Instant::now();
-    // `/proc/PID/smaps` (for the MADV_DONTFORK ranges) takes a while to
-    // generate, a page-table walk per mapping: it is read on a helper thread
-    // while this one drives the fork up to the fork of G1, which needs it
-    // (ptrace requests must come from this thread; /proc reads need not).
-    let pid = template.pid();
-    let cached = template.dontfork.clone();
-    std::thread::scope(|scope| {
-        let mut dontfork = match cached {
-            Some(known) => DontForkSource::Known(known),
-            None => DontForkSource::Pending(scope, pid),
-        };
-        fork_held(template, plan, &mut dontfork, start)
-    })
-}
-
-/// The template's `MADV_DONTFORK` ranges: known already, to be read, or being
-/// read.
-enum DontForkSource<'scope, 'env> {
-    Known(DontFork),
-    Pending(&'scope std::thread::Scope<'scope, 'env>, i32),
-    Reading(std::thread::ScopedJoinHandle<'scope, Result<DontFork>>),
-    Taken,
-}
-
-impl DontForkSource<'_, '_> {
-    /// Start reading them on a helper thread. The reading holds the memory
-    /// map's lock for a while, so it is started once the scratch area is
-    /// mapped in the template's memory (which needs that lock for writing).
-    fn start(&mut self) {
-        if let DontForkSource::Pending(scope, pid) = *self {
-            *self = DontForkSource::Reading(scope.spawn(move || DontFork::read(pid)));
-        }
-    }
-
-    /// The ranges (waiting for the reader), remembered in `template` for the
-    /// next forks of this stop.
-    fn get(&mut self, template: &mut Tracee) -> Result<DontFork> {
-        let dontfork = match std::mem::replace(self, DontForkSource::Taken) {
-            DontForkSource::Known(known) => known,
-            DontForkSource::Pending(_, pid) => DontFork::read(pid)?,
-            DontForkSource::Reading(reader) => reader
-                .join()
-                .unwrap_or_else(|panic| std::panic::resume_unwind(panic))?,
-            DontForkSource::Taken => {
-                return Err(RemoteError::Plan(
-                    "the MADV_DONTFORK ranges were taken twice".into(),
-                ))
-            }
-        };
-        template.dontfork = Some(dontfork.clone());
-        Ok(dontfork)
-    }
-}
-
-/// [`remote_fork`] with the `MADV_DONTFORK` ranges to come from `dontfork`.
-fn fork_held(
-    template: &mut Tracee,
-    plan: &ForkPlan<'_>,
-    dontfork: &mut DontForkSource<'_, '_>,
-    start: Instant,
-) -> Result<Forked> {
     let mut phases = Phases::new(start);
     if !template.is_stopped() {
         return Err(RemoteError::NotStopped {
@@ -315,7 +255,6 @@ fn fork_held(
     restored?;
     c1.set_options(TRACE_OPTIONS | libc::PTRACE_O_EXITKILL)?;
     let mut scratch = Scratch::map(&mut c1)?;
-    dontfork.start();
     phases.mark("fork C1");
     let mut session = Session {
         scratch_in_template: Some(scratch.addr),
@@ -329,7 +268,6 @@ fn fork_held(
         &namespaces,
         &entries,
         &state,
-        dontfork,
     );
     match result {
         Ok((pid, ns_pid, fds)) => Ok(Forked {
@@ -418,7 +356,6 @@ impl Session {
         namespaces: &[(NsKind, BorrowedFd<'_>)],
         entries: &[FdEntry],
         state: &TemplateState,
-        dontfork: &mut DontForkSource<'_, '_>,
     ) -> Result<(i32, i32, Vec<FdOutcome>)> {
         let insn = template.syscall_insn;
         let [cookie0, cookie1] = plan.setns_cookie;
@@ -472,17 +409,8 @@ impl Session {
 
         // G1: a fork (the one copy of the page tables) into the shell's pid namespace.
         let g1_ns_pid = state.free_ns_pid();
-        // Regions the fork would skip (MADV_DONTFORK) are copied this once: C1
-        // shares the template's memory, whose marks are put back right after.
-        let dontfork = dontfork.get(template)?;
-        self.phases.mark("MADV_DONTFORK ranges");
-        let unmarked = dontfork.unmark(&mut c1);
-        let forked =
-            unmarked.and_then(|()| fork_into(&mut c1, scratch, 0, g1_ns_pid, plan.setns_cookie));
-        let remarked = remark_template(template, &mut c1, &dontfork);
-        let (g1_pid, clone3_ok) = forked?;
-        remarked?;
-        let mut g1 = Tracee::adopt(g1_pid, insn)?;
+        let (mut g1, clone3_ok, dontfork) =
+            fork_g1(template, &mut c1, scratch, g1_ns_pid, plan.setns_cookie)?;
         self.phases.mark("fork G1");
         let g1_scratch = scratch.inherited();
         // The template's memory no longer needs the scratch area.
@@ -577,6 +505,75 @@ impl Session {
             }
         }
     }
+}
+
+/// Fork G1 from C1 with every mapping of the template's memory, those marked
+/// `MADV_DONTFORK` (V8's heap) included, which a fork skips: when they are
+/// known (an earlier fork of this stop found them), C1, which shares the
+/// template's memory, clears their mark around the fork and the marks are put
+/// back at once. Otherwise a plain fork is tried first, and its size compared
+/// with the template's (`VmSize`, equal unless a mapping was skipped): only
+/// when they differ are the marked ranges read from `/proc/PID/smaps` (slow:
+/// a page-table walk per mapping) and G1 forked again with them. Returns G1,
+/// whether `clone3` was allowed, and the ranges.
+fn fork_g1(
+    template: &mut Tracee,
+    c1: &mut Tracee,
+    scratch: &mut Scratch,
+    ns_pid: i32,
+    cookie: [u64; 2],
+) -> Result<(Tracee, bool, DontFork)> {
+    let pid = template.pid();
+    let dontfork = match template.dontfork.clone() {
+        Some(known) => known,
+        None => {
+            let (g1_pid, clone3_ok) = fork_into(c1, scratch, 0, ns_pid, cookie)?;
+            let g1 = Tracee::adopt(g1_pid, template.syscall_insn)?;
+            if vm_size(g1_pid)? == vm_size(pid)? {
+                template.dontfork = Some(DontFork::default());
+                return Ok((g1, clone3_ok, DontFork::default()));
+            }
+            // This G1 is killed (dropped); its pid stays taken until C1
+            // exits, so the next one gets the one after it.
+            drop(g1);
+            let dontfork = DontFork::read(pid)?;
+            template.dontfork = Some(dontfork.clone());
+            return fork_g1_unmarked(template, c1, scratch, ns_pid + 1, cookie, &dontfork)
+                .map(|(g1, clone3_ok)| (g1, clone3_ok, dontfork));
+        }
+    };
+    let (g1, clone3_ok) = fork_g1_unmarked(template, c1, scratch, ns_pid, cookie, &dontfork)?;
+    Ok((g1, clone3_ok, dontfork))
+}
+
+/// Fork G1 with the `MADV_DONTFORK` marks of `dontfork` cleared around the
+/// fork (see [`fork_g1`]).
+fn fork_g1_unmarked(
+    template: &mut Tracee,
+    c1: &mut Tracee,
+    scratch: &mut Scratch,
+    ns_pid: i32,
+    cookie: [u64; 2],
+    dontfork: &DontFork,
+) -> Result<(Tracee, bool)> {
+    let unmarked = dontfork.unmark(c1);
+    let forked = unmarked.and_then(|()| fork_into(c1, scratch, 0, ns_pid, cookie));
+    let remarked = remark_template(template, c1, dontfork);
+    let (g1_pid, clone3_ok) = forked?;
+    remarked?;
+    let g1 = Tracee::adopt(g1_pid, template.syscall_insn)?;
+    Ok((g1, clone3_ok))
+}
+
+/// `VmSize` of `/proc/PID/status`, in kB.
+fn vm_size(pid: i32) -> Result<u64> {
+    let status = Status::read(pid)?;
+    let text = status.get("VmSize")?;
+    let kb = text.trim_end_matches("kB").trim();
+    kb.parse().map_err(|_| RemoteError::Parse {
+        path: procfs::proc_path(pid, "status"),
+        message: format!("VmSize: {text:?}"),
+    })
 }
 
 /// Put the `MADV_DONTFORK` marks back in the template's memory, spread over
