@@ -513,9 +513,9 @@ impl Session {
 /// template's memory, clears their mark around the fork and the marks are put
 /// back at once. Otherwise a plain fork is tried first, and its size compared
 /// with the template's (`VmSize`, equal unless a mapping was skipped): only
-/// when they differ are the marked ranges read from `/proc/PID/smaps` (slow:
-/// a page-table walk per mapping) and G1 forked again with them. Returns G1,
-/// whether `clone3` was allowed, and the ranges.
+/// when they differ are the skipped mappings found (those of the template's
+/// `/proc/PID/maps` the first G1 lacks) and G1 forked again with them.
+/// Returns G1, whether `clone3` was allowed, and the ranges.
 fn fork_g1(
     template: &mut Tracee,
     c1: &mut Tracee,
@@ -533,10 +533,12 @@ fn fork_g1(
                 template.dontfork = Some(DontFork::default());
                 return Ok((g1, clone3_ok, DontFork::default()));
             }
-            // This G1 is killed (dropped); its pid stays taken until C1
-            // exits, so the next one gets the one after it.
-            drop(g1);
-            let dontfork = DontFork::read(pid)?;
+            // What this G1 lacks is what was marked. It is let go and killed
+            // (its teardown not waited for); its pid stays taken until C1
+            // exits, so the next G1 gets the one after it.
+            let dontfork = DontFork::missing_in(pid, g1_pid);
+            g1.abandon();
+            let dontfork = dontfork?;
             template.dontfork = Some(dontfork.clone());
             return fork_g1_unmarked(template, c1, scratch, ns_pid + 1, cookie, &dontfork)
                 .map(|(g1, clone3_ok)| (g1, clone3_ok, dontfork));
