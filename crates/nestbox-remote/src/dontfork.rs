@@ -1,11 +1,11 @@
 //! Mappings a fork does not copy: `madvise(MADV_DONTFORK)` regions (`dc` in the
 //! `VmFlags` of `/proc/PID/smaps`). V8 marks its whole heap so (Node.js), and a
-//! clone made by fork would miss them. The remote fork clears the mark in the
-//! template's memory (through C1, which shares it) just around the fork of G1,
-//! puts it back at once, and marks the same regions in the clone.
+//! clone made by fork would miss them. When a plain fork of G1 comes out smaller
+//! than the template, the remote fork reads them, clears the mark in the
+//! template's memory (through C1, which shares it) just around a second fork of
+//! G1, puts it back at once, and marks the same regions in the clone.
 
 use crate::error::{RemoteError, Result};
-use crate::procfs::{proc_path, read_to_string};
 use crate::tracee::Tracee;
 
 /// The mappings of a process marked `MADV_DONTFORK`.
@@ -21,50 +21,33 @@ pub(crate) struct DontFork {
 }
 
 impl DontFork {
-    /// Read from `/proc/PID/smaps`.
-    pub fn read(pid: i32) -> Result<DontFork> {
-        let path = proc_path(pid, "smaps");
-        let text = read_to_string(&path)?;
+    /// The mappings of `template` that `child`, forked from it a moment ago,
+    /// does not have: the ones marked `MADV_DONTFORK` (`/proc/PID/maps` of
+    /// both, much cheaper than `smaps`; a fork copies every other mapping as
+    /// it is). Device mappings (a path under `/dev/`), which the kernel may
+    /// mark itself, are left out.
+    pub fn missing_in(template: i32, child: i32) -> Result<DontFork> {
+        let have: std::collections::HashSet<(u64, u64)> = crate::procfs::maps(child)?
+            .iter()
+            .map(|m| (m.start, m.end))
+            .collect();
         let mut ranges: Vec<(u64, u64)> = Vec::new();
-        let mut io: Vec<u64> = Vec::new();
-        let mut current: Option<(u64, u64)> = None;
-        let mut seen_flags = false;
-        for line in text.lines() {
-            if let Some(flags) = line.strip_prefix("VmFlags:") {
-                seen_flags = true;
-                let flags: Vec<&str> = flags.split_whitespace().collect();
-                let special = flags.iter().any(|f| ["io", "pf"].contains(f));
-                match current {
-                    Some((start, _)) if flags.contains(&"io") => io.push(start),
-                    Some((start, end)) if flags.contains(&"dc") && !special => {
-                        match ranges.last_mut() {
-                            Some(last) if last.1 == start => last.1 = end,
-                            _ => ranges.push((start, end)),
-                        }
-                    }
-                    _ => {}
-                }
+        let mut devices = Vec::new();
+        for m in crate::procfs::maps(template)? {
+            if have.contains(&(m.start, m.end)) {
                 continue;
             }
-            let Some(range) = line.split_whitespace().next() else {
+            if m.name.starts_with("/dev/") {
+                devices.push(m.start);
                 continue;
-            };
-            if let Some((start, end)) = range.split_once('-') {
-                if let (Ok(start), Ok(end)) =
-                    (u64::from_str_radix(start, 16), u64::from_str_radix(end, 16))
-                {
-                    current = Some((start, end));
-                }
             }
-        }
-        if !seen_flags && !text.is_empty() {
-            return Err(RemoteError::Parse {
-                path,
-                message: "no VmFlags lines".into(),
-            });
+            match ranges.last_mut() {
+                Some(last) if last.1 == m.start => last.1 = m.end,
+                _ => ranges.push((m.start, m.end)),
+            }
         }
         let span_clean = match (ranges.first(), ranges.last()) {
-            (Some(first), Some(last)) => !io.iter().any(|&s| s >= first.0 && s < last.1),
+            (Some(first), Some(last)) => !devices.iter().any(|&s| s >= first.0 && s < last.1),
             _ => true,
         };
         Ok(DontFork { ranges, span_clean })
@@ -134,13 +117,13 @@ mod tests {
     use super::*;
 
     #[test]
-    fn own_dontfork_mapping_is_found() {
-        let len = 3 * 4096;
+    fn a_dontfork_mapping_is_what_a_forked_child_lacks() {
+        let page = 4096;
         // SAFETY: a fresh anonymous mapping, only advised and unmapped here.
         let addr = unsafe {
             libc::mmap(
                 std::ptr::null_mut(),
-                len,
+                3 * page,
                 libc::PROT_READ | libc::PROT_WRITE,
                 libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
                 -1,
@@ -148,18 +131,44 @@ mod tests {
             )
         };
         assert_ne!(addr, libc::MAP_FAILED);
-        // SAFETY: advising the mapping made above.
-        assert_eq!(unsafe { libc::madvise(addr, len, libc::MADV_DONTFORK) }, 0);
-        let me = std::process::id() as i32;
         let start = addr as u64;
-        let found = DontFork::read(me).expect("smaps").ranges;
+        // SAFETY: advising the first and last pages of the mapping made above.
+        let advised = unsafe {
+            libc::madvise(addr, page, libc::MADV_DONTFORK)
+                + libc::madvise(addr.byte_add(2 * page), page, libc::MADV_DONTFORK)
+        };
+        assert_eq!(advised, 0);
+        // SAFETY: the child only waits for its signal (async-signal-safe),
+        // whatever the test harness's other threads hold.
+        let child = unsafe { libc::fork() };
+        if child == 0 {
+            loop {
+                // SAFETY: pause takes no arguments.
+                unsafe { libc::pause() };
+            }
+        }
+        assert!(child > 0);
+        let me = std::process::id() as i32;
+        let found = DontFork::missing_in(me, child);
+        // SAFETY: killing and reaping the child forked above.
+        unsafe {
+            libc::kill(child, libc::SIGKILL);
+            libc::waitpid(child, std::ptr::null_mut(), 0);
+            libc::munmap(addr, 3 * page);
+        }
+        let found = found.expect("maps");
+        let page = page as u64;
+        assert!(found.ranges.contains(&(start, start + page)), "{found:x?}");
         assert!(
-            found
-                .iter()
-                .any(|&(s, e)| s <= start && e >= start + len as u64),
+            found.ranges.contains(&(start + 2 * page, start + 3 * page)),
             "{found:x?}"
         );
-        // SAFETY: unmapping the mapping made above.
-        unsafe { libc::munmap(addr, len) };
+        assert!(
+            !found
+                .ranges
+                .iter()
+                .any(|&(s, e)| s <= start + page && e > start + page),
+            "the middle page is copied: {found:x?}"
+        );
     }
 }

@@ -19,8 +19,9 @@
 //!    and owns the memory alone. With `clone3` (allowed by the cookie) G gets the
 //!    pid P has in its own namespace, and G1 a different one.
 //!
-//! Memory P marked `MADV_DONTFORK` (V8's heap) is unmarked by C1 just around
-//! the fork of G1 and marked again in both ([`crate::dontfork`]).
+//! Memory P marked `MADV_DONTFORK` (V8's heap), which a fork skips, is found
+//! by G1 coming out smaller than P; it is then unmarked by C1 just around a
+//! second fork of G1 and marked again in both ([`crate::dontfork`]).
 //!
 //! In G the injected calls re-register what fork or `CLONE_VM` does not carry
 //! over (rseq area, robust futex list, alternate signal stack, clear-child-tid
@@ -295,53 +296,13 @@ pub(crate) fn make_root(
     free_floor: i32,
     tables: Option<&mut CloneTables>,
 ) -> Result<(Made, Phases)> {
-    // `/proc/PID/smaps` (for the MADV_DONTFORK ranges) takes a while to
-    // generate, a page-table walk per mapping: it is read on a helper thread
-    // while this one drives the fork up to the fork of G1, which needs it
-    // (ptrace requests must come from this thread; /proc reads need not).
-    let pid = template.pid();
-    let cached = template.dontfork.clone();
-    std::thread::scope(|scope| {
-        let mut dontfork = match cached {
-            Some(known) => DontForkSource::Known(known),
-            None => DontForkSource::Reading(scope.spawn(move || DontFork::read(pid))),
-        };
-        fork_held(template, plan, &mut dontfork, start, free_floor, tables)
-    })
+    fork_held(template, plan, start, free_floor, tables)
 }
 
-/// The template's `MADV_DONTFORK` ranges: known already, or being read.
-enum DontForkSource<'scope> {
-    Known(DontFork),
-    Reading(std::thread::ScopedJoinHandle<'scope, Result<DontFork>>),
-    Taken,
-}
-
-impl DontForkSource<'_> {
-    /// The ranges (waiting for the reader), remembered in `template` for the
-    /// next forks of this stop.
-    fn get(&mut self, template: &mut Tracee) -> Result<DontFork> {
-        let dontfork = match std::mem::replace(self, DontForkSource::Taken) {
-            DontForkSource::Known(known) => known,
-            DontForkSource::Reading(reader) => reader
-                .join()
-                .unwrap_or_else(|panic| std::panic::resume_unwind(panic))?,
-            DontForkSource::Taken => {
-                return Err(RemoteError::Plan(
-                    "the MADV_DONTFORK ranges were taken twice".into(),
-                ))
-            }
-        };
-        template.dontfork = Some(dontfork.clone());
-        Ok(dontfork)
-    }
-}
-
-/// [`make_root`] with the `MADV_DONTFORK` ranges to come from `dontfork`.
+/// The body of [`make_root`].
 fn fork_held(
     template: &mut Tracee,
     plan: &ForkPlan<'_>,
-    dontfork: &mut DontForkSource<'_>,
     start: Instant,
     free_floor: i32,
     tables: Option<&mut CloneTables>,
@@ -403,7 +364,6 @@ fn fork_held(
         &namespaces,
         &entries,
         &state,
-        dontfork,
         tables,
     );
     match result {
@@ -488,7 +448,6 @@ impl Session {
         namespaces: &[(NsKind, BorrowedFd<'_>)],
         entries: &[FdEntry],
         state: &TemplateState,
-        dontfork: &mut DontForkSource<'_>,
         mut tables: Option<&mut CloneTables>,
     ) -> Result<Made> {
         let insn = template.syscall_insn;
@@ -548,17 +507,8 @@ impl Session {
 
         // G1: a fork (the one copy of the page tables) into the shell's pid namespace.
         let g1_ns_pid = state.free_ns_pid();
-        // Regions the fork would skip (MADV_DONTFORK) are copied this once: C1
-        // shares the template's memory, whose marks are put back right after.
-        let dontfork = dontfork.get(template)?;
-        self.phases.mark("MADV_DONTFORK ranges");
-        let unmarked = dontfork.unmark(&mut c1);
-        let forked =
-            unmarked.and_then(|()| fork_into(&mut c1, scratch, 0, g1_ns_pid, plan.setns_cookie));
-        let remarked = remark_template(template, &mut c1, &dontfork);
-        let (g1_pid, clone3_ok) = forked?;
-        remarked?;
-        let mut g1 = Tracee::adopt(g1_pid, insn)?;
+        let (mut g1, clone3_ok, dontfork) =
+            fork_g1(template, &mut c1, scratch, g1_ns_pid, plan.setns_cookie)?;
         self.phases.mark("fork G1");
         let g1_scratch = scratch.inherited();
         // The template's memory no longer needs the scratch area.
@@ -656,6 +606,77 @@ impl Session {
             }
         }
     }
+}
+
+/// Fork G1 from C1 with every mapping of the template's memory, those marked
+/// `MADV_DONTFORK` (V8's heap) included, which a fork skips: when they are
+/// known (an earlier fork of this stop found them), C1, which shares the
+/// template's memory, clears their mark around the fork and the marks are put
+/// back at once. Otherwise a plain fork is tried first, and its size compared
+/// with the template's (`VmSize`, equal unless a mapping was skipped): only
+/// when they differ are the skipped mappings found (those of the template's
+/// `/proc/PID/maps` the first G1 lacks) and G1 forked again with them.
+/// Returns G1, whether `clone3` was allowed, and the ranges.
+fn fork_g1(
+    template: &mut Tracee,
+    c1: &mut Tracee,
+    scratch: &mut Scratch,
+    ns_pid: i32,
+    cookie: [u64; 2],
+) -> Result<(Tracee, bool, DontFork)> {
+    let pid = template.pid();
+    let dontfork = match template.dontfork.clone() {
+        Some(known) => known,
+        None => {
+            let (g1_pid, clone3_ok) = fork_into(c1, scratch, 0, ns_pid, cookie)?;
+            let g1 = Tracee::adopt(g1_pid, template.syscall_insn)?;
+            if vm_size(g1_pid)? == vm_size(pid)? {
+                template.dontfork = Some(DontFork::default());
+                return Ok((g1, clone3_ok, DontFork::default()));
+            }
+            // What this G1 lacks is what was marked. It is let go and killed
+            // (its teardown not waited for); its pid stays taken until C1
+            // exits, so the next G1 gets the one after it.
+            let dontfork = DontFork::missing_in(pid, g1_pid);
+            g1.abandon();
+            let dontfork = dontfork?;
+            template.dontfork = Some(dontfork.clone());
+            return fork_g1_unmarked(template, c1, scratch, ns_pid + 1, cookie, &dontfork)
+                .map(|(g1, clone3_ok)| (g1, clone3_ok, dontfork));
+        }
+    };
+    let (g1, clone3_ok) = fork_g1_unmarked(template, c1, scratch, ns_pid, cookie, &dontfork)?;
+    Ok((g1, clone3_ok, dontfork))
+}
+
+/// Fork G1 with the `MADV_DONTFORK` marks of `dontfork` cleared around the
+/// fork (see [`fork_g1`]).
+fn fork_g1_unmarked(
+    template: &mut Tracee,
+    c1: &mut Tracee,
+    scratch: &mut Scratch,
+    ns_pid: i32,
+    cookie: [u64; 2],
+    dontfork: &DontFork,
+) -> Result<(Tracee, bool)> {
+    let unmarked = dontfork.unmark(c1);
+    let forked = unmarked.and_then(|()| fork_into(c1, scratch, 0, ns_pid, cookie));
+    let remarked = remark_template(template, c1, dontfork);
+    let (g1_pid, clone3_ok) = forked?;
+    remarked?;
+    let g1 = Tracee::adopt(g1_pid, template.syscall_insn)?;
+    Ok((g1, clone3_ok))
+}
+
+/// `VmSize` of `/proc/PID/status`, in kB.
+fn vm_size(pid: i32) -> Result<u64> {
+    let status = Status::read(pid)?;
+    let text = status.get("VmSize")?;
+    let kb = text.trim_end_matches("kB").trim();
+    kb.parse().map_err(|_| RemoteError::Parse {
+        path: procfs::proc_path(pid, "status"),
+        message: format!("VmSize: {text:?}"),
+    })
 }
 
 /// Put the `MADV_DONTFORK` marks back in the template's memory, spread over

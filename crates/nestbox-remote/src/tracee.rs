@@ -602,6 +602,22 @@ impl Tracee {
         self.stopped = false;
     }
 
+    /// Let go of a stopped child and kill it without waiting for its end (its
+    /// real parent reaps it): for a process whose teardown (a large memory)
+    /// need not be waited for. Killed and waited for, as on drop, if it cannot
+    /// be detached.
+    pub(crate) fn abandon(mut self) {
+        if self.attached && self.stopped && sys_ptrace::detach(self.pid, 0).is_ok() {
+            self.attached = false;
+            self.stopped = false;
+            // An error means it is gone already.
+            let _ = nix::sys::signal::kill(
+                nix::unistd::Pid::from_raw(self.pid),
+                nix::sys::signal::Signal::SIGKILL,
+            );
+        }
+    }
+
     /// Forget the tracee after it exited under our control.
     pub(crate) fn mark_gone(&mut self) {
         self.attached = false;
