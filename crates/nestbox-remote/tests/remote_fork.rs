@@ -42,7 +42,7 @@ fn main() {
             unsupported_fd,
         ),
         ("failure_midway_leaves_nothing_behind", failure_midway),
-        ("multi_threaded_template_is_refused", multi_threaded),
+        ("multi_threaded_template_is_forked", multi_threaded),
         ("already_traced_template_is_refused", already_traced),
         ("inspect_fds_classifies_every_kind", inspect_kinds),
         ("pipe_data_is_carried_over", pipe_data),

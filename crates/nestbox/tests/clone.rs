@@ -916,3 +916,46 @@ fn a_reset_connection_held_by_the_template_is_a_reset_placeholder_in_clones() {
     );
     root.ok(&["rm", "-f", "c1", "tpl"]);
 }
+
+/// Pool records on disk (`pool.*` names), whether their clone has a process
+/// yet or not.
+fn pool_records(root: &TestRoot) -> usize {
+    std::fs::read_dir(root.path().join("run/boxes"))
+        .map(|d| {
+            d.flatten()
+                .filter(|e| e.file_name().to_string_lossy().starts_with("pool."))
+                .count()
+        })
+        .unwrap_or(0)
+}
+
+/// Claims made at once each start a refill; the refills take turns, so the
+/// pool comes back to its size, not to its size times the claims.
+#[test]
+fn serial_concurrent_claims_refill_the_pool_to_its_size_only() {
+    let Some(root) = TestRoot::new("serial_concurrent_claims_refill_the_pool_to_its_size_only")
+    else {
+        return;
+    };
+    frozen_pooled_server(&root, "tpl", 1, 3);
+    assert_eq!(pooled(&root), 3);
+    let claims: Vec<_> = (0..3)
+        .map(|i| root.spawn(&["clone", "tpl", "-d", "--name", &format!("c{i}")]))
+        .collect();
+    for claim in claims {
+        let out = claim.wait_with_output().unwrap();
+        assert!(out.status.success(), "{out:?}");
+    }
+    wait_for("the pool to refill", Duration::from_secs(60), || {
+        pooled(&root) == 3
+    });
+    // Every refill has run (each waits 100 ms, then for the one before it).
+    std::thread::sleep(Duration::from_secs(3));
+    assert_eq!(pooled(&root), 3, "pooled clones once the refills are done");
+    assert_eq!(
+        pool_records(&root),
+        3,
+        "pool records once the refills are done"
+    );
+    root.ok(&["rm", "-f", "c0", "c1", "c2", "tpl"]);
+}

@@ -623,7 +623,19 @@ fn shell_stdio(init: i32) -> Result<[OwnedFd; 3]> {
 
 /// The template's clone lock: one process at a time stops and forks its process.
 pub(crate) fn clone_lock(t: &BoxRecord) -> Result<nix::fcntl::Flock<File>> {
-    let path = t.run_dir().join("clone.lock");
+    template_lock(t, "clone.lock")
+}
+
+/// The template's refill lock: one refill of its pool at a time, so that two
+/// refills started by two claims do not both fork the whole deficit (the
+/// clones one is forking are not counted until they have a process).
+fn refill_lock(t: &BoxRecord) -> Result<nix::fcntl::Flock<File>> {
+    template_lock(t, "refill.lock")
+}
+
+/// An exclusive lock on file `name` of the template's run directory.
+fn template_lock(t: &BoxRecord, name: &str) -> Result<nix::fcntl::Flock<File>> {
+    let path = t.run_dir().join(name);
     let file = std::fs::OpenOptions::new()
         .create(true)
         .truncate(false)
@@ -803,6 +815,7 @@ fn set_hostname_in(pid: i32, name: &str) -> Result<()> {
 pub fn fill_pool(reg: &Registry, template: &str) -> Result<usize> {
     let t = crate::template::load_frozen(reg, template)?;
     let want = t.state.template.as_ref().map(|i| i.pool).unwrap_or(0);
+    let _refill = refill_lock(&t)?;
     let have = pooled_of(reg, &t)?.len();
     if have >= want {
         return Ok(have);
