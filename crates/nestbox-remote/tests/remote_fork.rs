@@ -57,23 +57,7 @@ fn main() {
         ("fds_in_flight_are_refused", fds_in_flight),
         ("remote_fork_timing", timing),
     ];
-    // libtest's command line (filters, --skip, --exact, --list, --ignored …)
-    // through libtest-mimic; the cases share ptrace and fork state, so they run
-    // one at a time on the main thread whatever --test-threads says.
-    let mut args = libtest_mimic::Arguments::from_args();
-    args.test_threads = Some(1);
-    let trials = cases
-        .iter()
-        .map(|&(name, case)| {
-            libtest_mimic::Trial::test(name, move || {
-                if nestbox_testkit::require_root(name) {
-                    case();
-                }
-                Ok(())
-            })
-        })
-        .collect();
-    libtest_mimic::run(&args, trials).exit();
+    nestbox_testkit::run_root_cases(cases);
 }
 
 fn read_line_from(fd: &std::os::fd::OwnedFd, timeout: Duration) -> String {

@@ -51,20 +51,7 @@ fn main() {
         ("rebuild_into_a_forked_child", rebuild_forked),
         ("rebuild_into_an_exec_child", rebuild_exec),
     ];
-    let mut args = libtest_mimic::Arguments::from_args();
-    args.test_threads = Some(1);
-    let trials = cases
-        .iter()
-        .map(|&(name, case)| {
-            libtest_mimic::Trial::test(name, move || {
-                if nestbox_testkit::require_root(name) {
-                    case();
-                }
-                Ok(())
-            })
-        })
-        .collect();
-    libtest_mimic::run(&args, trials).exit();
+    nestbox_testkit::run_root_cases(cases);
 }
 
 /// A `get`/`inc` reply as name -> the values of each way to it.

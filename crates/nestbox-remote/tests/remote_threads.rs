@@ -48,20 +48,7 @@ fn main() {
         ),
         ("template_without_its_main_thread_is_refused", zombie_leader),
     ];
-    let mut args = libtest_mimic::Arguments::from_args();
-    args.test_threads = Some(1);
-    let trials = cases
-        .iter()
-        .map(|&(name, case)| {
-            libtest_mimic::Trial::test(name, move || {
-                if nestbox_testkit::require_root(name) {
-                    case();
-                }
-                Ok(())
-            })
-        })
-        .collect();
-    libtest_mimic::run(&args, trials).exit();
+    nestbox_testkit::run_root_cases(cases);
 }
 
 /// The threads of process `pid`: tid in its innermost pid namespace -> host tid.

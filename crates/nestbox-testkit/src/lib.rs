@@ -54,6 +54,28 @@ pub fn require_root(test: &str) -> bool {
     )
 }
 
+/// The `main` of a test binary whose cases share process-wide state (ptrace,
+/// forks, the roles the binary is re-executed in) and so run one at a time on
+/// the main thread, whatever `--test-threads` says: libtest's command line
+/// (filters, `--skip`, `--exact`, `--list`) through libtest-mimic, each case
+/// behind [`require_root`]. Exits with the run's status.
+pub fn run_root_cases(cases: &[(&'static str, fn())]) -> ! {
+    let mut args = libtest_mimic::Arguments::from_args();
+    args.test_threads = Some(1);
+    let trials = cases
+        .iter()
+        .map(|&(name, case)| {
+            libtest_mimic::Trial::test(name, move || {
+                if require_root(name) {
+                    case();
+                }
+                Ok(())
+            })
+        })
+        .collect();
+    libtest_mimic::run(&args, trials).exit()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
