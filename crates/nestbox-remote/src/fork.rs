@@ -296,17 +296,6 @@ pub(crate) fn make_root(
     free_floor: i32,
     tables: Option<&mut CloneTables>,
 ) -> Result<(Made, Phases)> {
-    fork_held(template, plan, start, free_floor, tables)
-}
-
-/// The body of [`make_root`].
-fn fork_held(
-    template: &mut Tracee,
-    plan: &ForkPlan<'_>,
-    start: Instant,
-    free_floor: i32,
-    tables: Option<&mut CloneTables>,
-) -> Result<(Made, Phases)> {
     let mut phases = Phases::new(start);
     if !template.is_stopped() {
         return Err(RemoteError::NotStopped {

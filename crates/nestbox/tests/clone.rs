@@ -45,13 +45,8 @@ server.serve_forever()
 
 /// Ask the server in box `name` for `path`; its answer (count, hostname, reseeded).
 fn get(root: &TestRoot, name: &str, path: &str) -> (u64, String, u64) {
-    let code = "import sys, urllib.request; \
-                print(urllib.request.urlopen('http://127.0.0.1:8080' + sys.argv[1], timeout=10).read().decode().strip())";
-    let out = root
-        .run(&["exec", name, "--", "python3", "-c", code, path])
-        .ok();
-    let fields: Vec<&str> = out.stdout.split_whitespace().collect();
-    assert_eq!(fields.len(), 3, "answer of {name}: {out}");
+    let fields = box_http_get(root, name, path);
+    assert_eq!(fields.len(), 3, "answer of {name}: {fields:?}");
     (
         fields[0].parse().unwrap(),
         fields[1].to_string(),
@@ -111,18 +106,6 @@ fn box_names(root: &TestRoot) -> Vec<String> {
         .collect();
     names.sort();
     names
-}
-
-fn template_pid(root: &TestRoot, name: &str) -> i32 {
-    let list: serde_json::Value =
-        serde_json::from_str(&root.ok(&["template", "ls", "--json"])).unwrap();
-    list.as_array()
-        .unwrap()
-        .iter()
-        .find(|t| t["name"] == name)
-        .unwrap_or_else(|| panic!("template {name} listed: {list}"))["pid"]
-        .as_i64()
-        .unwrap() as i32
 }
 
 #[test]

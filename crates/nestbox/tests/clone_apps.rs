@@ -186,11 +186,8 @@ fn go_binary() -> PathBuf {
 
 /// Ask the server in box `name`: (count, hostname).
 fn get(root: &TestRoot, name: &str) -> (u64, String) {
-    let code = "import urllib.request; \
-                print(urllib.request.urlopen('http://127.0.0.1:8080/', timeout=10).read().decode().strip())";
-    let out = root.run(&["exec", name, "--", "python3", "-c", code]).ok();
-    let fields: Vec<&str> = out.stdout.split_whitespace().collect();
-    assert_eq!(fields.len(), 2, "answer of {name}: {out}");
+    let fields = box_http_get(root, name, "/");
+    assert_eq!(fields.len(), 2, "answer of {name}: {fields:?}");
     (fields[0].parse().unwrap(), fields[1].to_string())
 }
 
@@ -358,17 +355,9 @@ fn python_thread_pool_server_clones_continue() {
     clone_twenty(&root, &app);
 }
 
-/// Clones of the template's pool (forked ahead, stopped with SIGSTOP, a
-/// signal for the whole thread group) are claimed with every thread going on,
-/// and the pool refills. Timing-sensitive (`serial_`): a refill runs at idle
-/// priority, so on a machine kept busy by other tests it never starts.
-#[test]
-fn serial_pooled_clones_of_a_threaded_template_are_claimed_and_refilled() {
-    let Some(root) =
-        TestRoot::new("serial_pooled_clones_of_a_threaded_template_are_claimed_and_refilled")
-    else {
-        return;
-    };
+/// The Python thread-pool server started as box `tpl` of `root`, warmed with
+/// one request; the returned app (its files) must live as long as the box.
+fn started_pool_server(root: &TestRoot) -> App {
     let app = App::new(
         &[("server.py", PYTHON_POOL_SERVER)],
         &["python3", "/app/server.py"],
@@ -389,7 +378,22 @@ fn serial_pooled_clones_of_a_threaded_template_are_claimed_and_refilled() {
     wait_for("the server to listen", Duration::from_secs(30), || {
         root.ok(&["logs", "tpl"]).contains("ready")
     });
-    assert_eq!(get(&root, "tpl").0, 1);
+    assert_eq!(get(root, "tpl").0, 1);
+    app
+}
+
+/// Clones of the template's pool (forked ahead, stopped with SIGSTOP, a
+/// signal for the whole thread group) are claimed with every thread going on,
+/// and the pool refills. Timing-sensitive (`serial_`): a refill runs at idle
+/// priority, so on a machine kept busy by other tests it never starts.
+#[test]
+fn serial_pooled_clones_of_a_threaded_template_are_claimed_and_refilled() {
+    let Some(root) =
+        TestRoot::new("serial_pooled_clones_of_a_threaded_template_are_claimed_and_refilled")
+    else {
+        return;
+    };
+    let _app = started_pool_server(&root);
     root.ok(&["freeze", "tpl", "--pool", "3"]);
     let pooled = || -> u64 {
         let list: serde_json::Value =
@@ -429,27 +433,7 @@ fn serial_hundred_clones_of_a_threaded_template_then_rm_leave_nothing() {
     let Some(root) = TestRoot::new(test) else {
         return;
     };
-    let app = App::new(
-        &[("server.py", PYTHON_POOL_SERVER)],
-        &["python3", "/app/server.py"],
-        5,
-    );
-    let volume = app.volume();
-    root.ok(&[
-        "run",
-        "-d",
-        "--name",
-        "tpl",
-        "-v",
-        &volume,
-        "--",
-        "python3",
-        "/app/server.py",
-    ]);
-    wait_for("the server to listen", Duration::from_secs(30), || {
-        root.ok(&["logs", "tpl"]).contains("ready")
-    });
-    assert_eq!(get(&root, "tpl").0, 1);
+    let _app = started_pool_server(&root);
     root.ok(&["freeze", "tpl"]);
     let names = root
         .run_timeout(

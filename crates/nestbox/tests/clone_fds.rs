@@ -109,10 +109,7 @@ asyncio.run(main())
 
 /// The server's answer in box `name`, split at whitespace.
 fn get(root: &TestRoot, name: &str) -> Vec<String> {
-    let code = "import urllib.request; \
-                print(urllib.request.urlopen('http://127.0.0.1:8080/', timeout=10).read().decode().strip())";
-    let out = root.run(&["exec", name, "--", "python3", "-c", code]).ok();
-    out.stdout.split_whitespace().map(str::to_string).collect()
+    box_http_get(root, name, "/")
 }
 
 fn start(root: &TestRoot, name: &str, code: &str, args: &[&str]) {
@@ -122,18 +119,6 @@ fn start(root: &TestRoot, name: &str, code: &str, args: &[&str]) {
     wait_for("the server to be ready", Duration::from_secs(20), || {
         root.ok(&["logs", name]).contains("ready")
     });
-}
-
-fn template_pid(root: &TestRoot, name: &str) -> i32 {
-    let list: serde_json::Value =
-        serde_json::from_str(&root.ok(&["template", "ls", "--json"])).unwrap();
-    list.as_array()
-        .unwrap()
-        .iter()
-        .find(|t| t["name"] == name)
-        .unwrap_or_else(|| panic!("template {name} listed: {list}"))["pid"]
-        .as_i64()
-        .unwrap() as i32
 }
 
 /// The template process's fds: (number, link text), sorted.

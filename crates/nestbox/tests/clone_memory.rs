@@ -61,18 +61,14 @@ server.serve_forever()
 /// `/dev/shm` file's counter, through its mapping and read by path, must agree
 /// with the others.
 fn get(root: &TestRoot, name: &str, path: &str) -> (u64, u64, u64) {
-    let code = "import sys, urllib.request; \
-                print(urllib.request.urlopen('http://127.0.0.1:8080' + sys.argv[1], timeout=10).read().decode().strip())";
-    let out = root
-        .run(&["exec", name, "--", "python3", "-c", code, path])
-        .ok();
-    let v: Vec<u64> = out
-        .stdout
-        .split_whitespace()
-        .map(|w| w.parse().unwrap())
-        .collect();
-    assert_eq!(v.len(), 5, "answer of {name}: {out}");
-    assert_eq!((v[3], v[4]), (v[0], v[0]), "/dev/shm file of {name}: {out}");
+    let fields = box_http_get(root, name, path);
+    let v: Vec<u64> = fields.iter().map(|w| w.parse().unwrap()).collect();
+    assert_eq!(v.len(), 5, "answer of {name}: {fields:?}");
+    assert_eq!(
+        (v[3], v[4]),
+        (v[0], v[0]),
+        "/dev/shm file of {name}: {fields:?}"
+    );
     (v[0], v[1], v[2])
 }
 
@@ -92,18 +88,6 @@ fn template_values(pid: i32) -> (u64, u64) {
         u64::from_ne_bytes(b)
     };
     (read("/dev/zero (deleted)"), read("/memfd:nbcount"))
-}
-
-fn template_pid(root: &TestRoot, name: &str) -> i32 {
-    let list: serde_json::Value =
-        serde_json::from_str(&root.ok(&["template", "ls", "--json"])).unwrap();
-    list.as_array()
-        .unwrap()
-        .iter()
-        .find(|t| t["name"] == name)
-        .unwrap_or_else(|| panic!("template {name} listed: {list}"))["pid"]
-        .as_i64()
-        .unwrap() as i32
 }
 
 #[test]

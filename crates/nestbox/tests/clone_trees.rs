@@ -50,14 +50,11 @@ while True:
 /// GET / from the box's port 8080 (from a process exec'd into the box): the
 /// answer's fields.
 fn get(root: &TestRoot, name: &str) -> Vec<i64> {
-    let code = "import urllib.request; \
-                print(urllib.request.urlopen('http://127.0.0.1:8080/', timeout=10).read().decode().strip())";
-    let out = root.run(&["exec", name, "--", "python3", "-c", code]).ok();
-    out.stdout
-        .split_whitespace()
+    box_http_get(root, name, "/")
+        .iter()
         .map(|f| {
             f.parse()
-                .unwrap_or_else(|_| panic!("answer of {name}: {out}"))
+                .unwrap_or_else(|_| panic!("answer of {name}: {f}"))
         })
         .collect()
 }

@@ -803,3 +803,26 @@ impl ApiClient {
         serde_json::from_str(&line).unwrap_or_else(|e| panic!("answer is not JSON ({e}): {line}"))
     }
 }
+
+/// GET `path` from port 8080 on the loopback of box `name`, by a Python client
+/// exec'd into the box: the answer's body, whitespace-separated fields.
+pub fn box_http_get(root: &TestRoot, name: &str, path: &str) -> Vec<String> {
+    let code = "import sys, urllib.request; \
+                print(urllib.request.urlopen('http://127.0.0.1:8080' + sys.argv[1], timeout=10).read().decode().strip())";
+    let out = root
+        .run(&["exec", name, "--", "python3", "-c", code, path])
+        .ok();
+    out.stdout.split_whitespace().map(str::to_string).collect()
+}
+
+/// Host pid of the process of template `name` (`template ls`).
+pub fn template_pid(root: &TestRoot, name: &str) -> i32 {
+    let list: Value = serde_json::from_str(&root.ok(&["template", "ls", "--json"])).unwrap();
+    list.as_array()
+        .unwrap()
+        .iter()
+        .find(|t| t["name"] == name)
+        .unwrap_or_else(|| panic!("template {name} listed: {list}"))["pid"]
+        .as_i64()
+        .unwrap() as i32
+}
