@@ -27,13 +27,13 @@ impl DontFork {
     /// it is). Device mappings (a path under `/dev/`), which the kernel may
     /// mark itself, are left out.
     pub fn missing_in(template: i32, child: i32) -> Result<DontFork> {
-        let have: std::collections::HashSet<(u64, u64)> = crate::procfs::maps(child)?
+        let have: std::collections::HashSet<(u64, u64)> = crate::maps::read_maps(child)?
             .iter()
             .map(|m| (m.start, m.end))
             .collect();
         let mut ranges: Vec<(u64, u64)> = Vec::new();
         let mut devices = Vec::new();
-        for m in crate::procfs::maps(template)? {
+        for m in crate::maps::read_maps(template)? {
             if have.contains(&(m.start, m.end)) {
                 continue;
             }

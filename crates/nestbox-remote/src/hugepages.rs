@@ -18,7 +18,8 @@ use std::os::fd::AsFd;
 use std::os::unix::fs::FileExt;
 
 use crate::error::{RemoteError, Result};
-use crate::procfs::{self, proc_path};
+use crate::maps::{self, Vma};
+use crate::procfs::proc_path;
 
 /// Bytes of a transparent huge page on x86_64.
 const HUGE: u64 = 2 << 20;
@@ -40,10 +41,10 @@ pub struct Collapsed {
 
 /// Whether a mapping holds private anonymous memory a collapse may touch
 /// (`[stack]` is left alone: it grows, and its top is hot).
-fn eligible(map: &procfs::Mapping) -> bool {
-    map.perms.starts_with("rw") && map.perms.ends_with('p') && {
-        map.name.is_empty() || map.name == "[heap]" || map.name.starts_with("[anon:")
-    }
+fn eligible(map: &Vma) -> bool {
+    map.prot & (libc::PROT_READ | libc::PROT_WRITE) == libc::PROT_READ | libc::PROT_WRITE
+        && !map.shared
+        && (map.name.is_empty() || map.name == "[heap]" || map.name.starts_with("[anon:"))
 }
 
 /// The 2 MiB-aligned ranges of `pid`'s private anonymous memory whose pages are
@@ -56,7 +57,7 @@ pub fn collapsible_ranges(pid: i32) -> Result<Vec<u64>> {
     })?;
     let mut out = Vec::new();
     let mut entries = vec![0u8; (HUGE / PAGE * 8) as usize];
-    for map in procfs::maps(pid)?.iter().filter(|m| eligible(m)) {
+    for map in maps::read_maps(pid)?.iter().filter(|m| eligible(m)) {
         let mut start = map.start.next_multiple_of(HUGE);
         while start + HUGE <= map.end {
             pagemap

@@ -11,7 +11,7 @@ use std::io;
 use std::sync::OnceLock;
 
 use crate::error::{RemoteError, Result};
-use crate::procfs;
+use crate::maps;
 use crate::tracee::{is_fault, ptrace_err, Stop, Tracee};
 
 /// `0f 05`, little-endian.
@@ -27,7 +27,7 @@ fn vdso_syscall_offset() -> Option<u64> {
         if base == 0 {
             return None;
         }
-        let own = procfs::maps(std::process::id() as i32).ok()?;
+        let own = maps::read_maps(std::process::id() as i32).ok()?;
         let vdso = own.iter().find(|m| m.name == "[vdso]" && m.start == base)?;
         let len = (vdso.end - vdso.start) as usize;
         // SAFETY: the kernel maps the whole [vdso] range readable in every process
@@ -48,9 +48,9 @@ impl Tracee {
         if self.syscall_insn != 0 {
             return Ok(self.syscall_insn);
         }
-        let maps = procfs::maps(self.pid())?;
+        let mappings = maps::read_maps(self.pid())?;
         if let (Some(vdso), Some(offset)) = (
-            maps.iter().find(|m| m.name == "[vdso]"),
+            mappings.iter().find(|m| m.name == "[vdso]"),
             vdso_syscall_offset(),
         ) {
             let addr = vdso.start + offset;
@@ -59,7 +59,10 @@ impl Tracee {
                 return Ok(addr);
             }
         }
-        for map in maps.iter().filter(|m| m.perms.starts_with("r-x")) {
+        for map in mappings
+            .iter()
+            .filter(|m| m.prot == libc::PROT_READ | libc::PROT_EXEC)
+        {
             let len = (map.end - map.start).min(1 << 20) as usize;
             let mut buf = vec![0u8; len];
             if self.read_mem(map.start, &mut buf).is_err() {

@@ -1,6 +1,6 @@
 //! Reading what the kernel shows about a process in `/proc/PID`: `status` fields
-//! (threads, tracer, namespace pids, capabilities), the working directory, the
-//! memory map.
+//! (threads, tracer, namespace pids, capabilities), the working directory
+//! (the memory map is `maps.rs`'s).
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -100,40 +100,4 @@ impl Status {
 pub fn cwd(pid: i32) -> Result<PathBuf> {
     let path = proc_path(pid, "cwd");
     std::fs::read_link(&path).map_err(|source| RemoteError::Proc { path, source })
-}
-
-/// One line of `/proc/PID/maps`.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) struct Mapping {
-    pub start: u64,
-    pub end: u64,
-    pub perms: String,
-    pub name: String,
-}
-
-/// `/proc/PID/maps`.
-pub(crate) fn maps(pid: i32) -> Result<Vec<Mapping>> {
-    let path = proc_path(pid, "maps");
-    let text = read_to_string(&path)?;
-    let bad = |line: &str| RemoteError::Parse {
-        path: path.clone(),
-        message: format!("bad line {line:?}"),
-    };
-    let mut out = Vec::new();
-    for line in text.lines() {
-        let mut parts = line.split_whitespace();
-        let range = parts.next().ok_or_else(|| bad(line))?;
-        let perms = parts.next().ok_or_else(|| bad(line))?.to_string();
-        let name = parts.nth(3).unwrap_or("").to_string();
-        let (start, end) = range.split_once('-').ok_or_else(|| bad(line))?;
-        let start = u64::from_str_radix(start, 16).map_err(|_| bad(line))?;
-        let end = u64::from_str_radix(end, 16).map_err(|_| bad(line))?;
-        out.push(Mapping {
-            start,
-            end,
-            perms,
-            name,
-        });
-    }
-    Ok(out)
 }

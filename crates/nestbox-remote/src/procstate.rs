@@ -117,20 +117,12 @@ impl ProcessState {
     }
 
     /// Give the stopped process `x` (in the clone's namespaces) this state,
-    /// through a scratch area mapped in it for the call.
+    /// through the scratch area mapped in it.
     ///
     /// # Errors
     /// A call failed (the working directory does not exist in the clone's
     /// root, a limit cannot be set), naming it.
-    pub fn apply(&self, x: &mut Tracee) -> Result<()> {
-        let mut scratch = Scratch::map(x)?;
-        let result = self.apply_with(x, &mut scratch);
-        let unmapped = scratch.unmap(x);
-        result?;
-        unmapped
-    }
-
-    fn apply_with(&self, x: &mut Tracee, scratch: &mut Scratch) -> Result<()> {
+    pub(crate) fn apply(&self, x: &mut Tracee, scratch: &mut Scratch) -> Result<()> {
         let pid = x.pid();
         for &(resource, soft, hard) in &self.rlimits {
             nestbox_sys::process::set_rlimit(pid, resource, soft, hard).map_err(|e| {

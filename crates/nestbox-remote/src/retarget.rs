@@ -511,33 +511,7 @@ pub(crate) fn own_pidfds(tracee: &mut Tracee, entries: &[FdEntry]) -> Result<()>
     }
     let me = tracee.syscall("getpid", String::new, libc::SYS_getpid, &[])?;
     for entry in own {
-        let fd = entry.fd;
-        let flags = (entry.flags & libc::O_NONBLOCK) as u64;
-        let tmp = tracee.syscall(
-            "pidfd_open",
-            || format!("pidfd of the clone's process for fd {fd}"),
-            libc::SYS_pidfd_open,
-            &[me, flags],
-        )?;
-        if tmp == fd as u64 {
-            // The number was free (closed in the first process): it got it.
-            let cloexec = u64::from(entry.flags & libc::O_CLOEXEC != 0);
-            tracee.syscall(
-                "fcntl(F_SETFD)",
-                || format!("for fd {fd}"),
-                libc::SYS_fcntl,
-                &[tmp, libc::F_SETFD as u64, cloexec],
-            )?;
-            continue;
-        }
-        let cloexec = (entry.flags & libc::O_CLOEXEC) as u64;
-        tracee.syscall(
-            "dup3",
-            || format!("for fd {fd}"),
-            libc::SYS_dup3,
-            &[tmp, fd as u64, cloexec],
-        )?;
-        tracee.syscall("close", || format!("for fd {fd}"), libc::SYS_close, &[tmp])?;
+        pidfd_at(tracee, entry, me)?;
     }
     Ok(())
 }
@@ -548,40 +522,48 @@ pub(crate) fn own_pidfds(tracee: &mut Tracee, entries: &[FdEntry]) -> Result<()>
 /// clone's pid namespace, where the pids are the template's).
 pub(crate) fn box_pidfds(tracee: &mut Tracee, entries: &[FdEntry]) -> Result<()> {
     for entry in entries {
-        let FdKind::PidFd {
+        if let FdKind::PidFd {
             ns_pid,
             own: false,
             in_box: true,
             ..
         } = entry.kind
-        else {
-            continue;
-        };
-        let fd = entry.fd;
-        let flags = (entry.flags & libc::O_NONBLOCK) as u64;
-        let tmp = tracee.syscall(
-            "pidfd_open",
-            || format!("pidfd of the clone's pid {ns_pid} for fd {fd}"),
-            libc::SYS_pidfd_open,
-            &[ns_pid as u64, flags],
-        )?;
-        let cloexec = (entry.flags & libc::O_CLOEXEC) as u64;
-        if tmp != fd as u64 {
-            tracee.syscall(
-                "dup3",
-                || format!("for fd {fd}"),
-                libc::SYS_dup3,
-                &[tmp, fd as u64, cloexec],
-            )?;
-            tracee.syscall("close", || format!("for fd {fd}"), libc::SYS_close, &[tmp])?;
-        } else {
-            tracee.syscall(
-                "fcntl(F_SETFD)",
-                || format!("for fd {fd}"),
-                libc::SYS_fcntl,
-                &[tmp, libc::F_SETFD as u64, u64::from(cloexec != 0)],
-            )?;
+        {
+            pidfd_at(tracee, entry, ns_pid as u64)?;
         }
     }
+    Ok(())
+}
+
+/// A pidfd of `pid` (in `tracee`'s pid namespace) at `entry`'s fd number, with
+/// its `O_NONBLOCK` (`PIDFD_NONBLOCK`) and close-on-exec flags.
+fn pidfd_at(tracee: &mut Tracee, entry: &FdEntry, pid: u64) -> Result<()> {
+    let fd = entry.fd;
+    let flags = (entry.flags & libc::O_NONBLOCK) as u64;
+    let tmp = tracee.syscall(
+        "pidfd_open",
+        || format!("pidfd of the clone's pid {pid} for fd {fd}"),
+        libc::SYS_pidfd_open,
+        &[pid, flags],
+    )?;
+    if tmp == fd as u64 {
+        // The number was free (closed in the first process): it got it.
+        let cloexec = u64::from(entry.flags & libc::O_CLOEXEC != 0);
+        tracee.syscall(
+            "fcntl(F_SETFD)",
+            || format!("for fd {fd}"),
+            libc::SYS_fcntl,
+            &[tmp, libc::F_SETFD as u64, cloexec],
+        )?;
+        return Ok(());
+    }
+    let cloexec = (entry.flags & libc::O_CLOEXEC) as u64;
+    tracee.syscall(
+        "dup3",
+        || format!("for fd {fd}"),
+        libc::SYS_dup3,
+        &[tmp, fd as u64, cloexec],
+    )?;
+    tracee.syscall("close", || format!("for fd {fd}"), libc::SYS_close, &[tmp])?;
     Ok(())
 }

@@ -23,9 +23,7 @@ use std::time::{Duration, Instant};
 use serde::Serialize;
 
 use crate::error::{RemoteError, Result};
-use crate::fdinfo::{
-    ensure_clonable, inspect_fds, mark_peers_inside, mark_pidfds_inside, refresh_volatile, FdEntry,
-};
+use crate::fdinfo::{ensure_clonable, inspect_fds, mark_peers_inside, mark_pidfds_inside, FdEntry};
 use crate::fork::{
     ensure_all_threads_held, fix_up, fork_into, make_root, read_template, CloneTables, ForkPlan,
     Made, Phases,
@@ -91,11 +89,14 @@ pub fn remote_fork_tree(
         .iter()
         .map(|s| (s.process.pid, s.process.host_pid))
         .collect();
-    // Above every pid and tid of the box (for the intermediate processes).
-    let mut free_floor = 2;
-    for t in templates.iter() {
-        for tid in std::iter::once(t.pid()).chain(t.threads().iter().map(Tracee::pid)) {
-            free_floor = free_floor.max(Status::read(tid)?.innermost_pid()? + 1);
+    // Above every pid and tid of a tree (a box of one: its own, which the
+    // fork knows from its thread states).
+    let mut free_floor = 0;
+    if steps.len() > 1 {
+        for t in templates.iter() {
+            for tid in std::iter::once(t.pid()).chain(t.threads().iter().map(Tracee::pid)) {
+                free_floor = free_floor.max(Status::read(tid)?.innermost_pid()? + 1);
+            }
         }
     }
     // The state of every process of a tree (not needed for a box of one).
@@ -111,11 +112,8 @@ pub fn remote_fork_tree(
     let mut inventories: Vec<Vec<FdEntry>> = Vec::with_capacity(steps.len());
     for (i, template) in templates.iter().enumerate() {
         inventories.push(match (&plan.inventory, i) {
-            (Some(entries), 0) => {
-                let mut entries = entries.clone();
-                refresh_volatile(template.pid(), &mut entries)?;
-                entries
-            }
+            // (Its timerfd and eventfd states are read again by make_root.)
+            (Some(entries), 0) => entries.clone(),
             _ => inspect_fds(template.pid())?,
         });
     }
@@ -295,7 +293,7 @@ fn fork_child(
         &source,
     )?;
     let mut scratch = Scratch::map(&mut x)?;
-    process_state.apply(&mut x)?;
+    process_state.apply(&mut x, &mut scratch)?;
     let outcomes = child_fds(
         &mut x,
         &mut scratch,

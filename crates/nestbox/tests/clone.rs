@@ -80,9 +80,7 @@ fn warmed_server(root: &TestRoot, name: &str, warm: u64, opts: &[&str]) {
     args.extend_from_slice(&["--", "python3", "-c", SERVER]);
     let out = root.run(&args).ok();
     assert_eq!(out.stdout.trim(), name);
-    wait_for("the server to listen", Duration::from_secs(20), || {
-        root.ok(&["logs", name]).contains("ready")
-    });
+    root.wait_logged(name, "ready", Duration::from_secs(20));
     for i in 1..=warm {
         assert_eq!(get(root, name, "/").0, i);
     }
@@ -144,10 +142,7 @@ fn clones_continue_from_the_frozen_state_independently() {
             .unwrap()
             > 0
     );
-    let mut args = vec!["rm", "-f"];
-    args.extend(names.iter().copied());
-    args.push("tpl");
-    root.run_timeout(&args, Duration::from_secs(120)).ok();
+    root.rm_all(names.iter().copied().chain(["tpl"]));
 }
 
 #[test]
@@ -362,10 +357,7 @@ fn serial_hundred_clones_then_rm_leaves_nothing() {
     assert_eq!(names.len(), 100);
     assert_eq!(get(&root, "h-1", "/").0, 2);
     assert_eq!(get(&root, "h-100", "/").0, 2);
-    let mut args = vec!["rm", "-f"];
-    args.extend(names.iter().map(String::as_str));
-    args.push("tpl");
-    root.run_timeout(&args, Duration::from_secs(240)).ok();
+    root.rm_all(names.iter().map(String::as_str).chain(["tpl"]));
     assert!(box_names(&root).is_empty());
     // TestRoot's drop asserts that no process, cgroup or directory of these boxes is left.
 }
@@ -764,11 +756,7 @@ while True:
     time.sleep(3600)
 "#;
     root.ok(&["run", "-d", "--name", "tpl", "--", "python3", "-c", code]);
-    wait_for(
-        "the program to fill its memory",
-        Duration::from_secs(20),
-        || root.ok(&["logs", "tpl"]).contains("ready"),
-    );
+    root.wait_logged("tpl", "ready", Duration::from_secs(20));
     // The program is pid 2 of its box; it sleeps, so its memory stays put.
     let rollup = root.ok(&["exec", "tpl", "--", "cat", "/proc/2/smaps_rollup"]);
     let rss_before = rollup
@@ -858,9 +846,7 @@ fn a_reset_connection_held_by_the_template_is_a_reset_placeholder_in_clones() {
         return;
     };
     root.ok(&["run", "-d", "--name", "tpl", "--", "python3", "-c", HOLDER]);
-    wait_for("the holder to listen", Duration::from_secs(20), || {
-        root.ok(&["logs", "tpl"]).contains("ready")
-    });
+    root.wait_logged("tpl", "ready", Duration::from_secs(20));
     let v: serde_json::Value = serde_json::from_str(&root.ok(&["inspect", "tpl"])).unwrap();
     let addr = v["state"]["network"]["address"]
         .as_str()

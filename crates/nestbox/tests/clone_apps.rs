@@ -222,9 +222,7 @@ fn clone_twenty(root: &TestRoot, app: &App) {
     let mut args = vec!["run", "-d", "--name", "tpl", "-v", &volume, "--"];
     args.extend(app.cmd.iter().map(String::as_str));
     root.ok(&args);
-    wait_for("the server to listen", Duration::from_secs(60), || {
-        root.ok(&["logs", "tpl"]).contains("ready")
-    });
+    root.wait_logged("tpl", "ready", Duration::from_secs(60));
     for i in 1..=3 {
         assert_eq!(get(root, "tpl"), (i, "tpl".to_string()));
     }
@@ -375,9 +373,7 @@ fn started_pool_server(root: &TestRoot) -> App {
         "python3",
         "/app/server.py",
     ]);
-    wait_for("the server to listen", Duration::from_secs(30), || {
-        root.ok(&["logs", "tpl"]).contains("ready")
-    });
+    root.wait_logged("tpl", "ready", Duration::from_secs(30));
     assert_eq!(get(root, "tpl").0, 1);
     app
 }

@@ -116,9 +116,7 @@ fn start(root: &TestRoot, name: &str, code: &str, args: &[&str]) {
     let mut run = vec!["run", "-d", "--name", name, "--", "python3", "-c", code];
     run.extend_from_slice(args);
     root.run(&run).ok();
-    wait_for("the server to be ready", Duration::from_secs(20), || {
-        root.ok(&["logs", name]).contains("ready")
-    });
+    root.wait_logged(name, "ready", Duration::from_secs(20));
 }
 
 /// The template process's fds: (number, link text), sorted.
@@ -189,10 +187,7 @@ fn asyncio_server_clones_answer_and_diverge() {
     assert_eq!(count(names[1]), b + 1);
     // The template is untouched: the same fds on the same objects.
     assert_eq!(fds_of(tpid), before);
-    let mut args = vec!["rm", "-f"];
-    args.extend(names.iter().copied());
-    args.push("tpl");
-    root.run_timeout(&args, Duration::from_secs(120)).ok();
+    root.rm_all(names.iter().copied().chain(["tpl"]));
 }
 
 #[test]
@@ -237,10 +232,7 @@ fn clones_reconnect_to_a_service_outside_their_box() {
     );
     // The template's connection is untouched.
     assert_eq!(fds_of(tpid), before);
-    let mut args = vec!["rm", "-f"];
-    args.extend(names.iter().copied());
-    args.extend(["app", "svc"]);
-    root.run_timeout(&args, Duration::from_secs(120)).ok();
+    root.rm_all(names.iter().copied().chain(["app", "svc"]));
 }
 
 /// Watches with a gap in their wds, on directories of the box's own layer

@@ -99,9 +99,7 @@ fn clones_get_their_own_shared_memory() {
         .run(&["run", "-d", "--name", "shm", "--", "python3", "-c", SERVER])
         .ok();
     assert_eq!(out.stdout.trim(), "shm");
-    wait_for("the server to listen", Duration::from_secs(20), || {
-        root.ok(&["logs", "shm"]).contains("ready")
-    });
+    root.wait_logged("shm", "ready", Duration::from_secs(20));
     for i in 1..=3 {
         assert_eq!(get(&root, "shm", "/inc"), (i, i, i));
     }
@@ -126,10 +124,7 @@ fn clones_get_their_own_shared_memory() {
     }
     // The template's memory is as it was frozen.
     assert_eq!(template_values(tpid), (3, 3));
-    let mut args = vec!["rm", "-f"];
-    args.extend(names.iter().copied());
-    args.push("shm");
-    root.run_timeout(&args, Duration::from_secs(120)).ok();
+    root.rm_all(names.iter().copied().chain(["shm"]));
 }
 
 /// A file of the box's /dev/shm kept open for writing (not mapped): each clone
@@ -165,9 +160,7 @@ while True:
         "-c",
         code,
     ]);
-    wait_for("the program", Duration::from_secs(20), || {
-        root.ok(&["logs", "tpl"]).contains("ready")
-    });
+    root.wait_logged("tpl", "ready", Duration::from_secs(20));
     root.ok(&["freeze", "tpl"]);
     root.ok(&[
         "clone",

@@ -92,9 +92,7 @@ fn prefork_server_clones_keep_their_tree_pipe_and_shared_counter() {
         return;
     };
     root.ok(&["run", "-d", "--name", "tpl", "--", "python3", "-c", PREFORK]);
-    wait_for("the prefork server", Duration::from_secs(20), || {
-        root.ok(&["logs", "tpl"]).contains("ready")
-    });
+    root.wait_logged("tpl", "ready", Duration::from_secs(20));
     for i in 1..=4 {
         assert_eq!(get(&root, "tpl")[0], i);
     }
@@ -144,9 +142,7 @@ fn prefork_server_clones_keep_their_tree_pipe_and_shared_counter() {
     assert_eq!(reports(&root, "late"), 5);
     let mut all: Vec<&str> = names.iter().map(String::as_str).collect();
     all.extend(["late", "tpl"]);
-    let mut args = vec!["rm", "-f"];
-    args.extend(all);
-    root.ok(&args);
+    root.rm_all(all);
 }
 
 /// A shell whose background child serves HTTP and which waits for it.
@@ -175,11 +171,7 @@ fn shell_with_a_background_child_clones_and_still_waits_for_it() {
         return;
     };
     root.detached_sh("tpl", &[], SHELL);
-    wait_for(
-        "the shell's child to serve",
-        Duration::from_secs(20),
-        || root.ok(&["logs", "tpl"]).contains("ready"),
-    );
+    root.wait_logged("tpl", "ready", Duration::from_secs(20));
     assert_eq!(get(&root, "tpl")[0], 1);
     assert_eq!(get(&root, "tpl")[0], 2);
     let template_tree = tree(&root, "tpl");
@@ -205,15 +197,8 @@ fn shell_with_a_background_child_clones_and_still_waits_for_it() {
         3,
         "the template's count is untouched"
     );
-    let mut args = vec![
-        "rm".to_string(),
-        "-f".to_string(),
-        "late".to_string(),
-        "tpl".to_string(),
-    ];
-    args.extend((0..20).map(|i| format!("c{i}")));
-    let args: Vec<&str> = args.iter().map(String::as_str).collect();
-    root.ok(&args);
+    let clones: Vec<String> = (0..20).map(|i| format!("c{i}")).collect();
+    root.rm_all(clones.iter().map(String::as_str).chain(["late", "tpl"]));
 }
 
 /// A parent holding a pidfd of its child: asked, it kills the child through
@@ -255,9 +240,7 @@ fn a_pidfd_of_a_child_points_to_the_clones_child() {
         "-c",
         PIDFD_PARENT,
     ]);
-    wait_for("the parent", Duration::from_secs(20), || {
-        root.ok(&["logs", "tpl"]).contains("ready")
-    });
+    root.wait_logged("tpl", "ready", Duration::from_secs(20));
     let template_tree = tree(&root, "tpl");
     assert_eq!(template_tree, vec![(2, 1, 2, 2), (3, 2, 2, 2)]);
     root.ok(&["freeze", "tpl"]);

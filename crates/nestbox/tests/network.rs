@@ -244,9 +244,7 @@ fn serial_fifty_boxes_up_at_once() {
         ])
         .ok();
     assert_eq!(out.stdout.trim(), address(&root, "n0"));
-    let mut args = vec!["rm", "-f"];
-    args.extend(names.iter().map(String::as_str));
-    root.run_timeout(&args, Duration::from_secs(120)).ok();
+    root.rm_all(names.iter().map(String::as_str));
 }
 
 /// The host-side veths on the root's bridge.

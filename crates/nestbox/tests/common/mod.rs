@@ -399,6 +399,22 @@ impl TestRoot {
         self.run(args).ok().stdout
     }
 
+    /// Wait (at most `limit`) until box `name`'s log holds `text` (a program
+    /// saying it is ready).
+    pub fn wait_logged(&self, name: &str, text: &str, limit: Duration) {
+        wait_for(&format!("{name:?} to log {text:?}"), limit, || {
+            self.ok(&["logs", name]).contains(text)
+        });
+    }
+
+    /// `nestbox rm -f NAMES...`, which must succeed, given up to 4 minutes
+    /// (hundreds of boxes).
+    pub fn rm_all<'a>(&self, names: impl IntoIterator<Item = &'a str>) {
+        let mut args = vec!["rm", "-f"];
+        args.extend(names);
+        self.run_timeout(&args, Duration::from_secs(240)).ok();
+    }
+
     /// `nestbox run OPTS... -- sh -c SCRIPT`.
     pub fn sh(&self, opts: &[&str], script: &str) -> Out {
         let mut args = vec!["run"];
