@@ -67,9 +67,12 @@ impl Vma {
         self.name.strip_suffix(" (deleted)").unwrap_or(&self.name)
     }
 
-    /// Whether a file (any object with an inode) backs the mapping.
+    /// Whether a file (any object with an inode) backs the mapping. Anonymous
+    /// memory has device 0 and inode 0; the inode alone does not tell: a System
+    /// V segment shows its id as its inode, and the first segment of an IPC
+    /// namespace (every box has a fresh one) has id 0.
     pub fn is_file(&self) -> bool {
-        self.ino != 0
+        self.ino != 0 || self.dev != 0
     }
 
     /// `maps` range text, as `/proc/PID/map_files` names the mapping.
@@ -314,6 +317,19 @@ VmFlags: rd wr mr mw me gd ac
         assert_eq!(v[2].path(), "/memfd:my name");
         assert_eq!(v[2].dev, libc::makedev(0xfd, 1));
         assert_eq!(v[2].prot, libc::PROT_READ);
+    }
+
+    #[test]
+    fn a_system_v_segment_with_id_0_is_a_file() {
+        let text = "\
+7f4545de0000-7f4545de1000 rw-s 00000000 00:01 0                          /SYSV00000000 (deleted)
+7f4545de1000-7f4545de2000 rw-p 00000000 00:00 0 
+";
+        let v = parse("maps".into(), text).expect("parse");
+        assert_eq!(v.len(), 2);
+        assert_eq!((v[0].dev, v[0].ino), (libc::makedev(0, 1), 0));
+        assert!(v[0].is_file() && v[0].shared);
+        assert!(!v[1].is_file());
     }
 
     #[test]
