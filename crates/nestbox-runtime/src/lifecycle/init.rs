@@ -52,7 +52,7 @@ fn serve(command: Pid) -> ! {
             )];
             let timeout = nix::poll::PollTimeout::from(crate::residency::IDLE_MS_BEFORE_DROP);
             if nix::poll::poll(&mut fds, timeout).unwrap_or(1) == 0 {
-                crate::residency::drop_file_pages();
+                crate::residency::drop_idle_memory();
                 dropped_file_pages = true;
                 continue;
             }

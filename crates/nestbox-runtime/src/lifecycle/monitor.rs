@@ -769,7 +769,7 @@ fn supervise(record: &BoxRecord, run: &Running, signals: SignalFd, foreground: b
             Err(_) => continue,
             Ok(0) => {
                 drop(fds);
-                crate::residency::drop_file_pages();
+                crate::residency::drop_idle_memory();
                 dropped_file_pages = true;
                 continue;
             }
