@@ -7,7 +7,9 @@
 #   sudo APP=node N=20 K=200 POOL=4 bench/clone.sh -> bench/results/clone-node-pool4.json
 # POOL=0 measures clones forked on demand (no pool). APP=python (default) is a
 # single-threaded ~67 MiB Python server; APP=node a Node.js HTTP server (its
-# runtime has 7 threads) holding a counter and a warmed-up JIT.
+# runtime has 7 threads) holding a counter and a warmed-up JIT. KSM=1 runs the
+# template with --ksm and adds the MemAvailable drop once the host's KSM scanner
+# has merged what it can (results file gets a -ksm suffix).
 set -euo pipefail
 source "$(dirname "$0")/lib/common.sh"
 require_root
@@ -68,6 +70,7 @@ JS
     ;;
 *) die "APP must be python or node, not $APP" ;;
 esac
+[[ ${KSM:-0} != 1 ]] || OUT=${OUT%.json}-ksm.json
 mkdir -p "$RESULTS_DIR"
 log "N=$N clone/cold pairs, K=$K idle clones, pool $POOL, load $(cut -d' ' -f1 /proc/loadavg)"
 "$NESTBOX" --root "$ROOT" serve --socket "$ROOT/api.sock" &

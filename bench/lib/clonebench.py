@@ -25,12 +25,19 @@ The server is SERVER_FILE, mounted read-only into each box at /srv.<its
 extension> and started with COMMAND (a JSON list naming that path; default
 ["python3", "/srv.py"]).
 
+With KSM=1 in the environment the template runs with `--ksm` (its clones
+inherit it) and, after the measurement above, the host's KSM scanner runs
+(5000 pages every 10 ms) until what it merges stops growing for two full
+scans; the MemAvailable drop is then read again (`..._after_ksm`), and the
+scanner's settings are put back.
+
 Usage: clonebench.py NESTBOX ROOT SERVER_FILE N K POOL OUT_JSON API_SOCKET [COMMAND]
 """
 
 from __future__ import annotations
 
 import json
+import os
 import socket
 import statistics
 import subprocess
@@ -132,6 +139,43 @@ def meminfo_available() -> int:
     return 0
 
 
+def merge_with_ksm(nestbox: str, root: str) -> dict:
+    """Run the host's KSM scanner until it has merged what it can (pages_sharing
+    unchanged over two full scans); MemAvailable then, and the scanner's
+    figures. The scanner's settings are put back."""
+    ksm = "/sys/kernel/mm/ksm"
+    saved = {f: open(f"{ksm}/{f}").read().strip() for f in ("run", "pages_to_scan", "sleep_millisecs")}
+    try:
+        h0 = json.loads(sh(nestbox, root, "ksm", "--json"))
+        t0 = time.perf_counter()
+        sh(nestbox, root, "ksm", "--on", "--pages-to-scan", "5000", "--sleep-ms", "10")
+        last, stable, scans = -1, 0, h0["full_scans"]
+        while stable < 2 and time.perf_counter() - t0 < 600:
+            time.sleep(0.2)
+            h = json.loads(sh(nestbox, root, "ksm", "--json"))
+            if h["full_scans"] > scans:
+                scans = h["full_scans"]
+                stable = stable + 1 if h["pages_sharing"] == last else 0
+                last = h["pages_sharing"]
+        merge_s = time.perf_counter() - t0
+        time.sleep(1)
+        available = meminfo_available()
+        h1 = json.loads(sh(nestbox, root, "ksm", "--json"))
+    finally:
+        for f in ("pages_to_scan", "sleep_millisecs", "run"):
+            with open(f"{ksm}/{f}", "w") as fh:
+                fh.write(saved[f])
+    return {
+        "available": available,
+        "ksm": {
+            "merge_wall_s": merge_s,
+            "ksmd_cpu_ms": h1["ksmd_cpu_ms"] - h0["ksmd_cpu_ms"],
+            "pages_sharing": h1["pages_sharing"],
+            "pages_shared": h1["pages_shared"],
+        },
+    }
+
+
 def private_bytes(pid: int) -> int:
     total = 0
     for line in open(f"/proc/{pid}/smaps_rollup"):
@@ -149,7 +193,8 @@ def main() -> None:
     vol = f"{server}:{inside}:ro"
     # The template: started, warmed with a request, frozen.
     t0 = time.perf_counter()
-    sh(nestbox, root, "run", "-d", "--name", "tpl", "-v", vol, "--", *command)
+    ksm = os.environ.get("KSM") == "1"
+    sh(nestbox, root, "run", "-d", "--name", "tpl", "-v", vol, *(["--ksm"] if ksm else []), "--", *command)
     taddr = address(nestbox, root, "tpl")
     wait_answer(taddr)
     template_cold_ms = (time.perf_counter() - t0) * 1e3
@@ -203,6 +248,7 @@ def main() -> None:
     names = sh(nestbox, root, "clone", "tpl", "-d", "-n", str(k), "--name", "idle", timeout=900).split()
     time.sleep(2)
     after = meminfo_available()
+    after_ksm = merge_with_ksm(nestbox, root) if ksm else None
     privates = []
     for name in names:
         st = json.loads(sh(nestbox, root, "inspect", name))["state"]
@@ -232,6 +278,9 @@ def main() -> None:
         "mem_available_drop_total_mib": (before - after) / 2**20,
         "mem_available_drop_per_clone_kib": (before - after) / 1024 / max(k, 1),
     }
+    if after_ksm is not None:
+        result["ksm"] = after_ksm["ksm"]
+        result["mem_available_drop_per_clone_kib_after_ksm"] = (before - after_ksm["available"]) / 1024 / max(k, 1)
     with open(out, "w") as f:
         json.dump(result, f, indent=2)
     print(json.dumps(result, indent=2))

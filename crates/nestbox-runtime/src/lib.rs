@@ -43,7 +43,7 @@ pub use error::{Result, RuntimeError};
 
 // The modules' paths before they were grouped, kept so that callers (the CLI and
 // other crates) need not change.
-pub use lifecycle::{exec, init, launch, logs, monitor, residency};
+pub use lifecycle::{exec, init, ksm, launch, logs, monitor, residency};
 pub use network::pool as network_pool;
 pub use templates::{clone, prepared_claim, template, working_set};
 

@@ -80,6 +80,11 @@ pub struct BoxSpec {
     /// Networking.
     #[serde(default)]
     pub network: NetSpec,
+    /// Mark the box's anonymous memory mergeable by the kernel's same-page
+    /// merging (`--ksm`: `PR_SET_MEMORY_MERGE` on its command, inherited by
+    /// every process it starts, by `exec`'d commands and by clones).
+    #[serde(default)]
+    pub ksm: bool,
 }
 
 /// How a box is connected.
@@ -380,6 +385,7 @@ pub(crate) mod tests_support {
             limits: Limits::default(),
             interactive: false,
             remove_on_exit: false,
+            ksm: false,
             clone_of: None,
             network: NetSpec::default(),
         }

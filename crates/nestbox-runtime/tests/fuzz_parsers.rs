@@ -242,6 +242,7 @@ fn spec() -> impl Strategy<Value = BoxSpec> {
                     limits,
                     interactive: false,
                     remove_on_exit: false,
+                    ksm: false,
                     clone_of: None,
                     network: NetSpec {
                         mode,
@@ -310,6 +311,7 @@ fn stored_spec_json() {
         limits: Default::default(),
         interactive: false,
         remove_on_exit: false,
+        ksm: false,
         clone_of: None,
         network: NetSpec::default(),
     })

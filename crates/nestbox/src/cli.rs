@@ -96,6 +96,9 @@ enum Command {
     },
     /// Remove dead boxes and every leftover no live box owns.
     Gc,
+    /// Same-page merging (KSM) on this host: what it saves, what its scanner
+    /// costs, and its settings (boxes take part with `run --ksm`).
+    Ksm(KsmArgs),
     /// Freeze a running box into a template that clones are forked from.
     Freeze {
         /// Name the template (default: the box name).
@@ -318,6 +321,10 @@ struct RunArgs {
     /// Make the root filesystem read-only.
     #[arg(long)]
     read_only: bool,
+    /// Let the kernel merge identical pages of the box's memory with other
+    /// mergeable memory (KSM; inherited by its clones; see `nestbox ksm`).
+    #[arg(long)]
+    ksm: bool,
     /// Mount a host path: HOST:BOX[:ro] (repeatable).
     #[arg(short, long = "volume", value_name = "HOST:BOX[:ro]")]
     volume: Vec<String>,
@@ -418,6 +425,23 @@ pub fn dispatch(cli: Cli) -> Result<i32> {
         }
         Command::Stats { json, name } => output::stats(&reg, &name, json).map(|_| 0),
         Command::Gc => output::gc(&reg).map(|_| 0),
+        Command::Ksm(a) => {
+            let dir = std::path::Path::new(nestbox_runtime::ksm::SYSFS);
+            let run = match (a.on, a.off) {
+                (true, _) => Some(true),
+                (_, true) => Some(false),
+                _ => None,
+            };
+            nestbox_runtime::ksm::tune(
+                dir,
+                nestbox_runtime::ksm::Tuning {
+                    run,
+                    pages_to_scan: a.pages_to_scan,
+                    sleep_millisecs: a.sleep_ms,
+                },
+            )?;
+            output::ksm(&nestbox_runtime::ksm::host(dir)?, a.json).map(|_| 0)
+        }
         Command::Freeze {
             as_name,
             pool,
@@ -448,6 +472,13 @@ pub fn dispatch(cli: Cli) -> Result<i32> {
 fn run(reg: &Registry, args: RunArgs) -> Result<i32> {
     let detach = args.detach;
     let spec = build_spec(args)?;
+    if spec.ksm
+        && nestbox_runtime::ksm::host(std::path::Path::new(nestbox_runtime::ksm::SYSFS))
+            .is_ok_and(|h| !h.running)
+    {
+        // The box runs all the same: its memory is mergeable once the scanner runs.
+        eprintln!("nestbox: warning: the host's KSM scanner is stopped: nothing is merged until `nestbox ksm --on`");
+    }
     if detach {
         ops::run_detached(reg, &spec)?;
         println!("{}", spec.name);
@@ -528,11 +559,32 @@ fn build_spec(a: RunArgs) -> Result<BoxSpec> {
         limits,
         interactive: a.interactive,
         remove_on_exit: a.rm,
+        ksm: a.ksm,
         clone_of: None,
         network,
     };
     // Validated by the runtime (ops::run_*) before anything is created.
     Ok(spec)
+}
+
+/// `nestbox ksm`: settings to change, then the report.
+#[derive(clap::Args, Debug)]
+struct KsmArgs {
+    /// Start the scanner (host-wide).
+    #[arg(long, conflicts_with = "off")]
+    on: bool,
+    /// Stop the scanner (merged pages stay merged).
+    #[arg(long)]
+    off: bool,
+    /// Pages the scanner looks at per wake-up (1-100000).
+    #[arg(long, value_name = "N")]
+    pages_to_scan: Option<u64>,
+    /// Milliseconds the scanner sleeps between wake-ups (0-10000).
+    #[arg(long, value_name = "MS")]
+    sleep_ms: Option<u64>,
+    /// Print JSON.
+    #[arg(long)]
+    json: bool,
 }
 
 fn template(reg: &Registry, cmd: TemplateCommand) -> Result<i32> {

@@ -116,10 +116,14 @@ pub fn stats(reg: &Registry, name: &str, as_json: bool) -> Result<()> {
         .load(name)
         .ok()
         .and_then(|r| nestbox_runtime::clone::sharing(reg, &r));
+    let ksm = ops::ksm(reg, name).ok().flatten();
     if as_json {
         let mut v = serde_json::to_value(&s)?;
         if let Some(sh) = sharing {
             v["sharing"] = sh;
+        }
+        if let Some(k) = &ksm {
+            v["ksm"] = serde_json::to_value(k)?;
         }
         println!("{}", serde_json::to_string_pretty(&v)?);
         return Ok(());
@@ -136,6 +140,17 @@ pub fn stats(reg: &Registry, name: &str, as_json: bool) -> Result<()> {
         format_size(s.memory_peak),
         s.pids_current
     );
+    if let Some(k) = ksm.filter(|k| k.mergeable_processes > 0 || k.merging_pages > 0) {
+        println!(
+            "ksm: {} pages merged, {} saved (net)",
+            k.merging_pages,
+            if k.profit_bytes < 0 {
+                format!("-{}", format_size(k.profit_bytes.unsigned_abs()))
+            } else {
+                format_size(k.profit_bytes as u64)
+            }
+        );
+    }
     if let Some(sh) = sharing {
         let bytes = |v: &serde_json::Value| format_size(v.as_u64().unwrap_or(0));
         match sh["role"].as_str() {
@@ -154,6 +169,32 @@ pub fn stats(reg: &Registry, name: &str, as_json: bool) -> Result<()> {
             ),
         }
     }
+    Ok(())
+}
+
+/// `ksm [--json]`: the host's same-page merging.
+pub fn ksm(h: &nestbox_runtime::ksm::HostKsm, as_json: bool) -> Result<()> {
+    if as_json {
+        println!("{}", serde_json::to_string_pretty(h)?);
+        return Ok(());
+    }
+    let pages = |n: u64| format_size(n * 4096);
+    println!(
+        "scanner: {} ({} pages every {} ms), {} full scans, ksmd CPU time {:.3}s",
+        if h.running { "running" } else { "stopped" },
+        h.pages_to_scan,
+        h.sleep_millisecs,
+        h.full_scans,
+        h.ksmd_cpu_ms as f64 / 1e3
+    );
+    println!(
+        "merged: {} pages stand for {} ({} saved), {} unique so far, {} changing too fast",
+        h.pages_shared,
+        h.pages_sharing,
+        pages(h.pages_sharing),
+        h.pages_unshared,
+        h.pages_volatile
+    );
     Ok(())
 }
 

@@ -64,7 +64,7 @@ fn exec_inner(reg: &Registry, name: &str, opts: &ExecOptions) -> Result<i32> {
         }
     })?;
     let setgroups = record.state.idmap.is_none_or(|m| m.allows_setgroups());
-    let plan = CommandPlan::new(
+    let mut plan = CommandPlan::new(
         &opts.command,
         spec.environment(),
         opts.workdir.clone().unwrap_or(spec.workdir.clone()),
@@ -74,6 +74,7 @@ fn exec_inner(reg: &Registry, name: &str, opts: &ExecOptions) -> Result<i32> {
         setgroups,
         false,
     )?;
+    plan.memory_merge = spec.ksm;
     let (rep_r, rep_w) = pipe2(OFlag::O_CLOEXEC).map_err(RuntimeError::sys("pipe2"))?;
     // While the command runs, a terminal's ^C reaches it directly; we only wait.
     ignore_interrupts();

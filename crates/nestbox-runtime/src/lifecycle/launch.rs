@@ -47,6 +47,8 @@ pub struct CommandPlan {
     pub setgroups: bool,
     /// Start a new session (for the box's main command; not for `exec`).
     pub new_session: bool,
+    /// Mark the command's memory mergeable (`PR_SET_MEMORY_MERGE`, `--ksm`).
+    pub memory_merge: bool,
 }
 
 impl CommandPlan {
@@ -88,6 +90,7 @@ impl CommandPlan {
             seccomp,
             setgroups,
             new_session,
+            memory_merge: false,
         })
     }
 }
@@ -292,6 +295,9 @@ fn prepare_credentials(plan: &CommandPlan) -> Result<(), Failure> {
     caps::apply_process_sets(&plan.caps, plan.user.uid == 0)
         .map_err(|e| e125("capabilities", &e))?;
     nix::sys::prctl::set_no_new_privs().map_err(|e| e125("prctl(NO_NEW_PRIVS)", &e))?;
+    if plan.memory_merge {
+        crate::ksm::make_process_mergeable().map_err(|e| e125("prctl(PR_SET_MEMORY_MERGE)", &e))?;
+    }
     if let Some(filter) = &plan.seccomp {
         filter.install().map_err(|e| e125("seccomp", &e))?;
     }

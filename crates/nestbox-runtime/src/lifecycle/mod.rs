@@ -1,7 +1,7 @@
 //! The life of one box, whatever it is: the monitor that supervises it, the launch
 //! of its first process, its init, `exec` into it, its logs, the residency of its
-//! idle processes, and the operations on a plain box (run, stop, kill, rm, stats,
-//! inspect, gc).
+//! idle processes, same-page merging of its memory (ksm), and the operations on a
+//! plain box (run, stop, kill, rm, stats, inspect, gc).
 //!
 //! This layer imports the records (spec, state, registry, …) and the network glue,
 //! never the templates layer or the API: what it needs to know about templates and
@@ -9,6 +9,7 @@
 
 pub mod exec;
 pub mod init;
+pub mod ksm;
 pub mod launch;
 pub mod logs;
 pub mod monitor;

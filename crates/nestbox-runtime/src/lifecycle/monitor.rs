@@ -616,7 +616,7 @@ fn launch_plan(
         read_only: spec.read_only,
         userns: idmap.is_some(),
     };
-    let command = CommandPlan::new(
+    let mut command = CommandPlan::new(
         &spec.command,
         spec.environment(),
         spec.workdir.clone(),
@@ -626,6 +626,7 @@ fn launch_plan(
         idmap.is_none_or(|m| m.allows_setgroups()),
         true,
     )?;
+    command.memory_merge = spec.ksm;
     Ok(LaunchPlan {
         rootfs,
         hostname: spec.hostname.clone(),

@@ -347,6 +347,16 @@ fn stats_inner(reg: &Registry, name: &str) -> Result<Stats> {
         .ok_or_else(|| RuntimeError::NotRunning(name.to_string()))
 }
 
+/// Same-page merging figures of a running box's processes (`None` when it is
+/// not running).
+pub fn ksm(reg: &Registry, name: &str) -> Result<Option<crate::ksm::BoxKsm>> {
+    let record = reg.load(name).map_err(|e| e.in_box(name))?;
+    Ok(match (&record.state.cgroup, running_init(&record)) {
+        (Some(cg), Some(_)) => Some(crate::ksm::of_processes(&cg.procs().unwrap_or_default())),
+        _ => None,
+    })
+}
+
 /// Everything known about a box, as JSON.
 pub fn inspect(reg: &Registry, name: &str) -> Result<serde_json::Value> {
     inspect_with(reg, &PlainBoxes, name)
