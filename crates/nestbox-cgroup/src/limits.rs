@@ -37,6 +37,11 @@ pub struct Limits {
     /// accounting), v2 `memory.swap.max` = `memory_swap - memory`.
     /// When unset, swap is left as the kernel default.
     pub memory_swap: Option<i64>,
+    /// Memory reserved for the box in bytes: the kernel reclaims from it last
+    /// (v1 `memory.soft_limit_in_bytes`, v2 `memory.low`), and the overload
+    /// watchdog stops boxes by how far they are above it.
+    #[serde(default)]
+    pub memory_reserve: Option<u64>,
     /// Maximum number of tasks: `pids.max`.
     pub pids: Option<u64>,
     /// Hard cap in CPUs (e.g. `0.5`): v1 `cpu.cfs_quota_us` with a
@@ -163,6 +168,17 @@ impl Limits {
                     ))
                 }
                 Some(_) => {}
+            }
+        }
+        if let (Some(r), Some(m)) = (self.memory_reserve, self.memory) {
+            if r > m {
+                return Err(invalid(
+                    "memory_reserve",
+                    r,
+                    format!(
+                        "must be <= memory ({m}): a box cannot be guaranteed more than it may use"
+                    ),
+                ));
             }
         }
         if let Some(p) = self.pids {
@@ -365,6 +381,21 @@ mod tests {
     #[test]
     fn validation_errors() {
         assert!(Limits::default().validate_with_online(2).is_ok());
+        assert_eq!(
+            msg(Limits {
+                memory: Some(1 << 20),
+                memory_reserve: Some(2 << 20),
+                ..Default::default()
+            }),
+            "cgroup: invalid memory_reserve=2097152: must be <= memory (1048576): a box cannot be guaranteed more than it may use"
+        );
+        assert!(Limits {
+            memory: Some(2 << 20),
+            memory_reserve: Some(2 << 20),
+            ..Default::default()
+        }
+        .validate_with_online(2)
+        .is_ok());
         assert_eq!(
             msg(Limits {
                 cpus: Some(3.0),

@@ -118,6 +118,7 @@ fn v1_files(ctrl: &str) -> Vec<(&'static str, &'static str)> {
         ],
         "memory" => vec![
             ("memory.limit_in_bytes", "9223372036854771712\n"),
+            ("memory.soft_limit_in_bytes", "9223372036854771712\n"),
             ("memory.memsw.limit_in_bytes", "9223372036854771712\n"),
             ("memory.usage_in_bytes", "4096\n"),
             ("memory.max_usage_in_bytes", "8192\n"),
@@ -200,6 +201,7 @@ pub(crate) fn pure_v2(root: &Path) -> Hierarchies {
         ("cpuset.mems", ""),
         ("io.weight", "default 100\n"),
         ("memory.max", "max\n"),
+        ("memory.low", "0\n"),
         ("memory.swap.max", "max\n"),
         ("memory.current", "1000\n"),
         ("memory.peak", "5000\n"),

@@ -12,6 +12,7 @@ use crate::*;
 fn full_limits() -> Limits {
     Limits {
         memory: Some(64 << 20),
+        memory_reserve: Some(16 << 20),
         memory_swap: Some(128 << 20),
         pids: Some(10),
         cpus: Some(0.5),
@@ -48,6 +49,10 @@ fn create_v1_writes_exact_files() {
     // One dir per hierarchy: cpu,cpuacct is a single one.
     assert_eq!(cg.dirs().len(), 7);
     assert_eq!(read(p["memory"].join("memory.limit_in_bytes")), "67108864");
+    assert_eq!(
+        read(p["memory"].join("memory.soft_limit_in_bytes")),
+        "16777216"
+    );
     assert_eq!(
         read(p["memory"].join("memory.memsw.limit_in_bytes")),
         "134217728"
@@ -156,6 +161,7 @@ fn create_v2_writes_exact_files() {
     );
     assert!(p.values().all(|v| *v == dir));
     assert_eq!(read(dir.join("memory.max")), "67108864");
+    assert_eq!(read(dir.join("memory.low")), "16777216");
     assert_eq!(read(dir.join("memory.swap.max")), "67108864");
     assert_eq!(read(dir.join("cpu.max")), "50000 100000");
     assert_eq!(read(dir.join("cpu.weight")), "20");

@@ -104,6 +104,9 @@ fn apply_memory(dir: &Path, limits: &Limits) -> Result<(), CgroupError> {
     if let Some(m) = limits.memory {
         fsutil::write(&dir.join("memory.limit_in_bytes"), &m.to_string())?;
     }
+    if let Some(r) = limits.memory_reserve {
+        fsutil::write(&dir.join("memory.soft_limit_in_bytes"), &r.to_string())?;
+    }
     if let Some(swap) = limits.memory_swap {
         let file = dir.join("memory.memsw.limit_in_bytes");
         if !file.exists() {

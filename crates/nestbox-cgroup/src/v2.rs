@@ -94,6 +94,9 @@ pub(crate) fn apply(
         if let Some(m) = limits.memory {
             fsutil::write(&dir.join("memory.max"), &m.to_string())?;
         }
+        if let Some(r) = limits.memory_reserve {
+            fsutil::write(&dir.join("memory.low"), &r.to_string())?;
+        }
         if let Some(swap) = limits.memory_swap {
             let file = dir.join("memory.swap.max");
             if !file.exists() {

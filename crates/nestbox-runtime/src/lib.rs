@@ -38,6 +38,7 @@ pub mod spec;
 pub mod state;
 pub mod store_ops;
 pub mod templates;
+pub mod watchdog;
 
 pub use error::{Result, RuntimeError};
 

@@ -85,6 +85,24 @@ pub struct BoxState {
     /// The box's attachment to its network (address, veth, ports, rates).
     #[serde(default)]
     pub network: Option<serde_json::Value>,
+    /// Set when the overload watchdog stopped the box: why, and when.
+    #[serde(default)]
+    pub watchdog: Option<WatchdogStop>,
+}
+
+/// The overload watchdog's decision to stop a box (`nestbox watchdog`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WatchdogStop {
+    /// When, in seconds since the epoch.
+    pub at: u64,
+    /// The host's available memory then, in bytes.
+    pub available_bytes: u64,
+    /// The watchdog's threshold, in bytes.
+    pub min_available_bytes: u64,
+    /// The box's memory use then, in bytes.
+    pub memory_bytes: u64,
+    /// The box's reservation (`--memory-reserve`), in bytes.
+    pub reserve_bytes: u64,
 }
 
 /// What freezing a box recorded.
@@ -141,6 +159,7 @@ impl BoxState {
             template: None,
             clone: None,
             network: None,
+            watchdog: None,
         }
     }
 

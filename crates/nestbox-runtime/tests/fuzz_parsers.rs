@@ -162,6 +162,7 @@ fn limits() -> impl Strategy<Value = nestbox_cgroup::Limits> {
             proptest::option::of(prop_oneof![any::<u64>(), 0u64..(64 << 20)]),
             proptest::option::of(prop_oneof![any::<i64>(), -2i64..2]),
             proptest::option::of(any::<u64>()),
+            proptest::option::of(prop_oneof![any::<u64>(), 0u64..(128 << 20)]),
         ),
         (
             proptest::option::of(prop_oneof![
@@ -181,9 +182,13 @@ fn limits() -> impl Strategy<Value = nestbox_cgroup::Limits> {
         ),
     )
         .prop_map(
-            |((memory, memory_swap, pids), (cpus, cpu_shares, cpuset_cpus, io_weight))| {
+            |(
+                (memory, memory_swap, pids, memory_reserve),
+                (cpus, cpu_shares, cpuset_cpus, io_weight),
+            )| {
                 nestbox_cgroup::Limits {
                     memory,
+                    memory_reserve,
                     memory_swap,
                     pids,
                     cpus,

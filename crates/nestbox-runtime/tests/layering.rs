@@ -38,7 +38,7 @@ const LAYERS: &[(&str, &[&str])] = &[
             "working_set",
         ],
     ),
-    ("api", &["api", "store_ops"]),
+    ("api", &["api", "store_ops", "watchdog"]),
 ];
 
 /// The layer a source file (relative to `src/`) belongs to.

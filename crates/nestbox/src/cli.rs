@@ -99,6 +99,9 @@ enum Command {
     /// Same-page merging (KSM) on this host: what it saves, what its scanner
     /// costs, and its settings (boxes take part with `run --ksm`).
     Ksm(KsmArgs),
+    /// The overload watchdog: while the host's available memory is below a
+    /// threshold, stop the running box furthest above its --memory-reserve.
+    Watchdog(WatchdogArgs),
     /// Freeze a running box into a template that clones are forked from.
     Freeze {
         /// Name the template (default: the box name).
@@ -224,6 +227,10 @@ struct ResourceArgs {
     /// Memory limit (e.g. 64m); the OOM killer acts inside the box only.
     #[arg(long, value_name = "SIZE")]
     memory: Option<String>,
+    /// Memory reserved for the box (SIZE): reclaimed from it last, and the
+    /// overload watchdog stops boxes by their use above it.
+    #[arg(long, value_name = "SIZE")]
+    memory_reserve: Option<String>,
     /// Memory plus swap limit (SIZE, or -1 for unlimited swap).
     #[arg(long, value_name = "SIZE", allow_hyphen_values = true)]
     memory_swap: Option<String>,
@@ -254,6 +261,12 @@ impl ResourceArgs {
                 .map(parse_size)
                 .transpose()
                 .context("--memory")?,
+            memory_reserve: a
+                .memory_reserve
+                .as_deref()
+                .map(parse_size)
+                .transpose()
+                .context("--memory-reserve")?,
             memory_swap: match a.memory_swap.as_deref() {
                 None => None,
                 Some("-1") => Some(-1),
@@ -269,6 +282,7 @@ impl ResourceArgs {
 
     fn any(&self) -> bool {
         self.memory.is_some()
+            || self.memory_reserve.is_some()
             || self.memory_swap.is_some()
             || self.pids.is_some()
             || self.cpus.is_some()
@@ -425,6 +439,34 @@ pub fn dispatch(cli: Cli) -> Result<i32> {
         }
         Command::Stats { json, name } => output::stats(&reg, &name, json).map(|_| 0),
         Command::Gc => output::gc(&reg).map(|_| 0),
+        Command::Watchdog(a) => {
+            use nestbox_runtime::watchdog;
+            let min_available = match a.min_available.as_deref() {
+                Some(s) => parse_size(s).context("--min-available")?,
+                None => watchdog::default_min_available(watchdog::host_memory()?.0),
+            };
+            let cfg = watchdog::WatchdogConfig {
+                min_available,
+                interval: std::time::Duration::from_millis(a.interval_ms.max(10)),
+            };
+            let report = |name: &str, v: &nestbox_runtime::state::WatchdogStop| {
+                println!(
+                    "stopped {name}: available {} < {}, it used {} (reserve {})",
+                    nestbox_runtime::size::format_size(v.available_bytes),
+                    nestbox_runtime::size::format_size(v.min_available_bytes),
+                    nestbox_runtime::size::format_size(v.memory_bytes),
+                    nestbox_runtime::size::format_size(v.reserve_bytes)
+                )
+            };
+            if a.once {
+                if let Some((name, v)) = watchdog::check_once(&reg, &cfg)? {
+                    report(&name, &v);
+                }
+                return Ok(0);
+            }
+            watchdog::run(&reg, &cfg, report)?;
+            Ok(0)
+        }
         Command::Ksm(a) => {
             let dir = std::path::Path::new(nestbox_runtime::ksm::SYSFS);
             let run = match (a.on, a.off) {
@@ -565,6 +607,21 @@ fn build_spec(a: RunArgs) -> Result<BoxSpec> {
     };
     // Validated by the runtime (ops::run_*) before anything is created.
     Ok(spec)
+}
+
+/// `nestbox watchdog`.
+#[derive(clap::Args, Debug)]
+struct WatchdogArgs {
+    /// Act when MemAvailable is below SIZE (default: 5% of the host's memory,
+    /// at least 128m).
+    #[arg(long, value_name = "SIZE")]
+    min_available: Option<String>,
+    /// Milliseconds between checks.
+    #[arg(long, value_name = "MS", default_value_t = 1000)]
+    interval_ms: u64,
+    /// Check once and exit.
+    #[arg(long)]
+    once: bool,
 }
 
 /// `nestbox ksm`: settings to change, then the report.

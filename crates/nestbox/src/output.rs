@@ -28,6 +28,7 @@ pub fn ps(reg: &Registry, all: bool, as_json: bool) -> Result<()> {
             "pid": r.state.init.map(|p| p.pid),
             "created": r.state.created_at,
             "command": r.spec.command.join(" "),
+            "stopped_by_watchdog": r.state.watchdog.is_some(),
         }));
     }
     if as_json {
@@ -40,6 +41,9 @@ pub fn ps(reg: &Registry, all: bool, as_json: bool) -> Result<()> {
     );
     for row in rows {
         let status = match (row["status"].as_str(), row["exit_code"].as_i64()) {
+            (Some("exited"), Some(c)) if row["stopped_by_watchdog"] == true => {
+                format!("exited ({c}, watchdog)")
+            }
             (Some("exited"), Some(c)) => format!("exited ({c})"),
             (Some(s), _) => s.to_string(),
             _ => String::new(),
