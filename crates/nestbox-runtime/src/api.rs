@@ -366,6 +366,7 @@ fn handle(reg: &Registry, line: &str, idle: &mut IdleWork) -> Result<(Value, Fol
                 limits: None,
                 on_clone_signal,
                 pooled: false,
+                without_network: false,
             };
             idle.want(&template);
             let mut follow_up = FollowUp::default();

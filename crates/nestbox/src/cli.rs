@@ -174,6 +174,11 @@ struct CloneArgs {
     /// reseed random state), e.g. USR1.
     #[arg(long, value_name = "SIG")]
     on_clone_signal: Option<String>,
+    /// `none`: the clone gets loopback only (no address, veth or bandwidth
+    /// class) instead of its template's network; its servers answer on its
+    /// loopback (e.g. through `exec`).
+    #[arg(long, value_name = "none")]
+    network: Option<String>,
     #[command(flatten)]
     resources: ResourceArgs,
     /// Template name.
@@ -679,6 +684,13 @@ fn clone(reg: &Registry, a: CloneArgs) -> Result<i32> {
         },
         on_clone_signal: a.on_clone_signal.as_deref().map(parse_signal).transpose()?,
         pooled: false,
+        without_network: match a.network.as_deref() {
+            None => false,
+            Some("none") => true,
+            Some(other) => anyhow::bail!(
+                "unknown clone --network {other:?} (a clone has its template's network, or none)"
+            ),
+        },
     };
     let made = nestbox_runtime::clone::clone_template(reg, &a.template, &req)?;
     if a.detach || made.len() != 1 {

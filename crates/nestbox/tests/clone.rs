@@ -145,6 +145,61 @@ fn clones_continue_from_the_frozen_state_independently() {
     root.rm_all(names.iter().copied().chain(["tpl"]));
 }
 
+/// `clone --network none`: clones of a bridged template with loopback only
+/// continue the template's state and answer on their loopback; they are forked
+/// (the pooled clone, which has the template's network, is left in the pool).
+#[test]
+fn clones_without_network_have_loopback_only() {
+    let Some(root) = TestRoot::new("clones_without_network_have_loopback_only") else {
+        return;
+    };
+    frozen_pooled_server(&root, "tpl", 3, 1);
+    wait_for("the pool to fill", Duration::from_secs(20), || {
+        pooled(&root) == 1
+    });
+    let names = root.ok(&[
+        "clone",
+        "tpl",
+        "-n",
+        "2",
+        "-d",
+        "--network",
+        "none",
+        "--name",
+        "lo",
+    ]);
+    let names: Vec<&str> = names.lines().collect();
+    assert_eq!(names, ["lo-1", "lo-2"]);
+    assert_eq!(pooled(&root), 1, "the pooled clone was not taken");
+    for n in &names {
+        assert_eq!(
+            get(&root, n, "/").0,
+            4,
+            "{n} continues the template's count"
+        );
+        let v = root.inspect(n);
+        assert_eq!(v["spec"]["network"]["mode"], "none", "{v}");
+        assert!(v["state"]["network"].is_null(), "{v}");
+        let dev = root.ok(&["exec", n, "--", "cat", "/proc/net/dev"]);
+        let ifaces: Vec<&str> = dev
+            .lines()
+            .skip(2)
+            .filter_map(|l| l.split(':').next())
+            .map(str::trim)
+            .collect();
+        assert_eq!(ifaces, ["lo"], "{dev}");
+    }
+    assert_eq!(get(&root, "lo-1", "/").0, 5);
+    assert_eq!(get(&root, "lo-2", "/").0, 5);
+    let out = root.run(&["clone", "tpl", "--network", "host"]);
+    assert_eq!(out.code, 125, "{out}");
+    assert!(
+        out.stderr.contains("unknown clone --network \"host\""),
+        "{out}"
+    );
+    root.rm_all(names.iter().copied().chain(["tpl"]));
+}
+
 #[test]
 fn clone_files_logs_and_identity_are_their_own() {
     let Some(root) = TestRoot::new("clone_files_logs_and_identity_are_their_own") else {

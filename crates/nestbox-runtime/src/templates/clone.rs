@@ -48,6 +48,10 @@ pub struct CloneRequest {
     /// Fork for the template's pool: the clones stay stopped, hidden, under
     /// pool names, until a later `clone` claims them.
     pub pooled: bool,
+    /// Give each clone a network namespace with loopback only (`--network
+    /// none`) instead of the template's network: no address, veth or
+    /// bandwidth class; its listening sockets answer on its loopback.
+    pub without_network: bool,
 }
 
 /// One clone made.
@@ -167,7 +171,8 @@ pub fn clone_template_answer_first(
     let mut follow_up = FollowUp::default();
     let mut rest = Vec::new();
     for name in names {
-        let claimed = if req.pooled || req.limits.is_some() {
+        // Pooled clones have the template's settings: a request with its own is forked.
+        let claimed = if req.pooled || req.limits.is_some() || req.without_network {
             None
         } else {
             claim_pooled(reg, &t, &name, req, &mut follow_up)?
@@ -360,6 +365,12 @@ fn clone_spec(t: &BoxRecord, name: &str, req: &CloneRequest) -> BoxSpec {
     spec.remove_on_exit = false;
     // A host port can be published by one box only.
     spec.network.publish.clear();
+    if req.without_network {
+        spec.network = crate::spec::NetSpec {
+            mode: crate::spec::NetworkMode::None,
+            ..Default::default()
+        };
+    }
     if let Some(limits) = &req.limits {
         spec.limits = limits.clone();
     }
