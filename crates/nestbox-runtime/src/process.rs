@@ -63,6 +63,22 @@ pub unsafe fn close_fds(first: u32, last: u32) -> crate::Result<()> {
     )))
 }
 
+/// The `/proc/PID` directories of the processes this process's `/proc` shows
+/// (none if `/proc` cannot be read).
+pub fn proc_pid_dirs() -> impl Iterator<Item = std::path::PathBuf> {
+    std::fs::read_dir("/proc")
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter(|e| {
+            e.file_name()
+                .to_string_lossy()
+                .bytes()
+                .all(|b| b.is_ascii_digit())
+        })
+        .map(|e| e.path())
+}
+
 /// Point stdin, stdout and stderr at `/dev/null` (best effort).
 pub fn stdio_to_dev_null() {
     if let Ok(null) = std::fs::OpenOptions::new()

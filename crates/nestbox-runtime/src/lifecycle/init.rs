@@ -99,26 +99,16 @@ fn linger_for_clones(sfd: &SignalFd) {
 /// Whether a process of a pid namespace nested in this one is alive (its `NSpid`
 /// line in /proc lists more than one pid).
 fn nested_namespace_processes() -> bool {
-    let Ok(dir) = std::fs::read_dir("/proc") else {
-        return false;
-    };
-    dir.flatten()
-        .filter(|e| {
-            e.file_name()
-                .to_string_lossy()
-                .bytes()
-                .all(|b| b.is_ascii_digit())
-        })
-        .any(|e| {
-            std::fs::read_to_string(e.path().join("status"))
-                .ok()
-                .and_then(|s| {
-                    s.lines()
-                        .find_map(|l| l.strip_prefix("NSpid:"))
-                        .map(|v| v.split_whitespace().count() > 1)
-                })
-                .unwrap_or(false)
-        })
+    crate::process::proc_pid_dirs().any(|dir| {
+        std::fs::read_to_string(dir.join("status"))
+            .ok()
+            .and_then(|s| {
+                s.lines()
+                    .find_map(|l| l.strip_prefix("NSpid:"))
+                    .map(|v| v.split_whitespace().count() > 1)
+            })
+            .unwrap_or(false)
+    })
 }
 
 /// Reap every exited child; the command's exit code once it is among them.

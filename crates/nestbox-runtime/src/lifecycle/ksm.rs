@@ -140,20 +140,11 @@ pub fn host(dir: &Path) -> Result<HostKsm> {
 
 /// CPU time of the `ksmd` kernel thread, in milliseconds (0 if not found).
 fn ksmd_cpu_ms() -> u64 {
-    let Ok(dir) = std::fs::read_dir("/proc") else {
-        return 0;
-    };
     // SAFETY: sysconf with a valid name reads a constant.
     let ticks = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as u64;
-    dir.flatten()
-        .filter(|e| {
-            e.file_name()
-                .to_string_lossy()
-                .bytes()
-                .all(|b| b.is_ascii_digit())
-        })
-        .find(|e| std::fs::read_to_string(e.path().join("comm")).is_ok_and(|c| c.trim() == "ksmd"))
-        .and_then(|e| std::fs::read_to_string(e.path().join("stat")).ok())
+    crate::process::proc_pid_dirs()
+        .find(|dir| std::fs::read_to_string(dir.join("comm")).is_ok_and(|c| c.trim() == "ksmd"))
+        .and_then(|dir| std::fs::read_to_string(dir.join("stat")).ok())
         .and_then(|stat| cpu_ticks_of_stat(&stat))
         .map_or(0, |t| t * 1000 / ticks)
 }

@@ -380,11 +380,7 @@ Anonymous:             0 kB
                 deep(n - 1) + u64::from(std::hint::black_box(a)[n % 4096])
             }
         }
-        // SAFETY: the child computes, calls the function under test and exits
-        // with _exit; the parent waits for it.
-        let pid = unsafe { libc::fork() };
-        assert!(pid >= 0, "fork");
-        if pid == 0 {
+        in_child(|| {
             let live = [7u8; 512];
             let sum = deep(100);
             let sp = std::ptr::addr_of!(live) as usize;
@@ -393,20 +389,12 @@ Anonymous:             0 kB
             let below = resident_pages(lo, sp - STACK_MARGIN);
             let dropped = drop_dead_stack();
             let after = resident_pages(lo, (sp - STACK_MARGIN - 4096) & !4095);
-            let ok = below >= 20
+            below >= 20
                 && dropped >= 20
                 && after == 0
                 && std::hint::black_box(live).iter().all(|&b| b == 7)
-                && deep(100) == sum;
-            nestbox_sys::process::exit_now(if ok { 0 } else { 1 });
-        }
-        let mut status = 0;
-        // SAFETY: waitpid on our own child with a valid status pointer.
-        assert_eq!(unsafe { libc::waitpid(pid, &mut status, 0) }, pid);
-        assert!(
-            libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0,
-            "status {status:#x}"
-        );
+                && deep(100) == sum
+        });
     }
 
     /// In a child (the test harness has threads; the drop needs one): zeroed
@@ -414,11 +402,7 @@ Anonymous:             0 kB
     /// data keeps it.
     #[test]
     fn zero_pages_are_dropped_and_data_is_kept() {
-        // SAFETY: the child only allocates, reads, calls the function under
-        // test and exits with _exit; the parent waits for it.
-        let pid = unsafe { libc::fork() };
-        assert!(pid >= 0, "fork");
-        if pid == 0 {
+        in_child(|| {
             let zeros = vec![0u8; 64 * 4096];
             let mut data = vec![0u8; 16 * 4096];
             for (i, b) in data.iter_mut().enumerate() {
@@ -437,7 +421,7 @@ Anonymous:             0 kB
             let before = resident(&zeros);
             let dropped = drop_zero_pages();
             let after = resident(&zeros);
-            let ok = before >= 60
+            before >= 60
                 && after == 0
                 && dropped >= 60
                 && zeros.iter().all(|&b| b == 0)
@@ -445,8 +429,19 @@ Anonymous:             0 kB
                     .iter()
                     .enumerate()
                     .all(|(i, &b)| b == (i % 251) as u8 | 1)
-                && resident(&data) >= 14;
-            nestbox_sys::process::exit_now(if ok { 0 } else { 1 });
+                && resident(&data) >= 14
+        });
+    }
+
+    /// Run `check` in a forked child (one thread, as the monitor and init
+    /// are) and assert that it returned true.
+    fn in_child(check: impl FnOnce() -> bool) {
+        // SAFETY: the child runs `check` (allocations, reads and the
+        // functions under test) and leaves with _exit; the parent waits.
+        let pid = unsafe { libc::fork() };
+        assert!(pid >= 0, "fork");
+        if pid == 0 {
+            nestbox_sys::process::exit_now(if check() { 0 } else { 1 });
         }
         let mut status = 0;
         // SAFETY: waitpid on our own child with a valid status pointer.
