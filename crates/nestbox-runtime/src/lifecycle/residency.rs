@@ -182,10 +182,12 @@ pub fn drop_idle_memory() {
         libc::malloc_trim(0);
     }
     let zero = drop_zero_pages();
+    // After the steps above, whose code is mapped again by running it.
+    drop_file_pages();
+    // Last: the steps above reach deeper into the stack than what follows,
+    // and a dropped stack page touched again is a new private page.
     let stack = drop_dead_stack();
     tracing::debug!(zero, stack, "dropped zero-filled and dead stack pages");
-    // Last: the code the steps above ran is mapped again by running it.
-    drop_file_pages();
 }
 
 /// How far below the current stack pointer the stack is left alone: far more
