@@ -124,7 +124,14 @@ fn drop_zero_pages() -> usize {
     let Ok(maps) = std::fs::read_to_string("/proc/self/maps") else {
         return 0;
     };
-    let ranges = zero_candidates(&maps);
+    // Never this thread's own stack (`[stack]` is not a candidate, but a
+    // thread's stack made by mmap is unnamed): the check below writes there.
+    let here = 0u8;
+    let sp = std::ptr::addr_of!(here) as usize;
+    let ranges: Vec<(usize, usize)> = zero_candidates(&maps)
+        .into_iter()
+        .filter(|(lo, hi)| !(*lo..*hi).contains(&sp))
+        .collect();
     drop(maps);
     let (Ok(mem), Ok(pagemap)) = (
         std::fs::File::open("/proc/self/mem"),
