@@ -101,7 +101,6 @@ fn serial_ten_ksm_boxes_with_the_same_data_share_it() {
     let s = root.stats("k1");
     assert_eq!(s["ksm"]["mergeable_processes"], 1, "{s}");
     assert_eq!(s["ksm"]["merging_pages"], 0, "{s}");
-    let before: serde_json::Value = serde_json::from_str(&root.ok(&["ksm", "--json"])).unwrap();
     root.ok(&["ksm", "--on", "--pages-to-scan", "20000", "--sleep-ms", "5"]);
     wait_for(
         "every --ksm box to have its 50 MiB merged",
@@ -116,12 +115,12 @@ fn serial_ten_ksm_boxes_with_the_same_data_share_it() {
     let s = root.stats("plain");
     assert_eq!(s["ksm"]["mergeable_processes"], 0, "{s}");
     assert_eq!(s["ksm"]["merging_pages"], 0, "{s}");
-    // Host-wide: one copy of each page stands for ten.
-    let after: serde_json::Value = serde_json::from_str(&root.ok(&["ksm", "--json"])).unwrap();
-    assert_eq!(after["running"], true, "{after}");
-    let sharing =
-        after["pages_sharing"].as_u64().unwrap() - before["pages_sharing"].as_u64().unwrap();
-    assert!(sharing >= 9 * PAGES * 95 / 100, "{before}\n{after}");
+    // Host-wide: one copy of each page stands for ten (the host's figure also
+    // counts any other mergeable memory, so it is at least ours).
+    let host: serde_json::Value = serde_json::from_str(&root.ok(&["ksm", "--json"])).unwrap();
+    assert_eq!(host["running"], true, "{host}");
+    let sharing = host["pages_sharing"].as_u64().unwrap();
+    assert!(sharing >= 9 * PAGES * 95 / 100, "{host}");
     let text = root.ok(&["stats", "k1"]);
     assert!(
         text.contains("ksm:") && text.contains("pages merged"),
