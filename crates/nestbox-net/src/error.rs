@@ -72,6 +72,9 @@ pub enum NetError {
     /// A port mapping could not be parsed.
     #[error("invalid port mapping {0:?}: expected HOSTPORT:BOXPORT[/tcp|udp] with ports 1-65535")]
     InvalidPort(String),
+    /// A host port a box may reach could not be parsed.
+    #[error("invalid host port {0:?}: expected PORT[/tcp|udp] with a port 1-65535")]
+    InvalidHostPort(String),
     /// A subnet could not be parsed or is unsuitable.
     #[error("invalid subnet {subnet:?}: {reason}")]
     InvalidSubnet {
@@ -194,7 +197,7 @@ impl NetError {
             Netlink { .. } | Decode { .. } | Sys { .. } | Io { .. } | State { .. } | Nft { .. } => {
                 NetErrorKind::System
             }
-            InvalidRate(_) | InvalidPort(_) | InvalidSubnet { .. } | Invalid(_) => {
+            InvalidRate(_) | InvalidPort(_) | InvalidHostPort(_) | InvalidSubnet { .. } | Invalid(_) => {
                 NetErrorKind::Input
             }
             NoLease(_) | NotAttached(_) | NoNetwork(_) => NetErrorKind::NotFound,

@@ -1,20 +1,32 @@
-//! NAT through nftables: one table per network (`ip nestbox-BRIDGE`), holding
-//! the masquerade of outbound traffic and the DNAT rules of published ports.
+//! The network's nftables rules, two tables per network:
 //!
-//! The table is a pure function of the network's state: every change replaces
-//! the whole table in one atomic `nft -f -` transaction (exception to "netlink,
-//! not shell", see docs/network.md). Nothing is run for boxes that publish no
-//! port, so it stays off the common path.
+//! - `ip nestbox-BRIDGE`: NAT, the masquerade of outbound traffic and the DNAT
+//!   rules of published ports;
+//! - `inet nestbox-BRIDGE`: the host is not a destination. In the `input` hook,
+//!   whatever arrives from the bridge for the host itself (the gateway, every
+//!   other host address, the host's loopback reached through `route_localnet`,
+//!   broadcasts) is refused unless it belongs to a connection the host made or
+//!   accepted, or goes to a host port the box was allowed
+//!   (`--allow-host-port`, on the gateway's address only). Published ports are
+//!   DNATed before this hook, and replies to the host's connections are
+//!   established, so both keep working.
+//!
+//! Both tables are a pure function of the network's state: every change
+//! replaces them whole in one atomic `nft -f -` transaction (exception to
+//! "netlink, not shell", see docs/network.md). Nothing is run for boxes that
+//! publish no port and are allowed no host port, so it stays off the common
+//! path.
 
 use std::io::Write;
 use std::net::Ipv4Addr;
 use std::process::{Command, Stdio};
 
 use crate::error::{NetError, Result};
-use crate::port::PortMapping;
+use crate::port::{HostPort, PortMapping};
 use crate::subnet::Subnet;
 
-/// Name of the table of the network on bridge `bridge`.
+/// Name of the tables (`ip`: NAT; `inet`: the host guard) of the network on
+/// bridge `bridge`.
 pub fn table_name(bridge: &str) -> String {
     format!("nestbox-{bridge}")
 }
@@ -28,6 +40,8 @@ pub struct Ruleset<'a> {
     pub subnet: Subnet,
     /// Published ports: mapping and the box address it goes to.
     pub published: Vec<(PortMapping, Ipv4Addr)>,
+    /// Host ports boxes may reach on the gateway: port and the box's address.
+    pub host_allowed: Vec<(HostPort, Ipv4Addr)>,
 }
 
 impl Ruleset<'_> {
@@ -42,6 +56,15 @@ impl Ruleset<'_> {
             publish.push_str(&format!(
                 "    {p} dport {} dnat to {addr}:{}\n",
                 m.host_port, m.box_port
+            ));
+        }
+        let gw = net.gateway();
+        let mut allowed = String::new();
+        for (p, addr) in &self.host_allowed {
+            allowed.push_str(&format!(
+                "    ip saddr {addr} ip daddr {gw} {} dport {} accept\n",
+                p.proto.as_str(),
+                p.port
             ));
         }
         // `table` first makes the `delete` valid when the table did not exist.
@@ -66,6 +89,20 @@ impl Ruleset<'_> {
              \x20   oifname \"{br}\" ip saddr 127.0.0.0/8 masquerade\n\
              \x20   oifname \"{br}\" ip saddr {net} ct status dnat masquerade\n\
              \x20 }}\n\
+             }}\n\
+             table inet {t} {{}}\n\
+             delete table inet {t}\n\
+             table inet {t} {{\n\
+             \x20 chain input {{\n\
+             \x20   type filter hook input priority filter; policy accept;\n\
+             \x20   iifname \"{br}\" jump from_boxes\n\
+             \x20 }}\n\
+             \x20 chain from_boxes {{\n\
+             \x20   ct state established,related accept\n\
+             {allowed}\
+             \x20   meta l4proto tcp reject with tcp reset\n\
+             \x20   reject with icmpx admin-prohibited\n\
+             \x20 }}\n\
              }}\n"
         )
     }
@@ -76,20 +113,32 @@ impl Ruleset<'_> {
     }
 }
 
-/// Delete the table of the network on `bridge`, if it exists.
+/// Delete the tables of the network on `bridge`, if they exist.
 pub fn delete_table(bridge: &str) -> Result<()> {
     let t = table_name(bridge);
     run(
-        &format!("table ip {t} {{}}\ndelete table ip {t}\n"),
-        &format!("delete table {t}"),
+        &format!(
+            "table ip {t} {{}}\ndelete table ip {t}\ntable inet {t} {{}}\ndelete table inet {t}\n"
+        ),
+        &format!("delete tables {t}"),
     )
 }
 
-/// The table of `bridge` as `nft list` prints it, or `None` if there is none.
+/// The NAT table of `bridge` as `nft list` prints it, or `None` if there is none.
 pub fn list_table(bridge: &str) -> Result<Option<String>> {
+    list(bridge, "ip")
+}
+
+/// The host guard table of `bridge` as `nft list` prints it, or `None` if
+/// there is none.
+pub fn list_guard_table(bridge: &str) -> Result<Option<String>> {
+    list(bridge, "inet")
+}
+
+fn list(bridge: &str, family: &str) -> Result<Option<String>> {
     let t = table_name(bridge);
     let out = Command::new("nft")
-        .args(["list", "table", "ip", &t])
+        .args(["list", "table", family, &t])
         .stdin(Stdio::null())
         .output()
         .map_err(|e| spawn_error(&format!("list table {t}"), e))?;
@@ -98,7 +147,7 @@ pub fn list_table(bridge: &str) -> Result<Option<String>> {
     } else {
         // nft fails this way when the table does not exist.
         tracing::debug!(
-            "nft list table {t}: {}",
+            "nft list table {family} {t}: {}",
             String::from_utf8_lossy(&out.stderr).trim()
         );
         Ok(None)

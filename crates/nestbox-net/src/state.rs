@@ -13,7 +13,7 @@ use nix::fcntl::{Flock, FlockArg};
 use serde::{Deserialize, Serialize};
 
 use crate::error::{NetError, Result};
-use crate::port::PortMapping;
+use crate::port::{HostPort, PortMapping};
 use crate::rate::Rate;
 
 /// What the network knows about one box.
@@ -37,6 +37,17 @@ pub(crate) struct AttachRecord {
     pub reserve: Option<Rate>,
     pub share: u32,
     pub ingress_rate: Option<Rate>,
+    /// Host ports the box may open connections to (on the gateway).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub allow_host: Vec<HostPort>,
+}
+
+impl AttachRecord {
+    /// Whether the box has rules of its own in the network's nftables tables
+    /// (published ports, allowed host ports).
+    pub fn has_rules(&self) -> bool {
+        !self.publish.is_empty() || !self.allow_host.is_empty()
+    }
 }
 
 /// The state file's content.

@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 use common::*;
 use nestbox_net::netlink::Netlink;
 use nestbox_net::{
-    addr, link, netns, nft, parse_rate, AttachOptions, NetError, NetErrorKind, Network,
+    addr, link, netns, nft, parse_rate, AttachOptions, HostPort, NetError, NetErrorKind, Network,
     NetworkConfig, PortMapping,
 };
 
@@ -36,8 +36,12 @@ fn attach_gives_address_route_and_connectivity() {
     let att = net
         .attach(&a, ns_a.as_fd(), &AttachOptions::default())
         .unwrap();
-    net.attach(&b, ns_b.as_fd(), &AttachOptions::default())
-        .unwrap();
+    // Box b may reach the host's port 7002/tcp (on the gateway), nothing else.
+    let allowed = AttachOptions {
+        allow_host: vec![HostPort::parse("7002/tcp").unwrap()],
+        ..Default::default()
+    };
+    net.attach(&b, ns_b.as_fd(), &allowed).unwrap();
     assert_eq!(att.lease.address, a.address);
     assert_eq!(att.class, format!("1:{:x}", a.address.octets()[3]));
 
@@ -72,12 +76,13 @@ fn attach_gives_address_route_and_connectivity() {
     assert_eq!(ask(None, sa(a.address, 7001)), a.gateway.to_string());
     srv.join().unwrap();
 
-    // Box to host (the gateway).
-    let l = listen(None, a.gateway, 0);
-    let port = l.local_addr().unwrap().port();
+    // Box to host (the gateway): refused, but for the port box b was allowed.
+    let l = listen(None, a.gateway, 7002);
+    let refused = connect(Some(ns_a.as_fd()), sa(a.gateway, 7002));
+    assert!(refused.is_err(), "box a reached the host: {refused:?}");
     let srv = echo_peer_once(l);
     assert_eq!(
-        ask(Some(ns_b.as_fd()), sa(a.gateway, port)),
+        ask(Some(ns_b.as_fd()), sa(a.gateway, 7002)),
         b.address.to_string()
     );
     srv.join().unwrap();
@@ -292,8 +297,14 @@ fn detach_leaves_no_veth_address_rule_or_class() {
         reserve: Some(parse_rate("10mbit").unwrap()),
         share: Some(300),
         ingress_rate: Some(parse_rate("50mbit").unwrap()),
+        allow_host: vec![HostPort::parse("7070/udp").unwrap()],
     };
     let att = net.attach(&a, ns.as_fd(), &opts).unwrap();
+    let guard = nft::list_guard_table(&t.bridge).unwrap().unwrap();
+    assert!(
+        guard.contains(&format!("ip saddr {} ip daddr {} udp dport 7070 accept", a.address, a.gateway)),
+        "{guard}"
+    );
     let mut nl = Netlink::open().unwrap();
     let vidx = link::index(&mut nl, &att.host_veth).unwrap().unwrap();
     let qdiscs = nestbox_net::tc::list_qdiscs(&mut nl, vidx).unwrap();

@@ -301,6 +301,11 @@ struct RunArgs {
     /// Publish a port: HOSTPORT:BOXPORT[/tcp|udp] (repeatable; bridge only).
     #[arg(short = 'p', long = "publish", value_name = "HOST:BOX[/PROTO]")]
     publish: Vec<String>,
+    /// Let the box open connections to this port of the host, on the network's
+    /// gateway address: PORT[/tcp|udp] (repeatable; bridge only). The host is
+    /// otherwise no destination for a box.
+    #[arg(long = "allow-host-port", value_name = "PORT[/PROTO]")]
+    allow_host_port: Vec<String>,
     #[command(flatten)]
     bandwidth: BandwidthArgs,
     /// Hostname (default: the box name).
@@ -498,6 +503,13 @@ fn build_spec(a: RunArgs) -> Result<BoxSpec> {
             .publish
             .iter()
             .map(|p| nestbox_net::PortMapping::parse(p).with_context(|| format!("-p {p}")))
+            .collect::<Result<_>>()?,
+        allow_host: a
+            .allow_host_port
+            .iter()
+            .map(|p| {
+                nestbox_net::HostPort::parse(p).with_context(|| format!("--allow-host-port {p}"))
+            })
             .collect::<Result<_>>()?,
         ..NetSpec::default()
     };

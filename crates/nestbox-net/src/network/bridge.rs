@@ -188,6 +188,13 @@ impl Network {
         locked: &Locked,
         extra: Option<(&[PortMapping], Ipv4Addr)>,
     ) -> Ruleset<'a> {
+        let host_allowed = locked
+            .state
+            .boxes
+            .values()
+            .filter_map(|e| e.attachment.as_ref().map(|a| (a, e.address)))
+            .flat_map(|(a, addr)| a.allow_host.iter().map(move |p| (*p, addr)))
+            .collect();
         let mut published: Vec<(PortMapping, Ipv4Addr)> = locked
             .state
             .boxes
@@ -202,6 +209,7 @@ impl Network {
             bridge: &self.config.bridge,
             subnet: self.config.subnet,
             published,
+            host_allowed,
         }
     }
 }

@@ -30,7 +30,7 @@ use crate::config::NetworkConfig;
 use crate::error::{NetError, Result};
 use crate::link;
 use crate::netlink::{is_errno, Netlink};
-use crate::port::PortMapping;
+use crate::port::{HostPort, PortMapping};
 use crate::rate::Rate;
 use crate::state;
 
@@ -72,6 +72,9 @@ pub struct AttachOptions {
     pub share: Option<u32>,
     /// Cap of the box's ingress.
     pub ingress_rate: Option<Rate>,
+    /// Host ports the box may open connections to, on the gateway's address
+    /// (`--allow-host-port`); every other connection to the host is refused.
+    pub allow_host: Vec<HostPort>,
 }
 
 /// A box attached to the network: what `nestbox network inspect` shows.
@@ -96,6 +99,8 @@ pub struct Attachment {
     pub share: u32,
     /// Ingress cap.
     pub ingress_rate: Option<Rate>,
+    /// Host ports the box may reach on the gateway (all others are refused).
+    pub allow_host_ports: Vec<HostPort>,
 }
 
 /// An open network.

@@ -126,7 +126,12 @@ pub struct Sink {
 impl Sink {
     /// Listen on `addr` in `ns` and count `n` connections separately (in accept order).
     pub fn new(ns: Option<BorrowedFd<'_>>, addr: Ipv4Addr, n: usize) -> Sink {
-        let l = listen(ns, addr, 0);
+        Sink::on(ns, addr, 0, n)
+    }
+
+    /// [`Sink::new`] on port `port` (0: any).
+    pub fn on(ns: Option<BorrowedFd<'_>>, addr: Ipv4Addr, port: u16, n: usize) -> Sink {
+        let l = listen(ns, addr, port);
         let local = l.local_addr().unwrap();
         let stop = Arc::new(AtomicBool::new(false));
         let counters: Vec<_> = (0..n).map(|_| Arc::new(AtomicU64::new(0))).collect();
@@ -212,7 +217,8 @@ pub fn measure(counters: &[Arc<AtomicU64>], warmup: Duration, window: Duration) 
 }
 
 /// Assert that nothing of any box is left: no veth on the bridge, no class on
-/// the IFB but the link class, no published port in the NAT table.
+/// the IFB but the link class, no published port in the NAT table, no allowed
+/// host port in the guard table.
 pub fn assert_no_box_leftovers(t: &TestNet) {
     let mut nl = Netlink::open().unwrap();
     let cfg = t.net().config();
@@ -241,6 +247,12 @@ pub fn assert_no_box_leftovers(t: &TestNet) {
     }
     if let Some(table) = nft::list_table(&cfg.bridge).unwrap() {
         assert!(!table.contains("dnat to"), "published ports left:\n{table}");
+    }
+    if let Some(table) = nft::list_guard_table(&cfg.bridge).unwrap() {
+        assert!(
+            !table.contains(" dport "),
+            "allowed host ports left:\n{table}"
+        );
     }
     assert!(t.net().leases().unwrap().is_empty(), "leases left");
     let hosts = std::fs::read_to_string(t.net().hosts_path()).unwrap_or_default();
