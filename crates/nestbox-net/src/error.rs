@@ -197,9 +197,11 @@ impl NetError {
             Netlink { .. } | Decode { .. } | Sys { .. } | Io { .. } | State { .. } | Nft { .. } => {
                 NetErrorKind::System
             }
-            InvalidRate(_) | InvalidPort(_) | InvalidHostPort(_) | InvalidSubnet { .. } | Invalid(_) => {
-                NetErrorKind::Input
-            }
+            InvalidRate(_)
+            | InvalidPort(_)
+            | InvalidHostPort(_)
+            | InvalidSubnet { .. }
+            | Invalid(_) => NetErrorKind::Input,
             NoLease(_) | NotAttached(_) | NoNetwork(_) => NetErrorKind::NotFound,
             Conflict(_)
             | LeaseMismatch { .. }

@@ -171,7 +171,10 @@ mod tests {
     fn host_ports_parse_and_reject() {
         assert_eq!(
             HostPort::parse("53/udp").unwrap(),
-            HostPort { port: 53, proto: Proto::Udp }
+            HostPort {
+                port: 53,
+                proto: Proto::Udp
+            }
         );
         assert_eq!(HostPort::parse("8080").unwrap().proto, Proto::Tcp);
         assert_eq!(HostPort::parse("8080/tcp").unwrap().to_string(), "8080/tcp");

@@ -302,7 +302,10 @@ fn detach_leaves_no_veth_address_rule_or_class() {
     let att = net.attach(&a, ns.as_fd(), &opts).unwrap();
     let guard = nft::list_guard_table(&t.bridge).unwrap().unwrap();
     assert!(
-        guard.contains(&format!("ip saddr {} ip daddr {} udp dport 7070 accept", a.address, a.gateway)),
+        guard.contains(&format!(
+            "ip saddr {} ip daddr {} udp dport 7070 accept",
+            a.address, a.gateway
+        )),
         "{guard}"
     );
     let mut nl = Netlink::open().unwrap();

@@ -461,9 +461,7 @@ print('sent', len(FRAMES), flush=True)
 /// Send `frames` (Python tuples, see [`SEND_FRAMES`]) from box `name`.
 fn send_frames(root: &TestRoot, name: &str, frames: &[String]) {
     let code = format!("FRAMES = [{}]\n{SEND_FRAMES}", frames.join(", "));
-    let out = root
-        .run(&["exec", name, "--", "python3", "-c", &code])
-        .ok();
+    let out = root.run(&["exec", name, "--", "python3", "-c", &code]).ok();
     assert!(out.stdout.contains("sent"), "{out}");
 }
 
@@ -538,7 +536,12 @@ fn the_host_is_not_a_destination_unless_a_port_is_allowed() {
     server(
         &root,
         "allowed",
-        &["--allow-host-port", &allow_tcp, "--allow-host-port", &allow_udp],
+        &[
+            "--allow-host-port",
+            &allow_tcp,
+            "--allow-host-port",
+            &allow_udp,
+        ],
         7007,
     );
     let net = network(&root);
@@ -650,7 +653,10 @@ fn the_host_is_not_a_destination_unless_a_port_is_allowed() {
     ]);
     assert_eq!(out.stdout.trim(), "hello from pub", "{out}");
     // The host still reaches a box.
-    assert_eq!(host_connect(&address(&root, "plain"), 7006), "hello from plain");
+    assert_eq!(
+        host_connect(&address(&root, "plain"), 7006),
+        "hello from plain"
+    );
 
     stop.store(true, std::sync::atomic::Ordering::Relaxed);
     served.join().unwrap();
@@ -728,7 +734,11 @@ fn spoofed_frames_from_a_box_are_dropped() {
         address(&root, "s"),
         address(&root, "c"),
     );
-    let (r_mac, v_mac, s_mac) = (box_mac(&root, "r"), box_mac(&root, "v"), box_mac(&root, "s"));
+    let (r_mac, v_mac, s_mac) = (
+        box_mac(&root, "r"),
+        box_mac(&root, "v"),
+        box_mac(&root, "s"),
+    );
     let bcast = "ff:ff:ff:ff:ff:ff";
     let fake_mac = "02:de:ad:be:ef:01";
 
@@ -764,13 +774,21 @@ fn spoofed_frames_from_a_box_are_dropped() {
         &[
             format!("('arp', 'self', '{r_mac}', 2, 'self', '{v_ip}', '{r_mac}', '{r_ip}')"),
             format!("('arp', '{v_mac}', '{r_mac}', 2, '{v_mac}', '{v_ip}', '{r_mac}', '{r_ip}')"),
-            format!("('arp', 'self', '{bcast}', 1, 'self', '{s_ip}', '00:00:00:00:00:00', '{r_ip}')"),
+            format!(
+                "('arp', 'self', '{bcast}', 1, 'self', '{s_ip}', '00:00:00:00:00:00', '{r_ip}')"
+            ),
         ],
     );
-    wait_for("r to learn s's MAC from its request", Duration::from_secs(10), || {
-        arp_of(&s_ip).as_deref() == Some(s_mac.as_str())
-    });
-    assert_eq!(arp_of(&v_ip), Some(v_mac.clone()), "r's entry for v changed");
+    wait_for(
+        "r to learn s's MAC from its request",
+        Duration::from_secs(10),
+        || arp_of(&s_ip).as_deref() == Some(s_mac.as_str()),
+    );
+    assert_eq!(
+        arp_of(&v_ip),
+        Some(v_mac.clone()),
+        "r's entry for v changed"
+    );
 
     // UDP: forged and genuine, on each path.
     let tag = std::process::id() % 0xffff;
@@ -779,14 +797,62 @@ fn spoofed_frames_from_a_box_are_dropped() {
         &root,
         "s",
         &[
-            udp_frame("self", &r_mac, &v_ip, &r_ip, 4000, 5555, "forged-ip-shortcut"),
-            udp_frame(fake_mac, &r_mac, &s_ip, &r_ip, 4000, 5555, "forged-mac-shortcut"),
-            udp_frame("self", bcast, &v_ip, "255.255.255.255", 4000, 5555, "forged-ip-bridge"),
-            udp_frame("self", bcast, &s_ip, "255.255.255.255", 67, 68, "dhcp-server"),
+            udp_frame(
+                "self",
+                &r_mac,
+                &v_ip,
+                &r_ip,
+                4000,
+                5555,
+                "forged-ip-shortcut",
+            ),
+            udp_frame(
+                fake_mac,
+                &r_mac,
+                &s_ip,
+                &r_ip,
+                4000,
+                5555,
+                "forged-mac-shortcut",
+            ),
+            udp_frame(
+                "self",
+                bcast,
+                &v_ip,
+                "255.255.255.255",
+                4000,
+                5555,
+                "forged-ip-bridge",
+            ),
+            udp_frame(
+                "self",
+                bcast,
+                &s_ip,
+                "255.255.255.255",
+                67,
+                68,
+                "dhcp-server",
+            ),
             format!("('ra', 'self', '{prefix}')"),
             udp_frame("self", &r_mac, &s_ip, &r_ip, 4000, 5555, "genuine-shortcut"),
-            udp_frame("self", bcast, &s_ip, "255.255.255.255", 4000, 5555, "genuine-bridge"),
-            udp_frame("self", bcast, &s_ip, "255.255.255.255", 6700, 68, "genuine-68"),
+            udp_frame(
+                "self",
+                bcast,
+                &s_ip,
+                "255.255.255.255",
+                4000,
+                5555,
+                "genuine-bridge",
+            ),
+            udp_frame(
+                "self",
+                bcast,
+                &s_ip,
+                "255.255.255.255",
+                6700,
+                68,
+                "genuine-68",
+            ),
         ],
     );
     send_frames(
@@ -797,13 +863,21 @@ fn spoofed_frames_from_a_box_are_dropped() {
             udp_frame("self", &r_mac, &c_ip, &r_ip, 4000, 5555, "genuine-capped"),
         ],
     );
-    for genuine in ["genuine-shortcut", "genuine-bridge", "genuine-68", "genuine-capped"] {
+    for genuine in [
+        "genuine-shortcut",
+        "genuine-bridge",
+        "genuine-68",
+        "genuine-capped",
+    ] {
         root.wait_log("r", genuine, Duration::from_secs(10));
     }
     // Forged frames were sent before the genuine ones, each on its path.
     std::thread::sleep(Duration::from_millis(500));
     let log = root.ok(&["logs", "r"]);
-    assert!(log.contains(&format!("got {s_ip} genuine-shortcut")), "{log}");
+    assert!(
+        log.contains(&format!("got {s_ip} genuine-shortcut")),
+        "{log}"
+    );
     assert!(log.contains(&format!("got {c_ip} genuine-capped")), "{log}");
     for forged in [
         "forged-ip-shortcut",
