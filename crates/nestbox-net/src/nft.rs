@@ -9,7 +9,14 @@
 //!   accepted, or goes to a host port the box was allowed
 //!   (`--allow-host-port`, on the gateway's address only). Published ports are
 //!   DNATed before this hook, and replies to the host's connections are
-//!   established, so both keep working.
+//!   established, so both keep working. In the `forward` hook, a connection
+//!   routed into the bridge from any other interface (another nestbox
+//!   network, another machine) is dropped unless it goes to a published port
+//!   (DNATed): boxes of different networks cannot reach each other.
+//!
+//! [`RULES_VERSION`] numbers this layout: a network whose state records an
+//! older one (made by an older nestbox) gets its tables replaced on the next
+//! attach.
 //!
 //! Both tables are a pure function of the network's state: every change
 //! replaces them whole in one atomic `nft -f -` transaction (exception to
@@ -24,6 +31,9 @@ use std::process::{Command, Stdio};
 use crate::error::{NetError, Result};
 use crate::port::{HostPort, PortMapping};
 use crate::subnet::Subnet;
+
+/// The version of the tables' layout (see the module documentation).
+pub const RULES_VERSION: u32 = 2;
 
 /// Name of the tables (`ip`: NAT; `inet`: the host guard) of the network on
 /// bridge `bridge`.
@@ -96,6 +106,11 @@ impl Ruleset<'_> {
              \x20 chain input {{\n\
              \x20   type filter hook input priority filter; policy accept;\n\
              \x20   iifname \"{br}\" jump from_boxes\n\
+             \x20 }}\n\
+             \x20 chain forward {{\n\
+             \x20   type filter hook forward priority filter; policy accept;\n\
+             \x20   oifname \"{br}\" iifname != \"{br}\" ct status dnat accept\n\
+             \x20   oifname \"{br}\" iifname != \"{br}\" ct state new drop\n\
              \x20 }}\n\
              \x20 chain from_boxes {{\n\
              \x20   ct state established,related accept\n\

@@ -58,6 +58,10 @@ pub(crate) struct State {
     /// boxes may still have it in their ARP caches).
     #[serde(default)]
     pub next: u32,
+    /// Layout version of the network's nftables tables on the host
+    /// ([`crate::nft::RULES_VERSION`]; 0: made before versions were kept).
+    #[serde(default)]
+    pub rules: u32,
     #[serde(default)]
     pub boxes: BTreeMap<String, BoxEntry>,
 }

@@ -710,3 +710,51 @@ fn destroy_racing_an_attach_leaves_nothing_unowned() {
         Network::view(cfg.clone()).destroy().unwrap();
     }
 }
+
+#[test]
+fn boxes_of_different_networks_reach_each_other_only_through_published_ports() {
+    if !root() {
+        return;
+    }
+    // Two networks: the host routes between their bridges, but a connection
+    // routed into a bridge from elsewhere is dropped unless it is DNATed (a
+    // published port).
+    let (t1, t2) = (TestNet::new(28), TestNet::new(29));
+    let (ns_a, ns_b) = (new_ns(), new_ns());
+    let a = t1.net().allocate("box-a", &[]).unwrap();
+    t1.net()
+        .attach(&a, ns_a.as_fd(), &AttachOptions::default())
+        .unwrap();
+    let b = t2.net().allocate("box-b", &[]).unwrap();
+    let host_port = 20000 + (std::process::id() % 20000) as u16 + 7;
+    let opts = AttachOptions {
+        publish: vec![PortMapping::parse(&format!("{host_port}:7200/tcp")).unwrap()],
+        ..Default::default()
+    };
+    t2.net().attach(&b, ns_b.as_fd(), &opts).unwrap();
+    let l = listen(Some(ns_b.as_fd()), Ipv4Addr::UNSPECIFIED, 7200);
+    let direct = connect(Some(ns_a.as_fd()), sa(b.address, 7200));
+    assert!(
+        direct.is_err(),
+        "box-a reached box-b of another network: {direct:?}"
+    );
+    // The published port, on the other network's gateway, is reachable.
+    let srv = echo_peer_once(l);
+    let seen = ask(Some(ns_a.as_fd()), sa(b.gateway, host_port));
+    assert!(
+        !seen.is_empty(),
+        "box-a did not reach box-b's published port"
+    );
+    srv.join().unwrap();
+    // In the other direction too: box-b cannot reach box-a.
+    let _l = listen(Some(ns_a.as_fd()), Ipv4Addr::UNSPECIFIED, 7201);
+    let direct = connect(Some(ns_b.as_fd()), sa(a.address, 7201));
+    assert!(
+        direct.is_err(),
+        "box-b reached box-a of another network: {direct:?}"
+    );
+    t1.net().detach("box-a").unwrap();
+    t2.net().detach("box-b").unwrap();
+    assert_no_box_leftovers(&t1);
+    assert_no_box_leftovers(&t2);
+}

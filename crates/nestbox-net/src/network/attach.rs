@@ -164,6 +164,12 @@ impl Network {
         self.check_options(id, &locked, opts)?;
         let mut nl = Netlink::open()?;
         let infra = self.ensure_infra(&mut nl, &locked)?;
+        if !infra.made_bridge && locked.state.rules != crate::nft::RULES_VERSION {
+            // Tables of an older layout (saved with the record below).
+            self.ruleset(&locked, None)
+                .apply("update the network's nftables tables")?;
+        }
+        locked.state.rules = crate::nft::RULES_VERSION;
 
         let link_rate = self.config.link_rate;
         let share = opts.share.unwrap_or(DEFAULT_SHARE);
