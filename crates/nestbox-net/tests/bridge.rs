@@ -696,7 +696,8 @@ fn destroy_racing_an_attach_leaves_nothing_unowned() {
         let owned = NetworkConfig::load(&cfg.state_dir).unwrap().is_some();
         let bridge = link::index(&mut nl, &cfg.bridge).unwrap().is_some();
         let ifb = link::index(&mut nl, &cfg.ifb()).unwrap().is_some();
-        let table = nft::list_table(&cfg.bridge).unwrap().is_some();
+        let table = nft::list_table(&cfg.bridge).unwrap().is_some()
+            || nft::list_guard_table(&cfg.bridge).unwrap().is_some();
         assert!(
             owned || !(bridge || ifb || table),
             "round {i}: bridge {bridge}, IFB {ifb}, table {table} left with no state (attach: {attached:?})"

@@ -63,7 +63,18 @@ impl TestNet {
 impl Drop for TestNet {
     fn drop(&mut self) {
         if let Some(net) = self.net.take() {
+            let bridge = net.config().bridge.clone();
             let _ = net.destroy();
+            // The network's tables go with it (not asserted while a failing
+            // test unwinds).
+            if !std::thread::panicking() {
+                assert_eq!(nft::list_table(&bridge).unwrap(), None, "NAT table left");
+                assert_eq!(
+                    nft::list_guard_table(&bridge).unwrap(),
+                    None,
+                    "guard table left"
+                );
+            }
         }
         let _ = std::fs::remove_dir_all(&self.dir);
     }
