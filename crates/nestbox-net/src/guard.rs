@@ -25,13 +25,28 @@ use std::os::fd::{AsRawFd, BorrowedFd};
 
 use crate::bpf::insn;
 
-/// What a box may send as: its MAC and IPv4 address.
+/// What a box may send as: its MAC and IPv4 address; and, on an isolated
+/// network, where it may send to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Guard {
     /// MAC of the box's `eth0`.
     pub mac: [u8; 6],
     /// The box's address.
     pub addr: Ipv4Addr,
+    /// On an isolated network: its subnet and gateway.
+    pub isolated: Option<Isolation>,
+}
+
+/// The isolated policy: IPv4 from the box to an address of its network other
+/// than the gateway (another box, the subnet's broadcast), to the limited
+/// broadcast or to a multicast group is dropped, and so is ARP asking for
+/// anything but the gateway. Addresses beyond the network pass (through the
+/// gateway; published ports of other boxes are reached there, DNATed by the
+/// host).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Isolation {
+    /// The network's subnet.
+    pub subnet: crate::subnet::Subnet,
 }
 
 // Opcodes (eBPF).
@@ -42,6 +57,7 @@ const MOV64X: u8 = 0xbf;
 const MOV64K: u8 = 0xb7;
 const ADD64K: u8 = 0x07;
 const AND64K: u8 = 0x57;
+const AND32K: u8 = 0x54;
 const LSH64K: u8 = 0x67;
 const OR64X: u8 = 0x4f;
 const JA: u8 = 0x05;
@@ -84,6 +100,7 @@ enum Label {
     Ipv4,
     Ipv4Ok,
     Redirect,
+    Reachable,
 }
 
 /// Instructions with jumps to labels, resolved by [`Asm::finish`].
@@ -183,6 +200,14 @@ pub fn program(guard: &Guard, map: Option<BorrowedFd<'_>>) -> Vec<[u8; 8]> {
     a.jump(JEQK, 3, 0, Label::Pass);
     a.jump(JNE32K, 1, ne16(&ip[..2]), Label::Drop);
     a.jump(JNE32K, 2, ne16(&ip[2..]), Label::Drop);
+    if let Some(iso) = &guard.isolated {
+        // Only the gateway may be asked for.
+        let gw = iso.subnet.gateway().octets();
+        a.op(LDXH, 1, 10, L3 + 24, 0);
+        a.jump(JNE32K, 1, ne16(&gw[..2]), Label::Drop);
+        a.op(LDXH, 1, 10, L3 + 26, 0);
+        a.jump(JNE32K, 1, ne16(&gw[2..]), Label::Drop);
+    }
     a.jump(JA, 0, 0, Label::Pass);
 
     // IPv4 from the box's address; UDP from port 67 (a DHCP server) is not
@@ -192,6 +217,21 @@ pub fn program(guard: &Guard, map: Option<BorrowedFd<'_>>) -> Vec<[u8; 8]> {
     a.load_bytes(L3, 20);
     a.op(LDXW, 1, 10, L3 + 12, 0);
     a.jump(JNE32K, 1, ne32(&ip), Label::Drop);
+    if let Some(iso) = &guard.isolated {
+        let gw = iso.subnet.gateway().octets();
+        let base = iso.subnet.base().octets();
+        let mask = (u32::MAX << (32 - u32::from(iso.subnet.prefix()))).to_be_bytes();
+        a.op(LDXW, 1, 10, L3 + 16, 0);
+        a.jump(JEQ32K, 1, ne32(&gw), Label::Reachable);
+        a.op(MOV64X, 2, 1, 0, 0);
+        a.op(AND32K, 2, 0, 0, ne32(&mask));
+        a.jump(JEQ32K, 2, ne32(&base), Label::Drop);
+        a.jump(JEQ32K, 1, -1, Label::Drop);
+        a.op(MOV64X, 2, 1, 0, 0);
+        a.op(AND32K, 2, 0, 0, ne32(&[0xf0, 0, 0, 0]));
+        a.jump(JEQ32K, 2, ne32(&[0xe0, 0, 0, 0]), Label::Drop);
+    }
+    a.label(Label::Reachable);
     a.op(LDXB, 1, 10, L3 + 9, 0);
     a.jump(JNEK, 1, 17, Label::Ipv4Ok);
     a.op(LDXH, 1, 10, L3 + 6, 0);
@@ -242,11 +282,18 @@ mod tests {
     /// Every jump lands inside the program, and the program ends in an exit.
     #[test]
     fn jumps_stay_inside() {
-        let g = Guard {
-            mac: [2, 0, 0, 0, 0, 1],
-            addr: Ipv4Addr::new(10, 0, 0, 2),
-        };
-        let code = program(&g, None);
+        let subnet = crate::subnet::Subnet::parse("10.0.0.0/24").unwrap();
+        for isolated in [None, Some(Isolation { subnet })] {
+            let g = Guard {
+                mac: [2, 0, 0, 0, 0, 1],
+                addr: Ipv4Addr::new(10, 0, 0, 2),
+                isolated,
+            };
+            check_jumps(&program(&g, None));
+        }
+    }
+
+    fn check_jumps(code: &[[u8; 8]]) {
         for (i, ins) in code.iter().enumerate() {
             let class = ins[0] & 0x07;
             if (class == 0x05 || class == 0x06) && ins[0] != CALL && ins[0] != EXIT {

@@ -759,3 +759,68 @@ fn boxes_of_different_networks_reach_each_other_only_through_published_ports() {
     assert_no_box_leftovers(&t1);
     assert_no_box_leftovers(&t2);
 }
+
+#[test]
+fn on_an_isolated_network_boxes_reach_only_the_gateway_and_published_ports() {
+    if !root() {
+        return;
+    }
+    let t = TestNet::with(30, "10.231.30.0/24", |c| c.isolated = true);
+    let net = t.net();
+    let (ns_a, ns_b, ns_c) = (new_ns(), new_ns(), new_ns());
+    let host_port = 20000 + (std::process::id() % 20000) as u16 + 9;
+    let a = net.allocate("box-a", &[]).unwrap();
+    net.attach(
+        &a,
+        ns_a.as_fd(),
+        &AttachOptions {
+            allow_host: vec![HostPort::parse("7302").unwrap()],
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let b = net.allocate("box-b", &[]).unwrap();
+    let publish = AttachOptions {
+        publish: vec![PortMapping::parse(&format!("{host_port}:7300/tcp")).unwrap()],
+        ..Default::default()
+    };
+    net.attach(&b, ns_b.as_fd(), &publish).unwrap();
+    // A capped box: its traffic takes the egress tree and the bridge.
+    let c = net.allocate("box-c", &[]).unwrap();
+    let capped = AttachOptions {
+        rate: Some(parse_rate("1gbit").unwrap()),
+        ..Default::default()
+    };
+    net.attach(&c, ns_c.as_fd(), &capped).unwrap();
+
+    let l = listen(Some(ns_b.as_fd()), Ipv4Addr::UNSPECIFIED, 7300);
+    for (from, name) in [(&ns_a, "box-a"), (&ns_c, "box-c")] {
+        let direct = connect(Some(from.as_fd()), sa(b.address, 7300));
+        assert!(direct.is_err(), "{name} reached box-b directly: {direct:?}");
+    }
+    // Box-b's published port, through the gateway, is reachable; the host
+    // reaches box-b; box-a reaches the host port it was allowed.
+    let srv = echo_peer_once(l);
+    assert!(!ask(Some(ns_a.as_fd()), sa(b.gateway, host_port)).is_empty());
+    srv.join().unwrap();
+    let l = listen(Some(ns_b.as_fd()), Ipv4Addr::UNSPECIFIED, 7301);
+    let srv = echo_peer_once(l);
+    assert_eq!(ask(None, sa(b.address, 7301)), b.gateway.to_string());
+    srv.join().unwrap();
+    let l = listen(None, a.gateway, 7302);
+    let srv = echo_peer_once(l);
+    assert_eq!(
+        ask(Some(ns_a.as_fd()), sa(a.gateway, 7302)),
+        a.address.to_string()
+    );
+    srv.join().unwrap();
+    // The policy cannot change while boxes are on the network.
+    let mut open = net.config().clone();
+    open.isolated = false;
+    let err = Network::open(open).unwrap_err();
+    assert!(err.to_string().contains("policy cannot change"), "{err}");
+    for id in ["box-a", "box-b", "box-c"] {
+        net.detach(id).unwrap();
+    }
+    assert_no_box_leftovers(&t);
+}

@@ -326,6 +326,9 @@ impl Network {
         let g = guard::Guard {
             mac: box_mac,
             addr: lease.address,
+            isolated: self.config.isolated.then_some(guard::Isolation {
+                subnet: self.config.subnet,
+            }),
         };
         let code = guard::program(&g, map.as_ref().filter(|_| uncapped).map(|m| m.as_fd()));
         let name = bpf::object_name(&self.config.bridge);

@@ -160,6 +160,13 @@ impl Network {
                         saved.name, saved.bridge, saved.subnet
                     )));
                 }
+                if saved.isolated != config.isolated && !locked.state.boxes.is_empty() {
+                    return Err(NetError::Conflict(format!(
+                        "network {} has {} box(es) (the pool's namespaces count): its policy cannot change while boxes are on it",
+                        saved.name,
+                        locked.state.boxes.len()
+                    )));
+                }
                 config.save()?;
             }
         } else {
