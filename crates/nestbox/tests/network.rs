@@ -899,3 +899,52 @@ fn spoofed_frames_from_a_box_are_dropped() {
     );
     root.ok(&["rm", "-f", "r", "v", "s", "c"]);
 }
+
+/// `network policy isolated`: a box reaches another only through its
+/// published port on the gateway, the host still reaches every box, the
+/// policy shows in `network inspect` and cannot change while boxes are on the
+/// network.
+#[test]
+fn isolated_policy_keeps_boxes_apart() {
+    let Some(root) = TestRoot::new("isolated_policy_keeps_boxes_apart") else {
+        return;
+    };
+    assert_eq!(root.ok(&["network", "policy"]).trim(), "policy open");
+    assert_eq!(
+        root.ok(&["network", "policy", "isolated"]).trim(),
+        "policy isolated"
+    );
+    let port = 36000 + (std::process::id() % 2000) as u16;
+    let publish = format!("{port}:7010");
+    server(&root, "b", &["-p", &publish], 7010);
+    server(&root, "a", &[], 7011);
+    let net = network(&root);
+    assert_eq!(net["policy"]["box_to_box"], "isolated", "{net}");
+    let gateway = net["gateway"].as_str().unwrap().to_string();
+    let b_addr = address(&root, "b");
+    let ask = |name: &str, to: &str, port: &str| {
+        root.run(&["exec", name, "--", "python3", "-c", CLIENT, to, port])
+            .stdout
+            .trim()
+            .to_string()
+    };
+    assert_eq!(ask("a", &b_addr, "7010"), "", "a reached b directly");
+    assert_eq!(ask("a", "b", "7010"), "", "a reached b by name");
+    assert_eq!(ask("a", &gateway, &port.to_string()), "hello from b");
+    assert_eq!(host_connect(&b_addr, 7010), "hello from b");
+    assert_error(
+        &root.run(&["network", "policy", "open"]),
+        125,
+        "policy cannot change",
+    );
+    assert_error(
+        &root.run(&["network", "policy", "closed"]),
+        125,
+        "unknown network policy",
+    );
+    root.ok(&["rm", "-f", "a", "b"]);
+    assert_eq!(
+        root.ok(&["network", "policy", "open"]).trim(),
+        "policy open"
+    );
+}

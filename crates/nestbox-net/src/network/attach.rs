@@ -323,10 +323,14 @@ impl Network {
         }
         // The guard (only the box's own MAC and address leave its veth), then
         // the shortcut for an uncapped box: one program, first on the ingress.
+        // The policy as saved now (under the lock): it may have changed since
+        // this handle was opened, while the network had no box.
+        let isolated = crate::config::NetworkConfig::load(&self.config.state_dir)?
+            .map_or(self.config.isolated, |c| c.isolated);
         let g = guard::Guard {
             mac: box_mac,
             addr: lease.address,
-            isolated: self.config.isolated.then_some(guard::Isolation {
+            isolated: isolated.then_some(guard::Isolation {
                 subnet: self.config.subnet,
             }),
         };
