@@ -75,6 +75,14 @@ pub enum NetError {
     /// A host port a box may reach could not be parsed.
     #[error("invalid host port {0:?}: expected PORT[/tcp|udp] with a port 1-65535")]
     InvalidHostPort(String),
+    /// An egress policy could not be parsed.
+    #[error("invalid egress policy {text:?} ({reason}): expected allow-all, deny-all or ADDRESS[/PREFIX][:PORT],...")]
+    InvalidEgress {
+        /// The policy as given.
+        text: String,
+        /// What is wrong.
+        reason: String,
+    },
     /// A subnet could not be parsed or is unsuitable.
     #[error("invalid subnet {subnet:?}: {reason}")]
     InvalidSubnet {
@@ -200,6 +208,7 @@ impl NetError {
             InvalidRate(_)
             | InvalidPort(_)
             | InvalidHostPort(_)
+            | InvalidEgress { .. }
             | InvalidSubnet { .. }
             | Invalid(_) => NetErrorKind::Input,
             NoLease(_) | NotAttached(_) | NoNetwork(_) => NetErrorKind::NotFound,

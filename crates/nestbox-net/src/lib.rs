@@ -30,6 +30,7 @@
 pub mod addr;
 pub mod bpf;
 pub mod config;
+pub mod egress;
 pub mod error;
 pub mod guard;
 pub mod link;
@@ -46,6 +47,7 @@ pub mod subnet;
 pub mod tc;
 
 pub use config::NetworkConfig;
+pub use egress::{Egress, EgressRule};
 pub use error::{NetError, NetErrorKind, Result};
 pub use network::{list_networks, AttachOptions, Attachment, Lease, Network};
 pub use port::{HostPort, PortMapping, Proto};

@@ -12,7 +12,13 @@
 //!   established, so both keep working. In the `forward` hook, a connection
 //!   routed into the bridge from any other interface (another nestbox
 //!   network, another machine) is dropped unless it goes to a published port
-//!   (DNATed): boxes of different networks cannot reach each other.
+//!   (DNATed): boxes of different networks cannot reach each other. A new
+//!   connection a box with an egress policy other than allow-all
+//!   ([`crate::egress`]) forwards out of the bridge goes through that box's
+//!   chain `egress_A_B_C_D`: accepted if it matches an entry, else refused;
+//!   both decisions are logged to the kernel log (at most 20 a second each).
+//!   Established traffic never reaches the chains, so the list's length costs
+//!   only connection set-up.
 //!
 //! [`RULES_VERSION`] numbers this layout: a network whose state records an
 //! older one (made by an older nestbox) gets its tables replaced on the next
@@ -28,12 +34,13 @@ use std::io::Write;
 use std::net::Ipv4Addr;
 use std::process::{Command, Stdio};
 
+use crate::egress::Egress;
 use crate::error::{NetError, Result};
 use crate::port::{HostPort, PortMapping};
 use crate::subnet::Subnet;
 
 /// The version of the tables' layout (see the module documentation).
-pub const RULES_VERSION: u32 = 2;
+pub const RULES_VERSION: u32 = 3;
 
 /// Name of the tables (`ip`: NAT; `inet`: the host guard) of the network on
 /// bridge `bridge`.
@@ -52,6 +59,8 @@ pub struct Ruleset<'a> {
     pub published: Vec<(PortMapping, Ipv4Addr)>,
     /// Host ports boxes may reach on the gateway: port and the box's address.
     pub host_allowed: Vec<(HostPort, Ipv4Addr)>,
+    /// Egress policies other than allow-all: box id, address, policy.
+    pub egress: Vec<(String, Ipv4Addr, Egress)>,
 }
 
 impl Ruleset<'_> {
@@ -75,6 +84,36 @@ impl Ruleset<'_> {
                 "    ip saddr {addr} ip daddr {gw} {} dport {} accept\n",
                 p.proto.as_str(),
                 p.port
+            ));
+        }
+        // Egress: new connections a box forwards out of the bridge go through
+        // its chain; each decision is logged (rate-limited).
+        let mut egress_jumps = String::new();
+        let mut egress_chains = String::new();
+        for (id, addr, policy) in &self.egress {
+            let chain = format!("egress_{}", addr.to_string().replace('.', "_"));
+            let short: String = id.chars().take(24).collect();
+            egress_jumps.push_str(&format!(
+                "    iifname \"{br}\" oifname != \"{br}\" ip saddr {addr} ct state new jump {chain}\n"
+            ));
+            egress_chains.push_str(&format!("  chain {chain} {{\n"));
+            if let Egress::Allow(rules) = policy {
+                for r in rules {
+                    let m = match r.port {
+                        Some(p) => format!(
+                            "ip daddr {}/{} meta l4proto {{ tcp, udp }} th dport {p}",
+                            r.addr, r.prefix
+                        ),
+                        None => format!("ip daddr {}/{}", r.addr, r.prefix),
+                    };
+                    egress_chains.push_str(&format!(
+                        "    {m} limit rate 20/second log prefix \"nestbox-egress allow box={short} \"\n    {m} accept\n"
+                    ));
+                }
+            }
+            egress_chains.push_str(&format!(
+                "    limit rate 20/second log prefix \"nestbox-egress deny box={short} \"\n\
+                 \x20   reject with icmpx admin-prohibited\n  }}\n"
             ));
         }
         // `table` first makes the `delete` valid when the table did not exist.
@@ -111,7 +150,9 @@ impl Ruleset<'_> {
              \x20   type filter hook forward priority filter; policy accept;\n\
              \x20   oifname \"{br}\" iifname != \"{br}\" ct status dnat accept\n\
              \x20   oifname \"{br}\" iifname != \"{br}\" ct state new drop\n\
+             {egress_jumps}\
              \x20 }}\n\
+             {egress_chains}\
              \x20 chain from_boxes {{\n\
              \x20   ct state established,related accept\n\
              {allowed}\

@@ -12,6 +12,7 @@ use std::path::{Path, PathBuf};
 use nix::fcntl::{Flock, FlockArg};
 use serde::{Deserialize, Serialize};
 
+use crate::egress::Egress;
 use crate::error::{NetError, Result};
 use crate::port::{HostPort, PortMapping};
 use crate::rate::Rate;
@@ -40,13 +41,16 @@ pub(crate) struct AttachRecord {
     /// Host ports the box may open connections to (on the gateway).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub allow_host: Vec<HostPort>,
+    /// Where beyond the network the box may send.
+    #[serde(default, skip_serializing_if = "Egress::is_allow_all")]
+    pub egress: Egress,
 }
 
 impl AttachRecord {
     /// Whether the box has rules of its own in the network's nftables tables
-    /// (published ports, allowed host ports).
+    /// (published ports, allowed host ports, an egress policy).
     pub fn has_rules(&self) -> bool {
-        !self.publish.is_empty() || !self.allow_host.is_empty()
+        !self.publish.is_empty() || !self.allow_host.is_empty() || !self.egress.is_allow_all()
     }
 }
 

@@ -13,8 +13,8 @@ use std::time::{Duration, Instant};
 use common::*;
 use nestbox_net::netlink::Netlink;
 use nestbox_net::{
-    addr, link, netns, nft, parse_rate, AttachOptions, HostPort, NetError, NetErrorKind, Network,
-    NetworkConfig, PortMapping,
+    addr, link, netns, nft, parse_rate, AttachOptions, Egress, HostPort, NetError, NetErrorKind,
+    Network, NetworkConfig, PortMapping,
 };
 
 fn sa(a: Ipv4Addr, p: u16) -> SocketAddr {
@@ -298,6 +298,7 @@ fn detach_leaves_no_veth_address_rule_or_class() {
         share: Some(300),
         ingress_rate: Some(parse_rate("50mbit").unwrap()),
         allow_host: vec![HostPort::parse("7070/udp").unwrap()],
+        egress: Egress::parse("192.0.2.0/24:53").unwrap(),
     };
     let att = net.attach(&a, ns.as_fd(), &opts).unwrap();
     let guard = nft::list_guard_table(&t.bridge).unwrap().unwrap();
@@ -822,5 +823,95 @@ fn on_an_isolated_network_boxes_reach_only_the_gateway_and_published_ports() {
     for id in ["box-a", "box-b", "box-c"] {
         net.detach(id).unwrap();
     }
+    assert_no_box_leftovers(&t);
+}
+
+#[test]
+fn egress_policies_admit_only_what_they_list_and_log_their_decisions() {
+    if !root() {
+        return;
+    }
+    let t = TestNet::new(31);
+    let net = t.net();
+    // A fake "internet": a namespace reached through the host on another subnet.
+    let outside = new_ns();
+    let up = format!("nbo31x{}", std::process::id() % 10000);
+    let mut nl = Netlink::open().unwrap();
+    let _ = link::delete(&mut nl, &up);
+    struct Del(String);
+    impl Drop for Del {
+        fn drop(&mut self) {
+            if let Ok(mut nl) = Netlink::open() {
+                let _ = link::delete(&mut nl, &self.0);
+            }
+        }
+    }
+    let idx = link::create_veth(&mut nl, &up, None, "eth0", outside.as_fd()).unwrap();
+    let _del = Del(up.clone());
+    let host_side = Ipv4Addr::new(10, 232, 31, 1);
+    let far = Ipv4Addr::new(10, 232, 31, 2);
+    addr::add(&mut nl, idx, &up, host_side, 30).unwrap();
+    std::fs::write(format!("/proc/sys/net/ipv4/conf/{up}/forwarding"), "1").unwrap();
+    netns::run_in(outside.as_fd(), || {
+        let mut nl = Netlink::open()?;
+        let i = link::index(&mut nl, "eth0")?.unwrap();
+        addr::add(&mut nl, i, "eth0", far, 30)?;
+        link::set_up(&mut nl, i, "eth0")
+    })
+    .unwrap();
+
+    let tag = std::process::id();
+    let attach = |id: &str, egress: &str| {
+        let ns = new_ns();
+        let lease = net.allocate(id, &[]).unwrap();
+        let opts = AttachOptions {
+            egress: Egress::parse(egress).unwrap(),
+            ..Default::default()
+        };
+        net.attach(&lease, ns.as_fd(), &opts).unwrap();
+        ns
+    };
+    let listed = format!("listed-{tag}");
+    let denied = format!("denied-{tag}");
+    let ns_listed = attach(&listed, &format!("{far}:9000,192.0.2.0/24"));
+    let ns_denied = attach(&denied, "deny-all");
+    let ns_open = attach("open", "allow-all");
+    let reach = |ns: &std::os::fd::OwnedFd, port: u16| {
+        let l = listen(Some(outside.as_fd()), far, port);
+        let srv = echo_peer_once(l);
+        let ok = connect(Some(ns.as_fd()), sa(far, port)).is_ok();
+        if !ok {
+            // Unblock the accept.
+            let _ = connect(None, sa(far, port));
+        }
+        srv.join().unwrap();
+        ok
+    };
+    assert!(reach(&ns_listed, 9000), "the listed port was refused");
+    assert!(!reach(&ns_listed, 9001), "a port not listed was admitted");
+    assert!(!reach(&ns_denied, 9000), "deny-all admitted a connection");
+    assert!(reach(&ns_open, 9001), "allow-all refused a connection");
+    // Decisions are in the kernel log, with the box's id.
+    let log =
+        String::from_utf8_lossy(&std::process::Command::new("dmesg").output().unwrap().stdout)
+            .to_string();
+    for line in [
+        format!("nestbox-egress allow box={listed} "),
+        format!("nestbox-egress deny box={listed} "),
+        format!("nestbox-egress deny box={denied} "),
+    ] {
+        assert!(log.contains(&line), "no {line:?} in the kernel log");
+    }
+    // `inspect` shows the policy; removal leaves no chain of the boxes.
+    let atts = net.attachments().unwrap();
+    let l = atts.iter().find(|a| a.lease.box_id == listed).unwrap();
+    assert_eq!(l.egress.to_string(), format!("{far}/32:9000,192.0.2.0/24"));
+    let table = nft::list_guard_table(&t.bridge).unwrap().unwrap();
+    assert!(table.contains("chain egress_"), "{table}");
+    for id in [listed.as_str(), denied.as_str(), "open"] {
+        net.detach(id).unwrap();
+    }
+    let table = nft::list_guard_table(&t.bridge).unwrap().unwrap();
+    assert!(!table.contains("egress_"), "egress chains left:\n{table}");
     assert_no_box_leftovers(&t);
 }

@@ -306,6 +306,11 @@ struct RunArgs {
     /// otherwise no destination for a box.
     #[arg(long = "allow-host-port", value_name = "PORT[/PROTO]")]
     allow_host_port: Vec<String>,
+    /// Where beyond its network the box may open connections: allow-all (the
+    /// default), deny-all, or ADDRESS[/PREFIX][:PORT],... (bridge only);
+    /// decisions are logged to the kernel log.
+    #[arg(long, value_name = "POLICY")]
+    egress: Option<String>,
     #[command(flatten)]
     bandwidth: BandwidthArgs,
     /// Hostname (default: the box name).
@@ -511,6 +516,12 @@ fn build_spec(a: RunArgs) -> Result<BoxSpec> {
                 nestbox_net::HostPort::parse(p).with_context(|| format!("--allow-host-port {p}"))
             })
             .collect::<Result<_>>()?,
+        egress: a
+            .egress
+            .as_deref()
+            .map(|e| nestbox_net::Egress::parse(e).with_context(|| format!("--egress {e}")))
+            .transpose()?
+            .unwrap_or_default(),
         ..NetSpec::default()
     };
     a.bandwidth.apply(&mut network)?;

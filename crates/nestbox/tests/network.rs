@@ -676,6 +676,20 @@ fn the_host_is_not_a_destination_unless_a_port_is_allowed() {
         "invalid host port",
     );
     assert_error(
+        &root.run(&["run", "--egress", "10.0.0.0/40", "--", "true"]),
+        125,
+        "invalid egress policy",
+    );
+    // The egress policy shows in inspect (enforced and logged: nestbox-net
+    // bridge.rs, egress_policies_admit_only_what_they_list_and_log_their_decisions).
+    root.run(&[
+        "run", "-d", "--name", "eg", "--egress", "deny-all", "--", "sleep", "60",
+    ])
+    .ok();
+    let eg = inspect(&root, "eg");
+    assert_eq!(eg["state"]["network"]["egress"], "deny_all", "{eg}");
+    root.ok(&["rm", "-f", "eg"]);
+    assert_error(
         &root.run(&[
             "run",
             "--network",

@@ -183,6 +183,7 @@ impl Network {
             share,
             ingress_rate: opts.ingress_rate,
             allow_host: opts.allow_host.clone(),
+            egress: opts.egress.clone(),
         };
         // Record first: whatever is made below has an owner even if we crash.
         locked.state.boxes.insert(
@@ -441,6 +442,7 @@ impl Network {
             share: a.share,
             ingress_rate: a.ingress_rate,
             allow_host_ports: a.allow_host.clone(),
+            egress: a.egress.clone(),
         }
     }
 

@@ -200,6 +200,14 @@ impl Network {
             .filter_map(|e| e.attachment.as_ref().map(|a| (a, e.address)))
             .flat_map(|(a, addr)| a.allow_host.iter().map(move |p| (*p, addr)))
             .collect();
+        let egress = locked
+            .state
+            .boxes
+            .iter()
+            .filter_map(|(id, e)| e.attachment.as_ref().map(|a| (id, a, e.address)))
+            .filter(|(_, a, _)| !a.egress.is_allow_all())
+            .map(|(id, a, addr)| (id.clone(), addr, a.egress.clone()))
+            .collect();
         let mut published: Vec<(PortMapping, Ipv4Addr)> = locked
             .state
             .boxes
@@ -215,6 +223,7 @@ impl Network {
             subnet: self.config.subnet,
             published,
             host_allowed,
+            egress,
         }
     }
 }

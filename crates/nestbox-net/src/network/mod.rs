@@ -27,6 +27,7 @@ use serde::Serialize;
 
 use crate::addr;
 use crate::config::NetworkConfig;
+use crate::egress::Egress;
 use crate::error::{NetError, Result};
 use crate::link;
 use crate::netlink::{is_errno, Netlink};
@@ -75,6 +76,8 @@ pub struct AttachOptions {
     /// Host ports the box may open connections to, on the gateway's address
     /// (`--allow-host-port`); every other connection to the host is refused.
     pub allow_host: Vec<HostPort>,
+    /// Where beyond the network the box may send (`--egress`).
+    pub egress: Egress,
 }
 
 /// A box attached to the network: what `nestbox network inspect` shows.
@@ -101,6 +104,8 @@ pub struct Attachment {
     pub ingress_rate: Option<Rate>,
     /// Host ports the box may reach on the gateway (all others are refused).
     pub allow_host_ports: Vec<HostPort>,
+    /// Egress policy.
+    pub egress: Egress,
 }
 
 /// An open network.

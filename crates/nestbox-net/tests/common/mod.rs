@@ -261,8 +261,8 @@ pub fn assert_no_box_leftovers(t: &TestNet) {
     }
     if let Some(table) = nft::list_guard_table(&cfg.bridge).unwrap() {
         assert!(
-            !table.contains(" dport "),
-            "allowed host ports left:\n{table}"
+            !table.contains(" dport ") && !table.contains("egress_"),
+            "allowed host ports or egress chains left:\n{table}"
         );
     }
     assert!(t.net().leases().unwrap().is_empty(), "leases left");

@@ -166,6 +166,7 @@ impl Pending {
             share: spec.network.share,
             ingress_rate: spec.network.ingress_rate,
             allow_host: spec.network.allow_host.clone(),
+            egress: spec.network.egress.clone(),
         };
         let attachment = self.network.attach(&self.lease, ns.as_fd(), &opts)?;
         Ok(serde_json::to_value(&attachment).unwrap_or_default())
