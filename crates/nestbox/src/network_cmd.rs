@@ -172,7 +172,7 @@ fn network_json(reg: &Registry, net: &Network) -> Result<Value> {
             "host": "refused but allowed host ports (per box) and published ports",
             "other_networks": "published ports only",
             "anti_spoofing": "own MAC and IPv4 address only (BPF guard)",
-            "egress": "allow all",
+            "egress": "per box (--egress; allow-all unless set): see each box's egress",
         },
         "hosts_file": net.hosts_path(),
         "resolv_conf": net.resolv_path(),
