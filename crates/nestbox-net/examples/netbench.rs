@@ -4,6 +4,7 @@
 //! ```text
 //! netbench latency STATE_DIR BRIDGE SUBNET N      attach latency, JSON on stdout
 //! netbench attach STATE_DIR BRIDGE SUBNET ID PID  attach /proc/PID/ns/net, print the address
+//!                                                 (the box may reach iperf3's port 5201 on the host)
 //! netbench destroy STATE_DIR BRIDGE SUBNET        remove the network
 //! ```
 //!
@@ -70,7 +71,11 @@ fn run(args: &[String]) -> nestbox_net::Result<()> {
             let pid: i32 = a(5)?.parse().map_err(|_| usage())?;
             let ns = netns::of_pid(pid)?;
             let lease = net.allocate(id, &[id])?;
-            net.attach(&lease, ns.as_fd(), &AttachOptions::default())?;
+            let opts = AttachOptions {
+                allow_host: vec![nestbox_net::HostPort::parse("5201/tcp")?],
+                ..AttachOptions::default()
+            };
+            net.attach(&lease, ns.as_fd(), &opts)?;
             println!("{}", lease.address);
             Ok(())
         }

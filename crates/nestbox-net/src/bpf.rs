@@ -8,8 +8,9 @@
 //! traffic) are skipped: measured here, that path gives about 0.9 of a plain
 //! veth pair's TCP throughput, the shortcut about 0.98.
 //!
-//! The program is a few instructions encoded here (no compiler, no object
-//! file); maps and programs are made with the `bpf(2)` system call. The map
+//! The program (the box's anti-spoofing guard, then the shortcut) is a few
+//! instructions encoded in [`crate::guard`] (no compiler, no object file); maps
+//! and programs are made with the `bpf(2)` system call here. The map
 //! lives as long as a program refers to it, so a network keeps its map's id in
 //! a file and makes a new map (filled from its state) when the old one is gone.
 
@@ -26,15 +27,6 @@ const BPF_OBJ_GET_INFO_BY_FD: libc::c_long = 15;
 const BPF_MAP_TYPE_HASH: u32 = 1;
 const BPF_PROG_TYPE_SCHED_CLS: u32 = 3;
 const BPF_F_NO_PREALLOC: u32 = 1;
-const BPF_PSEUDO_MAP_FD: u8 = 1;
-const FN_MAP_LOOKUP_ELEM: i32 = 1;
-const FN_REDIRECT: i32 = 23;
-const FN_REDIRECT_PEER: i32 = 155;
-/// `TC_ACT_UNSPEC`: not classified here, try the next filter.
-const TC_ACT_UNSPEC: i32 = -1;
-/// `offsetof(struct __sk_buff, data)` and `data_end`.
-const SKB_DATA: i16 = 76;
-const SKB_DATA_END: i16 = 80;
 /// Size of `union bpf_attr` passed (larger than every command's part we use).
 const ATTR_SIZE: usize = nestbox_sys::bpf::ATTR_SIZE;
 /// Key and value sizes of the map: an IPv4 address (network order); the host
@@ -217,7 +209,7 @@ pub fn map_remove(map: BorrowedFd<'_>, addr: std::net::Ipv4Addr) -> Result<bool>
 }
 
 /// One instruction: opcode, destination and source registers, offset, immediate.
-fn insn(code: u8, dst: u8, src: u8, off: i16, imm: i32) -> [u8; 8] {
+pub(crate) fn insn(code: u8, dst: u8, src: u8, off: i16, imm: i32) -> [u8; 8] {
     let mut b = [0u8; 8];
     b[0] = code;
     b[1] = (src << 4) | (dst & 0x0f);
@@ -226,63 +218,12 @@ fn insn(code: u8, dst: u8, src: u8, off: i16, imm: i32) -> [u8; 8] {
     b
 }
 
-/// The classifier's instructions, with `map` as its map.
-fn program(map: BorrowedFd<'_>) -> Vec<[u8; 8]> {
-    // Registers: r1 context, then helper arguments; r2/r3 packet start/end;
-    // r10 frame pointer. Jumps count instructions after the jump.
-    const LDXW: u8 = 0x61; // r_dst = *(u32 *)(r_src + off)
-    const LDXH: u8 = 0x69; // r_dst = *(u16 *)(r_src + off)
-    const STXW: u8 = 0x63; // *(u32 *)(r_dst + off) = r_src
-    const MOV64X: u8 = 0xbf;
-    const MOV64K: u8 = 0xb7;
-    const ADD64K: u8 = 0x07;
-    const JGTX: u8 = 0x2d;
-    const JEQK: u8 = 0x15;
-    const JNE32K: u8 = 0x56;
-    const LDDW: u8 = 0x18;
-    const CALL: u8 = 0x85;
-    const EXIT: u8 = 0x95;
-    let fd = map.as_raw_fd();
-    vec![
-        /* 0 */ insn(LDXW, 2, 1, SKB_DATA, 0),
-        /* 1 */ insn(LDXW, 3, 1, SKB_DATA_END, 0),
-        /* 2 */ insn(MOV64X, 4, 2, 0, 0),
-        // Ethernet header and IPv4 header up to the destination address.
-        /* 3 */
-        insn(ADD64K, 4, 0, 0, 34),
-        /* 4 */ insn(JGTX, 4, 3, 18, 0), // -> 23
-        // EtherType IPv4 (0x0800, read little-endian).
-        /* 5 */
-        insn(LDXH, 5, 2, 12, 0),
-        /* 6 */ insn(JNE32K, 5, 0, 16, 0x0008), // -> 23
-        // The destination address is the key, on the stack.
-        /* 7 */
-        insn(LDXW, 5, 2, 30, 0),
-        /* 8 */ insn(STXW, 10, 5, -4, 0),
-        /* 9 */ insn(MOV64X, 2, 10, 0, 0),
-        /* 10 */ insn(ADD64K, 2, 0, 0, -4),
-        /* 11 */ insn(LDDW, 1, BPF_PSEUDO_MAP_FD, 0, fd),
-        /* 12 */ insn(0, 0, 0, 0, 0),
-        /* 13 */ insn(CALL, 0, 0, 0, FN_MAP_LOOKUP_ELEM),
-        /* 14 */ insn(JEQK, 0, 0, 8, 0), // -> 23
-        /* 15 */ insn(LDXW, 1, 0, 0, 0), // ifindex
-        /* 16 */ insn(LDXW, 3, 0, 4, 0), // flags
-        /* 17 */ insn(MOV64K, 2, 0, 0, 0),
-        /* 18 */ insn(JEQK, 3, 0, 2, 0), // -> 21
-        /* 19 */ insn(CALL, 0, 0, 0, FN_REDIRECT_PEER),
-        /* 20 */ insn(EXIT, 0, 0, 0, 0),
-        /* 21 */ insn(CALL, 0, 0, 0, FN_REDIRECT),
-        /* 22 */ insn(EXIT, 0, 0, 0, 0),
-        /* 23 */ insn(MOV64K, 0, 0, 0, TC_ACT_UNSPEC),
-        /* 24 */ insn(EXIT, 0, 0, 0, 0),
-    ]
-}
-
-/// Load the shortcut classifier for `map`, named `name`. The returned
-/// descriptor is needed only until the program is attached (the filter then
-/// holds it, and it holds the map).
-pub fn load_program(map: BorrowedFd<'_>, name: &str) -> Result<OwnedFd> {
-    let code: Vec<u8> = program(map).concat();
+/// Load the classifier `code` (a box's guard and shortcut, see
+/// [`crate::guard`]), named `name`. The returned descriptor is needed only
+/// until the program is attached (the filter then holds it, and it holds the
+/// map).
+pub fn load_program(code: &[[u8; 8]], name: &str) -> Result<OwnedFd> {
+    let code: Vec<u8> = code.concat();
     let license = b"Apache-2.0\0";
     let what = format!("bpf(BPF_PROG_LOAD {name})");
     let load = |log: Option<&mut Vec<u8>>| {

@@ -48,6 +48,13 @@ pub struct NetworkConfig {
     /// other machines need. Forwarding on the bridge itself is always on.
     #[serde(default = "yes")]
     pub ip_forward: bool,
+    /// The isolated policy: a box reaches only the gateway (the host's allowed
+    /// ports and published ports, and beyond the network through it), never
+    /// another box directly. Off (open: boxes reach each other) by default.
+    /// Can change only while no box is attached (each box's guard program
+    /// carries it).
+    #[serde(default)]
+    pub isolated: bool,
     /// Where the network keeps its state (not serialized: it is where the file is).
     #[serde(skip)]
     pub state_dir: PathBuf,
@@ -66,6 +73,7 @@ impl NetworkConfig {
             subnet,
             link_rate: Rate::from_bits(DEFAULT_LINK_RATE).unwrap_or(Rate::MIN),
             ip_forward: true,
+            isolated: false,
             state_dir,
         }
     }

@@ -72,6 +72,17 @@ pub enum NetError {
     /// A port mapping could not be parsed.
     #[error("invalid port mapping {0:?}: expected HOSTPORT:BOXPORT[/tcp|udp] with ports 1-65535")]
     InvalidPort(String),
+    /// A host port a box may reach could not be parsed.
+    #[error("invalid host port {0:?}: expected PORT[/tcp|udp] with a port 1-65535")]
+    InvalidHostPort(String),
+    /// An egress policy could not be parsed.
+    #[error("invalid egress policy {text:?} ({reason}): expected allow-all, deny-all or ADDRESS[/PREFIX][:PORT],...")]
+    InvalidEgress {
+        /// The policy as given.
+        text: String,
+        /// What is wrong.
+        reason: String,
+    },
     /// A subnet could not be parsed or is unsuitable.
     #[error("invalid subnet {subnet:?}: {reason}")]
     InvalidSubnet {
@@ -194,9 +205,12 @@ impl NetError {
             Netlink { .. } | Decode { .. } | Sys { .. } | Io { .. } | State { .. } | Nft { .. } => {
                 NetErrorKind::System
             }
-            InvalidRate(_) | InvalidPort(_) | InvalidSubnet { .. } | Invalid(_) => {
-                NetErrorKind::Input
-            }
+            InvalidRate(_)
+            | InvalidPort(_)
+            | InvalidHostPort(_)
+            | InvalidEgress { .. }
+            | InvalidSubnet { .. }
+            | Invalid(_) => NetErrorKind::Input,
             NoLease(_) | NotAttached(_) | NoNetwork(_) => NetErrorKind::NotFound,
             Conflict(_)
             | LeaseMismatch { .. }

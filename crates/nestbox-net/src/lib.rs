@@ -9,6 +9,13 @@
 //! HTB on the host side of the box's veth. IPv4 between boxes without a cap
 //! takes a BPF shortcut from one box's veth to the other's ([`bpf`]).
 //!
+//! Boxes are not trusted: the first thing on each box's veth is a guard
+//! ([`guard`]) that lets only the box's own MAC and IPv4 address out (and, on an
+//! isolated network, only towards the gateway); the network's `inet` nftables
+//! table ([`nft`]) keeps the host from being a destination (but for allowed host
+//! ports), keeps other networks out (but for published ports) and applies each
+//! box's egress policy ([`egress`]).
+//!
 //! Links, addresses, routes, qdiscs, classes and filters go through rtnetlink
 //! ([`netlink`]); the shortcut's map and program through `bpf(2)` ([`bpf`]);
 //! the NAT table through the `nft` binary ([`nft`]). See
@@ -30,7 +37,9 @@
 pub mod addr;
 pub mod bpf;
 pub mod config;
+pub mod egress;
 pub mod error;
+pub mod guard;
 pub mod link;
 pub mod netlink;
 pub mod netns;
@@ -45,8 +54,9 @@ pub mod subnet;
 pub mod tc;
 
 pub use config::NetworkConfig;
+pub use egress::{Egress, EgressRule};
 pub use error::{NetError, NetErrorKind, Result};
 pub use network::{list_networks, AttachOptions, Attachment, Lease, Network};
-pub use port::{PortMapping, Proto};
+pub use port::{HostPort, PortMapping, Proto};
 pub use rate::{parse_rate, Rate};
 pub use subnet::Subnet;

@@ -1,20 +1,49 @@
-//! NAT through nftables: one table per network (`ip nestbox-BRIDGE`), holding
-//! the masquerade of outbound traffic and the DNAT rules of published ports.
+//! The network's nftables rules, two tables per network:
 //!
-//! The table is a pure function of the network's state: every change replaces
-//! the whole table in one atomic `nft -f -` transaction (exception to "netlink,
-//! not shell", see docs/network.md). Nothing is run for boxes that publish no
-//! port, so it stays off the common path.
+//! - `ip nestbox-BRIDGE`: NAT, the masquerade of outbound traffic and the DNAT
+//!   rules of published ports;
+//! - `inet nestbox-BRIDGE`: the host is not a destination. In the `input` hook,
+//!   whatever arrives from the bridge for the host itself (the gateway, every
+//!   other host address, the host's loopback reached through `route_localnet`,
+//!   broadcasts) is refused unless it belongs to a connection the host made or
+//!   accepted, or goes to a host port the box was allowed
+//!   (`--allow-host-port`, on the gateway's address only). Published ports are
+//!   DNATed before this hook, and replies to the host's connections are
+//!   established, so both keep working. In the `forward` hook, a connection
+//!   routed into the bridge from any other interface (another nestbox
+//!   network, another machine) is dropped unless it goes to a published port
+//!   (DNATed): boxes of different networks cannot reach each other. A new
+//!   connection a box with an egress policy other than allow-all
+//!   ([`crate::egress`]) forwards out of the bridge goes through that box's
+//!   chain `egress_A_B_C_D`: accepted if it matches an entry, else refused;
+//!   both decisions are logged to the kernel log (at most 20 a second each).
+//!   Established traffic never reaches the chains, so the list's length costs
+//!   only connection set-up.
+//!
+//! [`RULES_VERSION`] numbers this layout: a network whose state records an
+//! older one (made by an older nestbox) gets its tables replaced on the next
+//! attach.
+//!
+//! Both tables are a pure function of the network's state: every change
+//! replaces them whole in one atomic `nft -f -` transaction (exception to
+//! "netlink, not shell", see docs/network.md). Nothing is run for boxes that
+//! publish no port and are allowed no host port, so it stays off the common
+//! path.
 
 use std::io::Write;
 use std::net::Ipv4Addr;
 use std::process::{Command, Stdio};
 
+use crate::egress::Egress;
 use crate::error::{NetError, Result};
-use crate::port::PortMapping;
+use crate::port::{HostPort, PortMapping};
 use crate::subnet::Subnet;
 
-/// Name of the table of the network on bridge `bridge`.
+/// The version of the tables' layout (see the module documentation).
+pub const RULES_VERSION: u32 = 3;
+
+/// Name of the tables (`ip`: NAT; `inet`: the host guard) of the network on
+/// bridge `bridge`.
 pub fn table_name(bridge: &str) -> String {
     format!("nestbox-{bridge}")
 }
@@ -28,6 +57,10 @@ pub struct Ruleset<'a> {
     pub subnet: Subnet,
     /// Published ports: mapping and the box address it goes to.
     pub published: Vec<(PortMapping, Ipv4Addr)>,
+    /// Host ports boxes may reach on the gateway: port and the box's address.
+    pub host_allowed: Vec<(HostPort, Ipv4Addr)>,
+    /// Egress policies other than allow-all: box id, address, policy.
+    pub egress: Vec<(String, Ipv4Addr, Egress)>,
 }
 
 impl Ruleset<'_> {
@@ -42,6 +75,45 @@ impl Ruleset<'_> {
             publish.push_str(&format!(
                 "    {p} dport {} dnat to {addr}:{}\n",
                 m.host_port, m.box_port
+            ));
+        }
+        let gw = net.gateway();
+        let mut allowed = String::new();
+        for (p, addr) in &self.host_allowed {
+            allowed.push_str(&format!(
+                "    ip saddr {addr} ip daddr {gw} {} dport {} accept\n",
+                p.proto.as_str(),
+                p.port
+            ));
+        }
+        // Egress: new connections a box forwards out of the bridge go through
+        // its chain; each decision is logged (rate-limited).
+        let mut egress_jumps = String::new();
+        let mut egress_chains = String::new();
+        for (id, addr, policy) in &self.egress {
+            let chain = format!("egress_{}", addr.to_string().replace('.', "_"));
+            let short: String = id.chars().take(24).collect();
+            egress_jumps.push_str(&format!(
+                "    iifname \"{br}\" oifname != \"{br}\" ip saddr {addr} ct state new jump {chain}\n"
+            ));
+            egress_chains.push_str(&format!("  chain {chain} {{\n"));
+            if let Egress::Allow(rules) = policy {
+                for r in rules {
+                    let m = match r.port {
+                        Some(p) => format!(
+                            "ip daddr {}/{} meta l4proto {{ tcp, udp }} th dport {p}",
+                            r.addr, r.prefix
+                        ),
+                        None => format!("ip daddr {}/{}", r.addr, r.prefix),
+                    };
+                    egress_chains.push_str(&format!(
+                        "    {m} limit rate 20/second log prefix \"nestbox-egress allow box={short} \"\n    {m} accept\n"
+                    ));
+                }
+            }
+            egress_chains.push_str(&format!(
+                "    limit rate 20/second log prefix \"nestbox-egress deny box={short} \"\n\
+                 \x20   reject with icmpx admin-prohibited\n  }}\n"
             ));
         }
         // `table` first makes the `delete` valid when the table did not exist.
@@ -66,6 +138,27 @@ impl Ruleset<'_> {
              \x20   oifname \"{br}\" ip saddr 127.0.0.0/8 masquerade\n\
              \x20   oifname \"{br}\" ip saddr {net} ct status dnat masquerade\n\
              \x20 }}\n\
+             }}\n\
+             table inet {t} {{}}\n\
+             delete table inet {t}\n\
+             table inet {t} {{\n\
+             \x20 chain input {{\n\
+             \x20   type filter hook input priority filter; policy accept;\n\
+             \x20   iifname \"{br}\" jump from_boxes\n\
+             \x20 }}\n\
+             \x20 chain forward {{\n\
+             \x20   type filter hook forward priority filter; policy accept;\n\
+             \x20   oifname \"{br}\" iifname != \"{br}\" ct status dnat accept\n\
+             \x20   oifname \"{br}\" iifname != \"{br}\" ct state new drop\n\
+             {egress_jumps}\
+             \x20 }}\n\
+             {egress_chains}\
+             \x20 chain from_boxes {{\n\
+             \x20   ct state established,related accept\n\
+             {allowed}\
+             \x20   meta l4proto tcp reject with tcp reset\n\
+             \x20   reject with icmpx admin-prohibited\n\
+             \x20 }}\n\
              }}\n"
         )
     }
@@ -76,20 +169,32 @@ impl Ruleset<'_> {
     }
 }
 
-/// Delete the table of the network on `bridge`, if it exists.
+/// Delete the tables of the network on `bridge`, if they exist.
 pub fn delete_table(bridge: &str) -> Result<()> {
     let t = table_name(bridge);
     run(
-        &format!("table ip {t} {{}}\ndelete table ip {t}\n"),
-        &format!("delete table {t}"),
+        &format!(
+            "table ip {t} {{}}\ndelete table ip {t}\ntable inet {t} {{}}\ndelete table inet {t}\n"
+        ),
+        &format!("delete tables {t}"),
     )
 }
 
-/// The table of `bridge` as `nft list` prints it, or `None` if there is none.
+/// The NAT table of `bridge` as `nft list` prints it, or `None` if there is none.
 pub fn list_table(bridge: &str) -> Result<Option<String>> {
+    list(bridge, "ip")
+}
+
+/// The host guard table of `bridge` as `nft list` prints it, or `None` if
+/// there is none.
+pub fn list_guard_table(bridge: &str) -> Result<Option<String>> {
+    list(bridge, "inet")
+}
+
+fn list(bridge: &str, family: &str) -> Result<Option<String>> {
     let t = table_name(bridge);
     let out = Command::new("nft")
-        .args(["list", "table", "ip", &t])
+        .args(["list", "table", family, &t])
         .stdin(Stdio::null())
         .output()
         .map_err(|e| spawn_error(&format!("list table {t}"), e))?;
@@ -98,7 +203,7 @@ pub fn list_table(bridge: &str) -> Result<Option<String>> {
     } else {
         // nft fails this way when the table does not exist.
         tracing::debug!(
-            "nft list table {t}: {}",
+            "nft list table {family} {t}: {}",
             String::from_utf8_lossy(&out.stderr).trim()
         );
         Ok(None)

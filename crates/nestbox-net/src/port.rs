@@ -1,5 +1,6 @@
 //! Published ports: `HOSTPORT:BOXPORT[/tcp|udp]`, and the check that a host port
-//! is free before a box claims it.
+//! is free before a box claims it; host ports a box may open connections to
+//! (`PORT[/tcp|udp]`, `--allow-host-port`).
 
 use std::fmt;
 use std::net::{Ipv4Addr, SocketAddrV4, TcpListener, UdpSocket};
@@ -90,6 +91,50 @@ impl PortMapping {
     }
 }
 
+/// A port of the host (on the network's gateway address) that a box may open
+/// connections to, although the host is otherwise no destination for boxes
+/// (`--allow-host-port PORT[/tcp|udp]`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub struct HostPort {
+    /// The port.
+    pub port: u16,
+    /// Protocol.
+    pub proto: Proto,
+}
+
+impl HostPort {
+    /// Parse `53`, `8080/tcp` or `53/udp` (TCP when no protocol is given).
+    pub fn parse(text: &str) -> Result<HostPort> {
+        let bad = || NetError::InvalidHostPort(text.to_string());
+        let (port, proto) = match text.split_once('/') {
+            Some((p, "tcp")) => (p, Proto::Tcp),
+            Some((p, "udp")) => (p, Proto::Udp),
+            Some(_) => return Err(bad()),
+            None => (text, Proto::Tcp),
+        };
+        if port.is_empty() || !port.bytes().all(|c| c.is_ascii_digit()) {
+            return Err(bad());
+        }
+        match port.parse::<u16>() {
+            Ok(p) if p > 0 => Ok(HostPort { port: p, proto }),
+            _ => Err(bad()),
+        }
+    }
+}
+
+impl fmt::Display for HostPort {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}/{}", self.port, self.proto.as_str())
+    }
+}
+
+impl FromStr for HostPort {
+    type Err = NetError;
+    fn from_str(s: &str) -> Result<HostPort> {
+        HostPort::parse(s)
+    }
+}
+
 impl fmt::Display for PortMapping {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
@@ -120,6 +165,25 @@ mod tests {
         assert_eq!(PortMapping::parse("8080:80").unwrap(), m);
         assert_eq!(PortMapping::parse("53:5353/udp").unwrap().proto, Proto::Udp);
         assert_eq!(m.to_string(), "8080:80/tcp");
+    }
+
+    #[test]
+    fn host_ports_parse_and_reject() {
+        assert_eq!(
+            HostPort::parse("53/udp").unwrap(),
+            HostPort {
+                port: 53,
+                proto: Proto::Udp
+            }
+        );
+        assert_eq!(HostPort::parse("8080").unwrap().proto, Proto::Tcp);
+        assert_eq!(HostPort::parse("8080/tcp").unwrap().to_string(), "8080/tcp");
+        for bad in ["", "0", "70000", "80/sctp", "a", "+80", "80/", "80:80"] {
+            assert!(
+                matches!(HostPort::parse(bad), Err(NetError::InvalidHostPort(_))),
+                "{bad}"
+            );
+        }
     }
 
     #[test]

@@ -12,8 +12,9 @@ use std::path::{Path, PathBuf};
 use nix::fcntl::{Flock, FlockArg};
 use serde::{Deserialize, Serialize};
 
+use crate::egress::Egress;
 use crate::error::{NetError, Result};
-use crate::port::PortMapping;
+use crate::port::{HostPort, PortMapping};
 use crate::rate::Rate;
 
 /// What the network knows about one box.
@@ -37,6 +38,20 @@ pub(crate) struct AttachRecord {
     pub reserve: Option<Rate>,
     pub share: u32,
     pub ingress_rate: Option<Rate>,
+    /// Host ports the box may open connections to (on the gateway).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub allow_host: Vec<HostPort>,
+    /// Where beyond the network the box may send.
+    #[serde(default, skip_serializing_if = "Egress::is_allow_all")]
+    pub egress: Egress,
+}
+
+impl AttachRecord {
+    /// Whether the box has rules of its own in the network's nftables tables
+    /// (published ports, allowed host ports, an egress policy).
+    pub fn has_rules(&self) -> bool {
+        !self.publish.is_empty() || !self.allow_host.is_empty() || !self.egress.is_allow_all()
+    }
 }
 
 /// The state file's content.
@@ -47,6 +62,10 @@ pub(crate) struct State {
     /// boxes may still have it in their ARP caches).
     #[serde(default)]
     pub next: u32,
+    /// Layout version of the network's nftables tables on the host
+    /// ([`crate::nft::RULES_VERSION`]; 0: made before versions were kept).
+    #[serde(default)]
+    pub rules: u32,
     #[serde(default)]
     pub boxes: BTreeMap<String, BoxEntry>,
 }

@@ -13,8 +13,8 @@ use std::time::{Duration, Instant};
 use common::*;
 use nestbox_net::netlink::Netlink;
 use nestbox_net::{
-    addr, link, netns, nft, parse_rate, AttachOptions, NetError, NetErrorKind, Network,
-    NetworkConfig, PortMapping,
+    addr, link, netns, nft, parse_rate, AttachOptions, Egress, HostPort, NetError, NetErrorKind,
+    Network, NetworkConfig, PortMapping,
 };
 
 fn sa(a: Ipv4Addr, p: u16) -> SocketAddr {
@@ -36,8 +36,12 @@ fn attach_gives_address_route_and_connectivity() {
     let att = net
         .attach(&a, ns_a.as_fd(), &AttachOptions::default())
         .unwrap();
-    net.attach(&b, ns_b.as_fd(), &AttachOptions::default())
-        .unwrap();
+    // Box b may reach the host's port 7002/tcp (on the gateway), nothing else.
+    let allowed = AttachOptions {
+        allow_host: vec![HostPort::parse("7002/tcp").unwrap()],
+        ..Default::default()
+    };
+    net.attach(&b, ns_b.as_fd(), &allowed).unwrap();
     assert_eq!(att.lease.address, a.address);
     assert_eq!(att.class, format!("1:{:x}", a.address.octets()[3]));
 
@@ -72,12 +76,13 @@ fn attach_gives_address_route_and_connectivity() {
     assert_eq!(ask(None, sa(a.address, 7001)), a.gateway.to_string());
     srv.join().unwrap();
 
-    // Box to host (the gateway).
-    let l = listen(None, a.gateway, 0);
-    let port = l.local_addr().unwrap().port();
+    // Box to host (the gateway): refused, but for the port box b was allowed.
+    let l = listen(None, a.gateway, 7002);
+    let refused = connect(Some(ns_a.as_fd()), sa(a.gateway, 7002));
+    assert!(refused.is_err(), "box a reached the host: {refused:?}");
     let srv = echo_peer_once(l);
     assert_eq!(
-        ask(Some(ns_b.as_fd()), sa(a.gateway, port)),
+        ask(Some(ns_b.as_fd()), sa(a.gateway, 7002)),
         b.address.to_string()
     );
     srv.join().unwrap();
@@ -292,8 +297,18 @@ fn detach_leaves_no_veth_address_rule_or_class() {
         reserve: Some(parse_rate("10mbit").unwrap()),
         share: Some(300),
         ingress_rate: Some(parse_rate("50mbit").unwrap()),
+        allow_host: vec![HostPort::parse("7070/udp").unwrap()],
+        egress: Egress::parse("192.0.2.0/24:53").unwrap(),
     };
     let att = net.attach(&a, ns.as_fd(), &opts).unwrap();
+    let guard = nft::list_guard_table(&t.bridge).unwrap().unwrap();
+    assert!(
+        guard.contains(&format!(
+            "ip saddr {} ip daddr {} udp dport 7070 accept",
+            a.address, a.gateway
+        )),
+        "{guard}"
+    );
     let mut nl = Netlink::open().unwrap();
     let vidx = link::index(&mut nl, &att.host_veth).unwrap().unwrap();
     let qdiscs = nestbox_net::tc::list_qdiscs(&mut nl, vidx).unwrap();
@@ -682,7 +697,8 @@ fn destroy_racing_an_attach_leaves_nothing_unowned() {
         let owned = NetworkConfig::load(&cfg.state_dir).unwrap().is_some();
         let bridge = link::index(&mut nl, &cfg.bridge).unwrap().is_some();
         let ifb = link::index(&mut nl, &cfg.ifb()).unwrap().is_some();
-        let table = nft::list_table(&cfg.bridge).unwrap().is_some();
+        let table = nft::list_table(&cfg.bridge).unwrap().is_some()
+            || nft::list_guard_table(&cfg.bridge).unwrap().is_some();
         assert!(
             owned || !(bridge || ifb || table),
             "round {i}: bridge {bridge}, IFB {ifb}, table {table} left with no state (attach: {attached:?})"
@@ -695,4 +711,207 @@ fn destroy_racing_an_attach_leaves_nothing_unowned() {
         }
         Network::view(cfg.clone()).destroy().unwrap();
     }
+}
+
+#[test]
+fn boxes_of_different_networks_reach_each_other_only_through_published_ports() {
+    if !root() {
+        return;
+    }
+    // Two networks: the host routes between their bridges, but a connection
+    // routed into a bridge from elsewhere is dropped unless it is DNATed (a
+    // published port).
+    let (t1, t2) = (TestNet::new(28), TestNet::new(29));
+    let (ns_a, ns_b) = (new_ns(), new_ns());
+    let a = t1.net().allocate("box-a", &[]).unwrap();
+    t1.net()
+        .attach(&a, ns_a.as_fd(), &AttachOptions::default())
+        .unwrap();
+    let b = t2.net().allocate("box-b", &[]).unwrap();
+    let host_port = 20000 + (std::process::id() % 20000) as u16 + 7;
+    let opts = AttachOptions {
+        publish: vec![PortMapping::parse(&format!("{host_port}:7200/tcp")).unwrap()],
+        ..Default::default()
+    };
+    t2.net().attach(&b, ns_b.as_fd(), &opts).unwrap();
+    let l = listen(Some(ns_b.as_fd()), Ipv4Addr::UNSPECIFIED, 7200);
+    let direct = connect(Some(ns_a.as_fd()), sa(b.address, 7200));
+    assert!(
+        direct.is_err(),
+        "box-a reached box-b of another network: {direct:?}"
+    );
+    // The published port, on the other network's gateway, is reachable.
+    let srv = echo_peer_once(l);
+    let seen = ask(Some(ns_a.as_fd()), sa(b.gateway, host_port));
+    assert!(
+        !seen.is_empty(),
+        "box-a did not reach box-b's published port"
+    );
+    srv.join().unwrap();
+    // In the other direction too: box-b cannot reach box-a.
+    let _l = listen(Some(ns_a.as_fd()), Ipv4Addr::UNSPECIFIED, 7201);
+    let direct = connect(Some(ns_b.as_fd()), sa(a.address, 7201));
+    assert!(
+        direct.is_err(),
+        "box-b reached box-a of another network: {direct:?}"
+    );
+    t1.net().detach("box-a").unwrap();
+    t2.net().detach("box-b").unwrap();
+    assert_no_box_leftovers(&t1);
+    assert_no_box_leftovers(&t2);
+}
+
+#[test]
+fn on_an_isolated_network_boxes_reach_only_the_gateway_and_published_ports() {
+    if !root() {
+        return;
+    }
+    let t = TestNet::with(30, "10.231.30.0/24", |c| c.isolated = true);
+    let net = t.net();
+    let (ns_a, ns_b, ns_c) = (new_ns(), new_ns(), new_ns());
+    let host_port = 20000 + (std::process::id() % 20000) as u16 + 9;
+    let a = net.allocate("box-a", &[]).unwrap();
+    net.attach(
+        &a,
+        ns_a.as_fd(),
+        &AttachOptions {
+            allow_host: vec![HostPort::parse("7302").unwrap()],
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let b = net.allocate("box-b", &[]).unwrap();
+    let publish = AttachOptions {
+        publish: vec![PortMapping::parse(&format!("{host_port}:7300/tcp")).unwrap()],
+        ..Default::default()
+    };
+    net.attach(&b, ns_b.as_fd(), &publish).unwrap();
+    // A capped box: its traffic takes the egress tree and the bridge.
+    let c = net.allocate("box-c", &[]).unwrap();
+    let capped = AttachOptions {
+        rate: Some(parse_rate("1gbit").unwrap()),
+        ..Default::default()
+    };
+    net.attach(&c, ns_c.as_fd(), &capped).unwrap();
+
+    let l = listen(Some(ns_b.as_fd()), Ipv4Addr::UNSPECIFIED, 7300);
+    for (from, name) in [(&ns_a, "box-a"), (&ns_c, "box-c")] {
+        let direct = connect(Some(from.as_fd()), sa(b.address, 7300));
+        assert!(direct.is_err(), "{name} reached box-b directly: {direct:?}");
+    }
+    // Box-b's published port, through the gateway, is reachable; the host
+    // reaches box-b; box-a reaches the host port it was allowed.
+    let srv = echo_peer_once(l);
+    assert!(!ask(Some(ns_a.as_fd()), sa(b.gateway, host_port)).is_empty());
+    srv.join().unwrap();
+    let l = listen(Some(ns_b.as_fd()), Ipv4Addr::UNSPECIFIED, 7301);
+    let srv = echo_peer_once(l);
+    assert_eq!(ask(None, sa(b.address, 7301)), b.gateway.to_string());
+    srv.join().unwrap();
+    let l = listen(None, a.gateway, 7302);
+    let srv = echo_peer_once(l);
+    assert_eq!(
+        ask(Some(ns_a.as_fd()), sa(a.gateway, 7302)),
+        a.address.to_string()
+    );
+    srv.join().unwrap();
+    // The policy cannot change while boxes are on the network.
+    let mut open = net.config().clone();
+    open.isolated = false;
+    let err = Network::open(open).unwrap_err();
+    assert!(err.to_string().contains("policy cannot change"), "{err}");
+    for id in ["box-a", "box-b", "box-c"] {
+        net.detach(id).unwrap();
+    }
+    assert_no_box_leftovers(&t);
+}
+
+#[test]
+fn egress_policies_admit_only_what_they_list_and_log_their_decisions() {
+    if !root() {
+        return;
+    }
+    let t = TestNet::new(31);
+    let net = t.net();
+    // A fake "internet": a namespace reached through the host on another subnet.
+    let outside = new_ns();
+    let up = format!("nbo31x{}", std::process::id() % 10000);
+    let mut nl = Netlink::open().unwrap();
+    let _ = link::delete(&mut nl, &up);
+    struct Del(String);
+    impl Drop for Del {
+        fn drop(&mut self) {
+            if let Ok(mut nl) = Netlink::open() {
+                let _ = link::delete(&mut nl, &self.0);
+            }
+        }
+    }
+    let idx = link::create_veth(&mut nl, &up, None, "eth0", outside.as_fd()).unwrap();
+    let _del = Del(up.clone());
+    let host_side = Ipv4Addr::new(10, 232, 31, 1);
+    let far = Ipv4Addr::new(10, 232, 31, 2);
+    addr::add(&mut nl, idx, &up, host_side, 30).unwrap();
+    std::fs::write(format!("/proc/sys/net/ipv4/conf/{up}/forwarding"), "1").unwrap();
+    netns::run_in(outside.as_fd(), || {
+        let mut nl = Netlink::open()?;
+        let i = link::index(&mut nl, "eth0")?.unwrap();
+        addr::add(&mut nl, i, "eth0", far, 30)?;
+        link::set_up(&mut nl, i, "eth0")
+    })
+    .unwrap();
+
+    let tag = std::process::id();
+    let attach = |id: &str, egress: &str| {
+        let ns = new_ns();
+        let lease = net.allocate(id, &[]).unwrap();
+        let opts = AttachOptions {
+            egress: Egress::parse(egress).unwrap(),
+            ..Default::default()
+        };
+        net.attach(&lease, ns.as_fd(), &opts).unwrap();
+        ns
+    };
+    let listed = format!("listed-{tag}");
+    let denied = format!("denied-{tag}");
+    let ns_listed = attach(&listed, &format!("{far}:9000,192.0.2.0/24"));
+    let ns_denied = attach(&denied, "deny-all");
+    let ns_open = attach("open", "allow-all");
+    let reach = |ns: &std::os::fd::OwnedFd, port: u16| {
+        let l = listen(Some(outside.as_fd()), far, port);
+        let srv = echo_peer_once(l);
+        let ok = connect(Some(ns.as_fd()), sa(far, port)).is_ok();
+        if !ok {
+            // Unblock the accept.
+            let _ = connect(None, sa(far, port));
+        }
+        srv.join().unwrap();
+        ok
+    };
+    assert!(reach(&ns_listed, 9000), "the listed port was refused");
+    assert!(!reach(&ns_listed, 9001), "a port not listed was admitted");
+    assert!(!reach(&ns_denied, 9000), "deny-all admitted a connection");
+    assert!(reach(&ns_open, 9001), "allow-all refused a connection");
+    // Decisions are in the kernel log, with the box's id.
+    let log =
+        String::from_utf8_lossy(&std::process::Command::new("dmesg").output().unwrap().stdout)
+            .to_string();
+    for line in [
+        format!("nestbox-egress allow box={listed} "),
+        format!("nestbox-egress deny box={listed} "),
+        format!("nestbox-egress deny box={denied} "),
+    ] {
+        assert!(log.contains(&line), "no {line:?} in the kernel log");
+    }
+    // `inspect` shows the policy; removal leaves no chain of the boxes.
+    let atts = net.attachments().unwrap();
+    let l = atts.iter().find(|a| a.lease.box_id == listed).unwrap();
+    assert_eq!(l.egress.to_string(), format!("{far}/32:9000,192.0.2.0/24"));
+    let table = nft::list_guard_table(&t.bridge).unwrap().unwrap();
+    assert!(table.contains("chain egress_"), "{table}");
+    for id in [listed.as_str(), denied.as_str(), "open"] {
+        net.detach(id).unwrap();
+    }
+    let table = nft::list_guard_table(&t.bridge).unwrap().unwrap();
+    assert!(!table.contains("egress_"), "egress chains left:\n{table}");
+    assert_no_box_leftovers(&t);
 }

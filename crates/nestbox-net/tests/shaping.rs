@@ -12,7 +12,7 @@ use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::time::{Duration, Instant};
 
 use common::*;
-use nestbox_net::{parse_rate, AttachOptions, Lease, Network};
+use nestbox_net::{parse_rate, AttachOptions, HostPort, Lease, Network};
 
 const WARMUP: Duration = Duration::from_millis(700);
 const WINDOW: Duration = Duration::from_millis(2500);
@@ -21,8 +21,22 @@ fn mbit(v: f64) -> f64 {
     v / 1e6
 }
 
-/// A new namespace attached to `net` as box `id` with `opts`.
-fn attached(net: &Network, id: &str, opts: AttachOptions) -> (OwnedFd, Lease) {
+/// Ports of the sinks on the host (the gateway): the host is no destination
+/// for a box unless it is allowed the port.
+const HOST_SINKS: [u16; 2] = [7401, 7402];
+
+/// A sink on the host's end of the bridge (the gateway), on host port `port`.
+fn host_sink(lease: &Lease, port: u16) -> Sink {
+    Sink::on(None, lease.gateway, port, 1)
+}
+
+/// A new namespace attached to `net` as box `id` with `opts`, allowed to reach
+/// the host's sinks.
+fn attached(net: &Network, id: &str, mut opts: AttachOptions) -> (OwnedFd, Lease) {
+    opts.allow_host = HOST_SINKS
+        .iter()
+        .map(|p| HostPort::parse(&p.to_string()).unwrap())
+        .collect();
     let ns = new_ns();
     let lease = net.allocate(id, &[]).unwrap();
     net.attach(&lease, ns.as_fd(), &opts).unwrap();
@@ -60,8 +74,8 @@ fn serial_shares_divide_a_saturated_link_two_to_one() {
     };
     let (ns_a, a) = attached(net, "heavy", share(200));
     let (ns_b, _) = attached(net, "light", share(100));
-    let sink_a = Sink::new(None, a.gateway, 1);
-    let sink_b = Sink::new(None, a.gateway, 1);
+    let sink_a = host_sink(&a, HOST_SINKS[0]);
+    let sink_b = host_sink(&a, HOST_SINKS[1]);
     let r = rates(&[(Some(ns_a.as_fd()), &sink_a), (Some(ns_b.as_fd()), &sink_b)]);
     let ratio = r[0] / r[1];
     eprintln!(
@@ -100,8 +114,8 @@ fn serial_a_reservation_holds_under_competition() {
             ..Default::default()
         },
     );
-    let sink_a = Sink::new(None, a.gateway, 1);
-    let sink_b = Sink::new(None, a.gateway, 1);
+    let sink_a = host_sink(&a, HOST_SINKS[0]);
+    let sink_b = host_sink(&a, HOST_SINKS[1]);
     let r = rates(&[(Some(ns_a.as_fd()), &sink_a), (Some(ns_b.as_fd()), &sink_b)]);
     eprintln!(
         "reserve 60mbit (share 1) vs share 1000 on 100mbit: {:.1} and {:.1} mbit/s",
@@ -133,7 +147,7 @@ fn serial_an_egress_cap_holds() {
             ..Default::default()
         },
     );
-    let sink = Sink::new(None, a.gateway, 1);
+    let sink = host_sink(&a, HOST_SINKS[0]);
     let r = rates(&[(Some(ns.as_fd()), &sink)]);
     eprintln!("egress cap 40mbit: {:.1} mbit/s", mbit(r[0]));
     assert!(
@@ -208,7 +222,7 @@ fn serial_traffic_between_uncapped_boxes_is_not_limited_by_the_link_rate() {
     let (ns_a, a) = attached(net, "sender", AttachOptions::default());
     let (ns_b, b) = attached(net, "receiver", AttachOptions::default());
     // To the host the link rate holds...
-    let host = Sink::new(None, a.gateway, 1);
+    let host = host_sink(&a, HOST_SINKS[0]);
     let to_host = rates(&[(Some(ns_a.as_fd()), &host)])[0];
     // ... to another box it does not.
     let peer = Sink::new(Some(ns_b.as_fd()), b.address, 1);

@@ -129,6 +129,13 @@ pub struct NetSpec {
     pub share: Option<u32>,
     /// Ingress cap (`--net-ingress-rate`).
     pub ingress_rate: Option<nestbox_net::Rate>,
+    /// Host ports the box may open connections to on the gateway
+    /// (`--allow-host-port`); the host is no destination otherwise.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub allow_host: Vec<nestbox_net::HostPort>,
+    /// Where beyond its network the box may send (`--egress`).
+    #[serde(default, skip_serializing_if = "nestbox_net::Egress::is_allow_all")]
+    pub egress: nestbox_net::Egress,
 }
 
 impl NetSpec {
@@ -139,6 +146,8 @@ impl NetSpec {
             || self.reserve.is_some()
             || self.share.is_some()
             || self.ingress_rate.is_some()
+            || !self.allow_host.is_empty()
+            || !self.egress.is_allow_all()
     }
 }
 
@@ -203,7 +212,7 @@ impl BoxSpec {
         validate_hostname(&self.hostname)?;
         if self.network.mode != NetworkMode::Bridge && self.network.has_bridge_options() {
             return Err(invalid(
-                "-p, --net-rate, --net-reserve, --net-share and --net-ingress-rate need --network bridge",
+                "-p, --allow-host-port, --egress, --net-rate, --net-reserve, --net-share and --net-ingress-rate need --network bridge",
             ));
         }
         if self.network.mode == NetworkMode::Bridge

@@ -323,6 +323,16 @@ struct RunArgs {
     /// Publish a port: HOSTPORT:BOXPORT[/tcp|udp] (repeatable; bridge only).
     #[arg(short = 'p', long = "publish", value_name = "HOST:BOX[/PROTO]")]
     publish: Vec<String>,
+    /// Let the box open connections to this port of the host, on the network's
+    /// gateway address: PORT[/tcp|udp] (repeatable; bridge only). The host is
+    /// otherwise no destination for a box.
+    #[arg(long = "allow-host-port", value_name = "PORT[/PROTO]")]
+    allow_host_port: Vec<String>,
+    /// Where beyond its network the box may open connections: allow-all (the
+    /// default), deny-all, or ADDRESS[/PREFIX][:PORT],... (bridge only);
+    /// decisions are logged to the kernel log.
+    #[arg(long, value_name = "POLICY")]
+    egress: Option<String>,
     #[command(flatten)]
     bandwidth: BandwidthArgs,
     /// Hostname (default: the box name).
@@ -577,6 +587,19 @@ fn build_spec(a: RunArgs) -> Result<BoxSpec> {
             .iter()
             .map(|p| nestbox_net::PortMapping::parse(p).with_context(|| format!("-p {p}")))
             .collect::<Result<_>>()?,
+        allow_host: a
+            .allow_host_port
+            .iter()
+            .map(|p| {
+                nestbox_net::HostPort::parse(p).with_context(|| format!("--allow-host-port {p}"))
+            })
+            .collect::<Result<_>>()?,
+        egress: a
+            .egress
+            .as_deref()
+            .map(|e| nestbox_net::Egress::parse(e).with_context(|| format!("--egress {e}")))
+            .transpose()?
+            .unwrap_or_default(),
         ..NetSpec::default()
     };
     a.bandwidth.apply(&mut network)?;

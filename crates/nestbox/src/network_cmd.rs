@@ -28,6 +28,14 @@ pub enum NetworkCommand {
     /// state); refused while boxes hold addresses on it. It is made again on the
     /// next bridged box.
     Rm,
+    /// Show or set the default network's policy: open (boxes reach each
+    /// other) or isolated (a box reaches only the gateway: the host's allowed
+    /// ports, published ports, and beyond the network). It can change only
+    /// while no box (and no pooled namespace) is on the network.
+    Policy {
+        /// open or isolated.
+        policy: Option<String>,
+    },
     /// Show or set how many network namespaces (veth, address, class) the
     /// default network keeps ready for new boxes; setting it fills the pool now.
     Pool {
@@ -57,6 +65,16 @@ pub fn network(reg: &Registry, cmd: NetworkCommand) -> Result<i32> {
                 pool::size(roots),
                 pool::ready_count(roots)
             );
+            Ok(0)
+        }
+        NetworkCommand::Policy { policy } => {
+            let net = match policy.as_deref() {
+                None => nestbox_runtime::network::open(roots)?,
+                Some("open") => nestbox_runtime::network::set_isolated(roots, false)?,
+                Some("isolated") => nestbox_runtime::network::set_isolated(roots, true)?,
+                Some(other) => bail!("unknown network policy {other:?} (use open or isolated)"),
+            };
+            println!("policy {}", policy_name(net.config()));
             Ok(0)
         }
         NetworkCommand::Rm => {
@@ -109,6 +127,15 @@ fn ls(reg: &Registry, root: &std::path::Path, as_json: bool) -> Result<i32> {
     Ok(0)
 }
 
+/// The box-to-box policy of a network.
+fn policy_name(cfg: &NetworkConfig) -> &'static str {
+    if cfg.isolated {
+        "isolated"
+    } else {
+        "open"
+    }
+}
+
 /// The pool of the root's default network: size and namespaces ready.
 fn pool_json(reg: &Registry) -> Value {
     json!({
@@ -140,6 +167,13 @@ fn network_json(reg: &Registry, net: &Network) -> Result<Value> {
         "gateway": cfg.subnet.gateway(),
         "link_rate": cfg.link_rate,
         "ip_forward": cfg.ip_forward,
+        "policy": {
+            "box_to_box": policy_name(cfg),
+            "host": "refused but allowed host ports (per box) and published ports",
+            "other_networks": "published ports only",
+            "anti_spoofing": "own MAC and IPv4 address only (BPF guard)",
+            "egress": "per box (--egress; allow-all unless set): see each box's egress",
+        },
         "hosts_file": net.hosts_path(),
         "resolv_conf": net.resolv_path(),
         "boxes": boxes,

@@ -414,3 +414,551 @@ fn network_rm_right_after_a_removed_templates_last_clone() {
     let left: Value = serde_json::from_str(&root.ok(&["ps", "-a", "--json"])).unwrap();
     assert_eq!(left, serde_json::json!([]), "boxes left");
 }
+
+/// Python for a box: send raw Ethernet frames on `eth0` (the box has
+/// CAP_NET_RAW, as in Docker's default set). `FRAMES` is a list of tuples:
+/// `("udp", src_mac, dst_mac, src_ip, dst_ip, sport, dport, payload)`,
+/// `("arp", src_mac, dst_mac, op, sender_mac, sender_ip, target_mac, target_ip)`
+/// or `("ra", src_mac, prefix)` (an IPv6 router advertisement to all nodes,
+/// offering `prefix`::/64 for address autoconfiguration). `"self"` as a MAC is
+/// the box's own.
+const SEND_FRAMES: &str = r#"
+import socket, struct
+def csum(b):
+    if len(b) % 2: b += b'\0'
+    s = sum(struct.unpack('!%dH' % (len(b) // 2), b))
+    while s >> 16: s = (s & 0xffff) + (s >> 16)
+    return ~s & 0xffff
+own = open('/sys/class/net/eth0/address').read().strip()
+def mac(m): return bytes.fromhex((own if m == 'self' else m).replace(':', ''))
+def udp(smac, dmac, sip, dip, sport, dport, payload):
+    u = struct.pack('!HHHH', sport, dport, 8 + len(payload), 0) + payload.encode()
+    ip = struct.pack('!BBHHHBBH4s4s', 0x45, 0, 20 + len(u), 0, 0, 64, 17, 0,
+                     socket.inet_aton(sip), socket.inet_aton(dip))
+    ip = ip[:10] + struct.pack('!H', csum(ip)) + ip[12:]
+    return mac(dmac) + mac(smac) + b'\x08\x00' + ip + u
+def arp(smac, dmac, op, sha, spa, tha, tpa):
+    body = struct.pack('!HHBBH', 1, 0x0800, 6, 4, op) + mac(sha) + socket.inet_aton(spa) \
+        + mac(tha) + socket.inet_aton(tpa)
+    return mac(dmac) + mac(smac) + b'\x08\x06' + body
+def ra(smac, prefix):
+    src = socket.inet_pton(socket.AF_INET6, 'fe80::1')
+    dst = socket.inet_pton(socket.AF_INET6, 'ff02::1')
+    pi = struct.pack('!BBBBIII', 3, 4, 64, 0xc0, 86400, 14400, 0) \
+        + socket.inet_pton(socket.AF_INET6, prefix + '::')
+    body = struct.pack('!BBHBBHII', 134, 0, 0, 64, 0, 1800, 0, 0) + pi
+    pseudo = src + dst + struct.pack('!I3xB', len(body), 58)
+    body = body[:2] + struct.pack('!H', csum(pseudo + body)) + body[4:]
+    ip6 = struct.pack('!IHBB', 6 << 28, len(body), 58, 255) + src + dst
+    return bytes.fromhex('333300000001') + mac(smac) + b'\x86\xdd' + ip6 + body
+s = socket.socket(socket.AF_PACKET, socket.SOCK_RAW)
+s.bind(('eth0', 0))
+for f in FRAMES:
+    s.send({'udp': udp, 'arp': arp, 'ra': ra}[f[0]](*f[1:]))
+print('sent', len(FRAMES), flush=True)
+"#;
+
+/// Send `frames` (Python tuples, see [`SEND_FRAMES`]) from box `name`.
+fn send_frames(root: &TestRoot, name: &str, frames: &[String]) {
+    let code = format!("FRAMES = [{}]\n{SEND_FRAMES}", frames.join(", "));
+    let out = root.run(&["exec", name, "--", "python3", "-c", &code]).ok();
+    assert!(out.stdout.contains("sent"), "{out}");
+}
+
+/// A UDP frame tuple for [`send_frames`].
+#[allow(clippy::too_many_arguments)]
+fn udp_frame(
+    smac: &str,
+    dmac: &str,
+    sip: &str,
+    dip: &str,
+    sport: u16,
+    dport: u16,
+    payload: &str,
+) -> String {
+    format!("('udp', '{smac}', '{dmac}', '{sip}', '{dip}', {sport}, {dport}, '{payload}')")
+}
+
+/// The MAC of box `name`'s `eth0`, as it reads it.
+fn box_mac(root: &TestRoot, name: &str) -> String {
+    root.run(&["exec", name, "--", "cat", "/sys/class/net/eth0/address"])
+        .ok()
+        .stdout
+        .trim()
+        .to_string()
+}
+
+/// The default network's `inspect` JSON.
+fn network(root: &TestRoot) -> Value {
+    serde_json::from_str(&root.ok(&["network", "inspect", "default"])).unwrap()
+}
+
+/// The root's `inet` guard table as `nft` lists it ("" if there is none).
+fn guard_table(root: &TestRoot) -> String {
+    let bridge = network(root)["bridge"].as_str().unwrap().to_string();
+    let out = std::process::Command::new("nft")
+        .args(["list", "table", "inet", &format!("nestbox-{bridge}")])
+        .output()
+        .unwrap();
+    String::from_utf8_lossy(&out.stdout).to_string()
+}
+
+/// Whether a datagram arrives on `sock` within a second; its text.
+fn udp_arrival(sock: &std::net::UdpSocket) -> Option<String> {
+    sock.set_read_timeout(Some(Duration::from_secs(1))).unwrap();
+    let mut buf = [0u8; 512];
+    sock.recv(&mut buf)
+        .ok()
+        .map(|n| String::from_utf8_lossy(&buf[..n]).to_string())
+}
+
+/// A host TCP service on the gateway (as any service bound to 0.0.0.0 would
+/// be reachable there), one bound to the host's loopback only, and a box
+/// trying both, plain and through the `route_localnet` trick (a raw frame to
+/// 127.0.0.1 addressed to the bridge's MAC): refused, unless the operator
+/// allowed the port with `--allow-host-port`, and then on the gateway only.
+/// Published ports and the host's own connections to a box keep working; after
+/// `rm` no rule of the box is left.
+#[test]
+fn the_host_is_not_a_destination_unless_a_port_is_allowed() {
+    let Some(root) = TestRoot::new("the_host_is_not_a_destination_unless_a_port_is_allowed") else {
+        return;
+    };
+    let tcp_port = 31000 + (std::process::id() % 2000) as u16;
+    let udp_port = tcp_port + 2000;
+    let pub_port = tcp_port + 4000;
+    let allow_tcp = tcp_port.to_string();
+    let allow_udp = format!("{udp_port}/udp");
+    let publish = format!("{pub_port}:7005");
+    // A box that publishes a port (this also makes the network).
+    server(&root, "pub", &["-p", &publish], 7005);
+    server(&root, "plain", &[], 7006);
+    server(
+        &root,
+        "allowed",
+        &[
+            "--allow-host-port",
+            &allow_tcp,
+            "--allow-host-port",
+            &allow_udp,
+        ],
+        7007,
+    );
+    let net = network(&root);
+    let gateway = net["gateway"].as_str().unwrap().to_string();
+    let bridge = net["bridge"].as_str().unwrap().to_string();
+    let bridge_mac = std::fs::read_to_string(format!("/sys/class/net/{bridge}/address"))
+        .unwrap()
+        .trim()
+        .to_string();
+    let allowed_json = inspect(&root, "allowed");
+    assert_eq!(
+        allowed_json["state"]["network"]["allow_host_ports"],
+        serde_json::json!([
+            {"port": tcp_port, "proto": "tcp"},
+            {"port": udp_port, "proto": "udp"}
+        ]),
+        "{allowed_json}"
+    );
+
+    // The host's services: TCP on the gateway, UDP on the gateway and on loopback.
+    let gw: std::net::Ipv4Addr = gateway.parse().unwrap();
+    let tcp = std::net::TcpListener::bind((gw, tcp_port)).unwrap();
+    tcp.set_nonblocking(true).unwrap();
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let served = {
+        let stop = stop.clone();
+        std::thread::spawn(move || {
+            use std::io::Write;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                match tcp.accept() {
+                    Ok((mut c, _)) => {
+                        let _ = c.write_all(b"hello from the host");
+                    }
+                    Err(_) => std::thread::sleep(Duration::from_millis(10)),
+                }
+            }
+        })
+    };
+    let udp_gw = std::net::UdpSocket::bind((gw, udp_port)).unwrap();
+    let udp_lo = std::net::UdpSocket::bind((std::net::Ipv4Addr::LOCALHOST, udp_port)).unwrap();
+
+    let ask = |name: &str| {
+        let out = root.run(&[
+            "exec", name, "--", "python3", "-c", CLIENT, &gateway, &allow_tcp,
+        ]);
+        out.stdout.trim().to_string()
+    };
+    // Not allowed: refused at once (a reset), not answered.
+    assert_eq!(ask("plain"), "", "a box reached the host's service");
+    // Allowed: answered.
+    assert_eq!(ask("allowed"), "hello from the host");
+
+    // Raw frames to the bridge's MAC, UDP to the host's port on the gateway
+    // and on loopback (route_localnet is on for the bridge).
+    for name in ["plain", "allowed"] {
+        let addr = address(&root, name);
+        let to_gw = format!("{name} to the gateway");
+        let to_lo = format!("{name} to loopback");
+        send_frames(
+            &root,
+            name,
+            &[udp_frame(
+                "self",
+                &bridge_mac,
+                &addr,
+                &gateway,
+                40000,
+                udp_port,
+                &to_gw,
+            )],
+        );
+        let got = udp_arrival(&udp_gw);
+        if name == "allowed" {
+            assert_eq!(got.as_deref(), Some(to_gw.as_str()));
+        } else {
+            assert_eq!(got, None, "{name} reached the host on the gateway");
+        }
+        send_frames(
+            &root,
+            name,
+            &[udp_frame(
+                "self",
+                &bridge_mac,
+                &addr,
+                "127.0.0.1",
+                40000,
+                udp_port,
+                &to_lo,
+            )],
+        );
+        assert_eq!(
+            udp_arrival(&udp_lo),
+            None,
+            "{name} reached the host's loopback"
+        );
+    }
+
+    // Published ports still work: from the host, and from a box via the gateway.
+    assert_eq!(host_connect("127.0.0.1", pub_port), "hello from pub");
+    let out = root.run(&[
+        "exec",
+        "plain",
+        "--",
+        "python3",
+        "-c",
+        CLIENT,
+        &gateway,
+        &pub_port.to_string(),
+    ]);
+    assert_eq!(out.stdout.trim(), "hello from pub", "{out}");
+    // The host still reaches a box.
+    assert_eq!(
+        host_connect(&address(&root, "plain"), 7006),
+        "hello from plain"
+    );
+
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    served.join().unwrap();
+    let addr = address(&root, "allowed");
+    assert!(guard_table(&root).contains(&addr), "{}", guard_table(&root));
+    root.ok(&["rm", "-f", "allowed"]);
+    let table = guard_table(&root);
+    assert!(
+        !table.contains(&addr) && !table.contains(&allow_tcp),
+        "the box's rules are left:\n{table}"
+    );
+    assert!(table.contains("reject"), "the guard itself stays:\n{table}");
+    // Bad input: one line, nothing made.
+    assert_error(
+        &root.run(&["run", "--allow-host-port", "99999", "--", "true"]),
+        125,
+        "invalid host port",
+    );
+    assert_error(
+        &root.run(&["run", "--egress", "10.0.0.0/40", "--", "true"]),
+        125,
+        "invalid egress policy",
+    );
+    // The egress policy shows in inspect (enforced and logged: nestbox-net
+    // bridge.rs, egress_policies_admit_only_what_they_list_and_log_their_decisions).
+    root.run(&[
+        "run", "-d", "--name", "eg", "--egress", "deny-all", "--", "sleep", "60",
+    ])
+    .ok();
+    let eg = inspect(&root, "eg");
+    assert_eq!(eg["state"]["network"]["egress"], "deny_all", "{eg}");
+    root.ok(&["rm", "-f", "eg"]);
+    assert_error(
+        &root.run(&[
+            "run",
+            "--network",
+            "none",
+            "--allow-host-port",
+            "80",
+            "--",
+            "true",
+        ]),
+        125,
+        "need --network bridge",
+    );
+    root.ok(&["rm", "-f", "pub", "plain"]);
+}
+
+/// Spoofing from inside boxes with raw sockets: frames with another box's
+/// source address or a forged source MAC, on the box-to-box shortcut
+/// (unicast to a box), on the bridge (broadcast) and through the egress tree
+/// (a capped box), a DHCP server's reply, an ARP reply claiming another box's
+/// address, an IPv6 router advertisement. The receiving box gets the genuine
+/// frames sent the same way and none of the forged ones; its ARP table keeps
+/// the victim's real MAC and it autoconfigures no address from the
+/// advertisement.
+#[test]
+fn spoofed_frames_from_a_box_are_dropped() {
+    let Some(root) = TestRoot::new("spoofed_frames_from_a_box_are_dropped") else {
+        return;
+    };
+    let listener = "import socket, select\n\
+         socks = []\n\
+         for p in (5555, 68):\n\
+         \x20   s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)\n\
+         \x20   s.bind(('0.0.0.0', p))\n\
+         \x20   socks.append(s)\n\
+         print('ready', flush=True)\n\
+         while True:\n\
+         \x20   for s in select.select(socks, [], [])[0]:\n\
+         \x20       d, a = s.recvfrom(2000)\n\
+         \x20       print('got', a[0], d.decode(errors='replace'), flush=True)\n";
+    root.run(&["run", "-d", "--name", "r", "--", "python3", "-c", listener])
+        .ok();
+    root.wait_logged("r", "ready", Duration::from_secs(20));
+    for (name, opts) in [
+        ("v", vec![]),
+        ("s", vec![]),
+        ("c", vec!["--net-rate", "1gbit"]),
+    ] {
+        let mut args = vec!["run", "-d", "--name", name];
+        args.extend(opts);
+        args.extend(["--", "sleep", "300"]);
+        root.run(&args).ok();
+    }
+    let (r_ip, v_ip, s_ip, c_ip) = (
+        address(&root, "r"),
+        address(&root, "v"),
+        address(&root, "s"),
+        address(&root, "c"),
+    );
+    let (r_mac, v_mac, s_mac) = (
+        box_mac(&root, "r"),
+        box_mac(&root, "v"),
+        box_mac(&root, "s"),
+    );
+    let bcast = "ff:ff:ff:ff:ff:ff";
+    let fake_mac = "02:de:ad:be:ef:01";
+
+    // ARP: r learns v's MAC (it sends to v), then s claims v's address, once
+    // with its own MAC and once with v's; a genuine request from s is answered.
+    root.run(&[
+        "exec",
+        "r",
+        "--",
+        "python3",
+        "-c",
+        &format!("import socket; socket.socket(socket.AF_INET, socket.SOCK_DGRAM).sendto(b'x', ('{v_ip}', 9))"),
+    ])
+    .ok();
+    let arp_of = |ip: &str| -> Option<String> {
+        let table = root
+            .run(&["exec", "r", "--", "cat", "/proc/net/arp"])
+            .ok()
+            .stdout;
+        table
+            .lines()
+            .find(|l| l.split_whitespace().next() == Some(ip))
+            .and_then(|l| l.split_whitespace().nth(3).map(str::to_string))
+    };
+    wait_for("r to learn v's MAC", Duration::from_secs(10), || {
+        arp_of(&v_ip).as_deref() == Some(v_mac.as_str())
+    });
+    // Past the ARP lock time, when a reply may override the entry.
+    std::thread::sleep(Duration::from_millis(1500));
+    send_frames(
+        &root,
+        "s",
+        &[
+            format!("('arp', 'self', '{r_mac}', 2, 'self', '{v_ip}', '{r_mac}', '{r_ip}')"),
+            format!("('arp', '{v_mac}', '{r_mac}', 2, '{v_mac}', '{v_ip}', '{r_mac}', '{r_ip}')"),
+            format!(
+                "('arp', 'self', '{bcast}', 1, 'self', '{s_ip}', '00:00:00:00:00:00', '{r_ip}')"
+            ),
+        ],
+    );
+    wait_for(
+        "r to learn s's MAC from its request",
+        Duration::from_secs(10),
+        || arp_of(&s_ip).as_deref() == Some(s_mac.as_str()),
+    );
+    assert_eq!(
+        arp_of(&v_ip),
+        Some(v_mac.clone()),
+        "r's entry for v changed"
+    );
+
+    // UDP: forged and genuine, on each path.
+    let tag = std::process::id() % 0xffff;
+    let prefix = format!("fd42:{tag:x}:1:2");
+    send_frames(
+        &root,
+        "s",
+        &[
+            udp_frame(
+                "self",
+                &r_mac,
+                &v_ip,
+                &r_ip,
+                4000,
+                5555,
+                "forged-ip-shortcut",
+            ),
+            udp_frame(
+                fake_mac,
+                &r_mac,
+                &s_ip,
+                &r_ip,
+                4000,
+                5555,
+                "forged-mac-shortcut",
+            ),
+            udp_frame(
+                "self",
+                bcast,
+                &v_ip,
+                "255.255.255.255",
+                4000,
+                5555,
+                "forged-ip-bridge",
+            ),
+            udp_frame(
+                "self",
+                bcast,
+                &s_ip,
+                "255.255.255.255",
+                67,
+                68,
+                "dhcp-server",
+            ),
+            format!("('ra', 'self', '{prefix}')"),
+            udp_frame("self", &r_mac, &s_ip, &r_ip, 4000, 5555, "genuine-shortcut"),
+            udp_frame(
+                "self",
+                bcast,
+                &s_ip,
+                "255.255.255.255",
+                4000,
+                5555,
+                "genuine-bridge",
+            ),
+            udp_frame(
+                "self",
+                bcast,
+                &s_ip,
+                "255.255.255.255",
+                6700,
+                68,
+                "genuine-68",
+            ),
+        ],
+    );
+    send_frames(
+        &root,
+        "c",
+        &[
+            udp_frame("self", &r_mac, &v_ip, &r_ip, 4000, 5555, "forged-ip-capped"),
+            udp_frame("self", &r_mac, &c_ip, &r_ip, 4000, 5555, "genuine-capped"),
+        ],
+    );
+    for genuine in [
+        "genuine-shortcut",
+        "genuine-bridge",
+        "genuine-68",
+        "genuine-capped",
+    ] {
+        root.wait_log("r", genuine, Duration::from_secs(10));
+    }
+    // Forged frames were sent before the genuine ones, each on its path.
+    std::thread::sleep(Duration::from_millis(500));
+    let log = root.ok(&["logs", "r"]);
+    assert!(
+        log.contains(&format!("got {s_ip} genuine-shortcut")),
+        "{log}"
+    );
+    assert!(log.contains(&format!("got {c_ip} genuine-capped")), "{log}");
+    for forged in [
+        "forged-ip-shortcut",
+        "forged-mac-shortcut",
+        "forged-ip-bridge",
+        "dhcp-server",
+        "forged-ip-capped",
+    ] {
+        assert!(!log.contains(forged), "{forged} arrived:\n{log}");
+    }
+    let inet6 = root
+        .run(&["exec", "r", "--", "cat", "/proc/net/if_inet6"])
+        .ok()
+        .stdout;
+    let autoconf = format!("fd42{tag:04x}00010002");
+    assert!(
+        !inet6.lines().any(|l| l.starts_with(&autoconf)),
+        "r took an address from s's router advertisement:\n{inet6}"
+    );
+    root.ok(&["rm", "-f", "r", "v", "s", "c"]);
+}
+
+/// `network policy isolated`: a box reaches another only through its
+/// published port on the gateway, the host still reaches every box, the
+/// policy shows in `network inspect` and cannot change while boxes are on the
+/// network.
+#[test]
+fn isolated_policy_keeps_boxes_apart() {
+    let Some(root) = TestRoot::new("isolated_policy_keeps_boxes_apart") else {
+        return;
+    };
+    assert_eq!(root.ok(&["network", "policy"]).trim(), "policy open");
+    assert_eq!(
+        root.ok(&["network", "policy", "isolated"]).trim(),
+        "policy isolated"
+    );
+    let port = 36000 + (std::process::id() % 2000) as u16;
+    let publish = format!("{port}:7010");
+    server(&root, "b", &["-p", &publish], 7010);
+    server(&root, "a", &[], 7011);
+    let net = network(&root);
+    assert_eq!(net["policy"]["box_to_box"], "isolated", "{net}");
+    let gateway = net["gateway"].as_str().unwrap().to_string();
+    let b_addr = address(&root, "b");
+    let ask = |name: &str, to: &str, port: &str| {
+        root.run(&["exec", name, "--", "python3", "-c", CLIENT, to, port])
+            .stdout
+            .trim()
+            .to_string()
+    };
+    assert_eq!(ask("a", &b_addr, "7010"), "", "a reached b directly");
+    assert_eq!(ask("a", "b", "7010"), "", "a reached b by name");
+    assert_eq!(ask("a", &gateway, &port.to_string()), "hello from b");
+    assert_eq!(host_connect(&b_addr, 7010), "hello from b");
+    assert_error(
+        &root.run(&["network", "policy", "open"]),
+        125,
+        "policy cannot change",
+    );
+    assert_error(
+        &root.run(&["network", "policy", "closed"]),
+        125,
+        "unknown network policy",
+    );
+    root.ok(&["rm", "-f", "a", "b"]);
+    assert_eq!(
+        root.ok(&["network", "policy", "open"]).trim(),
+        "policy open"
+    );
+}

@@ -18,18 +18,16 @@ use super::{
 };
 use crate::error::{NetError, Result};
 use crate::netlink::Netlink;
-use crate::nft::Ruleset;
 use crate::rate::Rate;
 use crate::state::{self, AttachRecord, BoxEntry, Locked};
 use crate::tc::{self, HtbClass};
-use crate::{addr, bpf, link, netns, route};
+use crate::{addr, bpf, guard, link, netns, route};
 
-/// Priority of the box-to-box shortcut on a host veth's ingress, and of the
-/// redirects to the IFB that come after it.
-const SHORTCUT_PRIO: u16 = 1;
+/// Priority of the guard (with the box-to-box shortcut) on a host veth's
+/// ingress, and of the redirects to the IFB that come after it.
+const GUARD_PRIO: u16 = 1;
 const REDIRECT_PRIO: u16 = 2;
 
-/// What attaching has made so far, undone in reverse on failure.
 /// What attaching has made so far, undone in reverse on failure.
 #[derive(Debug, Default)]
 struct Made {
@@ -166,6 +164,12 @@ impl Network {
         self.check_options(id, &locked, opts)?;
         let mut nl = Netlink::open()?;
         let infra = self.ensure_infra(&mut nl, &locked)?;
+        if !infra.made_bridge && locked.state.rules != crate::nft::RULES_VERSION {
+            // Tables of an older layout (saved with the record below).
+            self.ruleset(&locked, None)
+                .apply("update the network's nftables tables")?;
+        }
+        locked.state.rules = crate::nft::RULES_VERSION;
 
         let link_rate = self.config.link_rate;
         let share = opts.share.unwrap_or(DEFAULT_SHARE);
@@ -178,6 +182,8 @@ impl Network {
             reserve: opts.reserve,
             share,
             ingress_rate: opts.ingress_rate,
+            allow_host: opts.allow_host.clone(),
+            egress: opts.egress.clone(),
         };
         // Record first: whatever is made below has an owner even if we crash.
         locked.state.boxes.insert(
@@ -240,16 +246,20 @@ impl Network {
         made.veth = Some(veth.to_string());
 
         let (address, prefix, gateway) = (lease.address, lease.prefix, lease.gateway);
-        netns::run_in(netns, || {
+        let box_mac = netns::run_in(netns, || {
             let mut inner = Netlink::open()?;
-            let idx = link::index(&mut inner, BOX_IFNAME)?.ok_or_else(|| NetError::Netlink {
-                what: format!("get link {BOX_IFNAME} in the box"),
+            let missing = |what: &str| NetError::Netlink {
+                what: format!("get link {BOX_IFNAME} in the box ({what})"),
                 source: std::io::Error::from_raw_os_error(libc::ENODEV),
                 detail: None,
-            })?;
+            };
+            let (idx, mac) = link::index_and_mac(&mut inner, BOX_IFNAME)?
+                .ok_or_else(|| missing("no such link"))?;
+            let mac = mac.ok_or_else(|| missing("no MAC address"))?;
             addr::add(&mut inner, idx, BOX_IFNAME, address, prefix)?;
             link::set_up(&mut inner, idx, BOX_IFNAME)?;
-            route::add_default(&mut inner, gateway, idx, BOX_IFNAME)
+            route::add_default(&mut inner, gateway, idx, BOX_IFNAME)?;
+            Ok(mac)
         })?;
 
         // Egress: the box's class in the tree on the IFB, and the redirect of
@@ -311,19 +321,39 @@ impl Network {
             };
             bpf::map_set(map.as_fd(), lease.address, target)?;
             made.shortcut = Some(lease.address);
-            if uncapped {
-                let name = bpf::object_name(&self.config.bridge);
-                if let Some(prog) = unsupported_is_none(bpf::load_program(map.as_fd(), &name))? {
-                    unsupported_is_none(tc::add_bpf_filter(
-                        nl,
-                        vidx,
-                        veth,
-                        SHORTCUT_PRIO,
-                        prog.as_fd(),
-                        &name,
-                    ))?;
-                }
-            }
+        }
+        // The guard (only the box's own MAC and address leave its veth), then
+        // the shortcut for an uncapped box: one program, first on the ingress.
+        // The policy as saved now (under the lock): it may have changed since
+        // this handle was opened, while the network had no box.
+        let isolated = crate::config::NetworkConfig::load(&self.config.state_dir)?
+            .map_or(self.config.isolated, |c| c.isolated);
+        let g = guard::Guard {
+            mac: box_mac,
+            addr: lease.address,
+            isolated: isolated.then_some(guard::Isolation {
+                subnet: self.config.subnet,
+            }),
+        };
+        let code = guard::program(&g, map.as_ref().filter(|_| uncapped).map(|m| m.as_fd()));
+        let name = bpf::object_name(&self.config.bridge);
+        let guarded = match unsupported_is_none(bpf::load_program(&code, &name))? {
+            Some(prog) => unsupported_is_none(tc::add_bpf_filter(
+                nl,
+                vidx,
+                veth,
+                GUARD_PRIO,
+                prog.as_fd(),
+                &name,
+            ))?
+            .is_some(),
+            None => false,
+        };
+        if !guarded {
+            tracing::warn!(
+                box_id = lease.box_id.as_str(),
+                "BPF is not available here: the box's source addresses are not checked (it can spoof)"
+            );
         }
         for what in redirects(record, infra.bridge_mac) {
             tc::add_redirect_filter(nl, vidx, veth, REDIRECT_PRIO, what, ifb)?;
@@ -348,21 +378,10 @@ impl Network {
             )?;
         }
 
-        if !record.publish.is_empty() {
+        if record.has_rules() {
             made.nft = true;
-            let locked_view = state::read(&self.config.state_dir.join("state.json"))?;
-            let published = locked_view
-                .boxes
-                .values()
-                .filter_map(|e| e.attachment.as_ref().map(|a| (a, e.address)))
-                .flat_map(|(a, addr)| a.publish.iter().map(move |m| (*m, addr)))
-                .collect();
-            Ruleset {
-                bridge: &self.config.bridge,
-                subnet: self.config.subnet,
-                published,
-            }
-            .apply("publish ports")?;
+            self.ruleset(locked, None)
+                .apply("publish ports and allow host ports")?;
         }
         Ok(())
     }
@@ -422,6 +441,8 @@ impl Network {
             reserve: a.reserve,
             share: a.share,
             ingress_rate: a.ingress_rate,
+            allow_host_ports: a.allow_host.clone(),
+            egress: a.egress.clone(),
         }
     }
 
@@ -488,8 +509,9 @@ impl Network {
         let removed = self.teardown(&mut nl, box_id, entry.as_ref(), delete_link)?;
         if let Some(e) = &entry {
             locked.state.boxes.remove(box_id);
-            if e.attachment.as_ref().is_some_and(|a| !a.publish.is_empty()) {
-                self.ruleset(&locked, None).apply("unpublish ports")?;
+            if e.attachment.as_ref().is_some_and(AttachRecord::has_rules) {
+                self.ruleset(&locked, None)
+                    .apply("unpublish ports and host ports")?;
             }
             locked.save()?;
             self.write_hosts(&locked)?;

@@ -54,6 +54,8 @@ pub(super) struct Infra {
     pub bridge_mac: Option<[u8; 6]>,
     /// Index of the IFB device carrying the egress tree.
     pub ifb: u32,
+    /// Whether the bridge (and with it the nftables tables) was made now.
+    pub made_bridge: bool,
 }
 
 /// Handle of the IFB filter of the box at `addr` (`offset` in the subnet): in
@@ -72,6 +74,7 @@ impl Network {
     /// and the NAT table, whichever are missing.
     pub(super) fn ensure_infra(&self, nl: &mut Netlink, locked: &Locked) -> Result<Infra> {
         let c = &self.config;
+        let mut made_bridge = false;
         let (bridge, bridge_mac) = match link::index_and_mac(nl, &c.bridge)? {
             Some(found) => found,
             None => {
@@ -117,6 +120,7 @@ impl Network {
                     }
                     return Err(e);
                 }
+                made_bridge = true;
                 (idx, Some(mac))
             }
         };
@@ -178,6 +182,7 @@ impl Network {
             bridge,
             bridge_mac,
             ifb,
+            made_bridge,
         })
     }
 
@@ -188,6 +193,21 @@ impl Network {
         locked: &Locked,
         extra: Option<(&[PortMapping], Ipv4Addr)>,
     ) -> Ruleset<'a> {
+        let host_allowed = locked
+            .state
+            .boxes
+            .values()
+            .filter_map(|e| e.attachment.as_ref().map(|a| (a, e.address)))
+            .flat_map(|(a, addr)| a.allow_host.iter().map(move |p| (*p, addr)))
+            .collect();
+        let egress = locked
+            .state
+            .boxes
+            .iter()
+            .filter_map(|(id, e)| e.attachment.as_ref().map(|a| (id, a, e.address)))
+            .filter(|(_, a, _)| !a.egress.is_allow_all())
+            .map(|(id, a, addr)| (id.clone(), addr, a.egress.clone()))
+            .collect();
         let mut published: Vec<(PortMapping, Ipv4Addr)> = locked
             .state
             .boxes
@@ -202,6 +222,8 @@ impl Network {
             bridge: &self.config.bridge,
             subnet: self.config.subnet,
             published,
+            host_allowed,
+            egress,
         }
     }
 }

@@ -42,7 +42,7 @@ impl Network {
                 .map_err(|e| e.for_box(id))?;
             nft |= entry
                 .and_then(|e| e.attachment)
-                .is_some_and(|a| !a.publish.is_empty());
+                .is_some_and(|a| a.has_rules());
             locked.state.boxes.remove(id);
         }
         // Orphans: links on our bridge and classes on our IFB that no box owns.
@@ -85,7 +85,7 @@ impl Network {
         }
         if nft {
             self.ruleset(&locked, None)
-                .apply("unpublish ports of dead boxes")?;
+                .apply("remove the rules of dead boxes")?;
         }
         locked.save()?;
         self.write_hosts(&locked)?;

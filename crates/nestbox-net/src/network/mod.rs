@@ -27,10 +27,11 @@ use serde::Serialize;
 
 use crate::addr;
 use crate::config::NetworkConfig;
+use crate::egress::Egress;
 use crate::error::{NetError, Result};
 use crate::link;
 use crate::netlink::{is_errno, Netlink};
-use crate::port::PortMapping;
+use crate::port::{HostPort, PortMapping};
 use crate::rate::Rate;
 use crate::state;
 
@@ -72,6 +73,11 @@ pub struct AttachOptions {
     pub share: Option<u32>,
     /// Cap of the box's ingress.
     pub ingress_rate: Option<Rate>,
+    /// Host ports the box may open connections to, on the gateway's address
+    /// (`--allow-host-port`); every other connection to the host is refused.
+    pub allow_host: Vec<HostPort>,
+    /// Where beyond the network the box may send (`--egress`).
+    pub egress: Egress,
 }
 
 /// A box attached to the network: what `nestbox network inspect` shows.
@@ -96,6 +102,10 @@ pub struct Attachment {
     pub share: u32,
     /// Ingress cap.
     pub ingress_rate: Option<Rate>,
+    /// Host ports the box may reach on the gateway (all others are refused).
+    pub allow_host_ports: Vec<HostPort>,
+    /// Egress policy.
+    pub egress: Egress,
 }
 
 /// An open network.
@@ -153,6 +163,13 @@ impl Network {
                     return Err(NetError::Conflict(format!(
                         "network {} has boxes on bridge {} subnet {}: cannot change them",
                         saved.name, saved.bridge, saved.subnet
+                    )));
+                }
+                if saved.isolated != config.isolated && !locked.state.boxes.is_empty() {
+                    return Err(NetError::Conflict(format!(
+                        "network {} has {} box(es) (the pool's namespaces count): its policy cannot change while boxes are on it",
+                        saved.name,
+                        locked.state.boxes.len()
                     )));
                 }
                 config.save()?;

@@ -63,7 +63,18 @@ impl TestNet {
 impl Drop for TestNet {
     fn drop(&mut self) {
         if let Some(net) = self.net.take() {
+            let bridge = net.config().bridge.clone();
             let _ = net.destroy();
+            // The network's tables go with it (not asserted while a failing
+            // test unwinds).
+            if !std::thread::panicking() {
+                assert_eq!(nft::list_table(&bridge).unwrap(), None, "NAT table left");
+                assert_eq!(
+                    nft::list_guard_table(&bridge).unwrap(),
+                    None,
+                    "guard table left"
+                );
+            }
         }
         let _ = std::fs::remove_dir_all(&self.dir);
     }
@@ -126,7 +137,12 @@ pub struct Sink {
 impl Sink {
     /// Listen on `addr` in `ns` and count `n` connections separately (in accept order).
     pub fn new(ns: Option<BorrowedFd<'_>>, addr: Ipv4Addr, n: usize) -> Sink {
-        let l = listen(ns, addr, 0);
+        Sink::on(ns, addr, 0, n)
+    }
+
+    /// [`Sink::new`] on port `port` (0: any).
+    pub fn on(ns: Option<BorrowedFd<'_>>, addr: Ipv4Addr, port: u16, n: usize) -> Sink {
+        let l = listen(ns, addr, port);
         let local = l.local_addr().unwrap();
         let stop = Arc::new(AtomicBool::new(false));
         let counters: Vec<_> = (0..n).map(|_| Arc::new(AtomicU64::new(0))).collect();
@@ -212,7 +228,8 @@ pub fn measure(counters: &[Arc<AtomicU64>], warmup: Duration, window: Duration) 
 }
 
 /// Assert that nothing of any box is left: no veth on the bridge, no class on
-/// the IFB but the link class, no published port in the NAT table.
+/// the IFB but the link class, no published port in the NAT table, no allowed
+/// host port in the guard table.
 pub fn assert_no_box_leftovers(t: &TestNet) {
     let mut nl = Netlink::open().unwrap();
     let cfg = t.net().config();
@@ -241,6 +258,12 @@ pub fn assert_no_box_leftovers(t: &TestNet) {
     }
     if let Some(table) = nft::list_table(&cfg.bridge).unwrap() {
         assert!(!table.contains("dnat to"), "published ports left:\n{table}");
+    }
+    if let Some(table) = nft::list_guard_table(&cfg.bridge).unwrap() {
+        assert!(
+            !table.contains(" dport ") && !table.contains("egress_"),
+            "allowed host ports or egress chains left:\n{table}"
+        );
     }
     assert!(t.net().leases().unwrap().is_empty(), "leases left");
     let hosts = std::fs::read_to_string(t.net().hosts_path()).unwrap_or_default();

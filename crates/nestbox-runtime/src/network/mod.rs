@@ -64,6 +64,20 @@ pub fn open(roots: &Roots) -> Result<Network> {
     Ok(Network::open(config)?)
 }
 
+/// Set the policy of the default network of `roots`: isolated (a box reaches
+/// only the gateway) or open (boxes reach each other). Refused while boxes,
+/// the pool's namespaces included, are on the network (each box's guard
+/// carries the policy).
+pub fn set_isolated(roots: &Roots, isolated: bool) -> Result<Network> {
+    let net = open(roots)?;
+    if net.config().isolated == isolated {
+        return Ok(net);
+    }
+    let mut config = net.config().clone();
+    config.isolated = isolated;
+    Ok(Network::open(config)?)
+}
+
 /// The existing default network of `roots`, for bookkeeping only (leases, names,
 /// hosts file: no netlink); `None` if there is none yet.
 pub fn view(roots: &Roots) -> Result<Option<Network>> {
@@ -151,6 +165,8 @@ impl Pending {
             reserve: spec.network.reserve,
             share: spec.network.share,
             ingress_rate: spec.network.ingress_rate,
+            allow_host: spec.network.allow_host.clone(),
+            egress: spec.network.egress.clone(),
         };
         let attachment = self.network.attach(&self.lease, ns.as_fd(), &opts)?;
         Ok(serde_json::to_value(&attachment).unwrap_or_default())

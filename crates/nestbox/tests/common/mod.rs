@@ -614,8 +614,8 @@ impl TestRoot {
     }
 
     /// Remove everything, then report what could not be removed.
-    /// Remove this root's network and check that its bridge, IFB device and NAT
-    /// table are gone from the host.
+    /// Remove this root's network and check that its bridge, IFB device, NAT
+    /// table and guard table are gone from the host.
     fn remove_network(&self) -> Vec<String> {
         let mut left = Vec::new();
         let bridges: Vec<String> = serde_json::from_str::<Value>(
@@ -639,11 +639,13 @@ impl TestRoot {
                     left.push(format!("network link {link}"));
                 }
             }
-            let table = std::process::Command::new("nft")
-                .args(["list", "table", "ip", &format!("nestbox-{bridge}")])
-                .output();
-            if table.is_ok_and(|o| o.status.success()) {
-                left.push(format!("nft table ip nestbox-{bridge}"));
+            for family in ["ip", "inet"] {
+                let table = std::process::Command::new("nft")
+                    .args(["list", "table", family, &format!("nestbox-{bridge}")])
+                    .output();
+                if table.is_ok_and(|o| o.status.success()) {
+                    left.push(format!("nft table {family} nestbox-{bridge}"));
+                }
             }
         }
         left
