@@ -32,7 +32,7 @@
 //! killed and the template is left as it was.
 
 use std::io::Write;
-use std::os::fd::BorrowedFd;
+use std::os::fd::{AsFd, BorrowedFd};
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
@@ -442,12 +442,38 @@ impl Session {
         let insn = template.syscall_insn;
         let [cookie0, cookie1] = plan.setns_cookie;
 
-        // Namespace fds and stdio, in one message.
+        // C1 moves itself into the clone's v1 cgroups (below): it writes "0" to
+        // `tasks` files opened here. A single thread moving itself skips the
+        // kernel's global thread-group lock, whose write side waits for an RCU
+        // grace period (9-16 ms a fork here) when another process moves it.
+        // Other files (v2 `cgroup.procs`) are written from here with its pid.
+        let (self_moved, moved_here): (Vec<&PathBuf>, Vec<&PathBuf>) = plan
+            .cgroup_task_files
+            .iter()
+            .partition(|p| p.file_name().is_some_and(|n| n == "tasks"));
+        let tasks_files = self_moved
+            .iter()
+            .map(|path| {
+                std::fs::OpenOptions::new()
+                    .write(true)
+                    .open(path)
+                    .map_err(|source| RemoteError::Cgroup {
+                        pid: c1.pid(),
+                        path: path.to_path_buf(),
+                        source,
+                    })
+            })
+            .collect::<Result<Vec<_>>>()?;
+
+        // Namespace fds, stdio and the `tasks` files, in one message.
         let mut handed: Vec<BorrowedFd<'_>> = namespaces.iter().map(|(_, fd)| *fd).collect();
         handed.extend(plan.stdio.iter().copied());
+        handed.extend(tasks_files.iter().map(|f| f.as_fd()));
         let installed = install_fds_with(&mut c1, scratch, &handed)?;
-        let (ns_fds, stdio_fds) = installed.split_at(namespaces.len());
+        let (ns_fds, rest) = installed.split_at(namespaces.len());
+        let (stdio_fds, tasks_fds) = rest.split_at(3);
         let stdio = [stdio_fds[0], stdio_fds[1], stdio_fds[2]];
+        drop(tasks_files);
         self.phases.mark("fd hand-over");
 
         // The namespaces and the working directory in one resume (batch.rs).
@@ -486,12 +512,26 @@ impl Session {
             (&mut t.objects, creator)
         });
         let outcomes = retarget_with(&mut c1, scratch, template.pid(), entries, stdio, objects)?;
-        close_all(&mut c1, &installed)?;
         self.phases.mark("fd re-targeting");
 
-        for path in &plan.cgroup_task_files {
+        if !tasks_fds.is_empty() {
+            scratch.reset();
+            let zero = scratch.put(&c1, b"0")?;
+            let mut batch = Batch::new();
+            for (fd, path) in tasks_fds.iter().zip(&self_moved) {
+                batch.push(
+                    "write",
+                    format!("0 to {} (C1 moving itself)", path.display()),
+                    libc::SYS_write,
+                    &[*fd as u64, zero, 1],
+                );
+            }
+            batch.run(&mut c1, scratch)?;
+        }
+        for path in moved_here {
             move_to_cgroup(c1.pid(), path)?;
         }
+        close_all(&mut c1, &installed)?;
         self.phases.mark("cgroup");
 
         // G1: a fork (the one copy of the page tables) into the shell's pid namespace.
