@@ -244,31 +244,8 @@ fn outbound_traffic_is_masqueraded() {
     let t = TestNet::new(4);
     let net = t.net();
     // An "outside" namespace reached through the host on another subnet.
-    let outside = new_ns();
-    let up = format!("nbo4x{}", std::process::id() % 10000);
-    let mut nl = Netlink::open().unwrap();
-    let _ = link::delete(&mut nl, &up);
-    struct Del(String);
-    impl Drop for Del {
-        fn drop(&mut self) {
-            if let Ok(mut nl) = Netlink::open() {
-                let _ = link::delete(&mut nl, &self.0);
-            }
-        }
-    }
-    let idx = link::create_veth(&mut nl, &up, None, "eth0", outside.as_fd()).unwrap();
-    let _del = Del(up.clone());
-    let host_side = Ipv4Addr::new(10, 232, 4, 1);
-    let far = Ipv4Addr::new(10, 232, 4, 2);
-    addr::add(&mut nl, idx, &up, host_side, 30).unwrap();
-    std::fs::write(format!("/proc/sys/net/ipv4/conf/{up}/forwarding"), "1").unwrap();
-    netns::run_in(outside.as_fd(), || {
-        let mut nl = Netlink::open()?;
-        let i = link::index(&mut nl, "eth0")?.unwrap();
-        addr::add(&mut nl, i, "eth0", far, 30)?;
-        link::set_up(&mut nl, i, "eth0")
-    })
-    .unwrap();
+    let out = Outside::new(4);
+    let (outside, host_side, far) = (&out.ns, out.host_side, out.far);
 
     let ns = new_ns();
     let a = net.allocate("box-a", &["a"]).unwrap();
@@ -834,31 +811,8 @@ fn egress_policies_admit_only_what_they_list_and_log_their_decisions() {
     let t = TestNet::new(31);
     let net = t.net();
     // A fake "internet": a namespace reached through the host on another subnet.
-    let outside = new_ns();
-    let up = format!("nbo31x{}", std::process::id() % 10000);
-    let mut nl = Netlink::open().unwrap();
-    let _ = link::delete(&mut nl, &up);
-    struct Del(String);
-    impl Drop for Del {
-        fn drop(&mut self) {
-            if let Ok(mut nl) = Netlink::open() {
-                let _ = link::delete(&mut nl, &self.0);
-            }
-        }
-    }
-    let idx = link::create_veth(&mut nl, &up, None, "eth0", outside.as_fd()).unwrap();
-    let _del = Del(up.clone());
-    let host_side = Ipv4Addr::new(10, 232, 31, 1);
-    let far = Ipv4Addr::new(10, 232, 31, 2);
-    addr::add(&mut nl, idx, &up, host_side, 30).unwrap();
-    std::fs::write(format!("/proc/sys/net/ipv4/conf/{up}/forwarding"), "1").unwrap();
-    netns::run_in(outside.as_fd(), || {
-        let mut nl = Netlink::open()?;
-        let i = link::index(&mut nl, "eth0")?.unwrap();
-        addr::add(&mut nl, i, "eth0", far, 30)?;
-        link::set_up(&mut nl, i, "eth0")
-    })
-    .unwrap();
+    let out = Outside::new(31);
+    let (outside, far) = (&out.ns, out.far);
 
     let tag = std::process::id();
     let attach = |id: &str, egress: &str| {

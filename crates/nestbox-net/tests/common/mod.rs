@@ -85,6 +85,56 @@ pub fn new_ns() -> OwnedFd {
     netns::create().unwrap()
 }
 
+/// A namespace standing for a host outside the network, reached through the
+/// host over a veth pair on 10.232.`n`.0/30: the host side is `.1`, the far
+/// side (`eth0` in `ns`) `.2`, with forwarding on the host side. The pair goes
+/// when this is dropped.
+pub struct Outside {
+    pub ns: OwnedFd,
+    pub host_side: Ipv4Addr,
+    pub far: Ipv4Addr,
+    link: String,
+}
+
+impl Outside {
+    pub fn new(n: u8) -> Outside {
+        let ns = new_ns();
+        let link = format!("nbo{n}x{}", std::process::id() % 10000);
+        let mut nl = Netlink::open().unwrap();
+        let _ = link::delete(&mut nl, &link);
+        let idx = link::create_veth(&mut nl, &link, None, "eth0", ns.as_fd()).unwrap();
+        let outside = Outside {
+            ns,
+            host_side: Ipv4Addr::new(10, 232, n, 1),
+            far: Ipv4Addr::new(10, 232, n, 2),
+            link,
+        };
+        nestbox_net::addr::add(&mut nl, idx, &outside.link, outside.host_side, 30).unwrap();
+        std::fs::write(
+            format!("/proc/sys/net/ipv4/conf/{}/forwarding", outside.link),
+            "1",
+        )
+        .unwrap();
+        let far = outside.far;
+        netns::run_in(outside.ns.as_fd(), || {
+            let mut nl = Netlink::open()?;
+            let i = link::index(&mut nl, "eth0")?.unwrap();
+            nestbox_net::addr::add(&mut nl, i, "eth0", far, 30)?;
+            link::set_up(&mut nl, i, "eth0")
+        })
+        .unwrap();
+        outside
+    }
+}
+
+impl Drop for Outside {
+    fn drop(&mut self) {
+        if let Ok(mut nl) = Netlink::open() {
+            let _ = link::delete(&mut nl, &self.link);
+        }
+    }
+}
+
 /// Listen on `addr` (port 0: any) inside `ns` (`None`: the host).
 pub fn listen(ns: Option<BorrowedFd<'_>>, addr: Ipv4Addr, port: u16) -> TcpListener {
     let bind = move || {
