@@ -41,16 +41,22 @@ pub struct PortMapping {
     pub proto: Proto,
 }
 
+/// Split an optional `/tcp` or `/udp` off `text` (TCP when there is none);
+/// `None` for any other protocol.
+fn split_proto(text: &str) -> Option<(&str, Proto)> {
+    match text.split_once('/') {
+        Some((p, "tcp")) => Some((p, Proto::Tcp)),
+        Some((p, "udp")) => Some((p, Proto::Udp)),
+        Some(_) => None,
+        None => Some((text, Proto::Tcp)),
+    }
+}
+
 impl PortMapping {
     /// Parse `8080:80`, `8080:80/tcp` or `53:53/udp`.
     pub fn parse(text: &str) -> Result<PortMapping> {
         let bad = || NetError::InvalidPort(text.to_string());
-        let (ports, proto) = match text.split_once('/') {
-            Some((p, "tcp")) => (p, Proto::Tcp),
-            Some((p, "udp")) => (p, Proto::Udp),
-            Some(_) => return Err(bad()),
-            None => (text, Proto::Tcp),
-        };
+        let (ports, proto) = split_proto(text).ok_or_else(bad)?;
         let (h, b) = ports.split_once(':').ok_or_else(bad)?;
         let port = |s: &str| -> Result<u16> {
             if s.is_empty() || !s.bytes().all(|c| c.is_ascii_digit()) {
@@ -106,12 +112,7 @@ impl HostPort {
     /// Parse `53`, `8080/tcp` or `53/udp` (TCP when no protocol is given).
     pub fn parse(text: &str) -> Result<HostPort> {
         let bad = || NetError::InvalidHostPort(text.to_string());
-        let (port, proto) = match text.split_once('/') {
-            Some((p, "tcp")) => (p, Proto::Tcp),
-            Some((p, "udp")) => (p, Proto::Udp),
-            Some(_) => return Err(bad()),
-            None => (text, Proto::Tcp),
-        };
+        let (port, proto) = split_proto(text).ok_or_else(bad)?;
         if port.is_empty() || !port.bytes().all(|c| c.is_ascii_digit()) {
             return Err(bad());
         }
