@@ -21,7 +21,7 @@ use crate::tracee::Tracee;
 const CAPABILITY_VERSION_3: u32 = 0x2008_0522;
 
 /// A process's capability sets (bit `n` = capability `n`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, serde::Deserialize)]
 pub struct CapState {
     /// `CapInh`.
     pub inheritable: u64,

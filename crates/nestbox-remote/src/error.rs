@@ -106,6 +106,15 @@ pub enum RemoteError {
         /// The errno.
         source: io::Error,
     },
+    /// A page of a checkpoint image could not be stored or read back (a
+    /// corrupt or truncated page file included).
+    #[error("checkpoint image, {what}: {source}")]
+    Image {
+        /// Which page.
+        what: String,
+        /// What failed.
+        source: io::Error,
+    },
     /// A `/proc` file had unexpected contents.
     #[error("cannot parse {path}: {message}")]
     Parse {

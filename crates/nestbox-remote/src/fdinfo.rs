@@ -16,7 +16,7 @@ use crate::error::{RemoteError, Result};
 use crate::procfs::{proc_path, read_to_string};
 
 /// One registration of an epoll instance (`tfd:` line of its fdinfo).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, serde::Deserialize)]
 pub struct EpollWatch {
     /// The registered fd number.
     pub fd: i32,
@@ -29,7 +29,7 @@ pub struct EpollWatch {
 }
 
 /// A socket's identity and the options the clone's copy gets.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, serde::Deserialize)]
 pub struct SocketInfo {
     /// `SO_DOMAIN`.
     pub domain: i32,
@@ -98,7 +98,7 @@ impl SocketInfo {
 }
 
 /// What an fd is.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, serde::Deserialize)]
 pub enum FdKind {
     /// A regular file (also a memfd, or an `O_PATH` fd on anything).
     File {
@@ -161,7 +161,7 @@ pub enum FdKind {
 }
 
 /// One watch of an inotify instance (`inotify wd:` line of its fdinfo).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, serde::Deserialize)]
 pub struct InotifyWatch {
     /// Watch descriptor.
     pub wd: i32,
@@ -178,7 +178,7 @@ pub struct InotifyWatch {
 }
 
 /// What happens to an fd in a clone.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, serde::Deserialize)]
 pub enum FdAction {
     /// The clone shares the open file description with the template.
     Shared,
@@ -222,7 +222,7 @@ impl fmt::Display for FdAction {
 }
 
 /// One open fd of a process.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, serde::Deserialize)]
 pub struct FdEntry {
     /// The fd number.
     pub fd: i32,

@@ -13,7 +13,7 @@ use crate::procfs::{proc_path, read_to_string};
 pub const PAGE: u64 = 4096;
 
 /// One mapping (VMA) of a process.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct Vma {
     /// First address.
     pub start: u64,

@@ -32,7 +32,7 @@ use crate::memory::Scratch;
 use crate::tracee::Tracee;
 
 /// The identity of a template's object.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum ObjectKey {
     /// A pipe or FIFO, by the inode of the pipe.
     Pipe(u64),
@@ -76,6 +76,11 @@ struct Object {
 #[derive(Debug, Default)]
 pub struct CloneObjects {
     objects: BTreeMap<ObjectKey, Object>,
+    /// No live template to copy buffered data from (a restore): the objects
+    /// get `preset` instead.
+    empty: bool,
+    /// (object, side, bytes queued for that side to read), for a restore.
+    preset: Vec<(ObjectKey, usize, Vec<u8>)>,
 }
 
 /// The object and side an fd is an end of, when its rule is [`FdAction::Pair`].
@@ -131,7 +136,22 @@ impl CloneObjects {
                     });
             }
         }
-        CloneObjects { objects }
+        CloneObjects {
+            objects,
+            empty: false,
+            preset: Vec::new(),
+        }
+    }
+
+    /// The same objects, made without a live template: each gets the bytes
+    /// given for it (object, side that reads them, bytes) and nothing else.
+    pub fn with_data(
+        mut self,
+        data: impl IntoIterator<Item = (ObjectKey, usize, Vec<u8>)>,
+    ) -> CloneObjects {
+        self.empty = true;
+        self.preset = data.into_iter().collect();
+        self
     }
 
     /// Whether there is nothing to create.
@@ -157,13 +177,28 @@ impl CloneObjects {
     pub(crate) fn create(&mut self, tracee: &mut Tracee, scratch: &mut Scratch) -> Result<()> {
         let creator = pidfd_open(tracee.pid())?;
         let mut template_pidfds: BTreeMap<i32, OwnedFd> = BTreeMap::new();
-        for object in self.objects.values_mut() {
+        for (key, object) in self.objects.iter_mut() {
             let nums = make(tracee, scratch, object.kind)?;
             object.in_creator = Some(nums);
             let made = [
                 pidfd_getfd(&creator, tracee.pid(), nums[0])?,
                 pidfd_getfd(&creator, tracee.pid(), nums[1])?,
             ];
+            if self.empty {
+                for (k, side, data) in &self.preset {
+                    if k == key {
+                        fill(&made[1 - (*side).min(1)], data).map_err(|source| {
+                            RemoteError::Sys {
+                                op: "writing a restored pipe's or socket pair's buffered data",
+                                pid: tracee.pid(),
+                                source,
+                            }
+                        })?;
+                    }
+                }
+                object.made = Some(made);
+                continue;
+            }
             let mut template_fd = |side: Option<usize>,
                                    readable: bool|
              -> Result<Option<(i32, i32, String, OwnedFd)>> {
@@ -341,6 +376,43 @@ pub(crate) fn make_pair(
         i32::from_ne_bytes([pair[0], pair[1], pair[2], pair[3]]),
         i32::from_ne_bytes([pair[4], pair[5], pair[6], pair[7]]),
     ])
+}
+
+/// Write `data` into `end` (a new pipe's write end, or the socket that
+/// sends to the side that reads it), growing a pipe to hold it all; it must
+/// all fit, as nothing reads it yet.
+fn fill(end: &OwnedFd, data: &[u8]) -> io::Result<()> {
+    let fd = end.as_raw_fd();
+    // SAFETY: fcntl with integer arguments on an fd we own.
+    let size = unsafe { libc::fcntl(fd, libc::F_GETPIPE_SZ) };
+    if size >= 0 && (size as usize) < data.len() {
+        // SAFETY: as above.
+        if unsafe { libc::fcntl(fd, libc::F_SETPIPE_SZ, data.len() as libc::c_int) } < 0 {
+            return Err(io::Error::last_os_error());
+        }
+    }
+    let mut done = 0;
+    while done < data.len() {
+        // MSG_DONTWAIT on a socket; a pipe sized above never blocks.
+        // SAFETY: sends from a live slice; a pipe fails with ENOTSOCK, then write.
+        let mut n = unsafe {
+            libc::send(
+                fd,
+                data[done..].as_ptr().cast(),
+                data.len() - done,
+                libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL,
+            )
+        };
+        if n < 0 && io::Error::last_os_error().raw_os_error() == Some(libc::ENOTSOCK) {
+            // SAFETY: writes from a live slice to an fd we own.
+            n = unsafe { libc::write(fd, data[done..].as_ptr().cast(), data.len() - done) };
+        }
+        if n < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        done += n as usize;
+    }
+    Ok(())
 }
 
 fn make(tracee: &mut Tracee, scratch: &mut Scratch, kind: Kind) -> Result<[i32; 2]> {

@@ -34,7 +34,7 @@ fn signals() -> impl Iterator<Item = i32> {
 const RLIMITS: i32 = 16;
 
 /// What a forked process of a clone is given of its template process.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct ProcessState {
     /// Working directory (resolved in the clone's root).
     pub cwd: PathBuf,
@@ -99,6 +99,16 @@ impl ProcessState {
             sigactions,
             inherited,
         })
+    }
+
+    /// The value of one of the credential and confinement lines of
+    /// `/proc/PID/status` kept (`Uid`, `Gid`, `Groups`, `NoNewPrivs`,
+    /// `Seccomp`, `Seccomp_filters`).
+    pub fn inherited_line(&self, key: &str) -> Option<&str> {
+        self.inherited
+            .iter()
+            .find(|(k, _)| k == key)
+            .map(|(_, v)| v.as_str())
     }
 
     /// Refuse a process whose credentials or confinement differ from its

@@ -64,7 +64,7 @@ const RSEQ_FLAG_UNREGISTER: u64 = 1;
 const PM_FILE: u64 = 1 << 61;
 
 /// The `mm_struct` fields `PR_SET_MM_MAP` sets (`/proc/PID/stat`).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, serde::Deserialize)]
 pub struct MmFields {
     /// Start of the code.
     pub start_code: u64,
@@ -92,8 +92,8 @@ pub struct MmFields {
 }
 
 /// What an address space should be: its mappings and mm fields, read from a
-/// process (or, later, from a checkpoint).
-#[derive(Debug, Clone)]
+/// process (or from a checkpoint image).
+#[derive(Debug, Clone, Serialize, serde::Deserialize)]
 pub struct Layout {
     /// The mappings (smaps, with `VmFlags`).
     pub vmas: Vec<Vma>,
@@ -111,7 +111,7 @@ pub struct Layout {
     pub rseq: Option<(u64, u32, u32)>,
 }
 
-fn is_special(vma: &Vma) -> bool {
+pub(crate) fn is_special(vma: &Vma) -> bool {
     matches!(
         vma.name.as_str(),
         "[vdso]" | "[vvar]" | "[vvar_vclock]" | "[vsyscall]" | "[uprobes]"
@@ -252,7 +252,7 @@ impl LiveProcess {
 
 /// The page frame number of the kernel's zero page: what a read of untouched
 /// anonymous memory maps (read once, in a page of our own).
-fn zero_pfn() -> Option<u64> {
+pub(crate) fn zero_pfn() -> Option<u64> {
     static PFN: std::sync::OnceLock<Option<u64>> = std::sync::OnceLock::new();
     *PFN.get_or_init(|| {
         // SAFETY: a new private anonymous page of our own, read once and unmapped;
@@ -286,7 +286,7 @@ fn zero_pfn() -> Option<u64> {
 }
 
 /// The base's page is in memory as an anonymous (private, copied) page, or swapped.
-fn private_data(e: PageEntry) -> bool {
+pub(crate) fn private_data(e: PageEntry) -> bool {
     (e.present() && e.0 & PM_FILE == 0) || e.swapped()
 }
 
@@ -915,7 +915,8 @@ fn copy_pages(
                 buf.resize(len as usize, 0);
                 source.read(start, &mut buf)?;
                 for (k, page) in buf.chunks(PAGE as usize).enumerate() {
-                    if fresh && page.iter().all(|b| *b == 0) {
+                    // (Over a file, a zero page hides the file's contents.)
+                    if fresh && !t.is_file() && page.iter().all(|b| *b == 0) {
                         continue;
                     }
                     mem.write_all_at(page, start + k as u64 * PAGE)

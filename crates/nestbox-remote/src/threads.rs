@@ -58,13 +58,14 @@ const RED_ZONE: u64 = 128;
 
 /// Everything a thread of a template process is made of, beyond the memory
 /// and fds its process shares.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 pub struct ThreadState {
     /// Host tid of the template's thread.
     pub host_tid: i32,
     /// Its tid in the innermost pid namespace (the box's).
     pub ns_tid: i32,
     /// Its general-purpose registers at the stop.
+    #[serde(with = "regs_words")]
     pub regs: Regs,
     /// Register set note (`NT_X86_XSTATE`, or `NT_PRFPREG` without XSAVE) and
     /// the kernel's bytes of it.
@@ -570,6 +571,46 @@ fn read_fpu(tid: i32) -> Result<(u32, Vec<u8>)> {
             Ok((NT_PRFPREG, buf[..len].to_vec()))
         }
         Err(e) => Err(ptrace_err("PTRACE_GETREGSET NT_X86_XSTATE", tid)(e)),
+    }
+}
+
+/// A thread's general-purpose registers as 27 words, in the kernel's
+/// `user_regs_struct` order (how a checkpoint image stores them).
+mod regs_words {
+    use serde::{Deserialize, Deserializer, Serialize, Serializer};
+
+    use crate::tracee::Regs;
+
+    macro_rules! regs_fields {
+        ($m:ident) => {
+            $m!(
+                r15, r14, r13, r12, rbp, rbx, r11, r10, r9, r8, rax, rcx, rdx, rsi, rdi, orig_rax,
+                rip, cs, eflags, rsp, ss, fs_base, gs_base, ds, es, fs, gs
+            )
+        };
+    }
+
+    pub fn serialize<S: Serializer>(regs: &Regs, s: S) -> Result<S::Ok, S::Error> {
+        macro_rules! words {
+            ($($f:ident),*) => { vec![$(regs.$f),*] };
+        }
+        let words: Vec<u64> = regs_fields!(words);
+        words.serialize(s)
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Regs, D::Error> {
+        let words = Vec::<u64>::deserialize(d)?;
+        if words.len() != 27 {
+            return Err(serde::de::Error::invalid_length(
+                words.len(),
+                &"27 register words",
+            ));
+        }
+        let mut it = words.into_iter();
+        macro_rules! build {
+            ($($f:ident),*) => { Regs { $($f: it.next().unwrap_or(0)),* } };
+        }
+        Ok(regs_fields!(build))
     }
 }
 

@@ -618,6 +618,13 @@ impl Tracee {
         }
     }
 
+    /// The tracee made ours: killed when dropped instead of let go (a stub
+    /// process seized to be made into a restored one).
+    pub(crate) fn owned(mut self) -> Tracee {
+        self.role = Role::Child;
+        self
+    }
+
     /// Forget the tracee after it exited under our control.
     pub(crate) fn mark_gone(&mut self) {
         self.attached = false;

@@ -88,7 +88,21 @@ pub enum RuntimeError {
         /// The box that is that template.
         box_name: String,
     },
-    /// The operation needs a running box.
+    /// No checkpoint of that name (or directory).
+    #[error("no checkpoint named {0:?}")]
+    NoSuchCheckpoint(String),
+    /// The checkpoint name is taken.
+    #[error("a checkpoint named {0:?} already exists")]
+    CheckpointExists(String),
+    /// A checkpoint cannot be written or used as it is.
+    #[error("checkpoint {name:?} {problem}")]
+    Checkpoint {
+        /// The checkpoint (or its file).
+        name: String,
+        /// What is wrong.
+        problem: String,
+    },
+    /// The box is not running.
     #[error("box {0:?} is not running")]
     NotRunning(String),
     /// The operation needs a stopped box.
@@ -225,9 +239,13 @@ impl RuntimeError {
     pub fn kind(&self) -> ErrorKind {
         use RuntimeError as E;
         match self {
-            E::InvalidInput(_) | E::Unsupported { .. } => ErrorKind::Invalid,
-            E::NoSuchBox(_) | E::NoSuchTemplate(_) | E::TemplateRemoved(_) => ErrorKind::NotFound,
+            E::InvalidInput(_) | E::Unsupported { .. } | E::Checkpoint { .. } => ErrorKind::Invalid,
+            E::NoSuchBox(_)
+            | E::NoSuchTemplate(_)
+            | E::TemplateRemoved(_)
+            | E::NoSuchCheckpoint(_) => ErrorKind::NotFound,
             E::NameInUse(_)
+            | E::CheckpointExists(_)
             | E::TemplateNameInUse { .. }
             | E::NotRunning(_)
             | E::StillRunning(_)

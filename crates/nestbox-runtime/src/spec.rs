@@ -77,6 +77,10 @@ pub struct BoxSpec {
     /// Set for a clone: the box is a shell its process is forked into from a template.
     #[serde(default)]
     pub clone_of: Option<CloneSource>,
+    /// Set for a box restored from a checkpoint (its name): the box's init
+    /// waits for the process nestbox restores into it.
+    #[serde(default)]
+    pub restore_of: Option<String>,
     /// Networking.
     #[serde(default)]
     pub network: NetSpec,
@@ -396,6 +400,7 @@ pub(crate) mod tests_support {
             remove_on_exit: false,
             ksm: false,
             clone_of: None,
+            restore_of: None,
             network: NetSpec::default(),
         }
     }

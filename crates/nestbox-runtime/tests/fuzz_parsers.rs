@@ -249,6 +249,7 @@ fn spec() -> impl Strategy<Value = BoxSpec> {
                     remove_on_exit: false,
                     ksm: false,
                     clone_of: None,
+                    restore_of: None,
                     network: NetSpec {
                         mode,
                         rate: rate.and_then(nestbox_net::Rate::from_bits),
@@ -318,6 +319,7 @@ fn stored_spec_json() {
         remove_on_exit: false,
         ksm: false,
         clone_of: None,
+        restore_of: None,
         network: NetSpec::default(),
     })
     .unwrap();

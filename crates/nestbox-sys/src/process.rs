@@ -237,3 +237,150 @@ mod tests {
         assert_eq!(tgkill(me, -1, 0).unwrap_err(), Errno::EINVAL);
     }
 }
+
+/// `struct clone_args` of `clone3(2)` up to `set_tid_size` (Linux 5.5).
+#[repr(C)]
+#[derive(Default)]
+struct Clone3Args {
+    flags: u64,
+    pidfd: u64,
+    child_tid: u64,
+    parent_tid: u64,
+    exit_signal: u64,
+    stack: u64,
+    stack_size: u64,
+    tls: u64,
+    set_tid: u64,
+    set_tid_size: u64,
+}
+
+/// Make a stub process inside a box, to be turned into a restored process by
+/// ptrace (nestbox's restore): a child of ours joins the namespaces
+/// `namespaces` (`(CLONE_NEW* flag, namespace fd)`, in the order given: the
+/// user namespace first, the pid namespace last), moves itself into the
+/// cgroups by writing `0` to each of `cgroup_files` (v1 `tasks` or v2
+/// `cgroup.procs`, opened for writing), and forks a helper into the joined
+/// pid namespace as pid `helper_pid` (`clone3` with `set_tid`), which forks
+/// the stub the same way as pid `ns_pid` and exits: an orphan goes to the
+/// reaper of its parent's pid namespace, so the stub is adopted by the box's
+/// init (not by the host's, as a child of our first child would be). The
+/// stub only waits in `pause()`. Returns the stub's host pid.
+///
+/// # Safety
+/// As for [`fork_into`]: the child runs only async-signal-safe calls, but the
+/// caller must not hold state the forked child could need (it touches none).
+/// The caller must be allowed to enter each namespace (root, or the owner of
+/// the user namespace) and `ns_pid` must be free in the pid namespace.
+pub unsafe fn spawn_stub(
+    namespaces: &[(libc::c_int, std::os::fd::BorrowedFd<'_>)],
+    cgroup_files: &[std::os::fd::BorrowedFd<'_>],
+    ns_pid: i32,
+    helper_pid: i32,
+) -> Result<i32> {
+    use std::os::fd::AsRawFd;
+    let mut pipe = [0 as libc::c_int; 2];
+    // SAFETY: `pipe` is a valid array of two ints for the kernel to fill.
+    Errno::result(unsafe { libc::pipe2(pipe.as_mut_ptr(), libc::O_CLOEXEC) })?;
+    // SAFETY: both fds were just made by pipe2 and are owned here only.
+    let (read_end, write_end) =
+        unsafe { (OwnedFd::from_raw_fd(pipe[0]), OwnedFd::from_raw_fd(pipe[1])) };
+    // SAFETY: the caller upholds fork_into's conditions; the child below
+    // makes raw syscalls only and ends with exit_now.
+    match unsafe { fork_into(CloneFlags::empty()) }? {
+        Forked::Child => {
+            let report = |value: i32| {
+                let bytes = value.to_ne_bytes();
+                // SAFETY: writes 4 bytes from a live local to our own pipe end.
+                unsafe { libc::write(write_end.as_raw_fd(), bytes.as_ptr().cast(), 4) };
+            };
+            let errno = || Errno::last_raw();
+            for (flag, fd) in namespaces {
+                // SAFETY: setns with a namespace fd the caller owns.
+                if unsafe { libc::setns(fd.as_raw_fd(), *flag) } != 0 {
+                    report(-errno());
+                    exit_now(1);
+                }
+            }
+            for fd in cgroup_files {
+                // SAFETY: writes one byte from a static string to an fd the caller owns.
+                if unsafe { libc::write(fd.as_raw_fd(), b"0".as_ptr().cast(), 1) } != 1 {
+                    report(-errno());
+                    exit_now(2);
+                }
+            }
+            let fork_as = |pid: libc::pid_t| {
+                let args = Clone3Args {
+                    exit_signal: libc::SIGCHLD as u64,
+                    set_tid: std::ptr::addr_of!(pid) as u64,
+                    set_tid_size: 1,
+                    ..Clone3Args::default()
+                };
+                // SAFETY: clone3 without CLONE_VM gives the new process a copy
+                // of this one's memory, like fork; `args` and `pid` are live.
+                unsafe {
+                    libc::syscall(
+                        libc::SYS_clone3,
+                        std::ptr::addr_of!(args),
+                        std::mem::size_of::<Clone3Args>(),
+                    )
+                }
+            };
+            match fork_as(helper_pid) {
+                // The helper, in the box's pid namespace: it forks the stub
+                // and waits to be killed (by our caller, once it has read the
+                // stub's host pid from the helper's children).
+                0 => match fork_as(ns_pid) {
+                    0 | 1.. => loop {
+                        // SAFETY: pause has no preconditions.
+                        unsafe { libc::pause() };
+                    },
+                    _ => exit_now(3),
+                },
+                p if p < 0 => {
+                    report(-errno());
+                    exit_now(3)
+                }
+                helper => {
+                    report(helper as i32);
+                    exit_now(0)
+                }
+            }
+        }
+        Forked::Parent(child) => {
+            drop(write_end);
+            let mut bytes = [0u8; 4];
+            // SAFETY: reads at most 4 bytes into a live local buffer from our own pipe end.
+            let n = unsafe { libc::read(read_end.as_raw_fd(), bytes.as_mut_ptr().cast(), 4) };
+            waitpid_raw(child.as_raw(), 0)?;
+            if n != 4 {
+                return Err(Errno::ECHILD);
+            }
+            let helper = match i32::from_ne_bytes(bytes) {
+                p if p > 0 => p,
+                e => return Err(Errno::from_raw(-e)),
+            };
+            // The helper's one child is the stub; then the helper goes and the
+            // box's init adopts the stub.
+            let children = format!("/proc/{helper}/task/{helper}/children");
+            let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+            let stub = loop {
+                let found = std::fs::read_to_string(&children)
+                    .ok()
+                    .and_then(|t| t.split_whitespace().next().and_then(|p| p.parse().ok()));
+                if let Some(stub) = found {
+                    break Ok(stub);
+                }
+                let state =
+                    std::fs::read_to_string(format!("/proc/{helper}/stat")).unwrap_or_default();
+                if state.is_empty() || state.contains(") Z") || std::time::Instant::now() > deadline
+                {
+                    break Err(Errno::ESRCH);
+                }
+                std::thread::sleep(std::time::Duration::from_micros(100));
+            };
+            // SAFETY: kill with integer arguments; the helper is ours, parked in pause().
+            unsafe { libc::kill(helper, libc::SIGKILL) };
+            stub
+        }
+    }
+}

@@ -119,6 +119,22 @@ enum Command {
     Template(TemplateCommand),
     /// Fork boxes from a template: each continues from its frozen state.
     Clone(CloneArgs),
+    /// Save a running box (its process, threads, memory, fds, root layer and
+    /// spec) as a checkpoint it can be restored from; `checkpoint ls|rm|inspect`
+    /// manage checkpoints.
+    Checkpoint(CheckpointArgs),
+    /// Start a box from a checkpoint: it continues where the checkpointed box
+    /// was (always in the background, like `run -d`).
+    Restore {
+        /// Name of the restored box (default: the checkpointed box's).
+        #[arg(long)]
+        name: Option<String>,
+        /// Print JSON (name, pid, milliseconds).
+        #[arg(long)]
+        json: bool,
+        /// Checkpoint name, or a checkpoint directory (a path with a '/').
+        checkpoint: String,
+    },
     /// Answer clone requests on a Unix socket (one JSON object per line; see
     /// docs/clones.md) until SIGTERM or SIGINT.
     Serve {
@@ -139,6 +155,47 @@ enum Command {
     /// Inspect or remove box networks.
     #[command(subcommand)]
     Network(crate::network_cmd::NetworkCommand),
+}
+
+#[derive(Debug, clap::Args)]
+#[command(args_conflicts_with_subcommands = true, subcommand_negates_reqs = true)]
+struct CheckpointArgs {
+    #[command(subcommand)]
+    cmd: Option<CheckpointCommand>,
+    /// Name the checkpoint (default: the box name).
+    #[arg(long = "as", value_name = "NAME")]
+    as_name: Option<String>,
+    /// Leave the box running (default: it is stopped once saved).
+    #[arg(long)]
+    leave_running: bool,
+    /// Print JSON.
+    #[arg(long)]
+    json: bool,
+    /// Box name.
+    #[arg(required = true)]
+    name: Option<String>,
+}
+
+#[derive(Debug, Subcommand)]
+enum CheckpointCommand {
+    /// List checkpoints.
+    Ls {
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Remove checkpoints (their pages go at the next `gc` when no other
+    /// checkpoint has them).
+    Rm {
+        /// Checkpoint names.
+        #[arg(required = true)]
+        names: Vec<String>,
+    },
+    /// Show a checkpoint (without its processes' registers), as JSON.
+    Inspect {
+        /// Checkpoint name.
+        name: String,
+    },
 }
 
 #[derive(Debug, Subcommand)]
@@ -513,6 +570,20 @@ pub fn dispatch(cli: Cli) -> Result<i32> {
         }
         Command::Template(cmd) => template(&reg, cmd),
         Command::Clone(args) => clone(&reg, args),
+        Command::Checkpoint(args) => checkpoint(&reg, args),
+        Command::Restore {
+            name,
+            json,
+            checkpoint,
+        } => {
+            let r = nestbox_runtime::checkpoint::restore(&reg, &checkpoint, name.as_deref())?;
+            if json {
+                println!("{}", serde_json::to_string(&r)?);
+            } else {
+                println!("{}", r.name);
+            }
+            Ok(0)
+        }
         Command::Serve { socket } => {
             let socket = socket.unwrap_or_else(|| nestbox_runtime::api::default_socket(&reg));
             nestbox_runtime::api::serve(&reg, &socket)?;
@@ -631,6 +702,7 @@ fn build_spec(a: RunArgs) -> Result<BoxSpec> {
         remove_on_exit: a.rm,
         ksm: a.ksm,
         clone_of: None,
+        restore_of: None,
         network,
     };
     // Validated by the runtime (ops::run_*) before anything is created.
@@ -670,6 +742,50 @@ struct KsmArgs {
     /// Print JSON.
     #[arg(long)]
     json: bool,
+}
+
+fn checkpoint(reg: &Registry, a: CheckpointArgs) -> Result<i32> {
+    use nestbox_runtime::checkpoint as ckpt;
+    match a.cmd {
+        Some(CheckpointCommand::Ls { json }) => {
+            output::checkpoints(&ckpt::list(reg)?, json).map(|_| 0)
+        }
+        Some(CheckpointCommand::Rm { names }) => {
+            let mut failed = None;
+            for name in names {
+                if let Err(e) = ckpt::remove(reg, &name) {
+                    eprintln!("nestbox: error: {e}");
+                    failed = Some(e.exit_code());
+                }
+            }
+            Ok(failed.unwrap_or(0))
+        }
+        Some(CheckpointCommand::Inspect { name }) => {
+            let (meta, dir) = ckpt::load(reg, &name)?;
+            println!(
+                "{}",
+                serde_json::to_string_pretty(&output::checkpoint_summary(&meta, Some(&dir)))?
+            );
+            Ok(0)
+        }
+        None => {
+            let name = a.name.context("missing box name")?;
+            let req = ckpt::CheckpointRequest {
+                name: a.as_name,
+                leave_running: a.leave_running,
+            };
+            let meta = ckpt::checkpoint(reg, &name, &req)?;
+            if a.json {
+                println!(
+                    "{}",
+                    serde_json::to_string(&output::checkpoint_summary(&meta, None))?
+                );
+            } else {
+                println!("{}", meta.name);
+            }
+            Ok(0)
+        }
+    }
 }
 
 fn template(reg: &Registry, cmd: TemplateCommand) -> Result<i32> {

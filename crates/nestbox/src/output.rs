@@ -245,6 +245,16 @@ pub fn follow_to_end(reg: &Registry, name: &str) -> Result<i32> {
 /// `gc`: say what was removed.
 pub fn gc(reg: &Registry) -> Result<()> {
     let r = ops::gc(reg)?;
+    let (dirs, packs, bytes) = nestbox_runtime::checkpoint::gc(reg)?;
+    if dirs > 0 {
+        println!("removed {dirs} unfinished checkpoint(s)");
+    }
+    if packs > 0 {
+        println!(
+            "removed {packs} page pack(s) no checkpoint refers to ({})",
+            nestbox_runtime::size::format_size(bytes)
+        );
+    }
     for b in &r.boxes {
         println!("removed dead box {b}");
     }
@@ -257,8 +267,71 @@ pub fn gc(reg: &Registry) -> Result<()> {
     for n in &r.network {
         println!("released the network of box id {n}");
     }
-    if r.boxes.is_empty() && r.cgroups.is_empty() && r.dirs.is_empty() && r.network.is_empty() {
+    if r.boxes.is_empty()
+        && r.cgroups.is_empty()
+        && r.dirs.is_empty()
+        && r.network.is_empty()
+        && dirs == 0
+        && packs == 0
+    {
         println!("nothing to collect");
+    }
+    Ok(())
+}
+
+/// A checkpoint without its processes' registers and memory map: what
+/// `checkpoint inspect` and `checkpoint --json` show.
+pub fn checkpoint_summary(
+    c: &nestbox_runtime::checkpoint::Checkpoint,
+    dir: Option<&std::path::Path>,
+) -> serde_json::Value {
+    serde_json::json!({
+        "name": c.name,
+        "box": c.box_name,
+        "created_at": c.created_at,
+        "image": c.spec.image,
+        "layers": c.layers,
+        "kernel": c.kernel,
+        "dir": dir.map(|d| d.display().to_string()),
+        "stats": c.stats,
+        "processes": c.processes.iter().map(|p| serde_json::json!({
+            "pid": p.ns_pid,
+            "exe": p.layout.exe,
+            "threads": 1 + p.threads.len(),
+            "mappings": p.layout.vmas.len(),
+            "fds": p.fds.iter().map(|f| serde_json::json!({
+                "fd": f.fd, "target": f.target, "action": f.action().to_string(),
+            })).collect::<Vec<_>>(),
+        })).collect::<Vec<_>>(),
+        "spec": {
+            "image": c.spec.image,
+            "command": c.spec.command,
+            "network": c.spec.network,
+            "limits": c.spec.limits,
+        },
+    })
+}
+
+/// `checkpoint ls`.
+pub fn checkpoints(list: &[nestbox_runtime::checkpoint::Checkpoint], json: bool) -> Result<()> {
+    if json {
+        let v: Vec<serde_json::Value> = list.iter().map(|c| checkpoint_summary(c, None)).collect();
+        println!("{}", serde_json::to_string_pretty(&v)?);
+        return Ok(());
+    }
+    println!(
+        "{:<24} {:<16} {:>8} {:>10}  COMMAND",
+        "NAME", "BOX", "PAGES", "MEMORY"
+    );
+    for c in list {
+        println!(
+            "{:<24} {:<16} {:>8} {:>10}  {}",
+            c.name,
+            c.box_name,
+            c.stats.pages,
+            nestbox_runtime::size::format_size(c.stats.pages * 4096),
+            c.spec.command.join(" ")
+        );
     }
     Ok(())
 }

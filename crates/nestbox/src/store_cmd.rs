@@ -248,6 +248,13 @@ pub fn store(reg: &Registry, cmd: StoreCommand) -> Result<i32> {
                 u.objects,
                 u.sharing_ratio
             );
+            let pool = nestbox_runtime::checkpoint::pool_usage(reg)?;
+            println!(
+                "checkpoint pages: {} distinct in {} pack(s), {}",
+                pool.pages,
+                pool.packs,
+                human(pool.bytes)
+            );
             Ok(0)
         }
         StoreCommand::Verify { json } => {

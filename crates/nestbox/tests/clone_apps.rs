@@ -7,189 +7,15 @@
 //! template is untouched (a clone made afterwards starts from the frozen
 //! count). Plus 100 clones of a threaded template, removed without a trace.
 //!
-//! The programs come from the host (`/usr` is bound read-only into boxes; the
-//! Go server is built on the host and given to the box through a volume). A
-//! missing program skips the test, which under `CI=true` is a failure
-//! (`scripts/setup.sh` installs them).
+//! The servers are those of `common/apps.rs`.
 
 mod common;
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::time::Duration;
 
+use common::apps::*;
 use common::*;
-
-const NODE_SERVER: &str = r#"
-const http = require('http'), os = require('os'), crypto = require('crypto');
-let count = 0;
-http.createServer((req, res) => {
-  const n = ++count;
-  // Answered from libuv's thread pool: its threads must run in the clone.
-  crypto.pbkdf2('key', 'salt', 1, 16, 'sha256', () => {
-    const body = `${n} ${os.hostname()}\n`;
-    res.writeHead(200, {'Content-Length': Buffer.byteLength(body)});
-    res.end(body);
-  });
-}).listen(8080, '127.0.0.1', () => {
-  crypto.pbkdf2('key', 'salt', 1, 16, 'sha256', () => console.log('ready'));
-});
-"#;
-
-const GO_SERVER: &str = r#"package main
-
-import (
-	"fmt"
-	"net"
-	"net/http"
-	"os"
-	"sync/atomic"
-)
-
-var count atomic.Int64
-
-func main() {
-	http.HandleFunc("/", func(w http.ResponseWriter, r *http.Request) {
-		n := count.Add(1)
-		host, _ := os.Hostname()
-		fmt.Fprintf(w, "%d %s\n", n, host)
-	})
-	ln, err := net.Listen("tcp", "127.0.0.1:8080")
-	if err != nil {
-		panic(err)
-	}
-	fmt.Println("ready")
-	http.Serve(ln, nil)
-}
-"#;
-
-const JAVA_SERVER: &str = r#"
-import com.sun.net.httpserver.HttpServer;
-import java.net.InetSocketAddress;
-import java.nio.file.Files;
-import java.nio.file.Path;
-import java.util.concurrent.Executors;
-import java.util.concurrent.ThreadPoolExecutor;
-import java.util.concurrent.atomic.AtomicLong;
-
-public class Server {
-    public static void main(String[] args) throws Exception {
-        AtomicLong count = new AtomicLong();
-        HttpServer server = HttpServer.create(new InetSocketAddress("127.0.0.1", 8080), 0);
-        server.createContext("/", ex -> {
-            long n = count.incrementAndGet();
-            String host = Files.readString(Path.of("/proc/sys/kernel/hostname")).trim();
-            byte[] body = (n + " " + host + "\n").getBytes();
-            ex.sendResponseHeaders(200, body.length);
-            ex.getResponseBody().write(body);
-            ex.close();
-        });
-        ThreadPoolExecutor pool = (ThreadPoolExecutor) Executors.newFixedThreadPool(4);
-        pool.prestartAllCoreThreads();
-        server.setExecutor(pool);
-        server.start();
-        System.out.println("ready");
-    }
-}
-"#;
-
-/// Requests counted by the executor's threads (all four started before
-/// `ready`), answered by the server's thread.
-const PYTHON_POOL_SERVER: &str = r#"
-import concurrent.futures, http.server, os, threading
-pool = concurrent.futures.ThreadPoolExecutor(4)
-started = threading.Barrier(5)
-for _ in range(4):
-    pool.submit(started.wait)
-started.wait()
-count = 0
-lock = threading.Lock()
-def work():
-    global count
-    with lock:
-        count += 1
-        return count
-class H(http.server.BaseHTTPRequestHandler):
-    def do_GET(self):
-        n = pool.submit(work).result(timeout=10)
-        body = f'{n} {os.uname().nodename}\n'.encode()
-        self.send_response(200)
-        self.send_header('Content-Length', str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-    def log_message(self, *a):
-        pass
-server = http.server.HTTPServer(('127.0.0.1', 8080), H)
-print('ready', flush=True)
-server.serve_forever()
-"#;
-
-/// A server program: its files (put in a host directory mounted at `/app`),
-/// its command in the box, and how many threads it has at least once ready.
-struct App {
-    dir: tempfile::TempDir,
-    cmd: Vec<String>,
-    min_threads: usize,
-}
-
-impl App {
-    fn new(files: &[(&str, &str)], cmd: &[&str], min_threads: usize) -> App {
-        let dir = tempfile::Builder::new()
-            .prefix("nestbox-test-app-")
-            .tempdir_in("/tmp")
-            .expect("app dir");
-        for (name, text) in files {
-            std::fs::write(dir.path().join(name), text).expect("write app file");
-        }
-        std::fs::set_permissions(
-            dir.path(),
-            std::os::unix::fs::PermissionsExt::from_mode(0o755),
-        )
-        .expect("chmod app dir");
-        App {
-            dir,
-            cmd: cmd.iter().map(|s| s.to_string()).collect(),
-            min_threads,
-        }
-    }
-
-    fn volume(&self) -> String {
-        format!("{}:/app:ro", self.dir.path().display())
-    }
-}
-
-/// Whether `program` is installed (a skip otherwise, a failure under CI).
-fn have(test: &str, program: &Path) -> bool {
-    nestbox_testkit::require(
-        program.exists(),
-        test,
-        &format!(
-            "{} is not installed (scripts/setup.sh installs it)",
-            program.display()
-        ),
-    )
-}
-
-/// The Go toolchain: /usr/local/go or the one on PATH.
-fn go_binary() -> PathBuf {
-    let local = PathBuf::from("/usr/local/go/bin/go");
-    if local.exists() {
-        return local;
-    }
-    std::env::var_os("PATH")
-        .and_then(|paths| {
-            std::env::split_paths(&paths)
-                .map(|p| p.join("go"))
-                .find(|p| p.exists())
-        })
-        .unwrap_or(local)
-}
-
-/// Ask the server in box `name`: (count, hostname).
-fn get(root: &TestRoot, name: &str) -> (u64, String) {
-    let fields = box_http_get(root, name, "/");
-    assert_eq!(fields.len(), 2, "answer of {name}: {fields:?}");
-    (fields[0].parse().unwrap(), fields[1].to_string())
-}
 
 /// Host pid of the process of box `name` (a template or a clone).
 fn process_of(root: &TestRoot, name: &str) -> ProcId {
@@ -206,13 +32,6 @@ fn process_of(root: &TestRoot, name: &str) -> ProcId {
             .unwrap_or_else(|| panic!("pid of {name}: {v}")) as i32,
         start_time: process["start_time"].as_u64().unwrap(),
     }
-}
-
-fn threads_of(pid: i32) -> usize {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("status");
-    status_field(&status, "Threads")
-        .and_then(|t| t.parse().ok())
-        .expect("Threads")
 }
 
 /// Start `app` as box `tpl`, warm it with 3 requests, freeze it, make 20
@@ -296,28 +115,7 @@ fn go_http_server_clones_continue() {
     if !have(test, &go) {
         return;
     }
-    let app = App::new(
-        &[
-            ("main.go", GO_SERVER),
-            ("go.mod", "module server\n\ngo 1.22\n"),
-        ],
-        &["/app/server"],
-        3,
-    );
-    let mut build = std::process::Command::new(&go);
-    build
-        .args(["build", "-o", "server", "."])
-        .current_dir(app.dir.path())
-        .env("CGO_ENABLED", "0");
-    if std::env::var_os("HOME").is_none() {
-        build.env("GOCACHE", app.dir.path().join("cache"));
-    }
-    let out = build.output().expect("run go build");
-    assert!(
-        out.status.success(),
-        "go build: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let app = go_app(&go);
     clone_twenty(&root, &app);
 }
 

@@ -572,6 +572,15 @@ fn launch_plan(
             layer.lowers.insert(0, t.layer_dirs(i).0);
         }
     }
+    // A restored box's root: the checkpoint's copies of its layers, read-only.
+    if let Some(dir) = &spec.restore_of {
+        for (i, layer) in view.layers.iter_mut().enumerate() {
+            let saved = std::path::Path::new(dir).join(format!("layer-{i}"));
+            if saved.is_dir() {
+                layer.lowers.insert(0, saved);
+            }
+        }
+    }
     let mut layers = Vec::new();
     for (i, layer) in view.layers.into_iter().enumerate() {
         let (upper, work) = record.layer_dirs(i);
@@ -635,7 +644,7 @@ fn launch_plan(
         assemble_before_go: false,
         setgroups: idmap.is_none_or(|m| m.allows_setgroups()),
         // A clone shell's init waits for the process forked into it from the template.
-        command: template.is_none().then_some(command),
+        command: (template.is_none() && spec.restore_of.is_none()).then_some(command),
     })
 }
 

@@ -374,6 +374,7 @@ fn clone_spec(t: &BoxRecord, name: &str, req: &CloneRequest) -> BoxSpec {
     if let Some(limits) = &req.limits {
         spec.limits = limits.clone();
     }
+    spec.restore_of = None;
     spec.clone_of = Some(CloneSource {
         template_box: t.name().to_string(),
         template: t
@@ -622,7 +623,7 @@ fn shell_namespaces(init: i32) -> Result<Vec<(nestbox_remote::NsKind, File)>> {
 }
 
 /// The clone's stdin (/dev/null) and its log pipes, taken from the shell's init.
-fn shell_stdio(init: i32) -> Result<[OwnedFd; 3]> {
+pub(crate) fn shell_stdio(init: i32) -> Result<[OwnedFd; 3]> {
     let null: OwnedFd = File::open("/dev/null")
         .map_err(RuntimeError::io("open", "/dev/null"))?
         .into();

@@ -12,6 +12,8 @@
 
 #![allow(dead_code)]
 
+pub mod apps;
+
 use std::collections::{BTreeMap, BTreeSet};
 use std::io::{Read, Write};
 use std::os::unix::fs::PermissionsExt;

@@ -1,0 +1,707 @@
+//! A process as plain data, for checkpoint and restore: [`capture`] reads a
+//! stopped process (every thread held) into a [`ProcessImage`] and hands its
+//! page contents to a sink; [`restore`] turns a stub process, born in the
+//! restored box's namespaces with the image's pid, into that process again.
+//!
+//! Restore runs the machinery a clone uses, with a page store in place of the
+//! live template: the rebuild engine (rebuild.rs) makes the stub's address
+//! space the image's, an empty base layout meaning nothing of the stub is kept,
+//! pages coming from [`StoredPages`]; the process state, the threads
+//! (threads.rs, with their tids), capabilities and fds (the clone fd matrix's
+//! rules, retarget.rs) follow as for a clone. What a clone shares with its
+//! template by the kernel's fork, a restore makes from the image: read-only
+//! files, directories and devices are opened again by path, and the box's
+//! seccomp filter (compiled by the caller with the new box's cookie) is
+//! installed before the threads are re-created, which inherit it.
+//!
+//! What an image cannot hold yet is refused at capture, naming the process
+//! and what: writable shared memory (memfd, System V, shared anonymous), a
+//! mapping of a deleted file, a writable memfd or deleted file open,
+//! datagrams buffered in a socket pair of the box, a Unix connection to
+//! outside the box, more than one seccomp filter. Bytes buffered in the box's
+//! pipes and stream socket pairs are saved and written into the new objects.
+
+use std::collections::HashSet;
+use std::fs::File;
+use std::os::fd::{BorrowedFd, OwnedFd};
+use std::os::unix::fs::FileExt;
+use std::path::PathBuf;
+
+use serde::{Deserialize, Serialize};
+
+use crate::batch::Batch;
+use crate::buffered::{copy_pipe, copy_queue, CopyError};
+use crate::error::{RemoteError, Result};
+use crate::fdinfo::{
+    ensure_clonable, inspect_fds, mark_pidfds_inside, pidfd_getfd, pidfd_open, FdAction, FdEntry,
+    FdKind,
+};
+use crate::fdtransfer::install_fds_with;
+use crate::fork::{ensure_all_threads_held, fix_up, read_template, Made, TemplateState};
+use crate::maps::{Pagemap, Vma, PAGE};
+use crate::memory::Scratch;
+use crate::objects::{object_of, CloneObjects};
+use crate::procfs::{proc_path, Status};
+use crate::procstate::ProcessState;
+use crate::rebuild::{is_special, private_data, rebuild, zero_pfn, Layout, PageAction, PageSource};
+use crate::retarget::{own_pidfds, retarget_with};
+use crate::shmem::SharedObjects;
+use crate::threads::ThreadState;
+use crate::tracee::{Tracee, TRACE_OPTIONS};
+
+/// Bump when the image's layout changes: an image of another version is refused.
+pub const IMAGE_VERSION: u32 = 1;
+
+/// `seccomp(2)` operation `SECCOMP_SET_MODE_FILTER`.
+const SECCOMP_SET_MODE_FILTER: u64 = 1;
+
+/// One process of a box, as a checkpoint keeps it (its page contents are kept
+/// apart, by address: see [`capture`]).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ProcessImage {
+    /// Its pid in the box's pid namespace.
+    pub ns_pid: i32,
+    /// Its address space: mappings, mm fields, auxiliary vector, executable.
+    pub layout: Layout,
+    /// Working directory, umask, limits, signal dispositions, name,
+    /// credentials.
+    pub state: ProcessState,
+    /// The main thread.
+    pub leader: ThreadState,
+    /// The other threads.
+    pub threads: Vec<ThreadState>,
+    /// Its fds.
+    pub fds: Vec<FdEntry>,
+    /// `prctl(PR_GET_SECUREBITS)`.
+    pub securebits: u64,
+    /// Data buffered in the box's pipes and stream socket pairs: (an fd
+    /// reading it, the bytes), written into the new object at restore.
+    #[serde(default)]
+    pub buffered: Vec<(i32, Vec<u8>)>,
+}
+
+impl ProcessImage {
+    /// Every thread id of the process (in the box's pid namespace).
+    pub fn tids(&self) -> impl Iterator<Item = i32> + '_ {
+        std::iter::once(self.leader.ns_tid).chain(self.threads.iter().map(|t| t.ns_tid))
+    }
+}
+
+/// Pages of a restored process, by address: what an image has contents for.
+pub trait PageStore {
+    /// Whether the image holds the page at `addr` (page-aligned); a page it
+    /// does not hold is zero in anonymous memory and the file's in a private
+    /// file mapping.
+    fn has(&self, addr: u64) -> bool;
+    /// Read the page at `addr` into `buf` (one page), checked against its
+    /// content hash.
+    fn read_page(&self, addr: u64, buf: &mut [u8]) -> std::io::Result<()>;
+}
+
+/// A [`PageSource`] over a [`PageStore`], for the rebuild engine.
+struct StoredPages<'a>(&'a dyn PageStore);
+
+impl PageSource for StoredPages<'_> {
+    fn page_actions(&self, vma: &Vma, _kept: bool) -> Result<Vec<PageAction>> {
+        Ok((vma.start..vma.end)
+            .step_by(PAGE as usize)
+            .map(|addr| {
+                if self.0.has(addr) {
+                    PageAction::Write
+                } else {
+                    PageAction::Keep
+                }
+            })
+            .collect())
+    }
+
+    fn read(&self, addr: u64, buf: &mut [u8]) -> Result<()> {
+        for (i, page) in buf.chunks_mut(PAGE as usize).enumerate() {
+            let at = addr + i as u64 * PAGE;
+            if self.0.has(at) {
+                self.0
+                    .read_page(at, page)
+                    .map_err(|source| RemoteError::Image {
+                        what: format!("page {at:#x}"),
+                        source,
+                    })?;
+            } else {
+                page.fill(0);
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Read the stopped process `tracee` (seized with every thread by
+/// [`Tracee::seize_and_interrupt`] and waited for) into an image. Every page
+/// of its private memory that is its own (anonymous, or a private copy of a
+/// file's page) and not zero is given to `sink` with its address. The
+/// process is left stopped, its registers intact.
+///
+/// # Errors
+/// What the image cannot hold (see the module documentation), or a failed
+/// read of `/proc` or of the process's memory; `sink`'s error as
+/// [`RemoteError::Image`].
+pub fn capture(
+    tracee: &mut Tracee,
+    sink: &mut dyn FnMut(u64, &[u8]) -> std::io::Result<()>,
+) -> Result<ProcessImage> {
+    let pid = tracee.pid();
+    ensure_all_threads_held(tracee)?;
+    let status = Status::read(pid)?;
+    let filters: u32 = status
+        .get("Seccomp_filters")
+        .ok()
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(0);
+    if filters > 1 {
+        return Err(RemoteError::Unclonable(format!(
+            "process {pid} has {filters} seccomp filters; a checkpoint restores only the box's own"
+        )));
+    }
+    let mut fds = inspect_fds(pid)?;
+    mark_pidfds_inside(&mut [fds.as_mut_slice()], &[pid]);
+    let buffered = ensure_restorable(pid, &fds)?;
+    let mut layout = Layout::read(pid)?;
+    layout.rseq = None;
+    ensure_memory_restorable(pid, &layout.vmas)?;
+    let template = read_template(tracee, &status)?;
+    let state = ProcessState::capture(tracee)?;
+    tracee.find_syscall_insn()?;
+    let securebits = tracee.syscall(
+        "prctl(PR_GET_SECUREBITS)",
+        String::new,
+        libc::SYS_prctl,
+        &[libc::PR_GET_SECUREBITS as u64],
+    );
+    tracee.restore_regs()?;
+    let securebits = securebits?;
+    save_pages(pid, &layout.vmas, sink)?;
+    Ok(ProcessImage {
+        ns_pid: template.ns_pid,
+        layout,
+        state,
+        leader: template.leader,
+        threads: template.threads,
+        fds,
+        securebits,
+        buffered,
+    })
+}
+
+/// The fd rules a restore can follow (the clone fd matrix's, less what needs
+/// the live template); returns the data buffered in the box's connected
+/// objects, by an fd that reads it.
+fn ensure_restorable(pid: i32, fds: &[FdEntry]) -> Result<Vec<(i32, Vec<u8>)>> {
+    ensure_clonable(pid, fds)?;
+    let pidfd = pidfd_open(pid)?;
+    let mut buffered = Vec::new();
+    let mut seen = HashSet::new();
+    for entry in fds {
+        let refuse = |reason: &str| RemoteError::UnsupportedFd {
+            pid,
+            fd: entry.fd,
+            kind: entry.target.clone(),
+            reason: format!("{reason} (not in a checkpoint yet)"),
+        };
+        match (entry.action(), &entry.kind) {
+            (FdAction::CopyShared, _) => {
+                return Err(refuse("a writable memfd or deleted file"));
+            }
+            (FdAction::Placeholder, FdKind::Socket(sock)) if sock.domain == libc::AF_UNIX => {
+                return Err(refuse("a Unix connection to outside the box"));
+            }
+            (FdAction::Shared, FdKind::File { deleted: true, .. }) => {
+                return Err(refuse("a deleted file"));
+            }
+            (FdAction::Shared, FdKind::Pipe | FdKind::Socket(_) | FdKind::Other) => {
+                return Err(refuse("an object shared with the template"));
+            }
+            (FdAction::Pair, _) => {
+                let dup = pidfd_getfd(&pidfd, pid, entry.fd)?;
+                let mut queued: libc::c_int = 0;
+                // SAFETY: FIONREAD writes one int to the live local `queued`;
+                // `dup` is our own open fd.
+                let r = unsafe {
+                    libc::ioctl(
+                        std::os::fd::AsRawFd::as_raw_fd(&dup),
+                        libc::FIONREAD,
+                        &mut queued,
+                    )
+                };
+                // (FIONREAD on a pipe's write end counts the pipe too: its
+                // read end, if the box has it, saves the data.)
+                let write_end = matches!(entry.kind, FdKind::Pipe)
+                    && entry.flags & libc::O_ACCMODE == libc::O_WRONLY;
+                if r != 0 || queued == 0 || write_end {
+                    continue;
+                }
+                let Some(end) = object_of(entry) else {
+                    continue;
+                };
+                if !seen.insert(end) {
+                    continue;
+                }
+                let data = match &entry.kind {
+                    FdKind::Pipe => read_pipe_queue(&dup),
+                    FdKind::Socket(sock) if sock.sock_type == libc::SOCK_STREAM => {
+                        read_stream_queue(&dup)
+                    }
+                    _ => {
+                        return Err(refuse(&format!(
+                            "{queued} bytes of datagrams buffered in it"
+                        )))
+                    }
+                }
+                .map_err(|source| RemoteError::Sys {
+                    op: "reading the data buffered in a pipe or socket pair",
+                    pid,
+                    source,
+                })?;
+                buffered.push((entry.fd, data));
+            }
+            _ => {}
+        }
+    }
+    Ok(buffered)
+}
+
+/// Everything buffered in the pipe behind the read end `from`, left in it
+/// (`tee` into a pipe of ours, read back from there).
+fn read_pipe_queue(from: &OwnedFd) -> std::io::Result<Vec<u8>> {
+    let (r, w) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC | nix::fcntl::OFlag::O_NONBLOCK)
+        .map_err(std::io::Error::from)?;
+    copy_pipe(from, &w)?;
+    drop(w);
+    read_all(&r)
+}
+
+/// Everything queued for reading on the stream socket `from`, left in it
+/// (peeked and sent into a socket pair of ours, read back from there).
+fn read_stream_queue(from: &OwnedFd) -> std::io::Result<Vec<u8>> {
+    use nix::sys::socket::{socketpair, AddressFamily, SockFlag, SockType};
+    let (a, b) = socketpair(
+        AddressFamily::Unix,
+        SockType::Stream,
+        None,
+        SockFlag::SOCK_CLOEXEC | SockFlag::SOCK_NONBLOCK,
+    )
+    .map_err(std::io::Error::from)?;
+    copy_queue(from, libc::SOCK_STREAM, &a).map_err(|e| match e {
+        CopyError::Io(_, source) => source,
+        other => std::io::Error::other(format!("{other:?}")),
+    })?;
+    drop(a);
+    read_all(&b)
+}
+
+/// Read a non-blocking fd until it has nothing more.
+fn read_all(fd: &OwnedFd) -> std::io::Result<Vec<u8>> {
+    let mut out = Vec::new();
+    let mut buf = vec![0u8; 64 * 1024];
+    loop {
+        match nix::unistd::read(std::os::fd::AsRawFd::as_raw_fd(fd), &mut buf) {
+            Ok(0) => return Ok(out),
+            Ok(n) => out.extend_from_slice(&buf[..n]),
+            Err(nix::errno::Errno::EAGAIN) => return Ok(out),
+            Err(nix::errno::Errno::EINTR) => continue,
+            Err(e) => return Err(e.into()),
+        }
+    }
+}
+
+/// The mappings a restore can make (private ones, and read-only shared file
+/// mappings, from files that still exist).
+fn ensure_memory_restorable(pid: i32, vmas: &[Vma]) -> Result<()> {
+    for v in vmas.iter().filter(|v| !is_special(v)) {
+        let reason = if v.shared && (!v.is_file() || v.has_flag("mw")) {
+            Some("writable shared memory")
+        } else if v.is_file() && v.deleted() {
+            Some("a mapping of a deleted file")
+        } else {
+            None
+        };
+        if let Some(reason) = reason {
+            return Err(RemoteError::UnsupportedMapping {
+                pid,
+                range: v.range_name(),
+                name: v.name.clone(),
+                reason: format!("{reason} (not in a checkpoint yet)"),
+            });
+        }
+    }
+    Ok(())
+}
+
+/// Give `sink` every page of the private mappings that is the process's own
+/// and not zero, in address order.
+fn save_pages(
+    pid: i32,
+    vmas: &[Vma],
+    sink: &mut dyn FnMut(u64, &[u8]) -> std::io::Result<()>,
+) -> Result<()> {
+    let pagemap = Pagemap::open(pid)?;
+    let mem_path = proc_path(pid, "mem");
+    let mem = File::open(&mem_path).map_err(|source| RemoteError::Proc {
+        path: mem_path,
+        source,
+    })?;
+    let zero = zero_pfn().unwrap_or(0);
+    let mut buf = Vec::new();
+    for v in vmas.iter().filter(|v| !v.shared && !is_special(v)) {
+        let entries = pagemap.range(v.start, v.end)?;
+        let own = |i: usize| {
+            let e = entries[i];
+            private_data(e) && !(e.present() && zero != 0 && e.pfn() == zero)
+        };
+        let mut i = 0;
+        while i < entries.len() {
+            if !own(i) {
+                i += 1;
+                continue;
+            }
+            let mut j = i + 1;
+            while j < entries.len() && own(j) && j - i < 256 {
+                j += 1;
+            }
+            let start = v.start + i as u64 * PAGE;
+            buf.resize((j - i) * PAGE as usize, 0);
+            mem.read_exact_at(&mut buf, start)
+                .map_err(|source| RemoteError::Sys {
+                    op: "reading the process's memory (/proc/PID/mem)",
+                    pid,
+                    source,
+                })?;
+            for (k, page) in buf.chunks(PAGE as usize).enumerate() {
+                // A zero page of anonymous memory is what a restore maps
+                // anyway; over a file it hides the file's contents.
+                if !v.is_file() && page.iter().all(|b| *b == 0) {
+                    continue;
+                }
+                let at = start + k as u64 * PAGE;
+                sink(at, page).map_err(|source| RemoteError::Image {
+                    what: format!("page {at:#x} of process {pid}"),
+                    source,
+                })?;
+            }
+            i = j;
+        }
+    }
+    Ok(())
+}
+
+/// What [`restore`] needs besides the image.
+#[derive(Debug)]
+pub struct RestorePlan<'a> {
+    /// The restored box's stdin, stdout, stderr (for the image's fds 0–2).
+    pub stdio: [BorrowedFd<'a>; 3],
+    /// The new box's setns/clone3 cookie (its seccomp filter checks it).
+    pub setns_cookie: [u64; 2],
+    /// The box's seccomp filter (`struct sock_filter` array), installed when
+    /// the image's process had one.
+    pub seccomp: Option<Vec<u8>>,
+}
+
+/// Make the stub process `stub` (host pid; born in the restored box's
+/// namespaces and cgroup with the image's pid, by
+/// `nestbox_sys::process::spawn_stub`) the image's process, and let it run.
+/// Returns its host pid.
+///
+/// # Errors
+/// A failed call, naming it; a page whose contents do not match their hash.
+/// The stub is killed on failure.
+pub fn restore(
+    stub: i32,
+    image: &ProcessImage,
+    pages: &dyn PageStore,
+    plan: &RestorePlan<'_>,
+) -> Result<i32> {
+    let mut x = Tracee::seize_and_interrupt(stub)?.owned();
+    x.wait_stopped(std::time::Duration::from_secs(2))?;
+    x.set_options(TRACE_OPTIONS | libc::PTRACE_O_EXITKILL)?;
+    let status = Status::read(stub)?;
+    if status.innermost_pid()? != image.ns_pid {
+        return Err(RemoteError::Plan(format!(
+            "the stub has pid {} in the box, the image's process {}",
+            status.innermost_pid()?,
+            image.ns_pid
+        )));
+    }
+    let mut shared = SharedObjects::default();
+    let empty = Layout {
+        vmas: Vec::new(),
+        mm: Default::default(),
+        auxv: Vec::new(),
+        exe: PathBuf::new(),
+        exe_object: (0, 0),
+        rseq: None,
+    };
+    rebuild(
+        &mut x,
+        &mut shared,
+        &empty,
+        &image.layout,
+        0,
+        &StoredPages(pages),
+    )?;
+    let mut scratch = Scratch::map(&mut x)?;
+    image.state.apply(&mut x, &mut scratch)?;
+    set_credentials(&mut x, &mut scratch, &image.state)?;
+    let fds = restore_fds(&mut x, &mut scratch, image, plan)?;
+    if image.leader.caps.no_new_privs {
+        x.syscall(
+            "prctl(PR_SET_NO_NEW_PRIVS)",
+            String::new,
+            libc::SYS_prctl,
+            &[libc::PR_SET_NO_NEW_PRIVS as u64, 1, 0, 0, 0],
+        )?;
+    }
+    if image.leader.caps.seccomp == 2 {
+        let program = plan.seccomp.as_deref().ok_or_else(|| {
+            RemoteError::Plan(format!(
+                "process {} had a seccomp filter and the restored box has none",
+                image.ns_pid
+            ))
+        })?;
+        install_filter(&mut x, &mut scratch, program)?;
+    }
+    let state = TemplateState {
+        cwd: image.state.cwd.clone(),
+        ns_pid: image.ns_pid,
+        leader: image.leader.clone(),
+        threads: image.threads.clone(),
+        free_floor: 0,
+    };
+    // The stub holds every capability (in the box's user namespace, or as
+    // the host's root): the bounding set is narrowed to the image's as after
+    // joining a user namespace.
+    let threads = fix_up(
+        &mut x,
+        &mut scratch,
+        &state,
+        image.securebits,
+        true,
+        plan.setns_cookie,
+    )?;
+    own_pidfds(&mut x, &image.fds)?;
+    x.set_original(image.leader.resume_regs());
+    let made = Made {
+        process: x,
+        threads,
+        scratch,
+        ns_pid: image.ns_pid,
+        caps: Some(image.leader.caps),
+        fds,
+    };
+    made.release(None)
+}
+
+/// Give the stub the image's user and group ids and supplementary groups
+/// (keeping its capabilities, which the rest of the restore needs; the
+/// image's sets are put back at release).
+fn set_credentials(x: &mut Tracee, scratch: &mut Scratch, state: &ProcessState) -> Result<()> {
+    let now = Status::read(x.pid())?;
+    let ids = |line: &str| -> Vec<u64> {
+        line.split_whitespace()
+            .filter_map(|w| w.parse().ok())
+            .collect()
+    };
+    let want = |key: &str| state.inherited_line(key).map(ids).unwrap_or_default();
+    let have = |key: &str| now.get(key).map(ids).unwrap_or_default();
+    let (uid, gid, groups) = (want("Uid"), want("Gid"), want("Groups"));
+    if uid == have("Uid") && gid == have("Gid") && groups == have("Groups") {
+        return Ok(());
+    }
+    if uid.len() < 3 || gid.len() < 3 {
+        return Err(RemoteError::Plan("the image has no Uid or Gid line".into()));
+    }
+    scratch.reset();
+    let list: Vec<u8> = groups
+        .iter()
+        .flat_map(|g| (*g as u32).to_ne_bytes())
+        .collect();
+    let list_addr = if list.is_empty() {
+        0
+    } else {
+        scratch.put(x, &list)?
+    };
+    let mut batch = Batch::new();
+    batch.push(
+        "prctl(PR_SET_KEEPCAPS)",
+        String::new(),
+        libc::SYS_prctl,
+        &[libc::PR_SET_KEEPCAPS as u64, 1],
+    );
+    batch.push(
+        "setgroups",
+        format!("{groups:?}"),
+        libc::SYS_setgroups,
+        &[groups.len() as u64, list_addr],
+    );
+    batch.push(
+        "setresgid",
+        format!("{gid:?}"),
+        libc::SYS_setresgid,
+        &[gid[0], gid[1], gid[2]],
+    );
+    batch.push(
+        "setresuid",
+        format!("{uid:?}"),
+        libc::SYS_setresuid,
+        &[uid[0], uid[1], uid[2]],
+    );
+    batch.run(x, scratch)?;
+    // setresuid cleared the effective set (kept in the permitted one):
+    // everything permitted is made effective again for the rest.
+    let caps = crate::caps::CapState::read(x.pid())?;
+    let full = crate::caps::CapState {
+        effective: caps.permitted,
+        ..caps
+    };
+    crate::caps::restore_sets(x, scratch, &full)
+}
+
+/// The image's fds in the stub: every number it uses is held first (so that
+/// no object is made on a number still to come), then the clone fd matrix's
+/// rules run as for a clone (re-created objects, connected objects made anew
+/// and empty, placeholders), fds a clone shares with its template are opened
+/// again by path, and the box's stdio takes fds 0–2.
+fn restore_fds(
+    x: &mut Tracee,
+    scratch: &mut Scratch,
+    image: &ProcessImage,
+    plan: &RestorePlan<'_>,
+) -> Result<Vec<crate::retarget::FdOutcome>> {
+    let used: HashSet<i32> = image.fds.iter().map(|e| e.fd).collect();
+    x.syscall(
+        "close_range",
+        || "the stub's own fds".into(),
+        libc::SYS_close_range,
+        &[3, u64::from(u32::MAX), 0],
+    )?;
+    let mut batch = Batch::new();
+    for fd in used.iter().filter(|fd| **fd > 2) {
+        batch.push(
+            "dup3",
+            format!("holding fd {fd}"),
+            libc::SYS_dup3,
+            &[0, *fd as u64, libc::O_CLOEXEC as u64],
+        );
+    }
+    scratch.reset();
+    batch.run(x, scratch)?;
+    let installed = install_fds_with(x, scratch, &plan.stdio)?;
+    let stdio = [installed[0], installed[1], installed[2]];
+    let mut objects = CloneObjects::plan(&[(0, image.fds.as_slice())]).with_data(
+        image.buffered.iter().filter_map(|(fd, data)| {
+            let entry = image.fds.iter().find(|e| e.fd == *fd)?;
+            let (key, side) = object_of(entry)?;
+            Some((key, side, data.clone()))
+        }),
+    );
+    let outcomes = retarget_with(x, scratch, 0, &image.fds, stdio, Some((&mut objects, true)))?;
+    for entry in &image.fds {
+        if entry.action() == FdAction::Shared {
+            reopen_shared(x, scratch, entry)?;
+        }
+    }
+    let mut close: Vec<i32> = installed.clone();
+    close.extend((0..3).filter(|fd| !used.contains(fd)));
+    close.extend(
+        image
+            .fds
+            .iter()
+            .filter(|e| e.action() == FdAction::Close)
+            .map(|e| e.fd),
+    );
+    let mut batch = Batch::new();
+    for fd in close {
+        batch.push("close", format!("fd {fd}"), libc::SYS_close, &[fd as u64]);
+    }
+    scratch.reset();
+    batch.run(x, scratch)?;
+    Ok(outcomes)
+}
+
+/// An fd a clone shares with its template (read-only file, directory,
+/// device, `O_PATH`), opened again by path in the restored root with its
+/// flags and offset.
+fn reopen_shared(x: &mut Tracee, scratch: &mut Scratch, entry: &FdEntry) -> Result<()> {
+    let fd = entry.fd;
+    let path = entry.target.trim_end_matches(" (deleted)");
+    if !path.starts_with('/') {
+        return Err(RemoteError::UnsupportedFd {
+            pid: x.pid(),
+            fd,
+            kind: entry.target.clone(),
+            reason: "no path to open it again by".into(),
+        });
+    }
+    let keep = libc::O_ACCMODE
+        | libc::O_APPEND
+        | libc::O_NONBLOCK
+        | libc::O_PATH
+        | libc::O_DIRECTORY
+        | libc::O_NOFOLLOW
+        | libc::O_NOATIME
+        | libc::O_DIRECT
+        | libc::O_SYNC
+        | libc::O_DSYNC;
+    let flags = if entry.flags & libc::O_PATH != 0 {
+        libc::O_PATH | (entry.flags & (libc::O_DIRECTORY | libc::O_NOFOLLOW))
+    } else {
+        entry.flags & keep
+    } | libc::O_CLOEXEC
+        | libc::O_NOCTTY;
+    scratch.reset();
+    let addr = scratch.put_path(x, path.as_bytes())?;
+    let tmp = x.syscall(
+        "openat",
+        || format!("reopening {path} for fd {fd}"),
+        libc::SYS_openat,
+        &[libc::AT_FDCWD as u64, addr, flags as u64, 0],
+    )?;
+    if entry.pos != 0 && entry.flags & libc::O_PATH == 0 {
+        x.syscall(
+            "lseek",
+            || format!("fd {fd} to {}", entry.pos),
+            libc::SYS_lseek,
+            &[tmp, entry.pos, libc::SEEK_SET as u64],
+        )?;
+    }
+    let cloexec = (entry.flags & libc::O_CLOEXEC) as u64;
+    x.syscall(
+        "dup3",
+        || format!("for fd {fd}"),
+        libc::SYS_dup3,
+        &[tmp, fd as u64, cloexec],
+    )?;
+    x.syscall("close", String::new, libc::SYS_close, &[tmp])?;
+    Ok(())
+}
+
+/// Install the seccomp filter `program` (`struct sock_filter` array) in `x`'s
+/// main thread; threads cloned afterwards inherit it.
+fn install_filter(x: &mut Tracee, scratch: &mut Scratch, program: &[u8]) -> Result<()> {
+    if program.is_empty() || !program.len().is_multiple_of(8) {
+        return Err(RemoteError::Plan(format!(
+            "a seccomp program of {} bytes",
+            program.len()
+        )));
+    }
+    scratch.reset();
+    let filter = scratch.put(x, program)?;
+    let mut fprog = Vec::with_capacity(16);
+    fprog.extend_from_slice(&((program.len() / 8) as u16).to_ne_bytes());
+    fprog.extend_from_slice(&[0u8; 6]);
+    fprog.extend_from_slice(&filter.to_ne_bytes());
+    let fprog = scratch.put(x, &fprog)?;
+    x.syscall(
+        "seccomp(SECCOMP_SET_MODE_FILTER)",
+        || "the box's filter".into(),
+        libc::SYS_seccomp,
+        &[SECCOMP_SET_MODE_FILTER, 0, fprog],
+    )?;
+    Ok(())
+}

@@ -1,0 +1,773 @@
+//! `nestbox checkpoint` and `nestbox restore`: a box written to disk as plain
+//! data, and a running box made from it again, on this host or another.
+//!
+//! A checkpoint is a directory `$LIB/checkpoints/NAME` with
+//! `checkpoint.json` (the box's spec, the kernel and CPU it was taken on, and
+//! every process as a [`nestbox_remote::ProcessImage`]: threads, registers,
+//! signal state, fds, mappings) and one `pages-PID` file per process (records
+//! of 40 bytes: address, u64 LE, then the BLAKE3 digest of the page's
+//! contents). The pages themselves go to the host's page pool
+//! (`$LIB/pages`, [`nestbox_store::PagePool`]): a page already there, from
+//! any checkpoint of any box, is not written again, and zero pages are not
+//! written at all. The box's writable root layers (its overlay upper
+//! directories) are copied as `layer-N` (whiteouts, xattrs, owners and
+//! hardlinks kept), while the box is frozen. The directory is written under a temporary name and renamed when
+//! complete: a checkpoint killed midway is never listed, and `gc` removes
+//! what it left.
+//!
+//! Restore starts a box from the checkpoint's spec, each `layer-N` a
+//! read-only lower layer under the new box's own writable one (so boxes
+//! restored from one checkpoint share its files), whose init waits for its process (as a clone shell's does), makes a stub
+//! process in it with the image's pid (`nestbox_sys::process::spawn_stub`),
+//! and hands it to [`nestbox_remote::restore`], which rebuilds it from the
+//! image: memory from the page pool (every page checked against its digest
+//! before the process runs), threads, fds, credentials, capabilities and the
+//! box's seccomp filter.
+
+use std::collections::{HashMap, HashSet};
+use std::fs;
+use std::os::fd::{AsFd, BorrowedFd};
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use nestbox_remote::{PageStore, ProcessImage, Tracee};
+use nestbox_store::{Digest, PagePool};
+use serde::{Deserialize, Serialize};
+
+use crate::registry::{BoxRecord, Registry};
+use crate::spec::BoxSpec;
+use crate::{Result, RuntimeError};
+
+/// How long the box's freezer may take.
+const FREEZER_TIMEOUT: Duration = Duration::from_secs(5);
+/// Bytes of one record of a `pages-PID` file.
+const PAGE_RECORD: usize = 40;
+
+/// What `nestbox checkpoint` was asked.
+#[derive(Debug, Clone, Default)]
+pub struct CheckpointRequest {
+    /// The checkpoint's name (default: the box's).
+    pub name: Option<String>,
+    /// Leave the box running afterwards (default: it is stopped).
+    pub leave_running: bool,
+}
+
+/// A checkpoint as `checkpoint.json` holds it.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Checkpoint {
+    /// [`nestbox_remote::IMAGE_VERSION`] of the writer.
+    pub version: u32,
+    /// Its name.
+    pub name: String,
+    /// The box it was taken of.
+    pub box_name: String,
+    /// Seconds since the epoch.
+    pub created_at: f64,
+    /// The box's spec.
+    pub spec: BoxSpec,
+    /// Root layers copied (`layer-N`).
+    pub layers: usize,
+    /// The kernel release it was taken on (`uname -r`).
+    pub kernel: String,
+    /// The CPU's feature flags (`/proc/cpuinfo`).
+    pub cpu_flags: Vec<String>,
+    /// Its processes (the first is the box's main process).
+    pub processes: Vec<ProcessImage>,
+    /// What it took.
+    pub stats: CheckpointStats,
+}
+
+/// Figures of one checkpoint.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct CheckpointStats {
+    /// Pages with contents (not zero).
+    pub pages: u64,
+    /// Of those, pages the pool did not have yet (written).
+    pub pages_written: u64,
+    /// Time the box was stopped, in milliseconds.
+    pub frozen_ms: f64,
+    /// Time of the whole checkpoint, in milliseconds.
+    pub total_ms: f64,
+}
+
+/// Where checkpoints live.
+fn checkpoints_dir(reg: &Registry) -> PathBuf {
+    reg.roots().lib.join("checkpoints")
+}
+
+/// The host's page pool.
+fn pool_dir(reg: &Registry) -> PathBuf {
+    reg.roots().lib.join("pages")
+}
+
+fn now() -> f64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs_f64())
+        .unwrap_or(0.0)
+}
+
+fn problem(name: &str, problem: impl Into<String>) -> RuntimeError {
+    RuntimeError::Checkpoint {
+        name: name.to_string(),
+        problem: problem.into(),
+    }
+}
+
+fn kernel_release() -> String {
+    nix::sys::utsname::uname()
+        .map(|u| u.release().to_string_lossy().into_owned())
+        .unwrap_or_default()
+}
+
+fn cpu_flags() -> Vec<String> {
+    fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|text| {
+            text.lines()
+                .find(|l| l.starts_with("flags"))
+                .and_then(|l| l.split_once(':'))
+                .map(|(_, v)| v.split_whitespace().map(str::to_string).collect())
+        })
+        .unwrap_or_default()
+}
+
+/// Checkpoint box `box_name`.
+///
+/// # Errors
+/// A name in use or invalid, a box that is not running, a clone (checkpoint
+/// its template instead), a process the engine cannot save (named); nothing
+/// is left behind and the box continues as it was.
+pub fn checkpoint(reg: &Registry, box_name: &str, req: &CheckpointRequest) -> Result<Checkpoint> {
+    let start = Instant::now();
+    let record = reg.load(box_name)?;
+    let name = req.name.clone().unwrap_or_else(|| box_name.to_string());
+    nestbox_store::validate_name(&name)
+        .map_err(|e| RuntimeError::InvalidInput(format!("checkpoint name: {e}")))?;
+    let dir = checkpoints_dir(reg).join(&name);
+    if dir.exists() {
+        return Err(RuntimeError::CheckpointExists(name));
+    }
+    if record.spec.clone_of.is_some() {
+        return Err(RuntimeError::Unsupported {
+            name: box_name.to_string(),
+            problem: "is a clone: a checkpoint of a clone is not supported yet (checkpoint its template, or a box started with run)".into(),
+        });
+    }
+    let cgroup = record
+        .state
+        .cgroup
+        .clone()
+        .filter(|_| record.state.init.is_some_and(|i| i.alive()))
+        .ok_or_else(|| RuntimeError::NotRunning(box_name.to_string()))?;
+    let template = record.state.template.is_some();
+    fs::create_dir_all(checkpoints_dir(reg))
+        .map_err(RuntimeError::io("create", checkpoints_dir(reg)))?;
+    let tmp = checkpoints_dir(reg).join(format!(".tmp-{name}-{}", std::process::id()));
+    fs::create_dir(&tmp).map_err(RuntimeError::io("create", &tmp))?;
+    // Which box this unfinished checkpoint froze: `gc` thaws it if we die.
+    let marker = tmp.join("box");
+    if let Err(e) = fs::write(&marker, box_name) {
+        let _ = fs::remove_dir_all(&tmp);
+        return Err(RuntimeError::io("write", &marker)(e));
+    }
+    let frozen_at = Instant::now();
+    let result = cgroup
+        .set_frozen(true, FREEZER_TIMEOUT)
+        .map_err(RuntimeError::from)
+        .and_then(|()| save_processes(reg, &record, &cgroup, &tmp, &name))
+        .and_then(|saved| Ok((saved, copy_layers(&record, &tmp)?)));
+    // A template stays frozen; any other box runs again (or is stopped below).
+    let thawed = if template {
+        Ok(())
+    } else {
+        cgroup.set_frozen(false, FREEZER_TIMEOUT)
+    };
+    let frozen_ms = frozen_at.elapsed().as_secs_f64() * 1e3;
+    let finish = result.and_then(|((processes, mut stats), layers)| {
+        thawed?;
+        stats.frozen_ms = frozen_ms;
+        stats.total_ms = start.elapsed().as_secs_f64() * 1e3;
+        let meta = Checkpoint {
+            version: nestbox_remote::IMAGE_VERSION,
+            name: name.clone(),
+            box_name: box_name.to_string(),
+            created_at: now(),
+            spec: record.spec.clone(),
+            layers,
+            kernel: kernel_release(),
+            cpu_flags: cpu_flags(),
+            processes,
+            stats,
+        };
+        serde_json::to_vec(&meta)
+            .map_err(|e| problem(&name, format!("encoding checkpoint.json: {e}")))
+            .and_then(|json| {
+                let path = tmp.join("checkpoint.json");
+                fs::write(&path, json).map_err(RuntimeError::io("write", &path))
+            })
+            .and_then(|()| {
+                fs::rename(&tmp, &dir).map_err(|e| {
+                    if dir.exists() {
+                        RuntimeError::CheckpointExists(name.clone())
+                    } else {
+                        RuntimeError::io("rename", &dir)(e)
+                    }
+                })
+            })
+            .map(|()| meta)
+    });
+    match finish {
+        Ok(meta) => {
+            if !req.leave_running {
+                crate::templates::ops::stop(reg, box_name, Duration::from_secs(0))?;
+            }
+            Ok(meta)
+        }
+        Err(e) => {
+            crate::diag::warn_on_err(
+                Some(box_name),
+                "removing a failed checkpoint's directory",
+                fs::remove_dir_all(&tmp).map_err(RuntimeError::io("remove", &tmp)),
+            );
+            Err(e)
+        }
+    }
+}
+
+/// Stop the box's processes under ptrace (the box is frozen: thawed only to
+/// let the stop requests through), save each, let them go again frozen.
+fn save_processes(
+    reg: &Registry,
+    record: &BoxRecord,
+    cgroup: &nestbox_cgroup::BoxCgroup,
+    dir: &Path,
+    name: &str,
+) -> Result<(Vec<ProcessImage>, CheckpointStats)> {
+    let steps = crate::template::template_tree(record)?;
+    if steps.len() != 1 {
+        return Err(RuntimeError::Unsupported {
+            name: record.name().to_string(),
+            problem: format!(
+                "has {} processes: a checkpoint of a box with more than one process is not supported yet",
+                steps.len()
+            ),
+        });
+    }
+    let pid = steps[0].process.host_pid;
+    if steps[0].process.pid != crate::init::ADOPTED_PID {
+        return Err(RuntimeError::Unsupported {
+            name: record.name().to_string(),
+            problem: format!(
+                "has its process as pid {} in the box: a checkpoint restores a box whose process is pid {} (a box started with run -d, or a template)",
+                steps[0].process.pid,
+                crate::init::ADOPTED_PID
+            ),
+        });
+    }
+    let remote = |e| RuntimeError::Remote {
+        what: "checkpointing box",
+        name: record.name().to_string(),
+        source: e,
+    };
+    let mut tracee = Tracee::seize_and_interrupt(pid).map_err(remote)?;
+    let saved = cgroup
+        .set_frozen(false, FREEZER_TIMEOUT)
+        .map_err(RuntimeError::from)
+        .and_then(|()| {
+            tracee
+                .wait_stopped(Duration::from_secs(5))
+                .map_err(remote)?;
+            save_one(reg, &mut tracee, dir, name).map_err(|e| match e {
+                SaveError::Remote(e) => remote(e),
+                SaveError::Runtime(e) => e,
+            })
+        });
+    let refrozen = cgroup.set_frozen(true, FREEZER_TIMEOUT);
+    let detached = tracee.detach().map_err(remote);
+    let saved = saved?;
+    refrozen?;
+    detached?;
+    Ok(saved)
+}
+
+enum SaveError {
+    Remote(nestbox_remote::RemoteError),
+    Runtime(RuntimeError),
+}
+
+fn save_one(
+    reg: &Registry,
+    tracee: &mut Tracee,
+    dir: &Path,
+    name: &str,
+) -> std::result::Result<(Vec<ProcessImage>, CheckpointStats), SaveError> {
+    let mut pool = PagePool::open(&pool_dir(reg))
+        .map_err(|e| SaveError::Runtime(problem(name, format!("page pool: {e}"))))?;
+    let mut writer = pool
+        .writer()
+        .map_err(|e| SaveError::Runtime(problem(name, format!("page pool: {e}"))))?;
+    let mut records: Vec<u8> = Vec::new();
+    let mut pages = 0u64;
+    let image = nestbox_remote::capture(tracee, &mut |addr, page| {
+        let (digest, _) = writer.put(page).map_err(std::io::Error::other)?;
+        records.extend_from_slice(&addr.to_le_bytes());
+        records.extend_from_slice(&digest.0);
+        pages += 1;
+        Ok(())
+    })
+    .map_err(SaveError::Remote)?;
+    let written = writer.added() as u64;
+    writer
+        .finish()
+        .map_err(|e| SaveError::Runtime(problem(name, format!("page pool: {e}"))))?;
+    let path = dir.join(format!("pages-{}", image.ns_pid));
+    fs::write(&path, &records)
+        .map_err(|e| SaveError::Runtime(RuntimeError::io("write", &path)(e)))?;
+    Ok((
+        vec![image],
+        CheckpointStats {
+            pages,
+            pages_written: written,
+            ..CheckpointStats::default()
+        },
+    ))
+}
+
+/// Copy the box's writable root layers (`upper-N`) into `dir` as `layer-N`
+/// with `cp -a` (see docs/checkpoint.md: one of the documented uses of an
+/// outside program: it keeps overlayfs whiteouts, opaque-directory xattrs,
+/// owners, hardlinks and times). Returns how many.
+fn copy_layers(record: &BoxRecord, dir: &Path) -> Result<usize> {
+    let mut n = 0;
+    loop {
+        let (upper, _) = record.layer_dirs(n);
+        if !upper.is_dir() {
+            return Ok(n);
+        }
+        let target = dir.join(format!("layer-{n}"));
+        let out = std::process::Command::new("cp")
+            .arg("-a")
+            .arg("--")
+            .arg(&upper)
+            .arg(&target)
+            .output()
+            .map_err(RuntimeError::io("running cp -a for", &upper))?;
+        if !out.status.success() {
+            return Err(problem(
+                record.name(),
+                format!(
+                    "copying its root layer {}: cp: {}",
+                    upper.display(),
+                    String::from_utf8_lossy(&out.stderr).trim()
+                ),
+            ));
+        }
+        n += 1;
+    }
+}
+
+/// Load checkpoint `name`, or the checkpoint in directory `name` when it is a
+/// path.
+pub fn load(reg: &Registry, name: &str) -> Result<(Checkpoint, PathBuf)> {
+    let dir = if name.contains('/') {
+        std::path::absolute(name).map_err(RuntimeError::io("resolve", name))?
+    } else {
+        checkpoints_dir(reg).join(name)
+    };
+    let path = dir.join("checkpoint.json");
+    let data = match fs::read(&path) {
+        Ok(d) => d,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            return Err(RuntimeError::NoSuchCheckpoint(name.to_string()))
+        }
+        Err(e) => return Err(RuntimeError::io("read", &path)(e)),
+    };
+    let meta: Checkpoint = serde_json::from_slice(&data)
+        .map_err(|e| problem(name, format!("is corrupt: {}: {e}", path.display())))?;
+    Ok((meta, dir))
+}
+
+/// Every checkpoint, by name.
+pub fn list(reg: &Registry) -> Result<Vec<Checkpoint>> {
+    let dir = checkpoints_dir(reg);
+    let mut out = Vec::new();
+    let entries = match fs::read_dir(&dir) {
+        Ok(e) => e,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(out),
+        Err(e) => return Err(RuntimeError::io("read", &dir)(e)),
+    };
+    for entry in entries.flatten() {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        if name.starts_with('.') {
+            continue;
+        }
+        match load(reg, &name) {
+            Ok((meta, _)) => out.push(meta),
+            Err(e) => tracing::warn!("checkpoint {name}: {e}"),
+        }
+    }
+    out.sort_by(|a, b| a.name.cmp(&b.name));
+    Ok(out)
+}
+
+/// Remove checkpoint `name` (its directory; its pages go at the next `gc`
+/// when no other checkpoint has them). Refused while a box restored from it
+/// runs on its layers.
+pub fn remove(reg: &Registry, name: &str) -> Result<()> {
+    let (_, dir) = load(reg, name)?;
+    let key = dir.display().to_string();
+    let users: Vec<String> = reg
+        .list()?
+        .into_iter()
+        .filter(|r| r.spec.restore_of.as_deref() == Some(key.as_str()))
+        .map(|r| r.name().to_string())
+        .collect();
+    if !users.is_empty() {
+        return Err(problem(
+            name,
+            format!(
+                "is in use by box(es) {}: remove them first",
+                users.join(", ")
+            ),
+        ));
+    }
+    fs::remove_dir_all(&dir).map_err(RuntimeError::io("remove", &dir))
+}
+
+/// What `gc` does for checkpoints: remove directories left by checkpoints
+/// that did not finish, and the page-pool packs no checkpoint refers to.
+/// Returns (directories removed, packs removed, bytes freed).
+pub fn gc(reg: &Registry) -> Result<(u64, u64, u64)> {
+    let dir = checkpoints_dir(reg);
+    let mut dirs = 0;
+    if let Ok(entries) = fs::read_dir(&dir) {
+        for entry in entries.flatten() {
+            let name = entry.file_name().to_string_lossy().into_owned();
+            let Some(rest) = name.strip_prefix(".tmp-") else {
+                continue;
+            };
+            let writer = rest
+                .rsplit_once('-')
+                .and_then(|(_, pid)| pid.parse::<i32>().ok());
+            let alive = writer.is_some_and(|p| Path::new(&format!("/proc/{p}")).exists());
+            if !alive {
+                thaw_left_frozen(reg, &entry.path());
+                fs::remove_dir_all(entry.path())
+                    .map_err(RuntimeError::io("remove", entry.path()))?;
+                dirs += 1;
+            }
+        }
+    }
+    let pool_path = pool_dir(reg);
+    if !pool_path.exists() {
+        return Ok((dirs, 0, 0));
+    }
+    // A checkpoint still being written refers to pages no finished one
+    // lists yet: the pool is collected another time.
+    let writing = fs::read_dir(&dir).is_ok_and(|entries| {
+        entries
+            .flatten()
+            .any(|e| e.file_name().to_string_lossy().starts_with(".tmp-"))
+    });
+    if writing {
+        return Ok((dirs, 0, 0));
+    }
+    let mut referenced = HashSet::new();
+    let names: Vec<String> = list(reg)?.into_iter().map(|c| c.name).collect();
+    for name in &names {
+        let d = dir.join(name);
+        for entry in fs::read_dir(&d)
+            .map_err(RuntimeError::io("read", &d))?
+            .flatten()
+        {
+            if entry.file_name().to_string_lossy().starts_with("pages-") {
+                for (_, digest) in read_page_records(&entry.path())? {
+                    referenced.insert(digest);
+                }
+            }
+        }
+    }
+    let mut pool =
+        PagePool::open(&pool_path).map_err(|e| problem("gc", format!("page pool: {e}")))?;
+    let (packs, bytes) = pool
+        .gc(&referenced)
+        .map_err(|e| problem("gc", format!("page pool: {e}")))?;
+    Ok((dirs, packs, bytes))
+}
+
+/// A checkpoint that died (kill -9) while its box was frozen left it frozen:
+/// thaw the box again unless it is a template (frozen by design).
+fn thaw_left_frozen(reg: &Registry, unfinished: &Path) {
+    let Ok(box_name) = fs::read_to_string(unfinished.join("box")) else {
+        return;
+    };
+    let Ok(record) = reg.load(box_name.trim()) else {
+        return;
+    };
+    if record.state.template.is_some() {
+        return;
+    }
+    if let Some(cgroup) = &record.state.cgroup {
+        let thawed = cgroup
+            .set_frozen(false, FREEZER_TIMEOUT)
+            .map_err(RuntimeError::from);
+        crate::diag::warn_on_err(
+            Some(record.name()),
+            "thawing a box an unfinished checkpoint left frozen",
+            thawed,
+        );
+    }
+}
+
+/// What the page pool holds (for `store df`).
+pub fn pool_usage(reg: &Registry) -> Result<nestbox_store::PoolUsage> {
+    let path = pool_dir(reg);
+    if !path.exists() {
+        return Ok(nestbox_store::PoolUsage::default());
+    }
+    PagePool::open(&path)
+        .and_then(|p| p.usage())
+        .map_err(|e| problem("page pool", e.to_string()))
+}
+
+fn read_page_records(path: &Path) -> Result<Vec<(u64, Digest)>> {
+    let data = fs::read(path).map_err(RuntimeError::io("read", path))?;
+    if data.len() % PAGE_RECORD != 0 {
+        return Err(RuntimeError::Checkpoint {
+            name: path.display().to_string(),
+            problem: format!(
+                "is truncated ({} bytes, not a whole number of {PAGE_RECORD}-byte records)",
+                data.len()
+            ),
+        });
+    }
+    Ok(data
+        .chunks_exact(PAGE_RECORD)
+        .map(|r| {
+            let addr = u64::from_le_bytes(r[..8].try_into().unwrap_or_default());
+            let mut d = [0u8; 32];
+            d.copy_from_slice(&r[8..]);
+            (addr, Digest(d))
+        })
+        .collect())
+}
+
+/// A restored process's pages: its records, read from the pool.
+struct ProcessPages<'a> {
+    pages: HashMap<u64, Digest>,
+    pool: &'a PagePool,
+}
+
+impl PageStore for ProcessPages<'_> {
+    fn has(&self, addr: u64) -> bool {
+        self.pages.contains_key(&addr)
+    }
+
+    fn read_page(&self, addr: u64, buf: &mut [u8]) -> std::io::Result<()> {
+        let digest = self.pages.get(&addr).ok_or_else(|| {
+            std::io::Error::new(std::io::ErrorKind::NotFound, "no such page in the image")
+        })?;
+        self.pool.read(digest, buf)
+    }
+}
+
+/// One restored box.
+#[derive(Debug, Clone, Serialize)]
+pub struct Restored {
+    /// Its name.
+    pub name: String,
+    /// Host pid of its main process.
+    pub pid: i32,
+    /// Milliseconds from the call to the process running.
+    pub restore_ms: f64,
+}
+
+/// Restore checkpoint `source` (a name, or a directory) as box `name`
+/// (default: the checkpoint's box name).
+///
+/// # Errors
+/// An unknown, corrupt or incompatible checkpoint, a name in use, a port
+/// taken, a page whose contents do not match its digest: one line, and
+/// nothing of the new box is left.
+pub fn restore(reg: &Registry, source: &str, name: Option<&str>) -> Result<Restored> {
+    let start = Instant::now();
+    let (meta, dir) = load(reg, source)?;
+    if meta.version != nestbox_remote::IMAGE_VERSION {
+        return Err(problem(
+            source,
+            format!(
+                "was written by image version {}; this nestbox reads version {}",
+                meta.version,
+                nestbox_remote::IMAGE_VERSION
+            ),
+        ));
+    }
+    let kernel = kernel_release();
+    if meta.kernel != kernel {
+        return Err(problem(
+            source,
+            format!(
+                "was taken on kernel {} and this host runs {kernel}",
+                meta.kernel
+            ),
+        ));
+    }
+    let flags: HashSet<String> = cpu_flags().into_iter().collect();
+    let missing: Vec<&String> = meta
+        .cpu_flags
+        .iter()
+        .filter(|f| !flags.contains(*f))
+        .collect();
+    if !missing.is_empty() {
+        return Err(problem(
+            source,
+            format!(
+                "needs CPU features this host lacks: {}",
+                missing
+                    .iter()
+                    .map(|s| s.as_str())
+                    .collect::<Vec<_>>()
+                    .join(" ")
+            ),
+        ));
+    }
+    let name = name.unwrap_or(&meta.box_name).to_string();
+    crate::clone::check_new_name(reg, &name)?;
+    let mut pages = Vec::with_capacity(meta.processes.len());
+    for p in &meta.processes {
+        let records = read_page_records(&dir.join(format!("pages-{}", p.ns_pid)))?;
+        pages.push(records.into_iter().collect::<HashMap<u64, Digest>>());
+    }
+    let pool =
+        PagePool::open(&pool_dir(reg)).map_err(|e| problem(source, format!("page pool: {e}")))?;
+    for (digest, addr) in pages.iter().flat_map(|m| m.iter().map(|(a, d)| (d, a))) {
+        if !pool.contains(digest) {
+            return Err(problem(
+                source,
+                format!(
+                    "is incomplete: page {addr:#x} ({}) is not in the page pool",
+                    digest.short()
+                ),
+            ));
+        }
+    }
+    let mut spec = meta.spec.clone();
+    spec.name = name.clone();
+    spec.interactive = false;
+    spec.remove_on_exit = false;
+    spec.clone_of = None;
+    spec.restore_of = Some(dir.display().to_string());
+    let started = crate::lifecycle::ops::run_detached(reg, &spec);
+    let result = started.and_then(|()| {
+        let image = &meta.processes[0];
+        let shell = reg.load(&name)?;
+        let pid = restore_into(&shell, image, &pages[0], &pool)?;
+        Ok(Restored {
+            name: name.clone(),
+            pid,
+            restore_ms: start.elapsed().as_secs_f64() * 1e3,
+        })
+    });
+    if result.is_err() && reg.load(&name).is_ok() {
+        let removed = crate::templates::ops::remove(reg, &name, true);
+        crate::diag::warn_on_err(Some(&name), "removing a failed restore's box", removed);
+    }
+    result
+}
+
+/// Make the image's process in the started box `shell`.
+fn restore_into(
+    shell: &BoxRecord,
+    image: &ProcessImage,
+    pages: &HashMap<u64, Digest>,
+    pool: &PagePool,
+) -> Result<i32> {
+    let name = shell.name();
+    let init = shell
+        .state
+        .init
+        .ok_or_else(|| RuntimeError::NotRunning(name.to_string()))?;
+    let mut namespaces = Vec::new();
+    for kind in nestbox_remote::NsKind::SHELL {
+        let path = format!("/proc/{}/ns/{}", init.pid, kind.proc_name());
+        let ours = format!("/proc/self/ns/{}", kind.proc_name());
+        let same = match (fs::metadata(&path), fs::metadata(&ours)) {
+            (Ok(a), Ok(b)) => {
+                use std::os::unix::fs::MetadataExt;
+                a.ino() == b.ino() && a.dev() == b.dev()
+            }
+            _ => false,
+        };
+        if same {
+            continue;
+        }
+        let f = fs::File::open(&path).map_err(RuntimeError::io("open", &path))?;
+        namespaces.push((kind.clone_flag(), f));
+    }
+    let cgroup_files = shell
+        .state
+        .cgroup
+        .as_ref()
+        .map(|c| c.self_join_files())
+        .unwrap_or_default()
+        .into_iter()
+        .map(|p| {
+            fs::OpenOptions::new()
+                .write(true)
+                .open(&p)
+                .map_err(RuntimeError::io("open", &p))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let ns: Vec<(libc::c_int, BorrowedFd<'_>)> =
+        namespaces.iter().map(|(k, f)| (*k, f.as_fd())).collect();
+    let cg: Vec<BorrowedFd<'_>> = cgroup_files.iter().map(|f| f.as_fd()).collect();
+    // The helper's pid: above every pid the image's threads take.
+    let helper = image.tids().max().unwrap_or(image.ns_pid) + 1;
+    // SAFETY: the child forked there runs raw syscalls only and exits; we are
+    // root, and the new box's pid namespace holds only its init, so the
+    // image's pid and the helper's are free.
+    let stub = unsafe { nestbox_sys::process::spawn_stub(&ns, &cg, image.ns_pid, helper) }
+        .map_err(RuntimeError::sys(
+            "spawning the restore stub (setns, clone3)",
+        ))?;
+    let stdio = crate::clone::shell_stdio(init.pid)?;
+    let cookie = shell.state.setns_cookie.unwrap_or_default();
+    let seccomp = crate::monitor::seccomp_program(&shell.spec, Some(cookie))?.map(|p| {
+        p.instructions()
+            .iter()
+            .flat_map(|i| {
+                let mut b = Vec::with_capacity(8);
+                b.extend_from_slice(&i.code.to_ne_bytes());
+                b.push(i.jt);
+                b.push(i.jf);
+                b.extend_from_slice(&i.k.to_ne_bytes());
+                b
+            })
+            .collect::<Vec<u8>>()
+    });
+    let plan = nestbox_remote::RestorePlan {
+        stdio: [stdio[0].as_fd(), stdio[1].as_fd(), stdio[2].as_fd()],
+        setns_cookie: cookie,
+        seccomp,
+    };
+    let store = ProcessPages {
+        pages: pages.clone(),
+        pool,
+    };
+    let restored = nestbox_remote::restore(stub, image, &store, &plan);
+    let pid = restored.map_err(|e| {
+        // The stub is killed with its tracer's handle; make sure.
+        let _ = nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(stub),
+            nix::sys::signal::Signal::SIGKILL,
+        );
+        RuntimeError::Remote {
+            what: "restoring box",
+            name: name.to_string(),
+            source: e,
+        }
+    })?;
+    drop(cgroup_files);
+    Ok(pid)
+}
