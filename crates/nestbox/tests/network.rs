@@ -962,3 +962,189 @@ fn isolated_policy_keeps_boxes_apart() {
         "policy open"
     );
 }
+
+/// `network inspect NAME` of a user-defined network.
+fn network_named(root: &TestRoot, name: &str) -> Value {
+    serde_json::from_str(&root.ok(&["network", "inspect", name])).unwrap()
+}
+
+/// What `ask` prints: a connection from box `from` (`exec`) to `to:port`,
+/// the server's greeting or "" when refused or dropped.
+fn ask_from(root: &TestRoot, from: &str, to: &str, port: u16) -> String {
+    root.run(&[
+        "exec",
+        from,
+        "--",
+        "python3",
+        "-c",
+        CLIENT,
+        to,
+        &port.to_string(),
+    ])
+    .stdout
+    .trim()
+    .to_string()
+}
+
+/// Whether the host has a link or an nft table of `bridge`.
+fn bridge_things(bridge: &str) -> Vec<String> {
+    let mut left = Vec::new();
+    for link in [bridge.to_string(), format!("{bridge}ifb")] {
+        if std::path::Path::new("/sys/class/net").join(&link).exists() {
+            left.push(format!("link {link}"));
+        }
+    }
+    for family in ["ip", "inet"] {
+        let ok = std::process::Command::new("nft")
+            .args(["list", "table", family, &format!("nestbox-{bridge}")])
+            .output()
+            .is_ok_and(|o| o.status.success());
+        if ok {
+            left.push(format!("nft table {family} nestbox-{bridge}"));
+        }
+    }
+    left
+}
+
+/// User-defined networks: each its own bridge, subnet and tables; boxes on
+/// different networks (and on the default one) cannot reach each other, boxes
+/// of one open network can; on an isolated one a box reaches another only
+/// through a published port on the gateway. `network rm` is refused while a
+/// box is on the network and leaves nothing; bad input gets one line and
+/// makes nothing.
+#[test]
+fn user_defined_networks_keep_their_boxes_apart_and_leave_nothing() {
+    let Some(root) =
+        TestRoot::new("user_defined_networks_keep_their_boxes_apart_and_leave_nothing")
+    else {
+        return;
+    };
+    let made = root.ok(&["network", "create", "red"]);
+    assert!(made.contains("network red bridge nbu"), "{made}");
+    root.ok(&["network", "create", "blue"]);
+    root.ok(&["network", "create", "jail", "--isolated"]);
+    let red = network_named(&root, "red");
+    let blue = network_named(&root, "blue");
+    let jail = network_named(&root, "jail");
+    let bridges: Vec<String> = [&red, &blue, &jail]
+        .iter()
+        .map(|n| n["bridge"].as_str().unwrap().to_string())
+        .collect();
+    // Each its own bridge and tables, made at once.
+    for b in &bridges {
+        assert_eq!(bridge_things(b).len(), 4, "{b}: {:?}", bridge_things(b));
+    }
+    assert_ne!(red["subnet"], blue["subnet"]);
+    assert_eq!(jail["policy"]["box_to_box"], "isolated", "{jail}");
+    assert_eq!(red["policy"]["box_to_box"], "open", "{red}");
+
+    server(&root, "r1", &["--network", "red"], 7020);
+    server(&root, "r2", &["--network", "red"], 7021);
+    server(&root, "b1", &["--network", "blue"], 7022);
+    server(&root, "d1", &[], 7023);
+    let r1 = address(&root, "r1");
+    let b1 = address(&root, "b1");
+    let d1 = address(&root, "d1");
+    let red_subnet: nestbox_net::Subnet = red["subnet"].as_str().unwrap().parse().unwrap();
+    assert!(
+        red_subnet.contains(r1.parse().unwrap()),
+        "{r1} in {red_subnet}"
+    );
+    // One open network: boxes reach each other, by address and by name.
+    assert_eq!(ask_from(&root, "r2", &r1, 7020), "hello from r1");
+    assert_eq!(ask_from(&root, "r2", "r1", 7020), "hello from r1");
+    // Across networks, either way, and to and from the default network: nothing.
+    assert_eq!(ask_from(&root, "b1", &r1, 7020), "", "blue reached red");
+    assert_eq!(ask_from(&root, "r1", &b1, 7022), "", "red reached blue");
+    assert_eq!(ask_from(&root, "d1", &r1, 7020), "", "default reached red");
+    assert_eq!(ask_from(&root, "r1", &d1, 7023), "", "red reached default");
+    // The host reaches every box.
+    assert_eq!(host_connect(&b1, 7022), "hello from b1");
+
+    // Isolated: only the gateway, and what is published there.
+    let port = 38000 + (std::process::id() % 2000) as u16;
+    let publish = format!("{port}:7024");
+    server(&root, "j1", &["--network", "jail", "-p", &publish], 7024);
+    server(&root, "j2", &["--network", "jail"], 7025);
+    let j1 = address(&root, "j1");
+    let gateway = jail["gateway"].as_str().unwrap().to_string();
+    assert_eq!(
+        ask_from(&root, "j2", &j1, 7024),
+        "",
+        "j2 reached j1 directly"
+    );
+    assert_eq!(ask_from(&root, "j2", &gateway, port), "hello from j1");
+
+    // `ls` lists them with their box counts.
+    let ls: Value = serde_json::from_str(&root.ok(&["network", "ls", "--json"])).unwrap();
+    let boxes = |name: &str| {
+        ls.as_array()
+            .unwrap()
+            .iter()
+            .find(|n| n["name"] == name)
+            .map(|n| n["boxes"].clone())
+    };
+    assert_eq!(boxes("red"), Some(serde_json::json!(2)), "{ls}");
+    assert_eq!(boxes("jail"), Some(serde_json::json!(2)), "{ls}");
+
+    // Bad input: one line, nothing made.
+    let red_subnet_text = red_subnet.to_string();
+    for (args, fragment) in [
+        (vec!["network", "create", "red"], "already exists"),
+        (
+            vec!["network", "create", "green", "--subnet", "10.1.2.0/33"],
+            "invalid subnet",
+        ),
+        (
+            vec!["network", "create", "green", "--subnet", &red_subnet_text],
+            "overlaps network \"red\"",
+        ),
+        (vec!["network", "create", "bridge"], "reserved"),
+        (vec!["network", "create", "a/b"], "invalid network name"),
+        (
+            vec!["network", "create", "green", "--egress", "10.0.0.0/40"],
+            "invalid egress policy",
+        ),
+        (
+            vec![
+                "network",
+                "create",
+                "green",
+                "--egress",
+                "nothing-here.invalid",
+            ],
+            "does not resolve",
+        ),
+        (
+            vec!["run", "--rm", "--network", "nope", "--", "true"],
+            "no network named \"nope\"",
+        ),
+        (vec!["network", "rm", "nope"], "no network named \"nope\""),
+        (vec!["network", "rm", "red"], "still has 2 box(es)"),
+    ] {
+        assert_error(&root.run(&args), 125, fragment);
+    }
+    let ls2: Value = serde_json::from_str(&root.ok(&["network", "ls", "--json"])).unwrap();
+    let names: Vec<&str> = ls2
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|n| n["name"].as_str())
+        .collect();
+    assert_eq!(names, ["blue", "default", "jail", "red"], "{ls2}");
+    assert!(!root.ok(&["ps", "-a"]).contains("nope"));
+
+    // rm: nothing of the network is left.
+    root.ok(&["rm", "-f", "r1", "r2", "b1", "d1", "j1", "j2"]);
+    for name in ["red", "blue", "jail"] {
+        assert!(root.path().join("lib/network").join(name).exists());
+        root.ok(&["network", "rm", name]);
+        assert!(
+            !root.path().join("lib/network").join(name).exists(),
+            "state of {name} left"
+        );
+    }
+    for b in &bridges {
+        assert_eq!(bridge_things(b), Vec::<String>::new(), "{b} left things");
+    }
+}
