@@ -1148,3 +1148,222 @@ fn user_defined_networks_keep_their_boxes_apart_and_leave_nothing() {
         assert_eq!(bridge_things(b), Vec::<String>::new(), "{b} left things");
     }
 }
+
+/// A host beyond the network: a namespace joined to the host by a veth pair
+/// (`nbo...`, 10.233.N.0/30), routed through the host like the internet, with
+/// servers answering "hello from far" on the ports asked for.
+struct Far {
+    ns: String,
+    link: String,
+    far: String,
+    servers: Vec<std::process::Child>,
+}
+
+fn sh_ok(cmd: &str) {
+    let out = std::process::Command::new("sh")
+        .args(["-ec", cmd])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{cmd}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+impl Far {
+    fn new(n: u8, ports: &[u16]) -> Far {
+        let pid = std::process::id() % 10000;
+        let ns = format!("nbtest{n}x{pid}");
+        let link = format!("nbo{n}x{pid}");
+        let _ = std::process::Command::new("ip")
+            .args(["netns", "del", &ns])
+            .output();
+        sh_ok(&format!(
+            "ip netns add {ns}; ip link add {link} type veth peer name eth0 netns {ns}; \
+             ip addr add 10.233.{n}.1/30 dev {link}; ip link set {link} up; \
+             echo 1 > /proc/sys/net/ipv4/conf/{link}/forwarding; \
+             ip -n {ns} addr add 10.233.{n}.2/30 dev eth0; ip -n {ns} link set eth0 up; \
+             ip -n {ns} link set lo up"
+        ));
+        let mut far = Far {
+            ns,
+            link,
+            far: format!("10.233.{n}.2"),
+            servers: Vec::new(),
+        };
+        for port in ports {
+            let code = format!(
+                "import socket\ns = socket.socket()\ns.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)\n\
+                 s.bind(('0.0.0.0', {port}))\ns.listen(16)\n\
+                 while True:\n    c, _ = s.accept()\n    c.sendall(b'hello from far')\n    c.close()\n"
+            );
+            far.servers.push(
+                std::process::Command::new("ip")
+                    .args(["netns", "exec", &far.ns, "python3", "-c", &code])
+                    .spawn()
+                    .unwrap(),
+            );
+        }
+        let far_addr = far.far.clone();
+        for port in ports {
+            let ns = far.ns.clone();
+            wait_for("the far server to listen", Duration::from_secs(10), || {
+                std::process::Command::new("ip")
+                    .args(["netns", "exec", &ns, "python3", "-c", CLIENT, &far_addr])
+                    .arg(port.to_string())
+                    .output()
+                    .is_ok_and(|o| String::from_utf8_lossy(&o.stdout).contains("hello"))
+            });
+        }
+        far
+    }
+}
+
+impl Drop for Far {
+    fn drop(&mut self) {
+        for s in &mut self.servers {
+            let _ = s.kill();
+            let _ = s.wait();
+        }
+        let _ = std::process::Command::new("ip")
+            .args(["netns", "del", &self.ns])
+            .output();
+        let _ = std::process::Command::new("ip")
+            .args(["link", "del", &self.link])
+            .output();
+    }
+}
+
+/// A line `ADDRESS NAME` in the host's /etc/hosts for as long as it lives
+/// (rewritten in place: /etc/hosts may be a bind mount).
+struct HostsEntry {
+    name: String,
+}
+
+impl HostsEntry {
+    fn set(name: &str, addr: &str) -> HostsEntry {
+        let e = HostsEntry {
+            name: name.to_string(),
+        };
+        let mut text = e.without();
+        text.push_str(&format!("{addr} {name}\n"));
+        std::fs::write("/etc/hosts", text).unwrap();
+        e
+    }
+
+    /// /etc/hosts without this entry's line.
+    fn without(&self) -> String {
+        let text = std::fs::read_to_string("/etc/hosts").unwrap();
+        let mut out: String = text
+            .lines()
+            .filter(|l| l.split_whitespace().nth(1) != Some(self.name.as_str()))
+            .map(|l| format!("{l}\n"))
+            .collect();
+        if out.is_empty() {
+            out = "127.0.0.1 localhost\n".into();
+        }
+        out
+    }
+}
+
+impl Drop for HostsEntry {
+    fn drop(&mut self) {
+        let _ = std::fs::write("/etc/hosts", self.without());
+    }
+}
+
+/// Egress policies given on the command line, of a network (`network create
+/// --egress`) and of a box (`run --egress`), with a host name the test puts
+/// in /etc/hosts: a real connection from a box to a listed host and port is
+/// admitted, to another port refused; a box's own policy and its network's
+/// both apply; decisions are in the kernel log; `inspect` shows the policy
+/// and what the name resolved to; after the name moves, `network refresh`
+/// follows it.
+#[test]
+fn egress_allow_lists_with_host_names_admit_only_what_they_list() {
+    let Some(root) = TestRoot::new("egress_allow_lists_with_host_names_admit_only_what_they_list")
+    else {
+        return;
+    };
+    let far = Far::new(7, &[9000, 9001]);
+    let pid = std::process::id();
+    let host = format!("far-{pid}.egress.test");
+    let entry = HostsEntry::set(&host, &far.far);
+    let net = format!("eg{pid}");
+    let policy = format!("{host}:9000,192.0.2.0/24");
+    root.ok(&["network", "create", &net, "--egress", &policy]);
+    let inspect = network_named(&root, &net);
+    assert_eq!(inspect["policy"]["egress"], policy.as_str(), "{inspect}");
+    assert_eq!(
+        inspect["egress_names"]["names"][&host],
+        serde_json::json!([far.far]),
+        "{inspect}"
+    );
+    let sleeper = |name: &str, opts: &[&str]| {
+        let mut args = vec!["run", "-d", "--name", name];
+        args.extend_from_slice(opts);
+        args.extend_from_slice(&["--", "sleep", "1000"]);
+        root.ok(&args);
+    };
+    sleeper("on-net", &["--network", &net]);
+    let far_any = far.far.clone();
+    sleeper("both", &["--network", &net, "--egress", &far_any]);
+    let own = format!("{host}:9001");
+    sleeper("own", &["--egress", &own]);
+    sleeper("open", &[]);
+    let hello = "hello from far";
+    // The network's list: the name's port only.
+    assert_eq!(ask_from(&root, "on-net", &far.far, 9000), hello);
+    assert_eq!(ask_from(&root, "on-net", &far.far, 9001), "");
+    // Box and network: the box admits any port of far, the network only 9000.
+    assert_eq!(ask_from(&root, "both", &far.far, 9000), hello);
+    assert_eq!(ask_from(&root, "both", &far.far, 9001), "");
+    // A box's own list with the name, on the default network.
+    assert_eq!(ask_from(&root, "own", &far.far, 9001), hello);
+    assert_eq!(ask_from(&root, "own", &far.far, 9000), "");
+    // No policy: both.
+    assert_eq!(ask_from(&root, "open", &far.far, 9000), hello);
+    assert_eq!(ask_from(&root, "open", &far.far, 9001), hello);
+    let own_id = inspect_id(&root, "own");
+    let log =
+        String::from_utf8_lossy(&std::process::Command::new("dmesg").output().unwrap().stdout)
+            .to_string();
+    for line in [
+        format!("nestbox-egress allow network={net} "),
+        format!("nestbox-egress deny network={net} "),
+        format!("nestbox-egress allow box={own_id} "),
+        format!("nestbox-egress deny box={own_id} "),
+    ] {
+        assert!(log.contains(&line), "no {line:?} in the kernel log");
+    }
+    // The name moves away: refresh follows it, and the network's list no
+    // longer admits far; back again, it does.
+    drop(entry);
+    let entry = HostsEntry::set(&host, "10.233.7.3");
+    let out = root.ok(&["network", "refresh", &net]);
+    assert!(out.contains("10.233.7.3"), "{out}");
+    assert_eq!(ask_from(&root, "on-net", &far.far, 9000), "");
+    assert_eq!(
+        network_named(&root, &net)["egress_names"]["names"][&host],
+        serde_json::json!(["10.233.7.3"])
+    );
+    drop(entry);
+    let _entry = HostsEntry::set(&host, &far.far);
+    root.ok(&["network", "refresh"]);
+    assert_eq!(ask_from(&root, "on-net", &far.far, 9000), hello);
+    root.ok(&["rm", "-f", "on-net", "both", "own", "open"]);
+    let bridge = inspect["bridge"].as_str().unwrap().to_string();
+    root.ok(&["network", "rm", &net]);
+    assert_eq!(bridge_things(&bridge), Vec::<String>::new());
+}
+
+/// The id of box `name`.
+fn inspect_id(root: &TestRoot, name: &str) -> String {
+    let v = inspect(root, name);
+    v["id"]
+        .as_str()
+        .or_else(|| v["state"]["id"].as_str())
+        .unwrap()
+        .to_string()
+}
