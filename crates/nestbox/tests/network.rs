@@ -1367,3 +1367,67 @@ fn inspect_id(root: &TestRoot, name: &str) -> String {
         .unwrap()
         .to_string()
 }
+
+/// Clones for a sandbox service: a template started on an isolated network
+/// passes the network to its clones, which then cannot reach each other (nor
+/// the template) directly, while the host reaches each; `clone --network
+/// NAME` puts a clone on another network instead (its address from that
+/// network's subnet).
+#[test]
+fn clones_of_a_template_on_an_isolated_network_cannot_reach_each_other() {
+    let Some(root) =
+        TestRoot::new("clones_of_a_template_on_an_isolated_network_cannot_reach_each_other")
+    else {
+        return;
+    };
+    root.ok(&["network", "create", "tenants", "--isolated"]);
+    root.ok(&["network", "create", "other"]);
+    server(&root, "t", &["--network", "tenants"], 7030);
+    root.ok(&["freeze", "t"]);
+    root.ok(&["clone", "t", "-d", "--name", "c1"]);
+    root.ok(&["clone", "t", "-d", "--name", "c2"]);
+    root.ok(&["clone", "t", "-d", "--name", "c3", "--network", "other"]);
+    let tenants = network_named(&root, "tenants");
+    let other = network_named(&root, "other");
+    let subnet =
+        |n: &Value| -> nestbox_net::Subnet { n["subnet"].as_str().unwrap().parse().unwrap() };
+    let (c1, c2, c3) = (
+        address(&root, "c1"),
+        address(&root, "c2"),
+        address(&root, "c3"),
+    );
+    for a in [&c1, &c2] {
+        assert!(
+            subnet(&tenants).contains(a.parse().unwrap()),
+            "{a} not in tenants"
+        );
+    }
+    assert!(
+        subnet(&other).contains(c3.parse().unwrap()),
+        "{c3} not in other"
+    );
+    // Each clone serves (the template's listening socket, re-created).
+    wait_for("the clones to serve", Duration::from_secs(20), || {
+        host_connect(&c1, 7030) == "hello from t" && host_connect(&c2, 7030) == "hello from t"
+    });
+    assert_eq!(host_connect(&c3, 7030), "hello from t");
+    // But never to each other.
+    assert_eq!(ask_from(&root, "c1", &c2, 7030), "", "c1 reached c2");
+    assert_eq!(ask_from(&root, "c2", &c1, 7030), "", "c2 reached c1");
+    assert_eq!(
+        ask_from(&root, "c1", &c3, 7030),
+        "",
+        "c1 reached c3 on another network"
+    );
+    assert_eq!(
+        ask_from(&root, "c3", &c1, 7030),
+        "",
+        "c3 reached c1 on another network"
+    );
+    let show = root.ok(&["network", "inspect", "c1"]);
+    assert!(show.contains("\"network\": \"tenants\""), "{show}");
+    root.ok(&["rm", "-f", "c1", "c2", "c3"]);
+    root.ok(&["template", "rm", "t"]);
+    root.ok(&["network", "rm", "tenants"]);
+    root.ok(&["network", "rm", "other"]);
+}
