@@ -1117,7 +1117,7 @@ fn user_defined_networks_keep_their_boxes_apart_and_leave_nothing() {
         ),
         (
             vec!["run", "--rm", "--network", "nope", "--", "true"],
-            "no network named \"nope\"",
+            "unknown --network \"nope\": no network of that name",
         ),
         (vec!["network", "rm", "nope"], "no network named \"nope\""),
         (vec!["network", "rm", "red"], "still has 2 box(es)"),

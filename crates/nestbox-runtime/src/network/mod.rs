@@ -100,8 +100,11 @@ pub fn open_named(roots: &Roots, name: Option<&str>) -> Result<Network> {
     match name {
         None | Some(nestbox_net::config::DEFAULT_NETWORK) | Some("bridge") => open(roots),
         Some(n) => {
-            let config = NetworkConfig::load(&state_dir(roots).join(n))?
-                .ok_or_else(|| NetError::UnknownNetwork(n.to_string()))?;
+            let config = NetworkConfig::load(&state_dir(roots).join(n))?.ok_or_else(|| {
+                crate::RuntimeError::InvalidInput(format!(
+                    "unknown --network {n:?}: no network of that name (make it with nestbox network create)"
+                ))
+            })?;
             Ok(Network::open(config)?)
         }
     }
