@@ -296,3 +296,52 @@ fn run(script: &str, what: &str) -> Result<()> {
         message: line,
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ruleset(network: Option<&str>) -> String {
+        Ruleset {
+            bridge: "nbu0",
+            subnet: Subnet::parse("10.64.0.0/24").unwrap(),
+            published: Vec::new(),
+            host_allowed: Vec::new(),
+            egress: vec![(
+                "box-a".into(),
+                Ipv4Addr::new(10, 64, 0, 2),
+                Egress::parse("192.0.2.0/24").unwrap(),
+            )],
+            network_egress: network.map(|p| ("net".into(), Egress::parse(p).unwrap())),
+        }
+        .script()
+    }
+
+    #[test]
+    fn a_networks_policy_follows_its_boxes_own() {
+        // Without one, a box's list accepts and logs with the box's id.
+        let alone = ruleset(None);
+        assert!(alone.contains("ip daddr 192.0.2.0/24 accept"), "{alone}");
+        assert!(!alone.contains("egress_network"), "{alone}");
+        // With one, what the box's list admits goes on to the network's chain,
+        // which every new connection leaving the bridge passes.
+        let both = ruleset(Some("198.51.100.7:443"));
+        assert!(
+            both.contains("ip daddr 192.0.2.0/24 goto egress_network"),
+            "{both}"
+        );
+        assert!(!both.contains("ip daddr 192.0.2.0/24 accept"), "{both}");
+        assert!(both.contains("ct state new jump egress_network"), "{both}");
+        assert!(
+            both.contains("ip daddr 198.51.100.7/32 meta l4proto { tcp, udp } th dport 443 accept"),
+            "{both}"
+        );
+        assert!(both.contains("nestbox-egress deny network=net "), "{both}");
+        // Deny-all: the chain refuses everything.
+        let deny = ruleset(Some("deny-all"));
+        let chain = deny.split("chain egress_network").nth(1).unwrap();
+        let chain = &chain[..chain.find("  }").unwrap()];
+        assert!(!chain.contains("accept"), "{chain}");
+        assert!(chain.contains("reject"), "{chain}");
+    }
+}
