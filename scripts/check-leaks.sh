@@ -12,13 +12,14 @@ while read -r cg; do left+=("cgroup $cg"); done < <(find /sys/fs/cgroup -mindept
 procs() { ps -eo pid=,stat=,comm=,args= | awk '$3 ~ /nestbox/ && $0 !~ /check-leaks/ {print $1" "$2" "$4}'; }
 for _ in $(seq 30); do [ -z "$(procs)" ] && break; sleep 0.5; done
 while read -r p; do left+=("process $p"); done < <(procs)
-# Links: box veths (nbv*), test-root bridges and IFB devices (nb<8 hex>[ifb]), the
+# Links: box veths (nbv*), test-root bridges and IFB devices (nb<8 hex>[ifb]),
+# user-defined networks' (nbu<8 hex>[ifb]: tests make them in their own roots only), the
 # network crate's own test links (nbt*, nbo*). The machine-wide network (nbx0) is
 # persistent by design, like docker0, and not counted.
 # (grep -E, not awk: Debian's mawk has no {n} repetition.)
-while read -r l; do left+=("link $l"); done < <(ip -o link show 2>/dev/null | awk -F': ' '{sub(/@.*/, "", $2); print $2}' | grep -Ei '^(nestbox|nbv|nbt|nbo)|nestbox|^nb[0-9a-f]{8}(ifb)?$')
+while read -r l; do left+=("link $l"); done < <(ip -o link show 2>/dev/null | awk -F': ' '{sub(/@.*/, "", $2); print $2}' | grep -Ei '^(nestbox|nbv|nbt|nbo)|nestbox|^nbu?[0-9a-f]{8}(ifb)?$')
 if command -v nft >/dev/null; then
-  while read -r t; do left+=("nft table $t"); done < <(nft list tables 2>/dev/null | awk '{print $2" "$3}' | grep -E ' nestbox-nb([0-9a-f]{8}|t)')
+  while read -r t; do left+=("nft table $t"); done < <(nft list tables 2>/dev/null | awk '{print $2" "$3}' | grep -E ' nestbox-nb(u?[0-9a-f]{8}|t)')
 fi
 for d in /tmp/nestbox-net-test-*; do [ -e "$d" ] && left+=("network test dir $d"); done
 for d in /run/nestbox/boxes /var/lib/nestbox/boxes; do

@@ -3,8 +3,10 @@
 //!
 //! ```text
 //! netbench latency STATE_DIR BRIDGE SUBNET N      attach latency, JSON on stdout
-//! netbench attach STATE_DIR BRIDGE SUBNET ID PID  attach /proc/PID/ns/net, print the address
-//!                                                 (the box may reach iperf3's port 5201 on the host)
+//! netbench attach STATE_DIR BRIDGE SUBNET ID PID [EGRESS]
+//!                                                 attach /proc/PID/ns/net, print the address
+//!                                                 (the box may reach iperf3's port 5201 on the host;
+//!                                                 EGRESS: its egress policy, as --egress takes it)
 //! netbench destroy STATE_DIR BRIDGE SUBNET        remove the network
 //! ```
 //!
@@ -71,8 +73,13 @@ fn run(args: &[String]) -> nestbox_net::Result<()> {
             let pid: i32 = a(5)?.parse().map_err(|_| usage())?;
             let ns = netns::of_pid(pid)?;
             let lease = net.allocate(id, &[id])?;
+            let egress = match args.get(6) {
+                Some(e) => nestbox_net::Egress::parse(e)?,
+                None => nestbox_net::Egress::AllowAll,
+            };
             let opts = AttachOptions {
                 allow_host: vec![nestbox_net::HostPort::parse("5201/tcp")?],
+                egress,
                 ..AttachOptions::default()
             };
             net.attach(&lease, ns.as_fd(), &opts)?;

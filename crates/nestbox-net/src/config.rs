@@ -1,11 +1,14 @@
-//! The configuration of one box network: its name, bridge, subnet and link
-//! rate, kept as `config.json` in the network's state directory.
+//! The configuration of one box network: its name, bridge, subnet, link
+//! rate and policies, kept as `config.json` in the network's state directory.
+//! A root has its default network and any number of user-defined ones
+//! ([`NetworkConfig::user_in`], `nestbox network create`).
 
 use std::fs;
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
+use crate::egress::Egress;
 use crate::error::{NetError, Result};
 use crate::rate::Rate;
 use crate::subnet::Subnet;
@@ -29,6 +32,72 @@ const CANDIDATES: &[&str] = &[
     "172.29.0.0/16",
     "192.168.232.0/22",
 ];
+
+/// Names that are not network names: `--network` takes them as modes.
+const RESERVED: &[&str] = &["default", "bridge", "none", "host"];
+
+/// FNV-1a of `a`, `/` and `b`.
+fn fnv(a: &[u8], b: &[u8]) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for x in a.iter().chain(b"/").chain(b) {
+        h ^= u64::from(*x);
+        h = h.wrapping_mul(0x0100_0000_01b3);
+    }
+    h
+}
+
+/// The first of `candidates` that overlaps no host route and no network
+/// under `root`.
+fn free_subnet(root: &Path, candidates: &[Subnet]) -> Result<Option<Subnet>> {
+    let routes = {
+        let mut nl = crate::netlink::Netlink::open()?;
+        crate::route::list_main(&mut nl)?
+    };
+    let others: Vec<Subnet> = crate::network::list_networks(root)?
+        .into_iter()
+        .map(|c| c.subnet)
+        .collect();
+    Ok(candidates.iter().copied().find(|s| {
+        !routes
+            .iter()
+            .any(|r| r.prefix > 0 && Subnet::new(r.dst, r.prefix).is_ok_and(|rs| rs.overlaps(s)))
+            && !others.iter().any(|o| o.overlaps(s))
+    }))
+}
+
+/// Why `subnet` cannot be a new network's under `root`: it overlaps another
+/// network of the root or a host route.
+fn clash(root: &Path, subnet: Subnet) -> Result<Option<NetError>> {
+    for o in crate::network::list_networks(root)? {
+        if o.subnet.overlaps(&subnet) {
+            return Ok(Some(NetError::Conflict(format!(
+                "subnet {subnet} overlaps network {:?} ({}): choose another subnet",
+                o.name, o.subnet
+            ))));
+        }
+    }
+    let mut nl = crate::netlink::Netlink::open()?;
+    let links = crate::link::list(&mut nl)?;
+    for r in crate::route::list_main(&mut nl)? {
+        if r.prefix == 0 {
+            continue;
+        }
+        if let Ok(rs) = Subnet::new(r.dst, r.prefix) {
+            if rs.overlaps(&subnet) {
+                return Ok(Some(NetError::SubnetOverlap {
+                    subnet: subnet.to_string(),
+                    route: rs.to_string(),
+                    dev: links
+                        .iter()
+                        .find(|l| Some(l.index) == r.oif)
+                        .map(|l| l.name.clone())
+                        .unwrap_or_else(|| "?".into()),
+                }));
+            }
+        }
+    }
+    Ok(None)
+}
 
 /// Configuration of one network.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -55,6 +124,11 @@ pub struct NetworkConfig {
     /// carries it).
     #[serde(default)]
     pub isolated: bool,
+    /// Egress policy of every box of the network (`network create
+    /// --egress`): a connection leaving the network must pass it, and the
+    /// box's own policy too. Allow-all by default.
+    #[serde(default, skip_serializing_if = "Egress::is_allow_all")]
+    pub egress: Egress,
     /// Where the network keeps its state (not serialized: it is where the file is).
     #[serde(skip)]
     pub state_dir: PathBuf,
@@ -74,6 +148,7 @@ impl NetworkConfig {
             link_rate: Rate::from_bits(DEFAULT_LINK_RATE).unwrap_or(Rate::MIN),
             ip_forward: true,
             isolated: false,
+            egress: Egress::AllowAll,
             state_dir,
         }
     }
@@ -110,29 +185,70 @@ impl NetworkConfig {
         if let Some(c) = NetworkConfig::load(&dir)? {
             return Ok(c);
         }
-        let routes = {
-            let mut nl = crate::netlink::Netlink::open()?;
-            crate::route::list_main(&mut nl)?
-        };
-        let others: Vec<Subnet> = crate::network::list_networks(root)?
-            .into_iter()
-            .map(|c| c.subnet)
-            .collect();
-        for s in candidates.iter().copied() {
-            let clash = routes.iter().any(|r| {
-                r.prefix > 0 && Subnet::new(r.dst, r.prefix).is_ok_and(|rs| rs.overlaps(&s))
-            }) || others.iter().any(|o| o.overlaps(&s));
-            if !clash {
-                return Ok(NetworkConfig::new(DEFAULT_NETWORK, bridge, s, dir));
-            }
-        }
-        Err(NetError::NoFreeSubnet {
+        let s = free_subnet(root, candidates)?.ok_or_else(|| NetError::NoFreeSubnet {
             tried: candidates.len(),
             first: candidates
                 .first()
                 .map(|c| c.to_string())
                 .unwrap_or_default(),
-        })
+        })?;
+        Ok(NetworkConfig::new(DEFAULT_NETWORK, bridge, s, dir))
+    }
+
+    /// A new user-defined network `name` under `root` (`nestbox network
+    /// create`): bridge `nbu` + 8 hex digits of a hash of the root and the
+    /// name, and `subnet`, or else a /24 of 10.64.0.0/10 chosen from that hash
+    /// (then the next ones) that overlaps no host route and no other network
+    /// under `root`. A given subnet is refused if it overlaps one of those.
+    /// Nothing is saved: [`crate::Network::create`] does that. The name must
+    /// be new under `root` and is not one of the modes of `--network`.
+    pub fn user_in(root: &Path, name: &str, subnet: Option<Subnet>) -> Result<NetworkConfig> {
+        if RESERVED.contains(&name) {
+            return Err(NetError::Invalid(format!(
+                "network name {name:?} is reserved (default, bridge, none and host name the modes of --network)"
+            )));
+        }
+        let h = fnv(root.to_string_lossy().as_bytes(), name.as_bytes());
+        let bridge = format!("nbu{:08x}", h as u32);
+        let dir = root.join(name);
+        // Validated before anything is looked up.
+        let placeholder = Subnet::parse("10.64.0.0/24")?;
+        NetworkConfig::new(name, &bridge, subnet.unwrap_or(placeholder), dir.clone()).validate()?;
+        if NetworkConfig::load(&dir)?.is_some() {
+            return Err(NetError::Conflict(format!(
+                "network {name:?} already exists"
+            )));
+        }
+        let subnet = match subnet {
+            Some(s) => {
+                if let Some(clash) = clash(root, s)? {
+                    return Err(clash);
+                }
+                s
+            }
+            None => {
+                let candidates: Vec<Subnet> = (0..256u32)
+                    .map(|i| {
+                        let idx = (h as u32).wrapping_add(i) % 16384;
+                        let addr = std::net::Ipv4Addr::new(
+                            10,
+                            64 + (idx / 256) as u8,
+                            (idx % 256) as u8,
+                            0,
+                        );
+                        Subnet::new(addr, 24)
+                    })
+                    .collect::<Result<_>>()?;
+                free_subnet(root, &candidates)?.ok_or_else(|| {
+                    NetError::Conflict(format!(
+                        "no free subnet for network {name:?} (tried {} candidates from {}): give one with --subnet",
+                        candidates.len(),
+                        candidates[0]
+                    ))
+                })?
+            }
+        };
+        Ok(NetworkConfig::new(name, &bridge, subnet, dir))
     }
 
     /// The IFB device carrying the egress tree.

@@ -76,11 +76,19 @@ pub enum NetError {
     #[error("invalid host port {0:?}: expected PORT[/tcp|udp] with a port 1-65535")]
     InvalidHostPort(String),
     /// An egress policy could not be parsed.
-    #[error("invalid egress policy {text:?} ({reason}): expected allow-all, deny-all or ADDRESS[/PREFIX][:PORT],...")]
+    #[error("invalid egress policy {text:?} ({reason}): expected allow-all, deny-all or ADDRESS[/PREFIX][:PORT] and HOSTNAME[:PORT] entries, comma-separated")]
     InvalidEgress {
         /// The policy as given.
         text: String,
         /// What is wrong.
+        reason: String,
+    },
+    /// A host name of an egress policy does not resolve to an IPv4 address.
+    #[error("egress host name {name:?} does not resolve: {reason}")]
+    Unresolved {
+        /// The name.
+        name: String,
+        /// The resolver's answer.
         reason: String,
     },
     /// A subnet could not be parsed or is unsuitable.
@@ -122,6 +130,9 @@ pub enum NetError {
     /// The network does not exist (never made, or removed meanwhile).
     #[error("network {0:?} does not exist (it was removed)")]
     NoNetwork(String),
+    /// No network of that name was made (`nestbox network create`).
+    #[error("no network named {0:?} (make it with nestbox network create)")]
+    UnknownNetwork(String),
     /// The network still has boxes, so it is not removed.
     #[error("network {network:?} still has {boxes} box(es) (box id {first}): remove them first")]
     InUse {
@@ -209,9 +220,12 @@ impl NetError {
             | InvalidPort(_)
             | InvalidHostPort(_)
             | InvalidEgress { .. }
+            | Unresolved { .. }
             | InvalidSubnet { .. }
             | Invalid(_) => NetErrorKind::Input,
-            NoLease(_) | NotAttached(_) | NoNetwork(_) => NetErrorKind::NotFound,
+            NoLease(_) | NotAttached(_) | NoNetwork(_) | UnknownNetwork(_) => {
+                NetErrorKind::NotFound
+            }
             Conflict(_)
             | LeaseMismatch { .. }
             | NoFreeSubnet { .. }

@@ -18,7 +18,13 @@
 //!   chain `egress_A_B_C_D`: accepted if it matches an entry, else refused;
 //!   both decisions are logged to the kernel log (at most 20 a second each).
 //!   Established traffic never reaches the chains, so the list's length costs
-//!   only connection set-up.
+//!   only connection set-up. A network with an egress policy of its own
+//!   (`network create --egress`) has a chain `egress_network` that every new
+//!   connection leaving the bridge passes after its box's chain (which then
+//!   hands what it admits on with `goto` instead of accepting it); its
+//!   decisions are logged with the network's name (the kernel log line's
+//!   `SRC=` names the box). Host names in a policy are resolved before the
+//!   script is written ([`crate::egress::Egress::resolved`]).
 //!
 //! [`RULES_VERSION`] numbers this layout: a network whose state records an
 //! older one (made by an older nestbox) gets its tables replaced on the next
@@ -59,8 +65,23 @@ pub struct Ruleset<'a> {
     pub published: Vec<(PortMapping, Ipv4Addr)>,
     /// Host ports boxes may reach on the gateway: port and the box's address.
     pub host_allowed: Vec<(HostPort, Ipv4Addr)>,
-    /// Egress policies other than allow-all: box id, address, policy.
+    /// Egress policies other than allow-all: box id, address, policy
+    /// (host names resolved).
     pub egress: Vec<(String, Ipv4Addr, Egress)>,
+    /// The network's own egress policy (host names resolved) and its name,
+    /// when it is not allow-all.
+    pub network_egress: Option<(String, Egress)>,
+}
+
+/// The nft match of one egress rule (host names must be resolved first).
+fn egress_match(r: &crate::egress::EgressRule) -> String {
+    match r.port {
+        Some(p) => format!(
+            "ip daddr {}/{} meta l4proto {{ tcp, udp }} th dport {p}",
+            r.addr, r.prefix
+        ),
+        None => format!("ip daddr {}/{}", r.addr, r.prefix),
+    }
 }
 
 impl Ruleset<'_> {
@@ -90,6 +111,7 @@ impl Ruleset<'_> {
         // its chain; each decision is logged (rate-limited).
         let mut egress_jumps = String::new();
         let mut egress_chains = String::new();
+        let network_policy = self.network_egress.is_some();
         for (id, addr, policy) in &self.egress {
             let chain = format!("egress_{}", addr.to_string().replace('.', "_"));
             let short: String = id.chars().take(24).collect();
@@ -99,20 +121,42 @@ impl Ruleset<'_> {
             egress_chains.push_str(&format!("  chain {chain} {{\n"));
             if let Egress::Allow(rules) = policy {
                 for r in rules {
-                    let m = match r.port {
-                        Some(p) => format!(
-                            "ip daddr {}/{} meta l4proto {{ tcp, udp }} th dport {p}",
-                            r.addr, r.prefix
-                        ),
-                        None => format!("ip daddr {}/{}", r.addr, r.prefix),
-                    };
-                    egress_chains.push_str(&format!(
-                        "    {m} limit rate 20/second log prefix \"nestbox-egress allow box={short} \"\n    {m} accept\n"
-                    ));
+                    let m = egress_match(r);
+                    if network_policy {
+                        // The network's policy decides (and logs) the rest.
+                        egress_chains.push_str(&format!("    {m} goto egress_network\n"));
+                    } else {
+                        egress_chains.push_str(&format!(
+                            "    {m} limit rate 20/second log prefix \"nestbox-egress allow box={short} \"\n    {m} accept\n"
+                        ));
+                    }
                 }
             }
             egress_chains.push_str(&format!(
                 "    limit rate 20/second log prefix \"nestbox-egress deny box={short} \"\n\
+                 \x20   reject with icmpx admin-prohibited\n  }}\n"
+            ));
+        }
+        if let Some((name, policy)) = &self.network_egress {
+            let short: String = name.chars().take(24).collect();
+            egress_jumps.push_str(&format!(
+                "    iifname \"{br}\" oifname != \"{br}\" ct state new jump egress_network\n"
+            ));
+            egress_chains.push_str("  chain egress_network {\n");
+            match policy {
+                Egress::Allow(rules) => {
+                    for r in rules {
+                        let m = egress_match(r);
+                        egress_chains.push_str(&format!(
+                            "    {m} limit rate 20/second log prefix \"nestbox-egress allow network={short} \"\n    {m} accept\n"
+                        ));
+                    }
+                }
+                Egress::AllowAll => egress_chains.push_str("    accept\n"),
+                Egress::DenyAll => {}
+            }
+            egress_chains.push_str(&format!(
+                "    limit rate 20/second log prefix \"nestbox-egress deny network={short} \"\n\
                  \x20   reject with icmpx admin-prohibited\n  }}\n"
             ));
         }
@@ -251,4 +295,53 @@ fn run(script: &str, what: &str) -> Result<()> {
         what: what.to_string(),
         message: line,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ruleset(network: Option<&str>) -> String {
+        Ruleset {
+            bridge: "nbu0",
+            subnet: Subnet::parse("10.64.0.0/24").unwrap(),
+            published: Vec::new(),
+            host_allowed: Vec::new(),
+            egress: vec![(
+                "box-a".into(),
+                Ipv4Addr::new(10, 64, 0, 2),
+                Egress::parse("192.0.2.0/24").unwrap(),
+            )],
+            network_egress: network.map(|p| ("net".into(), Egress::parse(p).unwrap())),
+        }
+        .script()
+    }
+
+    #[test]
+    fn a_networks_policy_follows_its_boxes_own() {
+        // Without one, a box's list accepts and logs with the box's id.
+        let alone = ruleset(None);
+        assert!(alone.contains("ip daddr 192.0.2.0/24 accept"), "{alone}");
+        assert!(!alone.contains("egress_network"), "{alone}");
+        // With one, what the box's list admits goes on to the network's chain,
+        // which every new connection leaving the bridge passes.
+        let both = ruleset(Some("198.51.100.7:443"));
+        assert!(
+            both.contains("ip daddr 192.0.2.0/24 goto egress_network"),
+            "{both}"
+        );
+        assert!(!both.contains("ip daddr 192.0.2.0/24 accept"), "{both}");
+        assert!(both.contains("ct state new jump egress_network"), "{both}");
+        assert!(
+            both.contains("ip daddr 198.51.100.7/32 meta l4proto { tcp, udp } th dport 443 accept"),
+            "{both}"
+        );
+        assert!(both.contains("nestbox-egress deny network=net "), "{both}");
+        // Deny-all: the chain refuses everything.
+        let deny = ruleset(Some("deny-all"));
+        let chain = deny.split("chain egress_network").nth(1).unwrap();
+        let chain = &chain[..chain.find("  }").unwrap()];
+        assert!(!chain.contains("accept"), "{chain}");
+        assert!(chain.contains("reject"), "{chain}");
+    }
 }

@@ -367,6 +367,7 @@ fn handle(reg: &Registry, line: &str, idle: &mut IdleWork) -> Result<(Value, Fol
                 on_clone_signal,
                 pooled: false,
                 without_network: false,
+                network: None,
             };
             idle.want(&template);
             let mut follow_up = FollowUp::default();

@@ -116,6 +116,27 @@ impl NetworkMode {
             ))),
         }
     }
+
+    /// Parse `--network`: `bridge`, `none`, `host`, or the name of a
+    /// user-defined network (bridge mode on that network).
+    pub fn parse_with_name(text: &str) -> Result<(Self, Option<String>)> {
+        match NetworkMode::parse(text) {
+            Ok(mode) => Ok((mode, None)),
+            Err(_) if text == "default" => Ok((NetworkMode::Bridge, None)),
+            Err(_)
+                if !text.is_empty()
+                    && !text.starts_with('.')
+                    && text.bytes().all(|c| {
+                        c.is_ascii_alphanumeric() || c == b'-' || c == b'_' || c == b'.'
+                    }) =>
+            {
+                Ok((NetworkMode::Bridge, Some(text.to_string())))
+            }
+            Err(_) => Err(RuntimeError::InvalidInput(format!(
+                "unknown --network {text:?} (use bridge, none, host or a network's name)"
+            ))),
+        }
+    }
 }
 
 /// The box's network: mode, published ports and bandwidth (bridge mode only).
@@ -123,6 +144,10 @@ impl NetworkMode {
 pub struct NetSpec {
     /// Mode.
     pub mode: NetworkMode,
+    /// The user-defined network of a bridged box (`--network NAME`); the
+    /// root's default network when `None`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
     /// Host ports forwarded to the box (`-p`).
     pub publish: Vec<nestbox_net::PortMapping>,
     /// Egress cap (`--net-rate`).

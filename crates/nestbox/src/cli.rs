@@ -233,8 +233,9 @@ struct CloneArgs {
     on_clone_signal: Option<String>,
     /// `none`: the clone gets loopback only (no address, veth or bandwidth
     /// class) instead of its template's network; its servers answer on its
-    /// loopback (e.g. through `exec`).
-    #[arg(long, value_name = "none")]
+    /// loopback (e.g. through `exec`). `bridge` or a network's name (`nestbox
+    /// network create`): the clone is put on that network instead.
+    #[arg(long, value_name = "none|bridge|NAME")]
     network: Option<String>,
     #[command(flatten)]
     resources: ResourceArgs,
@@ -374,8 +375,9 @@ struct RunArgs {
     #[command(flatten)]
     resources: ResourceArgs,
     /// Network: bridge (own namespace on a host bridge, with an address; the
-    /// default as root), none (loopback only; the default without root) or host.
-    #[arg(long, value_name = "MODE")]
+    /// default as root), none (loopback only; the default without root), host,
+    /// or the name of a network made by `nestbox network create`.
+    #[arg(long, value_name = "MODE|NAME")]
     network: Option<String>,
     /// Publish a port: HOSTPORT:BOXPORT[/tcp|udp] (repeatable; bridge only).
     #[arg(short = 'p', long = "publish", value_name = "HOST:BOX[/PROTO]")]
@@ -647,12 +649,14 @@ fn build_spec(a: RunArgs) -> Result<BoxSpec> {
         }
     }
     let capabilities = nestbox_runtime::spec::resolve_capabilities(&a.cap_add, &a.cap_drop)?;
+    let (mode, network_name) = match a.network.as_deref() {
+        Some(m) => NetworkMode::parse_with_name(m)?,
+        None if root => (NetworkMode::Bridge, None),
+        None => (NetworkMode::None, None),
+    };
     let mut network = NetSpec {
-        mode: match a.network.as_deref() {
-            Some(m) => NetworkMode::parse(m)?,
-            None if root => NetworkMode::Bridge,
-            None => NetworkMode::None,
-        },
+        mode,
+        name: network_name,
         publish: a
             .publish
             .iter()
@@ -668,7 +672,11 @@ fn build_spec(a: RunArgs) -> Result<BoxSpec> {
         egress: a
             .egress
             .as_deref()
-            .map(|e| nestbox_net::Egress::parse(e).with_context(|| format!("--egress {e}")))
+            .map(|e| {
+                nestbox_net::Egress::parse(e)
+                    .and_then(|p| p.check_resolvable().map(|()| p))
+                    .with_context(|| format!("--egress {e}"))
+            })
             .transpose()?
             .unwrap_or_default(),
         ..NetSpec::default()
@@ -823,12 +831,15 @@ fn clone(reg: &Registry, a: CloneArgs) -> Result<i32> {
         },
         on_clone_signal: a.on_clone_signal.as_deref().map(parse_signal).transpose()?,
         pooled: false,
-        without_network: match a.network.as_deref() {
-            None => false,
-            Some("none") => true,
-            Some(other) => anyhow::bail!(
-                "unknown clone --network {other:?} (a clone has its template's network, or none)"
-            ),
+        without_network: a.network.as_deref() == Some("none"),
+        network: match a.network.as_deref() {
+            None | Some("none") => None,
+            Some(n) => match NetworkMode::parse_with_name(n) {
+                Ok((NetworkMode::Bridge, _)) => Some(n.to_string()),
+                _ => anyhow::bail!(
+                    "unknown clone --network {n:?} (a clone has its template's network, none, bridge or a network's name)"
+                ),
+            },
         },
     };
     let made = nestbox_runtime::clone::clone_template(reg, &a.template, &req)?;

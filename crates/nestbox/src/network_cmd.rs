@@ -1,10 +1,12 @@
-//! `nestbox network ls|inspect|rm|pool`: the box networks of this root (their
-//! state lives under `<lib>/network/<name>/`), the boxes attached to them, and
-//! the pool of network namespaces kept ready for new boxes.
+//! `nestbox network create|ls|inspect|rm|refresh|policy|pool`: the box
+//! networks of this root (the default one and user-defined ones; their state
+//! lives under `<lib>/network/<name>/`), the boxes attached to them, the
+//! egress policies' host names, and the pool of network namespaces kept
+//! ready for new boxes of the default network.
 
 use anyhow::{bail, Result};
 use clap::Subcommand;
-use nestbox_net::{list_networks, Network, NetworkConfig};
+use nestbox_net::{list_networks, Egress, Network, NetworkConfig, Subnet};
 use nestbox_runtime::network_pool as pool;
 use nestbox_runtime::registry::Registry;
 use serde_json::{json, Value};
@@ -24,10 +26,39 @@ pub enum NetworkCommand {
         /// A network name, or a box id or name.
         name: String,
     },
-    /// Remove the default network from the host (bridge, IFB device, NAT table,
-    /// state); refused while boxes hold addresses on it. It is made again on the
-    /// next bridged box.
-    Rm,
+    /// Make a network of its own (bridge, IFB device, nftables tables) for
+    /// boxes started or cloned with `--network NAME`. Boxes of different
+    /// networks reach each other only through published ports.
+    Create {
+        /// The network's name.
+        name: String,
+        /// Its subnet, e.g. 10.70.1.0/24 (default: a free /24 of 10.64.0.0/10).
+        #[arg(long, value_name = "CIDR")]
+        subnet: Option<String>,
+        /// Each box reaches only the gateway (the host's allowed ports,
+        /// published ports, and beyond the network), never another box.
+        #[arg(long)]
+        isolated: bool,
+        /// Where beyond the network its boxes may open connections: allow-all
+        /// (the default), deny-all, or ADDRESS[/PREFIX][:PORT] and
+        /// HOSTNAME[:PORT] entries, comma-separated; a box's own --egress
+        /// applies too.
+        #[arg(long, value_name = "POLICY")]
+        egress: Option<String>,
+    },
+    /// Remove a network from the host (bridge, IFB device, nftables tables,
+    /// state); refused while boxes hold addresses on it. Without a name, the
+    /// default network (made again on the next bridged box).
+    Rm {
+        /// A network made by `network create` (default: the default network).
+        name: Option<String>,
+    },
+    /// Resolve the host names of the egress policies again (of one network,
+    /// or of all) and rewrite the rules where a name's addresses changed.
+    Refresh {
+        /// The network (default: all).
+        name: Option<String>,
+    },
     /// Show or set the default network's policy: open (boxes reach each
     /// other) or isolated (a box reaches only the gateway: the host's allowed
     /// ports, published ports, and beyond the network). It can change only
@@ -77,9 +108,49 @@ pub fn network(reg: &Registry, cmd: NetworkCommand) -> Result<i32> {
             println!("policy {}", policy_name(net.config()));
             Ok(0)
         }
-        NetworkCommand::Rm => {
-            if !nestbox_runtime::network::remove(reg.roots())? {
+        NetworkCommand::Create {
+            name,
+            subnet,
+            isolated,
+            egress,
+        } => {
+            let subnet = subnet.as_deref().map(Subnet::parse).transpose()?;
+            let egress = egress
+                .as_deref()
+                .map(Egress::parse)
+                .transpose()?
+                .unwrap_or_default();
+            let net = nestbox_runtime::network::create(roots, &name, subnet, isolated, egress)?;
+            let c = net.config();
+            println!(
+                "network {} bridge {} subnet {} policy {} egress {}",
+                c.name,
+                c.bridge,
+                c.subnet,
+                policy_name(c),
+                c.egress
+            );
+            Ok(0)
+        }
+        NetworkCommand::Rm { name } => {
+            if !nestbox_runtime::network::remove_named(reg.roots(), name.as_deref())? {
                 println!("no network to remove");
+            }
+            Ok(0)
+        }
+        NetworkCommand::Refresh { name } => {
+            let configs = list_networks(&root)?;
+            if let Some(n) = &name {
+                if !configs.iter().any(|c| &c.name == n) {
+                    bail!(nestbox_net::NetError::UnknownNetwork(n.clone()));
+                }
+            }
+            for cfg in configs {
+                if name.as_ref().is_some_and(|n| n != &cfg.name) {
+                    continue;
+                }
+                let names = Network::view(cfg.clone()).refresh()?;
+                println!("{} {}", cfg.name, serde_json::to_string(&names)?);
             }
             Ok(0)
         }
@@ -100,7 +171,9 @@ fn ls(reg: &Registry, root: &std::path::Path, as_json: bool) -> Result<i32> {
             "subnet": cfg.subnet,
             "link_rate": cfg.link_rate,
             "boxes": boxes,
-            "pool": pool_json(reg),
+            "policy": policy_name(&cfg),
+            "egress": cfg.egress.to_string(),
+            "pool": if cfg.name == nestbox_net::config::DEFAULT_NETWORK { pool_json(reg) } else { json!({"size": 0, "ready": 0}) },
         }));
     }
     if as_json {
@@ -172,12 +245,14 @@ fn network_json(reg: &Registry, net: &Network) -> Result<Value> {
             "host": "refused but allowed host ports (per box) and published ports",
             "other_networks": "published ports only",
             "anti_spoofing": "own MAC and IPv4 address only (BPF guard)",
-            "egress": "per box (--egress; allow-all unless set): see each box's egress",
+            "egress": cfg.egress.to_string(),
+            "egress_boxes": "a box's own --egress applies too: see each box's egress",
         },
+        "egress_names": net.resolved_names()?,
         "hosts_file": net.hosts_path(),
         "resolv_conf": net.resolv_path(),
         "boxes": boxes,
-        "pool": pool_json(reg),
+        "pool": if cfg.name == nestbox_net::config::DEFAULT_NETWORK { pool_json(reg) } else { json!({"size": 0, "ready": 0}) },
     }))
 }
 

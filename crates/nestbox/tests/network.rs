@@ -962,3 +962,472 @@ fn isolated_policy_keeps_boxes_apart() {
         "policy open"
     );
 }
+
+/// `network inspect NAME` of a user-defined network.
+fn network_named(root: &TestRoot, name: &str) -> Value {
+    serde_json::from_str(&root.ok(&["network", "inspect", name])).unwrap()
+}
+
+/// What `ask` prints: a connection from box `from` (`exec`) to `to:port`,
+/// the server's greeting or "" when refused or dropped.
+fn ask_from(root: &TestRoot, from: &str, to: &str, port: u16) -> String {
+    root.run(&[
+        "exec",
+        from,
+        "--",
+        "python3",
+        "-c",
+        CLIENT,
+        to,
+        &port.to_string(),
+    ])
+    .stdout
+    .trim()
+    .to_string()
+}
+
+/// Whether the host has a link or an nft table of `bridge`.
+fn bridge_things(bridge: &str) -> Vec<String> {
+    let mut left = Vec::new();
+    for link in [bridge.to_string(), format!("{bridge}ifb")] {
+        if std::path::Path::new("/sys/class/net").join(&link).exists() {
+            left.push(format!("link {link}"));
+        }
+    }
+    for family in ["ip", "inet"] {
+        let ok = std::process::Command::new("nft")
+            .args(["list", "table", family, &format!("nestbox-{bridge}")])
+            .output()
+            .is_ok_and(|o| o.status.success());
+        if ok {
+            left.push(format!("nft table {family} nestbox-{bridge}"));
+        }
+    }
+    left
+}
+
+/// User-defined networks: each its own bridge, subnet and tables; boxes on
+/// different networks (and on the default one) cannot reach each other, boxes
+/// of one open network can; on an isolated one a box reaches another only
+/// through a published port on the gateway. `network rm` is refused while a
+/// box is on the network and leaves nothing; bad input gets one line and
+/// makes nothing.
+#[test]
+fn user_defined_networks_keep_their_boxes_apart_and_leave_nothing() {
+    let Some(root) =
+        TestRoot::new("user_defined_networks_keep_their_boxes_apart_and_leave_nothing")
+    else {
+        return;
+    };
+    let made = root.ok(&["network", "create", "red"]);
+    assert!(made.contains("network red bridge nbu"), "{made}");
+    root.ok(&["network", "create", "blue"]);
+    root.ok(&["network", "create", "jail", "--isolated"]);
+    let red = network_named(&root, "red");
+    let blue = network_named(&root, "blue");
+    let jail = network_named(&root, "jail");
+    let bridges: Vec<String> = [&red, &blue, &jail]
+        .iter()
+        .map(|n| n["bridge"].as_str().unwrap().to_string())
+        .collect();
+    // Each its own bridge and tables, made at once.
+    for b in &bridges {
+        assert_eq!(bridge_things(b).len(), 4, "{b}: {:?}", bridge_things(b));
+    }
+    assert_ne!(red["subnet"], blue["subnet"]);
+    assert_eq!(jail["policy"]["box_to_box"], "isolated", "{jail}");
+    assert_eq!(red["policy"]["box_to_box"], "open", "{red}");
+
+    server(&root, "r1", &["--network", "red"], 7020);
+    server(&root, "r2", &["--network", "red"], 7021);
+    server(&root, "b1", &["--network", "blue"], 7022);
+    server(&root, "d1", &[], 7023);
+    let r1 = address(&root, "r1");
+    let b1 = address(&root, "b1");
+    let d1 = address(&root, "d1");
+    let red_subnet: nestbox_net::Subnet = red["subnet"].as_str().unwrap().parse().unwrap();
+    assert!(
+        red_subnet.contains(r1.parse().unwrap()),
+        "{r1} in {red_subnet}"
+    );
+    // One open network: boxes reach each other, by address and by name.
+    assert_eq!(ask_from(&root, "r2", &r1, 7020), "hello from r1");
+    assert_eq!(ask_from(&root, "r2", "r1", 7020), "hello from r1");
+    // Across networks, either way, and to and from the default network: nothing.
+    assert_eq!(ask_from(&root, "b1", &r1, 7020), "", "blue reached red");
+    assert_eq!(ask_from(&root, "r1", &b1, 7022), "", "red reached blue");
+    assert_eq!(ask_from(&root, "d1", &r1, 7020), "", "default reached red");
+    assert_eq!(ask_from(&root, "r1", &d1, 7023), "", "red reached default");
+    // The host reaches every box.
+    assert_eq!(host_connect(&b1, 7022), "hello from b1");
+
+    // Isolated: only the gateway, and what is published there.
+    let port = 38000 + (std::process::id() % 2000) as u16;
+    let publish = format!("{port}:7024");
+    server(&root, "j1", &["--network", "jail", "-p", &publish], 7024);
+    server(&root, "j2", &["--network", "jail"], 7025);
+    let j1 = address(&root, "j1");
+    let gateway = jail["gateway"].as_str().unwrap().to_string();
+    assert_eq!(
+        ask_from(&root, "j2", &j1, 7024),
+        "",
+        "j2 reached j1 directly"
+    );
+    assert_eq!(ask_from(&root, "j2", &gateway, port), "hello from j1");
+
+    // `ls` lists them with their box counts.
+    let ls: Value = serde_json::from_str(&root.ok(&["network", "ls", "--json"])).unwrap();
+    let boxes = |name: &str| {
+        ls.as_array()
+            .unwrap()
+            .iter()
+            .find(|n| n["name"] == name)
+            .map(|n| n["boxes"].clone())
+    };
+    assert_eq!(boxes("red"), Some(serde_json::json!(2)), "{ls}");
+    assert_eq!(boxes("jail"), Some(serde_json::json!(2)), "{ls}");
+
+    // Bad input: one line, nothing made.
+    let red_subnet_text = red_subnet.to_string();
+    for (args, fragment) in [
+        (vec!["network", "create", "red"], "already exists"),
+        (
+            vec!["network", "create", "green", "--subnet", "10.1.2.0/33"],
+            "invalid subnet",
+        ),
+        (
+            vec!["network", "create", "green", "--subnet", &red_subnet_text],
+            "overlaps network \"red\"",
+        ),
+        (vec!["network", "create", "bridge"], "reserved"),
+        (vec!["network", "create", "a/b"], "invalid network name"),
+        (
+            vec!["network", "create", "green", "--egress", "10.0.0.0/40"],
+            "invalid egress policy",
+        ),
+        (
+            vec![
+                "network",
+                "create",
+                "green",
+                "--egress",
+                "nothing-here.invalid",
+            ],
+            "does not resolve",
+        ),
+        (
+            vec!["run", "--rm", "--network", "nope", "--", "true"],
+            "unknown --network \"nope\": no network of that name",
+        ),
+        (vec!["network", "rm", "nope"], "no network named \"nope\""),
+        (vec!["network", "rm", "red"], "still has 2 box(es)"),
+    ] {
+        assert_error(&root.run(&args), 125, fragment);
+    }
+    let ls2: Value = serde_json::from_str(&root.ok(&["network", "ls", "--json"])).unwrap();
+    let names: Vec<&str> = ls2
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|n| n["name"].as_str())
+        .collect();
+    assert_eq!(names, ["blue", "default", "jail", "red"], "{ls2}");
+    assert!(!root.ok(&["ps", "-a"]).contains("nope"));
+
+    // rm: nothing of the network is left.
+    root.ok(&["rm", "-f", "r1", "r2", "b1", "d1", "j1", "j2"]);
+    for name in ["red", "blue", "jail"] {
+        assert!(root.path().join("lib/network").join(name).exists());
+        root.ok(&["network", "rm", name]);
+        assert!(
+            !root.path().join("lib/network").join(name).exists(),
+            "state of {name} left"
+        );
+    }
+    for b in &bridges {
+        assert_eq!(bridge_things(b), Vec::<String>::new(), "{b} left things");
+    }
+}
+
+/// A host beyond the network: a namespace joined to the host by a veth pair
+/// (`nbo...`, 10.233.N.0/30), routed through the host like the internet, with
+/// servers answering "hello from far" on the ports asked for.
+struct Far {
+    ns: String,
+    link: String,
+    far: String,
+    servers: Vec<std::process::Child>,
+}
+
+fn sh_ok(cmd: &str) {
+    let out = std::process::Command::new("sh")
+        .args(["-ec", cmd])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{cmd}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+impl Far {
+    fn new(n: u8, ports: &[u16]) -> Far {
+        let pid = std::process::id() % 10000;
+        let ns = format!("nbtest{n}x{pid}");
+        let link = format!("nbo{n}x{pid}");
+        let _ = std::process::Command::new("ip")
+            .args(["netns", "del", &ns])
+            .output();
+        sh_ok(&format!(
+            "ip netns add {ns}; ip link add {link} type veth peer name eth0 netns {ns}; \
+             ip addr add 10.233.{n}.1/30 dev {link}; ip link set {link} up; \
+             echo 1 > /proc/sys/net/ipv4/conf/{link}/forwarding; \
+             ip -n {ns} addr add 10.233.{n}.2/30 dev eth0; ip -n {ns} link set eth0 up; \
+             ip -n {ns} link set lo up"
+        ));
+        let mut far = Far {
+            ns,
+            link,
+            far: format!("10.233.{n}.2"),
+            servers: Vec::new(),
+        };
+        for port in ports {
+            let code = format!(
+                "import socket\ns = socket.socket()\ns.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)\n\
+                 s.bind(('0.0.0.0', {port}))\ns.listen(16)\n\
+                 while True:\n    c, _ = s.accept()\n    c.sendall(b'hello from far')\n    c.close()\n"
+            );
+            far.servers.push(
+                std::process::Command::new("ip")
+                    .args(["netns", "exec", &far.ns, "python3", "-c", &code])
+                    .spawn()
+                    .unwrap(),
+            );
+        }
+        let far_addr = far.far.clone();
+        for port in ports {
+            let ns = far.ns.clone();
+            wait_for("the far server to listen", Duration::from_secs(10), || {
+                std::process::Command::new("ip")
+                    .args(["netns", "exec", &ns, "python3", "-c", CLIENT, &far_addr])
+                    .arg(port.to_string())
+                    .output()
+                    .is_ok_and(|o| String::from_utf8_lossy(&o.stdout).contains("hello"))
+            });
+        }
+        far
+    }
+}
+
+impl Drop for Far {
+    fn drop(&mut self) {
+        for s in &mut self.servers {
+            let _ = s.kill();
+            let _ = s.wait();
+        }
+        let _ = std::process::Command::new("ip")
+            .args(["netns", "del", &self.ns])
+            .output();
+        let _ = std::process::Command::new("ip")
+            .args(["link", "del", &self.link])
+            .output();
+    }
+}
+
+/// A line `ADDRESS NAME` in the host's /etc/hosts for as long as it lives
+/// (rewritten in place: /etc/hosts may be a bind mount).
+struct HostsEntry {
+    name: String,
+}
+
+impl HostsEntry {
+    fn set(name: &str, addr: &str) -> HostsEntry {
+        let e = HostsEntry {
+            name: name.to_string(),
+        };
+        let mut text = e.without();
+        text.push_str(&format!("{addr} {name}\n"));
+        std::fs::write("/etc/hosts", text).unwrap();
+        e
+    }
+
+    /// /etc/hosts without this entry's line.
+    fn without(&self) -> String {
+        let text = std::fs::read_to_string("/etc/hosts").unwrap();
+        let mut out: String = text
+            .lines()
+            .filter(|l| l.split_whitespace().nth(1) != Some(self.name.as_str()))
+            .map(|l| format!("{l}\n"))
+            .collect();
+        if out.is_empty() {
+            out = "127.0.0.1 localhost\n".into();
+        }
+        out
+    }
+}
+
+impl Drop for HostsEntry {
+    fn drop(&mut self) {
+        let _ = std::fs::write("/etc/hosts", self.without());
+    }
+}
+
+/// Egress policies given on the command line, of a network (`network create
+/// --egress`) and of a box (`run --egress`), with a host name the test puts
+/// in /etc/hosts: a real connection from a box to a listed host and port is
+/// admitted, to another port refused; a box's own policy and its network's
+/// both apply; decisions are in the kernel log; `inspect` shows the policy
+/// and what the name resolved to; after the name moves, `network refresh`
+/// follows it.
+#[test]
+fn egress_allow_lists_with_host_names_admit_only_what_they_list() {
+    let Some(root) = TestRoot::new("egress_allow_lists_with_host_names_admit_only_what_they_list")
+    else {
+        return;
+    };
+    let far = Far::new(7, &[9000, 9001]);
+    let pid = std::process::id();
+    let host = format!("far-{pid}.egress.test");
+    let entry = HostsEntry::set(&host, &far.far);
+    let net = format!("eg{pid}");
+    let policy = format!("{host}:9000,192.0.2.0/24");
+    root.ok(&["network", "create", &net, "--egress", &policy]);
+    let inspect = network_named(&root, &net);
+    assert_eq!(inspect["policy"]["egress"], policy.as_str(), "{inspect}");
+    assert_eq!(
+        inspect["egress_names"]["names"][&host],
+        serde_json::json!([far.far]),
+        "{inspect}"
+    );
+    let sleeper = |name: &str, opts: &[&str]| {
+        let mut args = vec!["run", "-d", "--name", name];
+        args.extend_from_slice(opts);
+        args.extend_from_slice(&["--", "sleep", "1000"]);
+        root.ok(&args);
+    };
+    sleeper("on-net", &["--network", &net]);
+    let far_any = far.far.clone();
+    sleeper("both", &["--network", &net, "--egress", &far_any]);
+    let own = format!("{host}:9001");
+    sleeper("own", &["--egress", &own]);
+    sleeper("open", &[]);
+    let hello = "hello from far";
+    // The network's list: the name's port only.
+    assert_eq!(ask_from(&root, "on-net", &far.far, 9000), hello);
+    assert_eq!(ask_from(&root, "on-net", &far.far, 9001), "");
+    // Box and network: the box admits any port of far, the network only 9000.
+    assert_eq!(ask_from(&root, "both", &far.far, 9000), hello);
+    assert_eq!(ask_from(&root, "both", &far.far, 9001), "");
+    // A box's own list with the name, on the default network.
+    assert_eq!(ask_from(&root, "own", &far.far, 9001), hello);
+    assert_eq!(ask_from(&root, "own", &far.far, 9000), "");
+    // No policy: both.
+    assert_eq!(ask_from(&root, "open", &far.far, 9000), hello);
+    assert_eq!(ask_from(&root, "open", &far.far, 9001), hello);
+    let own_id = inspect_id(&root, "own");
+    let log =
+        String::from_utf8_lossy(&std::process::Command::new("dmesg").output().unwrap().stdout)
+            .to_string();
+    for line in [
+        format!("nestbox-egress allow network={net} "),
+        format!("nestbox-egress deny network={net} "),
+        format!("nestbox-egress allow box={own_id} "),
+        format!("nestbox-egress deny box={own_id} "),
+    ] {
+        assert!(log.contains(&line), "no {line:?} in the kernel log");
+    }
+    // The name moves away: refresh follows it, and the network's list no
+    // longer admits far; back again, it does.
+    drop(entry);
+    let entry = HostsEntry::set(&host, "10.233.7.3");
+    let out = root.ok(&["network", "refresh", &net]);
+    assert!(out.contains("10.233.7.3"), "{out}");
+    assert_eq!(ask_from(&root, "on-net", &far.far, 9000), "");
+    assert_eq!(
+        network_named(&root, &net)["egress_names"]["names"][&host],
+        serde_json::json!(["10.233.7.3"])
+    );
+    drop(entry);
+    let _entry = HostsEntry::set(&host, &far.far);
+    root.ok(&["network", "refresh"]);
+    assert_eq!(ask_from(&root, "on-net", &far.far, 9000), hello);
+    root.ok(&["rm", "-f", "on-net", "both", "own", "open"]);
+    let bridge = inspect["bridge"].as_str().unwrap().to_string();
+    root.ok(&["network", "rm", &net]);
+    assert_eq!(bridge_things(&bridge), Vec::<String>::new());
+}
+
+/// The id of box `name`.
+fn inspect_id(root: &TestRoot, name: &str) -> String {
+    let v = inspect(root, name);
+    v["id"]
+        .as_str()
+        .or_else(|| v["state"]["id"].as_str())
+        .unwrap()
+        .to_string()
+}
+
+/// Clones for a sandbox service: a template started on an isolated network
+/// passes the network to its clones, which then cannot reach each other (nor
+/// the template) directly, while the host reaches each; `clone --network
+/// NAME` puts a clone on another network instead (its address from that
+/// network's subnet).
+#[test]
+fn clones_of_a_template_on_an_isolated_network_cannot_reach_each_other() {
+    let Some(root) =
+        TestRoot::new("clones_of_a_template_on_an_isolated_network_cannot_reach_each_other")
+    else {
+        return;
+    };
+    root.ok(&["network", "create", "tenants", "--isolated"]);
+    root.ok(&["network", "create", "other"]);
+    server(&root, "t", &["--network", "tenants"], 7030);
+    root.ok(&["freeze", "t"]);
+    root.ok(&["clone", "t", "-d", "--name", "c1"]);
+    root.ok(&["clone", "t", "-d", "--name", "c2"]);
+    root.ok(&["clone", "t", "-d", "--name", "c3", "--network", "other"]);
+    let tenants = network_named(&root, "tenants");
+    let other = network_named(&root, "other");
+    let subnet =
+        |n: &Value| -> nestbox_net::Subnet { n["subnet"].as_str().unwrap().parse().unwrap() };
+    let (c1, c2, c3) = (
+        address(&root, "c1"),
+        address(&root, "c2"),
+        address(&root, "c3"),
+    );
+    for a in [&c1, &c2] {
+        assert!(
+            subnet(&tenants).contains(a.parse().unwrap()),
+            "{a} not in tenants"
+        );
+    }
+    assert!(
+        subnet(&other).contains(c3.parse().unwrap()),
+        "{c3} not in other"
+    );
+    // Each clone serves (the template's listening socket, re-created).
+    wait_for("the clones to serve", Duration::from_secs(20), || {
+        host_connect(&c1, 7030) == "hello from t" && host_connect(&c2, 7030) == "hello from t"
+    });
+    assert_eq!(host_connect(&c3, 7030), "hello from t");
+    // But never to each other.
+    assert_eq!(ask_from(&root, "c1", &c2, 7030), "", "c1 reached c2");
+    assert_eq!(ask_from(&root, "c2", &c1, 7030), "", "c2 reached c1");
+    assert_eq!(
+        ask_from(&root, "c1", &c3, 7030),
+        "",
+        "c1 reached c3 on another network"
+    );
+    assert_eq!(
+        ask_from(&root, "c3", &c1, 7030),
+        "",
+        "c3 reached c1 on another network"
+    );
+    let show = root.ok(&["network", "inspect", "c1"]);
+    assert!(show.contains("\"network\": \"tenants\""), "{show}");
+    root.ok(&["rm", "-f", "c1", "c2", "c3"]);
+    root.ok(&["template", "rm", "t"]);
+    root.ok(&["network", "rm", "tenants"]);
+    root.ok(&["network", "rm", "other"]);
+}

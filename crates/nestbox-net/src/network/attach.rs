@@ -166,8 +166,7 @@ impl Network {
         let infra = self.ensure_infra(&mut nl, &locked)?;
         if !infra.made_bridge && locked.state.rules != crate::nft::RULES_VERSION {
             // Tables of an older layout (saved with the record below).
-            self.ruleset(&locked, None)
-                .apply("update the network's nftables tables")?;
+            self.apply_rules(&locked, "update the network's nftables tables")?;
         }
         locked.state.rules = crate::nft::RULES_VERSION;
 
@@ -205,10 +204,7 @@ impl Network {
             // The attach's own error is the one reported; what the roll-back
             // could not undo is logged (and left to `detach`/`gc`).
             if made.nft {
-                if let Err(undo) = self
-                    .ruleset(&locked, None)
-                    .apply("roll back published ports")
-                {
+                if let Err(undo) = self.apply_rules(&locked, "roll back published ports") {
                     tracing::warn!(
                         box_id = id,
                         "attach failed ({e}); restoring the NAT table failed: {undo}"
@@ -380,8 +376,7 @@ impl Network {
 
         if record.has_rules() {
             made.nft = true;
-            self.ruleset(locked, None)
-                .apply("publish ports and allow host ports")?;
+            self.apply_rules(locked, "publish ports and allow host ports")?;
         }
         Ok(())
     }
@@ -510,8 +505,7 @@ impl Network {
         if let Some(e) = &entry {
             locked.state.boxes.remove(box_id);
             if e.attachment.as_ref().is_some_and(AttachRecord::has_rules) {
-                self.ruleset(&locked, None)
-                    .apply("unpublish ports and host ports")?;
+                self.apply_rules(&locked, "unpublish ports and host ports")?;
             }
             locked.save()?;
             self.write_hosts(&locked)?;

@@ -2,12 +2,18 @@
 //! forwarding and `route_localnet`), the IFB device carrying the egress HTB
 //! tree, and the NAT table; made by the first attach, whichever are missing,
 //! and removed with the network. Also the layout of the egress tree (class
-//! and filter numbering) that attaching and gc follow.
+//! and filter numbering) that attaching and gc follow, and the network's
+//! nftables rules: built from its state ([`Network::apply_rules`], which
+//! resolves the host names of egress policies and records what they
+//! resolved to in `egress-names.json`) and refreshed ([`Network::refresh`]).
 
 use std::fs;
 use std::net::Ipv4Addr;
 
+use serde::{Deserialize, Serialize};
+
 use super::{host_veth_name, Network};
+use crate::egress::Resolved;
 use crate::error::{NetError, Result};
 use crate::netlink::Netlink;
 use crate::nft::Ruleset;
@@ -34,6 +40,18 @@ pub const DEFAULT_CLASS_MINOR: u16 = 0xffff;
 pub(super) const FILTER_PRIO: u16 = 1;
 /// u32 hash table (keyed on the source's last octet) of the IFB filters.
 pub(super) const HASH_TABLE: u32 = 2;
+
+/// Where the names of egress policies and their addresses are recorded.
+const NAMES_FILE: &str = "egress-names.json";
+
+/// What the host names of a network's egress policies resolved to, and when.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ResolvedNames {
+    /// Each name's IPv4 addresses (none: it did not resolve and admits nothing).
+    pub names: Resolved,
+    /// When, in seconds since the epoch.
+    pub at: u64,
+}
 
 fn write_sysctl(path: &str, value: &str) -> Result<()> {
     fs::write(path, value).map_err(|e| NetError::io("write", path, e))
@@ -111,8 +129,7 @@ impl Network {
                     if c.ip_forward {
                         write_sysctl("/proc/sys/net/ipv4/ip_forward", "1")?;
                     }
-                    self.ruleset(locked, None)
-                        .apply("create the network's NAT table")
+                    self.apply_rules(locked, "create the network's NAT table")
                 })();
                 if let Err(e) = setup {
                     if let Err(undo) = link::delete(nl, &c.bridge) {
@@ -186,13 +203,82 @@ impl Network {
         })
     }
 
-    /// The NAT ruleset of the network, with box `extra` (not yet recorded)
-    /// publishing its ports too.
+    /// Write the network's nftables rules as its state says (host names of
+    /// egress policies resolved now), and record what each name resolved to.
+    pub(super) fn apply_rules(&self, locked: &Locked, what: &str) -> Result<()> {
+        let (rules, names) = self.ruleset(locked, None);
+        rules.apply(what)?;
+        self.record_names(&names)
+    }
+
+    /// Resolve the host names of the network's egress policies again and,
+    /// if any now stands for other addresses, rewrite the rules. Returns what
+    /// each name resolves to. Nothing is done for a network that is not on
+    /// the host (no bridge: its rules are written when it is).
+    pub fn refresh(&self) -> Result<Resolved> {
+        let locked = self.lock_existing()?;
+        let (rules, names) = self.ruleset(&locked, None);
+        let mut nl = Netlink::open()?;
+        if link::index(&mut nl, &self.config.bridge)?.is_none() {
+            return Ok(names);
+        }
+        if self.resolved_names()?.map(|r| r.names) != Some(names.clone()) {
+            rules.apply("refresh the egress host names")?;
+        }
+        self.record_names(&names)?;
+        Ok(names)
+    }
+
+    /// What the host names of the network's egress policies resolved to when
+    /// its rules were last written, if any policy has names.
+    pub fn resolved_names(&self) -> Result<Option<ResolvedNames>> {
+        let path = self.config.state_dir.join(NAMES_FILE);
+        match fs::read(&path) {
+            Ok(b) => serde_json::from_slice(&b)
+                .map(Some)
+                .map_err(|e| NetError::State {
+                    path,
+                    message: e.to_string(),
+                }),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+            Err(e) => Err(NetError::io("read", path, e)),
+        }
+    }
+
+    fn record_names(&self, names: &Resolved) -> Result<()> {
+        let path = self.config.state_dir.join(NAMES_FILE);
+        if names.is_empty() {
+            return match fs::remove_file(&path) {
+                Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+                    Err(NetError::io("remove", path, e))
+                }
+                _ => Ok(()),
+            };
+        }
+        let at = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_secs())
+            .unwrap_or(0);
+        let record = ResolvedNames {
+            names: names.clone(),
+            at,
+        };
+        let json = serde_json::to_vec_pretty(&record).map_err(|e| NetError::State {
+            path: path.clone(),
+            message: e.to_string(),
+        })?;
+        crate::state::write_atomic(&path, &json)
+    }
+
+    /// The ruleset of the network, with box `extra` (not yet recorded)
+    /// publishing its ports too, host names resolved; and what they
+    /// resolved to.
     pub(super) fn ruleset<'a>(
         &'a self,
         locked: &Locked,
         extra: Option<(&[PortMapping], Ipv4Addr)>,
-    ) -> Ruleset<'a> {
+    ) -> (Ruleset<'a>, Resolved) {
+        let mut names = Resolved::new();
         let host_allowed = locked
             .state
             .boxes
@@ -206,8 +292,17 @@ impl Network {
             .iter()
             .filter_map(|(id, e)| e.attachment.as_ref().map(|a| (id, a, e.address)))
             .filter(|(_, a, _)| !a.egress.is_allow_all())
-            .map(|(id, a, addr)| (id.clone(), addr, a.egress.clone()))
+            .map(|(id, a, addr)| {
+                let (policy, n) = a.egress.resolved();
+                names.extend(n);
+                (id.clone(), addr, policy)
+            })
             .collect();
+        let network_egress = (!self.config.egress.is_allow_all()).then(|| {
+            let (policy, n) = self.config.egress.resolved();
+            names.extend(n);
+            (self.config.name.clone(), policy)
+        });
         let mut published: Vec<(PortMapping, Ipv4Addr)> = locked
             .state
             .boxes
@@ -218,12 +313,14 @@ impl Network {
         if let Some((ports, addr)) = extra {
             published.extend(ports.iter().map(|m| (*m, addr)));
         }
-        Ruleset {
+        let rules = Ruleset {
             bridge: &self.config.bridge,
             subnet: self.config.subnet,
             published,
             host_allowed,
             egress,
-        }
+            network_egress,
+        };
+        (rules, names)
     }
 }

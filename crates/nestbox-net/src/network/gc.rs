@@ -84,8 +84,7 @@ impl Network {
             }
         }
         if nft {
-            self.ruleset(&locked, None)
-                .apply("remove the rules of dead boxes")?;
+            self.apply_rules(&locked, "remove the rules of dead boxes")?;
         }
         locked.save()?;
         self.write_hosts(&locked)?;

@@ -6,7 +6,8 @@
 //! - `lease`: handing out, renaming and moving addresses;
 //! - `shortcut`: upkeep of the box-to-box BPF map;
 //! - `bridge`: the network's shared devices (bridge, IFB shaping tree, NAT
-//!   table), made on demand and removed with the network;
+//!   table), made on demand and removed with the network; its rules;
+//! - `create`: making a user-defined network on the host at once;
 //! - `attach`: attaching a box's namespace (veth pair, address, route, egress
 //!   class and redirects, shortcut, ingress cap, published ports), rolled back
 //!   on failure, and detaching it;
@@ -14,6 +15,7 @@
 
 mod attach;
 mod bridge;
+mod create;
 mod gc;
 pub mod hosts;
 mod lease;
@@ -35,7 +37,7 @@ use crate::port::{HostPort, PortMapping};
 use crate::rate::Rate;
 use crate::state;
 
-pub use bridge::DEFAULT_CLASS_MINOR;
+pub use bridge::{ResolvedNames, DEFAULT_CLASS_MINOR};
 
 /// Default share weight of a box (`--net-share`).
 pub const DEFAULT_SHARE: u32 = 100;

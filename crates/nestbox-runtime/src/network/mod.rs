@@ -5,6 +5,11 @@
 //! bandwidth classes are set up; when the box ends, all of it is released.
 //! [`pool`] holds network namespaces made and attached ahead of time.
 //!
+//! A root has its default network (made on the first bridged box) and the
+//! user-defined networks made by `nestbox network create` ([`create`]); a box
+//! whose spec names one (`--network NAME`) is put on it, and what it holds
+//! there is found again by looking through the root's networks.
+//!
 //! This layer imports only the records (spec, paths, registry, process): the
 //! life of a box and the templates build on it.
 
@@ -14,7 +19,7 @@ use std::os::fd::AsFd;
 use std::path::PathBuf;
 
 use nestbox_isolation::rootfs::Volume;
-use nestbox_net::{AttachOptions, Lease, Network, NetworkConfig};
+use nestbox_net::{AttachOptions, Egress, Lease, NetError, Network, NetworkConfig, Subnet};
 use nix::unistd::Pid;
 
 use crate::paths::Roots;
@@ -42,16 +47,7 @@ pub fn open(roots: &Roots) -> Result<Network> {
     let dir = state_dir(roots);
     // Boxes starting at the same time must agree on one configuration: the first
     // chooses (and saves) it under this lock, the others load it.
-    std::fs::create_dir_all(&roots.lib).map_err(crate::RuntimeError::io("mkdir", &roots.lib))?;
-    let lock_path = roots.lib.join("network.lock");
-    let lock = std::fs::OpenOptions::new()
-        .create(true)
-        .truncate(false)
-        .write(true)
-        .open(&lock_path)
-        .map_err(crate::RuntimeError::io("open", &lock_path))?;
-    let _guard = nix::fcntl::Flock::lock(lock, nix::fcntl::FlockArg::LockExclusive)
-        .map_err(|(_, e)| crate::RuntimeError::sys(format!("flock {}", lock_path.display()))(e))?;
+    let _guard = lock_root(roots)?;
     let config = if is_system_root(roots) {
         NetworkConfig::default_in(&dir)?
     } else {
@@ -62,6 +58,90 @@ pub fn open(roots: &Roots) -> Result<Network> {
         c
     };
     Ok(Network::open(config)?)
+}
+
+/// Take the root's network lock: networks are chosen and made under it, so
+/// two at a time cannot take one name or one subnet.
+fn lock_root(roots: &Roots) -> Result<nix::fcntl::Flock<std::fs::File>> {
+    std::fs::create_dir_all(&roots.lib).map_err(crate::RuntimeError::io("mkdir", &roots.lib))?;
+    let lock_path = roots.lib.join("network.lock");
+    let lock = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&lock_path)
+        .map_err(crate::RuntimeError::io("open", &lock_path))?;
+    nix::fcntl::Flock::lock(lock, nix::fcntl::FlockArg::LockExclusive)
+        .map_err(|(_, e)| crate::RuntimeError::sys(format!("flock {}", lock_path.display()))(e))
+}
+
+/// Make the user-defined network `name` of `roots` on the host (`nestbox
+/// network create`): its own bridge, IFB device and tables, on `subnet` or a
+/// free /24, with the isolated policy if asked, and `egress` for all its
+/// boxes. Forwarding is set as for the root's default network.
+pub fn create(
+    roots: &Roots,
+    name: &str,
+    subnet: Option<Subnet>,
+    isolated: bool,
+    egress: Egress,
+) -> Result<Network> {
+    let _guard = lock_root(roots)?;
+    let mut config = NetworkConfig::user_in(&state_dir(roots), name, subnet)?;
+    config.isolated = isolated;
+    config.egress = egress;
+    config.ip_forward = is_system_root(roots);
+    Ok(Network::create(config)?)
+}
+
+/// The network `name` of `roots` (`None`, `default` or `bridge`: the
+/// default network, made if needed); a user-defined one must exist.
+pub fn open_named(roots: &Roots, name: Option<&str>) -> Result<Network> {
+    match name {
+        None | Some(nestbox_net::config::DEFAULT_NETWORK) | Some("bridge") => open(roots),
+        Some(n) => {
+            let config = NetworkConfig::load(&state_dir(roots).join(n))?.ok_or_else(|| {
+                crate::RuntimeError::InvalidInput(format!(
+                    "unknown --network {n:?}: no network of that name (make it with nestbox network create)"
+                ))
+            })?;
+            Ok(Network::open(config)?)
+        }
+    }
+}
+
+/// Every network of `roots`, for bookkeeping only (no netlink).
+pub fn views(roots: &Roots) -> Result<Vec<Network>> {
+    Ok(nestbox_net::list_networks(&state_dir(roots))?
+        .into_iter()
+        .map(Network::view)
+        .collect())
+}
+
+/// The network of `roots` on which box `box_id` holds an address, if any.
+pub fn view_of_box(roots: &Roots, box_id: &str) -> Result<Option<Network>> {
+    for net in views(roots)? {
+        if net.leases()?.iter().any(|l| l.box_id == box_id) {
+            return Ok(Some(net));
+        }
+    }
+    Ok(None)
+}
+
+/// Remove the network `name` of `roots` (the default one for `None`,
+/// `default` or `bridge`; see [`remove`]), refusing while a box holds an
+/// address on it. A user-defined network that does not exist is an error.
+pub fn remove_named(roots: &Roots, name: Option<&str>) -> Result<bool> {
+    match name {
+        None | Some(nestbox_net::config::DEFAULT_NETWORK) | Some("bridge") => remove(roots),
+        Some(n) => {
+            let _guard = lock_root(roots)?;
+            let config = NetworkConfig::load(&state_dir(roots).join(n))?
+                .ok_or_else(|| NetError::UnknownNetwork(n.to_string()))?;
+            Network::view(config).destroy_unused(|_| false)?;
+            Ok(true)
+        }
+    }
 }
 
 /// Set the policy of the default network of `roots`: isolated (a box reaches
@@ -146,7 +226,7 @@ impl Pending {
         if spec.network.mode != NetworkMode::Bridge {
             return Ok(None);
         }
-        let network = open(roots)?;
+        let network = open_named(roots, spec.network.name.as_deref())?;
         let lease = network.allocate(box_id, &spec.host_names())?;
         Ok(Some(Pending { network, lease }))
     }
@@ -185,8 +265,9 @@ impl Pending {
 /// Release everything box `box_id` holds on its network (idempotent).
 pub fn release(roots: &Roots, box_id: &str) -> Result<()> {
     crate::network_pool::release(roots, box_id);
-    // The saved configuration is enough: detaching opens its own netlink socket.
-    if let Some(net) = view(roots)? {
+    // The saved configuration is enough: detaching opens its own netlink
+    // socket; it is idempotent, so every network of the root is asked.
+    for net in views(roots)? {
         net.detach(box_id)?;
     }
     Ok(())
@@ -196,7 +277,7 @@ pub fn release(roots: &Roots, box_id: &str) -> Result<()> {
 /// network; its veth pair goes with its network namespace, by the kernel.
 pub fn release_exited(roots: &Roots, box_id: &str) -> Result<()> {
     crate::network_pool::release(roots, box_id);
-    if let Some(net) = view(roots)? {
+    for net in views(roots)? {
         net.detach_exited(box_id)?;
     }
     Ok(())
@@ -211,5 +292,9 @@ pub fn gc(roots: &Roots, live_now: &[String], live: &dyn Fn(&str) -> bool) -> Re
     }
     crate::network_pool::clear(roots, live_now)?;
     // Namespaces waiting in the pool are no leftovers.
-    Ok(open(roots)?.gc_with(&|id| crate::network_pool::is_pool_id(id) || live(id))?)
+    let mut dead = Vec::new();
+    for net in views(roots)? {
+        dead.extend(net.gc_with(&|id| crate::network_pool::is_pool_id(id) || live(id))?);
+    }
+    Ok(dead)
 }

@@ -79,6 +79,7 @@ pub fn set_size(roots: &Roots, n: usize) -> Result<()> {
 /// Whether a box of `spec` may take a namespace from the pool.
 pub fn eligible(spec: &BoxSpec) -> bool {
     spec.network.mode == NetworkMode::Bridge
+        && spec.network.name.is_none()
         && !spec.network.has_bridge_options()
         && !spec.userns
         && spec.clone_of.is_none()

@@ -52,6 +52,9 @@ pub struct CloneRequest {
     /// none`) instead of the template's network: no address, veth or
     /// bandwidth class; its listening sockets answer on its loopback.
     pub without_network: bool,
+    /// Put each clone on this network (`--network NAME`; `bridge` or
+    /// `default`: the root's default network) instead of its template's.
+    pub network: Option<String>,
 }
 
 /// One clone made.
@@ -107,14 +110,19 @@ impl FollowUp {
         if self.hosts.is_empty() {
             return Ok(());
         }
-        let Some(net) = crate::network::view(reg.roots())? else {
-            return Ok(());
-        };
         let mut first_error = None;
         for (id, name) in &self.hosts {
             if !still_running(reg, id, name) {
                 continue;
             }
+            // The template's network, which may be a user-defined one.
+            let net = match crate::network::view_of_box(reg.roots(), id)? {
+                Some(n) => n,
+                None => match crate::network::view(reg.roots())? {
+                    Some(n) => n,
+                    None => continue,
+                },
+            };
             if let Err(e) = net.rename(id, &[name.as_str()]) {
                 // The clone may have ended or been removed since the check
                 // above: its address is released before its record says so
@@ -172,11 +180,12 @@ pub fn clone_template_answer_first(
     let mut rest = Vec::new();
     for name in names {
         // Pooled clones have the template's settings: a request with its own is forked.
-        let claimed = if req.pooled || req.limits.is_some() || req.without_network {
-            None
-        } else {
-            claim_pooled(reg, &t, &name, req, &mut follow_up)?
-        };
+        let claimed =
+            if req.pooled || req.limits.is_some() || req.without_network || req.network.is_some() {
+                None
+            } else {
+                claim_pooled(reg, &t, &name, req, &mut follow_up)?
+            };
         match claimed {
             Some(c) => made.push(c),
             None => rest.push(name),
@@ -369,6 +378,12 @@ fn clone_spec(t: &BoxRecord, name: &str, req: &CloneRequest) -> BoxSpec {
         spec.network = crate::spec::NetSpec {
             mode: crate::spec::NetworkMode::None,
             ..Default::default()
+        };
+    } else if let Some(n) = &req.network {
+        spec.network.mode = crate::spec::NetworkMode::Bridge;
+        spec.network.name = match n.as_str() {
+            "bridge" | "default" => None,
+            other => Some(other.to_string()),
         };
     }
     if let Some(limits) = &req.limits {

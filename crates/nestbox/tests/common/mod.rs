@@ -620,20 +620,31 @@ impl TestRoot {
     /// table and guard table are gone from the host.
     fn remove_network(&self) -> Vec<String> {
         let mut left = Vec::new();
-        let bridges: Vec<String> = serde_json::from_str::<Value>(
+        let networks: Vec<Value> = serde_json::from_str::<Value>(
             &self
                 .run_timeout(&["network", "ls", "--json"], Duration::from_secs(30))
                 .stdout,
         )
         .ok()
         .and_then(|v| v.as_array().cloned())
-        .unwrap_or_default()
-        .iter()
-        .filter_map(|n| n["bridge"].as_str().map(String::from))
-        .collect();
+        .unwrap_or_default();
+        let bridges: Vec<String> = networks
+            .iter()
+            .filter_map(|n| n["bridge"].as_str().map(String::from))
+            .collect();
         let out = self.run_timeout(&["network", "rm"], Duration::from_secs(60));
         if out.code != 0 {
             left.push(format!("network rm failed: {out}"));
+        }
+        // User-defined networks a test left (`network create`).
+        for name in networks.iter().filter_map(|n| n["name"].as_str()) {
+            if name == "default" {
+                continue;
+            }
+            let out = self.run_timeout(&["network", "rm", name], Duration::from_secs(60));
+            if out.code != 0 {
+                left.push(format!("network rm {name} failed: {out}"));
+            }
         }
         for bridge in bridges {
             for link in [bridge.clone(), format!("{bridge}ifb")] {
