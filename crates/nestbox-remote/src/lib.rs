@@ -81,7 +81,9 @@ pub use fdtransfer::{install_fds, MAX_FDS};
 pub use fork::{remote_fork, ForkPlan, Forked, NsKind};
 pub use hugepages::{collapse_anonymous, collapsible_ranges, Collapsed};
 pub use objects::{object_of, CloneObjects, ObjectKey, TemplateEnd};
-pub use procimage::{capture, restore, PageStore, ProcessImage, RestorePlan, IMAGE_VERSION};
+pub use procimage::{
+    capture_box, restore_box, PageStore, ProcessImage, RestorePlan, IMAGE_VERSION,
+};
 pub use procstate::ProcessState;
 pub use retarget::FdOutcome;
 pub use shmem::{ensure_memory_clonable, SharedCopy, SharedKind, SharedObjects};

@@ -33,21 +33,24 @@ use crate::batch::Batch;
 use crate::buffered::{copy_pipe, copy_queue, CopyError};
 use crate::error::{RemoteError, Result};
 use crate::fdinfo::{
-    ensure_clonable, inspect_fds, mark_pidfds_inside, pidfd_getfd, pidfd_open, FdAction, FdEntry,
-    FdKind,
+    ensure_clonable, inspect_fds, pidfd_getfd, pidfd_open, FdAction, FdEntry, FdKind,
 };
 use crate::fdtransfer::install_fds_with;
-use crate::fork::{ensure_all_threads_held, fix_up, read_template, Made, TemplateState};
+use crate::fork::{
+    ensure_all_threads_held, fix_up, fork_into, read_template, CloneTables, Made, TemplateState,
+};
 use crate::maps::{Pagemap, Vma, PAGE};
 use crate::memory::Scratch;
 use crate::objects::{object_of, CloneObjects};
 use crate::procfs::{proc_path, Status};
 use crate::procstate::ProcessState;
 use crate::rebuild::{is_special, private_data, rebuild, zero_pfn, Layout, PageAction, PageSource};
-use crate::retarget::{own_pidfds, retarget_with};
+use crate::retarget::{box_pidfds, own_pidfds, retarget_with};
 use crate::shmem::SharedObjects;
 use crate::threads::ThreadState;
 use crate::tracee::{Tracee, TRACE_OPTIONS};
+use crate::tree::{Membership, Origin, Step, INIT_PID};
+use crate::treefork::{mark_box, set_membership};
 
 /// Bump when the image's layout changes: an image of another version is refused.
 pub const IMAGE_VERSION: u32 = 1;
@@ -61,6 +64,14 @@ const SECCOMP_SET_MODE_FILTER: u64 = 1;
 pub struct ProcessImage {
     /// Its pid in the box's pid namespace.
     pub ns_pid: i32,
+    /// Its parent's pid in the box (1: the box's init).
+    pub parent: i32,
+    /// What it does about its session and group once made.
+    pub membership: Membership,
+    /// Its fds that are the same open file as its parent's fd of the same
+    /// number (inherited at fork and still shared): they stay the restored
+    /// parent's.
+    pub inherited_fds: Vec<i32>,
     /// Its address space: mappings, mm fields, auxiliary vector, executable.
     pub layout: Layout,
     /// Working directory, umask, limits, signal dispositions, name,
@@ -89,27 +100,35 @@ impl ProcessImage {
 
 /// Pages of a restored process, by address: what an image has contents for.
 pub trait PageStore {
-    /// Whether the image holds the page at `addr` (page-aligned); a page it
-    /// does not hold is zero in anonymous memory and the file's in a private
-    /// file mapping.
-    fn has(&self, addr: u64) -> bool;
+    /// The content digest of the page the image holds at `addr`
+    /// (page-aligned), if it holds one; a page it does not hold is zero in
+    /// anonymous memory and the file's in a private file mapping.
+    fn id(&self, addr: u64) -> Option<[u8; 32]>;
     /// Read the page at `addr` into `buf` (one page), checked against its
     /// content hash.
     fn read_page(&self, addr: u64, buf: &mut [u8]) -> std::io::Result<()>;
 }
 
-/// A [`PageSource`] over a [`PageStore`], for the rebuild engine.
-struct StoredPages<'a>(&'a dyn PageStore);
+/// A [`PageSource`] over a [`PageStore`], for the rebuild engine: the
+/// target's pages, and (for a process forked from its restored parent) the
+/// parent's, which X has where it kept the parent's mappings: a page both
+/// hold with the same contents is kept.
+struct StoredPages<'a> {
+    target: &'a dyn PageStore,
+    base: Option<&'a dyn PageStore>,
+}
 
 impl PageSource for StoredPages<'_> {
-    fn page_actions(&self, vma: &Vma, _kept: bool) -> Result<Vec<PageAction>> {
+    fn page_actions(&self, vma: &Vma, kept: bool) -> Result<Vec<PageAction>> {
         Ok((vma.start..vma.end)
             .step_by(PAGE as usize)
             .map(|addr| {
-                if self.0.has(addr) {
-                    PageAction::Write
-                } else {
-                    PageAction::Keep
+                let base = self.base.filter(|_| kept).and_then(|b| b.id(addr));
+                match (self.target.id(addr), base) {
+                    (Some(t), Some(b)) if t == b => PageAction::Keep,
+                    (Some(_), _) => PageAction::Write,
+                    (None, Some(_)) => PageAction::Drop,
+                    (None, None) => PageAction::Keep,
                 }
             })
             .collect())
@@ -118,8 +137,8 @@ impl PageSource for StoredPages<'_> {
     fn read(&self, addr: u64, buf: &mut [u8]) -> Result<()> {
         for (i, page) in buf.chunks_mut(PAGE as usize).enumerate() {
             let at = addr + i as u64 * PAGE;
-            if self.0.has(at) {
-                self.0
+            if self.target.id(at).is_some() {
+                self.target
                     .read_page(at, page)
                     .map_err(|source| RemoteError::Image {
                         what: format!("page {at:#x}"),
@@ -133,18 +152,80 @@ impl PageSource for StoredPages<'_> {
     }
 }
 
-/// Read the stopped process `tracee` (seized with every thread by
-/// [`Tracee::seize_and_interrupt`] and waited for) into an image. Every page
-/// of its private memory that is its own (anonymous, or a private copy of a
-/// file's page) and not zero is given to `sink` with its address. The
-/// process is left stopped, its registers intact.
+/// Read the stopped processes of a box (`tracees`, each seized with every
+/// thread by [`Tracee::seize_and_interrupt`] and waited for, in the order of
+/// `steps` from [`crate::tree::plan`]) into images. Every page of their
+/// private memory that is their own (anonymous, or a private copy of a
+/// file's page) and not zero is given to `sink` with the process's pid in
+/// the box and the page's address. The processes are left stopped, their
+/// registers intact.
 ///
 /// # Errors
 /// What the image cannot hold (see the module documentation), or a failed
-/// read of `/proc` or of the process's memory; `sink`'s error as
+/// read of `/proc` or of a process's memory; `sink`'s error as
 /// [`RemoteError::Image`].
-pub fn capture(
+pub fn capture_box(
+    tracees: &mut [Tracee],
+    steps: &[Step],
+    sink: &mut dyn FnMut(i32, u64, &[u8]) -> std::io::Result<()>,
+) -> Result<Vec<ProcessImage>> {
+    if tracees.len() != steps.len() || steps.is_empty() {
+        return Err(RemoteError::Plan(format!(
+            "{} processes for {} steps of the tree",
+            tracees.len(),
+            steps.len()
+        )));
+    }
+    let host_pids: Vec<i32> = tracees.iter().map(Tracee::pid).collect();
+    let mut inventories = host_pids
+        .iter()
+        .map(|p| inspect_fds(*p))
+        .collect::<Result<Vec<_>>>()?;
+    mark_box(&mut inventories, &host_pids);
+    let host_of: std::collections::BTreeMap<i32, i32> = steps
+        .iter()
+        .map(|s| (s.process.pid, s.process.host_pid))
+        .collect();
+    let mut seen = HashSet::new();
+    let mut images: Vec<ProcessImage> = Vec::with_capacity(steps.len());
+    for ((tracee, step), fds) in tracees.iter_mut().zip(steps).zip(inventories) {
+        let pid = tracee.pid();
+        let parent = match step.origin {
+            Origin::RemoteFork => INIT_PID,
+            Origin::ForkedBy(p) => p,
+        };
+        let inherited_fds: Vec<i32> = match step.origin {
+            Origin::RemoteFork => Vec::new(),
+            Origin::ForkedBy(p) => fds
+                .iter()
+                .filter(|e| e.fd > 2)
+                .filter(|e| {
+                    nestbox_sys::process::same_open_file(host_of[&p], e.fd, pid, e.fd)
+                        .unwrap_or(false)
+                })
+                .map(|e| e.fd)
+                .collect(),
+        };
+        let mut image = capture_one(tracee, fds, &mut seen, &mut |addr, page| {
+            sink(step.process.pid, addr, page)
+        })?;
+        if let Some(p) = images.iter().find(|i| i.ns_pid == parent) {
+            image.state.check_inherits(pid, &p.state)?;
+        }
+        image.parent = parent;
+        image.membership = step.membership;
+        image.inherited_fds = inherited_fds;
+        images.push(image);
+    }
+    Ok(images)
+}
+
+/// One process of [`capture_box`]; `seen`: the connected objects whose
+/// buffered data an earlier process saved.
+fn capture_one(
     tracee: &mut Tracee,
+    fds: Vec<FdEntry>,
+    seen: &mut HashSet<(crate::objects::ObjectKey, usize)>,
     sink: &mut dyn FnMut(u64, &[u8]) -> std::io::Result<()>,
 ) -> Result<ProcessImage> {
     let pid = tracee.pid();
@@ -160,9 +241,7 @@ pub fn capture(
             "process {pid} has {filters} seccomp filters; a checkpoint restores only the box's own"
         )));
     }
-    let mut fds = inspect_fds(pid)?;
-    mark_pidfds_inside(&mut [fds.as_mut_slice()], &[pid]);
-    let buffered = ensure_restorable(pid, &fds)?;
+    let buffered = ensure_restorable(pid, &fds, seen)?;
     let mut layout = Layout::read(pid)?;
     layout.rseq = None;
     ensure_memory_restorable(pid, &layout.vmas)?;
@@ -180,6 +259,9 @@ pub fn capture(
     save_pages(pid, &layout.vmas, sink)?;
     Ok(ProcessImage {
         ns_pid: template.ns_pid,
+        parent: INIT_PID,
+        membership: Membership::Inherit,
+        inherited_fds: Vec::new(),
         layout,
         state,
         leader: template.leader,
@@ -193,11 +275,14 @@ pub fn capture(
 /// The fd rules a restore can follow (the clone fd matrix's, less what needs
 /// the live template); returns the data buffered in the box's connected
 /// objects, by an fd that reads it.
-fn ensure_restorable(pid: i32, fds: &[FdEntry]) -> Result<Vec<(i32, Vec<u8>)>> {
+fn ensure_restorable(
+    pid: i32,
+    fds: &[FdEntry],
+    seen: &mut HashSet<(crate::objects::ObjectKey, usize)>,
+) -> Result<Vec<(i32, Vec<u8>)>> {
     ensure_clonable(pid, fds)?;
     let pidfd = pidfd_open(pid)?;
     let mut buffered = Vec::new();
-    let mut seen = HashSet::new();
     for entry in fds {
         let refuse = |reason: &str| RemoteError::UnsupportedFd {
             pid,
@@ -311,14 +396,20 @@ fn read_all(fd: &OwnedFd) -> std::io::Result<Vec<u8>> {
     }
 }
 
-/// The mappings a restore can make (private ones, and read-only shared file
-/// mappings, from files that still exist).
+/// The mappings a restore can make: private ones of files that exist,
+/// shared ones of files that exist (mapped again by path), and shared memory
+/// of the box's own (shared anonymous memory, memfds, deleted files: its
+/// contents are saved and put in a new object).
 fn ensure_memory_restorable(pid: i32, vmas: &[Vma]) -> Result<()> {
     for v in vmas.iter().filter(|v| !is_special(v)) {
-        let reason = if v.shared && (!v.is_file() || v.has_flag("mw")) {
-            Some("writable shared memory")
-        } else if v.is_file() && v.deleted() {
-            Some("a mapping of a deleted file")
+        let reason = if v.shared && v.name.starts_with("/SYSV") {
+            Some("a System V shared memory segment")
+        } else if v.shared && !v.is_file() {
+            Some("shared memory without an object")
+        } else if v.shared && v.path().starts_with("/dev/") && v.path() != "/dev/zero" {
+            Some("a device mapping")
+        } else if !v.shared && v.is_file() && v.deleted() {
+            Some("a private mapping of a deleted file")
         } else {
             None
         };
@@ -335,7 +426,8 @@ fn ensure_memory_restorable(pid: i32, vmas: &[Vma]) -> Result<()> {
 }
 
 /// Give `sink` every page of the private mappings that is the process's own
-/// and not zero, in address order.
+/// and not zero, and every page of its shared memory of its own (shared
+/// anonymous, memfd, deleted files) that is not zero, in address order.
 fn save_pages(
     pid: i32,
     vmas: &[Vma],
@@ -349,11 +441,14 @@ fn save_pages(
     })?;
     let zero = zero_pfn().unwrap_or(0);
     let mut buf = Vec::new();
-    for v in vmas.iter().filter(|v| !v.shared && !is_special(v)) {
+    let saved = |v: &&Vma| !is_special(v) && (!v.shared || v.deleted());
+    for v in vmas.iter().filter(saved) {
         let entries = pagemap.range(v.start, v.end)?;
+        // Shared memory: every page (one this process has not touched may
+        // hold what another wrote); zero ones are skipped below.
         let own = |i: usize| {
             let e = entries[i];
-            private_data(e) && !(e.present() && zero != 0 && e.pfn() == zero)
+            v.shared || (private_data(e) && !(e.present() && zero != 0 && e.pfn() == zero))
         };
         let mut i = 0;
         while i < entries.len() {
@@ -374,9 +469,9 @@ fn save_pages(
                     source,
                 })?;
             for (k, page) in buf.chunks(PAGE as usize).enumerate() {
-                // A zero page of anonymous memory is what a restore maps
-                // anyway; over a file it hides the file's contents.
-                if !v.is_file() && page.iter().all(|b| *b == 0) {
+                // A zero page of anonymous or new shared memory is what a
+                // restore maps anyway; over a file it hides the file's contents.
+                if (!v.is_file() || v.shared) && page.iter().all(|b| *b == 0) {
                     continue;
                 }
                 let at = start + k as u64 * PAGE;
@@ -391,10 +486,10 @@ fn save_pages(
     Ok(())
 }
 
-/// What [`restore`] needs besides the image.
+/// What [`restore_box`] needs besides the images.
 #[derive(Debug)]
 pub struct RestorePlan<'a> {
-    /// The restored box's stdin, stdout, stderr (for the image's fds 0–2).
+    /// The restored box's stdin, stdout, stderr (for the images' fds 0–2).
     pub stdio: [BorrowedFd<'a>; 3],
     /// The new box's setns/clone3 cookie (its seccomp filter checks it).
     pub setns_cookie: [u64; 2],
@@ -403,20 +498,101 @@ pub struct RestorePlan<'a> {
     pub seccomp: Option<Vec<u8>>,
 }
 
-/// Make the stub process `stub` (host pid; born in the restored box's
-/// namespaces and cgroup with the image's pid, by
-/// `nestbox_sys::process::spawn_stub`) the image's process, and let it run.
-/// Returns its host pid.
+/// Make a box's processes from their images (in the order
+/// [`capture_box`] gave them: every parent before its children) and let
+/// them run. A process whose parent is the box's init is made from its
+/// stub in `stubs` ((pid in the box, host pid): born in the restored box's
+/// namespaces and cgroup with that pid, by `nestbox_sys::process::spawn_stub`);
+/// any other is forked by its restored parent (`clone3` with `set_tid`) and
+/// made its image's from there, keeping what it shares with its parent.
+/// `pages[i]` are the pages of `images[i]`. Every process is held until the
+/// whole tree is made, then all are let go, children first. Returns the host
+/// pids, in the images' order.
 ///
 /// # Errors
-/// A failed call, naming it; a page whose contents do not match their hash.
-/// The stub is killed on failure.
-pub fn restore(
+/// A failed call, naming it; a page whose contents do not match their digest
+/// (found before any restored process runs). Every process made is killed.
+pub fn restore_box(
+    stubs: &[(i32, i32)],
+    images: &[ProcessImage],
+    pages: &[&dyn PageStore],
+    plan: &RestorePlan<'_>,
+) -> Result<Vec<i32>> {
+    if images.is_empty() || images.len() != pages.len() {
+        return Err(RemoteError::Plan(format!(
+            "{} images with {} page sets",
+            images.len(),
+            pages.len()
+        )));
+    }
+    let fds: Vec<(i32, &[FdEntry])> = images
+        .iter()
+        .map(|i| (i.ns_pid, i.fds.as_slice()))
+        .collect();
+    let buffered: Vec<_> = images
+        .iter()
+        .flat_map(|image| {
+            image.buffered.iter().filter_map(|(fd, data)| {
+                let entry = image.fds.iter().find(|e| e.fd == *fd)?;
+                let (key, side) = object_of(entry)?;
+                Some((key, side, data.clone()))
+            })
+        })
+        .collect();
+    let mut tables = CloneTables {
+        objects: CloneObjects::plan(&fds).with_data(buffered),
+        shared: SharedObjects::default(),
+    };
+    let mut made: Vec<Made> = Vec::with_capacity(images.len());
+    for (i, image) in images.iter().enumerate() {
+        let mut process = if image.parent == INIT_PID {
+            let stub = stubs
+                .iter()
+                .find(|(ns, _)| *ns == image.ns_pid)
+                .map(|(_, host)| *host)
+                .ok_or_else(|| {
+                    RemoteError::Plan(format!("no stub for process {}", image.ns_pid))
+                })?;
+            restore_root(stub, image, pages[i], plan, &mut tables)?
+        } else {
+            let parent_at = images[..i]
+                .iter()
+                .position(|p| p.ns_pid == image.parent)
+                .ok_or_else(|| {
+                    RemoteError::Plan(format!(
+                        "the parent {} of {} comes after it",
+                        image.parent, image.ns_pid
+                    ))
+                })?;
+            let parent = Parent {
+                made: &mut made[parent_at],
+                image: &images[parent_at],
+                pages: pages[parent_at],
+            };
+            restore_child(parent, image, pages[i], plan, &mut tables)?
+        };
+        set_membership(&mut process, image.membership)?;
+        made.push(process);
+    }
+    for (m, image) in made.iter_mut().zip(images) {
+        box_pidfds(&mut m.process, &image.fds)?;
+    }
+    let mut pids = Vec::with_capacity(made.len());
+    while let Some(m) = made.pop() {
+        pids.push(m.release(None)?);
+    }
+    pids.reverse();
+    Ok(pids)
+}
+
+/// A process whose parent is the box's init, made from its stub.
+fn restore_root(
     stub: i32,
     image: &ProcessImage,
     pages: &dyn PageStore,
     plan: &RestorePlan<'_>,
-) -> Result<i32> {
+    tables: &mut CloneTables,
+) -> Result<Made> {
     let mut x = Tracee::seize_and_interrupt(stub)?.owned();
     x.wait_stopped(std::time::Duration::from_secs(2))?;
     x.set_options(TRACE_OPTIONS | libc::PTRACE_O_EXITKILL)?;
@@ -428,7 +604,6 @@ pub fn restore(
             image.ns_pid
         )));
     }
-    let mut shared = SharedObjects::default();
     let empty = Layout {
         vmas: Vec::new(),
         mm: Default::default(),
@@ -439,16 +614,27 @@ pub fn restore(
     };
     rebuild(
         &mut x,
-        &mut shared,
+        &mut tables.shared,
         &empty,
         &image.layout,
         0,
-        &StoredPages(pages),
+        &StoredPages {
+            target: pages,
+            base: None,
+        },
     )?;
     let mut scratch = Scratch::map(&mut x)?;
     image.state.apply(&mut x, &mut scratch)?;
     set_credentials(&mut x, &mut scratch, &image.state)?;
-    let fds = restore_fds(&mut x, &mut scratch, image, plan)?;
+    let creator = !tables.objects.is_created();
+    let fds = restore_fds(
+        &mut x,
+        &mut scratch,
+        image,
+        plan,
+        &mut tables.objects,
+        creator,
+    )?;
     if image.leader.caps.no_new_privs {
         x.syscall(
             "prctl(PR_SET_NO_NEW_PRIVS)",
@@ -466,35 +652,161 @@ pub fn restore(
         })?;
         install_filter(&mut x, &mut scratch, program)?;
     }
-    let state = TemplateState {
-        cwd: image.state.cwd.clone(),
-        ns_pid: image.ns_pid,
-        leader: image.leader.clone(),
-        threads: image.threads.clone(),
-        free_floor: 0,
-    };
     // The stub holds every capability (in the box's user namespace, or as
     // the host's root): the bounding set is narrowed to the image's as after
     // joining a user namespace.
     let threads = fix_up(
         &mut x,
         &mut scratch,
-        &state,
+        &thread_plan(image),
         image.securebits,
         true,
         plan.setns_cookie,
     )?;
     own_pidfds(&mut x, &image.fds)?;
     x.set_original(image.leader.resume_regs());
-    let made = Made {
+    Ok(Made {
         process: x,
         threads,
         scratch,
         ns_pid: image.ns_pid,
         caps: Some(image.leader.caps),
         fds,
-    };
-    made.release(None)
+    })
+}
+
+/// What a thread re-creation needs of an image.
+fn thread_plan(image: &ProcessImage) -> TemplateState {
+    TemplateState {
+        cwd: image.state.cwd.clone(),
+        ns_pid: image.ns_pid,
+        leader: image.leader.clone(),
+        threads: image.threads.clone(),
+        free_floor: 0,
+    }
+}
+
+/// The restored parent of a process being restored: held, with its image
+/// and pages.
+struct Parent<'a> {
+    made: &'a mut Made,
+    image: &'a ProcessImage,
+    pages: &'a dyn PageStore,
+}
+
+/// A process forked by its restored parent (held), then made its image's:
+/// memory (the parent's pages it has unchanged are kept), state, fds (those
+/// it shares with its parent stay), threads. Credentials and the seccomp
+/// filter are its parent's (checked equal at capture).
+fn restore_child(
+    parent: Parent<'_>,
+    image: &ProcessImage,
+    pages: &dyn PageStore,
+    plan: &RestorePlan<'_>,
+    tables: &mut CloneTables,
+) -> Result<Made> {
+    let insn = parent.made.process.syscall_insn;
+    let (x_pid, with_pid) = fork_into(
+        &mut parent.made.process,
+        &mut parent.made.scratch,
+        0,
+        image.ns_pid,
+        plan.setns_cookie,
+    )?;
+    let mut x = Tracee::adopt(x_pid, insn)?;
+    x.set_options(TRACE_OPTIONS | libc::PTRACE_O_EXITKILL)?;
+    if !with_pid {
+        return Err(RemoteError::Unclonable(format!(
+            "the seccomp filter refuses clone3 with the cookie, so process {} cannot get its pid",
+            image.ns_pid
+        )));
+    }
+    rebuild(
+        &mut x,
+        &mut tables.shared,
+        &parent.image.layout,
+        &image.layout,
+        0,
+        &StoredPages {
+            target: pages,
+            base: Some(parent.pages),
+        },
+    )?;
+    let mut scratch = Scratch::map(&mut x)?;
+    image.state.apply(&mut x, &mut scratch)?;
+    let fds = child_fds(&mut x, &mut scratch, image, &mut tables.objects)?;
+    let threads = fix_up(
+        &mut x,
+        &mut scratch,
+        &thread_plan(image),
+        0,
+        parent.made.caps.is_some(),
+        plan.setns_cookie,
+    )?;
+    own_pidfds(&mut x, &image.fds)?;
+    x.set_original(image.leader.resume_regs());
+    Ok(Made {
+        process: x,
+        threads,
+        scratch,
+        ns_pid: image.ns_pid,
+        caps: parent.made.caps.map(|_| image.leader.caps),
+        fds,
+    })
+}
+
+/// The fds of a child forked by its restored parent: the parent's fds it
+/// shared in the box stay, the parent's others go, its own are made as a
+/// root's are (objects of the box handed over from the table).
+fn child_fds(
+    x: &mut Tracee,
+    scratch: &mut Scratch,
+    image: &ProcessImage,
+    objects: &mut CloneObjects,
+) -> Result<Vec<crate::retarget::FdOutcome>> {
+    let have = inspect_fds(x.pid())?;
+    let own: Vec<FdEntry> = image
+        .fds
+        .iter()
+        .filter(|e| e.fd > 2 && !image.inherited_fds.contains(&e.fd))
+        .cloned()
+        .collect();
+    let mut batch = Batch::new();
+    for e in &have {
+        if e.fd > 2 && !image.inherited_fds.contains(&e.fd) {
+            batch.push(
+                "close",
+                format!("fd {} of the parent, not the child's", e.fd),
+                libc::SYS_close,
+                &[e.fd as u64],
+            );
+        }
+    }
+    for e in &own {
+        batch.push(
+            "dup3",
+            format!("holding fd {}", e.fd),
+            libc::SYS_dup3,
+            &[0, e.fd as u64, libc::O_CLOEXEC as u64],
+        );
+    }
+    scratch.reset();
+    batch.run(x, scratch)?;
+    let mut outcomes = retarget_with(
+        x,
+        scratch,
+        image.ns_pid,
+        &own,
+        [0, 1, 2],
+        Some((objects, false)),
+    )?;
+    for entry in &own {
+        if entry.action() == FdAction::Shared {
+            reopen_shared(x, scratch, entry)?;
+        }
+    }
+    outcomes.sort_by_key(|o| o.fd);
+    Ok(outcomes)
 }
 
 /// Give the stub the image's user and group ids and supplementary groups
@@ -572,6 +884,8 @@ fn restore_fds(
     scratch: &mut Scratch,
     image: &ProcessImage,
     plan: &RestorePlan<'_>,
+    objects: &mut CloneObjects,
+    creator: bool,
 ) -> Result<Vec<crate::retarget::FdOutcome>> {
     let used: HashSet<i32> = image.fds.iter().map(|e| e.fd).collect();
     x.syscall(
@@ -593,14 +907,14 @@ fn restore_fds(
     batch.run(x, scratch)?;
     let installed = install_fds_with(x, scratch, &plan.stdio)?;
     let stdio = [installed[0], installed[1], installed[2]];
-    let mut objects = CloneObjects::plan(&[(0, image.fds.as_slice())]).with_data(
-        image.buffered.iter().filter_map(|(fd, data)| {
-            let entry = image.fds.iter().find(|e| e.fd == *fd)?;
-            let (key, side) = object_of(entry)?;
-            Some((key, side, data.clone()))
-        }),
-    );
-    let outcomes = retarget_with(x, scratch, 0, &image.fds, stdio, Some((&mut objects, true)))?;
+    let outcomes = retarget_with(
+        x,
+        scratch,
+        image.ns_pid,
+        &image.fds,
+        stdio,
+        Some((objects, creator)),
+    )?;
     for entry in &image.fds {
         if entry.action() == FdAction::Shared {
             reopen_shared(x, scratch, entry)?;

@@ -643,9 +643,21 @@ pub fn rebuild(
     // mappings of files are mapped from the file like private ones.
     let writable_shared = |t: &Vma| t.shared && t.is_file() && t.has_flag("mw");
     let mut shared_new: Vec<Vma> = Vec::new();
+    // From an image (no live target): memory of its own (shared anonymous,
+    // memfd, deleted files) is made anew and written from the image; a file
+    // that exists is mapped shared as it is.
+    let from_image = target_pid == 0;
+    let mut made_objects: Vec<((u64, u64), u64)> = Vec::new();
     for t in target.vmas.iter().filter(|t| !is_special(t)) {
         let pieces = subtract((t.start, t.end), &keep);
-        if writable_shared(t) {
+        if from_image && t.shared && t.deleted() {
+            if !pieces.is_empty() {
+                map_shared_anew(x, &mut scratch, t, &target.vmas, &mut made_objects)?;
+                stats.mapped += 1;
+            }
+            continue;
+        }
+        if writable_shared(t) && !from_image {
             if !pieces.is_empty() {
                 shared_new.push(t.clone());
             }
@@ -655,6 +667,9 @@ pub fn rebuild(
             map_private(x, &mut scratch, &sub_vma(t, s, e), target_pid)?;
             stats.mapped += 1;
         }
+    }
+    for (_, fd) in made_objects {
+        x.syscall("close", String::new, libc::SYS_close, &[fd])?;
     }
     if !shared_new.is_empty() {
         stats.mapped += shared_new.len();
@@ -672,7 +687,12 @@ pub fn rebuild(
             path: mem_path,
             source,
         })?;
-    for t in target.vmas.iter().filter(|t| !t.shared && !is_special(t)) {
+    let own_memory = |t: &Vma| !t.shared || (from_image && t.deleted());
+    for t in target
+        .vmas
+        .iter()
+        .filter(|t| own_memory(t) && !is_special(t))
+    {
         let fresh = subtract((t.start, t.end), &keep);
         let kept = subtract((t.start, t.end), &fresh);
         for (ranges, is_kept) in [(kept, true), (fresh, false)] {
@@ -773,6 +793,78 @@ fn prctl_mm_map(mm: &MmFields, auxv: u64, auxv_size: u32, exe_fd: Option<u64>) -
     out.extend_from_slice(&auxv_size.to_ne_bytes());
     out.extend_from_slice(&exe_fd.map_or(u32::MAX, |fd| fd as u32).to_ne_bytes());
     out
+}
+
+/// Map the image's shared mapping `t` of memory of its own (shared
+/// anonymous memory, a memfd, a deleted file) in X on a new object: shared
+/// anonymous memory for `/dev/zero`, else a memfd of the same name sized for
+/// every mapping of that object in `all`; `made` (object → fd in X) lets
+/// later mappings of the same object share it. The contents are written
+/// afterwards, as a private mapping's.
+fn map_shared_anew(
+    x: &mut Tracee,
+    scratch: &mut Scratch,
+    t: &Vma,
+    all: &[Vma],
+    made: &mut Vec<((u64, u64), u64)>,
+) -> Result<()> {
+    let what = || format!("{} ({})", t.range_name(), t.name);
+    let flags = (libc::MAP_SHARED | libc::MAP_FIXED) as u64;
+    let addr = if t.path() == "/dev/zero" {
+        x.syscall(
+            "mmap",
+            what,
+            libc::SYS_mmap,
+            &[
+                t.start,
+                t.len(),
+                t.prot as u64,
+                flags | libc::MAP_ANONYMOUS as u64,
+                u64::MAX,
+                0,
+            ],
+        )?
+    } else {
+        let fd = match made.iter().find(|(o, _)| *o == t.object()) {
+            Some((_, fd)) => *fd,
+            None => {
+                let name = t.path().rsplit('/').next().unwrap_or("restored");
+                let name = name.strip_prefix("memfd:").unwrap_or(name);
+                scratch.reset();
+                let name_addr = scratch.put_path(x, name.as_bytes())?;
+                let fd = x.syscall(
+                    "memfd_create",
+                    what,
+                    libc::SYS_memfd_create,
+                    &[name_addr, libc::MFD_CLOEXEC as u64],
+                )?;
+                let size = all
+                    .iter()
+                    .filter(|v| v.object() == t.object())
+                    .map(|v| v.offset + v.len())
+                    .max()
+                    .unwrap_or(t.offset + t.len());
+                x.syscall("ftruncate", what, libc::SYS_ftruncate, &[fd, size])?;
+                made.push((t.object(), fd));
+                fd
+            }
+        };
+        x.syscall(
+            "mmap",
+            what,
+            libc::SYS_mmap,
+            &[t.start, t.len(), t.prot as u64, flags, fd, t.offset],
+        )?
+    };
+    if addr != t.start {
+        return Err(RemoteError::UnsupportedMapping {
+            pid: x.pid(),
+            range: t.range_name(),
+            name: t.name.clone(),
+            reason: format!("mapped at {addr:#x} instead"),
+        });
+    }
+    Ok(())
 }
 
 /// Map the target's private mapping (or read-only shared file mapping) `t` in X.

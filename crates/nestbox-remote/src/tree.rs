@@ -50,7 +50,7 @@ pub enum Origin {
 }
 
 /// What the new process does about its session and group once it exists.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub enum Membership {
     /// Keeps what it inherited.
     Inherit,

@@ -201,7 +201,7 @@ pub fn remote_fork_tree(
 }
 
 /// `setsid()` or `setpgid()` in the held process, as the plan says.
-fn set_membership(process: &mut Made, membership: Membership) -> Result<()> {
+pub(crate) fn set_membership(process: &mut Made, membership: Membership) -> Result<()> {
     let p = &mut process.process;
     match membership {
         Membership::Inherit => return Ok(()),
@@ -382,7 +382,7 @@ fn child_fds(
 /// Mark, over the inventories of every process of a box (host pids
 /// `host_pids`, in the same order), the Unix connections and the pidfds
 /// between its processes.
-fn mark_box(inventories: &mut [Vec<FdEntry>], host_pids: &[i32]) {
+pub(crate) fn mark_box(inventories: &mut [Vec<FdEntry>], host_pids: &[i32]) {
     let mut all: Vec<&mut [FdEntry]> = inventories.iter_mut().map(|v| v.as_mut_slice()).collect();
     if all.len() > 1 {
         mark_peers_inside(&mut all);

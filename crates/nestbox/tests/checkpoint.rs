@@ -147,6 +147,57 @@ fn python_thread_pool_server_is_restored_from_a_checkpoint() {
     checkpoint_then_restore(&root, &app);
 }
 
+/// A prefork server (a master and two workers sharing a listening socket,
+/// a report pipe and a counter in shared memory) comes back whole: same
+/// pids, parents, session and group; the counter and the pipe continue.
+#[test]
+fn prefork_server_is_restored_with_its_tree_pipe_and_shared_counter() {
+    let Some(root) =
+        TestRoot::new("prefork_server_is_restored_with_its_tree_pipe_and_shared_counter")
+    else {
+        return;
+    };
+    root.ok(&["run", "-d", "--name", "pf", "--", "python3", "-c", PREFORK]);
+    root.wait_logged("pf", "ready", Duration::from_secs(20));
+    for i in 1..=4 {
+        assert_eq!(box_http_get(&root, "pf", "/")[0], i.to_string());
+    }
+    let reports = |name: &str| {
+        root.run(&["exec", name, "--", "cat", "/tmp/reports"])
+            .stdout
+    };
+    wait_for("4 reports", Duration::from_secs(10), || {
+        reports("pf") == "4"
+    });
+    let out = root.ok(&["checkpoint", "pf", "--as", "ck", "--json"]);
+    let summary: Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(summary["processes"].as_array().unwrap().len(), 3);
+    root.ok(&["rm", "pf"]);
+    for r in ["r1", "r2"] {
+        root.ok(&["restore", "ck", "--name", r]);
+        let tree = root.ok(&[
+            "exec",
+            r,
+            "--",
+            "sh",
+            "-c",
+            "for p in 2 3 4; do cut -d' ' -f1,4,6,5 /proc/$p/stat; done",
+        ]);
+        // pid, parent, group, session: the master leads, the workers follow.
+        assert_eq!(tree, "2 1 2 2\n3 2 2 2\n4 2 2 2\n", "{r}'s processes");
+        let first = box_http_get(&root, r, "/");
+        assert_eq!(first[0], "5", "{r} continues the shared counter: {first:?}");
+        assert_eq!(box_http_get(&root, r, "/")[0], "6");
+        wait_for(
+            "the master to count the reports",
+            Duration::from_secs(10),
+            || reports(r) == "6",
+        );
+    }
+    root.ok(&["rm", "-f", "r1", "r2"]);
+    root.ok(&["checkpoint", "rm", "ck"]);
+}
+
 /// A Python server that also keeps a file open, a pipe to itself with bytes
 /// in it, and, on `/grow`, 1 MiB of new random data.
 const PYTHON_STATE_SERVER: &str = r#"

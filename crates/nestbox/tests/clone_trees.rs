@@ -11,41 +11,8 @@ mod common;
 
 use std::time::Duration;
 
+use common::apps::PREFORK;
 use common::*;
-
-/// The prefork server. The master (pid 2) makes the shared counter, the
-/// listening socket and the report pipe, forks two workers, then blocks
-/// reading reports and writes their number to /tmp/reports. Each answer
-/// carries the counter after the request, the worker's pid and its parent's.
-const PREFORK: &str = r#"
-import mmap, os, socket, struct
-shared = mmap.mmap(-1, 4096)
-lsock = socket.socket()
-lsock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-lsock.bind(('0.0.0.0', 8080))
-lsock.listen(64)
-r, w = os.pipe()
-for _ in range(2):
-    if os.fork() == 0:
-        os.close(r)
-        while True:
-            conn, _ = lsock.accept()
-            conn.recv(4096)
-            n = struct.unpack('Q', shared[:8])[0] + 1
-            shared[:8] = struct.pack('Q', n)
-            body = f'{n} {os.getpid()} {os.getppid()} {os.getsid(0)}\n'.encode()
-            os.write(w, b'.')
-            conn.sendall(b'HTTP/1.0 200 OK\r\nContent-Length: %d\r\n\r\n' % len(body) + body)
-            conn.close()
-os.close(w)
-reports = 0
-print('ready', flush=True)
-while True:
-    reports += len(os.read(r, 4096))
-    with open('/tmp/reports.new', 'w') as f:
-        f.write(str(reports))
-    os.rename('/tmp/reports.new', '/tmp/reports')
-"#;
 
 /// GET / from the box's port 8080 (from a process exec'd into the box): the
 /// answer's fields.

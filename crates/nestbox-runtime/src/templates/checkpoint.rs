@@ -245,16 +245,6 @@ fn save_processes(
     name: &str,
 ) -> Result<(Vec<ProcessImage>, CheckpointStats)> {
     let steps = crate::template::template_tree(record)?;
-    if steps.len() != 1 {
-        return Err(RuntimeError::Unsupported {
-            name: record.name().to_string(),
-            problem: format!(
-                "has {} processes: a checkpoint of a box with more than one process is not supported yet",
-                steps.len()
-            ),
-        });
-    }
-    let pid = steps[0].process.host_pid;
     if steps[0].process.pid != crate::init::ADOPTED_PID {
         return Err(RuntimeError::Unsupported {
             name: record.name().to_string(),
@@ -270,21 +260,31 @@ fn save_processes(
         name: record.name().to_string(),
         source: e,
     };
-    let mut tracee = Tracee::seize_and_interrupt(pid).map_err(remote)?;
+    let mut tracees = Vec::with_capacity(steps.len());
+    for step in &steps {
+        tracees.push(Tracee::seize_and_interrupt(step.process.host_pid).map_err(remote)?);
+    }
     let saved = cgroup
         .set_frozen(false, FREEZER_TIMEOUT)
         .map_err(RuntimeError::from)
         .and_then(|()| {
-            tracee
-                .wait_stopped(Duration::from_secs(5))
-                .map_err(remote)?;
-            save_one(reg, &mut tracee, dir, name).map_err(|e| match e {
+            for tracee in &mut tracees {
+                tracee
+                    .wait_stopped(Duration::from_secs(5))
+                    .map_err(remote)?;
+            }
+            save_all(reg, &mut tracees, &steps, dir, name).map_err(|e| match e {
                 SaveError::Remote(e) => remote(e),
                 SaveError::Runtime(e) => e,
             })
         });
     let refrozen = cgroup.set_frozen(true, FREEZER_TIMEOUT);
-    let detached = tracee.detach().map_err(remote);
+    let mut detached = Ok(());
+    for tracee in tracees {
+        if let Err(e) = tracee.detach() {
+            detached = Err(remote(e));
+        }
+    }
     let saved = saved?;
     refrozen?;
     detached?;
@@ -296,36 +296,38 @@ enum SaveError {
     Runtime(RuntimeError),
 }
 
-fn save_one(
+fn save_all(
     reg: &Registry,
-    tracee: &mut Tracee,
+    tracees: &mut [Tracee],
+    steps: &[nestbox_remote::tree::Step],
     dir: &Path,
     name: &str,
 ) -> std::result::Result<(Vec<ProcessImage>, CheckpointStats), SaveError> {
-    let mut pool = PagePool::open(&pool_dir(reg))
-        .map_err(|e| SaveError::Runtime(problem(name, format!("page pool: {e}"))))?;
-    let mut writer = pool
-        .writer()
-        .map_err(|e| SaveError::Runtime(problem(name, format!("page pool: {e}"))))?;
-    let mut records: Vec<u8> = Vec::new();
+    let pool_error =
+        |e: nestbox_store::StoreError| SaveError::Runtime(problem(name, format!("page pool: {e}")));
+    let mut pool = PagePool::open(&pool_dir(reg)).map_err(pool_error)?;
+    let mut writer = pool.writer().map_err(pool_error)?;
+    let mut records: HashMap<i32, Vec<u8>> = HashMap::new();
     let mut pages = 0u64;
-    let image = nestbox_remote::capture(tracee, &mut |addr, page| {
+    let images = nestbox_remote::capture_box(tracees, steps, &mut |pid, addr, page| {
         let (digest, _) = writer.put(page).map_err(std::io::Error::other)?;
-        records.extend_from_slice(&addr.to_le_bytes());
-        records.extend_from_slice(&digest.0);
+        let r = records.entry(pid).or_default();
+        r.extend_from_slice(&addr.to_le_bytes());
+        r.extend_from_slice(&digest.0);
         pages += 1;
         Ok(())
     })
     .map_err(SaveError::Remote)?;
     let written = writer.added() as u64;
-    writer
-        .finish()
-        .map_err(|e| SaveError::Runtime(problem(name, format!("page pool: {e}"))))?;
-    let path = dir.join(format!("pages-{}", image.ns_pid));
-    fs::write(&path, &records)
-        .map_err(|e| SaveError::Runtime(RuntimeError::io("write", &path)(e)))?;
+    writer.finish().map_err(pool_error)?;
+    for image in &images {
+        let path = dir.join(format!("pages-{}", image.ns_pid));
+        let data = records.remove(&image.ns_pid).unwrap_or_default();
+        fs::write(&path, &data)
+            .map_err(|e| SaveError::Runtime(RuntimeError::io("write", &path)(e)))?;
+    }
     Ok((
-        vec![image],
+        images,
         CheckpointStats {
             pages,
             pages_written: written,
@@ -555,13 +557,13 @@ fn read_page_records(path: &Path) -> Result<Vec<(u64, Digest)>> {
 
 /// A restored process's pages: its records, read from the pool.
 struct ProcessPages<'a> {
-    pages: HashMap<u64, Digest>,
+    pages: &'a HashMap<u64, Digest>,
     pool: &'a PagePool,
 }
 
 impl PageStore for ProcessPages<'_> {
-    fn has(&self, addr: u64) -> bool {
-        self.pages.contains_key(&addr)
+    fn id(&self, addr: u64) -> Option<[u8; 32]> {
+        self.pages.get(&addr).map(|d| d.0)
     }
 
     fn read_page(&self, addr: u64, buf: &mut [u8]) -> std::io::Result<()> {
@@ -660,9 +662,9 @@ pub fn restore(reg: &Registry, source: &str, name: Option<&str>) -> Result<Resto
     spec.restore_of = Some(dir.display().to_string());
     let started = crate::lifecycle::ops::run_detached(reg, &spec);
     let result = started.and_then(|()| {
-        let image = &meta.processes[0];
         let shell = reg.load(&name)?;
-        let pid = restore_into(&shell, image, &pages[0], &pool)?;
+        let pids = restore_into(&shell, &meta.processes, &pages, &pool)?;
+        let pid = pids[0];
         Ok(Restored {
             name: name.clone(),
             pid,
@@ -676,13 +678,13 @@ pub fn restore(reg: &Registry, source: &str, name: Option<&str>) -> Result<Resto
     result
 }
 
-/// Make the image's process in the started box `shell`.
+/// Make the images' processes in the started box `shell`.
 fn restore_into(
     shell: &BoxRecord,
-    image: &ProcessImage,
-    pages: &HashMap<u64, Digest>,
+    images: &[ProcessImage],
+    pages: &[HashMap<u64, Digest>],
     pool: &PagePool,
-) -> Result<i32> {
+) -> Result<Vec<i32>> {
     let name = shell.name();
     let init = shell
         .state
@@ -722,15 +724,30 @@ fn restore_into(
     let ns: Vec<(libc::c_int, BorrowedFd<'_>)> =
         namespaces.iter().map(|(k, f)| (*k, f.as_fd())).collect();
     let cg: Vec<BorrowedFd<'_>> = cgroup_files.iter().map(|f| f.as_fd()).collect();
-    // The helper's pid: above every pid the image's threads take.
-    let helper = image.tids().max().unwrap_or(image.ns_pid) + 1;
-    // SAFETY: the child forked there runs raw syscalls only and exits; we are
-    // root, and the new box's pid namespace holds only its init, so the
-    // image's pid and the helper's are free.
-    let stub = unsafe { nestbox_sys::process::spawn_stub(&ns, &cg, image.ns_pid, helper) }
-        .map_err(RuntimeError::sys(
-            "spawning the restore stub (setns, clone3)",
-        ))?;
+    // Helpers' pids: above every pid the images' threads take, one each (a
+    // helper's pid stays taken until its zombie is reaped).
+    let mut helper = images
+        .iter()
+        .flat_map(|i| i.tids())
+        .max()
+        .unwrap_or(crate::init::ADOPTED_PID)
+        + 1;
+    let mut stubs = Vec::new();
+    for image in images
+        .iter()
+        .filter(|i| i.parent == nestbox_remote::tree::INIT_PID)
+    {
+        // SAFETY: the child forked there runs raw syscalls only and exits; we
+        // are root, and the new box's pid namespace holds only its init and
+        // the stubs made here, so the image's pid and the helper's are free.
+        let stub = unsafe { nestbox_sys::process::spawn_stub(&ns, &cg, image.ns_pid, helper) }
+            .map_err(RuntimeError::sys(
+                "spawning the restore stub (setns, clone3)",
+            ))?;
+        stubs.push((image.ns_pid, stub));
+        helper += 1;
+    }
+    drop(cgroup_files);
     let stdio = crate::clone::shell_stdio(init.pid)?;
     let cookie = shell.state.setns_cookie.unwrap_or_default();
     let seccomp = crate::monitor::seccomp_program(&shell.spec, Some(cookie))?.map(|p| {
@@ -751,23 +768,23 @@ fn restore_into(
         setns_cookie: cookie,
         seccomp,
     };
-    let store = ProcessPages {
-        pages: pages.clone(),
-        pool,
-    };
-    let restored = nestbox_remote::restore(stub, image, &store, &plan);
-    let pid = restored.map_err(|e| {
-        // The stub is killed with its tracer's handle; make sure.
-        let _ = nix::sys::signal::kill(
-            nix::unistd::Pid::from_raw(stub),
-            nix::sys::signal::Signal::SIGKILL,
-        );
+    let stores: Vec<ProcessPages<'_>> = pages
+        .iter()
+        .map(|p| ProcessPages { pages: p, pool })
+        .collect();
+    let refs: Vec<&dyn PageStore> = stores.iter().map(|s| s as &dyn PageStore).collect();
+    nestbox_remote::restore_box(&stubs, images, &refs, &plan).map_err(|e| {
+        for (_, stub) in &stubs {
+            // Killed with their tracer's handle already; make sure.
+            let _ = nix::sys::signal::kill(
+                nix::unistd::Pid::from_raw(*stub),
+                nix::sys::signal::Signal::SIGKILL,
+            );
+        }
         RuntimeError::Remote {
             what: "restoring box",
             name: name.to_string(),
             source: e,
         }
-    })?;
-    drop(cgroup_files);
-    Ok(pid)
+    })
 }
