@@ -152,6 +152,9 @@ impl PageSource for StoredPages<'_> {
     }
 }
 
+/// Where [`capture_box`] puts pages: (pid in the box, address, contents).
+pub type PageSink<'a> = dyn FnMut(i32, u64, &[u8]) -> std::io::Result<()> + 'a;
+
 /// Read the stopped processes of a box (`tracees`, each seized with every
 /// thread by [`Tracee::seize_and_interrupt`] and waited for, in the order of
 /// `steps` from [`crate::tree::plan`]) into images. Every page of their
@@ -167,7 +170,7 @@ impl PageSource for StoredPages<'_> {
 pub fn capture_box(
     tracees: &mut [Tracee],
     steps: &[Step],
-    sink: &mut dyn FnMut(i32, u64, &[u8]) -> std::io::Result<()>,
+    sink: &mut PageSink<'_>,
 ) -> Result<Vec<ProcessImage>> {
     if tracees.len() != steps.len() || steps.is_empty() {
         return Err(RemoteError::Plan(format!(
