@@ -726,17 +726,17 @@ fn restore_into(
     let cg: Vec<BorrowedFd<'_>> = cgroup_files.iter().map(|f| f.as_fd()).collect();
     // Helpers' pids: above every pid the images' threads take, one each (a
     // helper's pid stays taken until its zombie is reaped).
-    let mut helper = images
+    let first_helper = images
         .iter()
         .flat_map(|i| i.tids())
         .max()
         .unwrap_or(crate::init::ADOPTED_PID)
         + 1;
     let mut stubs = Vec::new();
-    for image in images
+    let roots = images
         .iter()
-        .filter(|i| i.parent == nestbox_remote::tree::INIT_PID)
-    {
+        .filter(|i| i.parent == nestbox_remote::tree::INIT_PID);
+    for (helper, image) in (first_helper..).zip(roots) {
         // SAFETY: the child forked there runs raw syscalls only and exits; we
         // are root, and the new box's pid namespace holds only its init and
         // the stubs made here, so the image's pid and the helper's are free.
@@ -745,7 +745,6 @@ fn restore_into(
                 "spawning the restore stub (setns, clone3)",
             ))?;
         stubs.push((image.ns_pid, stub));
-        helper += 1;
     }
     drop(cgroup_files);
     let stdio = crate::clone::shell_stdio(init.pid)?;
