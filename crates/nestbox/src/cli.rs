@@ -111,6 +111,10 @@ enum Command {
         /// (the pool is refilled in the background after each claim).
         #[arg(long, value_name = "N", default_value_t = 0)]
         pool: usize,
+        /// Also save the template on disk (as `template save` does): `clone`
+        /// starts it again from there when it is gone (after a reboot).
+        #[arg(long)]
+        persist: bool,
         /// Box name.
         name: String,
     },
@@ -205,6 +209,14 @@ enum TemplateCommand {
         /// Print JSON.
         #[arg(long)]
         json: bool,
+    },
+    /// Save templates on disk (each as the checkpoint of its name): `clone`
+    /// starts a template again from there when it is gone (after a reboot,
+    /// on another host with the checkpoint directory).
+    Save {
+        /// Template names.
+        #[arg(required = true)]
+        names: Vec<String>,
     },
     /// Remove templates (with live clones, only the template's process goes; its
     /// init stays until the last clone is gone).
@@ -561,9 +573,13 @@ pub fn dispatch(cli: Cli) -> Result<i32> {
         Command::Freeze {
             as_name,
             pool,
+            persist,
             name,
         } => {
             let t = nestbox_runtime::template::freeze(&reg, &name, as_name.as_deref(), pool)?;
+            if persist {
+                nestbox_runtime::checkpoint::save_template(&reg, &t.name)?;
+            }
             if pool > 0 {
                 nestbox_runtime::clone::fill_pool(&reg, &t.name)?;
             }
@@ -799,6 +815,13 @@ fn checkpoint(reg: &Registry, a: CheckpointArgs) -> Result<i32> {
 fn template(reg: &Registry, cmd: TemplateCommand) -> Result<i32> {
     match cmd {
         TemplateCommand::Ls { json } => output::templates(reg, json).map(|_| 0),
+        TemplateCommand::Save { names } => {
+            for name in names {
+                let c = nestbox_runtime::checkpoint::save_template(reg, &name)?;
+                println!("{}", c.name);
+            }
+            Ok(0)
+        }
         TemplateCommand::Rm { names } => {
             let mut failed = None;
             for name in names {

@@ -147,6 +147,59 @@ fn python_thread_pool_server_is_restored_from_a_checkpoint() {
     checkpoint_then_restore(&root, &app);
 }
 
+/// A template saved on disk (`freeze --persist`) whose box is removed is
+/// started again from there by the next `clone`: the clones continue from
+/// the template's state; the checkpoint it runs on cannot be removed
+/// meanwhile.
+#[test]
+fn a_saved_template_is_revived_by_clone_when_its_box_is_gone() {
+    let Some(root) = TestRoot::new("a_saved_template_is_revived_by_clone_when_its_box_is_gone")
+    else {
+        return;
+    };
+    let app = App::new(
+        &[("server.py", PYTHON_POOL_SERVER)],
+        &["python3", "/app/server.py"],
+        5,
+    );
+    let volume = app.volume();
+    root.ok(&[
+        "run",
+        "-d",
+        "--name",
+        "tpl",
+        "-v",
+        &volume,
+        "--",
+        "python3",
+        "/app/server.py",
+    ]);
+    root.wait_logged("tpl", "ready", Duration::from_secs(30));
+    for i in 1..=3 {
+        assert_eq!(get(&root, "tpl").0, i);
+    }
+    root.ok(&["freeze", "tpl", "--as", "web", "--persist"]);
+    root.ok(&["clone", "web", "-d", "--name", "a"]);
+    assert_eq!(get(&root, "a"), (4, "a".to_string()));
+    // The live template goes.
+    root.ok(&["rm", "-f", "a", "tpl"]);
+    assert!(!root.ok(&["template", "ls"]).contains("web"));
+    let names = root.ok(&["clone", "web", "-d", "-n", "3", "--name", "c"]);
+    assert_eq!(names.lines().count(), 3);
+    for n in names.lines() {
+        assert_eq!(get(&root, n), (4, n.to_string()), "{n} continues");
+        assert_eq!(threads_in(n, &root), 5, "{n} has the template's threads");
+    }
+    assert!(root.ok(&["template", "ls"]).contains("web"), "revived");
+    let out = root.run(&["checkpoint", "rm", "web"]);
+    assert_error(&out, 125, "in use");
+    root.rm_all(["c-1", "c-2", "c-3", "tpl"]);
+    root.ok(&["checkpoint", "rm", "web"]);
+    // Nothing to revive from any more.
+    let out = root.run(&["clone", "web"]);
+    assert_error(&out, 125, "no template named \"web\"");
+}
+
 /// A prefork server (a master and two workers sharing a listening socket,
 /// a report pipe and a counter in shared memory) comes back whole: same
 /// pids, parents, session and group; the counter and the pipe continue.

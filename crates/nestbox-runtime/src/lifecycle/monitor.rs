@@ -567,18 +567,31 @@ fn launch_plan(
     let spec = &record.spec;
     let image = nestbox_image::open_image(&spec.image, &reg.roots().images())?;
     let mut view = image.root_view(owner)?;
+    // A restored box's root (and its clones'): the checkpoint's copies of
+    // its layers, read-only, over those of the checkpoints it was made on
+    // (`lowers`, top first).
+    if let Some(dir) = &spec.restore_of {
+        let dir = std::path::PathBuf::from(dir);
+        let mut chain = vec![dir.clone()];
+        if let Ok(text) = std::fs::read_to_string(dir.join("lowers")) {
+            chain.extend(
+                text.lines()
+                    .filter(|l| !l.is_empty())
+                    .map(std::path::PathBuf::from),
+            );
+        }
+        for (i, layer) in view.layers.iter_mut().enumerate() {
+            for below in chain.iter().rev() {
+                let saved = below.join(format!("layer-{i}"));
+                if saved.is_dir() {
+                    layer.lowers.insert(0, saved);
+                }
+            }
+        }
+    }
     if let Some(t) = template {
         for (i, layer) in view.layers.iter_mut().enumerate() {
             layer.lowers.insert(0, t.layer_dirs(i).0);
-        }
-    }
-    // A restored box's root: the checkpoint's copies of its layers, read-only.
-    if let Some(dir) = &spec.restore_of {
-        for (i, layer) in view.layers.iter_mut().enumerate() {
-            let saved = std::path::Path::new(dir).join(format!("layer-{i}"));
-            if saved.is_dir() {
-                layer.lowers.insert(0, saved);
-            }
         }
     }
     let mut layers = Vec::new();

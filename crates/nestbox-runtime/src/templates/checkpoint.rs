@@ -71,6 +71,10 @@ pub struct Checkpoint {
     pub kernel: String,
     /// The CPU's feature flags (`/proc/cpuinfo`).
     pub cpu_flags: Vec<String>,
+    /// The template the box was, when it was one (`template save`,
+    /// `freeze --persist`): `clone` revives it from here when it is gone.
+    #[serde(default)]
+    pub template: Option<String>,
     /// Its processes (the first is the box's main process).
     pub processes: Vec<ProcessImage>,
     /// What it took.
@@ -195,6 +199,7 @@ pub fn checkpoint(reg: &Registry, box_name: &str, req: &CheckpointRequest) -> Re
             created_at: now(),
             spec: record.spec.clone(),
             layers,
+            template: record.state.template.as_ref().map(|t| t.name.clone()),
             kernel: kernel_release(),
             cpu_flags: cpu_flags(),
             processes,
@@ -341,6 +346,16 @@ fn save_all(
 /// outside program: it keeps overlayfs whiteouts, opaque-directory xattrs,
 /// owners, hardlinks and times). Returns how many.
 fn copy_layers(record: &BoxRecord, dir: &Path) -> Result<usize> {
+    // A restored box's root also holds the layers of the checkpoint it was
+    // restored from (and of those below it): named, not copied.
+    if let Some(base) = &record.spec.restore_of {
+        let mut chain = vec![base.clone()];
+        if let Ok(text) = fs::read_to_string(Path::new(base).join("lowers")) {
+            chain.extend(text.lines().filter(|l| !l.is_empty()).map(str::to_string));
+        }
+        let path = dir.join("lowers");
+        fs::write(&path, chain.join("\n") + "\n").map_err(RuntimeError::io("write", &path))?;
+    }
     let mut n = 0;
     loop {
         let (upper, _) = record.layer_dirs(n);
@@ -413,18 +428,81 @@ pub fn list(reg: &Registry) -> Result<Vec<Checkpoint>> {
     Ok(out)
 }
 
+/// Save template `template` on disk as the checkpoint of the same name
+/// (replacing an earlier save of it), so that `clone` can start clones from
+/// it when the live template is gone (a reboot, its box removed). The
+/// template stays frozen.
+pub fn save_template(reg: &Registry, template: &str) -> Result<Checkpoint> {
+    let t = crate::template::load_frozen(reg, template)?;
+    if let Ok((old, dir)) = load(reg, template) {
+        if old.template.as_deref() != Some(template) {
+            return Err(RuntimeError::CheckpointExists(template.to_string()));
+        }
+        // A template revived from this very checkpoint is saved already (it
+        // is frozen: it has not changed since).
+        if t.spec.restore_of.as_deref() == Some(dir.display().to_string().as_str()) {
+            return Ok(old);
+        }
+        remove(reg, template)?;
+    }
+    checkpoint(
+        reg,
+        t.name(),
+        &CheckpointRequest {
+            name: Some(template.to_string()),
+            leave_running: true,
+        },
+    )
+}
+
+/// Start template `template` again from its saved checkpoint (see
+/// [`save_template`]): restored as its box, then frozen. `None` when no
+/// checkpoint holds it. One revival at a time per template.
+pub fn revive_template(reg: &Registry, template: &str) -> Result<Option<BoxRecord>> {
+    let Ok((meta, _)) = load(reg, template) else {
+        return Ok(None);
+    };
+    if meta.template.as_deref() != Some(template) {
+        return Ok(None);
+    }
+    let lock_path = checkpoints_dir(reg).join(format!(".revive-{template}.lock"));
+    let file = fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&lock_path)
+        .map_err(RuntimeError::io("open", &lock_path))?;
+    let _lock = nix::fcntl::Flock::lock(file, nix::fcntl::FlockArg::LockExclusive)
+        .map_err(|(_, e)| RuntimeError::sys(format!("flock {}", lock_path.display()))(e))?;
+    // Another command may have revived it while this one waited.
+    if let Ok(t) = crate::template::load_frozen(reg, template) {
+        return Ok(Some(t));
+    }
+    tracing::info!(template, "reviving the template from its checkpoint");
+    restore(reg, template, Some(&meta.box_name))?;
+    crate::template::freeze(reg, &meta.box_name, Some(template), 0)?;
+    crate::template::load_frozen(reg, template).map(Some)
+}
+
 /// Remove checkpoint `name` (its directory; its pages go at the next `gc`
 /// when no other checkpoint has them). Refused while a box restored from it
 /// runs on its layers.
 pub fn remove(reg: &Registry, name: &str) -> Result<()> {
     let (_, dir) = load(reg, name)?;
     let key = dir.display().to_string();
-    let users: Vec<String> = reg
+    let mut users: Vec<String> = reg
         .list()?
         .into_iter()
         .filter(|r| r.spec.restore_of.as_deref() == Some(key.as_str()))
         .map(|r| r.name().to_string())
         .collect();
+    // Checkpoints of boxes restored from it stand on its layers too.
+    for other in list(reg)? {
+        let lowers = checkpoints_dir(reg).join(&other.name).join("lowers");
+        if fs::read_to_string(&lowers).is_ok_and(|t| t.lines().any(|l| l == key)) {
+            users.push(format!("checkpoint {}", other.name));
+        }
+    }
     if !users.is_empty() {
         return Err(problem(
             name,

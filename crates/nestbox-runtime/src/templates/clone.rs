@@ -163,7 +163,18 @@ pub fn clone_template_answer_first(
     template: &str,
     req: &CloneRequest,
 ) -> Result<(Vec<Cloned>, FollowUp)> {
-    let t = crate::template::load_frozen(reg, template)?;
+    let t = match crate::template::load_frozen(reg, template) {
+        Ok(t) => t,
+        // Gone (a reboot, its box removed): started again from its saved
+        // checkpoint, if it has one (`template save`, `freeze --persist`).
+        Err(e @ (RuntimeError::NoSuchTemplate(_) | RuntimeError::TemplateRemoved(_))) => {
+            match crate::checkpoint::revive_template(reg, template)? {
+                Some(t) => t,
+                None => return Err(e),
+            }
+        }
+        Err(e) => return Err(e),
+    };
     if req.count == 0 {
         return Err(RuntimeError::InvalidInput(
             "the clone count must be at least 1".into(),
@@ -389,7 +400,6 @@ fn clone_spec(t: &BoxRecord, name: &str, req: &CloneRequest) -> BoxSpec {
     if let Some(limits) = &req.limits {
         spec.limits = limits.clone();
     }
-    spec.restore_of = None;
     spec.clone_of = Some(CloneSource {
         template_box: t.name().to_string(),
         template: t
