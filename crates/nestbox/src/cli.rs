@@ -172,6 +172,16 @@ struct CheckpointArgs {
     /// Leave the box running (default: it is stopped once saved).
     #[arg(long)]
     leave_running: bool,
+    /// Write a self-contained checkpoint into directory DIR (its pages and
+    /// layers with it), to restore with `restore DIR` here or on another
+    /// host; it is not listed by `checkpoint ls`.
+    #[arg(
+        short = 'o',
+        long = "output",
+        value_name = "DIR",
+        conflicts_with = "as_name"
+    )]
+    output: Option<PathBuf>,
     /// Print JSON.
     #[arg(long)]
     json: bool,
@@ -797,6 +807,7 @@ fn checkpoint(reg: &Registry, a: CheckpointArgs) -> Result<i32> {
             let req = ckpt::CheckpointRequest {
                 name: a.as_name,
                 leave_running: a.leave_running,
+                output: a.output,
             };
             let meta = ckpt::checkpoint(reg, &name, &req)?;
             if a.json {

@@ -359,6 +359,55 @@ fn restored_state_includes_files_pipes_and_only_new_pages_are_written() {
     root.ok(&["checkpoint", "rm", "one", "two"]);
 }
 
+/// `checkpoint -o DIR` writes a checkpoint with its pages and layers, which
+/// another nestbox root (standing for another host) restores; a checkpoint
+/// of the restored box there stands on the first one's layers (files of
+/// both are in its restored root).
+#[test]
+fn a_self_contained_checkpoint_moves_to_another_root() {
+    let Some(root) = TestRoot::new("a_self_contained_checkpoint_moves_to_another_root") else {
+        return;
+    };
+    let Some(other) = TestRoot::new("a_self_contained_checkpoint_moves_to_another_root-2") else {
+        return;
+    };
+    let _app = start_state_server(&root);
+    assert_eq!(box_http_get(&root, "st", "/"), ["1", "0", "2", "queued"]);
+    let out = tempfile::tempdir().expect("tempdir");
+    let dir = out.path().join("ck");
+    let dir_arg = dir.display().to_string();
+    root.ok(&["checkpoint", "st", "-o", &dir_arg]);
+    assert!(dir.join("pages").is_dir() && dir.join("layer-0").is_dir());
+    assert_eq!(root.ok(&["checkpoint", "ls", "--json"]).trim(), "[]");
+    let again = root.run(&["checkpoint", "st", "-o", &dir_arg]);
+    assert_error(&again, 125, "already exists");
+    root.ok(&["rm", "st"]);
+    other.ok(&["restore", &dir_arg, "--name", "moved"]);
+    assert_eq!(
+        box_http_get(&other, "moved", "/"),
+        ["2", "0", "4", "queued"]
+    );
+    other.ok(&[
+        "exec",
+        "moved",
+        "--",
+        "sh",
+        "-c",
+        "echo later > /tmp/new.txt",
+    ]);
+    other.ok(&["checkpoint", "moved", "--as", "two"]);
+    other.ok(&["rm", "moved"]);
+    other.ok(&["restore", "two", "--name", "again"]);
+    assert_eq!(
+        box_http_get(&other, "again", "/"),
+        ["3", "0", "6", "queued"]
+    );
+    let files = other.ok(&["exec", "again", "--", "cat", "/tmp/log.txt", "/tmp/new.txt"]);
+    assert_eq!(files, "1\n2\n3\nlater\n");
+    other.ok(&["rm", "-f", "again"]);
+    other.ok(&["checkpoint", "rm", "two"]);
+}
+
 /// Fifty boxes restored from one checkpoint, each on its own.
 #[test]
 fn fifty_boxes_are_restored_from_one_checkpoint() {

@@ -574,11 +574,8 @@ fn launch_plan(
         let dir = std::path::PathBuf::from(dir);
         let mut chain = vec![dir.clone()];
         if let Ok(text) = std::fs::read_to_string(dir.join("lowers")) {
-            chain.extend(
-                text.lines()
-                    .filter(|l| !l.is_empty())
-                    .map(std::path::PathBuf::from),
-            );
+            // (Relative names are in the checkpoint's directory.)
+            chain.extend(text.lines().filter(|l| !l.is_empty()).map(|l| dir.join(l)));
         }
         for (i, layer) in view.layers.iter_mut().enumerate() {
             for below in chain.iter().rev() {

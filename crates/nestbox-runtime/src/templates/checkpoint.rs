@@ -50,6 +50,9 @@ pub struct CheckpointRequest {
     pub name: Option<String>,
     /// Leave the box running afterwards (default: it is stopped).
     pub leave_running: bool,
+    /// Write a self-contained checkpoint to this directory (with its own
+    /// page pool and every layer), to move or keep outside this host's state.
+    pub output: Option<PathBuf>,
 }
 
 /// A checkpoint as `checkpoint.json` holds it.
@@ -148,9 +151,29 @@ pub fn checkpoint(reg: &Registry, box_name: &str, req: &CheckpointRequest) -> Re
     let name = req.name.clone().unwrap_or_else(|| box_name.to_string());
     nestbox_store::validate_name(&name)
         .map_err(|e| RuntimeError::InvalidInput(format!("checkpoint name: {e}")))?;
-    let dir = checkpoints_dir(reg).join(&name);
+    let (dir, parent) = match &req.output {
+        Some(out) => {
+            let out = std::path::absolute(out).map_err(RuntimeError::io("resolve", out))?;
+            let parent = out
+                .parent()
+                .filter(|p| p.is_dir())
+                .ok_or_else(|| {
+                    RuntimeError::InvalidInput(format!(
+                        "checkpoint -o {}: its parent directory does not exist",
+                        out.display()
+                    ))
+                })?
+                .to_path_buf();
+            (out, parent)
+        }
+        None => (checkpoints_dir(reg).join(&name), checkpoints_dir(reg)),
+    };
     if dir.exists() {
-        return Err(RuntimeError::CheckpointExists(name));
+        return Err(RuntimeError::CheckpointExists(if req.output.is_some() {
+            dir.display().to_string()
+        } else {
+            name
+        }));
     }
     if record.spec.clone_of.is_some() {
         return Err(RuntimeError::Unsupported {
@@ -165,22 +188,38 @@ pub fn checkpoint(reg: &Registry, box_name: &str, req: &CheckpointRequest) -> Re
         .filter(|_| record.state.init.is_some_and(|i| i.alive()))
         .ok_or_else(|| RuntimeError::NotRunning(box_name.to_string()))?;
     let template = record.state.template.is_some();
-    fs::create_dir_all(checkpoints_dir(reg))
-        .map_err(RuntimeError::io("create", checkpoints_dir(reg)))?;
-    let tmp = checkpoints_dir(reg).join(format!(".tmp-{name}-{}", std::process::id()));
+    fs::create_dir_all(&parent).map_err(RuntimeError::io("create", &parent))?;
+    let tmp = parent.join(format!(".tmp-{name}-{}", std::process::id()));
+    // A self-contained checkpoint has its own page pool.
+    let pool = match &req.output {
+        Some(_) => tmp.join("pages"),
+        None => pool_dir(reg),
+    };
+    let own_layers = req.output.is_some();
     fs::create_dir(&tmp).map_err(RuntimeError::io("create", &tmp))?;
-    // Which box this unfinished checkpoint froze: `gc` thaws it if we die.
-    let marker = tmp.join("box");
+    // Which box this unfinished checkpoint froze: `gc` thaws it if we die
+    // (for `-o`, a marker of its own in this host's checkpoints).
+    let marker_dir = if req.output.is_some() {
+        let m = checkpoints_dir(reg).join(format!(".tmp-{name}-{}", std::process::id()));
+        fs::create_dir_all(&m).map_err(RuntimeError::io("create", &m))?;
+        Some(m)
+    } else {
+        None
+    };
+    let marker = marker_dir.as_ref().unwrap_or(&tmp).join("box");
     if let Err(e) = fs::write(&marker, box_name) {
         let _ = fs::remove_dir_all(&tmp);
+        if let Some(m) = &marker_dir {
+            let _ = fs::remove_dir_all(m);
+        }
         return Err(RuntimeError::io("write", &marker)(e));
     }
     let frozen_at = Instant::now();
     let result = cgroup
         .set_frozen(true, FREEZER_TIMEOUT)
         .map_err(RuntimeError::from)
-        .and_then(|()| save_processes(reg, &record, &cgroup, &tmp, &name))
-        .and_then(|saved| Ok((saved, copy_layers(&record, &tmp)?)));
+        .and_then(|()| save_processes(&pool, &record, &cgroup, &tmp, &name))
+        .and_then(|saved| Ok((saved, copy_layers(&record, &tmp, own_layers)?)));
     // A template stays frozen; any other box runs again (or is stopped below).
     let thawed = if template {
         Ok(())
@@ -222,6 +261,13 @@ pub fn checkpoint(reg: &Registry, box_name: &str, req: &CheckpointRequest) -> Re
             })
             .map(|()| meta)
     });
+    if let Some(m) = &marker_dir {
+        crate::diag::warn_on_err(
+            Some(box_name),
+            "removing a checkpoint's marker",
+            fs::remove_dir_all(m).map_err(RuntimeError::io("remove", m)),
+        );
+    }
     match finish {
         Ok(meta) => {
             if !req.leave_running {
@@ -243,7 +289,7 @@ pub fn checkpoint(reg: &Registry, box_name: &str, req: &CheckpointRequest) -> Re
 /// Stop the box's processes under ptrace (the box is frozen: thawed only to
 /// let the stop requests through), save each, let them go again frozen.
 fn save_processes(
-    reg: &Registry,
+    pool: &Path,
     record: &BoxRecord,
     cgroup: &nestbox_cgroup::BoxCgroup,
     dir: &Path,
@@ -278,7 +324,7 @@ fn save_processes(
                     .wait_stopped(Duration::from_secs(5))
                     .map_err(remote)?;
             }
-            save_all(reg, &mut tracees, &steps, dir, name).map_err(|e| match e {
+            save_all(pool, &mut tracees, &steps, dir, name).map_err(|e| match e {
                 SaveError::Remote(e) => remote(e),
                 SaveError::Runtime(e) => e,
             })
@@ -302,7 +348,7 @@ enum SaveError {
 }
 
 fn save_all(
-    reg: &Registry,
+    pool: &Path,
     tracees: &mut [Tracee],
     steps: &[nestbox_remote::tree::Step],
     dir: &Path,
@@ -310,7 +356,7 @@ fn save_all(
 ) -> std::result::Result<(Vec<ProcessImage>, CheckpointStats), SaveError> {
     let pool_error =
         |e: nestbox_store::StoreError| SaveError::Runtime(problem(name, format!("page pool: {e}")));
-    let mut pool = PagePool::open(&pool_dir(reg)).map_err(pool_error)?;
+    let mut pool = PagePool::open(pool).map_err(pool_error)?;
     let mut writer = pool.writer().map_err(pool_error)?;
     let mut records: HashMap<i32, Vec<u8>> = HashMap::new();
     let mut pages = 0u64;
@@ -345,16 +391,33 @@ fn save_all(
 /// with `cp -a` (see docs/checkpoint.md: one of the documented uses of an
 /// outside program: it keeps overlayfs whiteouts, opaque-directory xattrs,
 /// owners, hardlinks and times). Returns how many.
-fn copy_layers(record: &BoxRecord, dir: &Path) -> Result<usize> {
+fn copy_layers(record: &BoxRecord, dir: &Path, self_contained: bool) -> Result<usize> {
     // A restored box's root also holds the layers of the checkpoint it was
-    // restored from (and of those below it): named, not copied.
+    // restored from (and of those below it): named, or for a self-contained
+    // checkpoint copied as `base-K` (named relative to it).
     if let Some(base) = &record.spec.restore_of {
-        let mut chain = vec![base.clone()];
-        if let Ok(text) = fs::read_to_string(Path::new(base).join("lowers")) {
-            chain.extend(text.lines().filter(|l| !l.is_empty()).map(str::to_string));
+        let chain = layer_chain(Path::new(base));
+        let mut lines = Vec::with_capacity(chain.len());
+        for (k, below) in chain.iter().enumerate() {
+            if !self_contained {
+                lines.push(below.display().to_string());
+                continue;
+            }
+            let into = dir.join(format!("base-{k}"));
+            fs::create_dir(&into).map_err(RuntimeError::io("create", &into))?;
+            let mut i = 0;
+            while below.join(format!("layer-{i}")).is_dir() {
+                cp_a(
+                    record.name(),
+                    &below.join(format!("layer-{i}")),
+                    &into.join(format!("layer-{i}")),
+                )?;
+                i += 1;
+            }
+            lines.push(format!("base-{k}"));
         }
         let path = dir.join("lowers");
-        fs::write(&path, chain.join("\n") + "\n").map_err(RuntimeError::io("write", &path))?;
+        fs::write(&path, lines.join("\n") + "\n").map_err(RuntimeError::io("write", &path))?;
     }
     let mut n = 0;
     loop {
@@ -362,26 +425,41 @@ fn copy_layers(record: &BoxRecord, dir: &Path) -> Result<usize> {
         if !upper.is_dir() {
             return Ok(n);
         }
-        let target = dir.join(format!("layer-{n}"));
-        let out = std::process::Command::new("cp")
-            .arg("-a")
-            .arg("--")
-            .arg(&upper)
-            .arg(&target)
-            .output()
-            .map_err(RuntimeError::io("running cp -a for", &upper))?;
-        if !out.status.success() {
-            return Err(problem(
-                record.name(),
-                format!(
-                    "copying its root layer {}: cp: {}",
-                    upper.display(),
-                    String::from_utf8_lossy(&out.stderr).trim()
-                ),
-            ));
-        }
+        cp_a(record.name(), &upper, &dir.join(format!("layer-{n}")))?;
         n += 1;
     }
+}
+
+/// `cp -a FROM TO` (see [`copy_layers`]).
+fn cp_a(name: &str, from: &Path, to: &Path) -> Result<()> {
+    let out = std::process::Command::new("cp")
+        .arg("-a")
+        .arg("--")
+        .arg(from)
+        .arg(to)
+        .output()
+        .map_err(RuntimeError::io("running cp -a for", from))?;
+    if !out.status.success() {
+        return Err(problem(
+            name,
+            format!(
+                "copying its root layer {}: cp: {}",
+                from.display(),
+                String::from_utf8_lossy(&out.stderr).trim()
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// The checkpoint directories whose layers lie under those of checkpoint
+/// `dir`, top first (its `lowers` file; relative names are in `dir`).
+pub fn layer_chain(dir: &Path) -> Vec<PathBuf> {
+    let mut chain = vec![dir.to_path_buf()];
+    if let Ok(text) = fs::read_to_string(dir.join("lowers")) {
+        chain.extend(text.lines().filter(|l| !l.is_empty()).map(|l| dir.join(l)));
+    }
+    chain
 }
 
 /// Load checkpoint `name`, or the checkpoint in directory `name` when it is a
@@ -451,6 +529,7 @@ pub fn save_template(reg: &Registry, template: &str) -> Result<Checkpoint> {
         &CheckpointRequest {
             name: Some(template.to_string()),
             leave_running: true,
+            output: None,
         },
     )
 }
@@ -719,8 +798,14 @@ pub fn restore(reg: &Registry, source: &str, name: Option<&str>) -> Result<Resto
         let records = read_page_records(&dir.join(format!("pages-{}", p.ns_pid)))?;
         pages.push(records.into_iter().collect::<HashMap<u64, Digest>>());
     }
+    // A self-contained checkpoint (`-o DIR`) has its pages with it.
+    let pool_path = if dir.join("pages").is_dir() {
+        dir.join("pages")
+    } else {
+        pool_dir(reg)
+    };
     let pool =
-        PagePool::open(&pool_dir(reg)).map_err(|e| problem(source, format!("page pool: {e}")))?;
+        PagePool::open(&pool_path).map_err(|e| problem(source, format!("page pool: {e}")))?;
     for (digest, addr) in pages.iter().flat_map(|m| m.iter().map(|(a, d)| (d, a))) {
         if !pool.contains(digest) {
             return Err(problem(
