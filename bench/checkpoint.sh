@@ -5,6 +5,8 @@
 # pool), pages written after 1 MiB changed, restore-to-first-answer with a
 # warm and a cold page cache, memory of K idle restored boxes.
 #   sudo N=20 K=100 COLD=3 bench/checkpoint.sh   -> bench/results/checkpoint.json
+# POOL=N: the checkpoint's template (restore --shared) keeps N clones forked
+# ahead, so a shared restore claims one (results file gets a -poolN suffix).
 # No other checkpoint/restore runs on this machine to compare with: Debian
 # 12's CRIU does not run on this kernel, and /dev/kvm cannot boot Firecracker
 # guests; their published figures are quoted in docs/benchmarks.md.
@@ -47,4 +49,4 @@ http.server.HTTPServer(("0.0.0.0", 8080), H).serve_forever()
 PY
 mkdir -p "$RESULTS_DIR"
 log "N=$N rounds, K=$K idle restored boxes, $COLD cold-cache restores, load $(cut -d' ' -f1 /proc/loadavg)"
-python3 "$BENCH_DIR/lib/ckptbench.py" "$NESTBOX" "$ROOT" "$SERVER" "$N" "$K" "$COLD" "$RESULTS_DIR/checkpoint.json"
+python3 "$BENCH_DIR/lib/ckptbench.py" "$NESTBOX" "$ROOT" "$SERVER" "$N" "$K" "$COLD" "$RESULTS_DIR/checkpoint${POOL:+-pool$POOL}.json"

@@ -13,8 +13,11 @@ One run, interleaved, on the ~67 MiB Python HTTP server of bench/clone.sh
     template of the same server (`nestbox clone -d` to first answer);
   * restore-to-first-answer after dropping the page cache (echo 3 >
     /proc/sys/vm/drop_caches), a few rounds;
-  * K boxes restored from one checkpoint: private memory of each idle box's
-    process (smaps_rollup) and the MemAvailable drop per box.
+  * restore --shared to first answer (a clone of the checkpoint's template,
+    made by a first restore --shared before the rounds);
+  * K boxes restored --shared from one checkpoint (and up to 20 restored each
+    on its own): private memory of each idle box's process (smaps_rollup) and
+    the MemAvailable drop per box.
 
 Usage: ckptbench.py NESTBOX ROOT SERVER_FILE N K COLD OUT_JSON
 """
@@ -22,11 +25,22 @@ Usage: ckptbench.py NESTBOX ROOT SERVER_FILE N K COLD OUT_JSON
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
 
-from clonebench import http_get, meminfo_available, private_bytes, sh, state_address, summary, wait_answer
+from clonebench import meminfo_available, private_bytes, sh, state_address, summary, wait_answer
+
+
+def wait_pool(nestbox: str, root: str, template: str, pool: int) -> None:
+    """Wait (bounded) until template's pool is full again."""
+    end = time.monotonic() + 30
+    while time.monotonic() < end:
+        for t in json.loads(sh(nestbox, root, "template", "ls", "--json")):
+            if t["name"] == template and t["pooled"] >= pool:
+                return
+        time.sleep(0.01)
 
 
 def timed(fn) -> float:
@@ -87,11 +101,22 @@ def main() -> None:
     wait_answer(state_address(root, "tpl"))
     sh(nestbox, root, "freeze", "tpl")
 
-    restore_ms, cold_ms, clone_ms = [], [], []
+    restore_ms, shared_ms, cold_ms, clone_ms = [], [], [], []
+    # The checkpoint's template for `restore --shared`, made by a first one.
+    pool = os.environ.get("POOL", "0")
+    sh(nestbox, root, "restore", "ck0", "--shared", "--pool", pool, "--name", "first")
+    sh(nestbox, root, "rm", "-f", "first")
     for i in range(n):
         def restore():
             sh(nestbox, root, "restore", "ck0", "--name", f"r{i}")
             wait_answer(state_address(root, f"r{i}"))
+
+        def shared():
+            sh(nestbox, root, "restore", "ck0", "--shared", "--name", f"s{i}")
+            wait_answer(state_address(root, f"s{i}"))
+
+        if pool != "0":
+            wait_pool(nestbox, root, "ckpt-ck0", int(pool))
 
         def cold():
             sh(nestbox, root, "run", "-d", "--name", f"c{i}", "-v", vol, "--", "python3", "/srv.py")
@@ -102,9 +127,10 @@ def main() -> None:
             wait_answer(state_address(root, f"k{i}"))
 
         restore_ms.append(timed(restore))
+        shared_ms.append(timed(shared))
         cold_ms.append(timed(cold))
         clone_ms.append(timed(clone))
-        sh(nestbox, root, "rm", "-f", f"r{i}", f"c{i}", f"k{i}")
+        sh(nestbox, root, "rm", "-f", f"r{i}", f"s{i}", f"c{i}", f"k{i}")
 
     cold_cache_ms = []
     for i in range(cold_rounds):
@@ -117,34 +143,39 @@ def main() -> None:
         cold_cache_ms.append(timed(restore))
         sh(nestbox, root, "rm", "-f", f"d{i}")
 
-    # K idle restored boxes.
+    # K idle boxes restored --shared, then (fewer) restored each on its own.
     sh(nestbox, root, "rm", "-f", "tpl")
-    time.sleep(2)
-    before = meminfo_available()
-    names = [f"m{i}" for i in range(k)]
-    for name in names:
-        sh(nestbox, root, "restore", "ck0", "--name", name)
-    for name in names:
-        wait_answer(state_address(root, name))
-    time.sleep(3)
-    after = meminfo_available()
-    private = sorted(private_bytes(main_pid(root, name)) for name in names)
+    idle = {}
+    for mode, count in (("shared", k), ("alone", min(k, 20))):
+        time.sleep(2)
+        before = meminfo_available()
+        names = [f"{mode}{i}" for i in range(count)]
+        for name in names:
+            extra = ["--shared"] if mode == "shared" else []
+            sh(nestbox, root, "restore", "ck0", *extra, "--name", name)
+        for name in names:
+            wait_answer(state_address(root, name))
+        time.sleep(3)
+        after = meminfo_available()
+        private = sorted(private_bytes(main_pid(root, name)) for name in names)
+        idle[mode] = {
+            "k": count,
+            "private_bytes_median": private[len(private) // 2],
+            "memavailable_drop_per_box": (before - after) / max(count, 1),
+        }
+        subprocess.run([nestbox, "--root", root, "rm", "-f", *names], capture_output=True, timeout=600)
     result = {
         "server_private_bytes": rss,
         "checkpoint_first": {"wall_ms": first_wall, **first},
         "checkpoint_again": {"wall": summary(walls), "frozen": summary(frozen)},
         "checkpoint_after_1mib": {"pages_written": grown["pages_written"], "bytes_written": grown_written},
         "restore_to_answer_warm": summary(restore_ms),
+        "restore_shared_to_answer": summary(shared_ms),
         "cold_start_to_answer": summary(cold_ms),
         "clone_to_answer": summary(clone_ms),
         "restore_to_answer_cold_cache": summary(cold_cache_ms) if cold_cache_ms else None,
-        "idle_restored": {
-            "k": k,
-            "private_bytes_median": private[len(private) // 2],
-            "memavailable_drop_per_box": (before - after) / max(k, 1),
-        },
+        "idle_restored": idle,
     }
-    subprocess.run([nestbox, "--root", root, "rm", "-f", *names], capture_output=True, timeout=600)
     with open(out, "w") as f:
         json.dump(result, f, indent=2)
     print(json.dumps(result, indent=2))

@@ -1006,18 +1006,31 @@ fn copy_pages(
             PageAction::Write => {
                 buf.resize(len as usize, 0);
                 source.read(start, &mut buf)?;
-                for (k, page) in buf.chunks(PAGE as usize).enumerate() {
-                    // (Over a file, a zero page hides the file's contents.)
-                    if fresh && !t.is_file() && page.iter().all(|b| *b == 0) {
+                // Runs of pages to write, each in one call; in a new mapping a
+                // zero page is skipped (over a file it hides the file's
+                // contents, so there it is written).
+                let skip = |page: &[u8]| fresh && !t.is_file() && page.iter().all(|b| *b == 0);
+                let pages: Vec<&[u8]> = buf.chunks(PAGE as usize).collect();
+                let mut k = 0;
+                while k < pages.len() {
+                    if skip(pages[k]) {
+                        k += 1;
                         continue;
                     }
-                    mem.write_all_at(page, start + k as u64 * PAGE)
+                    let mut end = k + 1;
+                    while end < pages.len() && !skip(pages[end]) {
+                        end += 1;
+                    }
+                    let from = k * PAGE as usize;
+                    let to = end * PAGE as usize;
+                    mem.write_all_at(&buf[from..to], start + from as u64)
                         .map_err(|source| RemoteError::Sys {
                             op: "writing the target's page into X (/proc/PID/mem)",
                             pid,
                             source,
                         })?;
-                    stats.pages_written += 1;
+                    stats.pages_written += (end - k) as u64;
+                    k = end;
                 }
             }
         }

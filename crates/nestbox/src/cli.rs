@@ -136,6 +136,15 @@ enum Command {
         /// Print JSON (name, pid, milliseconds).
         #[arg(long)]
         json: bool,
+        /// Share memory with the other boxes restored so: the checkpoint is
+        /// restored once as its template (ckpt-NAME) and the box is a clone of
+        /// it (its hostname is then its name).
+        #[arg(long)]
+        shared: bool,
+        /// With --shared, when the checkpoint's template is made: keep N
+        /// clones of it forked ahead (as freeze --pool).
+        #[arg(long, value_name = "N", default_value_t = 0, requires = "shared")]
+        pool: usize,
         /// Checkpoint name, or a checkpoint directory (a path with a '/').
         checkpoint: String,
     },
@@ -602,9 +611,20 @@ pub fn dispatch(cli: Cli) -> Result<i32> {
         Command::Restore {
             name,
             json,
+            shared,
+            pool,
             checkpoint,
         } => {
-            let r = nestbox_runtime::checkpoint::restore(&reg, &checkpoint, name.as_deref())?;
+            let r = if shared {
+                nestbox_runtime::checkpoint::restore_shared(
+                    &reg,
+                    &checkpoint,
+                    name.as_deref(),
+                    pool,
+                )?
+            } else {
+                nestbox_runtime::checkpoint::restore(&reg, &checkpoint, name.as_deref())?
+            };
             if json {
                 println!("{}", serde_json::to_string(&r)?);
             } else {

@@ -408,6 +408,63 @@ fn a_self_contained_checkpoint_moves_to_another_root() {
     other.ok(&["checkpoint", "rm", "two"]);
 }
 
+fn private_dirty_kib(pid: i32) -> u64 {
+    let rollup =
+        std::fs::read_to_string(format!("/proc/{pid}/smaps_rollup")).expect("smaps_rollup");
+    status_field(&rollup, "Private_Dirty")
+        .and_then(|v| v.trim_end_matches(" kB").trim().parse().ok())
+        .expect("Private_Dirty")
+}
+
+/// `restore --shared`: the checkpoint is restored once as its template and
+/// each box is a clone of it, continuing from the checkpoint with its
+/// memory shared copy-on-write (its own dirty memory a fraction of a box
+/// restored on its own); `checkpoint rm` takes the template with it once
+/// its boxes are gone.
+#[test]
+fn boxes_restored_shared_continue_and_share_their_memory() {
+    let Some(root) = TestRoot::new("boxes_restored_shared_continue_and_share_their_memory") else {
+        return;
+    };
+    let _app = start_state_server(&root);
+    assert_eq!(box_http_get(&root, "st", "/")[0], "1");
+    root.ok(&["checkpoint", "st", "--as", "ck"]);
+    root.ok(&["rm", "st"]);
+    root.ok(&["restore", "ck", "--name", "alone"]);
+    let names: Vec<String> = (1..=10).map(|i| format!("s{i}")).collect();
+    for n in &names {
+        root.ok(&["restore", "ck", "--shared", "--name", n]);
+    }
+    for n in &names {
+        assert_eq!(
+            box_http_get(&root, n, "/"),
+            ["2", "0", "4", "queued"],
+            "{n} continues"
+        );
+    }
+    assert_eq!(box_http_get(&root, "s3", "/")[0], "3", "s3 goes on alone");
+    assert_eq!(box_http_get(&root, "s4", "/")[0], "3");
+    let alone = private_dirty_kib(main_pid("alone", &root));
+    for n in &names {
+        let own = private_dirty_kib(main_pid(n, &root));
+        assert!(
+            own * 2 < alone,
+            "{n} has {own} KiB of its own dirty memory, a box restored alone {alone} KiB"
+        );
+    }
+    let out = root.run(&["checkpoint", "rm", "ck"]);
+    assert_error(&out, 125, "in use");
+    let mut all: Vec<&str> = names.iter().map(String::as_str).collect();
+    all.push("alone");
+    root.rm_all(all);
+    root.ok(&["checkpoint", "rm", "ck"]);
+    assert!(
+        root.names().is_empty(),
+        "its template went with it: {:?}",
+        root.names()
+    );
+}
+
 /// Fifty boxes restored from one checkpoint, each on its own.
 #[test]
 fn fifty_boxes_are_restored_from_one_checkpoint() {

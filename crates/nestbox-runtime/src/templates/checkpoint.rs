@@ -563,16 +563,103 @@ pub fn revive_template(reg: &Registry, template: &str) -> Result<Option<BoxRecor
     crate::template::load_frozen(reg, template).map(Some)
 }
 
+/// The template name of checkpoint `name`'s template (see [`restore_shared`]).
+pub fn template_of(name: &str) -> String {
+    format!("ckpt-{name}")
+}
+
+/// Restore checkpoint `source` as box `name` sharing memory with every
+/// other box restored so from it: the checkpoint is restored once as its
+/// template (`ckpt-NAME`, frozen; made on first use), and each box is a
+/// clone of that template, its memory shared copy-on-write. The box's
+/// hostname is its name, as a clone's. A template made here keeps `pool`
+/// clones forked ahead (see `freeze --pool`).
+pub fn restore_shared(
+    reg: &Registry,
+    source: &str,
+    name: Option<&str>,
+    pool: usize,
+) -> Result<Restored> {
+    let start = Instant::now();
+    let (meta, dir) = load(reg, source)?;
+    let template = template_of(&meta.name);
+    let name = name.unwrap_or(&meta.box_name).to_string();
+    crate::clone::check_new_name(reg, &name)?;
+    {
+        fs::create_dir_all(checkpoints_dir(reg))
+            .map_err(RuntimeError::io("create", checkpoints_dir(reg)))?;
+        let lock_path = checkpoints_dir(reg).join(format!(".revive-{template}.lock"));
+        let file = fs::OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(&lock_path)
+            .map_err(RuntimeError::io("open", &lock_path))?;
+        let _lock = nix::fcntl::Flock::lock(file, nix::fcntl::FlockArg::LockExclusive)
+            .map_err(|(_, e)| RuntimeError::sys(format!("flock {}", lock_path.display()))(e))?;
+        match crate::template::load_frozen(reg, &template) {
+            Ok(t) => {
+                if t.spec.restore_of.as_deref() != Some(dir.display().to_string().as_str()) {
+                    return Err(problem(
+                        source,
+                        format!("has a template {template:?} made from another checkpoint of that name: remove it first"),
+                    ));
+                }
+            }
+            Err(_) => {
+                restore(reg, source, Some(&template))?;
+                crate::template::freeze(reg, &template, Some(&template), pool)?;
+                if pool > 0 {
+                    crate::clone::fill_pool(reg, &template)?;
+                }
+            }
+        }
+    }
+    let made = crate::clone::clone_template(
+        reg,
+        &template,
+        &crate::clone::CloneRequest {
+            names: vec![name.clone()],
+            count: 1,
+            ..Default::default()
+        },
+    )?;
+    let pid = made.first().map(|c| c.pid).unwrap_or(0);
+    Ok(Restored {
+        name,
+        pid,
+        restore_ms: start.elapsed().as_secs_f64() * 1e3,
+    })
+}
+
 /// Remove checkpoint `name` (its directory; its pages go at the next `gc`
 /// when no other checkpoint has them). Refused while a box restored from it
 /// runs on its layers.
 pub fn remove(reg: &Registry, name: &str) -> Result<()> {
-    let (_, dir) = load(reg, name)?;
+    let (meta, dir) = load(reg, name)?;
     let key = dir.display().to_string();
-    let mut users: Vec<String> = reg
+    let on_it: Vec<BoxRecord> = reg
         .list()?
         .into_iter()
         .filter(|r| r.spec.restore_of.as_deref() == Some(key.as_str()))
+        .collect();
+    // Its own template (`restore --shared`) goes with it once it has no
+    // clones left.
+    let own_template = template_of(&meta.name);
+    if let [only] = on_it.as_slice() {
+        if only.name() == own_template
+            && only
+                .state
+                .template
+                .as_ref()
+                .is_some_and(|t| t.name == own_template)
+        {
+            crate::templates::ops::remove(reg, only.name(), true)?;
+        }
+    }
+    let mut users: Vec<String> = on_it
+        .iter()
+        .filter(|r| reg.load(r.name()).is_ok())
         .map(|r| r.name().to_string())
         .collect();
     // Checkpoints of boxes restored from it stand on its layers too.
@@ -713,9 +800,30 @@ fn read_page_records(path: &Path) -> Result<Vec<(u64, Digest)>> {
 }
 
 /// A restored process's pages: its records, read from the pool.
+/// A page whose contents occur at more than one address is read from the
+/// pool (and checked) once, then copied from memory.
 struct ProcessPages<'a> {
     pages: &'a HashMap<u64, Digest>,
     pool: &'a PagePool,
+    repeated: HashSet<Digest>,
+    cache: std::cell::RefCell<HashMap<Digest, Vec<u8>>>,
+}
+
+impl<'a> ProcessPages<'a> {
+    fn new(pages: &'a HashMap<u64, Digest>, pool: &'a PagePool) -> ProcessPages<'a> {
+        let mut seen = HashSet::new();
+        let repeated = pages
+            .values()
+            .filter(|d| !seen.insert(**d))
+            .copied()
+            .collect();
+        ProcessPages {
+            pages,
+            pool,
+            repeated,
+            cache: Default::default(),
+        }
+    }
 }
 
 impl PageStore for ProcessPages<'_> {
@@ -727,7 +835,17 @@ impl PageStore for ProcessPages<'_> {
         let digest = self.pages.get(&addr).ok_or_else(|| {
             std::io::Error::new(std::io::ErrorKind::NotFound, "no such page in the image")
         })?;
-        self.pool.read(digest, buf)
+        if let Some(page) = self.cache.borrow().get(digest) {
+            buf[..page.len()].copy_from_slice(page);
+            return Ok(());
+        }
+        self.pool.read(digest, buf)?;
+        if self.repeated.contains(digest) {
+            self.cache
+                .borrow_mut()
+                .insert(*digest, buf[..nestbox_store::PAGE_SIZE].to_vec());
+        }
+        Ok(())
     }
 }
 
@@ -930,10 +1048,7 @@ fn restore_into(
         setns_cookie: cookie,
         seccomp,
     };
-    let stores: Vec<ProcessPages<'_>> = pages
-        .iter()
-        .map(|p| ProcessPages { pages: p, pool })
-        .collect();
+    let stores: Vec<ProcessPages<'_>> = pages.iter().map(|p| ProcessPages::new(p, pool)).collect();
     let refs: Vec<&dyn PageStore> = stores.iter().map(|s| s as &dyn PageStore).collect();
     nestbox_remote::restore_box(&stubs, images, &refs, &plan).map_err(|e| {
         for (_, stub) in &stubs {
