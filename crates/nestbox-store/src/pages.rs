@@ -14,12 +14,13 @@
 //! index: a crash leaves at worst a pack no record names (removed by
 //! [`PagePool::gc`]) or a torn last record (ignored when the index is read).
 //! A page read back ([`PagePool::read`]) is checked against its digest, so a
-//! corrupt or truncated pack is found before its contents are used.
+//! corrupt or truncated pack is found before its contents are used. The
+//! directory is made mode 0700: pages are memory of boxes.
 
 use std::collections::{HashMap, HashSet};
 use std::fs::{self, File, OpenOptions};
 use std::io::Write;
-use std::os::unix::fs::FileExt;
+use std::os::unix::fs::{DirBuilderExt, FileExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 
@@ -58,7 +59,12 @@ pub struct PoolUsage {
 impl PagePool {
     /// Open (creating if needed) the pool in `dir` and read its index.
     pub fn open(dir: &Path) -> Result<PagePool> {
-        fs::create_dir_all(dir).map_err(StoreError::io("create", dir))?;
+        // Pages are boxes' memory (keys, tokens): for root only.
+        fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(dir)
+            .map_err(StoreError::io("create", dir))?;
         let path = dir.join("index");
         let data = match fs::read(&path) {
             Ok(d) => d,
@@ -149,6 +155,7 @@ impl PagePool {
         let file = OpenOptions::new()
             .create_new(true)
             .write(true)
+            .mode(0o600)
             .open(&path)
             .map_err(StoreError::io("create", &path))?;
         Ok(PageWriter {

@@ -332,6 +332,20 @@ fn restored_state_includes_files_pipes_and_only_new_pages_are_written() {
         ],
     );
     assert_eq!(root.status("st").as_deref(), Some("running"));
+    // The box's memory is for root only.
+    use std::os::unix::fs::PermissionsExt;
+    for path in [
+        "lib/pages",
+        "lib/pages/pack-1",
+        "lib/checkpoints/one/checkpoint.json",
+        "lib/checkpoints/one/pages-2",
+    ] {
+        let mode = std::fs::metadata(root.path().join(path))
+            .expect(path)
+            .permissions()
+            .mode();
+        assert_eq!(mode & 0o077, 0, "{path} has mode {mode:o}");
+    }
     assert_eq!(
         box_http_get(&root, "st", "/grow"),
         ["2", "1", "4", "queued"]

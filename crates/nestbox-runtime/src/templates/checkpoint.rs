@@ -97,6 +97,33 @@ pub struct CheckpointStats {
     pub total_ms: f64,
 }
 
+/// Make `dir` (and its parents) if needed, listable by its owner only when
+/// this makes it.
+fn private_dir(dir: &Path) -> Result<()> {
+    use std::os::unix::fs::DirBuilderExt;
+    if dir.is_dir() {
+        return Ok(());
+    }
+    fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o711)
+        .create(dir)
+        .map_err(RuntimeError::io("create", dir))
+}
+
+/// Write `data` to a new file `path` readable by its owner only.
+fn write_private(path: &Path, data: &[u8]) -> Result<()> {
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+    fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(path)
+        .and_then(|mut f| f.write_all(data))
+        .map_err(RuntimeError::io("write", path))
+}
+
 /// Where checkpoints live.
 fn checkpoints_dir(reg: &Registry) -> PathBuf {
     reg.roots().lib.join("checkpoints")
@@ -188,7 +215,7 @@ pub fn checkpoint(reg: &Registry, box_name: &str, req: &CheckpointRequest) -> Re
         .filter(|_| record.state.init.is_some_and(|i| i.alive()))
         .ok_or_else(|| RuntimeError::NotRunning(box_name.to_string()))?;
     let template = record.state.template.is_some();
-    fs::create_dir_all(&parent).map_err(RuntimeError::io("create", &parent))?;
+    private_dir(&parent)?;
     let tmp = parent.join(format!(".tmp-{name}-{}", std::process::id()));
     // A self-contained checkpoint has its own page pool.
     let pool = match &req.output {
@@ -196,7 +223,15 @@ pub fn checkpoint(reg: &Registry, box_name: &str, req: &CheckpointRequest) -> Re
         None => pool_dir(reg),
     };
     let own_layers = req.output.is_some();
-    fs::create_dir(&tmp).map_err(RuntimeError::io("create", &tmp))?;
+    {
+        use std::os::unix::fs::DirBuilderExt;
+        // Mode 0711: its files (registers, the box's memory map) are the
+        // owner's; a restored box's overlay reaches its layers through it.
+        fs::DirBuilder::new()
+            .mode(0o711)
+            .create(&tmp)
+            .map_err(RuntimeError::io("create", &tmp))?;
+    }
     // Which box this unfinished checkpoint froze: `gc` thaws it if we die
     // (for `-o`, a marker of its own in this host's checkpoints).
     let marker_dir = if req.output.is_some() {
@@ -246,10 +281,7 @@ pub fn checkpoint(reg: &Registry, box_name: &str, req: &CheckpointRequest) -> Re
         };
         serde_json::to_vec(&meta)
             .map_err(|e| problem(&name, format!("encoding checkpoint.json: {e}")))
-            .and_then(|json| {
-                let path = tmp.join("checkpoint.json");
-                fs::write(&path, json).map_err(RuntimeError::io("write", &path))
-            })
+            .and_then(|json| write_private(&tmp.join("checkpoint.json"), &json))
             .and_then(|()| {
                 fs::rename(&tmp, &dir).map_err(|e| {
                     if dir.exists() {
@@ -374,8 +406,7 @@ fn save_all(
     for image in &images {
         let path = dir.join(format!("pages-{}", image.ns_pid));
         let data = records.remove(&image.ns_pid).unwrap_or_default();
-        fs::write(&path, &data)
-            .map_err(|e| SaveError::Runtime(RuntimeError::io("write", &path)(e)))?;
+        write_private(&path, &data).map_err(SaveError::Runtime)?;
     }
     Ok((
         images,
@@ -586,8 +617,7 @@ pub fn restore_shared(
     let name = name.unwrap_or(&meta.box_name).to_string();
     crate::clone::check_new_name(reg, &name)?;
     {
-        fs::create_dir_all(checkpoints_dir(reg))
-            .map_err(RuntimeError::io("create", checkpoints_dir(reg)))?;
+        private_dir(&checkpoints_dir(reg))?;
         let lock_path = checkpoints_dir(reg).join(format!(".revive-{template}.lock"));
         let file = fs::OpenOptions::new()
             .create(true)
