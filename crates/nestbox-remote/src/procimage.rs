@@ -85,6 +85,8 @@ pub struct ProcessImage {
     pub fds: Vec<FdEntry>,
     /// `prctl(PR_GET_SECUREBITS)`.
     pub securebits: u64,
+    /// User and group ids as its own user namespace sees them.
+    pub credentials: Credentials,
     /// Data buffered in the box's pipes and stream socket pairs: (an fd
     /// reading it, the bytes), written into the new object at restore.
     #[serde(default)]
@@ -95,6 +97,63 @@ impl ProcessImage {
     /// Every thread id of the process (in the box's pid namespace).
     pub fn tids(&self) -> impl Iterator<Item = i32> + '_ {
         std::iter::once(self.leader.ns_tid).chain(self.threads.iter().map(|t| t.ns_tid))
+    }
+}
+
+/// A process's user ids (real, effective, saved, filesystem), group ids (the
+/// same four) and supplementary groups, in its own user namespace (an id
+/// with no mapping there is `u64::MAX`).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Credentials {
+    /// `Uid:` of its status.
+    pub uid: Vec<u64>,
+    /// `Gid:` of its status.
+    pub gid: Vec<u64>,
+    /// `Groups:` of its status.
+    pub groups: Vec<u64>,
+}
+
+impl Credentials {
+    /// Read `pid`'s ids (shown in the reader's user namespace by `status`)
+    /// and map them into its own user namespace (`uid_map`, `gid_map`).
+    pub fn read(pid: i32) -> Result<Credentials> {
+        let status = Status::read(pid)?;
+        let ids = |key: &str| -> Vec<u64> {
+            status
+                .get(key)
+                .unwrap_or("")
+                .split_whitespace()
+                .filter_map(|w| w.parse().ok())
+                .collect()
+        };
+        let map = |name: &str| -> Result<Vec<(u64, u64, u64)>> {
+            let path = proc_path(pid, name);
+            let text = crate::procfs::read_to_string(&path)?;
+            Ok(text
+                .lines()
+                .filter_map(|l| {
+                    let v: Vec<u64> = l
+                        .split_whitespace()
+                        .filter_map(|w| w.parse().ok())
+                        .collect();
+                    (v.len() == 3).then(|| (v[0], v[1], v[2]))
+                })
+                .collect())
+        };
+        let inside = |map: &[(u64, u64, u64)], id: u64| {
+            map.iter()
+                .find(|(_, out, len)| id >= *out && id - out < *len)
+                .map_or(u64::MAX, |(ins, out, _)| ins + (id - out))
+        };
+        let (uids, gids) = (map("uid_map")?, map("gid_map")?);
+        Ok(Credentials {
+            uid: ids("Uid").into_iter().map(|i| inside(&uids, i)).collect(),
+            gid: ids("Gid").into_iter().map(|i| inside(&gids, i)).collect(),
+            groups: ids("Groups")
+                .into_iter()
+                .map(|i| inside(&gids, i))
+                .collect(),
+        })
     }
 }
 
@@ -259,6 +318,12 @@ fn capture_one(
     );
     tracee.restore_regs()?;
     let securebits = securebits?;
+    let credentials = Credentials::read(pid)?;
+    if credentials.uid.contains(&u64::MAX) || credentials.gid.contains(&u64::MAX) {
+        return Err(RemoteError::Unclonable(format!(
+            "process {pid} runs with ids its user namespace does not map ({credentials:?})"
+        )));
+    }
     save_pages(pid, &layout.vmas, sink)?;
     Ok(ProcessImage {
         ns_pid: template.ns_pid,
@@ -271,6 +336,7 @@ fn capture_one(
         threads: template.threads,
         fds,
         securebits,
+        credentials,
         buffered,
     })
 }
@@ -628,7 +694,7 @@ fn restore_root(
     )?;
     let mut scratch = Scratch::map(&mut x)?;
     image.state.apply(&mut x, &mut scratch)?;
-    set_credentials(&mut x, &mut scratch, &image.state)?;
+    set_credentials(&mut x, &mut scratch, &image.credentials)?;
     let creator = !tables.objects.is_created();
     let fds = restore_fds(
         &mut x,
@@ -814,25 +880,25 @@ fn child_fds(
 
 /// Give the stub the image's user and group ids and supplementary groups
 /// (keeping its capabilities, which the rest of the restore needs; the
-/// image's sets are put back at release).
-fn set_credentials(x: &mut Tracee, scratch: &mut Scratch, state: &ProcessState) -> Result<()> {
-    let now = Status::read(x.pid())?;
-    let ids = |line: &str| -> Vec<u64> {
-        line.split_whitespace()
-            .filter_map(|w| w.parse().ok())
-            .collect()
-    };
-    let want = |key: &str| state.inherited_line(key).map(ids).unwrap_or_default();
-    let have = |key: &str| now.get(key).map(ids).unwrap_or_default();
-    let (uid, gid, groups) = (want("Uid"), want("Gid"), want("Groups"));
-    if uid == have("Uid") && gid == have("Gid") && groups == have("Groups") {
+/// image's sets are put back at release). In a user namespace whose
+/// `setgroups` is denied, the groups cannot be set: the stub then keeps the
+/// (unmapped) groups it has, as the box's own processes do.
+fn set_credentials(x: &mut Tracee, scratch: &mut Scratch, want: &Credentials) -> Result<()> {
+    let have = Credentials::read(x.pid())?;
+    if *want == have {
         return Ok(());
     }
+    let (uid, gid) = (&want.uid, &want.gid);
     if uid.len() < 3 || gid.len() < 3 {
-        return Err(RemoteError::Plan("the image has no Uid or Gid line".into()));
+        return Err(RemoteError::Plan(
+            "the image has no user or group ids".into(),
+        ));
     }
+    let setgroups_denied = crate::procfs::read_to_string(&proc_path(x.pid(), "setgroups"))
+        .is_ok_and(|t| t.trim() == "deny");
     scratch.reset();
-    let list: Vec<u8> = groups
+    let list: Vec<u8> = want
+        .groups
         .iter()
         .flat_map(|g| (*g as u32).to_ne_bytes())
         .collect();
@@ -848,12 +914,14 @@ fn set_credentials(x: &mut Tracee, scratch: &mut Scratch, state: &ProcessState) 
         libc::SYS_prctl,
         &[libc::PR_SET_KEEPCAPS as u64, 1],
     );
-    batch.push(
-        "setgroups",
-        format!("{groups:?}"),
-        libc::SYS_setgroups,
-        &[groups.len() as u64, list_addr],
-    );
+    if !setgroups_denied && want.groups != have.groups {
+        batch.push(
+            "setgroups",
+            format!("{:?}", want.groups),
+            libc::SYS_setgroups,
+            &[want.groups.len() as u64, list_addr],
+        );
+    }
     batch.push(
         "setresgid",
         format!("{gid:?}"),

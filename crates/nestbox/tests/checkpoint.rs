@@ -479,6 +479,60 @@ fn boxes_restored_shared_continue_and_share_their_memory() {
     );
 }
 
+/// A box in a user namespace whose server runs as uid 1000 is restored with
+/// the same ids in its new user namespace, no capabilities, and its state.
+#[test]
+fn a_non_root_server_in_a_user_namespace_is_restored_with_its_ids() {
+    let Some(root) =
+        TestRoot::new("a_non_root_server_in_a_user_namespace_is_restored_with_its_ids")
+    else {
+        return;
+    };
+    let app = App::new(
+        &[("server.py", PYTHON_STATE_SERVER)],
+        &["python3", "/app/server.py"],
+        1,
+    );
+    let volume = app.volume();
+    root.ok(&[
+        "run",
+        "-d",
+        "--userns",
+        "-u",
+        "1000:1000",
+        "-w",
+        "/tmp",
+        "--name",
+        "u",
+        "-v",
+        &volume,
+        "--",
+        "python3",
+        "/app/server.py",
+    ]);
+    root.wait_logged("u", "ready", Duration::from_secs(30));
+    assert_eq!(box_http_get(&root, "u", "/")[0], "1");
+    let ids = |name: &str| {
+        root.ok(&[
+            "exec",
+            name,
+            "--",
+            "sh",
+            "-c",
+            "grep -E '^(Uid|Gid|CapEff|CapPrm):' /proc/2/status | tr -s '\\t' ' '",
+        ])
+    };
+    let before = ids("u");
+    assert!(before.contains("Uid: 1000 1000 1000 1000"), "{before}");
+    root.ok(&["checkpoint", "u", "--as", "ck"]);
+    root.ok(&["rm", "u"]);
+    root.ok(&["restore", "ck", "--name", "r"]);
+    assert_eq!(ids("r"), before, "the same ids and capabilities");
+    assert_eq!(box_http_get(&root, "r", "/"), ["2", "0", "4", "queued"]);
+    root.ok(&["rm", "-f", "r"]);
+    root.ok(&["checkpoint", "rm", "ck"]);
+}
+
 /// Fifty boxes restored from one checkpoint, each on its own.
 #[test]
 fn fifty_boxes_are_restored_from_one_checkpoint() {
