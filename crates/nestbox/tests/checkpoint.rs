@@ -200,6 +200,33 @@ fn a_saved_template_is_revived_by_clone_when_its_box_is_gone() {
     assert_error(&out, 125, "no template named \"web\"");
 }
 
+/// A clone (a sandbox of a service) is checkpointed like any box: restored
+/// after its template and the clone are removed, it continues from the
+/// clone's state, with the files of the template's layer and its own.
+#[test]
+fn a_clone_is_checkpointed_and_restored_after_its_template_is_gone() {
+    let Some(root) =
+        TestRoot::new("a_clone_is_checkpointed_and_restored_after_its_template_is_gone")
+    else {
+        return;
+    };
+    let _app = start_state_server(&root);
+    assert_eq!(box_http_get(&root, "st", "/")[0], "1");
+    root.ok(&["freeze", "st"]);
+    root.ok(&["clone", "st", "-d", "--name", "c"]);
+    assert_eq!(box_http_get(&root, "c", "/"), ["2", "0", "4", "queued"]);
+    root.ok(&["exec", "c", "--", "sh", "-c", "echo mine > /tmp/clone.txt"]);
+    root.ok(&["checkpoint", "c", "--as", "ck"]);
+    root.ok(&["rm", "-f", "c", "st"]);
+    assert!(root.names().is_empty(), "{:?}", root.names());
+    root.ok(&["restore", "ck", "--name", "r"]);
+    assert_eq!(box_http_get(&root, "r", "/"), ["3", "0", "6", "queued"]);
+    let files = root.ok(&["exec", "r", "--", "cat", "/tmp/log.txt", "/tmp/clone.txt"]);
+    assert_eq!(files, "1\n2\n3\nmine\n");
+    root.ok(&["rm", "-f", "r"]);
+    root.ok(&["checkpoint", "rm", "ck"]);
+}
+
 /// A prefork server (a master and two workers sharing a listening socket,
 /// a report pipe and a counter in shared memory) comes back whole: same
 /// pids, parents, session and group; the counter and the pipe continue.
@@ -615,14 +642,13 @@ fn checkpoint_and_restore_refuse_bad_input_in_one_line() {
     let out = root.run(&["restore", "ck", "--name", "st"]);
     assert_error(&out, 125, "already exists");
     one_line(&out);
-    // A clone: refused, named.
-    root.ok(&["run", "-d", "--name", "t", "--", "sleep", "300"]);
-    root.ok(&["freeze", "t"]);
-    root.ok(&["clone", "t", "-d", "--name", "c"]);
-    let out = root.run(&["checkpoint", "c"]);
-    assert_error(&out, 125, "is a clone");
+    // A box that is not running.
+    root.ok(&["run", "-d", "--name", "sh", "--", "true"]);
+    root.wait_exited("sh", Duration::from_secs(10));
+    let out = root.run(&["checkpoint", "sh"]);
+    assert_error(&out, 125, "box \"sh\" is not running");
     one_line(&out);
-    root.ok(&["rm", "-f", "c", "t", "st"]);
+    root.ok(&["rm", "-f", "sh", "st"]);
     // A truncated record file, then a corrupt checkpoint.json.
     let dir = root.path().join("lib/checkpoints/ck");
     let pages = std::fs::read_dir(&dir)

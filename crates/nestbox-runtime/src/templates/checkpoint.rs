@@ -202,12 +202,6 @@ pub fn checkpoint(reg: &Registry, box_name: &str, req: &CheckpointRequest) -> Re
             name
         }));
     }
-    if record.spec.clone_of.is_some() {
-        return Err(RuntimeError::Unsupported {
-            name: box_name.to_string(),
-            problem: "is a clone: a checkpoint of a clone is not supported yet (checkpoint its template, or a box started with run)".into(),
-        });
-    }
     let cgroup = record
         .state
         .cgroup
@@ -254,7 +248,7 @@ pub fn checkpoint(reg: &Registry, box_name: &str, req: &CheckpointRequest) -> Re
         .set_frozen(true, FREEZER_TIMEOUT)
         .map_err(RuntimeError::from)
         .and_then(|()| save_processes(&pool, &record, &cgroup, &tmp, &name))
-        .and_then(|saved| Ok((saved, copy_layers(&record, &tmp, own_layers)?)));
+        .and_then(|saved| Ok((saved, copy_layers(reg, &record, &tmp, own_layers)?)));
     // A template stays frozen; any other box runs again (or is stopped below).
     let thawed = if template {
         Ok(())
@@ -422,41 +416,65 @@ fn save_all(
 /// with `cp -a` (see docs/checkpoint.md: one of the documented uses of an
 /// outside program: it keeps overlayfs whiteouts, opaque-directory xattrs,
 /// owners, hardlinks and times). Returns how many.
-fn copy_layers(record: &BoxRecord, dir: &Path, self_contained: bool) -> Result<usize> {
-    // A restored box's root also holds the layers of the checkpoint it was
-    // restored from (and of those below it): named, or for a self-contained
-    // checkpoint copied as `base-K` (named relative to it).
+fn copy_layers(
+    reg: &Registry,
+    record: &BoxRecord,
+    dir: &Path,
+    self_contained: bool,
+) -> Result<usize> {
+    let mut lines: Vec<String> = Vec::new();
+    let mut k = 0;
+    // A clone's root has its template's layers under its own: copied as
+    // `base-K`, as the template may go before the checkpoint does.
+    if let Some(src) = &record.spec.clone_of {
+        let template = reg.load(&src.template_box)?;
+        copy_layer_set(
+            record.name(),
+            |i| template.layer_dirs(i).0,
+            &dir.join(format!("base-{k}")),
+        )?;
+        lines.push(format!("base-{k}"));
+        k += 1;
+    }
+    // A restored box's root (and a clone's of a restored template) also holds
+    // the layers of the checkpoint it was restored from, and of those below
+    // it: named, or for a self-contained checkpoint copied as `base-K`.
     if let Some(base) = &record.spec.restore_of {
-        let chain = layer_chain(Path::new(base));
-        let mut lines = Vec::with_capacity(chain.len());
-        for (k, below) in chain.iter().enumerate() {
+        for below in layer_chain(Path::new(base)) {
             if !self_contained {
                 lines.push(below.display().to_string());
                 continue;
             }
-            let into = dir.join(format!("base-{k}"));
-            fs::create_dir(&into).map_err(RuntimeError::io("create", &into))?;
-            let mut i = 0;
-            while below.join(format!("layer-{i}")).is_dir() {
-                cp_a(
-                    record.name(),
-                    &below.join(format!("layer-{i}")),
-                    &into.join(format!("layer-{i}")),
-                )?;
-                i += 1;
-            }
+            copy_layer_set(
+                record.name(),
+                |i| below.join(format!("layer-{i}")),
+                &dir.join(format!("base-{k}")),
+            )?;
             lines.push(format!("base-{k}"));
+            k += 1;
         }
+    }
+    if !lines.is_empty() {
         let path = dir.join("lowers");
         fs::write(&path, lines.join("\n") + "\n").map_err(RuntimeError::io("write", &path))?;
     }
+    let n = copy_layer_set(record.name(), |i| record.layer_dirs(i).0, dir)?;
+    Ok(n)
+}
+
+/// Copy the layers `layer(0)`, `layer(1)`, … that exist into `into` as
+/// `layer-N`; how many.
+fn copy_layer_set(name: &str, layer: impl Fn(usize) -> PathBuf, into: &Path) -> Result<usize> {
+    if !into.is_dir() {
+        fs::create_dir(into).map_err(RuntimeError::io("create", into))?;
+    }
     let mut n = 0;
     loop {
-        let (upper, _) = record.layer_dirs(n);
-        if !upper.is_dir() {
+        let from = layer(n);
+        if !from.is_dir() {
             return Ok(n);
         }
-        cp_a(record.name(), &upper, &dir.join(format!("layer-{n}")))?;
+        cp_a(name, &from, &into.join(format!("layer-{n}")))?;
         n += 1;
     }
 }
