@@ -145,7 +145,9 @@ enum Command {
         /// clones of it forked ahead (as freeze --pool).
         #[arg(long, value_name = "N", default_value_t = 0, requires = "shared")]
         pool: usize,
-        /// Checkpoint name, or a checkpoint directory (a path with a '/').
+        /// Checkpoint name, a checkpoint directory (a path with a '/'), or `-`:
+        /// a checkpoint stream on standard input (from `checkpoint -o -`),
+        /// kept as the checkpoint of its name.
         checkpoint: String,
     },
     /// Answer clone requests on a Unix socket (one JSON object per line; see
@@ -183,7 +185,8 @@ struct CheckpointArgs {
     leave_running: bool,
     /// Write a self-contained checkpoint into directory DIR (its pages and
     /// layers with it), to restore with `restore DIR` here or on another
-    /// host; it is not listed by `checkpoint ls`.
+    /// host; it is not listed by `checkpoint ls`. `-o -` writes it to
+    /// standard output as a stream for `restore -`.
     #[arg(
         short = 'o',
         long = "output",
@@ -615,7 +618,9 @@ pub fn dispatch(cli: Cli) -> Result<i32> {
             pool,
             checkpoint,
         } => {
-            let r = if shared {
+            let r = if checkpoint == "-" {
+                nestbox_runtime::checkpoint::restore_from_stdin(&reg, name.as_deref())?
+            } else if shared {
                 nestbox_runtime::checkpoint::restore_shared(
                     &reg,
                     &checkpoint,
@@ -829,7 +834,16 @@ fn checkpoint(reg: &Registry, a: CheckpointArgs) -> Result<i32> {
                 leave_running: a.leave_running,
                 output: a.output,
             };
-            let meta = ckpt::checkpoint(reg, &name, &req)?;
+            let to_stdout = req.output.as_deref() == Some(std::path::Path::new("-"));
+            let meta = if to_stdout {
+                ckpt::checkpoint_to_stdout(reg, &name, &req)?
+            } else {
+                ckpt::checkpoint(reg, &name, &req)?
+            };
+            if to_stdout {
+                // Standard output carries the stream.
+                return Ok(0);
+            }
             if a.json {
                 println!(
                     "{}",

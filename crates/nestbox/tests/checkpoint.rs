@@ -560,6 +560,69 @@ fn a_non_root_server_in_a_user_namespace_is_restored_with_its_ids() {
     root.ok(&["checkpoint", "rm", "ck"]);
 }
 
+/// `checkpoint -o -` piped into `restore -` of another root moves a box
+/// through a stream; the receiving root keeps the checkpoint under its name.
+#[test]
+fn a_checkpoint_stream_moves_a_box_between_roots() {
+    let Some(root) = TestRoot::new("a_checkpoint_stream_moves_a_box_between_roots") else {
+        return;
+    };
+    let Some(other) = TestRoot::new("a_checkpoint_stream_moves_a_box_between_roots-2") else {
+        return;
+    };
+    let _app = start_state_server(&root);
+    assert_eq!(box_http_get(&root, "st", "/")[0], "1");
+    root.ok(&[
+        "exec",
+        "st",
+        "--",
+        "sh",
+        "-c",
+        "mkdir -p /tmp/d && echo kept > /tmp/d/f",
+    ]);
+    let mut sender = root
+        .command(&["checkpoint", "st", "-o", "-"])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("checkpoint -o -");
+    let stream = sender.stdout.take().expect("stdout");
+    let receiver = other
+        .command(&["restore", "-", "--name", "moved"])
+        .stdin(stream)
+        .output()
+        .expect("restore -");
+    let sent = sender.wait_with_output().expect("checkpoint -o -");
+    assert!(
+        sent.status.success(),
+        "checkpoint -o -: {}",
+        String::from_utf8_lossy(&sent.stderr)
+    );
+    assert!(
+        receiver.status.success(),
+        "restore -: {}",
+        String::from_utf8_lossy(&receiver.stderr)
+    );
+    assert_ne!(
+        root.status("st").as_deref(),
+        Some("running"),
+        "the sender stopped"
+    );
+    assert_eq!(
+        box_http_get(&other, "moved", "/"),
+        ["2", "0", "4", "queued"]
+    );
+    assert_eq!(
+        other.ok(&["exec", "moved", "--", "cat", "/tmp/d/f"]),
+        "kept\n"
+    );
+    assert!(other.ok(&["checkpoint", "ls"]).contains("st"));
+    root.ok(&["rm", "st"]);
+    assert_eq!(root.ok(&["checkpoint", "ls", "--json"]).trim(), "[]");
+    other.ok(&["rm", "-f", "moved"]);
+    other.ok(&["checkpoint", "rm", "st"]);
+}
+
 /// Fifty boxes restored from one checkpoint, each on its own.
 #[test]
 fn fifty_boxes_are_restored_from_one_checkpoint() {

@@ -612,6 +612,103 @@ pub fn revive_template(reg: &Registry, template: &str) -> Result<Option<BoxRecor
     crate::template::load_frozen(reg, template).map(Some)
 }
 
+/// `checkpoint -o -`: a self-contained checkpoint of box `box_name` written
+/// to standard output as a tar stream (GNU `tar` with xattrs: overlayfs
+/// whiteouts and opaque directories survive), for `restore -` elsewhere
+/// (`nestbox checkpoint web -o - | ssh host nestbox restore -`).
+pub fn checkpoint_to_stdout(
+    reg: &Registry,
+    box_name: &str,
+    req: &CheckpointRequest,
+) -> Result<Checkpoint> {
+    let staging = checkpoints_dir(reg).join(format!(".tmp-stream-{}", std::process::id()));
+    private_dir(&staging)?;
+    let dir = staging.join("checkpoint");
+    let result = checkpoint(
+        reg,
+        box_name,
+        &CheckpointRequest {
+            output: Some(dir.clone()),
+            ..req.clone()
+        },
+    )
+    .and_then(|meta| {
+        run_tar(
+            &["-C", &dir.display().to_string(), "-cf", "-", "."],
+            std::process::Stdio::null(),
+        )?;
+        Ok(meta)
+    });
+    crate::diag::warn_on_err(
+        Some(box_name),
+        "removing a streamed checkpoint's staging directory",
+        fs::remove_dir_all(&staging).map_err(RuntimeError::io("remove", &staging)),
+    );
+    result
+}
+
+/// `restore -`: read a checkpoint stream (from `checkpoint -o -`) on
+/// standard input, keep it as the checkpoint of its name (listed, restorable
+/// again, removed with `checkpoint rm`), and restore it as box `name`. If the
+/// restore fails, the checkpoint goes too.
+pub fn restore_from_stdin(reg: &Registry, name: Option<&str>) -> Result<Restored> {
+    let staging = checkpoints_dir(reg).join(format!(".tmp-incoming-{}", std::process::id()));
+    private_dir(&staging)?;
+    let unpacked = run_tar(
+        &[
+            "-C",
+            &staging.display().to_string(),
+            "-xf",
+            "-",
+            "--numeric-owner",
+        ],
+        std::process::Stdio::inherit(),
+    )
+    .and_then(|()| load(reg, &staging.display().to_string()))
+    .and_then(|(meta, _)| {
+        let dest = checkpoints_dir(reg).join(&meta.name);
+        if dest.exists() {
+            return Err(RuntimeError::CheckpointExists(meta.name));
+        }
+        fs::rename(&staging, &dest).map_err(RuntimeError::io("rename", &dest))?;
+        Ok(meta.name)
+    });
+    let checkpoint = match unpacked {
+        Ok(c) => c,
+        Err(e) => {
+            let _ = fs::remove_dir_all(&staging);
+            return Err(e);
+        }
+    };
+    restore(reg, &checkpoint, name).inspect_err(|_| {
+        crate::diag::warn_on_err(
+            None,
+            "removing a checkpoint received for a failed restore",
+            remove(reg, &checkpoint),
+        );
+    })
+}
+
+/// Run GNU `tar` with `args` (xattrs kept) on our standard input and
+/// output (see docs/architecture.md, exceptions to "no shell-out").
+fn run_tar(args: &[&str], stdin: std::process::Stdio) -> Result<()> {
+    let out = std::process::Command::new("tar")
+        .args(["--xattrs", "--xattrs-include=*", "--acls"])
+        .args(args)
+        .stdin(stdin)
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .and_then(|c| c.wait_with_output())
+        .map_err(RuntimeError::io("running", "tar"))?;
+    if !out.status.success() {
+        return Err(problem(
+            "stream",
+            format!("tar: {}", String::from_utf8_lossy(&out.stderr).trim()),
+        ));
+    }
+    Ok(())
+}
+
 /// The template name of checkpoint `name`'s template (see [`restore_shared`]).
 pub fn template_of(name: &str) -> String {
     format!("ckpt-{name}")
