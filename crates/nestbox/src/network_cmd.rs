@@ -56,6 +56,10 @@ pub enum NetworkCommand {
     /// Resolve the host names of the egress policies again (of one network,
     /// or of all) and rewrite the rules where a name's addresses changed.
     Refresh {
+        /// Keep running, refreshing every SECONDS (until SIGTERM or SIGINT):
+        /// a line is printed for a network whose names moved.
+        #[arg(long, value_name = "SECONDS")]
+        every: Option<u64>,
         /// The network (default: all).
         name: Option<String>,
     },
@@ -138,23 +142,56 @@ pub fn network(reg: &Registry, cmd: NetworkCommand) -> Result<i32> {
             }
             Ok(0)
         }
-        NetworkCommand::Refresh { name } => {
+        NetworkCommand::Refresh { name, every } => {
             let configs = list_networks(&root)?;
             if let Some(n) = &name {
                 if !configs.iter().any(|c| &c.name == n) {
                     bail!(nestbox_net::NetError::UnknownNetwork(n.clone()));
                 }
             }
-            for cfg in configs {
-                if name.as_ref().is_some_and(|n| n != &cfg.name) {
-                    continue;
-                }
-                let names = Network::view(cfg.clone()).refresh()?;
-                println!("{} {}", cfg.name, serde_json::to_string(&names)?);
+            let Some(seconds) = every else {
+                refresh_pass(&root, name.as_deref(), &mut None)?;
+                return Ok(0);
+            };
+            if seconds == 0 {
+                bail!("--every 0: give an interval of at least 1 second");
             }
-            Ok(0)
+            // Until killed: each pass prints the networks whose names moved.
+            let mut last = Some(std::collections::BTreeMap::new());
+            loop {
+                // A network removed meanwhile, a resolver down: said, and the
+                // next pass tries again.
+                if let Err(e) = refresh_pass(&root, name.as_deref(), &mut last) {
+                    eprintln!("nestbox: warning: network refresh: {e:#}");
+                }
+                std::thread::sleep(std::time::Duration::from_secs(seconds));
+            }
         }
     }
+}
+
+/// One `network refresh` over the networks (or the one named): each prints
+/// its names' addresses; with `last` (a watch), only those that moved since
+/// the previous pass (a network made meanwhile is refreshed too).
+fn refresh_pass(
+    root: &std::path::Path,
+    name: Option<&str>,
+    last: &mut Option<std::collections::BTreeMap<String, String>>,
+) -> Result<()> {
+    for cfg in list_networks(root)? {
+        if name.is_some_and(|n| n != cfg.name) {
+            continue;
+        }
+        let names = serde_json::to_string(&Network::view(cfg.clone()).refresh()?)?;
+        let moved = match last {
+            Some(seen) => seen.insert(cfg.name.clone(), names.clone()).as_ref() != Some(&names),
+            None => true,
+        };
+        if moved {
+            println!("{} {names}", cfg.name);
+        }
+    }
+    Ok(())
 }
 
 fn ls(reg: &Registry, root: &std::path::Path, as_json: bool) -> Result<i32> {

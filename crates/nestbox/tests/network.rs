@@ -1349,9 +1349,24 @@ fn egress_allow_lists_with_host_names_admit_only_what_they_list() {
         serde_json::json!(["10.233.7.3"])
     );
     drop(entry);
-    let _entry = HostsEntry::set(&host, &far.far);
+    let entry = HostsEntry::set(&host, &far.far);
     root.ok(&["network", "refresh"]);
     assert_eq!(ask_from(&root, "on-net", &far.far, 9000), hello);
+    // A refresher left running follows the name on its own.
+    let mut refresher = root.spawn(&["network", "refresh", "--every", "1"]);
+    drop(entry);
+    let _entry = HostsEntry::set(&host, "10.233.7.4");
+    wait_for(
+        "the refresher to follow the name",
+        Duration::from_secs(20),
+        || {
+            network_named(&root, &net)["egress_names"]["names"][&host]
+                == serde_json::json!(["10.233.7.4"])
+        },
+    );
+    assert_eq!(ask_from(&root, "on-net", &far.far, 9000), "");
+    let _ = refresher.kill();
+    let _ = refresher.wait();
     root.ok(&["rm", "-f", "on-net", "both", "own", "open"]);
     let bridge = inspect["bridge"].as_str().unwrap().to_string();
     root.ok(&["network", "rm", &net]);
