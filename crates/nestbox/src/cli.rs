@@ -829,6 +829,13 @@ fn checkpoint(reg: &Registry, a: CheckpointArgs) -> Result<i32> {
         }
         None => {
             let name = a.name.context("missing box name")?;
+            // The checkpoint itself runs in a process of its own group, which
+            // goes on when this one is killed (a SIGKILL or Ctrl-C of the
+            // command): a checkpoint cut during the calls it injects in the
+            // box's threads would leave a thread with injected registers.
+            if std::env::var_os(CHECKPOINT_WORKER).is_none() {
+                return run_as_worker();
+            }
             let req = ckpt::CheckpointRequest {
                 name: a.as_name,
                 leave_running: a.leave_running,
@@ -855,6 +862,27 @@ fn checkpoint(reg: &Registry, a: CheckpointArgs) -> Result<i32> {
             Ok(0)
         }
     }
+}
+
+/// Set in the environment of the process that does a checkpoint for the
+/// command (see [`run_as_worker`]).
+const CHECKPOINT_WORKER: &str = "NESTBOX_CHECKPOINT_WORKER";
+
+/// Run this same command again in a child process of its own process group
+/// (so a signal to this process or its group does not reach it), with our
+/// standard streams, and exit with its status.
+fn run_as_worker() -> Result<i32> {
+    use std::os::unix::process::{CommandExt, ExitStatusExt};
+    let exe = std::env::current_exe().context("finding the nestbox binary")?;
+    let status = std::process::Command::new(exe)
+        .args(std::env::args_os().skip(1))
+        .env(CHECKPOINT_WORKER, "1")
+        .process_group(0)
+        .status()
+        .context("starting the checkpoint's worker process")?;
+    Ok(status
+        .code()
+        .unwrap_or_else(|| 128 + status.signal().unwrap_or(0)))
 }
 
 fn template(reg: &Registry, cmd: TemplateCommand) -> Result<i32> {
