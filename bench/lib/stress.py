@@ -365,8 +365,10 @@ class World:
 OPS = [  # (name, weight)
     ("run_rm", 6), ("run_d", 14), ("exec", 10), ("stop", 3), ("rm", 10),
     ("freeze", 14), ("clone_cli", 12), ("clone_api", 12), ("template_rm", 3),
-    ("network_pool", 3),
+    ("network_pool", 3), ("checkpoint", 4), ("restore", 4), ("checkpoint_rm", 2),
 ]
+
+CHECKPOINTS = [f"c{i}" for i in range(3)]
 
 
 class Client(threading.Thread):
@@ -446,6 +448,19 @@ class Client(threading.Thread):
         else:
             self.nb.judge_message("clone_api", what, answer["error"])
 
+    def op_checkpoint(self) -> None:
+        self.do("checkpoint", ["checkpoint", self.world.any_box(self.rng), "--as",
+                               self.rng.choice(CHECKPOINTS), "--leave-running"])
+
+    def op_restore(self) -> None:
+        # Racing for the names of run_d's boxes; half of them shared.
+        shared = ["--shared"] if self.rng.random() < 0.5 else []
+        ok, out = self.do("restore", ["restore", self.rng.choice(CHECKPOINTS), *shared,
+                                      "--name", self.rng.choice(self.world.boxes)])
+
+    def op_checkpoint_rm(self) -> None:
+        self.do("checkpoint_rm", ["checkpoint", "rm", self.rng.choice(CHECKPOINTS)])
+
     def op_template_rm(self) -> None:
         self.do("template_rm", ["template", "rm", self.rng.choice(self.world.templates)])
 
@@ -515,6 +530,16 @@ class Killer:
         rc, _, err, dur = self.nb.call(["freeze", name, "--as", self.template, "--pool", "1"])
         self.nb.judge("kill_setup", ["freeze", name, "--as", self.template], rc, err, dur)
         return self.template
+
+    def ensure_checkpoint(self) -> str:
+        """The name of a checkpoint (taken now, of a live box, if need be)."""
+        rc, out, err, _ = self.nb.call(["checkpoint", "ls", "--json"])
+        if rc == 0 and any(c.get("name") == "kc" for c in json.loads(out)):
+            return "kc"
+        name = self.live_box()
+        rc, _, err, dur = self.nb.call(["checkpoint", name, "--as", "kc", "--leave-running"])
+        self.nb.judge("kill_setup", ["checkpoint", name, "--as", "kc"], rc, err, dur)
+        return "kc"
 
     def templates(self) -> list[dict]:
         rc, out, err, _ = self.nb.call(["template", "ls", "--json"])
@@ -611,12 +636,14 @@ class Killer:
     def kill_cli(self) -> None:
         self.n += 1
         choice = self.rng.choice(["run_d", "run_rm", "rm", "stop", "freeze", "clone", "template_rm",
-                                  "network_pool", "exec"])
+                                  "network_pool", "exec", "checkpoint", "restore"])
         box, template = "", ""
-        if choice in ("rm", "stop", "freeze", "exec"):
+        if choice in ("rm", "stop", "freeze", "exec", "checkpoint"):
             box = self.live_box()
         if choice in ("clone", "template_rm"):
             template = self.ensure_template()
+        if choice == "restore":
+            self.ensure_checkpoint()
         args = {
             "run_d": ["run", "-d", "--name", f"k{self.n}", "--", "sleep", "infinity"],
             "run_rm": ["run", "--rm", "--", "/bin/true"],
@@ -627,6 +654,8 @@ class Killer:
             "template_rm": ["template", "rm", template],
             "network_pool": ["network", "pool", str(self.rng.randint(0, 2))],
             "exec": ["exec", box, "--", "/bin/true"],
+            "checkpoint": ["checkpoint", box, "--as", f"kc{self.n}", "--leave-running"],
+            "restore": ["restore", "kc", "--name", f"k{self.n}"],
         }[choice]
         self.targets["cli:" + choice] += 1
         p = subprocess.Popen(self.nb.cmd(args), stdin=subprocess.DEVNULL,

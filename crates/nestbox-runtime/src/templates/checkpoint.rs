@@ -307,6 +307,14 @@ pub fn checkpoint(reg: &Registry, box_name: &str, req: &CheckpointRequest) -> Re
                 "removing a failed checkpoint's directory",
                 fs::remove_dir_all(&tmp).map_err(RuntimeError::io("remove", &tmp)),
             );
+            // The box stopped or was removed while it was being saved (a
+            // racing stop or rm): what failed then (its cgroup, its
+            // processes) went with it.
+            let ended = record.state.init.is_some_and(|i| !i.alive());
+            if ended && !matches!(e, RuntimeError::NotRunning(_)) {
+                tracing::debug!(box_name, "checkpoint failed as the box ended: {e}");
+                return Err(RuntimeError::NotRunning(box_name.to_string()));
+            }
             Err(e)
         }
     }
@@ -332,10 +340,29 @@ fn save_processes(
             ),
         });
     }
-    let remote = |e| RuntimeError::Remote {
-        what: "checkpointing box",
-        name: record.name().to_string(),
-        source: e,
+    // A box stopped or removed meanwhile (its processes gone) is said so;
+    // a process another tracer holds (a clone or checkpoint racing) too.
+    let remote = |e: nestbox_remote::RemoteError| {
+        match e {
+        nestbox_remote::RemoteError::NoSuchProcess { .. }
+        | nestbox_remote::RemoteError::Exited { .. }
+        | nestbox_remote::RemoteError::ZombieLeader { .. } => {
+            RuntimeError::NotRunning(record.name().to_string())
+        }
+        nestbox_remote::RemoteError::AlreadyTraced { pid, tracer } => RuntimeError::WrongState {
+            name: record.name().to_string(),
+            problem: format!("is busy: its process {pid} is traced by pid {tracer} (a clone or checkpoint of it is under way)"),
+        },
+        e if record.state.init.is_some_and(|i| !i.alive()) => {
+            let _ = e;
+            RuntimeError::NotRunning(record.name().to_string())
+        }
+        e => RuntimeError::Remote {
+            what: "checkpointing box",
+            name: record.name().to_string(),
+            source: e,
+        },
+    }
     };
     let mut tracees = Vec::with_capacity(steps.len());
     for step in &steps {
