@@ -451,10 +451,16 @@ fn copy_layers(
 ) -> Result<usize> {
     let mut lines: Vec<String> = Vec::new();
     let mut k = 0;
-    // A clone's root has its template's layers under its own: copied as
-    // `base-K`, as the template may go before the checkpoint does.
-    if let Some(src) = &record.spec.clone_of {
-        let template = reg.load(&src.template_box)?;
+    // A clone's root has its template's layers under its own (and, for a
+    // clone of a frozen clone, every template's below, top first): copied as
+    // `base-K`, as the templates may go before the checkpoint does.
+    let mut next = record
+        .spec
+        .clone_of
+        .as_ref()
+        .map(|s| s.template_box.clone());
+    while let Some(template_box) = next.take() {
+        let template = reg.load(&template_box)?;
         copy_layer_set(
             record.name(),
             |i| template.layer_dirs(i).0,
@@ -462,6 +468,13 @@ fn copy_layers(
         )?;
         lines.push(format!("base-{k}"));
         k += 1;
+        if k < 64 {
+            next = template
+                .spec
+                .clone_of
+                .as_ref()
+                .map(|s| s.template_box.clone());
+        }
     }
     // A restored box's root (and a clone's of a restored template) also holds
     // the layers of the checkpoint it was restored from, and of those below
