@@ -278,6 +278,57 @@ fn prefork_server_is_restored_with_its_tree_pipe_and_shared_counter() {
     root.ok(&["checkpoint", "rm", "ck"]);
 }
 
+/// A shell whose background child serves, and a parent holding a pidfd of
+/// its child: restored with their trees; the restored shell still waits for
+/// its child, the restored pidfd still names the (restored) child.
+#[test]
+fn a_shell_and_its_child_and_a_pidfd_of_a_child_are_restored() {
+    let Some(root) = TestRoot::new("a_shell_and_its_child_and_a_pidfd_of_a_child_are_restored")
+    else {
+        return;
+    };
+    root.detached_sh("sh", &[], SHELL);
+    root.wait_logged("sh", "ready", Duration::from_secs(20));
+    assert_eq!(box_http_get(&root, "sh", "/")[0], "1");
+    root.ok(&["checkpoint", "sh", "--as", "shell"]);
+    root.ok(&["rm", "sh"]);
+    root.ok(&["restore", "shell", "--name", "sh2"]);
+    assert_eq!(
+        box_http_get(&root, "sh2", "/")[0],
+        "2",
+        "the child continues"
+    );
+    root.ok(&["exec", "sh2", "--", "sh", "-c", "kill -TERM 3"]);
+    wait_for(
+        "the restored shell to see its child end",
+        Duration::from_secs(10),
+        || root.ok(&["logs", "sh2"]).contains("child ended: 143"),
+    );
+    root.ok(&["rm", "-f", "sh2"]);
+    root.ok(&["checkpoint", "rm", "shell"]);
+
+    root.ok(&[
+        "run",
+        "-d",
+        "--name",
+        "pp",
+        "--",
+        "python3",
+        "-c",
+        PIDFD_PARENT,
+    ]);
+    root.wait_logged("pp", "ready", Duration::from_secs(20));
+    root.ok(&["checkpoint", "pp", "--as", "pidfd"]);
+    root.ok(&["rm", "pp"]);
+    for r in ["p1", "p2"] {
+        root.ok(&["restore", "pidfd", "--name", r]);
+        // The parent kills its child through its pidfd and reaps it.
+        assert_eq!(box_http_get(&root, r, "/"), ["-15", "3"], "{r}");
+    }
+    root.ok(&["rm", "-f", "p1", "p2"]);
+    root.ok(&["checkpoint", "rm", "pidfd"]);
+}
+
 /// A Python server that also keeps a file open, a pipe to itself with bytes
 /// in it, and, on `/grow`, 1 MiB of new random data.
 const PYTHON_STATE_SERVER: &str = r#"

@@ -11,7 +11,7 @@ mod common;
 
 use std::time::Duration;
 
-use common::apps::PREFORK;
+use common::apps::{PIDFD_PARENT, PREFORK, SHELL};
 use common::*;
 
 /// GET / from the box's port 8080 (from a process exec'd into the box): the
@@ -112,25 +112,6 @@ fn prefork_server_clones_keep_their_tree_pipe_and_shared_counter() {
     root.rm_all(all);
 }
 
-/// A shell whose background child serves HTTP and which waits for it.
-const SHELL: &str = "python3 -c \"
-import http.server
-count = 0
-class H(http.server.BaseHTTPRequestHandler):
-    def do_GET(self):
-        global count
-        count += 1
-        body = ('%d\\n' % count).encode()
-        self.send_response(200)
-        self.send_header('Content-Length', str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-    def log_message(self, *a):
-        pass
-print('ready', flush=True)
-http.server.HTTPServer(('127.0.0.1', 8080), H).serve_forever()
-\" & wait $!; echo \"child ended: $?\"";
-
 #[test]
 fn shell_with_a_background_child_clones_and_still_waits_for_it() {
     let Some(root) = TestRoot::new("shell_with_a_background_child_clones_and_still_waits_for_it")
@@ -167,30 +148,6 @@ fn shell_with_a_background_child_clones_and_still_waits_for_it() {
     let clones: Vec<String> = (0..20).map(|i| format!("c{i}")).collect();
     root.rm_all(clones.iter().map(String::as_str).chain(["late", "tpl"]));
 }
-
-/// A parent holding a pidfd of its child: asked, it kills the child through
-/// the pidfd and answers with what `waitpid` says of it.
-const PIDFD_PARENT: &str = r#"
-import http.server, os, signal
-child = os.fork()
-if child == 0:
-    while True:
-        signal.pause()
-pidfd = os.pidfd_open(child)
-class H(http.server.BaseHTTPRequestHandler):
-    def do_GET(self):
-        signal.pidfd_send_signal(pidfd, signal.SIGTERM)
-        _, status = os.waitpid(child, 0)
-        body = f'{os.waitstatus_to_exitcode(status)} {child}\n'.encode()
-        self.send_response(200)
-        self.send_header('Content-Length', str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-    def log_message(self, *a):
-        pass
-print('ready', flush=True)
-http.server.HTTPServer(('127.0.0.1', 8080), H).serve_forever()
-"#;
 
 #[test]
 fn a_pidfd_of_a_child_points_to_the_clones_child() {

@@ -252,3 +252,46 @@ while True:
         f.write(str(reports))
     os.rename('/tmp/reports.new', '/tmp/reports')
 "#;
+
+/// A shell whose background child serves HTTP and which waits for it.
+pub const SHELL: &str = "python3 -c \"
+import http.server
+count = 0
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        global count
+        count += 1
+        body = ('%d\\n' % count).encode()
+        self.send_response(200)
+        self.send_header('Content-Length', str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+    def log_message(self, *a):
+        pass
+print('ready', flush=True)
+http.server.HTTPServer(('127.0.0.1', 8080), H).serve_forever()
+\" & wait $!; echo \"child ended: $?\"";
+
+/// A parent holding a pidfd of its child: asked, it kills the child through
+/// the pidfd and answers with what `waitpid` says of it.
+pub const PIDFD_PARENT: &str = r#"
+import http.server, os, signal
+child = os.fork()
+if child == 0:
+    while True:
+        signal.pause()
+pidfd = os.pidfd_open(child)
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        signal.pidfd_send_signal(pidfd, signal.SIGTERM)
+        _, status = os.waitpid(child, 0)
+        body = f'{os.waitstatus_to_exitcode(status)} {child}\n'.encode()
+        self.send_response(200)
+        self.send_header('Content-Length', str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+    def log_message(self, *a):
+        pass
+print('ready', flush=True)
+http.server.HTTPServer(('127.0.0.1', 8080), H).serve_forever()
+"#;
