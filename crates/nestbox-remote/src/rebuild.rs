@@ -60,6 +60,8 @@ const PR_SET_VMA: u64 = 0x5356_4d41;
 const PR_SET_VMA_ANON_NAME: u64 = 0;
 /// `RSEQ_FLAG_UNREGISTER`.
 const RSEQ_FLAG_UNREGISTER: u64 = 1;
+/// `MADV_POPULATE_READ` (Linux 5.14): fault in a range's pages for reading.
+const MADV_POPULATE_READ: u64 = 22;
 /// pagemap bit 61: the page is a file page or shared anonymous.
 const PM_FILE: u64 = 1 << 61;
 
@@ -701,6 +703,18 @@ pub fn rebuild(
                 let actions = source.page_actions(&part, is_kept)?;
                 copy_pages(x, &mem, source, &part, &actions, !is_kept, &mut stats)?;
             }
+        }
+    }
+
+    // From an image, the file pages the process had in its page tables are
+    // mapped again now (a fork of it, a clone of a restored template, then
+    // shares them instead of faulting each in on its own); best effort: a
+    // range past the end of its file is simply not populated.
+    if from_image {
+        for t in target.vmas.iter().filter(|t| {
+            t.is_file() && !t.deleted() && t.rss_kb > 0 && t.prot & libc::PROT_READ != 0
+        }) {
+            x.inject_syscall(libc::SYS_madvise, &[t.start, t.len(), MADV_POPULATE_READ])?;
         }
     }
 
