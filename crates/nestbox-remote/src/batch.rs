@@ -138,6 +138,7 @@ fn run_round(
                 let after = tracee.get_regs()?;
                 tracee.current = Some(after);
                 if after.rip == end {
+                    tracee.settle()?;
                     break after;
                 }
                 return Err(RemoteError::NotStopped {

@@ -128,6 +128,7 @@ impl Tracee {
                     let after = self.get_regs()?;
                     self.current = Some(after);
                     if after.rip == insn + 2 {
+                        self.settle()?;
                         return Ok((after.rax as i64, child));
                     }
                     // A SIGTRAP that is not our single-step: keep it for later.

@@ -618,6 +618,38 @@ impl Tracee {
         }
     }
 
+    /// After a call injected in a thread we do not own (a template's, a
+    /// checkpointed box's), which ends in a SIGTRAP stop with the call's
+    /// registers: put the thread's own registers back and move it to an
+    /// event stop (`PTRACE_INTERRUPT`, then `PTRACE_CONT` without the SIGTRAP:
+    /// the pending interrupt stops it again before it returns to user space).
+    /// Should we die between two calls (SIGKILL), the thread then goes on as
+    /// it was, instead of taking the SIGTRAP (a core dump) or resuming with
+    /// the injected registers. Threads of our own processes are left as
+    /// they are (they die with us).
+    pub(crate) fn settle(&mut self) -> Result<()> {
+        let (Role::Template, Some(own)) = (self.role, self.original) else {
+            return Ok(());
+        };
+        self.set_regs(&own)?;
+        sys_ptrace::interrupt(self.pid).map_err(ptrace_err("PTRACE_INTERRUPT", self.pid))?;
+        self.resume(libc::PTRACE_CONT, 0)?;
+        loop {
+            match self.wait_blocking()? {
+                Stop::Interrupt => return Ok(()),
+                Stop::Signal(sig) => {
+                    // Arrived meanwhile: kept for the detach; the interrupt
+                    // is still pending.
+                    self.defer(sig);
+                    self.resume(libc::PTRACE_CONT, 0)?;
+                }
+                Stop::NewChild(_) | Stop::OtherEvent(_) => {
+                    self.resume(libc::PTRACE_CONT, 0)?;
+                }
+            }
+        }
+    }
+
     /// The tracee made ours: killed when dropped instead of let go (a stub
     /// process seized to be made into a restored one).
     pub(crate) fn owned(mut self) -> Tracee {

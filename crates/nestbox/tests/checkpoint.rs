@@ -855,9 +855,9 @@ fn restore_every_listed(root: &TestRoot) -> usize {
 /// checkpoint runs in a worker of its own process group, which finishes it:
 /// the checkpoint is whole and the box goes on. The worker itself killed
 /// (a crash): no partial checkpoint is ever listed, and `gc` removes what
-/// it left and thaws the box. (A worker killed during the few milliseconds
-/// it has syscalls injected in the box's threads leaves a thread with the
-/// injected registers, which crashes the box's process: docs/checkpoint.md,
+/// it left and thaws the box. (A worker killed while a call it injected in a
+/// thread of the box is in flight, microseconds each, leaves that thread with
+/// the call's registers, which crashes the box's process: docs/checkpoint.md,
 /// "Known limits"; the box is then started again for the next round.)
 #[test]
 fn checkpoint_and_restore_killed_midway_leave_nothing() {
