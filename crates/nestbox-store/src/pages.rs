@@ -202,10 +202,12 @@ impl PagePool {
         Ok(usage)
     }
 
-    /// Remove every pack none of whose pages is in `referenced` (and the pack
-    /// files no index record names), rewriting the index without them.
-    /// Returns (packs removed, bytes freed). A pack with any referenced page
-    /// is kept whole.
+    /// Forget every page not in `referenced`: a pack none of whose pages is
+    /// referenced is removed, a pack holding fewer referenced pages than half
+    /// its size has them copied (and checked) into a new pack and is removed,
+    /// and the index is rewritten (new pack, then index, then removals: a
+    /// crash between leaves only files the next `gc` removes). Pack files no
+    /// index record names go too. Returns (packs removed, bytes freed).
     pub fn gc(&mut self, referenced: &HashSet<Digest>) -> Result<(u64, u64)> {
         let lock_path = self.dir.join("lock");
         let lock = OpenOptions::new()
@@ -218,13 +220,56 @@ impl PagePool {
             .map_err(|(_, e)| StoreError::io("flock", &lock_path)(e.into()))?;
         let fresh = PagePool::open(&self.dir)?;
         self.index = fresh.index;
-        let live: HashSet<u32> = self
-            .index
+        self.index.retain(|d, _| referenced.contains(d));
+        let mut live: HashMap<u32, u64> = HashMap::new();
+        for (pack, _) in self.index.values() {
+            *live.entry(*pack).or_default() += 1;
+        }
+        // Packs mostly of garbage: their live pages move to a new pack.
+        let sparse: HashSet<u32> = live
             .iter()
-            .filter(|(d, _)| referenced.contains(d))
-            .map(|(_, (pack, _))| *pack)
+            .filter(|(pack, n)| {
+                let size = fs::metadata(self.pack_path(**pack))
+                    .map(|m| m.len())
+                    .unwrap_or(0);
+                size / PAGE_SIZE as u64 > 2 * **n
+            })
+            .map(|(pack, _)| *pack)
             .collect();
-        self.index.retain(|_, (pack, _)| live.contains(pack));
+        if !sparse.is_empty() {
+            let new = self.next_pack()?;
+            let path = self.pack_path(new);
+            let mut out = OpenOptions::new()
+                .create_new(true)
+                .write(true)
+                .mode(0o600)
+                .open(&path)
+                .map_err(StoreError::io("create", &path))?;
+            let mut moved: Vec<(Digest, Place)> = self
+                .index
+                .iter()
+                .filter(|(_, (pack, _))| sparse.contains(pack))
+                .map(|(d, p)| (*d, *p))
+                .collect();
+            moved.sort_by_key(|(_, place)| *place);
+            let mut buf = vec![0u8; PAGE_SIZE];
+            let mut slot = 0u32;
+            for (digest, _) in moved {
+                if self.read(&digest, &mut buf).is_err() {
+                    // Corrupt or cut: forgotten (a restore that needs it
+                    // says the page is missing).
+                    self.index.remove(&digest);
+                    continue;
+                }
+                out.write_all(&buf)
+                    .map_err(StoreError::io("write", &path))?;
+                self.index.insert(digest, (new, slot));
+                slot += 1;
+            }
+            out.sync_all().map_err(StoreError::io("fsync", &path))?;
+            live.retain(|pack, _| !sparse.contains(pack));
+            live.insert(new, u64::from(slot));
+        }
         let mut records = Vec::with_capacity(self.index.len() * RECORD);
         let mut entries: Vec<(&Digest, &Place)> = self.index.iter().collect();
         entries.sort_by_key(|(_, place)| **place);
@@ -240,6 +285,7 @@ impl PagePool {
             .map_err(StoreError::io("fsync", &tmp))?;
         let index = self.dir.join("index");
         fs::rename(&tmp, &index).map_err(StoreError::io("rename", &index))?;
+        self.packs.lock().unwrap_or_else(|p| p.into_inner()).clear();
         let (mut removed, mut freed) = (0, 0);
         for entry in fs::read_dir(&self.dir).map_err(StoreError::io("read", &self.dir))? {
             let entry = entry.map_err(StoreError::io("read", &self.dir))?;
@@ -251,13 +297,12 @@ impl PagePool {
             else {
                 continue;
             };
-            if !live.contains(&n) {
+            if !live.contains_key(&n) {
                 freed += entry.metadata().map(|m| m.len()).unwrap_or(0);
                 fs::remove_file(entry.path()).map_err(StoreError::io("remove", entry.path()))?;
                 removed += 1;
             }
         }
-        self.packs.lock().unwrap_or_else(|p| p.into_inner()).clear();
         Ok((removed, freed))
     }
 }
@@ -392,5 +437,27 @@ mod tests {
         assert!(!pool.contains(&a) && pool.contains(&b));
         let mut buf = vec![0u8; PAGE_SIZE];
         pool.read(&b, &mut buf).expect("read");
+    }
+
+    #[test]
+    fn gc_moves_the_live_pages_of_a_mostly_dead_pack() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let mut pool = PagePool::open(dir.path()).expect("open");
+        let mut w = pool.writer().expect("writer");
+        let digests: Vec<Digest> = (1..=5u8).map(|b| w.put(&page(b)).expect("put").0).collect();
+        w.finish().expect("finish");
+        let size = |p: &str| std::fs::metadata(dir.path().join(p)).map(|m| m.len()).ok();
+        assert_eq!(size("pack-1"), Some(5 * PAGE_SIZE as u64));
+        // One of five pages still referenced: moved to a pack of its own.
+        let (removed, freed) = pool.gc(&HashSet::from([digests[3]])).expect("gc");
+        assert_eq!((removed, freed), (1, 5 * PAGE_SIZE as u64));
+        assert_eq!(size("pack-1"), None);
+        assert_eq!(size("pack-2"), Some(PAGE_SIZE as u64));
+        let pool = PagePool::open(dir.path()).expect("reopen");
+        let mut buf = vec![0u8; PAGE_SIZE];
+        pool.read(&digests[3], &mut buf).expect("read");
+        assert_eq!(buf, page(4));
+        assert!(!pool.contains(&digests[0]));
+        assert_eq!(pool.usage().expect("usage").pages, 1);
     }
 }

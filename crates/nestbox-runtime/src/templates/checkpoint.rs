@@ -867,7 +867,8 @@ pub fn remove(reg: &Registry, name: &str) -> Result<()> {
 }
 
 /// What `gc` does for checkpoints: remove directories left by checkpoints
-/// that did not finish, and the page-pool packs no checkpoint refers to.
+/// that did not finish, and the pages no checkpoint refers to (packs
+/// removed, or compacted: see [`PagePool::gc`]).
 /// Returns (directories removed, packs removed, bytes freed).
 pub fn gc(reg: &Registry) -> Result<(u64, u64, u64)> {
     let dir = checkpoints_dir(reg);
