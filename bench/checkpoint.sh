@@ -26,27 +26,8 @@ cleanup() {
 trap cleanup EXIT
 require_nestbox "$ROOT"
 SERVER=$ROOT/server.py
-# The server of bench/clone.sh (~50 MB of state, warmed imports), plus /grow.
-cat >"$SERVER" <<'PY'
-import http.server, json, email, html, os, urllib.parse, decimal, fractions, statistics, xml.dom.minidom
-state = bytearray(b"x" * (48 << 20))
-grown = []
-count = 0
-class H(http.server.BaseHTTPRequestHandler):
-    def do_GET(self):
-        global count
-        if self.path == "/grow":
-            grown.append(os.urandom(1 << 20))
-        count += 1
-        body = f"{count} {len(state)}\n".encode()
-        self.send_response(200)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-    def log_message(self, *a):
-        pass
-http.server.HTTPServer(("0.0.0.0", 8080), H).serve_forever()
-PY
+# The server of bench/clone.sh (bench/lib/pyserver.py).
+cp "$BENCH_DIR/lib/pyserver.py" "$SERVER"
 mkdir -p "$RESULTS_DIR"
 log "N=$N rounds, K=$K idle restored boxes, $COLD cold-cache restores, load $(cut -d' ' -f1 /proc/loadavg)"
 python3 "$BENCH_DIR/lib/ckptbench.py" "$NESTBOX" "$ROOT" "$SERVER" "$N" "$K" "$COLD" "$RESULTS_DIR/checkpoint${POOL:+-pool$POOL}.json"

@@ -31,24 +31,7 @@ python)
     SERVER=$ROOT/server.py
     COMMAND='["python3", "/srv.py"]'
     OUT=$RESULTS_DIR/clone-pool$POOL.json
-    # A server warmed up with imports and ~50 MB of in-memory state.
-    cat >"$SERVER" <<'PY'
-import http.server, json, email, html, urllib.parse, decimal, fractions, statistics, xml.dom.minidom
-state = bytearray(b"x" * (48 << 20))
-count = 0
-class H(http.server.BaseHTTPRequestHandler):
-    def do_GET(self):
-        global count
-        count += 1
-        body = f"{count} {len(state)}\n".encode()
-        self.send_response(200)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-    def log_message(self, *a):
-        pass
-http.server.HTTPServer(("0.0.0.0", 8080), H).serve_forever()
-PY
+    cp "$BENCH_DIR/lib/pyserver.py" "$SERVER"
     ;;
 node)
     command -v node >/dev/null || die "APP=node needs node (apt-get install nodejs)"

@@ -37,7 +37,7 @@ use crate::fdinfo::{
 };
 use crate::fdtransfer::install_fds_with;
 use crate::fork::{
-    ensure_all_threads_held, fix_up, fork_into, read_template, CloneTables, Made, TemplateState,
+    ensure_all_threads_held, fix_up, read_template, CloneTables, Made, TemplateState,
 };
 use crate::maps::{Pagemap, Vma, PAGE};
 use crate::memory::Scratch;
@@ -50,7 +50,7 @@ use crate::shmem::SharedObjects;
 use crate::threads::ThreadState;
 use crate::tracee::{Tracee, TRACE_OPTIONS};
 use crate::tree::{Membership, Origin, Step, INIT_PID};
-use crate::treefork::{mark_box, set_membership};
+use crate::treefork::{fork_held, mark_box, set_membership};
 
 /// Bump when the image's layout changes: an image of another version is refused.
 pub const IMAGE_VERSION: u32 = 1;
@@ -724,24 +724,61 @@ fn restore_root(
     // The stub holds every capability (in the box's user namespace, or as
     // the host's root): the bounding set is narrowed to the image's as after
     // joining a user namespace.
-    let threads = fix_up(
-        &mut x,
-        &mut scratch,
-        &thread_plan(image),
-        image.securebits,
-        true,
-        plan.setns_cookie,
-    )?;
-    own_pidfds(&mut x, &image.fds)?;
-    x.set_original(image.leader.resume_regs());
-    Ok(Made {
-        process: x,
-        threads,
+    let held = Held {
+        x,
         scratch,
-        ns_pid: image.ns_pid,
-        caps: Some(image.leader.caps),
         fds,
-    })
+        securebits: image.securebits,
+        set_caps: true,
+    };
+    held.with_threads(image, plan.setns_cookie)
+}
+
+/// A restored process whose memory, state and fds are made: what its
+/// threads need.
+struct Held {
+    x: Tracee,
+    scratch: Scratch,
+    fds: Vec<crate::retarget::FdOutcome>,
+    /// Securebits to set (0: as inherited).
+    securebits: u64,
+    /// The bounding set and capability sets are to be made the image's (a
+    /// process made from a stub; a child of a restored parent has its
+    /// parent's, which are the same).
+    set_caps: bool,
+}
+
+impl Held {
+    /// Re-create the image's threads with their state (threads.rs), own
+    /// pidfds, and the registers the main thread resumes with: the process,
+    /// held until released.
+    fn with_threads(self, image: &ProcessImage, cookie: [u64; 2]) -> Result<Made> {
+        let Held {
+            mut x,
+            mut scratch,
+            fds,
+            securebits,
+            set_caps,
+        } = self;
+        let threads = fix_up(
+            &mut x,
+            &mut scratch,
+            &thread_plan(image),
+            securebits,
+            set_caps,
+            cookie,
+        )?;
+        own_pidfds(&mut x, &image.fds)?;
+        x.set_original(image.leader.resume_regs());
+        Ok(Made {
+            process: x,
+            threads,
+            scratch,
+            ns_pid: image.ns_pid,
+            caps: set_caps.then_some(image.leader.caps),
+            fds,
+        })
+    }
 }
 
 /// What a thread re-creation needs of an image.
@@ -774,22 +811,7 @@ fn restore_child(
     plan: &RestorePlan<'_>,
     tables: &mut CloneTables,
 ) -> Result<Made> {
-    let insn = parent.made.process.syscall_insn;
-    let (x_pid, with_pid) = fork_into(
-        &mut parent.made.process,
-        &mut parent.made.scratch,
-        0,
-        image.ns_pid,
-        plan.setns_cookie,
-    )?;
-    let mut x = Tracee::adopt(x_pid, insn)?;
-    x.set_options(TRACE_OPTIONS | libc::PTRACE_O_EXITKILL)?;
-    if !with_pid {
-        return Err(RemoteError::Unclonable(format!(
-            "the seccomp filter refuses clone3 with the cookie, so process {} cannot get its pid",
-            image.ns_pid
-        )));
-    }
+    let mut x = fork_held(parent.made, image.ns_pid, plan.setns_cookie)?;
     rebuild(
         &mut x,
         &mut tables.shared,
@@ -804,24 +826,14 @@ fn restore_child(
     let mut scratch = Scratch::map(&mut x)?;
     image.state.apply(&mut x, &mut scratch)?;
     let fds = child_fds(&mut x, &mut scratch, image, &mut tables.objects)?;
-    let threads = fix_up(
-        &mut x,
-        &mut scratch,
-        &thread_plan(image),
-        0,
-        parent.made.caps.is_some(),
-        plan.setns_cookie,
-    )?;
-    own_pidfds(&mut x, &image.fds)?;
-    x.set_original(image.leader.resume_regs());
-    Ok(Made {
-        process: x,
-        threads,
+    let held = Held {
+        x,
         scratch,
-        ns_pid: image.ns_pid,
-        caps: parent.made.caps.map(|_| image.leader.caps),
         fds,
-    })
+        securebits: 0,
+        set_caps: parent.made.caps.is_some(),
+    };
+    held.with_threads(image, plan.setns_cookie)
 }
 
 /// The fds of a child forked by its restored parent: the parent's fds it

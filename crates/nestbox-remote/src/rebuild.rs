@@ -870,15 +870,21 @@ fn map_shared_anew(
             &[t.start, t.len(), t.prot as u64, flags, fd, t.offset],
         )?
     };
-    if addr != t.start {
-        return Err(RemoteError::UnsupportedMapping {
-            pid: x.pid(),
-            range: t.range_name(),
-            name: t.name.clone(),
-            reason: format!("mapped at {addr:#x} instead"),
-        });
-    }
+    mapped_where_asked(x, t, addr)?;
     Ok(())
+}
+
+/// The mapping of `t` came at `addr`: refused unless that is `t`'s place.
+fn mapped_where_asked(x: &Tracee, t: &Vma, addr: u64) -> Result<()> {
+    if addr == t.start {
+        return Ok(());
+    }
+    Err(RemoteError::UnsupportedMapping {
+        pid: x.pid(),
+        range: t.range_name(),
+        name: t.name.clone(),
+        reason: format!("mapped at {addr:#x} instead"),
+    })
 }
 
 /// Map the target's private mapping (or read-only shared file mapping) `t` in X.
@@ -933,14 +939,7 @@ fn map_private(x: &mut Tracee, scratch: &mut Scratch, t: &Vma, target_pid: i32) 
     if let Some(fd) = fd {
         x.syscall("close", String::new, libc::SYS_close, &[fd])?;
     }
-    if addr != t.start {
-        return Err(RemoteError::UnsupportedMapping {
-            pid: x.pid(),
-            range: t.range_name(),
-            name: t.name.clone(),
-            reason: format!("mapped at {addr:#x} instead"),
-        });
-    }
+    mapped_where_asked(x, t, addr)?;
     if let Some(name) = t
         .name
         .strip_prefix("[anon:")

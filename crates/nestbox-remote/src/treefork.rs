@@ -263,21 +263,7 @@ fn fork_child(
     let mut state = read_template(template, &status)?;
     state.ns_pid = ns_pid;
 
-    let insn = parent.process.syscall_insn;
-    let (x_pid, with_pid) = fork_into(
-        &mut parent.process,
-        &mut parent.scratch,
-        0,
-        ns_pid,
-        plan.setns_cookie,
-    )?;
-    let mut x = Tracee::adopt(x_pid, insn)?;
-    x.set_options(TRACE_OPTIONS | libc::PTRACE_O_EXITKILL)?;
-    if !with_pid {
-        return Err(RemoteError::Unclonable(format!(
-            "the seccomp filter refuses clone3 with the given cookie, so process {ns_pid} of the tree cannot get its pid"
-        )));
-    }
+    let mut x = fork_held(parent, ns_pid, plan.setns_cookie)?;
     // Its memory, made like its template process's (rebuild.rs), with the
     // shared memory of the box's clone (the table its parent's clone made).
     // Its rseq area is registered below with the rest of its thread's state.
@@ -325,6 +311,22 @@ fn fork_child(
         caps: parent.caps.map(|_| state.leader.caps),
         fds: outcomes,
     })
+}
+
+/// Fork the held process `parent` (`clone3` with `set_tid`: pid `ns_pid` in
+/// its pid namespace, `cookie` for the seccomp filter) and take the child,
+/// stopped and killed with us.
+pub(crate) fn fork_held(parent: &mut Made, ns_pid: i32, cookie: [u64; 2]) -> Result<Tracee> {
+    let insn = parent.process.syscall_insn;
+    let (x_pid, with_pid) = fork_into(&mut parent.process, &mut parent.scratch, 0, ns_pid, cookie)?;
+    let x = Tracee::adopt(x_pid, insn)?;
+    x.set_options(TRACE_OPTIONS | libc::PTRACE_O_EXITKILL)?;
+    if !with_pid {
+        return Err(RemoteError::Unclonable(format!(
+            "the seccomp filter refuses clone3 with the given cookie, so process {ns_pid} of the tree cannot get its pid"
+        )));
+    }
+    Ok(x)
 }
 
 /// The fds of the forked child `x`: see the module documentation.

@@ -138,15 +138,7 @@ impl PagePool {
 
     /// Start adding pages (one writer at a time: waits for the pool's lock).
     pub fn writer(&mut self) -> Result<PageWriter<'_>> {
-        let lock_path = self.dir.join("lock");
-        let lock = OpenOptions::new()
-            .create(true)
-            .truncate(false)
-            .write(true)
-            .open(&lock_path)
-            .map_err(StoreError::io("open", &lock_path))?;
-        let lock = Flock::lock(lock, FlockArg::LockExclusive)
-            .map_err(|(_, e)| StoreError::io("flock", &lock_path)(e.into()))?;
+        let lock = self.lock()?;
         // Another writer may have added pages since this pool was opened.
         let fresh = PagePool::open(&self.dir)?;
         self.index = fresh.index;
@@ -168,6 +160,19 @@ impl PagePool {
             added: Vec::new(),
             seen: HashSet::new(),
         })
+    }
+
+    /// The pool's writer lock (one writer or collector at a time).
+    fn lock(&self) -> Result<Flock<File>> {
+        let path = self.dir.join("lock");
+        let file = OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(&path)
+            .map_err(StoreError::io("open", &path))?;
+        Flock::lock(file, FlockArg::LockExclusive)
+            .map_err(|(_, e)| StoreError::io("flock", &path)(e.into()))
     }
 
     fn next_pack(&self) -> Result<u32> {
@@ -209,15 +214,7 @@ impl PagePool {
     /// crash between leaves only files the next `gc` removes). Pack files no
     /// index record names go too. Returns (packs removed, bytes freed).
     pub fn gc(&mut self, referenced: &HashSet<Digest>) -> Result<(u64, u64)> {
-        let lock_path = self.dir.join("lock");
-        let lock = OpenOptions::new()
-            .create(true)
-            .truncate(false)
-            .write(true)
-            .open(&lock_path)
-            .map_err(StoreError::io("open", &lock_path))?;
-        let _lock = Flock::lock(lock, FlockArg::LockExclusive)
-            .map_err(|(_, e)| StoreError::io("flock", &lock_path)(e.into()))?;
+        let _lock = self.lock()?;
         let fresh = PagePool::open(&self.dir)?;
         self.index = fresh.index;
         self.index.retain(|d, _| referenced.contains(d));

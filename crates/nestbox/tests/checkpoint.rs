@@ -95,11 +95,7 @@ fn node_http_server_is_restored_from_a_checkpoint() {
     if !have(test, Path::new("/usr/bin/node")) {
         return;
     }
-    let app = App::new(
-        &[("server.js", NODE_SERVER)],
-        &["node", "/app/server.js"],
-        7,
-    );
+    let app = App::node();
     checkpoint_then_restore(&root, &app);
 }
 
@@ -125,11 +121,7 @@ fn java_http_server_is_restored_from_a_checkpoint() {
     if !have(test, Path::new("/usr/bin/java")) {
         return;
     }
-    let app = App::new(
-        &[("Server.java", JAVA_SERVER)],
-        &["java", "-XX:-UsePerfData", "/app/Server.java"],
-        10,
-    );
+    let app = App::java();
     checkpoint_then_restore(&root, &app);
 }
 
@@ -139,11 +131,7 @@ fn python_thread_pool_server_is_restored_from_a_checkpoint() {
     else {
         return;
     };
-    let app = App::new(
-        &[("server.py", PYTHON_POOL_SERVER)],
-        &["python3", "/app/server.py"],
-        5,
-    );
+    let app = App::python_pool();
     checkpoint_then_restore(&root, &app);
 }
 
@@ -157,11 +145,7 @@ fn a_saved_template_is_revived_by_clone_when_its_box_is_gone() {
     else {
         return;
     };
-    let app = App::new(
-        &[("server.py", PYTHON_POOL_SERVER)],
-        &["python3", "/app/server.py"],
-        5,
-    );
+    let app = App::python_pool();
     let volume = app.volume();
     root.ok(&[
         "run",

@@ -97,11 +97,7 @@ fn node_http_server_clones_continue() {
     if !have(test, Path::new("/usr/bin/node")) {
         return;
     }
-    let app = App::new(
-        &[("server.js", NODE_SERVER)],
-        &["node", "/app/server.js"],
-        7,
-    );
+    let app = App::node();
     clone_twenty(&root, &app);
 }
 
@@ -128,12 +124,7 @@ fn java_http_server_with_a_thread_pool_clones_continue() {
     if !have(test, Path::new("/usr/bin/java")) {
         return;
     }
-    // Without the perf data file (a MAP_SHARED file in /tmp, shared memory).
-    let app = App::new(
-        &[("Server.java", JAVA_SERVER)],
-        &["java", "-XX:-UsePerfData", "/app/Server.java"],
-        10,
-    );
+    let app = App::java();
     clone_twenty(&root, &app);
 }
 
@@ -143,22 +134,14 @@ fn python_thread_pool_server_clones_continue() {
     let Some(root) = TestRoot::new(test) else {
         return;
     };
-    let app = App::new(
-        &[("server.py", PYTHON_POOL_SERVER)],
-        &["python3", "/app/server.py"],
-        5,
-    );
+    let app = App::python_pool();
     clone_twenty(&root, &app);
 }
 
 /// The Python thread-pool server started as box `tpl` of `root`, warmed with
 /// one request; the returned app (its files) must live as long as the box.
 fn started_pool_server(root: &TestRoot) -> App {
-    let app = App::new(
-        &[("server.py", PYTHON_POOL_SERVER)],
-        &["python3", "/app/server.py"],
-        5,
-    );
+    let app = App::python_pool();
     let volume = app.volume();
     root.ok(&[
         "run",

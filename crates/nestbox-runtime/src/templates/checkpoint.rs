@@ -633,15 +633,7 @@ pub fn revive_template(reg: &Registry, template: &str) -> Result<Option<BoxRecor
     if meta.template.as_deref() != Some(template) {
         return Ok(None);
     }
-    let lock_path = checkpoints_dir(reg).join(format!(".revive-{template}.lock"));
-    let file = fs::OpenOptions::new()
-        .create(true)
-        .truncate(false)
-        .write(true)
-        .open(&lock_path)
-        .map_err(RuntimeError::io("open", &lock_path))?;
-    let _lock = nix::fcntl::Flock::lock(file, nix::fcntl::FlockArg::LockExclusive)
-        .map_err(|(_, e)| RuntimeError::sys(format!("flock {}", lock_path.display()))(e))?;
+    let _lock = template_lock(reg, template)?;
     // Another command may have revived it while this one waited.
     if let Ok(t) = crate::template::load_frozen(reg, template) {
         return Ok(Some(t));
@@ -749,6 +741,21 @@ fn run_tar(args: &[&str], stdin: std::process::Stdio) -> Result<()> {
     Ok(())
 }
 
+/// The lock under which template `template` is started from a checkpoint
+/// (one command at a time makes it).
+fn template_lock(reg: &Registry, template: &str) -> Result<nix::fcntl::Flock<fs::File>> {
+    private_dir(&checkpoints_dir(reg))?;
+    let path = checkpoints_dir(reg).join(format!(".revive-{template}.lock"));
+    let file = fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&path)
+        .map_err(RuntimeError::io("open", &path))?;
+    nix::fcntl::Flock::lock(file, nix::fcntl::FlockArg::LockExclusive)
+        .map_err(|(_, e)| RuntimeError::sys(format!("flock {}", path.display()))(e))
+}
+
 /// The template name of checkpoint `name`'s template (see [`restore_shared`]).
 pub fn template_of(name: &str) -> String {
     format!("ckpt-{name}")
@@ -772,16 +779,7 @@ pub fn restore_shared(
     let name = name.unwrap_or(&meta.box_name).to_string();
     crate::clone::check_new_name(reg, &name)?;
     {
-        private_dir(&checkpoints_dir(reg))?;
-        let lock_path = checkpoints_dir(reg).join(format!(".revive-{template}.lock"));
-        let file = fs::OpenOptions::new()
-            .create(true)
-            .truncate(false)
-            .write(true)
-            .open(&lock_path)
-            .map_err(RuntimeError::io("open", &lock_path))?;
-        let _lock = nix::fcntl::Flock::lock(file, nix::fcntl::FlockArg::LockExclusive)
-            .map_err(|(_, e)| RuntimeError::sys(format!("flock {}", lock_path.display()))(e))?;
+        let _lock = template_lock(reg, &template)?;
         match crate::template::load_frozen(reg, &template) {
             Ok(t) => {
                 if t.spec.restore_of.as_deref() != Some(dir.display().to_string().as_str()) {

@@ -146,6 +146,34 @@ impl App {
         }
     }
 
+    /// The Node.js server (7 threads once ready).
+    pub fn node() -> App {
+        App::new(
+            &[("server.js", NODE_SERVER)],
+            &["node", "/app/server.js"],
+            7,
+        )
+    }
+
+    /// The Java server (10 threads at least).
+    pub fn java() -> App {
+        // Without the perf data file (a MAP_SHARED file in /tmp, shared memory).
+        App::new(
+            &[("Server.java", JAVA_SERVER)],
+            &["java", "-XX:-UsePerfData", "/app/Server.java"],
+            10,
+        )
+    }
+
+    /// The Python thread-pool server (5 threads).
+    pub fn python_pool() -> App {
+        App::new(
+            &[("server.py", PYTHON_POOL_SERVER)],
+            &["python3", "/app/server.py"],
+            5,
+        )
+    }
+
     pub fn volume(&self) -> String {
         format!("{}:/app:ro", self.dir.path().display())
     }
