@@ -88,51 +88,45 @@ fn checkpoint_then_restore(root: &TestRoot, app: &App) {
 
 #[test]
 fn node_http_server_is_restored_from_a_checkpoint() {
-    let test = "node_http_server_is_restored_from_a_checkpoint";
-    let Some(root) = TestRoot::new(test) else {
-        return;
-    };
-    if !have(test, Path::new("/usr/bin/node")) {
-        return;
-    }
-    let app = App::node();
-    checkpoint_then_restore(&root, &app);
+    let node = Path::new("/usr/bin/node");
+    app_test(
+        "node_http_server_is_restored_from_a_checkpoint",
+        Some(node),
+        App::node,
+        checkpoint_then_restore,
+    );
 }
 
 #[test]
 fn go_http_server_is_restored_from_a_checkpoint() {
-    let test = "go_http_server_is_restored_from_a_checkpoint";
-    let Some(root) = TestRoot::new(test) else {
-        return;
-    };
     let go = go_binary();
-    if !have(test, &go) {
-        return;
-    }
-    checkpoint_then_restore(&root, &go_app(&go));
+    app_test(
+        "go_http_server_is_restored_from_a_checkpoint",
+        Some(&go),
+        || go_app(&go),
+        checkpoint_then_restore,
+    );
 }
 
 #[test]
 fn java_http_server_is_restored_from_a_checkpoint() {
-    let test = "java_http_server_is_restored_from_a_checkpoint";
-    let Some(root) = TestRoot::new(test) else {
-        return;
-    };
-    if !have(test, Path::new("/usr/bin/java")) {
-        return;
-    }
-    let app = App::java();
-    checkpoint_then_restore(&root, &app);
+    let java = Path::new("/usr/bin/java");
+    app_test(
+        "java_http_server_is_restored_from_a_checkpoint",
+        Some(java),
+        App::java,
+        checkpoint_then_restore,
+    );
 }
 
 #[test]
 fn python_thread_pool_server_is_restored_from_a_checkpoint() {
-    let Some(root) = TestRoot::new("python_thread_pool_server_is_restored_from_a_checkpoint")
-    else {
-        return;
-    };
-    let app = App::python_pool();
-    checkpoint_then_restore(&root, &app);
+    app_test(
+        "python_thread_pool_server_is_restored_from_a_checkpoint",
+        None,
+        App::python_pool,
+        checkpoint_then_restore,
+    );
 }
 
 /// A template saved on disk (`freeze --persist`) whose box is removed is

@@ -90,52 +90,45 @@ fn clone_twenty(root: &TestRoot, app: &App) {
 
 #[test]
 fn node_http_server_clones_continue() {
-    let test = "node_http_server_clones_continue";
-    let Some(root) = TestRoot::new(test) else {
-        return;
-    };
-    if !have(test, Path::new("/usr/bin/node")) {
-        return;
-    }
-    let app = App::node();
-    clone_twenty(&root, &app);
+    let node = Path::new("/usr/bin/node");
+    app_test(
+        "node_http_server_clones_continue",
+        Some(node),
+        App::node,
+        clone_twenty,
+    );
 }
 
 #[test]
 fn go_http_server_clones_continue() {
-    let test = "go_http_server_clones_continue";
-    let Some(root) = TestRoot::new(test) else {
-        return;
-    };
     let go = go_binary();
-    if !have(test, &go) {
-        return;
-    }
-    let app = go_app(&go);
-    clone_twenty(&root, &app);
+    app_test(
+        "go_http_server_clones_continue",
+        Some(&go),
+        || go_app(&go),
+        clone_twenty,
+    );
 }
 
 #[test]
 fn java_http_server_with_a_thread_pool_clones_continue() {
-    let test = "java_http_server_with_a_thread_pool_clones_continue";
-    let Some(root) = TestRoot::new(test) else {
-        return;
-    };
-    if !have(test, Path::new("/usr/bin/java")) {
-        return;
-    }
-    let app = App::java();
-    clone_twenty(&root, &app);
+    let java = Path::new("/usr/bin/java");
+    app_test(
+        "java_http_server_with_a_thread_pool_clones_continue",
+        Some(java),
+        App::java,
+        clone_twenty,
+    );
 }
 
 #[test]
 fn python_thread_pool_server_clones_continue() {
-    let test = "python_thread_pool_server_clones_continue";
-    let Some(root) = TestRoot::new(test) else {
-        return;
-    };
-    let app = App::python_pool();
-    clone_twenty(&root, &app);
+    app_test(
+        "python_thread_pool_server_clones_continue",
+        None,
+        App::python_pool,
+        clone_twenty,
+    );
 }
 
 /// The Python thread-pool server started as box `tpl` of `root`, warmed with

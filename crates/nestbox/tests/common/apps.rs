@@ -323,3 +323,21 @@ class H(http.server.BaseHTTPRequestHandler):
 print('ready', flush=True)
 http.server.HTTPServer(('127.0.0.1', 8080), H).serve_forever()
 "#;
+
+/// A test of an app server: its own root, the app's program checked
+/// installed (a skip otherwise, a failure under CI), the app made, then
+/// `body`.
+pub fn app_test(
+    test: &str,
+    program: Option<&Path>,
+    make: impl FnOnce() -> App,
+    body: impl FnOnce(&TestRoot, &App),
+) {
+    let Some(root) = TestRoot::new(test) else {
+        return;
+    };
+    if program.is_some_and(|p| !have(test, p)) {
+        return;
+    }
+    body(&root, &make());
+}
