@@ -64,7 +64,13 @@ say nestbox template ls
 "$nb" template ls
 say "nestbox stats c-2   # memory private to the clone vs shared with its template"
 "$nb" stats c-2
-"$nb" rm -f c-1 c-2 c-3 counter
+say "nestbox checkpoint c-2 --as saved; nestbox rm -f c-2; nestbox restore saved --name back"
+"$nb" checkpoint c-2 --as saved
+"$nb" rm -f c-2
+"$nb" restore saved --name back
+printf 'back (restored from c-2, which had answered once): '; get back
+"$nb" rm -f c-1 c-3 back counter
+"$nb" checkpoint rm saved
 say nestbox stop -t 2 demo-web
 "$nb" stop -t 2 demo-web
 "$nb" ps -a
@@ -72,4 +78,5 @@ say nestbox rm demo-web
 "$nb" rm demo-web
 echo
 echo "demo done: every box ran in its own pid, mount, uts, ipc, network and cgroup namespaces with its own cgroup;"
-echo "the clones continued from the frozen server's state (request 3), each on its own."
+echo "the clones continued from the frozen server's state (request 3), each on its own;"
+echo "the box restored from c-2's checkpoint continued from c-2's state (request 4)."
