@@ -76,6 +76,8 @@ say nestbox stop -t 2 demo-web
 "$nb" ps -a
 say nestbox rm demo-web
 "$nb" rm demo-web
+# The demo leaves nothing behind: its network goes with its last box.
+"$nb" network rm >/dev/null
 echo
 echo "demo done: every box ran in its own pid, mount, uts, ipc, network and cgroup namespaces with its own cgroup;"
 echo "the clones continued from the frozen server's state (request 3), each on its own;"
