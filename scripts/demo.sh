@@ -8,7 +8,8 @@ nb=target/release/nestbox
 root=$(mktemp -d /tmp/nestbox-demo.XXXXXX)
 export NESTBOX_ROOT="$root"
 cleanup() {
-    "$nb" rm -f demo-web c-1 c-2 c-3 counter >/dev/null 2>&1 || true
+    "$nb" rm -f demo-web c-1 c-2 c-3 back counter >/dev/null 2>&1 || true
+    "$nb" checkpoint rm saved >/dev/null 2>&1 || true
     "$nb" gc >/dev/null 2>&1 || true
     "$nb" network rm >/dev/null 2>&1 || true
     rm -rf "$root"
@@ -76,8 +77,6 @@ say nestbox stop -t 2 demo-web
 "$nb" ps -a
 say nestbox rm demo-web
 "$nb" rm demo-web
-# The demo leaves nothing behind: its network goes with its last box.
-"$nb" network rm >/dev/null
 echo
 echo "demo done: every box ran in its own pid, mount, uts, ipc, network and cgroup namespaces with its own cgroup;"
 echo "the clones continued from the frozen server's state (request 3), each on its own;"
