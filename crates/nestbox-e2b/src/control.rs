@@ -210,6 +210,7 @@ pub fn create(server: &Arc<Server>, body: &Value) -> Result<Arc<Sandbox>> {
             phase: Phase::Running,
             end_at: now() + timeout as f64,
             generation: 0,
+            previous: Vec::new(),
         }),
         procs: Default::default(),
     });
@@ -298,10 +299,26 @@ pub fn kill(server: &Server, id: &str) -> Result<()> {
         .take(id)
         .ok_or_else(|| E2bError::NoSuchSandbox(id.to_string()))?;
     s.procs.kill_all();
-    let name = s.live().box_name;
-    server
-        .nestbox
-        .run(&format!("remove sandbox {id:?}"), &["rm", "-f", &name])?;
+    let live = s.live();
+    server.nestbox.run(
+        &format!("remove sandbox {id:?}"),
+        &["rm", "-f", &live.box_name],
+    )?;
+    // The boxes it was frozen into go as their last clone does, newest
+    // first, each within half a second of the one above: wait for them, so
+    // that what the sandbox held is gone when the answer comes (a box still
+    // cloned by a fork or a snapshot's sandboxes stays).
+    for old in live.previous.iter().rev() {
+        let gone_or_kept = || {
+            server.reg.load(old).is_err()
+                || nestbox_runtime::template::clones_of(&server.reg, old)
+                    .is_ok_and(|c| !c.is_empty())
+        };
+        let end = std::time::Instant::now() + Duration::from_secs(10);
+        while !gone_or_kept() && std::time::Instant::now() < end {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
     Ok(())
 }
 
@@ -346,6 +363,7 @@ fn connect(server: &Server, id: &str, timeout: Option<u64>) -> Result<(Arc<Sandb
         server
             .nestbox
             .run("remove the paused box", &["rm", "-f", &frozen])?;
+        live.previous.push(frozen);
         live.box_name = name;
         live.phase = Phase::Running;
     }
@@ -362,6 +380,7 @@ fn fork(server: &Arc<Server>, id: &str, count: u32, timeout: Option<u64>) -> Res
     let frozen = freeze(server, &s, &live)?;
     let name = next_box(server, &s, &mut live)?;
     live.box_name = name;
+    live.previous.push(frozen.clone());
     let end_at = live.end_at;
     drop(live);
     let mut results = Vec::new();
@@ -381,6 +400,7 @@ fn fork(server: &Arc<Server>, id: &str, count: u32, timeout: Option<u64>) -> Res
                         phase: Phase::Running,
                         end_at: timeout.map_or(end_at, |t| now() + t as f64),
                         generation: 0,
+                        previous: Vec::new(),
                     }),
                     procs: Default::default(),
                 });
@@ -406,6 +426,8 @@ fn snapshot(server: &Server, id: &str) -> Result<String> {
     let frozen = freeze(server, &s, &live)?;
     let name = next_box(server, &s, &mut live)?;
     live.box_name = name;
+    live.previous.push(frozen.clone());
+    server.keep_snapshot(&frozen);
     Ok(frozen)
 }
 

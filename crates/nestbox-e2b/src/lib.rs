@@ -70,6 +70,8 @@ pub struct Server {
     /// Memory of the host, in MiB.
     pub memory_mb: u64,
     sandboxes: Mutex<HashMap<String, Arc<Sandbox>>>,
+    /// Templates made by snapshots (removed when the server ends).
+    snapshots: Mutex<Vec<String>>,
 }
 
 impl Server {
@@ -91,6 +93,13 @@ impl Server {
 
     fn take(&self, id: &str) -> Option<Arc<Sandbox>> {
         self.lock().remove(id)
+    }
+
+    fn keep_snapshot(&self, name: &str) {
+        self.snapshots
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(name.to_string());
     }
 
     fn all(&self) -> Vec<Arc<Sandbox>> {
@@ -138,6 +147,7 @@ pub fn serve(reg: &Registry, socket: &Path, config: Config) -> Result<()> {
         cpu_count: std::thread::available_parallelism().map_or(1, |n| n.get() as u64),
         memory_mb: host_memory_mb(),
         sandboxes: Mutex::new(HashMap::new()),
+        snapshots: Mutex::new(Vec::new()),
     };
     // SAFETY: the CLI is single-threaded here; the child only sets its
     // signal mask and then runs ordinary Rust code (its own threads).
@@ -187,6 +197,13 @@ fn http_main(server: Server, listener: TcpListener, base_pool: u32) -> ! {
             // The sandboxes made here go with the server.
             for s in server.all() {
                 let _ = control::kill(&server, &s.id);
+            }
+            let snapshots =
+                std::mem::take(&mut *server.snapshots.lock().unwrap_or_else(|p| p.into_inner()));
+            for name in snapshots {
+                let _ = server
+                    .nestbox
+                    .run("remove a snapshot", &["rm", "-f", &name]);
             }
             nestbox_sys_exit(0);
         });

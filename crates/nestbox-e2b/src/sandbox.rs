@@ -82,6 +82,8 @@ pub struct Live {
     pub end_at: f64,
     /// How many boxes it has had (names the next one).
     pub generation: u32,
+    /// The boxes it had before (frozen, removed once their clones are).
+    pub previous: Vec<String>,
 }
 
 /// One sandbox.
