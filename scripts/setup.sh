@@ -35,6 +35,22 @@ if [ "${#need[@]}" -gt 0 ]; then
   apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null
 fi
 
+# The E2B Python SDK, which the tests of `nestbox serve --http` (crates/nestbox/
+# tests/e2b.rs) and bench/e2b.sh drive, for the python3 on PATH. Pinned: the
+# API is checked against this version's generated client (docs/e2b.md).
+E2B_SDK_VERSION=2.63.0
+if ! python3 -c "import e2b, sys; from importlib.metadata import version; sys.exit(version('e2b') != '$E2B_SDK_VERSION')" 2>/dev/null; then
+  echo "setup: installing the e2b Python SDK $E2B_SDK_VERSION"
+  python3 -m pip --version >/dev/null 2>&1 || python3 -m ensurepip --upgrade >/dev/null 2>&1 || {
+    echo "setup: python3 has no pip (apt-get install python3-pip)" >&2
+    exit 1
+  }
+  # Debian's own python3 refuses system-wide installs without this flag.
+  extra=()
+  python3 -m pip install --help 2>/dev/null | grep -q -- --break-system-packages && extra+=(--break-system-packages)
+  python3 -m pip install --quiet --disable-pip-version-check "${extra[@]}" "e2b==$E2B_SDK_VERSION"
+fi
+
 echo "setup: building nestbox (release, statically linked)"
 # The binary is linked statically (static-pie): with no shared libraries to
 # load it starts about 0.5 ms sooner (measured: docs/benchmarks.md), and it runs

@@ -213,6 +213,7 @@ pub fn create(server: &Arc<Server>, body: &Value) -> Result<Arc<Sandbox>> {
             previous: Vec::new(),
         }),
         procs: Default::default(),
+        watchers: Default::default(),
     });
     server.insert(sandbox.clone());
     Ok(sandbox)
@@ -403,6 +404,7 @@ fn fork(server: &Arc<Server>, id: &str, count: u32, timeout: Option<u64>) -> Res
                         previous: Vec::new(),
                     }),
                     procs: Default::default(),
+                    watchers: Default::default(),
                 });
                 server.insert(forked.clone());
                 results.push(json!({"sandbox": sandbox_json(&forked)}));

@@ -105,6 +105,8 @@ pub struct Sandbox {
     pub live: Mutex<Live>,
     /// Processes started through envd.
     pub procs: Table,
+    /// Directories watched through envd.
+    pub watchers: crate::envd::fs::Watchers,
 }
 
 impl Sandbox {

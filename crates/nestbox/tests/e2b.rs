@@ -262,6 +262,18 @@ sb.commands.run("ln -s / rootlink")
 assert not sb.files.exists("rootlink{marker}"), "a host file is visible"
 assert not sb.files.exists("../../..{marker}"), "a host file is visible"
 assert sb.files.read("rootlink/etc/hostname") == sb.commands.run("cat /etc/hostname").stdout
+# Watching a directory (recursive: a new subdirectory is watched too).
+sb.files.make_dir("watched")
+w = sb.files.watch_dir("watched", recursive=True)
+sb.files.write("watched/new.txt", "x")
+sb.commands.run("mkdir watched/sub")
+ev = [(e.name, e.type.name) for e in w.get_new_events()]
+assert ("new.txt", "CREATE") in ev and ("sub", "CREATE") in ev, ev
+sb.commands.run("touch watched/sub/deep; rm watched/new.txt")
+ev = [(e.name, e.type.name) for e in w.get_new_events()]
+assert ("sub/deep", "CREATE") in ev and ("new.txt", "REMOVE") in ev, ev
+assert w.get_new_events() == []
+w.stop()
 sb.kill()
 print("done")
 "#,
@@ -407,6 +419,41 @@ with ThreadPoolExecutor(50) as pool:
 assert Sandbox.list().next_items() == []
 print("done")
 "#);
+    assert!(out.contains("done"), "{out}");
+    server.stop();
+}
+
+#[test]
+fn e2b_async_sdk_streams_commands_and_directory_events() {
+    let Some(root) = setup("e2b_async_sdk_streams_commands_and_directory_events") else {
+        return;
+    };
+    let mut server = Server::start(&root);
+    let out = server.ok(
+        r#"
+import asyncio
+from e2b import AsyncSandbox
+async def main():
+    sb = await AsyncSandbox.create()
+    await sb.files.make_dir("w")
+    seen = []
+    h = await sb.files.watch_dir("w", on_event=lambda e: seen.append((e.name, e.type.name)))
+    await sb.files.write("w/a.txt", "1")
+    await sb.commands.run("rm w/a.txt")
+    for _ in range(100):
+        if ("a.txt", "REMOVE") in seen:
+            break
+        await asyncio.sleep(0.05)
+    assert ("a.txt", "CREATE") in seen and ("a.txt", "REMOVE") in seen, seen
+    await h.stop()
+    lines = []
+    r = await sb.commands.run("echo one; sleep 0.2; echo two", on_stdout=lambda l: lines.append(l))
+    assert r.stdout == "one\ntwo\n" and lines == ["one\n", "two\n"], (r.stdout, lines)
+    await sb.kill()
+    print("done")
+asyncio.run(main())
+"#,
+    );
     assert!(out.contains("done"), "{out}");
     server.stop();
 }

@@ -1,6 +1,7 @@
 //! envd's files: `/files` (download; upload as multipart or octet-stream)
 //! and the filesystem service (`/filesystem.Filesystem/…`: Stat, ListDir,
-//! MakeDir, Move, Remove).
+//! MakeDir, Move, Remove, and the watchers the SDK polls: CreateWatcher,
+//! GetWatcherEvents, RemoveWatcher).
 //!
 //! The server works on the box's root from the host: every path is opened
 //! with `openat2(RESOLVE_IN_ROOT)` below a descriptor of `/proc/PID/root` of
@@ -10,12 +11,15 @@
 //! sandbox user (mapped through the box's user namespace, if it has one).
 //! Paths are relative to that user's home unless absolute.
 
+use std::collections::HashMap;
 use std::fs::File;
 use std::io::Write;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::os::unix::fs::MetadataExt;
+use std::sync::Mutex;
 
 use nix::fcntl::{OFlag, OpenHow, ResolveFlag};
+use nix::sys::inotify::{AddWatchFlags, InitFlags, Inotify, WatchDescriptor};
 use nix::sys::stat::{FileStat, Mode, SFlag};
 use nix::unistd::{Gid, Uid};
 use serde_json::{json, Value};
@@ -459,9 +463,7 @@ fn files_inner(server: &Server, sandbox: &Sandbox, req: &Request) -> Result<Resp
 /// Answer `/filesystem.Filesystem/METHOD`.
 pub fn handle(server: &Server, sandbox: &Sandbox, method: &str, req: &Request) -> Response {
     if method == "WatchDir" {
-        return connect::stream_error(E2bError::Unsupported(
-            "filesystem.Filesystem/WatchDir".into(),
-        ));
+        return watch_dir(server, sandbox, req);
     }
     connect::unary((|| {
         let msg = connect::message(req)?;
@@ -498,11 +500,240 @@ pub fn handle(server: &Server, sandbox: &Sandbox, method: &str, req: &Request) -
                 fs.remove(&path("path")?)?;
                 Ok(json!({}))
             }
+            "CreateWatcher" => {
+                let p = path("path")?;
+                let recursive = msg
+                    .get("recursive")
+                    .and_then(Value::as_bool)
+                    .unwrap_or(false);
+                let id = sandbox.watchers.create(fs, &p, recursive)?;
+                Ok(json!({"watcherId": id}))
+            }
+            "GetWatcherEvents" => {
+                let id = msg.get("watcherId").and_then(Value::as_str).unwrap_or("");
+                Ok(json!({"events": sandbox.watchers.events(id)?}))
+            }
+            "RemoveWatcher" => {
+                let id = msg.get("watcherId").and_then(Value::as_str).unwrap_or("");
+                sandbox.watchers.remove(id)?;
+                Ok(json!({}))
+            }
             other => Err(E2bError::Unsupported(format!(
                 "filesystem.Filesystem/{other}"
             ))),
         }
     })())
+}
+
+/// `WatchDir`: a stream of a directory's events (the async SDK's
+/// `watch_dir`), opened by a start event; keep-alive events when idle, ended
+/// by the client closing it or its deadline.
+fn watch_dir(server: &Server, sandbox: &Sandbox, req: &Request) -> Response {
+    let opened = (|| {
+        let msg = connect::message(req)?;
+        let user = crate::sandbox::user_of_authorization(req.header("authorization"));
+        let fs = BoxFs::open_root(server, sandbox, user.as_deref())?;
+        let path = msg
+            .get("path")
+            .and_then(Value::as_str)
+            .map(|p| fs.user.resolve(p))
+            .ok_or_else(|| E2bError::Invalid("WatchDir needs path".into()))?;
+        let recursive = msg
+            .get("recursive")
+            .and_then(Value::as_bool)
+            .unwrap_or(false);
+        Watcher::new(fs, &path, recursive)
+    })();
+    let mut watcher = match opened {
+        Ok(w) => w,
+        Err(e) => return connect::stream_error(e),
+    };
+    let deadline = req
+        .header("connect-timeout-ms")
+        .and_then(|t| t.parse::<u64>().ok())
+        .map(|ms| std::time::Instant::now() + std::time::Duration::from_millis(ms));
+    let keepalive = std::time::Duration::from_secs(
+        req.header("keepalive-ping-interval")
+            .and_then(|t| t.parse().ok())
+            .unwrap_or(50),
+    );
+    Response::stream(
+        200,
+        "application/connect+json",
+        Box::new(move |w| {
+            connect::send(w, &json!({"start": {}}))?;
+            let mut quiet_since = std::time::Instant::now();
+            loop {
+                if deadline.is_some_and(|d| std::time::Instant::now() >= d) {
+                    return connect::end(w, None);
+                }
+                match watcher.events() {
+                    Ok(events) if events.is_empty() => {}
+                    Ok(events) => {
+                        for e in events {
+                            connect::send(w, &json!({"filesystem": e}))?;
+                        }
+                        quiet_since = std::time::Instant::now();
+                    }
+                    Err(e) => return connect::end(w, Some(&e)),
+                }
+                if quiet_since.elapsed() >= keepalive {
+                    connect::send(w, &json!({"keepalive": {}}))?;
+                    quiet_since = std::time::Instant::now();
+                }
+                std::thread::sleep(std::time::Duration::from_millis(50));
+            }
+        }),
+    )
+}
+
+/// A directory watched for the SDK's `watch_dir` (CreateWatcher, then
+/// GetWatcherEvents polls): an inotify instance on the directory (opened
+/// inside the box's root like every path, watched through its descriptor),
+/// and on its subdirectories when recursive, new ones included.
+#[derive(Debug)]
+struct Watcher {
+    fs: BoxFs,
+    inotify: Inotify,
+    /// Each watch's directory, relative to the watched one ("" for itself).
+    dirs: HashMap<WatchDescriptor, String>,
+    root: String,
+    recursive: bool,
+}
+
+const WATCHED: AddWatchFlags = AddWatchFlags::IN_CREATE
+    .union(AddWatchFlags::IN_CLOSE_WRITE)
+    .union(AddWatchFlags::IN_MODIFY)
+    .union(AddWatchFlags::IN_DELETE)
+    .union(AddWatchFlags::IN_MOVED_FROM)
+    .union(AddWatchFlags::IN_MOVED_TO)
+    .union(AddWatchFlags::IN_ATTRIB)
+    .union(AddWatchFlags::IN_ONLYDIR);
+
+impl Watcher {
+    fn new(fs: BoxFs, path: &str, recursive: bool) -> Result<Self> {
+        let inotify = Inotify::init(InitFlags::IN_NONBLOCK | InitFlags::IN_CLOEXEC)
+            .map_err(|e| io_err("inotify_init", path, e))?;
+        let mut w = Watcher {
+            fs,
+            inotify,
+            dirs: HashMap::new(),
+            root: normalize(path),
+            recursive,
+        };
+        w.add("")?;
+        Ok(w)
+    }
+
+    /// Watch directory `rel` (relative to the watched one) and, when
+    /// recursive, the directories below it.
+    fn add(&mut self, rel: &str) -> Result<()> {
+        let path = if rel.is_empty() {
+            self.root.clone()
+        } else {
+            format!("{}/{rel}", self.root)
+        };
+        let fd = self.fs.open(&path, OFlag::O_PATH | OFlag::O_DIRECTORY, 0)?;
+        let wd = self
+            .inotify
+            .add_watch(
+                format!("/proc/self/fd/{}", fd.as_raw_fd()).as_str(),
+                WATCHED,
+            )
+            .map_err(|e| io_err("inotify_add_watch", &path, e))?;
+        self.dirs.insert(wd, rel.to_string());
+        if self.recursive {
+            let mut entries = Vec::new();
+            self.fs.list(&path, 1, &mut entries)?;
+            for e in entries {
+                if e["type"] == "FILE_TYPE_DIRECTORY" && e.get("symlinkTarget").is_none() {
+                    let name = e["name"].as_str().unwrap_or_default();
+                    let sub = if rel.is_empty() {
+                        name.to_string()
+                    } else {
+                        format!("{rel}/{name}")
+                    };
+                    self.add(&sub)?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The events since the last call.
+    fn events(&mut self) -> Result<Vec<Value>> {
+        let mut out = Vec::new();
+        loop {
+            let batch = match self.inotify.read_events() {
+                Ok(b) => b,
+                Err(nix::errno::Errno::EAGAIN) => return Ok(out),
+                Err(e) => return Err(io_err("read inotify events of", &self.root, e)),
+            };
+            for ev in batch {
+                let (Some(dir), Some(name)) = (self.dirs.get(&ev.wd).cloned(), ev.name) else {
+                    continue;
+                };
+                let name = name.to_string_lossy().into_owned();
+                let rel = if dir.is_empty() {
+                    name
+                } else {
+                    format!("{dir}/{name}")
+                };
+                let m = ev.mask;
+                let created = m.contains(AddWatchFlags::IN_CREATE);
+                let moved_in = m.contains(AddWatchFlags::IN_MOVED_TO);
+                if (created || moved_in) && m.contains(AddWatchFlags::IN_ISDIR) && self.recursive {
+                    // A new directory is watched too (best effort: it may be gone).
+                    let _ = self.add(&rel);
+                }
+                let kind = if created {
+                    "EVENT_TYPE_CREATE"
+                } else if moved_in || m.contains(AddWatchFlags::IN_MOVED_FROM) {
+                    "EVENT_TYPE_RENAME"
+                } else if m.contains(AddWatchFlags::IN_DELETE) {
+                    "EVENT_TYPE_REMOVE"
+                } else if m.contains(AddWatchFlags::IN_ATTRIB) {
+                    "EVENT_TYPE_CHMOD"
+                } else {
+                    "EVENT_TYPE_WRITE"
+                };
+                out.push(json!({"name": rel, "type": kind}));
+            }
+        }
+    }
+}
+
+/// The watchers of one sandbox, by id.
+#[derive(Debug, Default)]
+pub struct Watchers {
+    map: Mutex<HashMap<String, Watcher>>,
+}
+
+impl Watchers {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Watcher>> {
+        self.map.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn create(&self, fs: BoxFs, path: &str, recursive: bool) -> Result<String> {
+        let w = Watcher::new(fs, path, recursive)?;
+        let id = crate::util::random_hex(8);
+        self.lock().insert(id.clone(), w);
+        Ok(id)
+    }
+
+    fn events(&self, id: &str) -> Result<Vec<Value>> {
+        self.lock()
+            .get_mut(id)
+            .ok_or_else(|| E2bError::NotFound(format!("watcher {id:?} not found")))?
+            .events()
+    }
+
+    fn remove(&self, id: &str) -> Result<()> {
+        self.lock()
+            .remove(id)
+            .map(drop)
+            .ok_or_else(|| E2bError::NotFound(format!("watcher {id:?} not found")))
+    }
 }
 
 #[cfg(test)]
