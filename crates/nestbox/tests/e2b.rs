@@ -429,8 +429,7 @@ fn e2b_async_sdk_streams_commands_and_directory_events() {
         return;
     };
     let mut server = Server::start(&root);
-    let out = server.ok(
-        r#"
+    let out = server.ok(r#"
 import asyncio
 from e2b import AsyncSandbox
 async def main():
@@ -452,8 +451,66 @@ async def main():
     await sb.kill()
     print("done")
 asyncio.run(main())
-"#,
-    );
+"#);
     assert!(out.contains("done"), "{out}");
+    server.stop();
+}
+
+/// Where `scripts/setup.sh` installs the E2B JavaScript SDK.
+const E2B_JS: &str = "/opt/nestbox/e2b-js/node_modules";
+
+#[test]
+fn e2b_js_sdk_smoke() {
+    let test = "e2b_js_sdk_smoke";
+    let installed = std::path::Path::new(E2B_JS)
+        .join("e2b/package.json")
+        .exists()
+        && Command::new("node")
+            .arg("--version")
+            .stdout(Stdio::null())
+            .status()
+            .is_ok_and(|s| s.success());
+    if !nestbox_testkit::require(
+        installed,
+        test,
+        "node or the e2b npm package (scripts/setup.sh installs it in /opt/nestbox/e2b-js) is missing",
+    ) {
+        return;
+    }
+    let Some(root) = setup(test) else {
+        return;
+    };
+    let mut server = Server::start(&root);
+    let script = r#"
+const { Sandbox } = require('e2b');
+(async () => {
+  const sbx = await Sandbox.create();
+  const r = await sbx.commands.run('echo hello from js; id -un; pwd');
+  if (r.stdout !== 'hello from js\nuser\n/home/user\n') throw new Error(JSON.stringify(r.stdout));
+  await sbx.files.write('js.txt', 'written by node');
+  if (await sbx.files.read('/home/user/js.txt') !== 'written by node') throw new Error('read');
+  const names = (await sbx.files.list('.')).map(e => e.name);
+  if (JSON.stringify(names) !== '["js.txt"]') throw new Error(JSON.stringify(names));
+  const h = await sbx.commands.run('sleep 100', { background: true });
+  if (!(await h.kill())) throw new Error('kill');
+  await sbx.kill();
+  if ((await Sandbox.list().nextItems()).length !== 0) throw new Error('still listed');
+  console.log('done');
+})().catch(e => { console.error(e); process.exit(1); });
+"#;
+    let child = Command::new("node")
+        .args(["-e", script])
+        .env("NODE_PATH", E2B_JS)
+        .env("E2B_API_URL", &server.url)
+        .env("E2B_SANDBOX_URL", &server.url)
+        .env("E2B_API_KEY", KEY)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn node");
+    let out = finish(child, None, Duration::from_secs(120), "node (e2b)".into());
+    assert_eq!(out.code, 0, "{out}");
+    assert!(out.stdout.contains("done"), "{out}");
     server.stop();
 }
