@@ -6,9 +6,11 @@
 //! two files of the root's data directory, `LIB/e2b/passwd` and
 //! `LIB/e2b/group` (the host's files plus `user`, with the first uid and gid
 //! from 1000 up that the host does not use), mounted read-only over
-//! `/etc/passwd` and `/etc/group`. Then: `nestbox run -d --name base -v
-//! …passwd:/etc/passwd:ro -v …group:/etc/group:ro -- sleep infinity`, the home
-//! made in its writable layer (`mkdir -p /home/user; chown`), and `nestbox
+//! `/etc/passwd` and `/etc/group` (and `LIB/e2b/profile` over `/etc/profile`,
+//! see [`user_box_args`]). Then: `nestbox run -d --name base -v
+//! …passwd:/etc/passwd:ro -v …group:/etc/group:ro -- python3 -c AGENT` (the
+//! in-box agent, [`crate::envd::agent`]), the home made in its writable layer
+//! (`mkdir -p /home/user; chown`), and once the agent listens, `nestbox
 //! freeze base --pool N`. A cold create of the `host` image makes the same
 //! box without freezing it.
 
@@ -115,14 +117,42 @@ fn make(server: &Server, pool: u32) -> Result<()> {
     let args = user_box_args(server)?;
     let mut run = vec!["run", "-d", "--name", BASE];
     run.extend(args.iter().map(String::as_str));
-    run.extend(["--", "sleep", "infinity"]);
+    run.extend(["--", "python3", "-c", crate::envd::agent::AGENT]);
     server.nestbox.run("start the base box", &run)?;
     make_home(server, BASE)?;
+    wait_for_agent(server, BASE)?;
     let pool = pool.to_string();
     server
         .nestbox
         .run("freeze the base box", &["freeze", BASE, "--pool", &pool])?;
     Ok(())
+}
+
+/// Wait until the agent of box `name` listens (read from its network
+/// namespace's `/proc/net/unix`, without connecting: a template is frozen
+/// idle).
+pub fn wait_for_agent(server: &Server, name: &str) -> Result<()> {
+    let end = Instant::now() + Duration::from_secs(20);
+    let wanted = format!("@{}", crate::envd::agent::SOCKET);
+    loop {
+        let record = server.reg.load(name)?;
+        if let Some(init) = record.state.init {
+            let table =
+                std::fs::read_to_string(format!("/proc/{}/net/unix", init.pid)).unwrap_or_default();
+            if table
+                .lines()
+                .any(|l| l.split_whitespace().last() == Some(wanted.as_str()))
+            {
+                return Ok(());
+            }
+        }
+        if Instant::now() >= end {
+            return Err(E2bError::Invalid(format!(
+                "the agent of box {name:?} did not start listening within 20 s"
+            )));
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
 }
 
 /// Make the home directory of `user` in box `name`.
@@ -140,12 +170,39 @@ pub fn make_home(server: &Server, name: &str) -> Result<()> {
 /// The `run` options that give a box of the host image the user `user`.
 pub fn user_box_args(server: &Server) -> Result<Vec<String>> {
     let (passwd, group) = etc_files(server)?;
-    Ok(vec![
+    let mut args = vec![
         "-v".into(),
         format!("{}:/etc/passwd:ro", passwd.display()),
         "-v".into(),
         format!("{}:/etc/group:ro", group.display()),
-    ])
+    ];
+    if let Some(profile) = profile_file(server)? {
+        args.push("-v".into());
+        args.push(format!("{}:/etc/profile:ro", profile.display()));
+    }
+    Ok(args)
+}
+
+/// The host's `/etc/profile` with its `"$(id -u)"` tests read from bash's
+/// `$EUID` when there is one: the SDK runs every command as `bash -l -c`, and
+/// Debian's profile otherwise forks and execs `id` for each (1 ms of the 2 a
+/// login shell takes). The same test for other shells. `None` if the host's
+/// profile has no such test (it is then left as it is).
+fn profile_file(server: &Server) -> Result<Option<PathBuf>> {
+    let host = std::fs::read_to_string("/etc/profile").unwrap_or_default();
+    if !host.contains("\"$(id -u)\"") {
+        return Ok(None);
+    }
+    let d = dir(server);
+    let path = d.join("profile");
+    if !path.exists() {
+        std::fs::create_dir_all(&d).map_err(E2bError::io("mkdir", &d))?;
+        let text = host.replace("\"$(id -u)\"", "\"${EUID:-$(id -u)}\"");
+        let tmp = path.with_extension("tmp");
+        std::fs::write(&tmp, text).map_err(E2bError::io("write", &tmp))?;
+        std::fs::rename(&tmp, &path).map_err(E2bError::io("rename", &path))?;
+    }
+    Ok(Some(path))
 }
 
 fn dir(server: &Server) -> PathBuf {

@@ -229,7 +229,13 @@ fn cold(server: &Server, image: &str, id: &str) -> Result<()> {
     if host {
         args.extend(base::user_box_args(server)?);
     }
-    args.extend(["--".into(), "sleep".into(), "infinity".into()]);
+    // A box of the host image runs the agent (python3 is there); another
+    // image just stays up, its commands run by `nestbox exec`.
+    if host {
+        args.extend(["--", "python3", "-c", crate::envd::agent::AGENT].map(String::from));
+    } else {
+        args.extend(["--".into(), "sleep".into(), "infinity".into()]);
+    }
     let argv: Vec<&str> = args.iter().map(String::as_str).collect();
     match server
         .nestbox
@@ -243,7 +249,8 @@ fn cold(server: &Server, image: &str, id: &str) -> Result<()> {
         Err(e) => return Err(e),
     }
     if host {
-        if let Err(e) = base::make_home(server, id) {
+        let ready = base::make_home(server, id).and_then(|()| base::wait_for_agent(server, id));
+        if let Err(e) = ready {
             let _ = server.nestbox.run("remove a failed box", &["rm", "-f", id]);
             return Err(e);
         }

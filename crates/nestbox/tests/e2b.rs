@@ -164,6 +164,9 @@ r = sb.commands.run("echo out; echo err >&2; id -un; pwd; echo $HOME $FROM_CREAT
 assert r.exit_code == 0, r
 assert r.stdout == "out\nuser\n/home/user\n/home/user c1 x2\n", repr(r.stdout)
 assert r.stderr == "err\n", repr(r.stderr)
+# Run by the in-box agent (a process of the sandbox, as E2B's envd), which
+# reports in-box pids.
+assert sb.commands.run("cat /proc/$PPID/comm").stdout == "python3\n"
 # The sandbox's own hostname: the command ran in the box, not on the host.
 import socket
 host = sb.commands.run("hostname").stdout.strip()
@@ -313,6 +316,7 @@ assert again.get_info().state == SandboxState.RUNNING
 again.pause()
 again = Sandbox.connect(sb.sandbox_id)
 assert again.commands.run("cat state.txt; ls -d /home/user").stdout == "kept\n/home/user\n"
+assert again.commands.run("cat /proc/$PPID/comm").stdout == "python3\n", "no agent after resume"
 # Fork: a new sandbox with the same files; the two go their own ways.
 (fork,) = again.fork()
 assert fork.sandbox_id != sb.sandbox_id
@@ -512,5 +516,41 @@ const { Sandbox } = require('e2b');
     let out = finish(child, None, Duration::from_secs(120), "node (e2b)".into());
     assert_eq!(out.code, 0, "{out}");
     assert!(out.stdout.contains("done"), "{out}");
+    server.stop();
+}
+
+#[test]
+fn e2b_sdk_clones_any_nestbox_template_by_name() {
+    let Some(root) = setup("e2b_sdk_clones_any_nestbox_template_by_name") else {
+        return;
+    };
+    // A template of its own, without the agent: its commands go through
+    // `nestbox exec`, as root (the host's passwd has no `user`).
+    root.detached_sh("plain", &[], "echo warm > /tmp/warm; exec sleep infinity");
+    wait_for("/tmp/warm", Duration::from_secs(10), || {
+        root.run(&["exec", "plain", "--", "cat", "/tmp/warm"]).code == 0
+    });
+    root.ok(&["freeze", "plain", "--pool", "1"]);
+    let mut server = Server::start(&root);
+    let out = server.ok(r#"
+from e2b import Sandbox, CommandExitException
+sb = Sandbox.create(template="plain")
+assert sb.get_info().template_id == "plain"
+# Started by `nestbox exec`: its parent is outside the box (pid 0 there).
+r = sb.commands.run("cat /tmp/warm; id -u; echo $PPID")
+assert r.stdout == "warm\n0\n0\n", r.stdout
+try:
+    sb.commands.run("echo e >&2; exit 4")
+    raise SystemExit("no exception")
+except CommandExitException as e:
+    assert (e.exit_code, e.stderr) == (4, "e\n"), (e.exit_code, e.stderr)
+h = sb.commands.run("sleep 100", background=True)
+assert h.kill()
+sb.files.write("/tmp/f", "x")
+assert sb.commands.run("cat /tmp/f").stdout == "x"
+sb.kill()
+print("done")
+"#);
+    assert!(out.contains("done"), "{out}");
     server.stop();
 }

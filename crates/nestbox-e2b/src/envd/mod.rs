@@ -3,6 +3,7 @@
 //! `E2b-Sandbox-Id` header: `/health`, `/files`, and the Connect services
 //! `process.Process` and `filesystem.Filesystem`.
 
+pub mod agent;
 pub mod connect;
 pub mod fs;
 pub mod process;

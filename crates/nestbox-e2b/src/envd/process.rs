@@ -8,9 +8,13 @@
 //! when it signals it.
 
 use std::collections::HashMap;
+use std::fs::File;
+use std::io::BufReader;
 use std::io::{Read, Write};
 use std::os::fd::AsFd;
-use std::process::{Child, ChildStdin, Stdio};
+use std::os::fd::OwnedFd;
+use std::os::unix::net::UnixStream;
+use std::process::{Child, Stdio};
 use std::sync::mpsc::{channel, Receiver, RecvTimeoutError, Sender};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -18,7 +22,7 @@ use std::time::{Duration, Instant};
 use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
 use serde_json::{json, Value};
 
-use crate::envd::connect;
+use crate::envd::{agent, connect};
 use crate::error::{E2bError, Result};
 use crate::http::{Request, Response};
 use crate::util::{base64_decode, base64_encode};
@@ -49,10 +53,23 @@ struct Listeners {
 #[derive(Debug)]
 pub struct Proc {
     pid: u32,
+    kind: Kind,
     tag: Option<String>,
     config: Value,
-    stdin: Mutex<Option<ChildStdin>>,
+    stdin: Mutex<Option<File>>,
     listeners: Mutex<Listeners>,
+}
+
+/// How a process was started, which says how to signal it.
+#[derive(Debug, Clone, Copy)]
+enum Kind {
+    /// `nestbox exec` on the host: `pid` is that process's.
+    Exec,
+    /// By the box's agent: `pid` is the command's in the box.
+    Agent {
+        /// The box's init, through which the agent is reached.
+        root_pid: i32,
+    },
 }
 
 impl Proc {
@@ -77,6 +94,10 @@ impl Proc {
     /// Send `signal` to the command (found below the `nestbox exec`
     /// process: exec → its helper in the box → the command).
     fn signal(&self, signal: i32) -> Result<()> {
+        if let Kind::Agent { root_pid } = self.kind {
+            agent::kill(root_pid, self.pid, signal)?;
+            return Ok(());
+        }
         let end = Instant::now() + Duration::from_secs(2);
         loop {
             let helper = children(self.pid).into_iter().next();
@@ -158,8 +179,16 @@ impl Table {
     pub fn kill_all(&self) {
         let procs: Vec<Arc<Proc>> = self.lock().values().cloned().collect();
         for p in procs {
-            // SAFETY: kill has no memory-safety preconditions.
-            unsafe { libc::kill(p.pid as i32, libc::SIGKILL) };
+            match p.kind {
+                // SAFETY: kill has no memory-safety preconditions.
+                Kind::Exec => unsafe {
+                    libc::kill(p.pid as i32, libc::SIGKILL);
+                },
+                Kind::Agent { root_pid } => {
+                    // The box may be going: then its commands go with it.
+                    let _ = agent::kill(root_pid, p.pid, libc::SIGKILL);
+                }
+            }
         }
     }
 }
@@ -318,37 +347,90 @@ fn start(
                 .filter_map(|(k, v)| v.as_str().map(|v| (k.clone(), v.to_string()))),
         );
     }
-    let ids = format!("{}:{}", user.uid, user.gid);
-    let mut argv: Vec<String> = vec!["exec".into(), "-u".into(), ids, "-w".into(), cwd];
-    for (k, v) in &env {
-        argv.push("-e".into());
-        argv.push(format!("{k}={v}"));
-    }
-    argv.push(box_name);
-    argv.push("--".into());
-    argv.push(cmd.to_string());
-    argv.extend(args);
     let with_stdin = msg.get("stdin").and_then(Value::as_bool).unwrap_or(false);
-    let argv_ref: Vec<&str> = argv.iter().map(String::as_str).collect();
-    let mut child = server
-        .nestbox
-        .command(&argv_ref)
-        .stdin(if with_stdin {
-            Stdio::piped()
-        } else {
-            Stdio::null()
-        })
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .map_err(E2bError::io("run", &server.nestbox.exe))?;
-    let proc_ = Arc::new(Proc {
-        pid: child.id(),
-        tag: msg.get("tag").and_then(Value::as_str).map(String::from),
-        config,
-        stdin: Mutex::new(child.stdin.take()),
-        listeners: Mutex::new(Listeners::default()),
-    });
+    let tag = msg.get("tag").and_then(Value::as_str).map(String::from);
+    let mut command = vec![cmd.to_string()];
+    command.extend(args);
+    // Through the box's agent when it has one, else `nestbox exec`.
+    let root_pid = sandbox.root_pid(&server.reg)?;
+    let (proc_, runner) = match agent::connect_to(root_pid)? {
+        Some(conn) => {
+            let (out_r, out_w) = agent::pipe()?;
+            let (err_r, err_w) = agent::pipe()?;
+            let (in_child, in_ours) = if with_stdin {
+                let (r, w) = agent::pipe()?;
+                (r, Some(File::from(w)))
+            } else {
+                (agent::dev_null()?, None)
+            };
+            let started = agent::start(
+                conn,
+                &command,
+                &env,
+                &cwd,
+                (user.uid, user.gid),
+                [in_child.as_fd(), out_w.as_fd(), err_w.as_fd()],
+            )?;
+            drop((in_child, out_w, err_w));
+            match started {
+                agent::Started::Running(pid, reader) => (
+                    Proc {
+                        pid,
+                        kind: Kind::Agent { root_pid },
+                        tag,
+                        config,
+                        stdin: Mutex::new(in_ours),
+                        listeners: Mutex::new(Listeners::default()),
+                    },
+                    Runner::Agent {
+                        out: File::from(out_r),
+                        err: File::from(err_r),
+                        exit: reader,
+                    },
+                ),
+                agent::Started::Failed(_, why) => {
+                    return Err(E2bError::Invalid(format!("cannot start {cmd:?}: {why}")));
+                }
+            }
+        }
+        None => {
+            let ids = format!("{}:{}", user.uid, user.gid);
+            let mut argv: Vec<String> = vec!["exec".into(), "-u".into(), ids, "-w".into(), cwd];
+            for (k, v) in &env {
+                argv.push("-e".into());
+                argv.push(format!("{k}={v}"));
+            }
+            argv.push(box_name);
+            argv.push("--".into());
+            argv.extend(command);
+            let argv_ref: Vec<&str> = argv.iter().map(String::as_str).collect();
+            let mut child = server
+                .nestbox
+                .command(&argv_ref)
+                .stdin(if with_stdin {
+                    Stdio::piped()
+                } else {
+                    Stdio::null()
+                })
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .map_err(E2bError::io("run", &server.nestbox.exe))?;
+            let stdin = child.stdin.take().map(|s| File::from(OwnedFd::from(s)));
+            (
+                Proc {
+                    pid: child.id(),
+                    kind: Kind::Exec,
+                    tag,
+                    config,
+                    stdin: Mutex::new(stdin),
+                    listeners: Mutex::new(Listeners::default()),
+                },
+                Runner::Exec(child),
+            )
+        }
+    };
+    let proc_ = Arc::new(proc_);
     let rx = proc_
         .subscribe()
         .ok_or_else(|| E2bError::NotFound("process ended".into()))?;
@@ -358,7 +440,7 @@ fn start(
     std::thread::Builder::new()
         .name("e2b-proc".into())
         .spawn(move || {
-            let code = pump(&pumped, child);
+            let code = pump(&pumped, runner);
             sandbox.procs.remove(pumped.pid);
             pumped.publish(Event::End(code));
         })
@@ -366,18 +448,36 @@ fn start(
     Ok((proc_, rx))
 }
 
-/// Relay the child's output to the listeners until it has exited; its exit
-/// code.
-fn pump(p: &Proc, mut child: Child) -> i32 {
-    let mut out = child.stdout.take();
-    let mut err = child.stderr.take();
+/// What a process's output and exit come from.
+enum Runner {
+    /// `nestbox exec`, a child of this server.
+    Exec(Child),
+    /// The agent: the output pipes, and the connection the exit comes on.
+    Agent {
+        out: File,
+        err: File,
+        exit: BufReader<UnixStream>,
+    },
+}
+
+/// Relay the process's output to the listeners until it has exited; its
+/// exit code.
+fn pump(p: &Proc, runner: Runner) -> i32 {
+    let (mut out, mut err, mut child, mut exit) = match runner {
+        Runner::Exec(mut c) => {
+            let o = c.stdout.take().map(|x| File::from(OwnedFd::from(x)));
+            let e = c.stderr.take().map(|x| File::from(OwnedFd::from(x)));
+            (o, e, Some(c), None)
+        }
+        Runner::Agent { out, err, exit } => (Some(out), Some(err), None, Some(exit)),
+    };
     let mut exited: Option<(i32, Instant)> = None;
     let mut buf = vec![0u8; 64 << 10];
     loop {
-        if out.is_none() && err.is_none() {
+        if out.is_none() && err.is_none() && (exited.is_some() || exit.is_none()) {
             break;
         }
-        let (out_ready, err_ready) = {
+        let (out_ready, err_ready, exit_ready) = {
             let mut fds = Vec::new();
             if let Some(o) = &out {
                 fds.push(PollFd::new(o.as_fd(), PollFlags::POLLIN));
@@ -385,18 +485,17 @@ fn pump(p: &Proc, mut child: Child) -> i32 {
             if let Some(e) = &err {
                 fds.push(PollFd::new(e.as_fd(), PollFlags::POLLIN));
             }
+            let watch_exit = exited.is_none() && exit.is_some();
+            if let (true, Some(x)) = (watch_exit, &exit) {
+                fds.push(PollFd::new(x.get_ref().as_fd(), PollFlags::POLLIN));
+            }
             let _ = poll(&mut fds, PollTimeout::from(20u16));
             let ready = |f: &PollFd<'_>| f.revents().is_some_and(|r| !r.is_empty());
             let mut it = fds.iter();
-            let o = out
-                .as_ref()
-                .map(|_| it.next().is_some_and(ready))
-                .unwrap_or(false);
-            let e = err
-                .as_ref()
-                .map(|_| it.next().is_some_and(ready))
-                .unwrap_or(false);
-            (o, e)
+            let o = out.is_some() && it.next().is_some_and(ready);
+            let e = err.is_some() && it.next().is_some_and(ready);
+            let x = watch_exit && it.next().is_some_and(ready);
+            (o, e, x)
         };
         if out_ready {
             if let Some(o) = out.as_mut() {
@@ -415,8 +514,18 @@ fn pump(p: &Proc, mut child: Child) -> i32 {
             }
         }
         if exited.is_none() {
-            if let Ok(Some(status)) = child.try_wait() {
-                exited = Some((exit_code(status), Instant::now()));
+            if let Some(c) = child.as_mut() {
+                if let Ok(Some(status)) = c.try_wait() {
+                    exited = Some((exit_code(status), Instant::now()));
+                }
+            }
+            if let (true, Some(x)) = (exit_ready, exit.as_mut()) {
+                // The agent's last line; none if it went away.
+                let code = agent::answer(x)
+                    .ok()
+                    .and_then(|a| a.get("exit").and_then(Value::as_i64))
+                    .unwrap_or(-1);
+                exited = Some((code as i32, Instant::now()));
             }
         }
         if let Some((_, at)) = exited {
@@ -425,9 +534,19 @@ fn pump(p: &Proc, mut child: Child) -> i32 {
             }
         }
     }
-    match exited {
-        Some((code, _)) => code,
-        None => child.wait().map(exit_code).unwrap_or(-1),
+    if exited.is_none() {
+        if let Some(x) = exit.as_mut() {
+            let code = agent::answer(x)
+                .ok()
+                .and_then(|a| a.get("exit").and_then(Value::as_i64))
+                .unwrap_or(-1);
+            exited = Some((code as i32, Instant::now()));
+        }
+    }
+    match (exited, child) {
+        (Some((code, _)), _) => code,
+        (None, Some(mut c)) => c.wait().map(exit_code).unwrap_or(-1),
+        (None, None) => -1,
     }
 }
 
