@@ -171,6 +171,7 @@ assert sb.commands.run("cat /proc/$PPID/comm").stdout == "python3\n"
 import socket
 host = sb.commands.run("hostname").stdout.strip()
 assert host != socket.gethostname(), host
+assert sb.commands.run("echo $HOSTNAME").stdout.strip() == host
 # A failing command raises with its exit code and output.
 try:
     sb.commands.run("echo before; exit 3")

@@ -55,6 +55,8 @@ def serve(c):
                 reply(c, {"ok": False})
             return
         env = dict(os.environ)
+        # A clone's name is its own, not the template's it inherited.
+        env["HOSTNAME"] = socket.gethostname()
         env.update(req["env"])
         try:
             p = subprocess.Popen(req["argv"], stdin=fds[0], stdout=fds[1], stderr=fds[2],
