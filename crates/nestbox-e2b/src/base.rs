@@ -104,10 +104,6 @@ pub fn ensure(server: &Server, pool: u32) {
         Ok(()) => server.base.set(State::Ready),
         Err(e) => {
             tracing::error!("e2b: making the base template: {e}");
-            // A half-made box is not left behind.
-            let _ = server
-                .nestbox
-                .run("remove the base box", &["rm", "-f", BASE]);
             server.base.set(State::Failed(e.to_string()));
         }
     }
@@ -118,14 +114,25 @@ fn make(server: &Server, pool: u32) -> Result<()> {
     let mut run = vec!["run", "-d", "--name", BASE];
     run.extend(args.iter().map(String::as_str));
     run.extend(["--", "python3", "-c", crate::envd::agent::AGENT]);
+    // A box named base that is no template (someone else's) makes this
+    // fail, and is left alone.
     server.nestbox.run("start the base box", &run)?;
-    make_home(server, BASE)?;
-    wait_for_agent(server, BASE)?;
     let pool = pool.to_string();
-    server
-        .nestbox
-        .run("freeze the base box", &["freeze", BASE, "--pool", &pool])?;
-    Ok(())
+    let rest = make_home(server, BASE)
+        .and_then(|()| wait_for_agent(server, BASE))
+        .and_then(|()| {
+            server
+                .nestbox
+                .run("freeze the base box", &["freeze", BASE, "--pool", &pool])
+                .map(drop)
+        });
+    if rest.is_err() {
+        // The half-made box this started is not left behind.
+        let _ = server
+            .nestbox
+            .run("remove the base box", &["rm", "-f", BASE]);
+    }
+    rest
 }
 
 /// Wait until the agent of box `name` listens (read from its network
