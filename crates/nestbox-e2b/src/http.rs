@@ -369,3 +369,114 @@ fn write_response(stream: &mut TcpStream, response: Response, keep_alive: bool) 
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::{BufRead, BufReader, Read, Write};
+
+    /// A server on a free loopback port answering with `handler`.
+    fn server(handler: Handler) -> std::net::SocketAddr {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        std::thread::spawn(move || serve(listener, handler));
+        addr
+    }
+
+    fn read_head(r: &mut BufReader<TcpStream>) -> Vec<String> {
+        let mut lines = Vec::new();
+        loop {
+            let mut l = String::new();
+            r.read_line(&mut l).unwrap();
+            let l = l.trim_end().to_string();
+            if l.is_empty() {
+                return lines;
+            }
+            lines.push(l);
+        }
+    }
+
+    #[test]
+    fn bodies_by_length_and_chunks_on_one_kept_connection() {
+        let addr = server(Arc::new(|req: Request| {
+            let text = format!(
+                "{} {} {:?} {}",
+                req.method,
+                req.path,
+                req.query("p"),
+                String::from_utf8_lossy(&req.body)
+            );
+            Response::bytes(200, "text/plain", text.into_bytes())
+        }));
+        let mut s = TcpStream::connect(addr).unwrap();
+        s.write_all(b"POST /a%20b?p=x%2Fy HTTP/1.1\r\nContent-Length: 5\r\n\r\nhello")
+            .unwrap();
+        s.write_all(
+            b"POST /c HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n2;x=1\r\nde\r\n0\r\n\r\n",
+        )
+        .unwrap();
+        let mut r = BufReader::new(s.try_clone().unwrap());
+        for want in ["POST /a b Some(\"x/y\") hello", "POST /c None abcde"] {
+            let head = read_head(&mut r);
+            assert_eq!(head[0], "HTTP/1.1 200 OK");
+            let len: usize = head
+                .iter()
+                .find_map(|h| h.strip_prefix("Content-Length: "))
+                .unwrap()
+                .parse()
+                .unwrap();
+            let mut body = vec![0; len];
+            r.read_exact(&mut body).unwrap();
+            assert_eq!(String::from_utf8(body).unwrap(), want);
+        }
+    }
+
+    #[test]
+    fn streamed_chunks_arrive_before_the_stream_ends() {
+        let (tx, rx) = std::sync::mpsc::channel::<()>();
+        let rx = std::sync::Mutex::new(Some(rx));
+        let addr = server(Arc::new(move |_req: Request| {
+            let rx = rx.lock().unwrap().take().unwrap();
+            Response::stream(
+                200,
+                "application/octet-stream",
+                Box::new(move |w| {
+                    w.chunk(b"first")?;
+                    // The second chunk waits until the client has the first.
+                    rx.recv().unwrap();
+                    w.chunk(b"second")
+                }),
+            )
+        }));
+        let mut s = TcpStream::connect(addr).unwrap();
+        s.write_all(b"GET / HTTP/1.1\r\n\r\n").unwrap();
+        let mut r = BufReader::new(s.try_clone().unwrap());
+        let head = read_head(&mut r);
+        assert!(
+            head.contains(&"Transfer-Encoding: chunked".to_string()),
+            "{head:?}"
+        );
+        let mut size = String::new();
+        r.read_line(&mut size).unwrap();
+        assert_eq!(size.trim(), "5");
+        let mut data = [0u8; 7];
+        r.read_exact(&mut data).unwrap();
+        assert_eq!(&data, b"first\r\n");
+        tx.send(()).unwrap();
+        // The second chunk, then the end of the body (the connection stays).
+        let mut rest = [0u8; 16];
+        r.read_exact(&mut rest).unwrap();
+        assert_eq!(&rest, b"6\r\nsecond\r\n0\r\n\r\n");
+    }
+
+    #[test]
+    fn a_malformed_request_is_answered_400_and_closed() {
+        let addr = server(Arc::new(|_req: Request| Response::empty(204)));
+        let mut s = TcpStream::connect(addr).unwrap();
+        s.write_all(b"NONSENSE\r\n\r\n").unwrap();
+        let mut all = String::new();
+        s.read_to_string(&mut all).unwrap();
+        assert!(all.starts_with("HTTP/1.1 400 "), "{all}");
+        assert!(all.ends_with("malformed request line"), "{all}");
+    }
+}
