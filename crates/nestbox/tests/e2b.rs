@@ -555,3 +555,31 @@ print("done")
     assert!(out.contains("done"), "{out}");
     server.stop();
 }
+
+#[test]
+fn e2b_sdk_terminals_have_their_size_and_take_input() {
+    let Some(root) = setup("e2b_sdk_terminals_have_their_size_and_take_input") else {
+        return;
+    };
+    let mut server = Server::start(&root);
+    let out = server.ok(r#"
+from e2b import Sandbox, PtySize, CommandExitException
+sb = Sandbox.create()
+h = sb.pty.create(PtySize(rows=30, cols=100))
+sb.pty.resize(h.pid, PtySize(rows=40, cols=120))
+sb.pty.send_stdin(h.pid, b"stty size; tty; echo $TERM; id -un; exit 3\n")
+data = []
+try:
+    h.wait(on_pty=lambda d: data.append(d))
+    raise SystemExit("exit 3 reported as success")
+except CommandExitException as e:
+    assert e.exit_code == 3, e.exit_code
+out = b"".join(data).decode(errors="replace")
+assert "40 120" in out, out
+assert "/dev/pts/" in out and "xterm-256color" in out and "user" in out, out
+sb.kill()
+print("done")
+"#);
+    assert!(out.contains("done"), "{out}");
+    server.stop();
+}

@@ -14,6 +14,9 @@
 //! `{"argv","env","cwd","uid","gid"}` → `{"pid":N}` (in-box pid) then, when
 //! the command has ended, `{"exit":CODE}` (128+N for signal N), or
 //! `{"error","code"}` if it could not start (127: not found, 126: other).
+//! With `"pty":{"rows","cols"}` and no descriptors, the agent opens a
+//! terminal of the box's devpts, runs the command on it as its controlling
+//! terminal (`setsid -c`), and sends the master side back with `{"pid":N}`.
 //! Kill `{"kill":PID,"signal":N}` → `{"ok":bool}`.
 //! A box without the agent (another image or template) gets `nestbox exec`.
 
@@ -34,7 +37,7 @@ pub const SOCKET: &str = "nestbox-e2b-agent";
 
 /// The agent, run as `python3 -c AGENT`.
 pub const AGENT: &str = r#"
-import json, os, socket, subprocess, threading
+import fcntl, json, os, socket, struct, subprocess, termios, threading
 def reply(c, obj):
     c.sendall((json.dumps(obj) + "\n").encode())
 def serve(c):
@@ -58,18 +61,33 @@ def serve(c):
         # A clone's name is its own, not the template's it inherited.
         env["HOSTNAME"] = socket.gethostname()
         env.update(req["env"])
+        argv, master = req["argv"], None
+        if "pty" in req:
+            # A terminal of the box's own devpts; the command gets it as its
+            # controlling terminal (setsid -c), the server the master side.
+            master, slave = os.openpty()
+            size = struct.pack("HHHH", req["pty"]["rows"], req["pty"]["cols"], 0, 0)
+            fcntl.ioctl(slave, termios.TIOCSWINSZ, size)
+            fds = [slave, os.dup(slave), os.dup(slave)]
+            argv = ["setsid", "-c"] + argv
         try:
-            p = subprocess.Popen(req["argv"], stdin=fds[0], stdout=fds[1], stderr=fds[2],
+            p = subprocess.Popen(argv, stdin=fds[0], stdout=fds[1], stderr=fds[2],
                                  cwd=req["cwd"], env=env, user=req["uid"], group=req["gid"],
                                  extra_groups=[], close_fds=True)
         except OSError as e:
             reply(c, {"error": str(e), "code": 127 if isinstance(e, FileNotFoundError) else 126})
+            if master is not None:
+                os.close(master)
             return
         finally:
             for fd in fds:
                 os.close(fd)
             fds = []
-        reply(c, {"pid": p.pid})
+        if master is None:
+            reply(c, {"pid": p.pid})
+        else:
+            socket.send_fds(c, [(json.dumps({"pid": p.pid}) + "\n").encode()], [master])
+            os.close(master)
         code = p.wait()
         reply(c, {"exit": code if code >= 0 else 128 - code})
     except Exception:
@@ -180,6 +198,103 @@ pub fn start(
         .unwrap_or("failed")
         .to_string();
     Ok(Started::Failed(code, why))
+}
+
+/// What starting a command on a terminal through the agent gave.
+#[derive(Debug)]
+pub enum PtyStarted {
+    /// It runs: its pid in the box, the terminal's master side, and the
+    /// connection its exit comes on.
+    Running(u32, OwnedFd, BufReader<UnixStream>),
+    /// It could not start: the exit code and why.
+    Failed(i32, String),
+}
+
+/// Start `argv` on a new terminal of the box through the agent on `conn`:
+/// its pid, the terminal's master side, and the connection its exit comes on.
+pub fn start_pty(
+    conn: UnixStream,
+    argv: &[String],
+    env: &[(String, String)],
+    cwd: &str,
+    ids: (u32, u32),
+    size: (u16, u16),
+) -> Result<PtyStarted> {
+    let env: serde_json::Map<String, Value> =
+        env.iter().map(|(k, v)| (k.clone(), json!(v))).collect();
+    let request = json!({"argv": argv, "env": env, "cwd": cwd, "uid": ids.0, "gid": ids.1,
+        "pty": {"rows": size.0, "cols": size.1}});
+    send(&conn, &request, &[])?;
+    // The answer line comes with the master's descriptor (an error without).
+    let mut buf = vec![0u8; 4096];
+    let mut space = nix::cmsg_space!([std::os::fd::RawFd; 1]);
+    let (n, fd) = {
+        let mut iov = [std::io::IoSliceMut::new(&mut buf)];
+        let msg = nix::sys::socket::recvmsg::<()>(
+            conn.as_raw_fd(),
+            &mut iov,
+            Some(&mut space),
+            MsgFlags::MSG_CMSG_CLOEXEC,
+        )
+        .map_err(|e| E2bError::io("receive from", "the agent")(e.into()))?;
+        let mut fd = None;
+        if let Ok(cmsgs) = msg.cmsgs() {
+            for c in cmsgs {
+                if let nix::sys::socket::ControlMessageOwned::ScmRights(fds) = c {
+                    for raw in fds {
+                        // SAFETY: the kernel installed this descriptor for us
+                        // with the message; nothing else owns it.
+                        let owned =
+                            unsafe { <OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(raw) };
+                        fd.get_or_insert(owned);
+                    }
+                }
+            }
+        }
+        (msg.bytes, fd)
+    };
+    let mut reader = BufReader::new(conn);
+    let mut line = buf[..n].to_vec();
+    if !line.ends_with(b"\n") {
+        let mut rest = Vec::new();
+        reader
+            .read_until(b'\n', &mut rest)
+            .map_err(E2bError::io("read from", "the agent"))?;
+        line.extend(rest);
+    }
+    let a: Value = serde_json::from_slice(&line)
+        .map_err(|e| E2bError::Invalid(format!("the agent's answer is not JSON: {e}")))?;
+    match (a.get("pid").and_then(Value::as_u64), fd) {
+        (Some(pid), Some(master)) => Ok(PtyStarted::Running(pid as u32, master, reader)),
+        _ => {
+            let code = a.get("code").and_then(Value::as_i64).unwrap_or(126) as i32;
+            let why = a
+                .get("error")
+                .and_then(Value::as_str)
+                .unwrap_or("no terminal")
+                .to_string();
+            Ok(PtyStarted::Failed(code, why))
+        }
+    }
+}
+
+/// Set the size of the terminal whose master side is `master`.
+pub fn resize(master: BorrowedFd<'_>, rows: u16, cols: u16) -> Result<()> {
+    let size = libc::winsize {
+        ws_row: rows,
+        ws_col: cols,
+        ws_xpixel: 0,
+        ws_ypixel: 0,
+    };
+    // SAFETY: TIOCSWINSZ reads one `winsize` from the pointer, which is valid
+    // for the call; the descriptor is borrowed, so open.
+    let rc = unsafe { libc::ioctl(master.as_raw_fd(), libc::TIOCSWINSZ, &size) };
+    if rc < 0 {
+        return Err(E2bError::io("resize", "a terminal")(
+            std::io::Error::last_os_error(),
+        ));
+    }
+    Ok(())
 }
 
 /// Signal in-box process `pid` through the agent of the box of init `root_pid`.

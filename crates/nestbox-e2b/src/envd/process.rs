@@ -39,6 +39,7 @@ const KEEPALIVE: Duration = Duration::from_secs(50);
 enum Event {
     Stdout(Vec<u8>),
     Stderr(Vec<u8>),
+    Pty(Vec<u8>),
     End(i32),
 }
 
@@ -57,6 +58,8 @@ pub struct Proc {
     tag: Option<String>,
     config: Value,
     stdin: Mutex<Option<File>>,
+    /// The master side of its terminal, if it has one (for resizes).
+    pty: Option<File>,
     listeners: Mutex<Listeners>,
 }
 
@@ -290,6 +293,22 @@ pub fn handle(server: &Arc<Server>, id: &str, method: &str, req: &Request) -> Re
                 .map_err(E2bError::io("write stdin of", format!("process {}", p.pid)))?;
             Ok(json!({}))
         })()),
+        "Update" => connect::unary((|| {
+            let p = sandbox
+                .procs
+                .select(msg.get("process").unwrap_or(&Value::Null))?;
+            let master = p
+                .pty
+                .as_ref()
+                .ok_or_else(|| E2bError::Invalid(format!("process {} has no terminal", p.pid)))?;
+            let dim = |k: &str| {
+                msg.pointer(&format!("/pty/size/{k}"))
+                    .and_then(Value::as_u64)
+                    .ok_or_else(|| E2bError::Invalid(format!("Update needs pty.size.{k}")))
+            };
+            agent::resize(master.as_fd(), dim("rows")? as u16, dim("cols")? as u16)?;
+            Ok(json!({}))
+        })()),
         "CloseStdin" => connect::unary((|| {
             let p = sandbox
                 .procs
@@ -309,9 +328,14 @@ fn start(
     msg: &Value,
     user: Option<&str>,
 ) -> Result<(Arc<Proc>, Receiver<Event>)> {
-    if msg.get("pty").is_some_and(|p| !p.is_null()) {
-        return Err(E2bError::Unsupported("a PTY".into()));
-    }
+    let pty_size = msg.get("pty").filter(|p| !p.is_null()).map(|p| {
+        let dim = |k: &str| {
+            p.pointer(&format!("/size/{k}"))
+                .and_then(Value::as_u64)
+                .unwrap_or(24)
+        };
+        (dim("rows") as u16, dim("cols").max(1) as u16)
+    });
     let config = msg
         .get("process")
         .cloned()
@@ -354,6 +378,41 @@ fn start(
     // Through the box's agent when it has one, else `nestbox exec`.
     let root_pid = sandbox.root_pid(&server.reg)?;
     let (proc_, runner) = match agent::connect_to(root_pid)? {
+        Some(conn) if pty_size.is_some() => {
+            let size = pty_size.unwrap_or((24, 80));
+            match agent::start_pty(conn, &command, &env, &cwd, (user.uid, user.gid), size)? {
+                agent::PtyStarted::Running(pid, master, exit) => {
+                    let dup = |f: &OwnedFd| {
+                        f.try_clone()
+                            .map(File::from)
+                            .map_err(E2bError::io("dup", "a terminal"))
+                    };
+                    (
+                        Proc {
+                            pid,
+                            kind: Kind::Agent { root_pid },
+                            tag,
+                            config,
+                            stdin: Mutex::new(Some(dup(&master)?)),
+                            pty: Some(dup(&master)?),
+                            listeners: Mutex::new(Listeners::default()),
+                        },
+                        Runner::Pty {
+                            master: File::from(master),
+                            exit,
+                        },
+                    )
+                }
+                agent::PtyStarted::Failed(_, why) => {
+                    return Err(E2bError::Invalid(format!("cannot start {cmd:?}: {why}")));
+                }
+            }
+        }
+        None if pty_size.is_some() => {
+            return Err(E2bError::Unsupported(
+                "a PTY in a sandbox without the agent (a template other than base)".into(),
+            ));
+        }
         Some(conn) => {
             let (out_r, out_w) = agent::pipe()?;
             let (err_r, err_w) = agent::pipe()?;
@@ -380,6 +439,7 @@ fn start(
                         tag,
                         config,
                         stdin: Mutex::new(in_ours),
+                        pty: None,
                         listeners: Mutex::new(Listeners::default()),
                     },
                     Runner::Agent {
@@ -424,6 +484,7 @@ fn start(
                     tag,
                     config,
                     stdin: Mutex::new(stdin),
+                    pty: None,
                     listeners: Mutex::new(Listeners::default()),
                 },
                 Runner::Exec(child),
@@ -458,11 +519,17 @@ enum Runner {
         err: File,
         exit: BufReader<UnixStream>,
     },
+    /// The agent, on a terminal: its master side, and the connection.
+    Pty {
+        master: File,
+        exit: BufReader<UnixStream>,
+    },
 }
 
 /// Relay the process's output to the listeners until it has exited; its
 /// exit code.
 fn pump(p: &Proc, runner: Runner) -> i32 {
+    let mut pty = false;
     let (mut out, mut err, mut child, mut exit) = match runner {
         Runner::Exec(mut c) => {
             let o = c.stdout.take().map(|x| File::from(OwnedFd::from(x)));
@@ -470,6 +537,10 @@ fn pump(p: &Proc, runner: Runner) -> i32 {
             (o, e, Some(c), None)
         }
         Runner::Agent { out, err, exit } => (Some(out), Some(err), None, Some(exit)),
+        Runner::Pty { master, exit } => {
+            pty = true;
+            (Some(master), None, None, Some(exit))
+        }
     };
     let mut exited: Option<(i32, Instant)> = None;
     let mut buf = vec![0u8; 64 << 10];
@@ -501,6 +572,7 @@ fn pump(p: &Proc, runner: Runner) -> i32 {
             if let Some(o) = out.as_mut() {
                 match o.read(&mut buf) {
                     Ok(0) | Err(_) => out = None,
+                    Ok(n) if pty => p.publish(Event::Pty(buf[..n].to_vec())),
                     Ok(n) => p.publish(Event::Stdout(buf[..n].to_vec())),
                 }
             }
@@ -585,6 +657,9 @@ fn stream(
                         w,
                         &json!({"event": {"data": {"stderr": base64_encode(&d)}}}),
                     )?,
+                    Ok(Event::Pty(d)) => {
+                        connect::send(w, &json!({"event": {"data": {"pty": base64_encode(&d)}}}))?
+                    }
                     Ok(Event::End(code)) => {
                         let mut end = json!({"exitCode": code, "exited": true,
                             "status": format!("exit status {code}")});
