@@ -382,15 +382,20 @@ fn connect(server: &Server, id: &str, timeout: Option<u64>) -> Result<(Arc<Sandb
     Ok((s, resumed))
 }
 
-fn fork(server: &Arc<Server>, id: &str, count: u32, timeout: Option<u64>) -> Result<Vec<Value>> {
-    let s = server.sandbox(id)?;
+/// Freeze the box of running sandbox `s` and go on in a clone of it; the
+/// frozen box's name, and the sandbox's end of life.
+fn freeze_and_go_on(server: &Server, s: &Sandbox) -> Result<(String, f64)> {
     let mut live = s.live.lock().unwrap_or_else(|p| p.into_inner());
-    let frozen = freeze(server, &s, &live)?;
-    let name = next_box(server, &s, &mut live)?;
+    let frozen = freeze(server, s, &live)?;
+    let name = next_box(server, s, &mut live)?;
     live.box_name = name;
     live.previous.push(frozen.clone());
-    let end_at = live.end_at;
-    drop(live);
+    Ok((frozen, live.end_at))
+}
+
+fn fork(server: &Arc<Server>, id: &str, count: u32, timeout: Option<u64>) -> Result<Vec<Value>> {
+    let s = server.sandbox(id)?;
+    let (frozen, end_at) = freeze_and_go_on(server, &s)?;
     let mut results = Vec::new();
     for _ in 0..count {
         let new_id = format!("e2b-{}", random_hex(8));
@@ -431,11 +436,7 @@ fn fork(server: &Arc<Server>, id: &str, count: u32, timeout: Option<u64>) -> Res
 /// sandbox goes on in a clone of it.
 fn snapshot(server: &Server, id: &str) -> Result<String> {
     let s = server.sandbox(id)?;
-    let mut live = s.live.lock().unwrap_or_else(|p| p.into_inner());
-    let frozen = freeze(server, &s, &live)?;
-    let name = next_box(server, &s, &mut live)?;
-    live.box_name = name;
-    live.previous.push(frozen.clone());
+    let (frozen, _) = freeze_and_go_on(server, &s)?;
     server.keep_snapshot(&frozen);
     Ok(frozen)
 }

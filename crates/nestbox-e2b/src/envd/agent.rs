@@ -191,13 +191,19 @@ pub fn start(
     if let Some(pid) = a.get("pid").and_then(Value::as_u64) {
         return Ok(Started::Running(pid as u32, reader));
     }
+    let (code, why) = failure(&a);
+    Ok(Started::Failed(code, why))
+}
+
+/// The exit code and reason of an answer that is no pid.
+fn failure(a: &Value) -> (i32, String) {
     let code = a.get("code").and_then(Value::as_i64).unwrap_or(126) as i32;
     let why = a
         .get("error")
         .and_then(Value::as_str)
-        .unwrap_or("failed")
+        .unwrap_or("the agent started nothing")
         .to_string();
-    Ok(Started::Failed(code, why))
+    (code, why)
 }
 
 /// What starting a command on a terminal through the agent gave.
@@ -267,12 +273,7 @@ pub fn start_pty(
     match (a.get("pid").and_then(Value::as_u64), fd) {
         (Some(pid), Some(master)) => Ok(PtyStarted::Running(pid as u32, master, reader)),
         _ => {
-            let code = a.get("code").and_then(Value::as_i64).unwrap_or(126) as i32;
-            let why = a
-                .get("error")
-                .and_then(Value::as_str)
-                .unwrap_or("no terminal")
-                .to_string();
+            let (code, why) = failure(&a);
             Ok(PtyStarted::Failed(code, why))
         }
     }
