@@ -10,9 +10,10 @@
 //! clone server of `nestbox_runtime::api` on the Unix socket, unchanged and
 //! single-threaded (it forks monitors and clones, which a multi-threaded
 //! process must not do). The child is the HTTP server, a thread per
-//! connection; it asks the clone server for clones and runs the `nestbox`
-//! binary for everything else ([`nestbox`]). SIGTERM or SIGINT to the parent
-//! ends both; the child removes the sandboxes it made before it exits.
+//! connection; it asks the clone server for clones, the in-box agent
+//! ([`envd::agent`]) for commands, and runs the `nestbox` binary for
+//! everything else ([`nestbox`]). SIGTERM or SIGINT to the parent ends both;
+//! the child removes the sandboxes it made before it exits.
 
 pub mod base;
 pub mod control;
