@@ -22,6 +22,8 @@ done
 # Programs the clone tests of real multi-threaded servers run (crates/nestbox/tests/
 # clone_apps.rs), looked for where those tests look: the box sees the host's /usr.
 [ -x /usr/bin/node ] || need+=(nodejs)
+# npm installs the E2B JavaScript SDK below.
+command -v npm >/dev/null 2>&1 || need+=(npm)
 [ -x /usr/bin/java ] || need+=(default-jdk-headless)
 [ -x /usr/local/go/bin/go ] || command -v go >/dev/null 2>&1 || need+=(golang-go)
 if [ "${#need[@]}" -gt 0 ]; then
@@ -33,6 +35,36 @@ if [ "${#need[@]}" -gt 0 ]; then
   export DEBIAN_FRONTEND=noninteractive
   apt-get update -qq
   apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null
+fi
+
+# The E2B Python SDK, which the tests of `nestbox serve --http` (crates/nestbox/
+# tests/e2b.rs) and bench/e2b.sh drive, for the python3 on PATH. Pinned: the
+# API is checked against this version's generated client (docs/e2b.md).
+E2B_SDK_VERSION=2.63.0
+if ! python3 -c "import e2b, sys; from importlib.metadata import version; sys.exit(version('e2b') != '$E2B_SDK_VERSION')" 2>/dev/null; then
+  echo "setup: installing the e2b Python SDK $E2B_SDK_VERSION"
+  python3 -m pip --version >/dev/null 2>&1 || python3 -m ensurepip --upgrade >/dev/null 2>&1 || {
+    echo "setup: python3 has no pip (apt-get install python3-pip)" >&2
+    exit 1
+  }
+  # Debian's own python3 refuses system-wide installs without this flag.
+  extra=()
+  python3 -m pip install --help 2>/dev/null | grep -q -- --break-system-packages && extra+=(--break-system-packages)
+  python3 -m pip install --quiet --disable-pip-version-check "${extra[@]}" "e2b==$E2B_SDK_VERSION"
+fi
+
+# The E2B JavaScript SDK, for the smoke test of the same API from Node.js
+# (e2b_js_sdk_smoke in crates/nestbox/tests/e2b.rs, which looks for it here).
+E2B_JS_VERSION=2.51.0
+E2B_JS_DIR=/opt/nestbox/e2b-js
+if ! grep -qs "\"version\": \"$E2B_JS_VERSION\"" "$E2B_JS_DIR/node_modules/e2b/package.json"; then
+  echo "setup: installing the e2b npm package $E2B_JS_VERSION in $E2B_JS_DIR"
+  command -v npm >/dev/null 2>&1 || {
+    echo "setup: npm is missing (apt-get install npm)" >&2
+    exit 1
+  }
+  mkdir -p "$E2B_JS_DIR"
+  npm install --silent --no-audit --no-fund --prefix "$E2B_JS_DIR" "e2b@$E2B_JS_VERSION"
 fi
 
 echo "setup: building nestbox (release, statically linked)"

@@ -151,11 +151,18 @@ enum Command {
         checkpoint: String,
     },
     /// Answer clone requests on a Unix socket (one JSON object per line; see
-    /// docs/clones.md) until SIGTERM or SIGINT.
+    /// docs/clones.md) until SIGTERM or SIGINT; with --http, also the E2B SDK's
+    /// API over HTTP (see docs/e2b.md).
     Serve {
         /// Socket path (default: nestbox.sock in the root's runtime directory).
         #[arg(long)]
         socket: Option<PathBuf>,
+        /// Also answer the E2B API (control plane and envd) on ADDR:PORT.
+        #[arg(long, value_name = "ADDR:PORT")]
+        http: Option<String>,
+        /// An API key E2B clients must send (repeatable; none: any key).
+        #[arg(long = "api-key", value_name = "KEY", requires = "http")]
+        api_keys: Vec<String>,
     },
     /// Manage images in the content-addressed store.
     #[command(subcommand)]
@@ -502,6 +509,7 @@ struct ExecArgs {
 /// Run the parsed command; returns the process exit code.
 pub fn dispatch(cli: Cli) -> Result<i32> {
     let reg = Registry::new(Roots::resolve(cli.root.as_deref()));
+    let root = cli.root;
     match cli.command {
         Command::Run(args) => run(&reg, *args),
         Command::Ps { all, json } => output::ps(&reg, all, json).map(|_| 0),
@@ -637,9 +645,25 @@ pub fn dispatch(cli: Cli) -> Result<i32> {
             }
             Ok(0)
         }
-        Command::Serve { socket } => {
+        Command::Serve {
+            socket,
+            http,
+            api_keys,
+        } => {
             let socket = socket.unwrap_or_else(|| nestbox_runtime::api::default_socket(&reg));
-            nestbox_runtime::api::serve(&reg, &socket)?;
+            match http {
+                Some(addr) => nestbox_e2b::serve(
+                    &reg,
+                    &socket,
+                    nestbox_e2b::Config {
+                        addr,
+                        api_keys,
+                        root: root.clone(),
+                        base_pool: nestbox_e2b::DEFAULT_BASE_POOL,
+                    },
+                )?,
+                None => nestbox_runtime::api::serve(&reg, &socket)?,
+            }
             Ok(0)
         }
         Command::Image(cmd) => crate::store_cmd::image(&reg, cmd),

@@ -983,3 +983,35 @@ fn serial_concurrent_claims_refill_the_pool_to_its_size_only() {
     );
     root.ok(&["rm", "-f", "c0", "c1", "c2", "tpl"]);
 }
+
+/// A clone frozen in turn is a template like any other: its clones see the
+/// files of every template below it (its template's layer under its own),
+/// not only of the one they were cloned from.
+#[test]
+fn a_clone_of_a_frozen_clone_sees_every_layer_below() {
+    let Some(root) = TestRoot::new("a_clone_of_a_frozen_clone_sees_every_layer_below") else {
+        return;
+    };
+    root.detached_sh("first", &[], "echo one > /tmp/one; exec sleep infinity");
+    wait_for("/tmp/one", Duration::from_secs(10), || {
+        root.run(&["exec", "first", "--", "cat", "/tmp/one"]).code == 0
+    });
+    root.ok(&["freeze", "first"]);
+    root.ok(&["clone", "first", "-d", "--name", "second"]);
+    root.ok(&["exec", "second", "--", "sh", "-c", "echo two > /tmp/two"]);
+    root.ok(&["freeze", "second"]);
+    root.ok(&["clone", "second", "-d", "--name", "third"]);
+    let out = root.ok(&["exec", "third", "--", "sh", "-c", "cat /tmp/one /tmp/two"]);
+    assert_eq!(out, "one\ntwo\n");
+    // Its writes stay its own.
+    root.ok(&["exec", "third", "--", "sh", "-c", "echo three > /tmp/one"]);
+    root.ok(&["clone", "second", "-d", "--name", "fourth"]);
+    assert_eq!(
+        root.ok(&["exec", "fourth", "--", "cat", "/tmp/one"]),
+        "one\n"
+    );
+    root.ok(&["rm", "-f", "third", "fourth", "second", "first"]);
+    wait_for("the templates to go", Duration::from_secs(20), || {
+        box_names(&root).is_empty()
+    });
+}

@@ -587,8 +587,28 @@ fn launch_plan(
         }
     }
     if let Some(t) = template {
+        // A template that is itself a clone (a clone frozen in turn) sees its
+        // own template's layers below its own: so must its clones, the whole
+        // chain, top first. (A template with clones is kept, removed or not,
+        // until its last clone has gone, so each link is still recorded.)
+        let mut chain = vec![t.clone()];
+        let mut below = t.spec.clone_of.clone();
+        while let Some(src) = below.take() {
+            if chain.len() > 64 {
+                break;
+            }
+            match reg.load(&src.template_box) {
+                Ok(r) => {
+                    below = r.spec.clone_of.clone();
+                    chain.push(r);
+                }
+                Err(_) => break,
+            }
+        }
         for (i, layer) in view.layers.iter_mut().enumerate() {
-            layer.lowers.insert(0, t.layer_dirs(i).0);
+            for rec in chain.iter().rev() {
+                layer.lowers.insert(0, rec.layer_dirs(i).0);
+            }
         }
     }
     let mut layers = Vec::new();

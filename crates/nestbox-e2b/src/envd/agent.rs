@@ -1,0 +1,326 @@
+//! The in-box agent: what E2B's envd is inside its VMs, a process of the
+//! sandbox that starts its commands. The `base` template (and a cold box of
+//! the host image) runs it as the box's command, so every clone has it,
+//! forked with the template and already in the box's namespaces, cgroup,
+//! capability set and seccomp filter: a command then costs one fork and exec
+//! in the box, where `nestbox exec` starts a process on the host that joins
+//! all of those first. The agent is a short Python program (python3 is in the
+//! image) listening on an abstract Unix socket, which lives in the box's
+//! network namespace: the server connects from a short-lived thread that has
+//! joined that namespace.
+//!
+//! Protocol, one request per connection: a JSON line, with the command's
+//! stdin, stdout and stderr as `SCM_RIGHTS` for a start. Start
+//! `{"argv","env","cwd","uid","gid"}` → `{"pid":N}` (in-box pid) then, when
+//! the command has ended, `{"exit":CODE}` (128+N for signal N), or
+//! `{"error","code"}` if it could not start (127: not found, 126: other).
+//! With `"pty":{"rows","cols"}` and no descriptors, the agent opens a
+//! terminal of the box's devpts, runs the command on it as its controlling
+//! terminal (`setsid -c`), and sends the master side back with `{"pid":N}`.
+//! Kill `{"kill":PID,"signal":N}` → `{"ok":bool}`.
+//! A box without the agent (another image or template) gets `nestbox exec`.
+
+use std::io::{BufRead, BufReader, IoSlice, Write};
+use std::os::fd::{AsRawFd, BorrowedFd, OwnedFd};
+use std::os::unix::net::UnixStream;
+
+use nix::sched::CloneFlags;
+use nix::sys::socket::{
+    connect, sendmsg, socket, AddressFamily, ControlMessage, MsgFlags, SockFlag, SockType, UnixAddr,
+};
+use serde_json::{json, Value};
+
+use crate::error::{E2bError, Result};
+
+/// The agent's abstract socket name (without the leading NUL).
+pub const SOCKET: &str = "nestbox-e2b-agent";
+
+/// The agent, run as `python3 -c AGENT`.
+pub const AGENT: &str = r#"
+import fcntl, json, os, socket, struct, subprocess, termios, threading
+def reply(c, obj):
+    c.sendall((json.dumps(obj) + "\n").encode())
+def serve(c):
+    fds = []
+    try:
+        data, fds, _, _ = socket.recv_fds(c, 1 << 20, 3)
+        while not data.endswith(b"\n"):
+            more = c.recv(1 << 20)
+            if not more:
+                return
+            data += more
+        req = json.loads(data)
+        if "kill" in req:
+            try:
+                os.kill(req["kill"], req["signal"])
+                reply(c, {"ok": True})
+            except OSError:
+                reply(c, {"ok": False})
+            return
+        env = dict(os.environ)
+        # A clone's name is its own, not the template's it inherited.
+        env["HOSTNAME"] = socket.gethostname()
+        env.update(req["env"])
+        argv, master = req["argv"], None
+        if "pty" in req:
+            # A terminal of the box's own devpts; the command gets it as its
+            # controlling terminal (setsid -c), the server the master side.
+            master, slave = os.openpty()
+            size = struct.pack("HHHH", req["pty"]["rows"], req["pty"]["cols"], 0, 0)
+            fcntl.ioctl(slave, termios.TIOCSWINSZ, size)
+            fds = [slave, os.dup(slave), os.dup(slave)]
+            argv = ["setsid", "-c"] + argv
+        try:
+            p = subprocess.Popen(argv, stdin=fds[0], stdout=fds[1], stderr=fds[2],
+                                 cwd=req["cwd"], env=env, user=req["uid"], group=req["gid"],
+                                 extra_groups=[], close_fds=True)
+        except OSError as e:
+            reply(c, {"error": str(e), "code": 127 if isinstance(e, FileNotFoundError) else 126})
+            if master is not None:
+                os.close(master)
+            return
+        finally:
+            for fd in fds:
+                os.close(fd)
+            fds = []
+        if master is None:
+            reply(c, {"pid": p.pid})
+        else:
+            socket.send_fds(c, [(json.dumps({"pid": p.pid}) + "\n").encode()], [master])
+            os.close(master)
+        code = p.wait()
+        reply(c, {"exit": code if code >= 0 else 128 - code})
+    except Exception:
+        pass
+    finally:
+        for fd in fds:
+            os.close(fd)
+        c.close()
+s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+s.bind("\0nestbox-e2b-agent")
+s.listen(512)
+while True:
+    c, _ = s.accept()
+    threading.Thread(target=serve, args=(c,), daemon=True).start()
+"#;
+
+/// A connection to the agent of the box whose init is `pid`; `None` if the
+/// box has none (or this server may not join its network namespace).
+pub fn connect_to(pid: i32) -> Result<Option<UnixStream>> {
+    let ns_path = format!("/proc/{pid}/ns/net");
+    let ns = std::fs::File::open(&ns_path).map_err(E2bError::io("open", &ns_path))?;
+    // setns(CLONE_NEWNET) changes the calling thread only: a thread of its
+    // own joins the box's network namespace, makes the connection, and ends.
+    let joined = std::thread::spawn(move || -> nix::Result<Option<OwnedFd>> {
+        match nix::sched::setns(&ns, CloneFlags::CLONE_NEWNET) {
+            // Without the privilege to join (a server without root), the box
+            // is served as one without the agent.
+            Err(nix::errno::Errno::EPERM) => return Ok(None),
+            other => other?,
+        }
+        let fd = socket(
+            AddressFamily::Unix,
+            SockType::Stream,
+            SockFlag::SOCK_CLOEXEC,
+            None,
+        )?;
+        let addr = UnixAddr::new_abstract(SOCKET.as_bytes())?;
+        match connect(fd.as_raw_fd(), &addr) {
+            Ok(()) => Ok(Some(fd)),
+            Err(nix::errno::Errno::ECONNREFUSED) => Ok(None),
+            Err(e) => Err(e),
+        }
+    })
+    .join()
+    .map_err(|_| E2bError::Invalid("the agent connection thread panicked".into()))?;
+    let fd = joined
+        .map_err(|e| E2bError::io("connect to the agent of", format!("/proc/{pid}"))(e.into()))?;
+    Ok(fd.map(UnixStream::from))
+}
+
+/// Send `request` with `fds` (none for a kill).
+fn send(conn: &UnixStream, request: &Value, fds: &[BorrowedFd<'_>]) -> Result<()> {
+    let mut line = request.to_string().into_bytes();
+    line.push(b'\n');
+    let raw: Vec<i32> = fds.iter().map(|f| f.as_raw_fd()).collect();
+    let cmsg = [ControlMessage::ScmRights(&raw)];
+    let cmsgs: &[ControlMessage<'_>] = if raw.is_empty() { &[] } else { &cmsg };
+    let iov = [IoSlice::new(&line)];
+    let sent = sendmsg::<()>(conn.as_raw_fd(), &iov, cmsgs, MsgFlags::empty(), None)
+        .map_err(|e| E2bError::io("send to", "the agent")(e.into()))?;
+    if sent < line.len() {
+        (&*conn)
+            .write_all(&line[sent..])
+            .map_err(E2bError::io("send to", "the agent"))?;
+    }
+    Ok(())
+}
+
+/// Read one answer line.
+pub fn answer(reader: &mut BufReader<UnixStream>) -> Result<Value> {
+    let mut line = String::new();
+    reader
+        .read_line(&mut line)
+        .map_err(E2bError::io("read from", "the agent"))?;
+    if line.is_empty() {
+        return Err(E2bError::Invalid("the agent closed the connection".into()));
+    }
+    serde_json::from_str(&line)
+        .map_err(|e| E2bError::Invalid(format!("the agent's answer is not JSON: {e}")))
+}
+
+/// What starting a command through the agent gave.
+#[derive(Debug)]
+pub enum Started {
+    /// It runs: its pid in the box, and the connection its exit comes on.
+    Running(u32, BufReader<UnixStream>),
+    /// It could not start: the exit code and why.
+    Failed(i32, String),
+}
+
+/// Start `argv` through the agent on `conn`.
+pub fn start(
+    conn: UnixStream,
+    argv: &[String],
+    env: &[(String, String)],
+    cwd: &str,
+    ids: (u32, u32),
+    stdio: [BorrowedFd<'_>; 3],
+) -> Result<Started> {
+    let env: serde_json::Map<String, Value> =
+        env.iter().map(|(k, v)| (k.clone(), json!(v))).collect();
+    let request = json!({"argv": argv, "env": env, "cwd": cwd, "uid": ids.0, "gid": ids.1});
+    send(&conn, &request, &stdio)?;
+    let mut reader = BufReader::new(conn);
+    let a = answer(&mut reader)?;
+    if let Some(pid) = a.get("pid").and_then(Value::as_u64) {
+        return Ok(Started::Running(pid as u32, reader));
+    }
+    let (code, why) = failure(&a);
+    Ok(Started::Failed(code, why))
+}
+
+/// The exit code and reason of an answer that is no pid.
+fn failure(a: &Value) -> (i32, String) {
+    let code = a.get("code").and_then(Value::as_i64).unwrap_or(126) as i32;
+    let why = a
+        .get("error")
+        .and_then(Value::as_str)
+        .unwrap_or("the agent started nothing")
+        .to_string();
+    (code, why)
+}
+
+/// What starting a command on a terminal through the agent gave.
+#[derive(Debug)]
+pub enum PtyStarted {
+    /// It runs: its pid in the box, the terminal's master side, and the
+    /// connection its exit comes on.
+    Running(u32, OwnedFd, BufReader<UnixStream>),
+    /// It could not start: the exit code and why.
+    Failed(i32, String),
+}
+
+/// Start `argv` on a new terminal of the box through the agent on `conn`:
+/// its pid, the terminal's master side, and the connection its exit comes on.
+pub fn start_pty(
+    conn: UnixStream,
+    argv: &[String],
+    env: &[(String, String)],
+    cwd: &str,
+    ids: (u32, u32),
+    size: (u16, u16),
+) -> Result<PtyStarted> {
+    let env: serde_json::Map<String, Value> =
+        env.iter().map(|(k, v)| (k.clone(), json!(v))).collect();
+    let request = json!({"argv": argv, "env": env, "cwd": cwd, "uid": ids.0, "gid": ids.1,
+        "pty": {"rows": size.0, "cols": size.1}});
+    send(&conn, &request, &[])?;
+    // The answer line comes with the master's descriptor (an error without).
+    let mut buf = vec![0u8; 4096];
+    let mut space = nix::cmsg_space!([std::os::fd::RawFd; 1]);
+    let (n, fd) = {
+        let mut iov = [std::io::IoSliceMut::new(&mut buf)];
+        let msg = nix::sys::socket::recvmsg::<()>(
+            conn.as_raw_fd(),
+            &mut iov,
+            Some(&mut space),
+            MsgFlags::MSG_CMSG_CLOEXEC,
+        )
+        .map_err(|e| E2bError::io("receive from", "the agent")(e.into()))?;
+        let mut fd = None;
+        if let Ok(cmsgs) = msg.cmsgs() {
+            for c in cmsgs {
+                if let nix::sys::socket::ControlMessageOwned::ScmRights(fds) = c {
+                    for raw in fds {
+                        // SAFETY: the kernel installed this descriptor for us
+                        // with the message; nothing else owns it.
+                        let owned =
+                            unsafe { <OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(raw) };
+                        fd.get_or_insert(owned);
+                    }
+                }
+            }
+        }
+        (msg.bytes, fd)
+    };
+    let mut reader = BufReader::new(conn);
+    let mut line = buf[..n].to_vec();
+    if !line.ends_with(b"\n") {
+        let mut rest = Vec::new();
+        reader
+            .read_until(b'\n', &mut rest)
+            .map_err(E2bError::io("read from", "the agent"))?;
+        line.extend(rest);
+    }
+    let a: Value = serde_json::from_slice(&line)
+        .map_err(|e| E2bError::Invalid(format!("the agent's answer is not JSON: {e}")))?;
+    match (a.get("pid").and_then(Value::as_u64), fd) {
+        (Some(pid), Some(master)) => Ok(PtyStarted::Running(pid as u32, master, reader)),
+        _ => {
+            let (code, why) = failure(&a);
+            Ok(PtyStarted::Failed(code, why))
+        }
+    }
+}
+
+/// Set the size of the terminal whose master side is `master`.
+pub fn resize(master: BorrowedFd<'_>, rows: u16, cols: u16) -> Result<()> {
+    let size = libc::winsize {
+        ws_row: rows,
+        ws_col: cols,
+        ws_xpixel: 0,
+        ws_ypixel: 0,
+    };
+    // SAFETY: TIOCSWINSZ reads one `winsize` from the pointer, which is valid
+    // for the call; the descriptor is borrowed, so open.
+    let rc = unsafe { libc::ioctl(master.as_raw_fd(), libc::TIOCSWINSZ, &size) };
+    if rc < 0 {
+        return Err(E2bError::io("resize", "a terminal")(
+            std::io::Error::last_os_error(),
+        ));
+    }
+    Ok(())
+}
+
+/// Signal in-box process `pid` through the agent of the box of init `root_pid`.
+pub fn kill(root_pid: i32, pid: u32, signal: i32) -> Result<bool> {
+    let Some(conn) = connect_to(root_pid)? else {
+        return Err(E2bError::NotFound("the sandbox's agent is gone".into()));
+    };
+    send(&conn, &json!({"kill": pid, "signal": signal}), &[])?;
+    let mut reader = BufReader::new(conn);
+    Ok(answer(&mut reader)?.get("ok") == Some(&json!(true)))
+}
+
+/// A pipe, both ends close-on-exec.
+pub fn pipe() -> Result<(OwnedFd, OwnedFd)> {
+    nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC)
+        .map_err(|e| E2bError::io("pipe", "for a command")(e.into()))
+}
+
+/// `/dev/null` for reading.
+pub fn dev_null() -> Result<OwnedFd> {
+    let f = std::fs::File::open("/dev/null").map_err(E2bError::io("open", "/dev/null"))?;
+    Ok(OwnedFd::from(f))
+}
