@@ -45,7 +45,7 @@ use crate::objects::{object_of, CloneObjects};
 use crate::procfs::{proc_path, Status};
 use crate::procstate::ProcessState;
 use crate::rebuild::{is_special, private_data, rebuild, zero_pfn, Layout, PageAction, PageSource};
-use crate::retarget::{box_pidfds, own_pidfds, retarget_with};
+use crate::retarget::{box_pidfds, move_onto, own_pidfds, retarget_with};
 use crate::shmem::SharedObjects;
 use crate::threads::ThreadState;
 use crate::tracee::{Tracee, TRACE_OPTIONS};
@@ -1067,15 +1067,7 @@ fn reopen_shared(x: &mut Tracee, scratch: &mut Scratch, entry: &FdEntry) -> Resu
             &[tmp, entry.pos, libc::SEEK_SET as u64],
         )?;
     }
-    let cloexec = (entry.flags & libc::O_CLOEXEC) as u64;
-    x.syscall(
-        "dup3",
-        || format!("for fd {fd}"),
-        libc::SYS_dup3,
-        &[tmp, fd as u64, cloexec],
-    )?;
-    x.syscall("close", String::new, libc::SYS_close, &[tmp])?;
-    Ok(())
+    move_onto(x, tmp, entry)
 }
 
 /// Install the seccomp filter `program` (`struct sock_filter` array) in `x`'s

@@ -54,15 +54,7 @@ impl Ctx<'_> {
 
     /// Move `tmp` onto `fd` (keeping the template's close-on-exec flag) and close it.
     fn install(&mut self, tmp: u64, entry: &FdEntry) -> Result<()> {
-        let cloexec = (entry.flags & libc::O_CLOEXEC) as u64;
-        self.call(
-            "dup3",
-            entry.fd,
-            libc::SYS_dup3,
-            &[tmp, entry.fd as u64, cloexec],
-        )?;
-        self.call("close", entry.fd, libc::SYS_close, &[tmp])?;
-        Ok(())
+        move_onto(self.tracee, tmp, entry)
     }
 
     fn nonblock(entry: &FdEntry) -> i32 {
@@ -557,6 +549,13 @@ fn pidfd_at(tracee: &mut Tracee, entry: &FdEntry, pid: u64) -> Result<()> {
         )?;
         return Ok(());
     }
+    move_onto(tracee, tmp, entry)
+}
+
+/// Move the new object at fd `tmp` of `tracee` onto `entry`'s number (with
+/// its close-on-exec flag) and close `tmp`.
+pub(crate) fn move_onto(tracee: &mut Tracee, tmp: u64, entry: &FdEntry) -> Result<()> {
+    let fd = entry.fd;
     let cloexec = (entry.flags & libc::O_CLOEXEC) as u64;
     tracee.syscall(
         "dup3",
