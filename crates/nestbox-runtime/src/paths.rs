@@ -95,6 +95,17 @@ impl Roots {
     }
 }
 
+/// The checkpoint directories whose layers make a restored box's root below
+/// its own writable layer, top first: checkpoint `dir` itself, then those
+/// its `lowers` file names (one per line; a relative name is in `dir`).
+pub fn layer_chain(dir: &Path) -> Vec<PathBuf> {
+    let mut chain = vec![dir.to_path_buf()];
+    if let Ok(text) = std::fs::read_to_string(dir.join("lowers")) {
+        chain.extend(text.lines().filter(|l| !l.is_empty()).map(|l| dir.join(l)));
+    }
+    chain
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

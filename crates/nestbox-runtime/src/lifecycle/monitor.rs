@@ -571,12 +571,7 @@ fn launch_plan(
     // its layers, read-only, over those of the checkpoints it was made on
     // (`lowers`, top first).
     if let Some(dir) = &spec.restore_of {
-        let dir = std::path::PathBuf::from(dir);
-        let mut chain = vec![dir.clone()];
-        if let Ok(text) = std::fs::read_to_string(dir.join("lowers")) {
-            // (Relative names are in the checkpoint's directory.)
-            chain.extend(text.lines().filter(|l| !l.is_empty()).map(|l| dir.join(l)));
-        }
+        let chain = crate::paths::layer_chain(std::path::Path::new(dir));
         for (i, layer) in view.layers.iter_mut().enumerate() {
             for below in chain.iter().rev() {
                 let saved = below.join(format!("layer-{i}"));

@@ -34,6 +34,7 @@ use nestbox_remote::{PageStore, ProcessImage, Tracee};
 use nestbox_store::{Digest, PagePool};
 use serde::{Deserialize, Serialize};
 
+use crate::paths::layer_chain;
 use crate::registry::{BoxRecord, Registry};
 use crate::spec::BoxSpec;
 use crate::{Result, RuntimeError};
@@ -541,16 +542,6 @@ fn cp_a(name: &str, from: &Path, to: &Path) -> Result<()> {
     Ok(())
 }
 
-/// The checkpoint directories whose layers lie under those of checkpoint
-/// `dir`, top first (its `lowers` file; relative names are in `dir`).
-pub fn layer_chain(dir: &Path) -> Vec<PathBuf> {
-    let mut chain = vec![dir.to_path_buf()];
-    if let Ok(text) = fs::read_to_string(dir.join("lowers")) {
-        chain.extend(text.lines().filter(|l| !l.is_empty()).map(|l| dir.join(l)));
-    }
-    chain
-}
-
 /// Load checkpoint `name`, or the checkpoint in directory `name` when it is a
 /// path.
 pub fn load(reg: &Registry, name: &str) -> Result<(Checkpoint, PathBuf)> {
@@ -639,9 +630,25 @@ pub fn revive_template(reg: &Registry, template: &str) -> Result<Option<BoxRecor
         return Ok(Some(t));
     }
     tracing::info!(template, "reviving the template from its checkpoint");
-    restore(reg, template, Some(&meta.box_name))?;
-    crate::template::freeze(reg, &meta.box_name, Some(template), 0)?;
+    start_template(reg, template, &meta.box_name, template, 0)?;
     crate::template::load_frozen(reg, template).map(Some)
+}
+
+/// Restore checkpoint `source` as box `box_name` and freeze it as template
+/// `template` keeping `pool` clones forked ahead.
+fn start_template(
+    reg: &Registry,
+    source: &str,
+    box_name: &str,
+    template: &str,
+    pool: usize,
+) -> Result<()> {
+    restore(reg, source, Some(box_name))?;
+    crate::template::freeze(reg, box_name, Some(template), pool)?;
+    if pool > 0 {
+        crate::clone::fill_pool(reg, template)?;
+    }
+    Ok(())
 }
 
 /// `checkpoint -o -`: a self-contained checkpoint of box `box_name` written
@@ -789,13 +796,7 @@ pub fn restore_shared(
                     ));
                 }
             }
-            Err(_) => {
-                restore(reg, source, Some(&template))?;
-                crate::template::freeze(reg, &template, Some(&template), pool)?;
-                if pool > 0 {
-                    crate::clone::fill_pool(reg, &template)?;
-                }
-            }
+            Err(_) => start_template(reg, source, &template, &template, pool)?,
         }
     }
     let made = crate::clone::clone_template(
@@ -847,8 +848,8 @@ pub fn remove(reg: &Registry, name: &str) -> Result<()> {
         .collect();
     // Checkpoints of boxes restored from it stand on its layers too.
     for other in list(reg)? {
-        let lowers = checkpoints_dir(reg).join(&other.name).join("lowers");
-        if fs::read_to_string(&lowers).is_ok_and(|t| t.lines().any(|l| l == key)) {
+        let below = layer_chain(&checkpoints_dir(reg).join(&other.name));
+        if below.iter().skip(1).any(|d| *d == dir) {
             users.push(format!("checkpoint {}", other.name));
         }
     }
