@@ -46,6 +46,7 @@
 mod batch;
 mod buffered;
 mod caps;
+mod dirty;
 mod dontfork;
 mod error;
 mod fdinfo;
@@ -72,6 +73,7 @@ mod treefork;
 mod unixdiag;
 
 pub use caps::CapState;
+pub use dirty::{in_ranges, unwritten_ranges, DirtyTracker};
 pub use error::{RemoteError, Result};
 pub use fdinfo::{
     ensure_clonable, inspect_fds, mark_peers_inside, mark_pidfds_inside, refresh_volatile,
@@ -82,7 +84,8 @@ pub use fork::{remote_fork, ForkPlan, Forked, NsKind};
 pub use hugepages::{collapse_anonymous, collapsible_ranges, Collapsed};
 pub use objects::{object_of, CloneObjects, ObjectKey, TemplateEnd};
 pub use procimage::{
-    capture_box, restore_box, PageStore, ProcessImage, RestorePlan, IMAGE_VERSION,
+    capture_box, capture_box_incremental, restore_box, PageData, PageStore, ProcessImage,
+    RestorePlan, IMAGE_VERSION,
 };
 pub use procstate::ProcessState;
 pub use retarget::FdOutcome;

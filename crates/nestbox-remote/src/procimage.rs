@@ -212,7 +212,29 @@ impl PageSource for StoredPages<'_> {
 }
 
 /// Where [`capture_box`] puts pages: (pid in the box, address, contents).
-pub type PageSink<'a> = dyn FnMut(i32, u64, &[u8]) -> std::io::Result<()> + 'a;
+pub type PageSink<'a> = dyn FnMut(i32, u64, PageData<'_>) -> std::io::Result<()> + 'a;
+
+/// A page [`capture_box`] gives its sink.
+#[derive(Debug, Clone, Copy)]
+pub enum PageData<'a> {
+    /// Its contents (never all zero for anonymous memory).
+    Bytes(&'a [u8]),
+    /// A page the caller said is unchanged since it last read it (see
+    /// [`capture_box_incremental`]): not read again.
+    Unchanged,
+}
+
+/// What [`read_own_pages`] does with a page of a mapping.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Select {
+    /// Read it (when the process has its own contents there).
+    Read,
+    /// Report it as [`PageData::Unchanged`] (when the process has its own
+    /// contents there) without reading it.
+    Unchanged,
+    /// Leave it out.
+    Skip,
+}
 
 /// Read the stopped processes of a box (`tracees`, each seized with every
 /// thread by [`Tracee::seize_and_interrupt`] and waited for, in the order of
@@ -229,6 +251,23 @@ pub type PageSink<'a> = dyn FnMut(i32, u64, &[u8]) -> std::io::Result<()> + 'a;
 pub fn capture_box(
     tracees: &mut [Tracee],
     steps: &[Step],
+    sink: &mut PageSink<'_>,
+) -> Result<Vec<ProcessImage>> {
+    capture_box_incremental(tracees, steps, &|_, _| false, sink)
+}
+
+/// [`capture_box`], where a private page for which `unchanged(host pid,
+/// address)` holds is not read but given to `sink` as
+/// [`PageData::Unchanged`] (the last stop of a pre-copied migration: the
+/// caller has its contents from an earlier round and knows, from
+/// [`crate::DirtyTracker`], that it was not written since).
+///
+/// # Errors
+/// As [`capture_box`].
+pub fn capture_box_incremental(
+    tracees: &mut [Tracee],
+    steps: &[Step],
+    unchanged: &dyn Fn(i32, u64) -> bool,
     sink: &mut PageSink<'_>,
 ) -> Result<Vec<ProcessImage>> {
     if tracees.len() != steps.len() || steps.is_empty() {
@@ -268,7 +307,15 @@ pub fn capture_box(
                 .map(|e| e.fd)
                 .collect(),
         };
-        let mut image = capture_one(tracee, fds, &mut seen, &mut |addr, page| {
+        let host_pid = tracee.pid();
+        let select = |v: &Vma, addr: u64| {
+            if !v.shared && unchanged(host_pid, addr) {
+                Select::Unchanged
+            } else {
+                Select::Read
+            }
+        };
+        let mut image = capture_one(tracee, fds, &mut seen, &select, &mut |addr, page| {
             sink(step.process.pid, addr, page)
         })?;
         if let Some(p) = images.iter().find(|i| i.ns_pid == parent) {
@@ -288,7 +335,8 @@ fn capture_one(
     tracee: &mut Tracee,
     fds: Vec<FdEntry>,
     seen: &mut HashSet<(crate::objects::ObjectKey, usize)>,
-    sink: &mut dyn FnMut(u64, &[u8]) -> std::io::Result<()>,
+    select: &dyn Fn(&Vma, u64) -> Select,
+    sink: &mut dyn FnMut(u64, PageData<'_>) -> std::io::Result<()>,
 ) -> Result<ProcessImage> {
     let pid = tracee.pid();
     ensure_all_threads_held(tracee)?;
@@ -324,7 +372,7 @@ fn capture_one(
             "process {pid} runs with ids its user namespace does not map ({credentials:?})"
         )));
     }
-    save_pages(pid, &layout.vmas, sink)?;
+    read_own_pages(pid, &layout.vmas, select, sink)?;
     Ok(ProcessImage {
         ns_pid: template.ns_pid,
         parent: INIT_PID,
@@ -496,11 +544,18 @@ fn ensure_memory_restorable(pid: i32, vmas: &[Vma]) -> Result<()> {
 
 /// Give `sink` every page of the private mappings that is the process's own
 /// and not zero, and every page of its shared memory of its own (shared
-/// anonymous, memfd, deleted files) that is not zero, in address order.
-fn save_pages(
+/// anonymous, memfd, deleted files) that is not zero, in address order, as
+/// `select` says for each (a page it reads is given as
+/// [`PageData::Bytes`]; zero pages of anonymous memory are left out).
+///
+/// # Errors
+/// A failed read of the pagemap or of the memory (a mapping removed while
+/// a running process is read), or `sink`'s error as [`RemoteError::Image`].
+pub(crate) fn read_own_pages(
     pid: i32,
     vmas: &[Vma],
-    sink: &mut dyn FnMut(u64, &[u8]) -> std::io::Result<()>,
+    select: &dyn Fn(&Vma, u64) -> Select,
+    sink: &mut dyn FnMut(u64, PageData<'_>) -> std::io::Result<()>,
 ) -> Result<()> {
     let pagemap = Pagemap::open(pid)?;
     let mem_path = proc_path(pid, "mem");
@@ -511,6 +566,10 @@ fn save_pages(
     let zero = zero_pfn().unwrap_or(0);
     let mut buf = Vec::new();
     let saved = |v: &&Vma| !is_special(v) && (!v.shared || v.deleted());
+    let image_err = |at: u64, source| RemoteError::Image {
+        what: format!("page {at:#x} of process {pid}"),
+        source,
+    };
     for v in vmas.iter().filter(saved) {
         let entries = pagemap.range(v.start, v.end)?;
         // Shared memory: every page (one this process has not touched may
@@ -519,14 +578,30 @@ fn save_pages(
             let e = entries[i];
             v.shared || (private_data(e) && !(e.present() && zero != 0 && e.pfn() == zero))
         };
+        let choice = |i: usize| {
+            if own(i) {
+                select(v, v.start + i as u64 * PAGE)
+            } else {
+                Select::Skip
+            }
+        };
         let mut i = 0;
         while i < entries.len() {
-            if !own(i) {
-                i += 1;
-                continue;
+            match choice(i) {
+                Select::Skip => {
+                    i += 1;
+                    continue;
+                }
+                Select::Unchanged => {
+                    let at = v.start + i as u64 * PAGE;
+                    sink(at, PageData::Unchanged).map_err(|e| image_err(at, e))?;
+                    i += 1;
+                    continue;
+                }
+                Select::Read => {}
             }
             let mut j = i + 1;
-            while j < entries.len() && own(j) && j - i < 256 {
+            while j < entries.len() && choice(j) == Select::Read && j - i < 256 {
                 j += 1;
             }
             let start = v.start + i as u64 * PAGE;
@@ -544,10 +619,7 @@ fn save_pages(
                     continue;
                 }
                 let at = start + k as u64 * PAGE;
-                sink(at, page).map_err(|source| RemoteError::Image {
-                    what: format!("page {at:#x} of process {pid}"),
-                    source,
-                })?;
+                sink(at, PageData::Bytes(page)).map_err(|e| image_err(at, e))?;
             }
             i = j;
         }

@@ -102,6 +102,15 @@ pub enum RuntimeError {
         /// What is wrong.
         problem: String,
     },
+    /// A migration could not be made (the target refused it, the stream
+    /// broke); the box goes on where it was.
+    #[error("migration of box {name:?}: {problem}")]
+    Migrate {
+        /// The box.
+        name: String,
+        /// What went wrong.
+        problem: String,
+    },
     /// The box is not running.
     #[error("box {0:?} is not running")]
     NotRunning(String),
@@ -240,6 +249,7 @@ impl RuntimeError {
         use RuntimeError as E;
         match self {
             E::InvalidInput(_) | E::Unsupported { .. } | E::Checkpoint { .. } => ErrorKind::Invalid,
+            E::Migrate { .. } => ErrorKind::System,
             E::NoSuchBox(_)
             | E::NoSuchTemplate(_)
             | E::TemplateRemoved(_)

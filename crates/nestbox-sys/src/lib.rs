@@ -18,6 +18,7 @@ pub mod ns;
 pub mod pidfd;
 pub mod process;
 pub mod ptrace;
+pub mod uffd;
 
 pub use nix::errno::Errno;
 

@@ -150,6 +150,42 @@ enum Command {
         /// kept as the checkpoint of its name.
         checkpoint: String,
     },
+    /// Move a running box to another nestbox host while it runs: its memory
+    /// is copied ahead in rounds, then the box stops briefly, the last pages
+    /// and its state follow, and it goes on there (see docs/checkpoint.md).
+    Migrate {
+        /// The box.
+        #[arg(value_name = "BOX")]
+        name: String,
+        /// tcp:HOST:PORT (a `nestbox receive --listen` there) or exec:COMMAND
+        /// (a command whose standard input and output reach `nestbox receive
+        /// --stdio`, e.g. exec:ssh HOST nestbox receive --stdio).
+        #[arg(long, value_name = "TARGET")]
+        to: String,
+        /// The box's name there (default: its name).
+        #[arg(long = "name")]
+        new_name: Option<String>,
+        /// Pre-copy rounds at most after the first.
+        #[arg(long, value_name = "N", default_value_t = 8)]
+        rounds: usize,
+        /// Print the migration's figures as JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Take one box that `nestbox migrate` sends and run it here.
+    Receive {
+        /// Listen on ADDR:PORT for one migration.
+        #[arg(
+            long,
+            value_name = "ADDR:PORT",
+            conflicts_with = "stdio",
+            required_unless_present = "stdio"
+        )]
+        listen: Option<String>,
+        /// Take the migration on standard input, answer on standard output.
+        #[arg(long)]
+        stdio: bool,
+    },
     /// Answer clone requests on a Unix socket (one JSON object per line; see
     /// docs/clones.md) until SIGTERM or SIGINT; with --http, also the E2B SDK's
     /// API over HTTP (see docs/e2b.md).
@@ -619,6 +655,68 @@ pub fn dispatch(cli: Cli) -> Result<i32> {
         Command::Template(cmd) => template(&reg, cmd),
         Command::Clone(args) => clone(&reg, args),
         Command::Checkpoint(args) => checkpoint(&reg, args),
+        Command::Migrate {
+            name,
+            to,
+            new_name,
+            rounds,
+            json,
+        } => {
+            let req = nestbox_runtime::migrate::MigrateRequest {
+                target: to.parse()?,
+                name: new_name,
+                max_rounds: rounds,
+            };
+            // As a checkpoint: in a worker of its own process group, which a
+            // signal to this command does not cut while it injects calls.
+            if std::env::var_os(CHECKPOINT_WORKER).is_none() {
+                return run_as_worker();
+            }
+            let stats = nestbox_runtime::migrate::migrate(&reg, &name, &req)?;
+            if json {
+                println!("{}", serde_json::to_string(&stats)?);
+            } else {
+                println!(
+                    "{} -> {} (stopped {:.1} ms, {} rounds, {} MiB sent)",
+                    name,
+                    stats.arrived.name,
+                    stats.downtime_ms,
+                    stats.rounds.len(),
+                    stats.bytes >> 20
+                );
+            }
+            Ok(0)
+        }
+        Command::Receive { listen, stdio } => {
+            let restored = if stdio {
+                match nestbox_runtime::migrate::receive(
+                    &reg,
+                    Box::new(std::io::stdin()),
+                    Box::new(std::io::stdout()),
+                ) {
+                    Ok(r) => r,
+                    // Said to the source, which says it on its side.
+                    Err(e) => return Ok(e.exit_code()),
+                }
+            } else {
+                let addr = listen.context("missing --listen")?;
+                let listener = std::net::TcpListener::bind(&addr)
+                    .with_context(|| format!("receive --listen {addr}"))?;
+                println!("listening on {}", listener.local_addr()?);
+                use std::io::Write as _;
+                std::io::stdout().flush()?;
+                let (conn, _) = listener.accept().context("receive: accept")?;
+                conn.set_nodelay(true)?;
+                let reader = conn.try_clone()?;
+                nestbox_runtime::migrate::receive(&reg, Box::new(reader), Box::new(conn))?
+            };
+            if !stdio {
+                println!("{} {}", restored.name, restored.pid);
+            } else {
+                eprintln!("nestbox: received {} (pid {})", restored.name, restored.pid);
+            }
+            Ok(0)
+        }
         Command::Restore {
             name,
             json,

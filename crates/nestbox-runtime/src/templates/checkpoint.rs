@@ -40,7 +40,7 @@ use crate::spec::BoxSpec;
 use crate::{Result, RuntimeError};
 
 /// How long the box's freezer may take.
-const FREEZER_TIMEOUT: Duration = Duration::from_secs(5);
+pub(crate) const FREEZER_TIMEOUT: Duration = Duration::from_secs(5);
 /// Bytes of one record of a `pages-PID` file.
 const PAGE_RECORD: usize = 40;
 
@@ -100,7 +100,7 @@ pub struct CheckpointStats {
 
 /// Make `dir` (and its parents) if needed, listable by its owner only when
 /// this makes it.
-fn private_dir(dir: &Path) -> Result<()> {
+pub(crate) fn private_dir(dir: &Path) -> Result<()> {
     use std::os::unix::fs::DirBuilderExt;
     if dir.is_dir() {
         return Ok(());
@@ -113,7 +113,7 @@ fn private_dir(dir: &Path) -> Result<()> {
 }
 
 /// Write `data` to a new file `path` readable by its owner only.
-fn write_private(path: &Path, data: &[u8]) -> Result<()> {
+pub(crate) fn write_private(path: &Path, data: &[u8]) -> Result<()> {
     use std::io::Write;
     use std::os::unix::fs::OpenOptionsExt;
     fs::OpenOptions::new()
@@ -126,36 +126,36 @@ fn write_private(path: &Path, data: &[u8]) -> Result<()> {
 }
 
 /// Where checkpoints live.
-fn checkpoints_dir(reg: &Registry) -> PathBuf {
+pub(crate) fn checkpoints_dir(reg: &Registry) -> PathBuf {
     reg.roots().lib.join("checkpoints")
 }
 
 /// The host's page pool.
-fn pool_dir(reg: &Registry) -> PathBuf {
+pub(crate) fn pool_dir(reg: &Registry) -> PathBuf {
     reg.roots().lib.join("pages")
 }
 
-fn now() -> f64 {
+pub(crate) fn now() -> f64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map(|d| d.as_secs_f64())
         .unwrap_or(0.0)
 }
 
-fn problem(name: &str, problem: impl Into<String>) -> RuntimeError {
+pub(crate) fn problem(name: &str, problem: impl Into<String>) -> RuntimeError {
     RuntimeError::Checkpoint {
         name: name.to_string(),
         problem: problem.into(),
     }
 }
 
-fn kernel_release() -> String {
+pub(crate) fn kernel_release() -> String {
     nix::sys::utsname::uname()
         .map(|u| u.release().to_string_lossy().into_owned())
         .unwrap_or_default()
 }
 
-fn cpu_flags() -> Vec<String> {
+pub(crate) fn cpu_flags() -> Vec<String> {
     fs::read_to_string("/proc/cpuinfo")
         .ok()
         .and_then(|text| {
@@ -248,10 +248,17 @@ pub fn checkpoint(reg: &Registry, box_name: &str, req: &CheckpointRequest) -> Re
     let result = cgroup
         .set_frozen(true, FREEZER_TIMEOUT)
         .map_err(RuntimeError::from)
-        .and_then(|()| save_processes(&pool, &record, &cgroup, &tmp, &name))
+        .and_then(|()| {
+            save_processes(&record, &cgroup, &mut |tracees, steps| {
+                save_all(&pool, tracees, steps, &tmp, &name)
+            })
+        })
         .and_then(|saved| Ok((saved, copy_layers(reg, &record, &tmp, own_layers)?)));
-    // A template stays frozen; any other box runs again (or is stopped below).
-    let thawed = if template {
+    // A template stays frozen; so does a box stopped by its checkpoint until
+    // it is killed below (run again, it could answer a request whose effect
+    // the checkpoint does not hold); any other box runs again.
+    let keep_frozen = template || !req.leave_running;
+    let thawed = if keep_frozen {
         Ok(())
     } else {
         cgroup.set_frozen(false, FREEZER_TIMEOUT)
@@ -298,11 +305,23 @@ pub fn checkpoint(reg: &Registry, box_name: &str, req: &CheckpointRequest) -> Re
     match finish {
         Ok(meta) => {
             if !req.leave_running {
+                // Killed while frozen: a killed process thawed dies before it
+                // runs again.
+                cgroup.kill_all()?;
                 crate::templates::ops::stop(reg, box_name, Duration::from_secs(0))?;
             }
             Ok(meta)
         }
         Err(e) => {
+            if keep_frozen && !template {
+                crate::diag::warn_on_err(
+                    Some(box_name),
+                    "thawing a box whose checkpoint failed",
+                    cgroup
+                        .set_frozen(false, FREEZER_TIMEOUT)
+                        .map_err(RuntimeError::from),
+                );
+            }
             crate::diag::warn_on_err(
                 Some(box_name),
                 "removing a failed checkpoint's directory",
@@ -323,12 +342,10 @@ pub fn checkpoint(reg: &Registry, box_name: &str, req: &CheckpointRequest) -> Re
 
 /// Stop the box's processes under ptrace (the box is frozen: thawed only to
 /// let the stop requests through), save each, let them go again frozen.
-fn save_processes(
-    pool: &Path,
+pub(crate) fn save_processes(
     record: &BoxRecord,
     cgroup: &nestbox_cgroup::BoxCgroup,
-    dir: &Path,
-    name: &str,
+    save: &mut SaveFn<'_>,
 ) -> Result<(Vec<ProcessImage>, CheckpointStats)> {
     let steps = crate::template::template_tree(record)?;
     if steps[0].process.pid != crate::init::ADOPTED_PID {
@@ -378,7 +395,7 @@ fn save_processes(
                     .wait_stopped(Duration::from_secs(5))
                     .map_err(remote)?;
             }
-            save_all(pool, &mut tracees, &steps, dir, name).map_err(|e| match e {
+            save(&mut tracees, &steps).map_err(|e| match e {
                 SaveError::Remote(e) => remote(e),
                 SaveError::Runtime(e) => e,
             })
@@ -396,12 +413,22 @@ fn save_processes(
     Ok(saved)
 }
 
-enum SaveError {
+/// What saves a box's stopped processes for [`save_processes`]: their
+/// images and figures.
+pub(crate) type SaveFn<'a> = dyn FnMut(
+        &mut [Tracee],
+        &[nestbox_remote::tree::Step],
+    ) -> std::result::Result<(Vec<ProcessImage>, CheckpointStats), SaveError>
+    + 'a;
+
+/// Why saving a box's processes failed: in the engine (said with the box's
+/// name and state by [`save_processes`]) or in the saving of their pages.
+pub(crate) enum SaveError {
     Remote(nestbox_remote::RemoteError),
     Runtime(RuntimeError),
 }
 
-fn save_all(
+pub(crate) fn save_all(
     pool: &Path,
     tracees: &mut [Tracee],
     steps: &[nestbox_remote::tree::Step],
@@ -412,24 +439,23 @@ fn save_all(
         |e: nestbox_store::StoreError| SaveError::Runtime(problem(name, format!("page pool: {e}")));
     let mut pool = PagePool::open(pool).map_err(pool_error)?;
     let mut writer = pool.writer().map_err(pool_error)?;
-    let mut records: HashMap<i32, Vec<u8>> = HashMap::new();
+    let mut records = PageRecords::default();
     let mut pages = 0u64;
     let images = nestbox_remote::capture_box(tracees, steps, &mut |pid, addr, page| {
+        let nestbox_remote::PageData::Bytes(page) = page else {
+            return Err(std::io::Error::other(
+                "a page not read in a full checkpoint",
+            ));
+        };
         let (digest, _) = writer.put(page).map_err(std::io::Error::other)?;
-        let r = records.entry(pid).or_default();
-        r.extend_from_slice(&addr.to_le_bytes());
-        r.extend_from_slice(&digest.0);
+        records.add(pid, addr, &digest);
         pages += 1;
         Ok(())
     })
     .map_err(SaveError::Remote)?;
     let written = writer.added() as u64;
     writer.finish().map_err(pool_error)?;
-    for image in &images {
-        let path = dir.join(format!("pages-{}", image.ns_pid));
-        let data = records.remove(&image.ns_pid).unwrap_or_default();
-        write_private(&path, &data).map_err(SaveError::Runtime)?;
-    }
+    write_page_records(dir, &images, records).map_err(SaveError::Runtime)?;
     Ok((
         images,
         CheckpointStats {
@@ -440,11 +466,39 @@ fn save_all(
     ))
 }
 
+/// The `pages-PID` files of a checkpoint being written: per process (pid in
+/// the box), its records of address and digest.
+#[derive(Debug, Default)]
+pub(crate) struct PageRecords(HashMap<i32, Vec<u8>>);
+
+impl PageRecords {
+    /// Page `addr` of process `pid` holds the page of digest `digest`.
+    pub(crate) fn add(&mut self, pid: i32, addr: u64, digest: &Digest) {
+        let r = self.0.entry(pid).or_default();
+        r.extend_from_slice(&addr.to_le_bytes());
+        r.extend_from_slice(&digest.0);
+    }
+}
+
+/// Write the `pages-PID` file of every process of `images` into `dir`.
+pub(crate) fn write_page_records(
+    dir: &Path,
+    images: &[ProcessImage],
+    mut records: PageRecords,
+) -> Result<()> {
+    for image in images {
+        let path = dir.join(format!("pages-{}", image.ns_pid));
+        let data = records.0.remove(&image.ns_pid).unwrap_or_default();
+        write_private(&path, &data)?;
+    }
+    Ok(())
+}
+
 /// Copy the box's writable root layers (`upper-N`) into `dir` as `layer-N`
 /// with `cp -a` (see docs/checkpoint.md: one of the documented uses of an
 /// outside program: it keeps overlayfs whiteouts, opaque-directory xattrs,
 /// owners, hardlinks and times). Returns how many.
-fn copy_layers(
+pub(crate) fn copy_layers(
     reg: &Registry,
     record: &BoxRecord,
     dir: &Path,
@@ -691,27 +745,46 @@ pub fn checkpoint_to_stdout(
 /// again, removed with `checkpoint rm`), and restore it as box `name`. If the
 /// restore fails, the checkpoint goes too.
 pub fn restore_from_stdin(reg: &Registry, name: Option<&str>) -> Result<Restored> {
-    let staging = checkpoints_dir(reg).join(format!(".tmp-incoming-{}", std::process::id()));
-    private_dir(&staging)?;
-    let unpacked = run_tar(
+    restore_incoming(reg, name, None, &mut |staging| {
+        untar(staging, std::process::Stdio::inherit())
+    })
+}
+
+/// Unpack a checkpoint's tar stream from `from` into directory `into`.
+pub(crate) fn untar(into: &Path, from: std::process::Stdio) -> Result<()> {
+    run_tar(
         &[
             "-C",
-            &staging.display().to_string(),
+            &into.display().to_string(),
             "-xf",
             "-",
             "--numeric-owner",
         ],
-        std::process::Stdio::inherit(),
+        from,
     )
-    .and_then(|()| load(reg, &staging.display().to_string()))
-    .and_then(|(meta, _)| {
-        let dest = checkpoints_dir(reg).join(&meta.name);
-        if dest.exists() {
-            return Err(RuntimeError::CheckpointExists(meta.name));
-        }
-        fs::rename(&staging, &dest).map_err(RuntimeError::io("rename", &dest))?;
-        Ok(meta.name)
-    });
+}
+
+/// Keep the checkpoint `unpack` writes into the directory it is given as
+/// the checkpoint of its name, and restore it as box `name`; if the
+/// restore fails, the checkpoint goes too.
+pub(crate) fn restore_incoming(
+    reg: &Registry,
+    name: Option<&str>,
+    preloaded: Option<&Preloaded>,
+    unpack: &mut dyn FnMut(&Path) -> Result<()>,
+) -> Result<Restored> {
+    let staging = checkpoints_dir(reg).join(format!(".tmp-incoming-{}", std::process::id()));
+    private_dir(&staging)?;
+    let unpacked = unpack(&staging)
+        .and_then(|()| load(reg, &staging.display().to_string()))
+        .and_then(|(meta, _)| {
+            let dest = checkpoints_dir(reg).join(&meta.name);
+            if dest.exists() {
+                return Err(RuntimeError::CheckpointExists(meta.name));
+            }
+            fs::rename(&staging, &dest).map_err(RuntimeError::io("rename", &dest))?;
+            Ok(meta.name)
+        });
     let checkpoint = match unpacked {
         Ok(c) => c,
         Err(e) => {
@@ -719,7 +792,7 @@ pub fn restore_from_stdin(reg: &Registry, name: Option<&str>) -> Result<Restored
             return Err(e);
         }
     };
-    restore(reg, &checkpoint, name).inspect_err(|_| {
+    restore_preloaded(reg, &checkpoint, name, preloaded).inspect_err(|_| {
         crate::diag::warn_on_err(
             None,
             "removing a checkpoint received for a failed restore",
@@ -730,7 +803,7 @@ pub fn restore_from_stdin(reg: &Registry, name: Option<&str>) -> Result<Restored
 
 /// Run GNU `tar` with `args` (xattrs kept) on our standard input and
 /// output (see docs/architecture.md, exceptions to "no shell-out").
-fn run_tar(args: &[&str], stdin: std::process::Stdio) -> Result<()> {
+pub(crate) fn run_tar(args: &[&str], stdin: std::process::Stdio) -> Result<()> {
     let out = std::process::Command::new("tar")
         .args(["--xattrs", "--xattrs-include=*", "--acls"])
         .args(args)
@@ -766,6 +839,49 @@ fn template_lock(reg: &Registry, template: &str) -> Result<nix::fcntl::Flock<fs:
 /// The template name of checkpoint `name`'s template (see [`restore_shared`]).
 pub fn template_of(name: &str) -> String {
     format!("ckpt-{name}")
+}
+
+/// Whether a checkpoint of image version `version`, taken on kernel
+/// `kernel` with CPU features `flags`, can be restored on this host.
+pub(crate) fn check_compatible(
+    source: &str,
+    version: u32,
+    kernel: &str,
+    flags: &[String],
+) -> Result<()> {
+    if version != nestbox_remote::IMAGE_VERSION {
+        return Err(problem(
+            source,
+            format!(
+                "was written by image version {}; this nestbox reads version {}",
+                version,
+                nestbox_remote::IMAGE_VERSION
+            ),
+        ));
+    }
+    let here = kernel_release();
+    if kernel != here {
+        return Err(problem(
+            source,
+            format!("was taken on kernel {kernel} and this host runs {here}"),
+        ));
+    }
+    let ours: HashSet<String> = cpu_flags().into_iter().collect();
+    let missing: Vec<&String> = flags.iter().filter(|f| !ours.contains(*f)).collect();
+    if !missing.is_empty() {
+        return Err(problem(
+            source,
+            format!(
+                "needs CPU features this host lacks: {}",
+                missing
+                    .iter()
+                    .map(|s| s.as_str())
+                    .collect::<Vec<_>>()
+                    .join(" ")
+            ),
+        ));
+    }
+    Ok(())
 }
 
 /// Restore checkpoint `source` as box `name` sharing memory with every
@@ -813,6 +929,7 @@ pub fn restore_shared(
         name,
         pid,
         restore_ms: start.elapsed().as_secs_f64() * 1e3,
+        shell_ms: 0.0,
     })
 }
 
@@ -939,6 +1056,22 @@ fn thaw_left_frozen(reg: &Registry, unfinished: &Path) {
     if record.state.template.is_some() {
         return;
     }
+    // A migration whose target had answered that the box runs there: the
+    // copy here must not run again.
+    if unfinished.join("moved").exists() {
+        let killed = record
+            .state
+            .cgroup
+            .as_ref()
+            .map_or(Ok(()), |c| c.kill_all().map_err(RuntimeError::from))
+            .and_then(|()| crate::templates::ops::remove(reg, record.name(), true));
+        crate::diag::warn_on_err(
+            Some(record.name()),
+            "removing a box an unfinished migration moved away",
+            killed,
+        );
+        return;
+    }
     if let Some(cgroup) = &record.state.cgroup {
         let thawed = cgroup
             .set_frozen(false, FREEZER_TIMEOUT)
@@ -984,18 +1117,27 @@ fn read_page_records(path: &Path) -> Result<Vec<(u64, Digest)>> {
         .collect())
 }
 
+/// Pages a restore has in memory already, checked against their digests
+/// (a migration's receiver holds the pages it was sent).
+pub(crate) type Preloaded = HashMap<Digest, Box<[u8]>>;
+
 /// A restored process's pages: its records, read from the pool.
 /// A page whose contents occur at more than one address is read from the
 /// pool (and checked) once, then copied from memory.
 struct ProcessPages<'a> {
     pages: &'a HashMap<u64, Digest>,
     pool: &'a PagePool,
+    preloaded: Option<&'a Preloaded>,
     repeated: HashSet<Digest>,
     cache: std::cell::RefCell<HashMap<Digest, Vec<u8>>>,
 }
 
 impl<'a> ProcessPages<'a> {
-    fn new(pages: &'a HashMap<u64, Digest>, pool: &'a PagePool) -> ProcessPages<'a> {
+    fn new(
+        pages: &'a HashMap<u64, Digest>,
+        pool: &'a PagePool,
+        preloaded: Option<&'a Preloaded>,
+    ) -> ProcessPages<'a> {
         let mut seen = HashSet::new();
         let repeated = pages
             .values()
@@ -1005,6 +1147,7 @@ impl<'a> ProcessPages<'a> {
         ProcessPages {
             pages,
             pool,
+            preloaded,
             repeated,
             cache: Default::default(),
         }
@@ -1020,6 +1163,10 @@ impl PageStore for ProcessPages<'_> {
         let digest = self.pages.get(&addr).ok_or_else(|| {
             std::io::Error::new(std::io::ErrorKind::NotFound, "no such page in the image")
         })?;
+        if let Some(page) = self.preloaded.and_then(|p| p.get(digest)) {
+            buf[..page.len()].copy_from_slice(page);
+            return Ok(());
+        }
         if let Some(page) = self.cache.borrow().get(digest) {
             buf[..page.len()].copy_from_slice(page);
             return Ok(());
@@ -1043,6 +1190,10 @@ pub struct Restored {
     pub pid: i32,
     /// Milliseconds from the call to the process running.
     pub restore_ms: f64,
+    /// Of those, milliseconds to start the box (namespaces, cgroups, root,
+    /// network) before its processes were rebuilt in it.
+    #[serde(default)]
+    pub shell_ms: f64,
 }
 
 /// Restore checkpoint `source` (a name, or a directory) as box `name`
@@ -1053,47 +1204,20 @@ pub struct Restored {
 /// taken, a page whose contents do not match its digest: one line, and
 /// nothing of the new box is left.
 pub fn restore(reg: &Registry, source: &str, name: Option<&str>) -> Result<Restored> {
+    restore_preloaded(reg, source, name, None)
+}
+
+/// [`restore`], with pages in memory already (checked) taken from there
+/// rather than read from the pool.
+pub(crate) fn restore_preloaded(
+    reg: &Registry,
+    source: &str,
+    name: Option<&str>,
+    preloaded: Option<&Preloaded>,
+) -> Result<Restored> {
     let start = Instant::now();
     let (meta, dir) = load(reg, source)?;
-    if meta.version != nestbox_remote::IMAGE_VERSION {
-        return Err(problem(
-            source,
-            format!(
-                "was written by image version {}; this nestbox reads version {}",
-                meta.version,
-                nestbox_remote::IMAGE_VERSION
-            ),
-        ));
-    }
-    let kernel = kernel_release();
-    if meta.kernel != kernel {
-        return Err(problem(
-            source,
-            format!(
-                "was taken on kernel {} and this host runs {kernel}",
-                meta.kernel
-            ),
-        ));
-    }
-    let flags: HashSet<String> = cpu_flags().into_iter().collect();
-    let missing: Vec<&String> = meta
-        .cpu_flags
-        .iter()
-        .filter(|f| !flags.contains(*f))
-        .collect();
-    if !missing.is_empty() {
-        return Err(problem(
-            source,
-            format!(
-                "needs CPU features this host lacks: {}",
-                missing
-                    .iter()
-                    .map(|s| s.as_str())
-                    .collect::<Vec<_>>()
-                    .join(" ")
-            ),
-        ));
-    }
+    check_compatible(source, meta.version, &meta.kernel, &meta.cpu_flags)?;
     let name = name.unwrap_or(&meta.box_name).to_string();
     crate::clone::check_new_name(reg, &name)?;
     let mut pages = Vec::with_capacity(meta.processes.len());
@@ -1126,15 +1250,18 @@ pub fn restore(reg: &Registry, source: &str, name: Option<&str>) -> Result<Resto
     spec.remove_on_exit = false;
     spec.clone_of = None;
     spec.restore_of = Some(dir.display().to_string());
+    let shell_at = Instant::now();
     let started = crate::lifecycle::ops::run_detached(reg, &spec);
+    let shell_ms = shell_at.elapsed().as_secs_f64() * 1e3;
     let result = started.and_then(|()| {
         let shell = reg.load(&name)?;
-        let pids = restore_into(&shell, &meta.processes, &pages, &pool)?;
+        let pids = restore_into(&shell, &meta.processes, &pages, &pool, preloaded)?;
         let pid = pids[0];
         Ok(Restored {
             name: name.clone(),
             pid,
             restore_ms: start.elapsed().as_secs_f64() * 1e3,
+            shell_ms,
         })
     });
     if result.is_err() && reg.load(&name).is_ok() {
@@ -1150,6 +1277,7 @@ fn restore_into(
     images: &[ProcessImage],
     pages: &[HashMap<u64, Digest>],
     pool: &PagePool,
+    preloaded: Option<&Preloaded>,
 ) -> Result<Vec<i32>> {
     let name = shell.name();
     let init = shell
@@ -1233,7 +1361,10 @@ fn restore_into(
         setns_cookie: cookie,
         seccomp,
     };
-    let stores: Vec<ProcessPages<'_>> = pages.iter().map(|p| ProcessPages::new(p, pool)).collect();
+    let stores: Vec<ProcessPages<'_>> = pages
+        .iter()
+        .map(|p| ProcessPages::new(p, pool, preloaded))
+        .collect();
     let refs: Vec<&dyn PageStore> = stores.iter().map(|s| s as &dyn PageStore).collect();
     nestbox_remote::restore_box(&stubs, images, &refs, &plan).map_err(|e| {
         for (_, stub) in &stubs {

@@ -1,7 +1,8 @@
 //! Templates and clones: freezing a box into a template, forking clones from it
 //! by remote fork, pools of clones forked ahead of time, the working set copied
 //! into pooled clones, claims prepared ahead of a request, and checkpoints
-//! (a box saved to disk and restored from it, on the clone's rebuild engine).
+//! (a box saved to disk and restored from it, on the clone's rebuild engine)
+//! and migrations (a running box moved to another host by pre-copy).
 //!
 //! This layer builds on the life of a box ([`crate::lifecycle`]) and the network
 //! glue; neither imports it. [`ops`] holds the box operations that must know
@@ -9,6 +10,7 @@
 
 pub mod checkpoint;
 pub mod clone;
+pub mod migrate;
 pub mod ops;
 pub mod prepared_claim;
 pub mod template;
