@@ -787,19 +787,6 @@ fn checkpoint_and_restore_refuse_bad_input_in_one_line() {
     root.ok(&["checkpoint", "rm", "ck"]);
 }
 
-/// The worker process a `checkpoint` command runs its checkpoint in (its
-/// child, in a process group of its own), once started.
-fn worker_of(command: u32) -> Option<i32> {
-    let mut worker = None;
-    wait_until(Duration::from_secs(5), || {
-        worker = std::fs::read_to_string(format!("/proc/{command}/task/{command}/children"))
-            .ok()
-            .and_then(|t| t.split_whitespace().next().and_then(|p| p.parse().ok()));
-        worker.is_some()
-    });
-    worker
-}
-
 /// Whether box `st` answers (its server runs).
 fn st_answers(root: &TestRoot) -> bool {
     root.status("st").as_deref() == Some("running")

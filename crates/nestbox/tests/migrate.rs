@@ -195,39 +195,41 @@ fn get(addr: SocketAddr, path: &str) -> Option<String> {
     head.starts_with("HTTP/1.0 200").then(|| body.to_string())
 }
 
-fn start_server(root: &TestRoot, port: u16) -> tempfile::TempDir {
+/// Two roots for `test` (the second's directory named after it too).
+fn two_roots(test: &str) -> Option<(TestRoot, TestRoot)> {
+    let here = TestRoot::new(test)?;
+    let there = TestRoot::new(&format!("{test}-there"))?;
+    Some((here, there))
+}
+
+/// Box `web` running [`SERVER`], its port 8080 published on `port` (or no
+/// network at all with `None`).
+fn start_server(root: &TestRoot, port: Option<u16>) -> tempfile::TempDir {
     let app = tempfile::tempdir().expect("app dir");
     std::fs::write(app.path().join("server.py"), SERVER).expect("write server");
     let volume = format!("{}:/app:ro", app.path().display());
-    root.ok(&[
-        "run",
-        "-d",
-        "--name",
-        "web",
-        "-p",
-        &format!("{port}:8080"),
-        "-v",
-        &volume,
-        "--",
-        "python3",
-        "/app/server.py",
-    ]);
+    let publish = port.map(|p| format!("{p}:8080"));
+    let mut args = vec!["run", "-d", "--name", "web"];
+    match &publish {
+        Some(p) => args.extend(["-p", p.as_str()]),
+        None => args.extend(["--network", "none"]),
+    }
+    args.extend(["-v", &volume, "--", "python3", "/app/server.py"]);
+    root.ok(&args);
     root.wait_logged("web", "ready", Duration::from_secs(30));
     app
 }
 
 #[test]
 fn a_server_under_a_request_loop_migrates_to_another_host_without_losing_a_request() {
-    let test = "a_server_under_a_request_loop_migrates_to_another_host_without_losing_a_request";
-    let Some(here) = TestRoot::new(test) else {
-        return;
-    };
-    let Some(there) = TestRoot::new(&format!("{test}-there")) else {
+    let Some((here, there)) = two_roots(
+        "a_server_under_a_request_loop_migrates_to_another_host_without_losing_a_request",
+    ) else {
         return;
     };
     let other = OtherHost::new(7);
     let port = 18600 + (std::process::id() % 200) as u16;
-    let _app = start_server(&here, port);
+    let _app = start_server(&here, Some(port));
     let source: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
     let target: SocketAddr = format!("{}:{port}", other.addr).parse().unwrap();
     assert!(get(source, "/").is_some(), "the server answers here");
@@ -329,15 +331,12 @@ fn a_server_under_a_request_loop_migrates_to_another_host_without_losing_a_reque
 
 #[test]
 fn refused_migrations_leave_the_box_running_where_it_was() {
-    let test = "refused_migrations_leave_the_box_running_where_it_was";
-    let Some(here) = TestRoot::new(test) else {
-        return;
-    };
-    let Some(there) = TestRoot::new(&format!("{test}-there")) else {
+    let Some((here, there)) = two_roots("refused_migrations_leave_the_box_running_where_it_was")
+    else {
         return;
     };
     let port = 18400 + (std::process::id() % 200) as u16;
-    let _app = start_server(&here, port);
+    let _app = start_server(&here, Some(port));
     let source: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
     assert!(get(source, "/req/1").is_some());
 
@@ -387,18 +386,6 @@ fn refused_migrations_leave_the_box_running_where_it_was() {
     here.ok(&["rm", "-f", "web"]);
 }
 
-/// The worker process that does the command's migration (its only child).
-fn worker_of(command: u32) -> Option<i32> {
-    let mut worker = None;
-    wait_until(Duration::from_secs(5), || {
-        worker = std::fs::read_to_string(format!("/proc/{command}/task/{command}/children"))
-            .ok()
-            .and_then(|t| t.split_whitespace().next().and_then(|p| p.parse().ok()));
-        worker.is_some()
-    });
-    worker
-}
-
 /// Send request `id` to box `web` of `root` and read how many distinct
 /// requests it has counted, if it runs and answers.
 fn count_of(root: &TestRoot, id: u64) -> Option<u64> {
@@ -414,30 +401,11 @@ fn count_of(root: &TestRoot, id: u64) -> Option<u64> {
 
 #[test]
 fn a_migrate_command_killed_midway_leaves_one_box_and_nothing_else() {
-    let test = "a_migrate_command_killed_midway_leaves_one_box_and_nothing_else";
-    let Some(a) = TestRoot::new(test) else {
+    let Some((a, b)) = two_roots("a_migrate_command_killed_midway_leaves_one_box_and_nothing_else")
+    else {
         return;
     };
-    let Some(b) = TestRoot::new(&format!("{test}-b")) else {
-        return;
-    };
-    let app = tempfile::tempdir().expect("app dir");
-    std::fs::write(app.path().join("server.py"), SERVER).expect("write server");
-    let volume = format!("{}:/app:ro", app.path().display());
-    a.ok(&[
-        "run",
-        "-d",
-        "--name",
-        "web",
-        "--network",
-        "none",
-        "-v",
-        &volume,
-        "--",
-        "python3",
-        "/app/server.py",
-    ]);
-    a.wait_logged("web", "ready", Duration::from_secs(30));
+    let _app = start_server(&a, None);
     let receive = |to: &TestRoot| {
         format!(
             "exec:{NESTBOX} --root {} receive --stdio",

@@ -203,12 +203,7 @@ pub fn checkpoint(reg: &Registry, box_name: &str, req: &CheckpointRequest) -> Re
             name
         }));
     }
-    let cgroup = record
-        .state
-        .cgroup
-        .clone()
-        .filter(|_| record.state.init.is_some_and(|i| i.alive()))
-        .ok_or_else(|| RuntimeError::NotRunning(box_name.to_string()))?;
+    let cgroup = running_cgroup(&record)?;
     let template = record.state.template.is_some();
     private_dir(&parent)?;
     let tmp = parent.join(format!(".tmp-{name}-{}", std::process::id()));
@@ -338,6 +333,16 @@ pub fn checkpoint(reg: &Registry, box_name: &str, req: &CheckpointRequest) -> Re
             Err(e)
         }
     }
+}
+
+/// The cgroup of box `record`, which must be running.
+pub(crate) fn running_cgroup(record: &BoxRecord) -> Result<nestbox_cgroup::BoxCgroup> {
+    record
+        .state
+        .cgroup
+        .clone()
+        .filter(|_| record.state.init.is_some_and(|i| i.alive()))
+        .ok_or_else(|| RuntimeError::NotRunning(record.name().to_string()))
 }
 
 /// Stop the box's processes under ptrace (the box is frozen: thawed only to
@@ -732,12 +737,22 @@ pub fn checkpoint_to_stdout(
         )?;
         Ok(meta)
     });
-    crate::diag::warn_on_err(
-        Some(box_name),
+    remove_staging(
+        box_name,
         "removing a streamed checkpoint's staging directory",
-        fs::remove_dir_all(&staging).map_err(RuntimeError::io("remove", &staging)),
+        &staging,
     );
     result
+}
+
+/// Remove the staging directory `dir` of box `box_name`'s checkpoint or
+/// migration, logging a failure as `what`.
+pub(crate) fn remove_staging(box_name: &str, what: &str, dir: &Path) {
+    crate::diag::warn_on_err(
+        Some(box_name),
+        what,
+        fs::remove_dir_all(dir).map_err(RuntimeError::io("remove", dir)),
+    );
 }
 
 /// `restore -`: read a checkpoint stream (from `checkpoint -o -`) on

@@ -37,8 +37,9 @@ use serde::{Deserialize, Serialize};
 
 use crate::checkpoint::{
     check_compatible, checkpoints_dir, copy_layers, cpu_flags, kernel_release, now, pool_dir,
-    private_dir, restore_incoming, run_tar, save_processes, write_page_records, write_private,
-    Checkpoint, CheckpointStats, PageRecords, Preloaded, Restored, SaveError, FREEZER_TIMEOUT,
+    private_dir, remove_staging, restore_incoming, run_tar, running_cgroup, save_processes,
+    write_page_records, write_private, Checkpoint, CheckpointStats, PageRecords, Preloaded,
+    Restored, SaveError, FREEZER_TIMEOUT,
 };
 use crate::registry::Registry;
 use crate::{Result, RuntimeError};
@@ -307,12 +308,7 @@ pub fn migrate(reg: &Registry, box_name: &str, req: &MigrateRequest) -> Result<M
             problem: "is a template: save it (template save) and restore it there".into(),
         });
     }
-    let cgroup = record
-        .state
-        .cgroup
-        .clone()
-        .filter(|_| record.state.init.is_some_and(|i| i.alive()))
-        .ok_or_else(|| RuntimeError::NotRunning(box_name.to_string()))?;
+    let cgroup = running_cgroup(&record)?;
     let name = req.name.clone().unwrap_or_else(|| box_name.to_string());
     let checkpoint = format!("{box_name}-migrated-{}", now() as u64);
     nestbox_store::validate_name(&checkpoint)
@@ -511,11 +507,7 @@ pub fn migrate(reg: &Registry, box_name: &str, req: &MigrateRequest) -> Result<M
             Err(e)
         }
     };
-    crate::diag::warn_on_err(
-        Some(box_name),
-        "removing a migration's staging directory",
-        fs::remove_dir_all(&tmp).map_err(RuntimeError::io("remove", &tmp)),
-    );
+    remove_staging(box_name, "removing a migration's staging directory", &tmp);
     outcome
 }
 

@@ -857,3 +857,16 @@ pub fn template_pid(root: &TestRoot, name: &str) -> i32 {
         .as_i64()
         .unwrap() as i32
 }
+
+/// The worker process of a `checkpoint` or `migrate` command (its only
+/// child: the command runs its work in a process group of its own).
+pub fn worker_of(command: u32) -> Option<i32> {
+    let mut worker = None;
+    wait_until(Duration::from_secs(5), || {
+        worker = std::fs::read_to_string(format!("/proc/{command}/task/{command}/children"))
+            .ok()
+            .and_then(|t| t.split_whitespace().next().and_then(|p| p.parse().ok()));
+        worker.is_some()
+    });
+    worker
+}
