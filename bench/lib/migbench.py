@@ -139,7 +139,9 @@ def one(mode, r):
             ("downtime_ms", "save_ms", "files_ms", "total_ms", "bytes", "last_read") if k in stats},
             "rounds": len(stats.get("rounds", [])),
             "restore_ms": stats.get("arrived", {}).get("restore_ms"),
-            "shell_ms": stats.get("arrived", {}).get("shell_ms")}
+            "shell_ms": stats.get("arrived", {}).get("shell_ms"),
+            "target_ms": stats.get("arrived", {}).get("target_ms"),
+            "unpack_ms": stats.get("arrived", {}).get("unpack_ms")}
 
 
 results = []
@@ -156,7 +158,8 @@ def med(mode, key):
 
 
 summary = {m: {k: med(m, k) for k in ("gap_ms", "command_ms", "downtime_ms", "save_ms",
-                                      "files_ms", "restore_ms", "shell_ms", "total_ms",
+                                      "files_ms", "restore_ms", "shell_ms", "target_ms",
+                                      "unpack_ms", "total_ms",
                                       "bytes", "rounds", "requests")}
            for m in ("migrate", "stop-and-copy")}
 summary["gap_ratio"] = summary["migrate"]["gap_ms"] / summary["stop-and-copy"]["gap_ms"]

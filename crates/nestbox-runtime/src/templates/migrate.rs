@@ -123,6 +123,14 @@ pub struct Arrived {
     /// Of those, milliseconds to start the box there.
     #[serde(default)]
     pub shell_ms: f64,
+    /// Milliseconds from the checkpoint's arrival to the restored box
+    /// running (the last pages made durable, the files unpacked, the
+    /// restore).
+    #[serde(default)]
+    pub target_ms: f64,
+    /// Of those, milliseconds to unpack the checkpoint's files.
+    #[serde(default)]
+    pub unpack_ms: f64,
 }
 
 /// One pre-copy round.
@@ -606,11 +614,13 @@ pub fn receive(reg: &Registry, reader: Box<dyn Read>, writer: Box<dyn Write>) ->
     let mut stream = Stream::new(reader, writer, None);
     let result = receive_on(reg, &mut stream);
     let reply = match &result {
-        Ok(r) => serde_json::to_vec(&Arrived {
+        Ok((r, target_ms, unpack_ms)) => serde_json::to_vec(&Arrived {
             name: r.name.clone(),
             pid: r.pid,
             restore_ms: r.restore_ms,
             shell_ms: r.shell_ms,
+            target_ms: *target_ms,
+            unpack_ms: *unpack_ms,
         })
         .map(|j| (b'D', j))
         .unwrap_or((b'E', b"encoding the answer".to_vec())),
@@ -619,10 +629,12 @@ pub fn receive(reg: &Registry, reader: Box<dyn Read>, writer: Box<dyn Write>) ->
     if let Err(e) = stream.send(reply.0, &reply.1).and_then(|()| stream.flush()) {
         tracing::warn!("receive: answering the source: {e}");
     }
-    result
+    result.map(|(r, _, _)| r)
 }
 
-fn receive_on(reg: &Registry, stream: &mut Stream) -> Result<Restored> {
+/// [`receive`]'s work: the restored box, the milliseconds from the
+/// checkpoint's arrival to it running, and of those to unpack the files.
+fn receive_on(reg: &Registry, stream: &mut Stream) -> Result<(Restored, f64, f64)> {
     let broken = |e: std::io::Error| RuntimeError::Migrate {
         name: "(incoming)".into(),
         problem: format!("the stream broke: {e}"),
@@ -664,7 +676,7 @@ fn receive_on(reg: &Registry, stream: &mut Stream) -> Result<Restored> {
     let mut writer = Some(pool.writer().map_err(pool_err)?);
     // The pages sent, kept in memory for the restore (checked as they came).
     let mut received = Preloaded::new();
-    let tar = loop {
+    let (tar, arrived) = loop {
         let (tag, payload) = stream.recv().map_err(broken)?;
         match tag {
             b'P' if payload.len() % PAGE_ENTRY == 0 => {
@@ -691,7 +703,7 @@ fn receive_on(reg: &Registry, stream: &mut Stream) -> Result<Restored> {
                 }
                 writer = Some(pool.writer().map_err(pool_err)?);
             }
-            b'C' => break payload,
+            b'C' => break (payload, Instant::now()),
             tag => {
                 return Err(RuntimeError::InvalidInput(format!(
                     "receive: unexpected frame {:?} of {} bytes",
@@ -705,12 +717,16 @@ fn receive_on(reg: &Registry, stream: &mut Stream) -> Result<Restored> {
         w.finish().map_err(pool_err)?;
     }
     drop(pool);
-    restore_incoming(reg, Some(&hello.name), Some(&received), &mut |staging| {
+    let mut unpack_ms = 0.0;
+    let restored = restore_incoming(reg, Some(&hello.name), Some(&received), &mut |staging| {
+        let at = Instant::now();
         let archive = staging.with_extension("tar");
         fs::write(&archive, &tar).map_err(RuntimeError::io("write", &archive))?;
         let file = fs::File::open(&archive).map_err(RuntimeError::io("open", &archive));
         let unpacked = file.and_then(|f| crate::checkpoint::untar(staging, Stdio::from(f)));
         let _ = fs::remove_file(&archive);
+        unpack_ms = at.elapsed().as_secs_f64() * 1e3;
         unpacked
-    })
+    })?;
+    Ok((restored, arrived.elapsed().as_secs_f64() * 1e3, unpack_ms))
 }
