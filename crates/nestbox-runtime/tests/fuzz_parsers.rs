@@ -248,6 +248,7 @@ fn spec() -> impl Strategy<Value = BoxSpec> {
                     interactive: false,
                     remove_on_exit: false,
                     ksm: false,
+                    disk: None,
                     clone_of: None,
                     restore_of: None,
                     network: NetSpec {
@@ -318,6 +319,7 @@ fn stored_spec_json() {
         interactive: false,
         remove_on_exit: false,
         ksm: false,
+        disk: None,
         clone_of: None,
         restore_of: None,
         network: NetSpec::default(),

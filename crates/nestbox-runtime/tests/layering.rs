@@ -11,7 +11,8 @@ const LAYERS: &[(&str, &[&str])] = &[
     (
         "records",
         &[
-            "error", "diag", "paths", "size", "spec", "state", "registry", "liveness", "process",
+            "error", "diag", "disk", "paths", "size", "spec", "state", "registry", "liveness",
+            "process",
         ],
     ),
     ("network", &["network", "network_pool"]),

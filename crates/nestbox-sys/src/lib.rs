@@ -13,6 +13,7 @@
 pub mod bpf;
 pub mod fd;
 pub mod link;
+pub mod loopdev;
 pub mod mount;
 pub mod ns;
 pub mod pidfd;

@@ -280,6 +280,9 @@ struct CloneArgs {
     network: Option<String>,
     #[command(flatten)]
     resources: ResourceArgs,
+    /// Size of each clone's writable layer (default: its template's --disk).
+    #[arg(long, value_name = "SIZE")]
+    disk: Option<String>,
     /// Template name.
     template: String,
 }
@@ -454,6 +457,10 @@ struct RunArgs {
     /// mergeable memory (KSM; inherited by its clones; see `nestbox ksm`).
     #[arg(long)]
     ksm: bool,
+    /// Size of the box's writable layer (e.g. 1g): writing past it fails
+    /// with ENOSPC in the box (a filesystem image of its own; root only).
+    #[arg(long, value_name = "SIZE")]
+    disk: Option<String>,
     /// Mount a host path: HOST:BOX[:ro] (repeatable).
     #[arg(short, long = "volume", value_name = "HOST:BOX[:ro]")]
     volume: Vec<String>,
@@ -784,6 +791,12 @@ fn build_spec(a: RunArgs) -> Result<BoxSpec> {
         interactive: a.interactive,
         remove_on_exit: a.rm,
         ksm: a.ksm,
+        disk: a
+            .disk
+            .as_deref()
+            .map(parse_size)
+            .transpose()
+            .context("--disk")?,
         clone_of: None,
         restore_of: None,
         network,
@@ -951,6 +964,12 @@ fn clone(reg: &Registry, a: CloneArgs) -> Result<i32> {
         },
         on_clone_signal: a.on_clone_signal.as_deref().map(parse_signal).transpose()?,
         pooled: false,
+        disk: a
+            .disk
+            .as_deref()
+            .map(parse_size)
+            .transpose()
+            .context("--disk")?,
         without_network: a.network.as_deref() == Some("none"),
         network: match a.network.as_deref() {
             None | Some("none") => None,

@@ -304,3 +304,171 @@ fn serial_cpu_shares_2_to_1() {
         "shares 2048:1024 on one CPU gave a CPU-time ratio of {ratio:.3}"
     );
 }
+
+/// Loop devices whose backing file is under `dir`.
+fn loops_backed_under(dir: &std::path::Path) -> Vec<String> {
+    let mut out = Vec::new();
+    for e in std::fs::read_dir("/sys/block").unwrap().flatten() {
+        let backing = e.path().join("loop/backing_file");
+        if let Ok(f) = std::fs::read_to_string(&backing) {
+            if f.trim().starts_with(&*dir.to_string_lossy()) {
+                out.push(format!(
+                    "{} -> {}",
+                    e.file_name().to_string_lossy(),
+                    f.trim()
+                ));
+            }
+        }
+    }
+    out
+}
+
+/// Mount points (host mount namespace) under `dir`.
+fn mounts_under(dir: &std::path::Path) -> Vec<String> {
+    let dir = dir.to_string_lossy().to_string();
+    std::fs::read_to_string("/proc/self/mountinfo")
+        .unwrap()
+        .lines()
+        .filter_map(|l| l.split(' ').nth(4).map(str::to_string))
+        .filter(|m| m.starts_with(&dir))
+        .collect()
+}
+
+/// Files named `disk.img` under `dir`.
+fn disk_images_under(dir: &std::path::Path) -> Vec<std::path::PathBuf> {
+    let mut out = Vec::new();
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        let Ok(entries) = std::fs::read_dir(&d) else {
+            continue;
+        };
+        for e in entries.flatten() {
+            let Ok(t) = e.file_type() else { continue };
+            if t.is_dir() && !t.is_symlink() {
+                stack.push(e.path());
+            } else if e.file_name() == "disk.img" {
+                out.push(e.path());
+            }
+        }
+    }
+    out
+}
+
+#[track_caller]
+fn assert_no_disk_left(root: &TestRoot) {
+    assert_eq!(loops_backed_under(root.path()), Vec::<String>::new());
+    assert_eq!(mounts_under(root.path()), Vec::<String>::new());
+    assert_eq!(
+        disk_images_under(root.path()),
+        Vec::<std::path::PathBuf>::new()
+    );
+}
+
+#[test]
+fn disk_quota_fails_writes_past_it_with_enospc_in_the_box_only() {
+    let Some(root) = TestRoot::new("disk_quota_fails_writes_past_it_with_enospc_in_the_box_only")
+    else {
+        return;
+    };
+    // Write MiB by MiB until the kernel refuses; report the errno by name.
+    let fill = "import errno, os, time
+n = 0
+try:
+    with open('/fill', 'wb') as f:
+        while n < 200:
+            f.write(b'x' * (1 << 20))
+            f.flush()
+            os.fsync(f.fileno())
+            n += 1
+    print('wrote', n, flush=True)
+except OSError as e:
+    print('errno', errno.errorcode[e.errno], 'after', n, flush=True)
+time.sleep(60)
+";
+    root.run(&[
+        "run",
+        "-d",
+        "--name",
+        "disk-full",
+        "--network",
+        "none",
+        "--disk",
+        "16m",
+        "--",
+        "python3",
+        "-c",
+        fill,
+    ])
+    .ok();
+    let log = root.wait_log("disk-full", "after", START);
+    let after: u64 = log
+        .lines()
+        .find(|l| l.contains("after"))
+        .and_then(|l| l.split_whitespace().last())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("{log}"));
+    assert!(
+        log.contains("errno ENOSPC after"),
+        "the box must get ENOSPC: {log}"
+    );
+    assert!(
+        (8..=16).contains(&after),
+        "a 16m layer holds 8..16 MiB of data, the box wrote {after} MiB"
+    );
+    // Usage: used near the limit, limit at most the size asked.
+    let s: serde_json::Value =
+        serde_json::from_str(&root.ok(&["stats", "--json", "disk-full"])).unwrap();
+    let used = s["disk"]["used_bytes"]
+        .as_u64()
+        .unwrap_or_else(|| panic!("{s}"));
+    let limit = s["disk"]["limit_bytes"]
+        .as_u64()
+        .unwrap_or_else(|| panic!("{s}"));
+    assert!((12 << 20..=16 << 20).contains(&limit), "{s}");
+    assert!(used >= after << 20 && used <= limit, "{s}");
+    assert!(root.ok(&["stats", "disk-full"]).contains("disk: "));
+    // The other boxes and the host are not limited by it: a box without --disk
+    // and a box with a disk of its own write more than the full box could.
+    for opts in [
+        &["--rm", "--network", "none"][..],
+        &["--rm", "--network", "none", "--disk", "64m"][..],
+    ] {
+        let out = root.py(
+            opts,
+            "open('/big', 'wb').write(b'y' * (32 << 20)); print('ok')",
+        );
+        assert_eq!(out.ok().stdout, "ok\n");
+    }
+    let host_file = root.path().join("host-file");
+    std::fs::write(&host_file, vec![7u8; 32 << 20]).expect("the host writes");
+    std::fs::remove_file(&host_file).unwrap();
+    root.rm_all(["disk-full"]);
+    assert_no_disk_left(&root);
+
+    // A box whose monitor and init die by SIGKILL: gc releases its disk.
+    root.detached_sh(
+        "disk-killed",
+        &["--network", "none", "--disk", "16m"],
+        "echo ready; sleep 60",
+    );
+    root.wait_log("disk-killed", "ready", START);
+    assert_eq!(mounts_under(root.path()).len(), 1);
+    let v = root.inspect("disk-killed");
+    for key in ["monitor_pid", "init_pid"] {
+        let pid = v["state"][key].as_i64().expect(key) as i32;
+        nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), nix::sys::signal::SIGKILL).unwrap();
+    }
+    wait_for("the box to be dead", START, || {
+        root.status("disk-killed").as_deref() != Some("running")
+    });
+    root.ok(&["gc"]);
+    assert_eq!(root.status("disk-killed"), None);
+    assert_no_disk_left(&root);
+
+    // Bad sizes fail clearly and leave nothing.
+    let out = root.run(&["run", "--disk", "1m", "--", "true"]);
+    assert_error(&out, 125, "--disk 1048576 bytes is out of range");
+    let out = root.run(&["run", "--disk", "lots", "--", "true"]);
+    assert_error(&out, 125, "--disk: invalid size");
+    assert_no_disk_left(&root);
+}
