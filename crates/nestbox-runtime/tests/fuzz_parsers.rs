@@ -193,6 +193,8 @@ fn limits() -> impl Strategy<Value = nestbox_cgroup::Limits> {
                     pids,
                     cpus,
                     cpu_shares,
+                    // Half the cap, when there is one: in range and out of it alike.
+                    cpu_reserve: cpus.map(|c| c / 2.0),
                     cpuset_cpus,
                     io_weight,
                 }

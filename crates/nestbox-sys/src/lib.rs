@@ -19,6 +19,7 @@ pub mod ns;
 pub mod pidfd;
 pub mod process;
 pub mod ptrace;
+pub mod xattr;
 
 pub use nix::errno::Errno;
 

@@ -350,6 +350,10 @@ struct ResourceArgs {
     /// CPU fair-share weight (2..262144, default 1024).
     #[arg(long, value_name = "N")]
     cpu_shares: Option<u64>,
+    /// CPUs guaranteed to the box under any competition (e.g. 0.5); all
+    /// reservations together may take 90% of the CPUs.
+    #[arg(long, value_name = "X")]
+    cpu_reserve: Option<f64>,
     /// CPUs the box may run on (e.g. 0-1,3).
     #[arg(long, value_name = "LIST")]
     cpuset_cpus: Option<String>,
@@ -382,6 +386,7 @@ impl ResourceArgs {
             pids: a.pids,
             cpus: a.cpus,
             cpu_shares: a.cpu_shares,
+            cpu_reserve: a.cpu_reserve,
             cpuset_cpus: a.cpuset_cpus.clone(),
             io_weight: a.io_weight,
         })
@@ -394,6 +399,7 @@ impl ResourceArgs {
             || self.pids.is_some()
             || self.cpus.is_some()
             || self.cpu_shares.is_some()
+            || self.cpu_reserve.is_some()
             || self.cpuset_cpus.is_some()
             || self.io_weight.is_some()
     }

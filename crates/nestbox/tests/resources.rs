@@ -472,3 +472,74 @@ time.sleep(60)
     assert_error(&out, 125, "--disk: invalid size");
     assert_no_disk_left(&root);
 }
+
+#[test]
+fn serial_cpu_reserve_holds_next_to_four_busy_boxes_with_larger_shares() {
+    let Some(root) =
+        TestRoot::new("serial_cpu_reserve_holds_next_to_four_busy_boxes_with_larger_shares")
+    else {
+        return;
+    };
+    let busy = "while True: pass";
+    root.run(&[
+        "run",
+        "-d",
+        "--name",
+        "res-reserved",
+        "--network",
+        "none",
+        "--cpu-reserve",
+        "0.5",
+        "--",
+        "python3",
+        "-c",
+        busy,
+    ])
+    .ok();
+    // Four boxes, each with four times the default shares and two busy
+    // processes: together they could take both CPUs many times over.
+    let two_busy = format!("python3 -c '{busy}' & python3 -c '{busy}'; wait");
+    for i in 0..4 {
+        let name = format!("res-hog-{i}");
+        root.detached_sh(
+            &name,
+            &["--network", "none", "--cpu-shares", "4096"],
+            &two_busy,
+        );
+    }
+    let cpu = |name: &str| root.stats(name)["cpu_usage_ns"].as_u64().unwrap() as f64;
+    std::thread::sleep(Duration::from_secs(1)); // all busy and competing
+    let (r0, h0) = (cpu("res-reserved"), cpu("res-hog-0"));
+    let t0 = std::time::Instant::now();
+    std::thread::sleep(Duration::from_secs(4));
+    let (r1, h1) = (cpu("res-reserved"), cpu("res-hog-0"));
+    let wall = t0.elapsed().as_secs_f64();
+    let reserved = (r1 - r0) / 1e9 / wall;
+    let hog = (h1 - h0) / 1e9 / wall;
+    eprintln!(
+        "serial_cpu_reserve: reserved box {reserved:.3} CPU, one hog {hog:.3} CPU (load {})",
+        std::fs::read_to_string("/proc/loadavg")
+            .unwrap_or_default()
+            .trim()
+    );
+    assert!(
+        reserved >= 0.9 * 0.5,
+        "a box reserving 0.5 CPU got {reserved:.3} CPU next to four busy boxes with 4x its shares"
+    );
+    // Reservations beyond 90% of the CPUs are refused, clearly.
+    let cpus = std::thread::available_parallelism().unwrap().get() as f64;
+    let out = root.run(&[
+        "run",
+        "--network",
+        "none",
+        "--cpu-reserve",
+        &format!("{}", 0.9 * cpus - 0.25),
+        "--",
+        "true",
+    ]);
+    assert_error(&out, 125, "already reserve 0.5 of");
+    let out = root.run(&["run", "--cpu-reserve", "0", "--", "true"]);
+    assert_error(&out, 125, "cgroup: invalid cpu_reserve=0: must be > 0");
+    let out = root.run(&["run", "--cpus", "0.2", "--cpu-reserve", "0.5", "--", "true"]);
+    assert_error(&out, 125, "must be <= cpus (0.2)");
+}
