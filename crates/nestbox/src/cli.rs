@@ -797,18 +797,21 @@ fn build_spec(a: RunArgs) -> Result<BoxSpec> {
         interactive: a.interactive,
         remove_on_exit: a.rm,
         ksm: a.ksm,
-        disk: a
-            .disk
-            .as_deref()
-            .map(parse_size)
-            .transpose()
-            .context("--disk")?,
+        disk: disk_size(&a.disk)?,
         clone_of: None,
         restore_of: None,
         network,
     };
     // Validated by the runtime (ops::run_*) before anything is created.
     Ok(spec)
+}
+
+/// `--disk SIZE` of `run` and `clone`.
+fn disk_size(text: &Option<String>) -> Result<Option<u64>> {
+    text.as_deref()
+        .map(parse_size)
+        .transpose()
+        .context("--disk")
 }
 
 /// `nestbox watchdog`.
@@ -970,12 +973,7 @@ fn clone(reg: &Registry, a: CloneArgs) -> Result<i32> {
         },
         on_clone_signal: a.on_clone_signal.as_deref().map(parse_signal).transpose()?,
         pooled: false,
-        disk: a
-            .disk
-            .as_deref()
-            .map(parse_size)
-            .transpose()
-            .context("--disk")?,
+        disk: disk_size(&a.disk)?,
         without_network: a.network.as_deref() == Some("none"),
         network: match a.network.as_deref() {
             None | Some("none") => None,
