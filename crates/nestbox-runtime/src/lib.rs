@@ -12,7 +12,7 @@
 //! checked by `tests/layering.rs`):
 //!
 //! ```text
-//! api         the `nestbox serve` request loop
+//! api         the `nestbox serve` request loop; services (rejuvenated clone pools)
 //!  └ templates   freeze, templates, clones, pools, working sets, prepared claims
 //!     └ lifecycle   monitor, launch, init, exec, logs, residency, plain-box operations
 //!        └ network     network glue of a box (leases, attach, release) and the network pool
@@ -34,6 +34,7 @@ pub mod network;
 pub mod paths;
 pub mod process;
 pub mod registry;
+pub mod service;
 pub mod size;
 pub mod spec;
 pub mod state;

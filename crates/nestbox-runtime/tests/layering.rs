@@ -39,7 +39,7 @@ const LAYERS: &[(&str, &[&str])] = &[
             "working_set",
         ],
     ),
-    ("api", &["api", "store_ops", "watchdog"]),
+    ("api", &["api", "service", "store_ops", "watchdog"]),
 ];
 
 /// The layer a source file (relative to `src/`) belongs to.

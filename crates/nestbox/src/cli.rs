@@ -177,6 +177,10 @@ enum Command {
     /// Inspect or remove box networks.
     #[command(subcommand)]
     Network(crate::network_cmd::NetworkCommand),
+    /// Services: clones of a template behind one published port, replaced on
+    /// a schedule (rejuvenation) and when they die.
+    #[command(subcommand)]
+    Service(crate::service_cmd::ServiceCommand),
 }
 
 #[derive(Debug, clap::Args)]
@@ -684,6 +688,7 @@ pub fn dispatch(cli: Cli) -> Result<i32> {
         Command::Store(cmd) => crate::store_cmd::store(&reg, cmd),
         Command::Dedup(args) => crate::store_cmd::dedup(&reg, args),
         Command::Network(cmd) => crate::network_cmd::network(&reg, cmd),
+        Command::Service(cmd) => crate::service_cmd::service(&reg, &root, cmd),
     }
 }
 
