@@ -65,13 +65,14 @@ log "R=$R rounds of ${D}s, $C connections, $REPLICAS replicas rejuvenated every 
 
 # run_wrk PORT -> "RPS FAILED"
 run_wrk() {
-    wrk -t2 -c"$C" -d"${D}s" "http://127.0.0.1:$1/" | python3 -c '
+    wrk -t2 -c"$C" -d"${D}s" "http://127.0.0.1:$1/" 2>&1 | python3 -c '
 import re, sys
 t = sys.stdin.read()
-rps = float(re.search(r"Requests/sec:\s+([\d.]+)", t).group(1))
+m = re.search(r"Requests/sec:\s+([\d.]+)", t)
+rps = float(m.group(1)) if m else 0.0
 errs = sum(int(n) for n in re.findall(r"(?:connect|read|write|timeout) (\d+)", t))
 non2xx = re.search(r"Non-2xx or 3xx responses: (\d+)", t)
-print(rps, errs + (int(non2xx.group(1)) if non2xx else 0))'
+print(rps, errs + (int(non2xx.group(1)) if non2xx else 0) + (0 if m else 1))'
 }
 one_rps=() svc_rps=() one_failed=0 svc_failed=0
 for i in $(seq "$R"); do

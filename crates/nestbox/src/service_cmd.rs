@@ -126,12 +126,7 @@ pub fn service(reg: &Registry, root: &Option<PathBuf>, cmd: ServiceCommand) -> R
                 "NAME", "TEMPLATE", "REPLICAS", "PORT", "REJUVENATE", "STATUS"
             );
             for s in all {
-                let active = s
-                    .state
-                    .replicas
-                    .iter()
-                    .filter(|r| r.role == "active")
-                    .count();
+                let active = s.state.active();
                 println!(
                     "{:<20} {:<20} {:>9} {:>11} {:>10} {:>8}",
                     s.spec.name,

@@ -213,50 +213,20 @@ fn service_bad_input_fails_clearly_and_leaves_nothing() {
     assert_error(&out, 125, "no template named \"nope\"");
     root.detached_sh("plain", &["--network", "none"], "sleep 60");
     root.ok(&["freeze", "plain", "--as", "plain-t"]);
-    let out = root.run(&[
-        "service",
-        "create",
-        "s",
-        "--template",
-        "plain-t",
-        "-p",
-        &publish,
-    ]);
-    assert_error(&out, 125, "has no network address to reach replicas on");
-    let out = root.run(&[
-        "service",
-        "create",
-        "s",
-        "--template",
-        "plain-t",
-        "--replicas",
-        "0",
-        "-p",
-        &publish,
-    ]);
-    assert_error(&out, 125, "--replicas 0 is out of range");
-    let out = root.run(&[
-        "service",
-        "create",
-        "s",
-        "--template",
-        "plain-t",
-        "-p",
-        "1:2/udp",
-    ]);
-    assert_error(&out, 125, "a service publishes a TCP port");
-    let out = root.run(&[
-        "service",
-        "create",
-        "s",
-        "--template",
-        "plain-t",
-        "--rejuvenate",
-        "10q",
-        "-p",
-        &publish,
-    ]);
-    assert_error(&out, 125, "--rejuvenate: invalid duration");
+    let cases: [(&[&str], &str); 4] = [
+        (&[], "has no network address to reach replicas on"),
+        (&["--replicas", "0"], "--replicas 0 is out of range"),
+        (&["--rejuvenate", "10q"], "--rejuvenate: invalid duration"),
+        (&["-p", "1:2/udp"], "a service publishes a TCP port"),
+    ];
+    for (extra, message) in cases {
+        let mut args = vec!["service", "create", "s", "--template", "plain-t"];
+        args.extend_from_slice(extra);
+        if !extra.contains(&"-p") {
+            args.extend_from_slice(&["-p", &publish]);
+        }
+        assert_error(&root.run(&args), 125, message);
+    }
     let out = root.run(&["service", "rm", "s"]);
     assert_error(&out, 125, "no service named \"s\"");
     assert!(!root.path().join("run/services/s").exists());

@@ -93,6 +93,24 @@ pub struct ServiceState {
     pub failed: u64,
 }
 
+impl ServiceState {
+    /// How many replicas take connections.
+    pub fn active(&self) -> usize {
+        self.replicas.iter().filter(|r| r.role == "active").count()
+    }
+}
+
+/// Checks a replica count.
+fn check_replicas(replicas: usize) -> Result<()> {
+    if (1..=MAX_REPLICAS).contains(&replicas) {
+        Ok(())
+    } else {
+        Err(invalid(format!(
+            "--replicas {replicas} is out of range: a service has 1 to {MAX_REPLICAS} replicas"
+        )))
+    }
+}
+
 /// A service as recorded.
 #[derive(Debug, Clone, Serialize)]
 pub struct Service {
@@ -166,12 +184,7 @@ impl ServiceSpec {
     pub fn validate(&self, reg: &Registry) -> Result<()> {
         crate::spec::validate_user_name(&self.name)
             .map_err(|_| invalid(format!("invalid service name {:?}: use 1-64 letters, digits, '_', '.' or '-', starting with a letter or digit", self.name)))?;
-        if !(1..=MAX_REPLICAS).contains(&self.replicas) {
-            return Err(invalid(format!(
-                "--replicas {} is out of range: a service has 1 to {MAX_REPLICAS} replicas",
-                self.replicas
-            )));
-        }
+        check_replicas(self.replicas)?;
         if let Some(ms) = self.rejuvenate_ms {
             if Duration::from_millis(ms) < MIN_REJUVENATE {
                 return Err(invalid(format!(
@@ -262,12 +275,7 @@ pub fn wait_ready(roots: &Roots, name: &str, want: Option<usize>) -> Result<()> 
         if let Some(e) = &s.state.error {
             return Err(RuntimeError::Failed(format!("service {name:?}: {e}")));
         }
-        let active = s
-            .state
-            .replicas
-            .iter()
-            .filter(|r| r.role == "active")
-            .count();
+        let active = s.state.active();
         let done = match want {
             None => s.state.ready,
             Some(k) => s.state.ready && active == k,
@@ -295,11 +303,7 @@ pub fn wait_ready(roots: &Roots, name: &str, want: Option<usize>) -> Result<()> 
 /// Set the replica count of service `name` (its supervisor follows).
 pub fn scale(roots: &Roots, name: &str, replicas: usize) -> Result<()> {
     let s = load(roots, name)?;
-    if !(1..=MAX_REPLICAS).contains(&replicas) {
-        return Err(invalid(format!(
-            "--replicas {replicas} is out of range: a service has 1 to {MAX_REPLICAS} replicas"
-        )));
-    }
+    check_replicas(replicas)?;
     if !s.running {
         return Err(invalid(format!(
             "service {name:?} is not running (its supervisor ended): remove it and create it again"
