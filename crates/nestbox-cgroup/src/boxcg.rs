@@ -605,9 +605,7 @@ impl BoxCgroup {
             } else if d.controllers.iter().any(|c| c == "cpu") {
                 if let Some(parent) = d.path.parent() {
                     let cpus = crate::limits::online_cpus() as f64;
-                    if let Err(e) = crate::reserve::after_remove(parent, d.version, cpus) {
-                        first.get_or_insert(e);
-                    }
+                    crate::reserve::after_remove(parent, d.version, cpus);
                 }
             }
         }

@@ -255,22 +255,36 @@ pub(crate) fn after_create(
             nestbox_sys::xattr::set(parent, MARKER, b"1").map_err(|e| xattr_err(parent, e))?;
             rebalance_locked(parent, scale, cpus)
         }
+        // A box without a reservation is made all the same when its
+        // reserved siblings cannot be re-weighed (logged).
         None if marked(parent) => {
-            let _lock = lock(parent)?;
-            rebalance_locked(parent, scale, cpus)
+            let done = lock(parent).and_then(|_lock| rebalance_locked(parent, scale, cpus));
+            if let Err(e) = done {
+                tracing::warn!(
+                    "re-weighing the CPU reservations under {}: {e}",
+                    parent.display()
+                );
+            }
+            Ok(())
         }
         None => Ok(()),
     }
 }
 
 /// After a box directory under `parent` was removed: re-weigh the reserved
-/// children left (none: the marker goes).
-pub(crate) fn after_remove(parent: &Path, version: Version, cpus: f64) -> Result<(), CgroupError> {
+/// children left (none: the marker goes). A failure is logged: the removal
+/// itself succeeded.
+pub(crate) fn after_remove(parent: &Path, version: Version, cpus: f64) {
     if !marked(parent) {
-        return Ok(());
+        return;
     }
-    let _lock = lock(parent)?;
-    rebalance_locked(parent, scale(version), cpus)
+    let done = lock(parent).and_then(|_lock| rebalance_locked(parent, scale(version), cpus));
+    if let Err(e) = done {
+        tracing::warn!(
+            "re-weighing the CPU reservations under {}: {e}",
+            parent.display()
+        );
+    }
 }
 
 #[cfg(test)]
