@@ -57,6 +57,18 @@ print('ok', ok[0], 'failed', failed[0], 'hosts', len(hosts))
 for e in errors[:10]: print('error', e)
 ";
 
+/// Removes service NAME when dropped, so that a failing test leaves no
+/// supervisor behind.
+struct ServiceGuard<'a>(&'a TestRoot, &'a str);
+
+impl Drop for ServiceGuard<'_> {
+    fn drop(&mut self) {
+        let _ = self
+            .0
+            .run_timeout(&["service", "rm", self.1], Duration::from_secs(90));
+    }
+}
+
 fn free_port() -> u16 {
     let l = std::net::TcpListener::bind("0.0.0.0:0").unwrap();
     l.local_addr().unwrap().port()
@@ -112,6 +124,7 @@ fn serial_service_rejuvenates_replicas_without_failing_a_request() {
         )
         .ok();
     assert_eq!(out.stdout.trim(), "svc");
+    let _guard = ServiceGuard(&root, "svc");
     let v = service_json(&root, "svc");
     assert_eq!(active(&v).len(), 3, "{v}");
     assert!(root.ok(&["service", "ls"]).contains("3/3"));

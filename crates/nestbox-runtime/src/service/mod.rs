@@ -127,7 +127,7 @@ pub fn services_dir(roots: &Roots) -> PathBuf {
     roots.run.join("services")
 }
 
-fn dir(roots: &Roots, name: &str) -> PathBuf {
+pub(crate) fn dir(roots: &Roots, name: &str) -> PathBuf {
     services_dir(roots).join(name)
 }
 
@@ -352,7 +352,7 @@ pub fn remove_leftovers(reg: &Registry, name: &str) -> Result<()> {
     Ok(())
 }
 
-/// Whether `dir` holds a service record (used by tests of the layout).
+/// Whether `dir` holds a service record.
 pub fn is_service_dir(dir: &Path) -> bool {
     dir.join("service.json").exists()
 }

@@ -4,7 +4,8 @@
 //! replaced on schedule with `--rejuvenate` (a new replica made and ready
 //! first, then the old one retired from the proxy, then removed once its open
 //! connections have ended or after [`DRAIN_TIMEOUT`]). SIGTERM or SIGINT
-//! stop it: it stops accepting, removes its replicas and exits.
+//! stop it, and so does its record's disappearance (its root removed): it
+//! stops accepting, removes its replicas and exits.
 //!
 //! It makes and removes replicas by running nestbox's own `clone -d` and
 //! `rm -f` as child processes (an exception to "a call, not a shell-out"): the
@@ -155,8 +156,16 @@ impl Supervisor<'_> {
     /// The supervision loop; returns on a stop signal or a failure to start.
     fn keep(&mut self, signals: &SignalFd) -> Result<()> {
         loop {
-            if let Ok(s) = load(self.reg.roots(), &self.spec.name) {
-                self.spec = s.spec;
+            match load(self.reg.roots(), &self.spec.name) {
+                Ok(s) => self.spec = s.spec,
+                // The record is gone (its root removed): nothing to serve.
+                Err(_)
+                    if !super::is_service_dir(&super::dir(self.reg.roots(), &self.spec.name)) =>
+                {
+                    tracing::warn!("service {}: its record is gone; stopping", self.spec.name);
+                    return Ok(());
+                }
+                Err(_) => {}
             }
             if let Err(e) = self.step() {
                 if !self.state.ready {
