@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Install what the benchmarks compare against (runc, bubblewrap) and use
-# (hyperfine if available, jq, python3), from Debian packages. Idempotent:
+# (hyperfine if available, jq, python3, wrk for bench/service.sh), from Debian packages. Idempotent:
 # `apt-get update` runs only when something is missing.
 set -euo pipefail
 
@@ -20,6 +20,7 @@ declare -A wanted=(
     [busybox-static]=busybox
     [iperf3]=iperf3
     [nftables]=nft
+    [wrk]=wrk
 )
 optional=(hyperfine)
 

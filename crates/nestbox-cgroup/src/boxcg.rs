@@ -602,10 +602,32 @@ impl BoxCgroup {
         for d in &self.dirs {
             if let Err(e) = fsutil::remove_dir(&d.path) {
                 first.get_or_insert(e);
+            } else if d.controllers.iter().any(|c| c == "cpu") {
+                if let Some(parent) = d.path.parent() {
+                    let cpus = crate::limits::online_cpus() as f64;
+                    crate::reserve::after_remove(parent, d.version, cpus);
+                }
             }
         }
         first.map_or(Ok(()), Err)
     }
+}
+
+/// Records the box's CPU reservation on its new directory `dir` of the CPU
+/// controller and re-weighs the reserved siblings (see [`crate::reserve`]).
+fn reserved(dir: &Path, version: Version, limits: &Limits) -> Result<(), CgroupError> {
+    let scale = crate::reserve::scale(version);
+    let base = match (version, limits.cpu_shares) {
+        (Version::V1, Some(s)) => s,
+        (Version::V2, Some(s)) => crate::limits::shares_to_weight(s),
+        (_, None) => scale.default,
+    };
+    crate::reserve::after_create(
+        dir,
+        version,
+        limits.cpu_reserve.map(|r| (r, base)),
+        crate::limits::online_cpus() as f64,
+    )
 }
 
 /// Makes the directories of `plan`, recording each in `made`.
@@ -626,6 +648,9 @@ fn build(
         fsutil::make_dir(&dir)?;
         made.push(dir.clone());
         v2::apply(&dir, &enabled, limits)?;
+        if enabled.iter().any(|c| c == "cpu") {
+            reserved(&dir, Version::V2, limits)?;
+        }
         dirs.push(CgroupDir {
             version: Version::V2,
             controllers: enabled,
@@ -637,6 +662,9 @@ fn build(
         fsutil::make_dir(&dir)?;
         made.push(dir.clone());
         v1::apply(&dir, parent, used, limits)?;
+        if used.iter().any(|c| c == "cpu") {
+            reserved(&dir, Version::V1, limits)?;
+        }
         dirs.push(CgroupDir {
             version: Version::V1,
             controllers: used.clone(),

@@ -32,6 +32,10 @@ pub enum Op {
     Rmdir,
     /// Listing a cgroup directory.
     ReadDir,
+    /// Reading or writing an extended attribute of a cgroup directory.
+    Xattr,
+    /// Taking the lock of a cgroup directory.
+    Lock,
 }
 
 impl fmt::Display for Op {
@@ -42,6 +46,8 @@ impl fmt::Display for Op {
             Op::Mkdir => "mkdir",
             Op::Rmdir => "rmdir",
             Op::ReadDir => "readdir",
+            Op::Xattr => "xattr",
+            Op::Lock => "lock",
         })
     }
 }
@@ -70,6 +76,23 @@ pub enum CgroupError {
         err: io::Error,
         /// An explanation for humans, when we know a likely cause.
         hint: Option<String>,
+    },
+    /// A CPU reservation does not fit in what is left to reserve.
+    #[error(
+        "cgroup: --cpu-reserve {wanted}: the boxes under {} already reserve {reserved} of {cpus} CPUs and at most {max} may be reserved",
+        parent.display()
+    )]
+    Overcommitted {
+        /// The reservation asked for, in CPUs.
+        wanted: f64,
+        /// What the parent's other boxes reserve, in CPUs.
+        reserved: f64,
+        /// The CPUs there are.
+        cpus: f64,
+        /// The most that may be reserved in all.
+        max: f64,
+        /// The parent cgroup directory.
+        parent: PathBuf,
     },
     /// A limit failed validation.
     #[error("cgroup: invalid {option}={value}: {reason}")]

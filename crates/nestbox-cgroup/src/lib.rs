@@ -21,7 +21,8 @@
 //! ```
 //!
 //! Modules: [`detect`] finds the hierarchies, [`limits`] describes and
-//! validates limits, `v1`/`v2` write control files, [`boxcg`] is the box's
+//! validates limits, [`reserve`] keeps CPU reservations, `v1`/`v2` write
+//! control files, [`boxcg`] is the box's
 //! cgroup, [`stats`] its usage, [`gc`] finds leftovers, [`error`] the errors.
 
 pub mod boxcg;
@@ -30,6 +31,7 @@ pub mod error;
 mod fsutil;
 pub mod gc;
 pub mod limits;
+pub mod reserve;
 pub mod stats;
 #[cfg(test)]
 mod testfs;

@@ -50,6 +50,12 @@ pub struct Limits {
     /// Relative CPU weight: v1 `cpu.shares`, v2 `cpu.weight` converted with
     /// [`shares_to_weight`].
     pub cpu_shares: Option<u64>,
+    /// CPUs guaranteed to the box whenever it wants them (e.g. `0.5`): its
+    /// weight (v1 `cpu.shares`, v2 `cpu.weight`) is kept high enough against
+    /// its siblings' (see [`crate::reserve`]). Admitted while all reservations
+    /// under the parent fit in [`crate::reserve::RESERVABLE`] of the CPUs.
+    #[serde(default)]
+    pub cpu_reserve: Option<f64>,
     /// CPUs the box may run on, kernel list syntax (`"0-2,4"`).
     pub cpuset_cpus: Option<String>,
     /// I/O weight 10..=1000: v2 `io.weight`, v1 `blkio.weight` or
@@ -205,6 +211,26 @@ impl Limits {
                 ));
             }
         }
+        if let Some(r) = self.cpu_reserve {
+            let most = crate::reserve::RESERVABLE * online as f64;
+            if !r.is_finite() || r <= 0.0 || r > most {
+                return Err(invalid(
+                    "cpu_reserve",
+                    r,
+                    format!(
+                        "must be > 0 and <= {most} ({}% of the {online} online CPUs)",
+                        (crate::reserve::RESERVABLE * 100.0).round()
+                    ),
+                ));
+            }
+            if let Some(c) = self.cpus.filter(|c| *c < r) {
+                return Err(invalid(
+                    "cpu_reserve",
+                    r,
+                    format!("must be <= cpus ({c}): a box cannot be guaranteed more than its cap"),
+                ));
+            }
+        }
         if let Some(s) = self.cpu_shares {
             if !CPU_SHARES_RANGE.contains(&s) {
                 return Err(invalid("cpu_shares", s, "must be in 2..=262144"));
@@ -285,6 +311,9 @@ impl Limits {
         }
         if self.cpu_shares.is_some() {
             v.push(("cpu_shares", "cpu"));
+        }
+        if self.cpu_reserve.is_some() {
+            v.push(("cpu_reserve", "cpu"));
         }
         if self.cpuset_cpus.is_some() {
             v.push(("cpuset_cpus", "cpuset"));

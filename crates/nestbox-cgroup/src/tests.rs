@@ -19,6 +19,7 @@ fn full_limits() -> Limits {
         cpu_shares: Some(512),
         cpuset_cpus: Some("0-1".into()),
         io_weight: Some(500),
+        cpu_reserve: None,
     }
 }
 
@@ -734,4 +735,104 @@ fn prepare_makes_nothing_and_knows_the_join_files() {
         ));
         cg.remove().unwrap();
     }
+}
+
+/// The reservation recorded on a fake cgroup directory, and the parent's marker.
+fn reservation(dir: &Path) -> Option<String> {
+    nestbox_sys::xattr::get(dir, crate::reserve::XATTR)
+        .unwrap()
+        .map(|v| String::from_utf8(v).unwrap())
+}
+
+fn marked(dir: &Path) -> bool {
+    nestbox_sys::xattr::get(dir, crate::reserve::MARKER)
+        .unwrap()
+        .is_some()
+}
+
+#[test]
+fn v2_cpu_reservation_is_weighed_against_siblings_and_admitted() {
+    let tmp = tempfile::tempdir().unwrap();
+    let h = testfs::pure_v2(tmp.path());
+    let parent = tmp.path().join(testfs::V2_REL);
+    let cpus = online_cpus() as f64;
+    // Four heavy siblings first, then the reserved box.
+    let heavy: Vec<BoxCgroup> = (0..4)
+        .map(|i| {
+            let limits = Limits {
+                cpu_shares: Some(4096),
+                ..Default::default()
+            };
+            BoxCgroup::create(&h, &format!("heavy{i}"), &limits).unwrap()
+        })
+        .collect();
+    assert!(!marked(&parent));
+    let limits = Limits {
+        cpu_reserve: Some(0.5),
+        ..Default::default()
+    };
+    let r = BoxCgroup::create(&h, "reserved", &limits).unwrap();
+    let dir = parent.join("nestbox-reserved");
+    assert_eq!(reservation(&dir).as_deref(), Some("0.5 100"));
+    assert!(marked(&parent));
+    let weight = |d: &Path| read(d.join("cpu.weight")).trim().parse::<f64>().unwrap();
+    // Its share when every sibling and `cpus` parent processes are busy.
+    let share = |extra: f64| {
+        let others: f64 = (0..4)
+            .map(|i| weight(&parent.join(format!("nestbox-heavy{i}"))))
+            .sum::<f64>()
+            + extra;
+        weight(&dir) / (weight(&dir) + others + 100.0 * cpus) * cpus
+    };
+    assert!(share(0.0) >= 0.5, "share {}", share(0.0));
+    // A new heavy sibling re-weighs it.
+    let late = BoxCgroup::create(
+        &h,
+        "late",
+        &Limits {
+            cpu_shares: Some(8192),
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let late_w = weight(&parent.join("nestbox-late"));
+    assert!(share(late_w) >= 0.5, "share {}", share(late_w));
+    // Over-commit is refused and leaves nothing.
+    let too_much = Limits {
+        cpu_reserve: Some(0.9 * cpus - 0.25),
+        ..Default::default()
+    };
+    let e = BoxCgroup::create(&h, "greedy", &too_much).unwrap_err();
+    assert!(
+        e.to_string().contains(&format!(
+            "already reserve 0.5 of {cpus} CPUs and at most {} may be reserved",
+            (0.9 * cpus * 100.0).round() / 100.0
+        )),
+        "{e}"
+    );
+    assert!(!parent.join("nestbox-greedy").exists());
+    // Removing the last reserved box drops the parent's marker.
+    late.remove().unwrap();
+    r.remove().unwrap();
+    assert!(!marked(&parent));
+    for cg in heavy {
+        cg.remove().unwrap();
+    }
+}
+
+#[test]
+fn v1_cpu_reservation_with_its_own_shares_keeps_the_larger() {
+    let tmp = tempfile::tempdir().unwrap();
+    let h = testfs::pure_v1(tmp.path());
+    let limits = Limits {
+        cpu_reserve: Some(0.25),
+        cpu_shares: Some(100_000),
+        ..Default::default()
+    };
+    let r = BoxCgroup::create(&h, "own", &limits).unwrap();
+    let dir = r.paths()["cpu"].clone();
+    assert_eq!(reservation(&dir).as_deref(), Some("0.25 100000"));
+    assert_eq!(read(dir.join("cpu.shares")), "100000");
+    r.remove().unwrap();
+    assert!(!marked(dir.parent().unwrap()));
 }

@@ -368,6 +368,7 @@ fn handle(reg: &Registry, line: &str, idle: &mut IdleWork) -> Result<(Value, Fol
                 pooled: false,
                 without_network: false,
                 network: None,
+                disk: None,
             };
             idle.want(&template);
             let mut follow_up = FollowUp::default();

@@ -12,11 +12,11 @@
 //! checked by `tests/layering.rs`):
 //!
 //! ```text
-//! api         the `nestbox serve` request loop
+//! api         the `nestbox serve` request loop; services (rejuvenated clone pools)
 //!  └ templates   freeze, templates, clones, pools, working sets, prepared claims
 //!     └ lifecycle   monitor, launch, init, exec, logs, residency, plain-box operations
 //!        └ network     network glue of a box (leases, attach, release) and the network pool
-//!           └ records     error, diag, paths, size, spec, state, registry, liveness, process
+//!           └ records     error, diag, disk, paths, size, spec, state, registry, liveness, process
 //! ```
 //!
 //! A lower layer never names a higher one. Where the life of a box needs what a
@@ -26,6 +26,7 @@
 
 pub mod api;
 pub mod diag;
+pub mod disk;
 pub mod error;
 pub mod lifecycle;
 pub mod liveness;
@@ -33,6 +34,7 @@ pub mod network;
 pub mod paths;
 pub mod process;
 pub mod registry;
+pub mod service;
 pub mod size;
 pub mod spec;
 pub mod state;

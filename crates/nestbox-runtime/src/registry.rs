@@ -73,11 +73,16 @@ impl BoxRecord {
     pub fn monitor_log_path(&self) -> PathBuf {
         self.lib_dir.join("monitor.log")
     }
-    /// Writable layer `index` of the root view: (upper, work).
+    /// Writable layer `index` of the root view: (upper, work). With a disk
+    /// (`--disk`) they are on it.
     pub fn layer_dirs(&self, index: usize) -> (PathBuf, PathBuf) {
+        let base = match self.spec.disk {
+            Some(_) => crate::disk::mount_point(&self.lib_dir),
+            None => self.lib_dir.clone(),
+        };
         (
-            self.lib_dir.join(format!("upper-{index}")),
-            self.lib_dir.join(format!("work-{index}")),
+            base.join(format!("upper-{index}")),
+            base.join(format!("work-{index}")),
         )
     }
 }
@@ -313,6 +318,7 @@ impl Registry {
 
     /// Delete the record and data of a box (its processes and cgroup must be gone).
     pub fn remove(&self, record: &BoxRecord) -> Result<()> {
+        crate::disk::release(&record.lib_dir)?;
         remove_tree(&record.lib_dir)?;
         // Rename first so the name is free at once and a half-deleted record is never listed.
         let tomb = self.roots.boxes().join(format!(".rm-{}", record.state.id));

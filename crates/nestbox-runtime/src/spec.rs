@@ -89,6 +89,12 @@ pub struct BoxSpec {
     /// every process it starts, by `exec`'d commands and by clones).
     #[serde(default)]
     pub ksm: bool,
+    /// Size in bytes of the box's writable layer (`--disk`): its overlay's
+    /// upper and work directories live on a filesystem of that size (see
+    /// [`crate::disk`]), so writing past it fails with ENOSPC in the box.
+    /// Clones inherit it, each with a disk of its own.
+    #[serde(default)]
+    pub disk: Option<u64>,
 }
 
 /// How a box is connected.
@@ -227,6 +233,9 @@ impl BoxSpec {
             }
         }
         self.limits.validate()?;
+        if let Some(size) = self.disk {
+            crate::disk::validate(size)?;
+        }
         for kv in &self.env {
             if !kv.contains('=') || kv.starts_with('=') {
                 return Err(invalid(format!("invalid --env {kv:?}: expected KEY=VALUE")));
@@ -424,6 +433,7 @@ pub(crate) mod tests_support {
             interactive: false,
             remove_on_exit: false,
             ksm: false,
+            disk: None,
             clone_of: None,
             restore_of: None,
             network: NetSpec::default(),

@@ -193,6 +193,8 @@ fn limits() -> impl Strategy<Value = nestbox_cgroup::Limits> {
                     pids,
                     cpus,
                     cpu_shares,
+                    // Half the cap, when there is one: in range and out of it alike.
+                    cpu_reserve: cpus.map(|c| c / 2.0),
                     cpuset_cpus,
                     io_weight,
                 }
@@ -248,6 +250,7 @@ fn spec() -> impl Strategy<Value = BoxSpec> {
                     interactive: false,
                     remove_on_exit: false,
                     ksm: false,
+                    disk: None,
                     clone_of: None,
                     restore_of: None,
                     network: NetSpec {
@@ -318,6 +321,7 @@ fn stored_spec_json() {
         interactive: false,
         remove_on_exit: false,
         ksm: false,
+        disk: None,
         clone_of: None,
         restore_of: None,
         network: NetSpec::default(),

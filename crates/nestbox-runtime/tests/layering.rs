@@ -11,7 +11,8 @@ const LAYERS: &[(&str, &[&str])] = &[
     (
         "records",
         &[
-            "error", "diag", "paths", "size", "spec", "state", "registry", "liveness", "process",
+            "error", "diag", "disk", "paths", "size", "spec", "state", "registry", "liveness",
+            "process",
         ],
     ),
     ("network", &["network", "network_pool"]),
@@ -38,7 +39,7 @@ const LAYERS: &[(&str, &[&str])] = &[
             "working_set",
         ],
     ),
-    ("api", &["api", "store_ops", "watchdog"]),
+    ("api", &["api", "service", "store_ops", "watchdog"]),
 ];
 
 /// The layer a source file (relative to `src/`) belongs to.

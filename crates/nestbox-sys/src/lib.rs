@@ -13,12 +13,14 @@
 pub mod bpf;
 pub mod fd;
 pub mod link;
+pub mod loopdev;
 pub mod mount;
 pub mod ns;
 pub mod pidfd;
 pub mod process;
 pub mod ptrace;
 pub mod uffd;
+pub mod xattr;
 
 pub use nix::errno::Errno;
 

@@ -81,6 +81,12 @@ pub fn make_private_recursive(path: &Path) -> Result<()> {
     )
 }
 
+/// Unmount the mount at `target` now (`umount2` without flags: EBUSY while
+/// it is in use).
+pub fn unmount(target: &Path) -> Result<()> {
+    umount2(target, MntFlags::empty())
+}
+
 /// Lazily detach the mount at `target` (`umount2(MNT_DETACH)`).
 pub fn detach(target: &Path) -> Result<()> {
     umount2(target, MntFlags::MNT_DETACH)

@@ -213,6 +213,10 @@ enum Command {
     /// Inspect or remove box networks.
     #[command(subcommand)]
     Network(crate::network_cmd::NetworkCommand),
+    /// Services: clones of a template behind one published port, replaced on
+    /// a schedule (rejuvenation) and when they die.
+    #[command(subcommand)]
+    Service(crate::service_cmd::ServiceCommand),
 }
 
 #[derive(Debug, clap::Args)]
@@ -316,6 +320,9 @@ struct CloneArgs {
     network: Option<String>,
     #[command(flatten)]
     resources: ResourceArgs,
+    /// Size of each clone's writable layer (default: its template's --disk).
+    #[arg(long, value_name = "SIZE")]
+    disk: Option<String>,
     /// Template name.
     template: String,
 }
@@ -383,6 +390,10 @@ struct ResourceArgs {
     /// CPU fair-share weight (2..262144, default 1024).
     #[arg(long, value_name = "N")]
     cpu_shares: Option<u64>,
+    /// CPUs guaranteed to the box under any competition (e.g. 0.5); all
+    /// reservations together may take 90% of the CPUs.
+    #[arg(long, value_name = "X")]
+    cpu_reserve: Option<f64>,
     /// CPUs the box may run on (e.g. 0-1,3).
     #[arg(long, value_name = "LIST")]
     cpuset_cpus: Option<String>,
@@ -415,6 +426,7 @@ impl ResourceArgs {
             pids: a.pids,
             cpus: a.cpus,
             cpu_shares: a.cpu_shares,
+            cpu_reserve: a.cpu_reserve,
             cpuset_cpus: a.cpuset_cpus.clone(),
             io_weight: a.io_weight,
         })
@@ -427,6 +439,7 @@ impl ResourceArgs {
             || self.pids.is_some()
             || self.cpus.is_some()
             || self.cpu_shares.is_some()
+            || self.cpu_reserve.is_some()
             || self.cpuset_cpus.is_some()
             || self.io_weight.is_some()
     }
@@ -490,6 +503,10 @@ struct RunArgs {
     /// mergeable memory (KSM; inherited by its clones; see `nestbox ksm`).
     #[arg(long)]
     ksm: bool,
+    /// Size of the box's writable layer (e.g. 1g): writing past it fails
+    /// with ENOSPC in the box (a filesystem image of its own; root only).
+    #[arg(long, value_name = "SIZE")]
+    disk: Option<String>,
     /// Mount a host path: HOST:BOX[:ro] (repeatable).
     #[arg(short, long = "volume", value_name = "HOST:BOX[:ro]")]
     volume: Vec<String>,
@@ -769,6 +786,7 @@ pub fn dispatch(cli: Cli) -> Result<i32> {
         Command::Store(cmd) => crate::store_cmd::store(&reg, cmd),
         Command::Dedup(args) => crate::store_cmd::dedup(&reg, args),
         Command::Network(cmd) => crate::network_cmd::network(&reg, cmd),
+        Command::Service(cmd) => crate::service_cmd::service(&reg, &root, cmd),
     }
 }
 
@@ -882,12 +900,21 @@ fn build_spec(a: RunArgs) -> Result<BoxSpec> {
         interactive: a.interactive,
         remove_on_exit: a.rm,
         ksm: a.ksm,
+        disk: disk_size(&a.disk)?,
         clone_of: None,
         restore_of: None,
         network,
     };
     // Validated by the runtime (ops::run_*) before anything is created.
     Ok(spec)
+}
+
+/// `--disk SIZE` of `run` and `clone`.
+fn disk_size(text: &Option<String>) -> Result<Option<u64>> {
+    text.as_deref()
+        .map(parse_size)
+        .transpose()
+        .context("--disk")
 }
 
 /// `nestbox watchdog`.
@@ -1049,6 +1076,7 @@ fn clone(reg: &Registry, a: CloneArgs) -> Result<i32> {
         },
         on_clone_signal: a.on_clone_signal.as_deref().map(parse_signal).transpose()?,
         pooled: false,
+        disk: disk_size(&a.disk)?,
         without_network: a.network.as_deref() == Some("none"),
         network: match a.network.as_deref() {
             None | Some("none") => None,

@@ -121,6 +121,10 @@ pub fn stats(reg: &Registry, name: &str, as_json: bool) -> Result<()> {
         .ok()
         .and_then(|r| nestbox_runtime::clone::sharing(reg, &r));
     let ksm = ops::ksm(reg, name).ok().flatten();
+    let disk = reg
+        .load(name)
+        .ok()
+        .and_then(|r| nestbox_runtime::disk::usage(r.lib_dir()));
     if as_json {
         let mut v = serde_json::to_value(&s)?;
         if let Some(sh) = sharing {
@@ -128,6 +132,9 @@ pub fn stats(reg: &Registry, name: &str, as_json: bool) -> Result<()> {
         }
         if let Some(k) = &ksm {
             v["ksm"] = serde_json::to_value(k)?;
+        }
+        if let Some(d) = &disk {
+            v["disk"] = serde_json::to_value(d)?;
         }
         println!("{}", serde_json::to_string_pretty(&v)?);
         return Ok(());
@@ -144,6 +151,13 @@ pub fn stats(reg: &Registry, name: &str, as_json: bool) -> Result<()> {
         format_size(s.memory_peak),
         s.pids_current
     );
+    if let Some(d) = disk {
+        println!(
+            "disk: {} used of {}",
+            format_size(d.used_bytes),
+            format_size(d.limit_bytes)
+        );
+    }
     if let Some(k) = ksm.filter(|k| k.mergeable_processes > 0 || k.merging_pages > 0) {
         println!(
             "ksm: {} pages merged, {} saved (net)",

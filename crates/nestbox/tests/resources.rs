@@ -304,3 +304,242 @@ fn serial_cpu_shares_2_to_1() {
         "shares 2048:1024 on one CPU gave a CPU-time ratio of {ratio:.3}"
     );
 }
+
+/// Loop devices whose backing file is under `dir`.
+fn loops_backed_under(dir: &std::path::Path) -> Vec<String> {
+    let mut out = Vec::new();
+    for e in std::fs::read_dir("/sys/block").unwrap().flatten() {
+        let backing = e.path().join("loop/backing_file");
+        if let Ok(f) = std::fs::read_to_string(&backing) {
+            if f.trim().starts_with(&*dir.to_string_lossy()) {
+                out.push(format!(
+                    "{} -> {}",
+                    e.file_name().to_string_lossy(),
+                    f.trim()
+                ));
+            }
+        }
+    }
+    out
+}
+
+/// Mount points (host mount namespace) under `dir`.
+fn mounts_under(dir: &std::path::Path) -> Vec<String> {
+    let dir = dir.to_string_lossy().to_string();
+    std::fs::read_to_string("/proc/self/mountinfo")
+        .unwrap()
+        .lines()
+        .filter_map(|l| l.split(' ').nth(4).map(str::to_string))
+        .filter(|m| m.starts_with(&dir))
+        .collect()
+}
+
+/// Files named `disk.img` under `dir`.
+fn disk_images_under(dir: &std::path::Path) -> Vec<std::path::PathBuf> {
+    let mut out = Vec::new();
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        let Ok(entries) = std::fs::read_dir(&d) else {
+            continue;
+        };
+        for e in entries.flatten() {
+            let Ok(t) = e.file_type() else { continue };
+            if t.is_dir() && !t.is_symlink() {
+                stack.push(e.path());
+            } else if e.file_name() == "disk.img" {
+                out.push(e.path());
+            }
+        }
+    }
+    out
+}
+
+#[track_caller]
+fn assert_no_disk_left(root: &TestRoot) {
+    assert_eq!(loops_backed_under(root.path()), Vec::<String>::new());
+    assert_eq!(mounts_under(root.path()), Vec::<String>::new());
+    assert_eq!(
+        disk_images_under(root.path()),
+        Vec::<std::path::PathBuf>::new()
+    );
+}
+
+#[test]
+fn disk_quota_fails_writes_past_it_with_enospc_in_the_box_only() {
+    let Some(root) = TestRoot::new("disk_quota_fails_writes_past_it_with_enospc_in_the_box_only")
+    else {
+        return;
+    };
+    // Write MiB by MiB until the kernel refuses; report the errno by name.
+    let fill = "import errno, os, time
+n = 0
+try:
+    with open('/fill', 'wb') as f:
+        while n < 200:
+            f.write(b'x' * (1 << 20))
+            f.flush()
+            os.fsync(f.fileno())
+            n += 1
+    print('wrote', n, flush=True)
+except OSError as e:
+    print('errno', errno.errorcode[e.errno], 'after', n, flush=True)
+time.sleep(60)
+";
+    root.run(&[
+        "run",
+        "-d",
+        "--name",
+        "disk-full",
+        "--network",
+        "none",
+        "--disk",
+        "16m",
+        "--",
+        "python3",
+        "-c",
+        fill,
+    ])
+    .ok();
+    let log = root.wait_log("disk-full", "after", START);
+    let after: u64 = log
+        .lines()
+        .find(|l| l.contains("after"))
+        .and_then(|l| l.split_whitespace().last())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("{log}"));
+    assert!(
+        log.contains("errno ENOSPC after"),
+        "the box must get ENOSPC: {log}"
+    );
+    assert!(
+        (8..=16).contains(&after),
+        "a 16m layer holds 8..16 MiB of data, the box wrote {after} MiB"
+    );
+    // Usage: used near the limit, limit at most the size asked.
+    let s: serde_json::Value =
+        serde_json::from_str(&root.ok(&["stats", "--json", "disk-full"])).unwrap();
+    let used = s["disk"]["used_bytes"]
+        .as_u64()
+        .unwrap_or_else(|| panic!("{s}"));
+    let limit = s["disk"]["limit_bytes"]
+        .as_u64()
+        .unwrap_or_else(|| panic!("{s}"));
+    assert!((12 << 20..=16 << 20).contains(&limit), "{s}");
+    assert!(used >= after << 20 && used <= limit, "{s}");
+    assert!(root.ok(&["stats", "disk-full"]).contains("disk: "));
+    // The other boxes and the host are not limited by it: a box without --disk
+    // and a box with a disk of its own write more than the full box could.
+    for opts in [
+        &["--rm", "--network", "none"][..],
+        &["--rm", "--network", "none", "--disk", "64m"][..],
+    ] {
+        let out = root.py(
+            opts,
+            "open('/big', 'wb').write(b'y' * (32 << 20)); print('ok')",
+        );
+        assert_eq!(out.ok().stdout, "ok\n");
+    }
+    let host_file = root.path().join("host-file");
+    std::fs::write(&host_file, vec![7u8; 32 << 20]).expect("the host writes");
+    std::fs::remove_file(&host_file).unwrap();
+    root.rm_all(["disk-full"]);
+    assert_no_disk_left(&root);
+
+    // A box whose monitor and init die by SIGKILL: gc releases its disk.
+    root.detached_sh(
+        "disk-killed",
+        &["--network", "none", "--disk", "16m"],
+        "echo ready; sleep 60",
+    );
+    root.wait_log("disk-killed", "ready", START);
+    assert_eq!(mounts_under(root.path()).len(), 1);
+    let v = root.inspect("disk-killed");
+    for key in ["monitor_pid", "init_pid"] {
+        let pid = v["state"][key].as_i64().expect(key) as i32;
+        nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), nix::sys::signal::SIGKILL).unwrap();
+    }
+    wait_for("the box to be dead", START, || {
+        root.status("disk-killed").as_deref() != Some("running")
+    });
+    root.ok(&["gc"]);
+    assert_eq!(root.status("disk-killed"), None);
+    assert_no_disk_left(&root);
+
+    // Bad sizes fail clearly and leave nothing.
+    let out = root.run(&["run", "--disk", "1m", "--", "true"]);
+    assert_error(&out, 125, "--disk 1048576 bytes is out of range");
+    let out = root.run(&["run", "--disk", "lots", "--", "true"]);
+    assert_error(&out, 125, "--disk: invalid size");
+    assert_no_disk_left(&root);
+}
+
+#[test]
+fn serial_cpu_reserve_holds_next_to_four_busy_boxes_with_larger_shares() {
+    let Some(root) =
+        TestRoot::new("serial_cpu_reserve_holds_next_to_four_busy_boxes_with_larger_shares")
+    else {
+        return;
+    };
+    let busy = "while True: pass";
+    root.run(&[
+        "run",
+        "-d",
+        "--name",
+        "res-reserved",
+        "--network",
+        "none",
+        "--cpu-reserve",
+        "0.5",
+        "--",
+        "python3",
+        "-c",
+        busy,
+    ])
+    .ok();
+    // Four boxes, each with four times the default shares and two busy
+    // processes: together they could take both CPUs many times over.
+    let two_busy = format!("python3 -c '{busy}' & python3 -c '{busy}'; wait");
+    for i in 0..4 {
+        let name = format!("res-hog-{i}");
+        root.detached_sh(
+            &name,
+            &["--network", "none", "--cpu-shares", "4096"],
+            &two_busy,
+        );
+    }
+    let cpu = |name: &str| root.stats(name)["cpu_usage_ns"].as_u64().unwrap() as f64;
+    std::thread::sleep(Duration::from_secs(1)); // all busy and competing
+    let (r0, h0) = (cpu("res-reserved"), cpu("res-hog-0"));
+    let t0 = std::time::Instant::now();
+    std::thread::sleep(Duration::from_secs(4));
+    let (r1, h1) = (cpu("res-reserved"), cpu("res-hog-0"));
+    let wall = t0.elapsed().as_secs_f64();
+    let reserved = (r1 - r0) / 1e9 / wall;
+    let hog = (h1 - h0) / 1e9 / wall;
+    eprintln!(
+        "serial_cpu_reserve: reserved box {reserved:.3} CPU, one hog {hog:.3} CPU (load {})",
+        std::fs::read_to_string("/proc/loadavg")
+            .unwrap_or_default()
+            .trim()
+    );
+    assert!(
+        reserved >= 0.9 * 0.5,
+        "a box reserving 0.5 CPU got {reserved:.3} CPU next to four busy boxes with 4x its shares"
+    );
+    // Reservations beyond 90% of the CPUs are refused, clearly.
+    let cpus = std::thread::available_parallelism().unwrap().get() as f64;
+    let out = root.run(&[
+        "run",
+        "--network",
+        "none",
+        "--cpu-reserve",
+        &format!("{}", 0.9 * cpus - 0.25),
+        "--",
+        "true",
+    ]);
+    assert_error(&out, 125, "already reserve 0.5 of");
+    let out = root.run(&["run", "--cpu-reserve", "0", "--", "true"]);
+    assert_error(&out, 125, "cgroup: invalid cpu_reserve=0: must be > 0");
+    let out = root.run(&["run", "--cpus", "0.2", "--cpu-reserve", "0.5", "--", "true"]);
+    assert_error(&out, 125, "must be <= cpus (0.2)");
+}

@@ -606,6 +606,9 @@ fn launch_plan(
             }
         }
     }
+    if let Some(size) = spec.disk {
+        crate::disk::ensure_mounted(record.lib_dir(), size, owner)?;
+    }
     let mut layers = Vec::new();
     for (i, layer) in view.layers.into_iter().enumerate() {
         let (upper, work) = record.layer_dirs(i);

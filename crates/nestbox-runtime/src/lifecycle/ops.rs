@@ -509,6 +509,8 @@ pub fn gc(reg: &Registry) -> Result<GcReport> {
         } else if is_live(&name) {
             continue;
         }
+        // A data directory no box owns may still have its disk mounted.
+        crate::disk::release(&dir)?;
         crate::registry::remove_tree(&dir)?;
         report.dirs.push(dir.display().to_string());
     }

@@ -55,6 +55,8 @@ pub struct CloneRequest {
     /// Put each clone on this network (`--network NAME`; `bridge` or
     /// `default`: the root's default network) instead of its template's.
     pub network: Option<String>,
+    /// Size of each clone's writable layer (`--disk`; `None`: the template's).
+    pub disk: Option<u64>,
 }
 
 /// One clone made.
@@ -191,12 +193,16 @@ pub fn clone_template_answer_first(
     let mut rest = Vec::new();
     for name in names {
         // Pooled clones have the template's settings: a request with its own is forked.
-        let claimed =
-            if req.pooled || req.limits.is_some() || req.without_network || req.network.is_some() {
-                None
-            } else {
-                claim_pooled(reg, &t, &name, req, &mut follow_up)?
-            };
+        let claimed = if req.pooled
+            || req.limits.is_some()
+            || req.without_network
+            || req.network.is_some()
+            || req.disk.is_some()
+        {
+            None
+        } else {
+            claim_pooled(reg, &t, &name, req, &mut follow_up)?
+        };
         match claimed {
             Some(c) => made.push(c),
             None => rest.push(name),
@@ -399,6 +405,9 @@ fn clone_spec(t: &BoxRecord, name: &str, req: &CloneRequest) -> BoxSpec {
     }
     if let Some(limits) = &req.limits {
         spec.limits = limits.clone();
+    }
+    if req.disk.is_some() {
+        spec.disk = req.disk;
     }
     spec.clone_of = Some(CloneSource {
         template_box: t.name().to_string(),

@@ -1,0 +1,247 @@
+//! Services seen from outside: K clones of a template behind one host port;
+//! a load of new connections for 60 s through many rejuvenations fails no
+//! request; a replica that dies is replaced; scale and rm; bad input fails
+//! clearly and leaves nothing.
+
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+
+const START: Duration = Duration::from_secs(20);
+
+/// An HTTP server answering its hostname (the replica's box name).
+const SERVER: &str = "import http.server, socket
+class H(http.server.BaseHTTPRequestHandler):
+    protocol_version = 'HTTP/1.0'
+    def do_GET(self):
+        body = socket.gethostname().encode()
+        self.send_response(200)
+        self.send_header('Content-Length', str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+    def log_message(self, *a):
+        pass
+s = http.server.ThreadingHTTPServer(('0.0.0.0', 8080), H)
+print('ready', flush=True)
+s.serve_forever()
+";
+
+/// A bounded load: THREADS threads, each opening a new connection per
+/// request, for SECONDS; prints `ok N failed M hosts H` and the failures.
+const CLIENT: &str = "import sys, threading, time, urllib.request
+port, seconds, threads = int(sys.argv[1]), float(sys.argv[2]), int(sys.argv[3])
+ok, failed, hosts, errors = [0], [0], set(), []
+lock = threading.Lock()
+end = time.time() + seconds
+def work():
+    while time.time() < end:
+        try:
+            with urllib.request.urlopen(f'http://127.0.0.1:{port}/', timeout=10) as r:
+                body = r.read().decode()
+                good = r.status == 200 and body.startswith('svc.r')
+        except Exception as e:
+            good, body = False, repr(e)
+        with lock:
+            if good:
+                ok[0] += 1
+                hosts.add(body)
+            else:
+                failed[0] += 1
+                errors.append(body)
+ts = [threading.Thread(target=work) for _ in range(threads)]
+for t in ts: t.start()
+for t in ts: t.join()
+print('ok', ok[0], 'failed', failed[0], 'hosts', len(hosts))
+for e in errors[:10]: print('error', e)
+";
+
+/// Removes service NAME when dropped, so that a failing test leaves no
+/// supervisor behind.
+struct ServiceGuard<'a>(&'a TestRoot, &'a str);
+
+impl Drop for ServiceGuard<'_> {
+    fn drop(&mut self) {
+        let _ = self
+            .0
+            .run_timeout(&["service", "rm", self.1], Duration::from_secs(90));
+    }
+}
+
+fn free_port() -> u16 {
+    let l = std::net::TcpListener::bind("0.0.0.0:0").unwrap();
+    l.local_addr().unwrap().port()
+}
+
+fn service_json(root: &TestRoot, name: &str) -> serde_json::Value {
+    serde_json::from_str(&root.ok(&["service", "inspect", name])).unwrap()
+}
+
+fn active(v: &serde_json::Value) -> Vec<String> {
+    v["state"]["replicas"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|r| r["role"] == "active")
+        .map(|r| r["name"].as_str().unwrap().to_string())
+        .collect()
+}
+
+#[test]
+fn serial_service_rejuvenates_replicas_without_failing_a_request() {
+    let Some(root) = TestRoot::new("serial_service_rejuvenates_replicas_without_failing_a_request")
+    else {
+        return;
+    };
+    let server = root.path().join("server.py");
+    std::fs::write(&server, SERVER).unwrap();
+    let volume = format!("{}:/srv.py:ro", server.display());
+    root.run(&[
+        "run", "-d", "--name", "svc-t", "-v", &volume, "--", "python3", "/srv.py",
+    ])
+    .ok();
+    root.wait_log("svc-t", "ready", START);
+    root.ok(&["freeze", "svc-t", "--as", "svc"]);
+    let port = free_port();
+    let publish = format!("{port}:8080");
+    let out = root
+        .run_timeout(
+            &[
+                "service",
+                "create",
+                "svc",
+                "--template",
+                "svc",
+                "--replicas",
+                "3",
+                "--rejuvenate",
+                "9s",
+                "-p",
+                &publish,
+            ],
+            Duration::from_secs(120),
+        )
+        .ok();
+    assert_eq!(out.stdout.trim(), "svc");
+    let _guard = ServiceGuard(&root, "svc");
+    let v = service_json(&root, "svc");
+    assert_eq!(active(&v).len(), 3, "{v}");
+    assert!(root.ok(&["service", "ls"]).contains("3/3"));
+    for r in active(&v) {
+        root.inspect(&r); // remembered for the final leak checks
+    }
+
+    // 60 s of new connections: a replica is replaced every 3 s.
+    let client = std::process::Command::new("python3")
+        .args(["-c", CLIENT, &port.to_string(), "60", "4"])
+        .output()
+        .expect("run the client");
+    let report = String::from_utf8_lossy(&client.stdout).to_string();
+    eprintln!("service load: {report}");
+    let v = service_json(&root, "svc");
+    let field = |k: &str| -> u64 {
+        report
+            .split_whitespace()
+            .skip_while(|w| *w != k)
+            .nth(1)
+            .and_then(|n| n.parse().ok())
+            .unwrap_or_else(|| panic!("{k} in {report:?}"))
+    };
+    let log = std::fs::read_to_string(root.path().join("run/services/svc/log")).unwrap_or_default();
+    assert_eq!(
+        field("failed"),
+        0,
+        "no request may fail: {report}\n{v}\nsupervisor log:\n{log}"
+    );
+    assert!(field("ok") >= 600, "{report}");
+    eprintln!("supervisor log:\n{log}");
+    let rejuvenated = v["state"]["rejuvenated"].as_u64().unwrap();
+    assert!(rejuvenated >= 12, "a replica every 3 s for 60 s: {v}");
+    assert!(
+        field("hosts") >= rejuvenated,
+        "the answers come from the fresh replicas: {report}\n{v}"
+    );
+    assert_eq!(v["state"]["failed"], 0, "{v}");
+
+    // A replica that dies is replaced.
+    let victim = active(&v)[0].clone();
+    let init = root.inspect(&victim)["state"]["init_pid"].as_i64().unwrap() as i32;
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(init), nix::sys::signal::SIGKILL).unwrap();
+    wait_for("the dead replica to be replaced", START, || {
+        let v = service_json(&root, "svc");
+        v["state"]["replaced_dead"].as_u64() >= Some(1) && active(&v).len() == 3
+    });
+    assert!(!active(&service_json(&root, "svc")).contains(&victim));
+    assert_eq!(
+        root.status(&victim),
+        None,
+        "the dead replica's box is removed"
+    );
+
+    // Scale down and up.
+    root.run_timeout(&["service", "scale", "svc", "2"], Duration::from_secs(60))
+        .ok();
+    assert_eq!(active(&service_json(&root, "svc")).len(), 2);
+    root.run_timeout(&["service", "scale", "svc", "4"], Duration::from_secs(60))
+        .ok();
+    let v = service_json(&root, "svc");
+    assert_eq!(active(&v).len(), 4);
+    for r in active(&v) {
+        root.inspect(&r);
+    }
+
+    // rm: the supervisor, every replica and the record go; the port is free.
+    let supervisor = v["state"]["supervisor"]["pid"].as_i64().unwrap() as i32;
+    root.run_timeout(&["service", "rm", "svc"], Duration::from_secs(90))
+        .ok();
+    assert!(!pid_alive(supervisor));
+    let left: Vec<String> = root
+        .names()
+        .into_iter()
+        .filter(|n| n.starts_with("svc.r"))
+        .collect();
+    assert!(left.is_empty(), "replicas left: {left:?}");
+    assert!(!root.path().join("run/services/svc").exists());
+    std::net::TcpListener::bind(("0.0.0.0", port)).expect("the port is free again");
+    root.rm_all(["svc-t"]);
+}
+
+#[test]
+fn service_bad_input_fails_clearly_and_leaves_nothing() {
+    let Some(root) = TestRoot::new("service_bad_input_fails_clearly_and_leaves_nothing") else {
+        return;
+    };
+    let port = free_port().to_string();
+    let publish = format!("{port}:8080");
+    let out = root.run(&[
+        "service",
+        "create",
+        "s",
+        "--template",
+        "nope",
+        "-p",
+        &publish,
+    ]);
+    assert_error(&out, 125, "no template named \"nope\"");
+    root.detached_sh("plain", &["--network", "none"], "sleep 60");
+    root.ok(&["freeze", "plain", "--as", "plain-t"]);
+    let cases: [(&[&str], &str); 4] = [
+        (&[], "has no network address to reach replicas on"),
+        (&["--replicas", "0"], "--replicas 0 is out of range"),
+        (&["--rejuvenate", "10q"], "--rejuvenate: invalid duration"),
+        (&["-p", "1:2/udp"], "a service publishes a TCP port"),
+    ];
+    for (extra, message) in cases {
+        let mut args = vec!["service", "create", "s", "--template", "plain-t"];
+        args.extend_from_slice(extra);
+        if !extra.contains(&"-p") {
+            args.extend_from_slice(&["-p", &publish]);
+        }
+        assert_error(&root.run(&args), 125, message);
+    }
+    let out = root.run(&["service", "rm", "s"]);
+    assert_error(&out, 125, "no service named \"s\"");
+    assert!(!root.path().join("run/services/s").exists());
+    root.rm_all(["plain"]);
+}
