@@ -72,7 +72,26 @@ pub struct Server {
     pub memory_mb: u64,
     sandboxes: Mutex<HashMap<String, Arc<Sandbox>>>,
     /// Templates made by snapshots (removed when the server ends).
-    snapshots: Mutex<Vec<String>>,
+    snapshots: Mutex<Vec<Snapshot>>,
+}
+
+/// A snapshot: the frozen box a sandbox's state was kept in, a template
+/// sandboxes are created from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Snapshot {
+    /// Its id: the template's name.
+    pub id: String,
+    /// The name given at its making, if any (also usable as a template id).
+    pub name: Option<String>,
+    /// The sandbox it was taken of.
+    pub sandbox_id: String,
+}
+
+impl Snapshot {
+    /// The names the API shows for it.
+    pub fn names(&self) -> Vec<String> {
+        vec![self.name.clone().unwrap_or_else(|| self.id.clone())]
+    }
 }
 
 impl Server {
@@ -96,14 +115,39 @@ impl Server {
         self.lock().remove(id)
     }
 
-    fn keep_snapshot(&self, name: &str) {
-        self.snapshots
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .push(name.to_string());
+    fn snapshot_list(&self) -> std::sync::MutexGuard<'_, Vec<Snapshot>> {
+        self.snapshots.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    fn all(&self) -> Vec<Arc<Sandbox>> {
+    fn keep_snapshot(&self, snapshot: Snapshot) {
+        self.snapshot_list().push(snapshot);
+    }
+
+    /// Every snapshot, oldest first.
+    fn all_snapshots(&self) -> Vec<Snapshot> {
+        self.snapshot_list().clone()
+    }
+
+    /// Forget the snapshot of id (or name) `key`, if there is one.
+    fn take_snapshot(&self, key: &str) -> Option<Snapshot> {
+        let mut list = self.snapshot_list();
+        let i = list
+            .iter()
+            .position(|s| s.id == key || s.name.as_deref() == Some(key))?;
+        Some(list.remove(i))
+    }
+
+    /// The template behind template id `key`: a snapshot's name is taken for
+    /// its id; anything else is itself.
+    fn template_of(&self, key: &str) -> String {
+        self.snapshot_list()
+            .iter()
+            .find(|s| s.name.as_deref() == Some(key))
+            .map_or_else(|| key.to_string(), |s| s.id.clone())
+    }
+
+    /// Every sandbox.
+    pub fn all(&self) -> Vec<Arc<Sandbox>> {
         self.lock().values().cloned().collect()
     }
 
@@ -111,6 +155,9 @@ impl Server {
     pub fn handle(self: &Arc<Self>, req: Request) -> Response {
         match req.header("e2b-sandbox-id").map(String::from) {
             Some(id) => envd::handle(self, &id, &req),
+            None if req.path == "/files" && req.query("signature").is_some() => {
+                envd::signed_files(self, &req)
+            }
             None if envd_route(&req.path) => {
                 let e = E2bError::NoSandboxHeader;
                 Response::json(
@@ -201,10 +248,10 @@ fn http_main(server: Server, listener: TcpListener, base_pool: u32) -> ! {
             }
             let snapshots =
                 std::mem::take(&mut *server.snapshots.lock().unwrap_or_else(|p| p.into_inner()));
-            for name in snapshots {
+            for snapshot in snapshots {
                 let _ = server
                     .nestbox
-                    .run("remove a snapshot", &["rm", "-f", &name]);
+                    .run("remove a snapshot", &["rm", "-f", &snapshot.id]);
             }
             nestbox_sys_exit(0);
         });

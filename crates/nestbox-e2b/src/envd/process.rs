@@ -41,6 +41,9 @@ enum Event {
     Stderr(Vec<u8>),
     Pty(Vec<u8>),
     End(i32),
+    /// The sandbox was removed: its streams are cut, as the connection to a
+    /// VM that is gone is (the SDK then finds the sandbox gone).
+    Gone,
 }
 
 /// Who listens to a process, and whether it has ended.
@@ -88,7 +91,7 @@ impl Proc {
 
     fn publish(&self, event: Event) {
         let mut l = self.listeners.lock().unwrap_or_else(|p| p.into_inner());
-        if matches!(event, Event::End(_)) {
+        if matches!(event, Event::End(_) | Event::Gone) {
             l.ended = true;
         }
         l.senders.retain(|s| s.send(event.clone()).is_ok());
@@ -178,7 +181,16 @@ impl Table {
         found.ok_or_else(|| E2bError::NotFound(format!("process {selector} not found")))
     }
 
-    /// Kill every process (the sandbox goes).
+    /// Cut the streams of every process, then kill them (the sandbox is
+    /// removed).
+    pub fn remove_all(&self) {
+        for p in self.lock().values() {
+            p.publish(Event::Gone);
+        }
+        self.kill_all();
+    }
+
+    /// Kill every process (the sandbox is paused: its streams see them end).
     pub fn kill_all(&self) {
         let procs: Vec<Arc<Proc>> = self.lock().values().cloned().collect();
         for p in procs {
@@ -681,6 +693,12 @@ fn stream(
                             );
                         }
                         connect::send(w, &json!({"event": {"keepalive": {}}}))?;
+                    }
+                    Ok(Event::Gone) => {
+                        return Err(std::io::Error::other(format!(
+                            "the sandbox of process {} was removed",
+                            p.pid
+                        )))
                     }
                     Err(RecvTimeoutError::Disconnected) => return connect::end(w, None),
                 }
