@@ -58,6 +58,26 @@ fn body(req: &Request) -> Result<Value> {
 }
 
 fn route(server: &Arc<Server>, req: &Request) -> Result<Response> {
+    let response = route_inner(server, req)?;
+    // What a call on one sandbox changed (end of life, box, phase) is
+    // recorded (create, fork and kill keep their records themselves).
+    if let (true, Some(id)) = (req.method == "POST", sandbox_of(&req.path)) {
+        if let Ok(s) = server.sandbox(id) {
+            server.persist(&s);
+        }
+    }
+    Ok(response)
+}
+
+/// The sandbox id of a `/sandboxes/ID/…` or `/v2/sandboxes/ID/…` path.
+fn sandbox_of(path: &str) -> Option<&str> {
+    let path = path.strip_prefix("/v2").unwrap_or(path);
+    let rest = path.strip_prefix("/sandboxes/")?;
+    let id = rest.split('/').next()?;
+    (!id.is_empty() && rest.len() > id.len()).then_some(id)
+}
+
+fn route_inner(server: &Arc<Server>, req: &Request) -> Result<Response> {
     let path = req.path.trim_end_matches('/');
     let path = path.strip_prefix("/v2").unwrap_or(path);
     let parts: Vec<&str> = path.split('/').skip(1).collect();
@@ -511,8 +531,9 @@ pub fn reaper(server: Arc<Server>, period: Duration) {
                 continue;
             }
             if s.auto_pause {
-                if let Err(e) = pause(&server, &s.id) {
-                    tracing::error!("e2b: pausing expired sandbox {}: {e}", s.id);
+                match pause(&server, &s.id) {
+                    Ok(()) => server.persist(&s),
+                    Err(e) => tracing::error!("e2b: pausing expired sandbox {}: {e}", s.id),
                 }
             } else if let Err(e) = kill(&server, &s.id) {
                 tracing::error!("e2b: removing expired sandbox {}: {e}", s.id);
