@@ -13,45 +13,42 @@
 # into a private venv (E2B_SUITE_VENV, default
 # /var/cache/nestbox/e2b-sdk-suite-VERSION), made on the first run.
 #
-# The server runs on a private root (/tmp/nestbox-test-e2bsuite-*) and a
-# free loopback port, as root; everything it made is removed at the end.
+# The server runs on a private root (/tmp/nestbox-test-e2bsuite.*) and a
+# free loopback port, as root, with the binary NESTBOX_BIN (default
+# target/debug/nestbox); everything it made is removed at the end (the bench
+# helpers' nestbox_clean_root: boxes, network, root).
 # The tests this server cannot pass are deselected, each with its reason
 # below (the same list is in docs/e2b.md). Exit status: pytest's.
 set -euo pipefail
 
-here=$(cd "$(dirname "$0")/.." && pwd)
 checkout=/work/.mirror/e2b-dev+E2B/repo
 if [ $# -gt 0 ] && [ "$1" != "--" ]; then checkout=$1; shift; fi
 [ "${1:-}" = "--" ] && shift
-nestbox=${NESTBOX:-$here/target/debug/nestbox}
+here=$(cd "$(dirname "$0")/.." && pwd)
+# The bench helpers: require_root, nestbox_clean_root, remove_tmpdir, log.
+NESTBOX_BIN=${NESTBOX_BIN:-${NESTBOX:-$here/target/debug/nestbox}}
+source "$here/bench/lib/common.sh"
 
 if [ ! -d "$checkout" ]; then
   echo "e2b-sdk-suite: no E2B checkout at $checkout (give the path of a clone of github.com/e2b-dev/E2B)" >&2
   exit 2
 fi
-if [ ! -x "$nestbox" ]; then
-  echo "e2b-sdk-suite: no nestbox binary at $nestbox (cargo build -p nestbox, or set NESTBOX)" >&2
-  exit 2
-fi
-if [ "$(id -u)" != 0 ]; then
-  echo "e2b-sdk-suite: must run as root (nestbox serve makes boxes)" >&2
-  exit 2
-fi
+[ -x "$NESTBOX" ] || die "no nestbox binary at $NESTBOX (cargo build -p nestbox, or set NESTBOX_BIN)"
+require_root
 
 work=$(mktemp -d /tmp/e2b-sdk-suite-XXXXXX)
-root=$(mktemp -d /tmp/nestbox-test-e2bsuite-XXXXXX)
+root=$(make_tmpdir nestbox-test-e2bsuite)
 server=
 cleanup() {
   if [ -n "$server" ]; then
     kill -TERM "$server" 2>/dev/null || true
     wait "$server" 2>/dev/null || true
   fi
-  # What the server left (its `base` template, a box of a failed test).
-  mapfile -t left < <("$nestbox" --root "$root" ps -a --json 2>/dev/null |
-    python3 -c 'import json,sys; [print(b["name"]) for b in json.load(sys.stdin)]' 2>/dev/null || true)
-  if [ "${#left[@]}" -gt 0 ]; then "$nestbox" --root "$root" rm -f "${left[@]}" >/dev/null 2>&1 || true; fi
-  "$nestbox" --root "$root" gc >/dev/null 2>&1 || true
-  rm -rf "$root" "$work"
+  # The sandboxes stay after the server (for the next one): every box of the
+  # root goes, then its network and the root itself.
+  nestbox_clean_root "$root"
+  remove_tmpdir "$root"
+  rm -rf "$work"
 }
 trap cleanup EXIT
 
@@ -117,7 +114,7 @@ done
 
 port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
 key=e2b_$(head -c 20 /dev/urandom | od -An -tx1 | tr -d ' \n')
-"$nestbox" --root "$root" serve --socket "$root/api.sock" --http "127.0.0.1:$port" --api-key "$key" \
+"$NESTBOX" --root "$root" serve --socket "$root/api.sock" --http "127.0.0.1:$port" --api-key "$key" \
   </dev/null >"$work/serve.log" 2>&1 &
 server=$!
 for _ in $(seq 200); do
