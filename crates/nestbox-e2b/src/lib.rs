@@ -13,7 +13,8 @@
 //! connection; it asks the clone server for clones, the in-box agent
 //! ([`envd::agent`]) for commands, and runs the `nestbox` binary for
 //! everything else ([`nestbox`]). SIGTERM or SIGINT to the parent ends both;
-//! the child removes the sandboxes it made before it exits.
+//! the sandboxes stay, and their records ([`records`]) let the next server
+//! of the root take them up.
 
 pub mod base;
 pub mod control;
