@@ -308,12 +308,14 @@ fn e2b_sdk_sandboxes_survive_a_server_restart() {
 from e2b import Sandbox
 a = Sandbox.create(metadata={"who": "a"}, timeout=300)
 a.files.write("kept.txt", "still here")
+# (A snapshot freezes the box: commands started through envd do not survive it.)
+snap = a.create_snapshot(name="kept-snap")
 a.commands.run("sleep 600", background=True)
 b = Sandbox.create(metadata={"who": "b"})
 b.commands.run("echo paused > state.txt")
 assert b.pause() is True
 c = Sandbox.create(metadata={"who": "c"}, timeout=2)
-print("ids", a.sandbox_id, b.sandbox_id, c.sandbox_id)
+print("ids", a.sandbox_id, b.sandbox_id, c.sandbox_id, snap.snapshot_id)
 print("done")
 "#);
     let ids: Vec<String> = out
@@ -331,7 +333,7 @@ print("done")
         r#"
 import time
 from e2b import Sandbox, SandboxQuery, SandboxState, SandboxNotFoundException
-a_id, b_id, c_id = {ids:?}
+a_id, b_id, c_id, snap_id = {ids:?}
 time.sleep(1)  # the reaper's first rounds
 both = [SandboxState.RUNNING, SandboxState.PAUSED]
 listed = {{s.sandbox_id: s for s in Sandbox.list(query=SandboxQuery(state=both)).next_items()}}
@@ -350,16 +352,22 @@ assert a.commands.run("cat kept.txt; pgrep -x sleep >/dev/null && echo sleeping"
 b = Sandbox.connect(b_id)
 assert b.commands.run("cat state.txt").stdout == "paused\n"
 assert b.get_info().state == SandboxState.RUNNING
+# The snapshot too: listed, created from by its name, deleted.
+assert snap_id in [s.snapshot_id for s in Sandbox.list_snapshots().next_items()]
+d = Sandbox.create("kept-snap")
+assert d.files.read("kept.txt") == "still here"
+d.kill()
+assert Sandbox.delete_snapshot(snap_id) is True
 a.kill()
 b.kill()
 assert Sandbox.list(query=SandboxQuery(state=both)).next_items() == []
 print("done")
 "#,
-        ids = (&ids[0], &ids[1], &ids[2])
+        ids = (&ids[0], &ids[1], &ids[2], &ids[3])
     ));
     assert!(out.contains("done"), "{out}");
     server.stop();
-    // Nothing of the three is left: c's box went with its record.
+    // Nothing of them is left: c's box went with its record.
     let ps = root.ok(&["ps", "-a"]);
     for id in &ids {
         assert!(!ps.contains(id.as_str()), "{id} is left:\n{ps}");
