@@ -4,6 +4,8 @@
 # commands, files and snapshot tests, sync and async.
 #
 #   scripts/e2b-sdk-suite.sh [E2B_CHECKOUT] [-- PYTEST_ARGS...]
+#   scripts/e2b-sdk-suite.sh --prepare [E2B_CHECKOUT]   (only make the venv;
+#                                                      scripts/setup.sh does)
 #
 # E2B_CHECKOUT is a clone (or a bare git directory) of github.com/e2b-dev/E2B;
 # default /work/.mirror/e2b-dev+E2B/repo. Its tests are not part of this
@@ -21,6 +23,8 @@
 # below (the same list is in docs/e2b.md). Exit status: pytest's.
 set -euo pipefail
 
+prepare=
+if [ "${1:-}" = "--prepare" ]; then prepare=1; shift; fi
 checkout=/work/.mirror/e2b-dev+E2B/repo
 if [ $# -gt 0 ] && [ "$1" != "--" ]; then checkout=$1; shift; fi
 [ "${1:-}" = "--" ] && shift
@@ -33,13 +37,15 @@ if [ ! -d "$checkout" ]; then
   echo "e2b-sdk-suite: no E2B checkout at $checkout (give the path of a clone of github.com/e2b-dev/E2B)" >&2
   exit 2
 fi
-[ -x "$NESTBOX" ] || die "no nestbox binary at $NESTBOX (cargo build -p nestbox, or set NESTBOX_BIN)"
-require_root
 
 work=$(mktemp -d /tmp/e2b-sdk-suite-XXXXXX)
-root=$(make_tmpdir nestbox-test-e2bsuite)
+root=
 server=
 cleanup() {
+  if [ -z "$root" ]; then
+    rm -rf "$work"
+    return
+  fi
   if [ -n "$server" ]; then
     kill -TERM "$server" 2>/dev/null || true
     wait "$server" 2>/dev/null || true
@@ -75,6 +81,11 @@ if ! "$venv/bin/python" -c "from importlib.metadata import version; assert versi
   "$venv/bin/pip" install --quiet --disable-pip-version-check "e2b==$version" \
     'pytest>=9,<10' 'pytest-asyncio>=1.3,<2' 'pytest-timeout>=2.4,<3'
 fi
+
+[ -z "$prepare" ] || exit 0
+[ -x "$NESTBOX" ] || die "no nestbox binary at $NESTBOX (cargo build -p nestbox, or set NESTBOX_BIN)"
+require_root
+root=$(make_tmpdir nestbox-test-e2bsuite)
 
 # The sandbox lifecycle, commands, files and snapshot tests, sync and async.
 tests=()
