@@ -16,8 +16,7 @@ use std::fs::File;
 use std::io::Write;
 use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd};
 use std::os::unix::fs::MetadataExt;
-use std::sync::mpsc::{channel, Receiver};
-use std::sync::Mutex;
+use std::sync::{Arc, Condvar, Mutex};
 
 use nix::fcntl::{OFlag, OpenHow, ResolveFlag};
 use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
@@ -606,19 +605,15 @@ fn watch_dir(server: &Server, sandbox: &Sandbox, req: &Request) -> Response {
                 if let Some(d) = deadline {
                     wait = wait.min(d.saturating_duration_since(now));
                 }
-                match events.recv_timeout(wait) {
-                    Ok(Ok(batch)) if batch.is_empty() => {}
-                    Ok(Ok(batch)) => {
+                match events.wait(wait) {
+                    Ok(batch) if batch.is_empty() => {}
+                    Ok(batch) => {
                         for e in batch {
                             connect::send(w, &json!({"filesystem": e}))?;
                         }
                         quiet_since = std::time::Instant::now();
                     }
-                    Ok(Err(e)) => return connect::end(w, Some(&e)),
-                    Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {}
-                    Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => {
-                        return connect::end(w, None)
-                    }
+                    Err(e) => return connect::end(w, Some(&e)),
                 }
                 if quiet_since.elapsed() >= keepalive {
                     connect::send(w, &json!({"keepalive": {}}))?;
@@ -705,22 +700,38 @@ impl Watcher {
 
     /// Read the events in a thread of their own as they come, so that a new
     /// subdirectory is watched at once (not when the client next asks), as
-    /// envd's watcher does. The thread sends each batch (an empty one every
-    /// second, to see whether the receiver is still there) and ends with the
-    /// receiver or after an error, which it sends.
-    fn spawn_reader(mut self) -> Receiver<Result<Vec<Value>>> {
-        let (tx, rx) = channel();
+    /// envd's watcher does. The thread ends after an error or once the
+    /// reader is dropped (seen within a second).
+    fn spawn_reader(self) -> Reader {
+        let dup = self.inotify.as_fd().try_clone_to_owned();
+        let reader = Reader(Arc::new((
+            Mutex::new(Polled {
+                watcher: self,
+                pending: Vec::new(),
+                error: None,
+            }),
+            Condvar::new(),
+        )));
+        let Ok(fd) = dup else {
+            // No thread: events are then read when asked for.
+            return reader;
+        };
+        let shared = reader.0.clone();
         std::thread::spawn(move || loop {
-            let fd = self.inotify.as_fd();
-            let mut fds = [PollFd::new(fd, PollFlags::POLLIN)];
+            let mut fds = [PollFd::new(fd.as_fd(), PollFlags::POLLIN)];
             let _ = poll(&mut fds, PollTimeout::from(1000u16));
-            let batch = self.events();
-            let failed = batch.is_err();
-            if tx.send(batch).is_err() || failed {
+            if Arc::strong_count(&shared) == 1 {
+                return;
+            }
+            let mut polled = shared.0.lock().unwrap_or_else(|p| p.into_inner());
+            if polled.read_now() {
+                shared.1.notify_all();
+            }
+            if polled.error.is_some() {
                 return;
             }
         });
-        rx
+        reader
     }
 
     /// The events since the last call.
@@ -769,12 +780,78 @@ impl Watcher {
 /// The watchers of one sandbox, by id.
 #[derive(Debug, Default)]
 pub struct Watchers {
-    /// The events of each, from its reader thread.
-    map: Mutex<HashMap<String, Receiver<Result<Vec<Value>>>>>,
+    map: Mutex<HashMap<String, Reader>>,
+}
+
+/// A watcher and the events read from it not yet handed out.
+#[derive(Debug)]
+struct Polled {
+    watcher: Watcher,
+    pending: Vec<Value>,
+    error: Option<E2bError>,
+}
+
+impl Polled {
+    /// Read what the watcher has now; whether anything (or an error) came.
+    fn read_now(&mut self) -> bool {
+        if self.error.is_some() {
+            return false;
+        }
+        match self.watcher.events() {
+            Ok(events) if events.is_empty() => false,
+            Ok(events) => {
+                self.pending.extend(events);
+                true
+            }
+            Err(e) => {
+                self.error = Some(e);
+                true
+            }
+        }
+    }
+
+    /// The events read so far and those there now (an error once).
+    fn take(&mut self) -> Result<Vec<Value>> {
+        self.read_now();
+        if let Some(e) = self.error.take() {
+            return Err(e);
+        }
+        Ok(std::mem::take(&mut self.pending))
+    }
+}
+
+/// A watcher read by its thread ([`Watcher::spawn_reader`]).
+#[derive(Debug, Clone)]
+struct Reader(Arc<(Mutex<Polled>, Condvar)>);
+
+impl Reader {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Polled> {
+        self.0 .0.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Every event up to now: those the thread read and those not read yet
+    /// (so a change made just before the call is in its answer).
+    fn take(&self) -> Result<Vec<Value>> {
+        self.lock().take()
+    }
+
+    /// The events, waiting up to `limit` for some.
+    fn wait(&self, limit: std::time::Duration) -> Result<Vec<Value>> {
+        let mut polled = self.lock();
+        if polled.pending.is_empty() && polled.error.is_none() {
+            polled = self
+                .0
+                 .1
+                .wait_timeout(polled, limit)
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+        }
+        polled.take()
+    }
 }
 
 impl Watchers {
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Receiver<Result<Vec<Value>>>>> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Reader>> {
         self.map.lock().unwrap_or_else(|p| p.into_inner())
     }
 
@@ -786,15 +863,12 @@ impl Watchers {
     }
 
     fn events(&self, id: &str) -> Result<Vec<Value>> {
-        let map = self.lock();
-        let rx = map
+        let reader = self
+            .lock()
             .get(id)
+            .cloned()
             .ok_or_else(|| E2bError::NotFound(format!("watcher {id:?} not found")))?;
-        let mut out = Vec::new();
-        while let Ok(batch) = rx.try_recv() {
-            out.extend(batch?);
-        }
-        Ok(out)
+        reader.take()
     }
 
     fn remove(&self, id: &str) -> Result<()> {

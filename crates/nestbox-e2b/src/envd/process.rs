@@ -31,6 +31,8 @@ use crate::Server;
 /// How long output may still come once the command has exited (from
 /// processes it left behind holding its pipes) before the end is reported.
 const DRAIN_AFTER_EXIT: Duration = Duration::from_millis(100);
+/// How long a SIGKILL through SendSignal waits for the process to be gone.
+const KILL_WAIT: Duration = Duration::from_secs(2);
 /// Keep-alive events of an idle stream, unless the client asks otherwise.
 const KEEPALIVE: Duration = Duration::from_secs(50);
 
@@ -87,6 +89,19 @@ impl Proc {
         let (tx, rx) = channel();
         l.senders.push(tx);
         Some(rx)
+    }
+
+    /// Wait until the process has ended (its end published), at most `limit`.
+    fn wait_ended(&self, limit: Duration) {
+        let Some(rx) = self.subscribe() else {
+            return;
+        };
+        let end = Instant::now() + limit;
+        while let Ok(event) = rx.recv_timeout(end.saturating_duration_since(Instant::now())) {
+            if matches!(event, Event::End(_) | Event::Gone) {
+                return;
+            }
+        }
     }
 
     fn publish(&self, event: Event) {
@@ -284,6 +299,12 @@ pub fn handle(server: &Arc<Server>, id: &str, method: &str, req: &Request) -> Re
                 }
             };
             p.signal(signal)?;
+            if signal == libc::SIGKILL {
+                // Answered once the process is gone (reaped, its end
+                // reported), so that what the caller does next no longer
+                // sees it (`kill -0 PID` fails), within a bound.
+                p.wait_ended(KILL_WAIT);
+            }
             Ok(json!({}))
         })()),
         "SendInput" => connect::unary((|| {
