@@ -25,6 +25,9 @@ done
 [ -x /usr/bin/node ] || need+=(nodejs)
 # npm installs the E2B JavaScript SDK below.
 command -v npm >/dev/null 2>&1 || need+=(npm)
+# The venv of the E2B SDK's own tests (scripts/e2b-sdk-suite.sh), for a
+# python3 that has no venv module of its own (Debian's).
+python3 -c 'import ensurepip, venv' 2>/dev/null || need+=(python3-venv)
 [ -x /usr/bin/java ] || need+=(default-jdk-headless)
 [ -x /usr/local/go/bin/go ] || command -v go >/dev/null 2>&1 || need+=(golang-go)
 if [ "${#need[@]}" -gt 0 ]; then
@@ -66,6 +69,13 @@ if ! grep -qs "\"version\": \"$E2B_JS_VERSION\"" "$E2B_JS_DIR/node_modules/e2b/p
   }
   mkdir -p "$E2B_JS_DIR"
   npm install --silent --no-audit --no-fund --prefix "$E2B_JS_DIR" "e2b@$E2B_JS_VERSION"
+fi
+
+# The private venv of the E2B SDK's own test suite (the SDK version its tests
+# are written for, from PyPI), when the E2B checkout it reads is here.
+E2B_CHECKOUT=${E2B_CHECKOUT:-/work/.mirror/e2b-dev+E2B/repo}
+if [ -d "$E2B_CHECKOUT" ] && [ "$(id -u)" -eq 0 ]; then
+  scripts/e2b-sdk-suite.sh --prepare "$E2B_CHECKOUT"
 fi
 
 echo "setup: building nestbox (release, statically linked)"

@@ -58,6 +58,26 @@ fn body(req: &Request) -> Result<Value> {
 }
 
 fn route(server: &Arc<Server>, req: &Request) -> Result<Response> {
+    let response = route_inner(server, req)?;
+    // What a call on one sandbox changed (end of life, box, phase) is
+    // recorded (create, fork and kill keep their records themselves).
+    if let (true, Some(id)) = (req.method == "POST", sandbox_of(&req.path)) {
+        if let Ok(s) = server.sandbox(id) {
+            server.persist(&s);
+        }
+    }
+    Ok(response)
+}
+
+/// The sandbox id of a `/sandboxes/ID/…` or `/v2/sandboxes/ID/…` path.
+fn sandbox_of(path: &str) -> Option<&str> {
+    let path = path.strip_prefix("/v2").unwrap_or(path);
+    let rest = path.strip_prefix("/sandboxes/")?;
+    let id = rest.split('/').next()?;
+    (!id.is_empty() && rest.len() > id.len()).then_some(id)
+}
+
+fn route_inner(server: &Arc<Server>, req: &Request) -> Result<Response> {
     let path = req.path.trim_end_matches('/');
     let path = path.strip_prefix("/v2").unwrap_or(path);
     let parts: Vec<&str> = path.split('/').skip(1).collect();
@@ -118,11 +138,36 @@ fn route(server: &Arc<Server>, req: &Request) -> Result<Response> {
             Ok(Response::json(201, &Value::Array(results)))
         }
         ("POST", ["sandboxes", id, "snapshots"]) => {
-            let snapshot = snapshot(server, id)?;
-            Ok(Response::json(
-                201,
-                &json!({"snapshotID": snapshot, "names": [snapshot]}),
-            ))
+            let name = body(req)?
+                .get("name")
+                .and_then(Value::as_str)
+                .filter(|n| !n.is_empty())
+                .map(String::from);
+            let snapshot = snapshot(server, id, name)?;
+            Ok(Response::json(201, &snapshot_json(&snapshot)))
+        }
+        ("GET", ["snapshots"]) => {
+            let mut all = server.all_snapshots();
+            all.reverse();
+            let matching: Vec<crate::Snapshot> = all
+                .into_iter()
+                .filter(|s| req.query("sandboxID").is_none_or(|id| s.sandbox_id == id))
+                .filter(|s| {
+                    req.query("name")
+                        .is_none_or(|n| s.names().iter().any(|m| m == n))
+                })
+                .collect();
+            Ok(paginate(req, &matching, snapshot_json))
+        }
+        ("DELETE", ["templates", key]) => {
+            let snapshot = server
+                .take_snapshot(key)
+                .ok_or_else(|| E2bError::NotFound(format!("snapshot {key:?} not found")))?;
+            server.nestbox.run(
+                &format!("remove snapshot {:?}", snapshot.id),
+                &["rm", "-f", &snapshot.id],
+            )?;
+            Ok(Response::empty(204))
         }
         (_, ["sandboxes", ..]) => Err(E2bError::Unsupported(format!(
             "{} {}",
@@ -145,6 +190,32 @@ fn sandbox_json(s: &Sandbox) -> Value {
         "envdAccessToken": s.token,
         "domain": null,
     })
+}
+
+/// The `SnapshotInfo` object.
+fn snapshot_json(s: &crate::Snapshot) -> Value {
+    json!({"snapshotID": s.id, "names": s.names()})
+}
+
+/// The page of `items` a list request asks for (`limit`, `nextToken`: the
+/// offset), with `X-Next-Token` when more follow.
+fn paginate<T>(req: &Request, items: &[T], to_json: impl Fn(&T) -> Value) -> Response {
+    let offset: usize = req
+        .query("nextToken")
+        .and_then(|t| t.parse().ok())
+        .unwrap_or(0);
+    let limit: usize = req
+        .query("limit")
+        .and_then(|t| t.parse().ok())
+        .unwrap_or(100)
+        .max(1);
+    let page: Vec<Value> = items.iter().skip(offset).take(limit).map(to_json).collect();
+    let response = Response::json(200, &Value::Array(page));
+    if offset + limit < items.len() {
+        response.with_header("X-Next-Token", &(offset + limit).to_string())
+    } else {
+        response
+    }
 }
 
 /// The `SandboxDetail` / `ListedSandbox` object.
@@ -183,8 +254,8 @@ pub fn create(server: &Arc<Server>, body: &Value) -> Result<Arc<Sandbox>> {
         .get("templateID")
         .and_then(Value::as_str)
         .filter(|t| !t.is_empty())
-        .ok_or_else(|| E2bError::Invalid("templateID is required".into()))?
-        .to_string();
+        .ok_or_else(|| E2bError::Invalid("templateID is required".into()))?;
+    let template = server.template_of(template);
     let timeout = body
         .get("timeout")
         .and_then(Value::as_u64)
@@ -205,6 +276,10 @@ pub fn create(server: &Arc<Server>, body: &Value) -> Result<Arc<Sandbox>> {
         metadata: strings(body.get("metadata")).into_iter().collect(),
         env: strings(body.get("envVars")),
         token: random_hex(16),
+        auto_pause: body
+            .get("autoPause")
+            .and_then(Value::as_bool)
+            .unwrap_or(false),
         live: Mutex::new(Live {
             box_name: id.clone(),
             phase: Phase::Running,
@@ -269,36 +344,27 @@ fn list(server: &Server, req: &Request, v2: bool) -> Result<Response> {
         .map(crate::util::parse_query)
         .unwrap_or_default();
     let mut all: Vec<Arc<Sandbox>> = server.all();
+    // Newest first, as E2B lists them, unless `order=asc`.
     all.sort_by(|a, b| a.started_at.total_cmp(&b.started_at).then(a.id.cmp(&b.id)));
-    if req.query("order") == Some("desc") {
+    if req.query("order") != Some("asc") {
         all.reverse();
     }
+    let started_after = match req.query("startedAfter") {
+        Some(t) => Some(crate::util::parse_rfc3339(t).ok_or_else(|| {
+            E2bError::Invalid(format!("startedAfter {t:?} is not an RFC 3339 time"))
+        })?),
+        None => None,
+    };
     let matching: Vec<Arc<Sandbox>> = all
         .into_iter()
         .filter(|s| states.iter().any(|st| st == s.live().phase.name()))
         .filter(|s| wanted.iter().all(|(k, v)| s.metadata.get(k) == Some(v)))
         .filter(|s| req.query("template").is_none_or(|t| s.template == t))
+        // The times listed are cut to the millisecond: a sandbox started in
+        // the millisecond of `startedAfter` is listed.
+        .filter(|s| started_after.is_none_or(|t| s.started_at >= t))
         .collect();
-    let offset: usize = req
-        .query("nextToken")
-        .and_then(|t| t.parse().ok())
-        .unwrap_or(0);
-    let limit: usize = req
-        .query("limit")
-        .and_then(|t| t.parse().ok())
-        .unwrap_or(100)
-        .max(1);
-    let page: Vec<Value> = matching
-        .iter()
-        .skip(offset)
-        .take(limit)
-        .map(|s| detail_json(server, s))
-        .collect();
-    let mut response = Response::json(200, &Value::Array(page));
-    if offset + limit < matching.len() {
-        response = response.with_header("X-Next-Token", &(offset + limit).to_string());
-    }
-    Ok(response)
+    Ok(paginate(req, &matching, |s| detail_json(server, s)))
 }
 
 /// Remove sandbox `id` and its box.
@@ -306,7 +372,7 @@ pub fn kill(server: &Server, id: &str) -> Result<()> {
     let s = server
         .take(id)
         .ok_or_else(|| E2bError::NoSuchSandbox(id.to_string()))?;
-    s.procs.kill_all();
+    s.procs.remove_all();
     let live = s.live();
     server.nestbox.run(
         &format!("remove sandbox {id:?}"),
@@ -375,8 +441,13 @@ fn connect(server: &Server, id: &str, timeout: Option<u64>) -> Result<(Arc<Sandb
         live.box_name = name;
         live.phase = Phase::Running;
     }
-    if let Some(t) = timeout {
-        live.end_at = now() + t as f64;
+    // A resume sets the new end of life; a connect to a running sandbox
+    // only extends it, never shortens it (as E2B does).
+    let end_at = now() + timeout.unwrap_or(DEFAULT_TIMEOUT) as f64;
+    if resumed {
+        live.end_at = end_at;
+    } else if timeout.is_some() {
+        live.end_at = live.end_at.max(end_at);
     }
     drop(live);
     Ok((s, resumed))
@@ -408,6 +479,7 @@ fn fork(server: &Arc<Server>, id: &str, count: u32, timeout: Option<u64>) -> Res
                     metadata: s.metadata.clone(),
                     env: s.env.clone(),
                     token: random_hex(16),
+                    auto_pause: s.auto_pause,
                     live: Mutex::new(Live {
                         box_name: new_id,
                         phase: Phase::Running,
@@ -434,27 +506,37 @@ fn fork(server: &Arc<Server>, id: &str, count: u32, timeout: Option<u64>) -> Res
 
 /// Keep the sandbox's state as a template (its id the snapshot's); the
 /// sandbox goes on in a clone of it.
-fn snapshot(server: &Server, id: &str) -> Result<String> {
+fn snapshot(server: &Server, id: &str, name: Option<String>) -> Result<crate::Snapshot> {
     let s = server.sandbox(id)?;
     let (frozen, _) = freeze_and_go_on(server, &s)?;
-    server.keep_snapshot(&frozen);
-    Ok(frozen)
+    let snapshot = crate::Snapshot {
+        id: frozen,
+        name,
+        sandbox_id: s.id.clone(),
+    };
+    server.keep_snapshot(snapshot.clone());
+    Ok(snapshot)
 }
 
-/// Remove the sandboxes whose time is up; run every `period`.
+/// Remove the sandboxes whose time is up (pause those made with
+/// `autoPause`, which then stay until connected or killed); run every
+/// `period`.
 pub fn reaper(server: Arc<Server>, period: Duration) {
     loop {
         std::thread::sleep(period);
         let t = now();
-        let expired: Vec<String> = server
-            .all()
-            .into_iter()
-            .filter(|s| s.live().end_at <= t)
-            .map(|s| s.id.clone())
-            .collect();
-        for id in expired {
-            if let Err(e) = kill(&server, &id) {
-                tracing::error!("e2b: removing expired sandbox {id}: {e}");
+        for s in server.all() {
+            let live = s.live();
+            if live.end_at > t || (s.auto_pause && live.phase == Phase::Paused) {
+                continue;
+            }
+            if s.auto_pause {
+                match pause(&server, &s.id) {
+                    Ok(()) => server.persist(&s),
+                    Err(e) => tracing::error!("e2b: pausing expired sandbox {}: {e}", s.id),
+                }
+            } else if let Err(e) = kill(&server, &s.id) {
+                tracing::error!("e2b: removing expired sandbox {}: {e}", s.id);
             }
         }
     }

@@ -15,6 +15,12 @@ pub enum E2bError {
     /// An envd request without the sandbox's access token.
     #[error("invalid or missing access token of sandbox {0:?}")]
     BadAccessToken(String),
+    /// A signed file URL whose signature no sandbox's token makes.
+    #[error("invalid signature")]
+    BadSignature,
+    /// A signed file URL past its expiration.
+    #[error("signature is already expired")]
+    SignatureExpired,
     /// An envd request without the `E2b-Sandbox-Id` header.
     #[error("no E2b-Sandbox-Id header: envd requests name their sandbox in it")]
     NoSandboxHeader,
@@ -150,7 +156,10 @@ impl E2bError {
     /// The Connect code of this error.
     pub fn code(&self) -> Code {
         match self {
-            E2bError::Unauthorized | E2bError::BadAccessToken(_) => Code::Unauthenticated,
+            E2bError::Unauthorized
+            | E2bError::BadAccessToken(_)
+            | E2bError::BadSignature
+            | E2bError::SignatureExpired => Code::Unauthenticated,
             E2bError::NoSandboxHeader | E2bError::Invalid(_) => Code::InvalidArgument,
             E2bError::NoSuchSandbox(_) | E2bError::NoSuchTemplate(_) | E2bError::NotFound(_) => {
                 Code::NotFound

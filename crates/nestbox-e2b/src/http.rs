@@ -338,6 +338,16 @@ fn reason(status: u16) -> &'static str {
     }
 }
 
+/// Make the close of `stream` send a reset (`SO_LINGER` of 0) instead of
+/// an orderly end.
+fn reset_on_close(stream: &TcpStream) {
+    let linger = libc::linger {
+        l_onoff: 1,
+        l_linger: 0,
+    };
+    let _ = nix::sys::socket::setsockopt(stream, nix::sys::socket::sockopt::Linger, &linger);
+}
+
 fn write_response(stream: &mut TcpStream, response: Response, keep_alive: bool) -> io::Result<()> {
     let mut head = format!(
         "HTTP/1.1 {} {}\r\n",
@@ -363,7 +373,13 @@ fn write_response(stream: &mut TcpStream, response: Response, keep_alive: bool) 
             stream.write_all(head.as_bytes())?;
             stream.flush()?;
             let mut writer = ChunkWriter { stream };
-            producer(&mut writer)?;
+            if let Err(e) = producer(&mut writer) {
+                // A stream cut by its producer (the sandbox went) is reset,
+                // not ended: the client sees the connection dropped
+                // mid-stream, as when E2B's VM is gone.
+                reset_on_close(writer.stream);
+                return Err(e);
+            }
             writer.stream.write_all(b"0\r\n\r\n")?;
             writer.stream.flush()
         }

@@ -13,7 +13,8 @@
 //! connection; it asks the clone server for clones, the in-box agent
 //! ([`envd::agent`]) for commands, and runs the `nestbox` binary for
 //! everything else ([`nestbox`]). SIGTERM or SIGINT to the parent ends both;
-//! the child removes the sandboxes it made before it exits.
+//! the sandboxes stay, and their records ([`records`]) let the next server
+//! of the root take them up.
 
 pub mod base;
 pub mod control;
@@ -21,6 +22,7 @@ pub mod envd;
 pub mod error;
 pub mod http;
 pub mod nestbox;
+pub mod records;
 pub mod sandbox;
 pub mod util;
 
@@ -71,8 +73,29 @@ pub struct Server {
     /// Memory of the host, in MiB.
     pub memory_mb: u64,
     sandboxes: Mutex<HashMap<String, Arc<Sandbox>>>,
-    /// Templates made by snapshots (removed when the server ends).
-    snapshots: Mutex<Vec<String>>,
+    /// Templates made by snapshots (kept until deleted).
+    snapshots: Mutex<Vec<Snapshot>>,
+    /// The records on disk of both.
+    records: records::Records,
+}
+
+/// A snapshot: the frozen box a sandbox's state was kept in, a template
+/// sandboxes are created from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Snapshot {
+    /// Its id: the template's name.
+    pub id: String,
+    /// The name given at its making, if any (also usable as a template id).
+    pub name: Option<String>,
+    /// The sandbox it was taken of.
+    pub sandbox_id: String,
+}
+
+impl Snapshot {
+    /// The names the API shows for it.
+    pub fn names(&self) -> Vec<String> {
+        vec![self.name.clone().unwrap_or_else(|| self.id.clone())]
+    }
 }
 
 impl Server {
@@ -89,21 +112,92 @@ impl Server {
     }
 
     fn insert(&self, s: Arc<Sandbox>) {
+        self.persist(&s);
         self.lock().insert(s.id.clone(), s);
     }
 
     fn take(&self, id: &str) -> Option<Arc<Sandbox>> {
-        self.lock().remove(id)
+        let s = self.lock().remove(id)?;
+        if let Err(e) = self.records.remove(id) {
+            tracing::error!("e2b: record of sandbox {id}: {e}");
+        }
+        Some(s)
     }
 
-    fn keep_snapshot(&self, name: &str) {
-        self.snapshots
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .push(name.to_string());
+    /// Write the record of `s` as it is now (a failure is logged: the
+    /// sandbox works on, a restarted server would not know this change).
+    fn persist(&self, s: &Sandbox) {
+        if let Err(e) = self.records.save(s) {
+            tracing::error!("e2b: record of sandbox {}: {e}", s.id);
+        }
     }
 
-    fn all(&self) -> Vec<Arc<Sandbox>> {
+    /// Take up the sandboxes and snapshots recorded by a server before this
+    /// one whose boxes are still there (the others' records are removed).
+    /// Those whose time is up are then the reaper's.
+    fn restore(&self) {
+        for s in self.records.load() {
+            if self.reg.load(&s.live().box_name).is_ok() {
+                self.lock().insert(s.id.clone(), Arc::new(s));
+            } else {
+                tracing::info!("e2b: sandbox {} is gone since the last server", s.id);
+                let _ = self.records.remove(&s.id);
+            }
+        }
+        let snapshots: Vec<Snapshot> = self
+            .records
+            .load_snapshots()
+            .into_iter()
+            .filter(|s| self.reg.load(&s.id).is_ok())
+            .collect();
+        *self.snapshot_list() = snapshots;
+        self.persist_snapshots();
+    }
+
+    fn persist_snapshots(&self) {
+        let list = self.all_snapshots();
+        if let Err(e) = self.records.save_snapshots(&list) {
+            tracing::error!("e2b: record of snapshots: {e}");
+        }
+    }
+
+    fn snapshot_list(&self) -> std::sync::MutexGuard<'_, Vec<Snapshot>> {
+        self.snapshots.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn keep_snapshot(&self, snapshot: Snapshot) {
+        self.snapshot_list().push(snapshot);
+        self.persist_snapshots();
+    }
+
+    /// Every snapshot, oldest first.
+    fn all_snapshots(&self) -> Vec<Snapshot> {
+        self.snapshot_list().clone()
+    }
+
+    /// Forget the snapshot of id (or name) `key`, if there is one.
+    fn take_snapshot(&self, key: &str) -> Option<Snapshot> {
+        let mut list = self.snapshot_list();
+        let i = list
+            .iter()
+            .position(|s| s.id == key || s.name.as_deref() == Some(key))?;
+        let taken = list.remove(i);
+        drop(list);
+        self.persist_snapshots();
+        Some(taken)
+    }
+
+    /// The template behind template id `key`: a snapshot's name is taken for
+    /// its id; anything else is itself.
+    fn template_of(&self, key: &str) -> String {
+        self.snapshot_list()
+            .iter()
+            .find(|s| s.name.as_deref() == Some(key))
+            .map_or_else(|| key.to_string(), |s| s.id.clone())
+    }
+
+    /// Every sandbox.
+    pub fn all(&self) -> Vec<Arc<Sandbox>> {
         self.lock().values().cloned().collect()
     }
 
@@ -111,6 +205,9 @@ impl Server {
     pub fn handle(self: &Arc<Self>, req: Request) -> Response {
         match req.header("e2b-sandbox-id").map(String::from) {
             Some(id) => envd::handle(self, &id, &req),
+            None if req.path == "/files" && req.query("signature").is_some() => {
+                envd::signed_files(self, &req)
+            }
             None if envd_route(&req.path) => {
                 let e = E2bError::NoSandboxHeader;
                 Response::json(
@@ -149,6 +246,7 @@ pub fn serve(reg: &Registry, socket: &Path, config: Config) -> Result<()> {
         memory_mb: host_memory_mb(),
         sandboxes: Mutex::new(HashMap::new()),
         snapshots: Mutex::new(Vec::new()),
+        records: records::Records::new(&reg.roots().lib),
     };
     // SAFETY: the CLI is single-threaded here; the child only sets its
     // signal mask and then runs ordinary Rust code (its own threads).
@@ -183,6 +281,7 @@ fn http_main(server: Server, listener: TcpListener, base_pool: u32) -> ! {
         tracing::error!("e2b: {e}");
         nestbox_sys_exit(1);
     }
+    server.restore();
     {
         let server = server.clone();
         std::thread::spawn(move || base::ensure(&server, base_pool));
@@ -195,17 +294,11 @@ fn http_main(server: Server, listener: TcpListener, base_pool: u32) -> ! {
         let server = server.clone();
         std::thread::spawn(move || {
             let _ = mask.wait();
-            // The sandboxes made here go with the server.
-            for s in server.all() {
-                let _ = control::kill(&server, &s.id);
-            }
-            let snapshots =
-                std::mem::take(&mut *server.snapshots.lock().unwrap_or_else(|p| p.into_inner()));
-            for name in snapshots {
-                let _ = server
-                    .nestbox
-                    .run("remove a snapshot", &["rm", "-f", &name]);
-            }
+            // The sandboxes and snapshots stay, with their records: the next
+            // server takes them up (and removes those whose time is up).
+            // Commands started through envd go on in their boxes, their
+            // streams end here.
+            drop(server);
             nestbox_sys_exit(0);
         });
     }

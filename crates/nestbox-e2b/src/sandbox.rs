@@ -101,6 +101,8 @@ pub struct Sandbox {
     pub env: Vec<(String, String)>,
     /// The token envd requests must carry (`X-Access-Token`).
     pub token: String,
+    /// Paused, not removed, when its time is up (`autoPause`).
+    pub auto_pause: bool,
     /// What changes.
     pub live: Mutex<Live>,
     /// Processes started through envd.

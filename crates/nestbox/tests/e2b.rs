@@ -4,8 +4,9 @@
 //! image), run commands and stream their output, move files, pause, resume,
 //! fork and kill sandboxes, and get the SDK's own exceptions for a bad key,
 //! an unknown sandbox or template. Each test has its own root and server on
-//! a free loopback port; the server's SIGTERM removes what it made, and the
-//! root's checks find nothing left.
+//! a free loopback port; the server's SIGTERM leaves its sandboxes to the
+//! next server of the root (they and their records are the root's), and the
+//! root's clean-up removes them and checks that nothing is left.
 
 mod common;
 
@@ -106,7 +107,7 @@ impl<'a> Server<'a> {
         out.stdout
     }
 
-    /// SIGTERM, and wait: the server removes its sandboxes before it ends.
+    /// SIGTERM, and wait for the server to end (its sandboxes stay).
     fn stop(&mut self) {
         if let Some(mut child) = self.child.take() {
             // SAFETY: kill has no memory-safety preconditions; the pid is our child's.
@@ -294,6 +295,83 @@ print("done")
     ));
     assert!(out.contains("done"), "{out}");
     server.stop();
+}
+
+#[test]
+fn e2b_sdk_sandboxes_survive_a_server_restart() {
+    let test = "e2b_sdk_sandboxes_survive_a_server_restart";
+    let Some(root) = setup(test) else {
+        return;
+    };
+    let mut server = Server::start(&root);
+    let out = server.ok(r#"
+from e2b import Sandbox
+a = Sandbox.create(metadata={"who": "a"}, timeout=300)
+a.files.write("kept.txt", "still here")
+# (A snapshot freezes the box: commands started through envd do not survive it.)
+snap = a.create_snapshot(name="kept-snap")
+a.commands.run("sleep 600", background=True)
+b = Sandbox.create(metadata={"who": "b"})
+b.commands.run("echo paused > state.txt")
+assert b.pause() is True
+c = Sandbox.create(metadata={"who": "c"}, timeout=2)
+print("ids", a.sandbox_id, b.sandbox_id, c.sandbox_id, snap.snapshot_id)
+print("done")
+"#);
+    let ids: Vec<String> = out
+        .lines()
+        .find_map(|l| l.strip_prefix("ids "))
+        .expect("the ids")
+        .split(' ')
+        .map(String::from)
+        .collect();
+    server.stop();
+    // c's time is up while no server runs.
+    std::thread::sleep(Duration::from_secs(3));
+    let mut server = Server::start(&root);
+    let out = server.ok(&format!(
+        r#"
+import time
+from e2b import Sandbox, SandboxQuery, SandboxState, SandboxNotFoundException
+a_id, b_id, c_id, snap_id = {ids:?}
+time.sleep(1)  # the reaper's first rounds
+both = [SandboxState.RUNNING, SandboxState.PAUSED]
+listed = {{s.sandbox_id: s for s in Sandbox.list(query=SandboxQuery(state=both)).next_items()}}
+assert sorted(listed) == sorted([a_id, b_id]), listed
+assert listed[a_id].state == SandboxState.RUNNING and listed[a_id].metadata == {{"who": "a"}}
+assert listed[b_id].state == SandboxState.PAUSED and listed[b_id].metadata == {{"who": "b"}}
+try:
+    Sandbox.get_info(c_id)
+    raise SystemExit("a sandbox that expired while no server ran is still known")
+except SandboxNotFoundException:
+    pass
+# The same sandbox: its files, its processes, its access token.
+a = Sandbox.connect(a_id)
+assert a.files.read("kept.txt") == "still here"
+assert a.commands.run("cat kept.txt; pgrep -x sleep >/dev/null && echo sleeping").stdout == "still here" + "sleeping\n"
+b = Sandbox.connect(b_id)
+assert b.commands.run("cat state.txt").stdout == "paused\n"
+assert b.get_info().state == SandboxState.RUNNING
+# The snapshot too: listed, created from by its name, deleted.
+assert snap_id in [s.snapshot_id for s in Sandbox.list_snapshots().next_items()]
+d = Sandbox.create("kept-snap")
+assert d.files.read("kept.txt") == "still here"
+d.kill()
+assert Sandbox.delete_snapshot(snap_id) is True
+a.kill()
+b.kill()
+assert Sandbox.list(query=SandboxQuery(state=both)).next_items() == []
+print("done")
+"#,
+        ids = (&ids[0], &ids[1], &ids[2], &ids[3])
+    ));
+    assert!(out.contains("done"), "{out}");
+    server.stop();
+    // Nothing of them is left: c's box went with its record.
+    let ps = root.ok(&["ps", "-a"]);
+    for id in &ids {
+        assert!(!ps.contains(id.as_str()), "{id} is left:\n{ps}");
+    }
 }
 
 #[test]

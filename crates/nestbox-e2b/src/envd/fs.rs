@@ -14,11 +14,12 @@
 use std::collections::HashMap;
 use std::fs::File;
 use std::io::Write;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd};
 use std::os::unix::fs::MetadataExt;
-use std::sync::Mutex;
+use std::sync::{Arc, Condvar, Mutex};
 
 use nix::fcntl::{OFlag, OpenHow, ResolveFlag};
+use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
 use nix::sys::inotify::{AddWatchFlags, InitFlags, Inotify, WatchDescriptor};
 use nix::sys::stat::{FileStat, Mode, SFlag};
 use nix::unistd::{Gid, Uid};
@@ -196,9 +197,11 @@ impl BoxFs {
         let mut target = None;
         let mut shown = st;
         if SFlag::from_bits_truncate(st.st_mode & libc::S_IFMT) == SFlag::S_IFLNK {
+            // Shown as envd shows it: an absolute path in the box (a
+            // relative target taken from the link's directory).
             target = nix::fcntl::readlinkat(Some(dirfd.as_raw_fd()), name.as_str())
                 .ok()
-                .map(|t| t.to_string_lossy().into_owned());
+                .map(|t| link_target(&path, &t.to_string_lossy()));
             // The type shown is the target's, as envd shows it.
             if let Ok(fd) = self.open(&path, OFlag::O_PATH, 0) {
                 if let Ok(t) = nix::sys::stat::fstat(fd.as_raw_fd()) {
@@ -272,10 +275,17 @@ impl BoxFs {
         Ok(())
     }
 
-    /// Remove `path`, a directory with all it holds.
+    /// Remove `path`, a directory with all it holds; nothing to do if it is
+    /// not there (as envd's Remove).
     fn remove(&self, path: &str) -> Result<()> {
-        let (dirfd, name) = self.parent(path)?;
-        remove_at(&dirfd, &name).map_err(|e| io_err("remove", path, e))
+        let (dirfd, name) = match self.parent(path) {
+            Err(E2bError::NotFound(_)) => return Ok(()),
+            other => other?,
+        };
+        match remove_at(&dirfd, &name) {
+            Ok(()) | Err(nix::errno::Errno::ENOENT) => Ok(()),
+            Err(e) => Err(io_err("remove", path, e)),
+        }
     }
 
     fn rename(&self, from: &str, to: &str) -> Result<()> {
@@ -345,6 +355,16 @@ fn io_err(op: &'static str, path: &str, e: nix::errno::Errno) -> E2bError {
         nix::errno::Errno::EEXIST => E2bError::Exists(message),
         _ => E2bError::Invalid(message),
     }
+}
+
+/// The target of the symbolic link at `link` (a normalized absolute path
+/// in the box), read as `target`, as an absolute path in the box.
+fn link_target(link: &str, target: &str) -> String {
+    if target.starts_with('/') {
+        return normalize(target);
+    }
+    let dir = link.rsplit_once('/').map_or("", |(d, _)| d);
+    normalize(&format!("{dir}/{target}"))
 }
 
 /// `path` without `.`, empty components and `..` above the root.
@@ -423,17 +443,10 @@ fn files_inner(server: &Server, sandbox: &Sandbox, req: &Request) -> Result<Resp
         }
         "POST" => {
             let ctype = req.header("content-type").unwrap_or("");
-            if req
-                .header("content-encoding")
-                .is_some_and(|c| !c.eq_ignore_ascii_case("identity"))
-            {
-                return Err(E2bError::Unsupported(
-                    "a compressed upload (Content-Encoding)".into(),
-                ));
-            }
+            let body = upload_body(req)?;
             let mut written = Vec::new();
             if ctype.starts_with("multipart/form-data") {
-                let parts = crate::util::multipart(ctype, &req.body)
+                let parts = crate::util::multipart(ctype, &body)
                     .ok_or_else(|| E2bError::Invalid("malformed multipart body".into()))?;
                 let single = parts.len() == 1;
                 for part in parts {
@@ -452,11 +465,31 @@ fn files_inner(server: &Server, sandbox: &Sandbox, req: &Request) -> Result<Resp
                 let path = req.query("path").ok_or_else(|| {
                     E2bError::Invalid("an octet-stream upload needs ?path=".into())
                 })?;
-                written.push(fs.write(&fs.user.resolve(path), &req.body)?);
+                written.push(fs.write(&fs.user.resolve(path), &body)?);
             }
             Ok(Response::json(200, &Value::Array(written)))
         }
         other => Err(E2bError::Unsupported(format!("{other} /files"))),
+    }
+}
+
+/// The body of an upload, gunzipped if its `Content-Encoding` is gzip (the
+/// SDK's `gzip=True`).
+fn upload_body(req: &Request) -> Result<std::borrow::Cow<'_, [u8]>> {
+    match req.header("content-encoding").map(str::trim) {
+        None | Some("") => Ok(std::borrow::Cow::Borrowed(&req.body)),
+        Some(c) if c.eq_ignore_ascii_case("identity") => Ok(std::borrow::Cow::Borrowed(&req.body)),
+        Some(c) if c.eq_ignore_ascii_case("gzip") => {
+            let mut out = Vec::new();
+            std::io::Read::read_to_end(&mut flate2::read::GzDecoder::new(&req.body[..]), &mut out)
+                .map_err(|e| {
+                    E2bError::Invalid(format!("the gzip upload does not decompress: {e}"))
+                })?;
+            Ok(std::borrow::Cow::Owned(out))
+        }
+        Some(c) => Err(E2bError::Unsupported(format!(
+            "an upload of Content-Encoding {c:?}"
+        ))),
     }
 }
 
@@ -544,8 +577,8 @@ fn watch_dir(server: &Server, sandbox: &Sandbox, req: &Request) -> Response {
             .unwrap_or(false);
         Watcher::new(fs, &path, recursive)
     })();
-    let mut watcher = match opened {
-        Ok(w) => w,
+    let events = match opened {
+        Ok(w) => w.spawn_reader(),
         Err(e) => return connect::stream_error(e),
     };
     let deadline = req
@@ -564,13 +597,18 @@ fn watch_dir(server: &Server, sandbox: &Sandbox, req: &Request) -> Response {
             connect::send(w, &json!({"start": {}}))?;
             let mut quiet_since = std::time::Instant::now();
             loop {
-                if deadline.is_some_and(|d| std::time::Instant::now() >= d) {
+                let now = std::time::Instant::now();
+                if deadline.is_some_and(|d| now >= d) {
                     return connect::end(w, None);
                 }
-                match watcher.events() {
-                    Ok(events) if events.is_empty() => {}
-                    Ok(events) => {
-                        for e in events {
+                let mut wait = keepalive.saturating_sub(quiet_since.elapsed());
+                if let Some(d) = deadline {
+                    wait = wait.min(d.saturating_duration_since(now));
+                }
+                match events.wait(wait) {
+                    Ok(batch) if batch.is_empty() => {}
+                    Ok(batch) => {
+                        for e in batch {
                             connect::send(w, &json!({"filesystem": e}))?;
                         }
                         quiet_since = std::time::Instant::now();
@@ -581,7 +619,6 @@ fn watch_dir(server: &Server, sandbox: &Sandbox, req: &Request) -> Response {
                     connect::send(w, &json!({"keepalive": {}}))?;
                     quiet_since = std::time::Instant::now();
                 }
-                std::thread::sleep(std::time::Duration::from_millis(50));
             }
         }),
     )
@@ -601,8 +638,9 @@ struct Watcher {
     recursive: bool,
 }
 
+// The events envd's watcher (fsnotify) reports: a write is IN_MODIFY, not
+// also IN_CLOSE_WRITE (a file written once is create, write, chmod).
 const WATCHED: AddWatchFlags = AddWatchFlags::IN_CREATE
-    .union(AddWatchFlags::IN_CLOSE_WRITE)
     .union(AddWatchFlags::IN_MODIFY)
     .union(AddWatchFlags::IN_DELETE)
     .union(AddWatchFlags::IN_MOVED_FROM)
@@ -660,6 +698,42 @@ impl Watcher {
         Ok(())
     }
 
+    /// Read the events in a thread of their own as they come, so that a new
+    /// subdirectory is watched at once (not when the client next asks), as
+    /// envd's watcher does. The thread ends after an error or once the
+    /// reader is dropped (seen within a second).
+    fn spawn_reader(self) -> Reader {
+        let dup = self.inotify.as_fd().try_clone_to_owned();
+        let reader = Reader(Arc::new((
+            Mutex::new(Polled {
+                watcher: self,
+                pending: Vec::new(),
+                error: None,
+            }),
+            Condvar::new(),
+        )));
+        let Ok(fd) = dup else {
+            // No thread: events are then read when asked for.
+            return reader;
+        };
+        let shared = reader.0.clone();
+        std::thread::spawn(move || loop {
+            let mut fds = [PollFd::new(fd.as_fd(), PollFlags::POLLIN)];
+            let _ = poll(&mut fds, PollTimeout::from(1000u16));
+            if Arc::strong_count(&shared) == 1 {
+                return;
+            }
+            let mut polled = shared.0.lock().unwrap_or_else(|p| p.into_inner());
+            if polled.read_now() {
+                shared.1.notify_all();
+            }
+            if polled.error.is_some() {
+                return;
+            }
+        });
+        reader
+    }
+
     /// The events since the last call.
     fn events(&mut self) -> Result<Vec<Value>> {
         let mut out = Vec::new();
@@ -706,26 +780,95 @@ impl Watcher {
 /// The watchers of one sandbox, by id.
 #[derive(Debug, Default)]
 pub struct Watchers {
-    map: Mutex<HashMap<String, Watcher>>,
+    map: Mutex<HashMap<String, Reader>>,
+}
+
+/// A watcher and the events read from it not yet handed out.
+#[derive(Debug)]
+struct Polled {
+    watcher: Watcher,
+    pending: Vec<Value>,
+    error: Option<E2bError>,
+}
+
+impl Polled {
+    /// Read what the watcher has now; whether anything (or an error) came.
+    fn read_now(&mut self) -> bool {
+        if self.error.is_some() {
+            return false;
+        }
+        match self.watcher.events() {
+            Ok(events) if events.is_empty() => false,
+            Ok(events) => {
+                self.pending.extend(events);
+                true
+            }
+            Err(e) => {
+                self.error = Some(e);
+                true
+            }
+        }
+    }
+
+    /// The events read so far and those there now (an error once).
+    fn take(&mut self) -> Result<Vec<Value>> {
+        self.read_now();
+        if let Some(e) = self.error.take() {
+            return Err(e);
+        }
+        Ok(std::mem::take(&mut self.pending))
+    }
+}
+
+/// A watcher read by its thread ([`Watcher::spawn_reader`]).
+#[derive(Debug, Clone)]
+struct Reader(Arc<(Mutex<Polled>, Condvar)>);
+
+impl Reader {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Polled> {
+        self.0 .0.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Every event up to now: those the thread read and those not read yet
+    /// (so a change made just before the call is in its answer).
+    fn take(&self) -> Result<Vec<Value>> {
+        self.lock().take()
+    }
+
+    /// The events, waiting up to `limit` for some.
+    fn wait(&self, limit: std::time::Duration) -> Result<Vec<Value>> {
+        let mut polled = self.lock();
+        if polled.pending.is_empty() && polled.error.is_none() {
+            polled = self
+                .0
+                 .1
+                .wait_timeout(polled, limit)
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+        }
+        polled.take()
+    }
 }
 
 impl Watchers {
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Watcher>> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Reader>> {
         self.map.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     fn create(&self, fs: BoxFs, path: &str, recursive: bool) -> Result<String> {
         let w = Watcher::new(fs, path, recursive)?;
         let id = crate::util::random_hex(8);
-        self.lock().insert(id.clone(), w);
+        self.lock().insert(id.clone(), w.spawn_reader());
         Ok(id)
     }
 
     fn events(&self, id: &str) -> Result<Vec<Value>> {
-        self.lock()
-            .get_mut(id)
-            .ok_or_else(|| E2bError::NotFound(format!("watcher {id:?} not found")))?
-            .events()
+        let reader = self
+            .lock()
+            .get(id)
+            .cloned()
+            .ok_or_else(|| E2bError::NotFound(format!("watcher {id:?} not found")))?;
+        reader.take()
     }
 
     fn remove(&self, id: &str) -> Result<()> {
@@ -744,6 +887,13 @@ mod tests {
     fn paths_normalize_inside_the_root() {
         assert_eq!(normalize("/home/user/../../.."), "/");
         assert_eq!(normalize("/a/./b//c/"), "/a/b/c");
+    }
+
+    #[test]
+    fn link_targets_are_absolute_paths_in_the_box() {
+        assert_eq!(link_target("/home/user/d/l", "t.txt"), "/home/user/d/t.txt");
+        assert_eq!(link_target("/home/user/l", "../x/./y"), "/home/x/y");
+        assert_eq!(link_target("/l", "/etc//passwd"), "/etc/passwd");
     }
 
     #[test]

@@ -11,10 +11,55 @@ pub mod process;
 use std::sync::Arc;
 
 use serde_json::json;
+use sha2::Digest;
 
 use crate::error::E2bError;
 use crate::http::{Request, Response};
 use crate::Server;
+
+/// Answer a `/files` request without the `E2b-Sandbox-Id` header, signed
+/// (the SDK's `download_url` / `upload_url`): its sandbox is the one whose
+/// access token makes the signature, `v1_` and the unpadded base64 of
+/// SHA-256 of `PATH:OPERATION:USER:TOKEN[:EXPIRATION]`, as envd checks it.
+pub fn signed_files(server: &Arc<Server>, req: &Request) -> Response {
+    let found = (|| {
+        let signature = req.query("signature").unwrap_or_default();
+        let operation = if req.method == "GET" { "read" } else { "write" };
+        let expiration = req.query("signature_expiration");
+        let sandbox = server
+            .all()
+            .into_iter()
+            .find(|s| {
+                let mut raw = format!(
+                    "{}:{operation}:{}:{}",
+                    req.query("path").unwrap_or_default(),
+                    req.query("username").unwrap_or_default(),
+                    s.token
+                );
+                if let Some(e) = expiration {
+                    raw = format!("{raw}:{e}");
+                }
+                let digest = sha2::Sha256::digest(raw.as_bytes());
+                let encoded = crate::util::base64_encode(&digest);
+                signature == format!("v1_{}", encoded.trim_end_matches('='))
+            })
+            .ok_or(E2bError::BadSignature)?;
+        if let Some(e) = expiration {
+            let at: f64 = e.parse().map_err(|_| E2bError::BadSignature)?;
+            if at < crate::util::now() {
+                return Err(E2bError::SignatureExpired);
+            }
+        }
+        Ok(sandbox)
+    })();
+    match found {
+        Ok(sandbox) => fs::files(server, &sandbox, req),
+        Err(e) => Response::json(
+            e.status(),
+            &json!({"code": e.status(), "message": e.to_string()}),
+        ),
+    }
+}
 
 /// Answer an envd request for sandbox `id`.
 pub fn handle(server: &Arc<Server>, id: &str, req: &Request) -> Response {

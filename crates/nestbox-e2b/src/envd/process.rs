@@ -31,6 +31,8 @@ use crate::Server;
 /// How long output may still come once the command has exited (from
 /// processes it left behind holding its pipes) before the end is reported.
 const DRAIN_AFTER_EXIT: Duration = Duration::from_millis(100);
+/// How long a SIGKILL through SendSignal waits for the process to be gone.
+const KILL_WAIT: Duration = Duration::from_secs(2);
 /// Keep-alive events of an idle stream, unless the client asks otherwise.
 const KEEPALIVE: Duration = Duration::from_secs(50);
 
@@ -41,6 +43,9 @@ enum Event {
     Stderr(Vec<u8>),
     Pty(Vec<u8>),
     End(i32),
+    /// The sandbox was removed: its streams are cut, as the connection to a
+    /// VM that is gone is (the SDK then finds the sandbox gone).
+    Gone,
 }
 
 /// Who listens to a process, and whether it has ended.
@@ -86,9 +91,22 @@ impl Proc {
         Some(rx)
     }
 
+    /// Wait until the process has ended (its end published), at most `limit`.
+    fn wait_ended(&self, limit: Duration) {
+        let Some(rx) = self.subscribe() else {
+            return;
+        };
+        let end = Instant::now() + limit;
+        while let Ok(event) = rx.recv_timeout(end.saturating_duration_since(Instant::now())) {
+            if matches!(event, Event::End(_) | Event::Gone) {
+                return;
+            }
+        }
+    }
+
     fn publish(&self, event: Event) {
         let mut l = self.listeners.lock().unwrap_or_else(|p| p.into_inner());
-        if matches!(event, Event::End(_)) {
+        if matches!(event, Event::End(_) | Event::Gone) {
             l.ended = true;
         }
         l.senders.retain(|s| s.send(event.clone()).is_ok());
@@ -178,7 +196,16 @@ impl Table {
         found.ok_or_else(|| E2bError::NotFound(format!("process {selector} not found")))
     }
 
-    /// Kill every process (the sandbox goes).
+    /// Cut the streams of every process, then kill them (the sandbox is
+    /// removed).
+    pub fn remove_all(&self) {
+        for p in self.lock().values() {
+            p.publish(Event::Gone);
+        }
+        self.kill_all();
+    }
+
+    /// Kill every process (the sandbox is paused: its streams see them end).
     pub fn kill_all(&self) {
         let procs: Vec<Arc<Proc>> = self.lock().values().cloned().collect();
         for p in procs {
@@ -272,6 +299,12 @@ pub fn handle(server: &Arc<Server>, id: &str, method: &str, req: &Request) -> Re
                 }
             };
             p.signal(signal)?;
+            if signal == libc::SIGKILL {
+                // Answered once the process is gone (reaped, its end
+                // reported), so that what the caller does next no longer
+                // sees it (`kill -0 PID` fails), within a bound.
+                p.wait_ended(KILL_WAIT);
+            }
             Ok(json!({}))
         })()),
         "SendInput" => connect::unary((|| {
@@ -681,6 +714,12 @@ fn stream(
                             );
                         }
                         connect::send(w, &json!({"event": {"keepalive": {}}}))?;
+                    }
+                    Ok(Event::Gone) => {
+                        return Err(std::io::Error::other(format!(
+                            "the sandbox of process {} was removed",
+                            p.pid
+                        )))
                     }
                     Err(RecvTimeoutError::Disconnected) => return connect::end(w, None),
                 }
