@@ -133,6 +133,10 @@ enum Command {
         /// Name of the restored box (default: the checkpointed box's).
         #[arg(long)]
         name: Option<String>,
+        /// In the background (as `run -d`): what restore always does; accepted
+        /// for the habit of `run -d`.
+        #[arg(short = 'd', long = "detach")]
+        _detach: bool,
         /// Print JSON (name, pid, milliseconds).
         #[arg(long)]
         json: bool,
@@ -736,6 +740,7 @@ pub fn dispatch(cli: Cli) -> Result<i32> {
         }
         Command::Restore {
             name,
+            _detach,
             json,
             shared,
             pool,
