@@ -89,7 +89,7 @@ fn written_pages() {
             .map(|a| (a - base) / 4096)
             .collect()
     };
-    let mut round = |tracker: &mut DirtyTracker| {
+    let round = |tracker: &mut DirtyTracker| {
         let mut read = BTreeSet::new();
         tracker
             .round(&mut |addr, page| {
