@@ -323,15 +323,21 @@ impl PageWriter<'_> {
     /// it was new.
     pub fn put(&mut self, page: &[u8]) -> Result<(Digest, bool)> {
         let digest = Digest::of(page);
+        Ok((digest, self.put_hashed(digest, page)?))
+    }
+
+    /// [`PageWriter::put`] of a page whose digest the caller has just
+    /// computed from these very bytes (it is not computed again).
+    pub fn put_hashed(&mut self, digest: Digest, page: &[u8]) -> Result<bool> {
         if self.pool.contains(&digest) || !self.seen.insert(digest) {
-            return Ok((digest, false));
+            return Ok(false);
         }
         self.file
             .write_all(page)
             .map_err(StoreError::io("write", &self.path))?;
         self.added.push((digest, self.slots));
         self.slots += 1;
-        Ok((digest, true))
+        Ok(true)
     }
 
     /// Pages added so far.

@@ -1249,7 +1249,7 @@ pub(crate) fn restore_preloaded(
     let pool =
         PagePool::open(&pool_path).map_err(|e| problem(source, format!("page pool: {e}")))?;
     for (digest, addr) in pages.iter().flat_map(|m| m.iter().map(|(a, d)| (d, a))) {
-        if !pool.contains(digest) {
+        if !pool.contains(digest) && !preloaded.is_some_and(|p| p.contains_key(digest)) {
             return Err(problem(
                 source,
                 format!(

@@ -668,42 +668,39 @@ fn receive_on(reg: &Registry, stream: &mut Stream) -> Result<(Restored, f64, f64
         .send(b'R', &[])
         .and_then(|()| stream.flush())
         .map_err(broken)?;
+    // The pages go to the pool in a thread of their own (written, and made
+    // durable at the end of each round), so that reading the stream never
+    // waits for the disk; the restore takes them from memory.
     let pool_path = pool_dir(reg);
-    let mut pool = PagePool::open(&pool_path)
-        .map_err(|e| RuntimeError::InvalidInput(format!("page pool: {e}")))?;
-    let pool_err =
-        |e: nestbox_store::StoreError| RuntimeError::InvalidInput(format!("page pool: {e}"));
-    let mut writer = Some(pool.writer().map_err(pool_err)?);
+    let (to_pool, pool_inbox) = std::sync::mpsc::channel::<ToPool>();
+    let pool_thread = std::thread::spawn(move || store_pages(&pool_path, pool_inbox));
     // The pages sent, kept in memory for the restore (checked as they came).
     let mut received = Preloaded::new();
-    let (tar, arrived) = loop {
+    let damaged = || RuntimeError::Migrate {
+        name: hello.box_name.clone(),
+        problem: "a page arrived damaged (its contents do not match its digest)".into(),
+    };
+    let streamed = (|| loop {
         let (tag, payload) = stream.recv().map_err(broken)?;
         match tag {
             b'P' if payload.len() % PAGE_ENTRY == 0 => {
-                // (`writer` is always there between frames.)
-                let Some(w) = writer.as_mut() else { continue };
+                let mut pages = Vec::with_capacity(payload.len() / PAGE_ENTRY);
                 for entry in payload.chunks(PAGE_ENTRY) {
-                    let (digest, _) = w.put(&entry[32..]).map_err(pool_err)?;
+                    let digest = Digest::of(&entry[32..]);
                     if digest.0 != entry[..32] {
-                        return Err(RuntimeError::Migrate {
-                            name: hello.box_name.clone(),
-                            problem:
-                                "a page arrived damaged (its contents do not match its digest)"
-                                    .into(),
-                        });
+                        return Err(damaged());
                     }
                     received.insert(digest, entry[32..].into());
+                    pages.push(digest);
                 }
+                let _ = to_pool.send(ToPool::Pages(pages, payload));
             }
             // The end of a pre-copy round: its pages are made durable while
-            // the next round runs (not in the box's stop).
+            // the next round runs.
             b'F' => {
-                if let Some(w) = writer.take() {
-                    w.finish().map_err(pool_err)?;
-                }
-                writer = Some(pool.writer().map_err(pool_err)?);
+                let _ = to_pool.send(ToPool::Round);
             }
-            b'C' => break (payload, Instant::now()),
+            b'C' => return Ok((payload, Instant::now())),
             tag => {
                 return Err(RuntimeError::InvalidInput(format!(
                     "receive: unexpected frame {:?} of {} bytes",
@@ -712,11 +709,15 @@ fn receive_on(reg: &Registry, stream: &mut Stream) -> Result<(Restored, f64, f64
                 )))
             }
         }
+    })();
+    drop(to_pool);
+    let (tar, arrived) = match streamed {
+        Ok(s) => s,
+        Err(e) => {
+            let _ = pool_thread.join();
+            return Err(e);
+        }
     };
-    if let Some(w) = writer.take() {
-        w.finish().map_err(pool_err)?;
-    }
-    drop(pool);
     let mut unpack_ms = 0.0;
     let restored = restore_incoming(reg, Some(&hello.name), Some(&received), &mut |staging| {
         let at = Instant::now();
@@ -727,6 +728,63 @@ fn receive_on(reg: &Registry, stream: &mut Stream) -> Result<(Restored, f64, f64
         let _ = fs::remove_file(&archive);
         unpack_ms = at.elapsed().as_secs_f64() * 1e3;
         unpacked
-    })?;
+    });
+    // The pool must hold the checkpoint's pages before the source lets go.
+    let stored = pool_thread.join().unwrap_or_else(|_| {
+        Err(RuntimeError::InvalidInput(
+            "page pool: its writer thread panicked".into(),
+        ))
+    });
+    let restored = match (restored, stored) {
+        (Ok(r), Ok(())) => r,
+        (Ok(r), Err(e)) => {
+            crate::diag::warn_on_err(
+                Some(&r.name),
+                "removing a migrated box whose pages could not be stored",
+                crate::templates::ops::remove(reg, &r.name, true)
+                    .and_then(|()| crate::checkpoint::remove(reg, &hello.checkpoint)),
+            );
+            return Err(e);
+        }
+        (Err(e), _) => return Err(e),
+    };
     Ok((restored, arrived.elapsed().as_secs_f64() * 1e3, unpack_ms))
+}
+
+/// What the receiver's pool thread is given.
+enum ToPool {
+    /// Pages (digests checked) and the frame holding them.
+    Pages(Vec<Digest>, Vec<u8>),
+    /// A pre-copy round ended: make its pages durable.
+    Round,
+}
+
+/// The receiver's pool thread: store the pages it is given in the pool at
+/// `path`, each round made durable (synced and indexed) as it ends, the rest
+/// when the stream ends.
+fn store_pages(path: &Path, inbox: std::sync::mpsc::Receiver<ToPool>) -> Result<()> {
+    let pool_err =
+        |e: nestbox_store::StoreError| RuntimeError::InvalidInput(format!("page pool: {e}"));
+    let mut pool = PagePool::open(path).map_err(pool_err)?;
+    loop {
+        let mut writer = pool.writer().map_err(pool_err)?;
+        let mut ended = true;
+        for message in inbox.iter() {
+            match message {
+                ToPool::Pages(digests, frame) => {
+                    for (digest, entry) in digests.into_iter().zip(frame.chunks(PAGE_ENTRY)) {
+                        writer.put_hashed(digest, &entry[32..]).map_err(pool_err)?;
+                    }
+                }
+                ToPool::Round => {
+                    ended = false;
+                    break;
+                }
+            }
+        }
+        writer.finish().map_err(pool_err)?;
+        if ended {
+            return Ok(());
+        }
+    }
 }
