@@ -14,10 +14,12 @@ pub mod bpf;
 pub mod fd;
 pub mod link;
 pub mod mount;
+pub mod node;
 pub mod ns;
 pub mod pidfd;
 pub mod process;
 pub mod ptrace;
+pub mod tty;
 
 pub use nix::errno::Errno;
 

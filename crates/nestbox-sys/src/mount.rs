@@ -81,6 +81,13 @@ pub fn make_private_recursive(path: &Path) -> Result<()> {
     )
 }
 
+/// Set the propagation type of the mount at `target` (`flags` holds one of
+/// `MS_SHARED`, `MS_SLAVE`, `MS_PRIVATE`, `MS_UNBINDABLE`, optionally with
+/// `MS_REC` for every mount below it too).
+pub fn set_propagation(target: &Path, flags: MsFlags) -> Result<()> {
+    mount(None::<&str>, target, None::<&str>, flags, None::<&str>)
+}
+
 /// Lazily detach the mount at `target` (`umount2(MNT_DETACH)`).
 pub fn detach(target: &Path) -> Result<()> {
     umount2(target, MntFlags::MNT_DETACH)
