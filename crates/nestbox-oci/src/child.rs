@@ -116,11 +116,12 @@ fn setup(plan: &Plan, fds: &ChildFds) -> Result<CString> {
     }
     prepare_root(plan)?;
     pivot_into(&plan.rootfs)?;
-    finish_root(plan)?;
+    // Before the masks: they may make /proc/sys read-only.
     for (key, value) in &plan.sysctl {
         let path = PathBuf::from("/proc/sys").join(key.replace('.', "/"));
         std::fs::write(&path, value).map_err(|e| OciError::io("write sysctl", path, e))?;
     }
+    finish_root(plan)?;
     for &(res, soft, hard) in &plan.process.rlimits {
         nestbox_sys::process::set_rlimit(0, res, soft, hard)
             .map_err(|e| OciError::sys(format!("setrlimit({res}, {soft}, {hard})"), e))?;
