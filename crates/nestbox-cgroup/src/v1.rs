@@ -75,7 +75,7 @@ pub(crate) fn apply(
 
 /// A new v1 cpuset cgroup starts with empty `cpuset.cpus`/`cpuset.mems`,
 /// and no process can join it until they are set: copy the parent's values.
-fn init_cpuset(dir: &Path, parent: &Path) -> Result<(), CgroupError> {
+pub(crate) fn init_cpuset(dir: &Path, parent: &Path) -> Result<(), CgroupError> {
     for (file, effective) in [
         ("cpuset.cpus", "cpuset.effective_cpus"),
         ("cpuset.mems", "cpuset.effective_mems"),

@@ -4,7 +4,7 @@
 //! root from the config's mounts and devices, pivots into it, masks paths,
 //! sets sysctls, rlimits, the terminal, credentials, capabilities,
 //! `no_new_privs` and seccomp, reports that it is ready, and then blocks on
-//! the container's `exec.fifo` until `start` opens it.
+//! the container's `exec.fifo` until `start` writes to it.
 //!
 //! Errors before the ready report go to the runtime over the report pipe as
 //! `1\tMESSAGE`; the runtime then removes what it made. The process runs
@@ -35,7 +35,8 @@ pub struct ChildFds {
     pub report: OwnedFd,
     /// The console socket, when the process gets a terminal.
     pub console: Option<UnixStream>,
-    /// `exec.fifo`, opened `O_PATH`; `None` to exec at once (`exec`).
+    /// `exec.fifo`, opened read-write (which never blocks), read until
+    /// `start` writes to it; `None` to exec at once (`exec`).
     pub fifo: Option<OwnedFd>,
 }
 
@@ -114,14 +115,24 @@ fn setup(plan: &Plan, fds: &ChildFds) -> Result<CString> {
     if plan.new_namespace(Namespace::Net) {
         nestbox_isolation::net::loopback_up()?;
     }
-    prepare_root(plan)?;
-    pivot_into(&plan.rootfs)?;
+    if plan.has_namespace(Namespace::Mnt) {
+        prepare_root(plan)?;
+        pivot_into(&plan.rootfs)?;
+    } else {
+        // No mount namespace: any mount would land on the host, so none is
+        // made (config.rs refuses what needs one); the root is a chroot.
+        nestbox_sys::mount::chroot(&plan.rootfs)
+            .map_err(|e| OciError::sys(format!("chroot {}", plan.rootfs.display()), e))?;
+        nix::unistd::chdir("/").map_err(|e| OciError::sys("chdir /", e))?;
+    }
     // Before the masks: they may make /proc/sys read-only.
     for (key, value) in &plan.sysctl {
         let path = PathBuf::from("/proc/sys").join(key.replace('.', "/"));
         std::fs::write(&path, value).map_err(|e| OciError::io("write sysctl", path, e))?;
     }
-    finish_root(plan)?;
+    if plan.has_namespace(Namespace::Mnt) {
+        finish_root(plan)?;
+    }
     for &(res, soft, hard) in &plan.process.rlimits {
         nestbox_sys::process::set_rlimit(0, res, soft, hard)
             .map_err(|e| OciError::sys(format!("setrlimit({res}, {soft}, {hard})"), e))?;
@@ -360,6 +371,10 @@ pub fn exec_with(
         .iter()
         .map(|a| cstring(a))
         .collect::<Result<Vec<_>>>()?;
+    // Nothing the runtime had open may reach the program. Done first: a
+    // seccomp filter installed below may not allow close_range.
+    nestbox_sys::fd::set_cloexec_range(3, u32::MAX)
+        .map_err(|e| OciError::sys("mark descriptors close-on-exec", e))?;
     if let Some(adj) = p.oom_score_adj {
         let path = "/proc/self/oom_score_adj";
         std::fs::write(path, adj.to_string()).map_err(|e| OciError::io("write", path, e))?;
@@ -403,22 +418,21 @@ fn wait_and_exec(
     no_new_privileges: bool,
 ) -> Result<std::convert::Infallible> {
     if let Some(fifo) = fifo {
-        let path = format!("/proc/self/fd/{}", fifo.as_raw_fd());
-        let mut f = std::fs::OpenOptions::new()
-            .write(true)
-            .open(&path)
-            .map_err(|e| OciError::io("open exec fifo", &path, e))?;
-        use std::io::Write;
-        f.write_all(b"0")
-            .map_err(|e| OciError::io("write exec fifo", &path, e))?;
+        let mut byte = [0u8; 1];
+        loop {
+            match nix::unistd::read(fifo.as_raw_fd(), &mut byte) {
+                Ok(1) => break,
+                Err(nix::errno::Errno::EINTR) => continue,
+                Ok(_) => return Err(OciError::sys("read exec fifo", nix::errno::Errno::EIO)),
+                Err(e) => return Err(OciError::sys("read exec fifo", e)),
+            }
+        }
     }
     if let (Some(f), true) = (seccomp, no_new_privileges) {
         f.install()
             .map_err(|e| OciError::Usage(format!("seccomp: {e}")))?;
     }
     reset_signals();
-    nestbox_sys::fd::set_cloexec_range(3, u32::MAX)
-        .map_err(|e| OciError::sys("mark descriptors close-on-exec", e))?;
     let e = match nix::unistd::execve(program, argv, env) {
         Err(e) => e,
         Ok(never) => match never {},

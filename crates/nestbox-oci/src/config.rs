@@ -136,6 +136,9 @@ pub struct Plan {
     pub process: ProcessPlan,
     /// Cgroup limits (from `linux.resources`).
     pub limits: Limits,
+    /// `linux.cgroupsPath`: where the cgroup goes (absolute: from each
+    /// hierarchy's root; relative: under the runtime's own cgroup).
+    pub cgroups_path: Option<PathBuf>,
     /// The seccomp filter, compiled.
     pub seccomp: Option<Program>,
     /// Hooks.
@@ -231,9 +234,15 @@ fn translate(bundle: &Path, spec: &Spec) -> Result<Plan> {
             "linux.uidMappings/gidMappings given without a new user namespace",
         ));
     }
-    if !has(Namespace::Mnt) {
+    if !has(Namespace::Mnt)
+        && (root.readonly().unwrap_or(false)
+            || linux.devices().as_ref().is_some_and(|d| !d.is_empty()))
+    {
+        // Without a mount namespace nestbox makes no mount at all (it would
+        // be the host's): the root is a chroot and config mounts, masks and
+        // read-only paths are not applied (docs/oci.md).
         return Err(unsupported(
-            "linux.namespaces: a mount namespace is required (nestbox never mounts on the host)",
+            "root.readonly and linux.devices need a mount namespace (nestbox never mounts on the host)",
         ));
     }
     if (spec.hostname().is_some() || spec.domainname().is_some()) && !has(Namespace::Uts) {
@@ -291,11 +300,17 @@ fn translate(bundle: &Path, spec: &Spec) -> Result<Plan> {
         Some(s) => Some(seccomp_program(s)?),
         None => None,
     };
-    if let Some(path) = linux.cgroups_path() {
-        tracing::debug!(
-            "linux.cgroupsPath {} noted; the cgroup is made under the caller's own",
-            path.display()
-        );
+    let cgroups_path = linux
+        .cgroups_path()
+        .clone()
+        .filter(|p| !p.as_os_str().is_empty());
+    if let Some(p) = &cgroups_path {
+        if p.to_string_lossy().contains(':') {
+            return Err(unsupported(format!(
+                "linux.cgroupsPath {}: systemd slice paths need --systemd-cgroup, which nestbox does not support",
+                p.display()
+            )));
+        }
     }
     let hooks = Hooks::from_spec(spec.hooks().as_ref())?;
     let annotations = spec
@@ -321,6 +336,7 @@ fn translate(bundle: &Path, spec: &Spec) -> Result<Plan> {
         sysctl,
         process,
         limits,
+        cgroups_path,
         seccomp,
         hooks,
         annotations,

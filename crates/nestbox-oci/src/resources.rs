@@ -1,6 +1,7 @@
 //! `linux.resources` onto nestbox-cgroup's [`Limits`]: memory, swap, pids,
 //! CPU shares, quota and cpuset, block I/O weight. Other controls are refused
-//! with the field named, never silently dropped.
+//! with the field named, never silently dropped (except the kernel-memory
+//! limits, which the kernel no longer has).
 
 use nestbox_cgroup::Limits;
 use oci_spec::runtime::LinuxResources;
@@ -21,9 +22,10 @@ pub fn limits(resources: Option<&LinuxResources>) -> Result<Limits> {
         l.memory = m.limit().filter(|v| *v > 0).map(|v| v as u64);
         l.memory_swap = m.swap().filter(|v| *v != 0);
         l.memory_reserve = m.reservation().filter(|v| *v > 0).map(|v| v as u64);
-        if m.kernel().is_some() || m.kernel_tcp().is_some() {
-            return Err(refuse("memory.kernel"));
-        }
+        // memory.kernel and memory.kernelTCP are not refused but have no
+        // effect: Linux removed the kernel-memory limits of cgroup v1 (6.x
+        // has no memory.kmem.limit_in_bytes) and v2 never had them; runc
+        // ignores them too (docs/oci.md).
     }
     if let Some(p) = r.pids() {
         if p.limit() > 0 {

@@ -4,6 +4,7 @@
 
 mod common;
 
+use std::path::Path;
 use std::time::{Duration, Instant};
 
 use common::{ready, Env};
@@ -484,7 +485,7 @@ fn hooks_run_at_their_stages_with_the_state() {
     env.create("h1").ok();
     let cr = read("createRuntime").unwrap();
     assert_eq!(cr["id"], "h1");
-    assert_eq!(cr["status"], "creating");
+    assert_eq!(cr["status"], "created");
     assert!(cr["pid"].as_i64().unwrap() > 0);
     assert!(read("createContainer").is_some());
     assert!(read("startContainer").is_none() && read("poststart").is_none());
@@ -571,4 +572,65 @@ fn features_and_spec() {
         .contains(&json!("createContainer")));
     env.runc(&["spec", "--bundle", env.bundle.to_str().unwrap()])
         .fails_with("exists already");
+}
+
+#[test]
+fn cgroups_path_is_honoured() {
+    if !ready("cgroups_path_is_honoured") {
+        return;
+    }
+    let env = Env::new(&["sleep", "1000"]);
+    // Named nestbox-… so that scripts/check-leaks.sh would see a leak.
+    let parent = format!("nestbox-test-oci-{}", std::process::id());
+    env.edit(|c| {
+        c["linux"]["cgroupsPath"] = json!(format!("/{parent}/ctr"));
+        c["linux"]["resources"] = json!({"pids": {"limit": 30}});
+    });
+    env.create("p1").ok();
+    let pid = env.state("p1")["pid"].as_i64().unwrap();
+    let dir = Path::new("/sys/fs/cgroup/pids").join(&parent).join("ctr");
+    assert_eq!(
+        std::fs::read_to_string(dir.join("pids.max"))
+            .unwrap()
+            .trim(),
+        "30"
+    );
+    let procs = std::fs::read_to_string(dir.join("cgroup.procs")).unwrap();
+    assert!(procs.lines().any(|l| l == pid.to_string()), "{procs}");
+    env.runc(&["delete", "--force", "p1"]).ok();
+    assert!(!dir.exists());
+    // The parents made for it stay (as runc leaves them): remove them here.
+    for hierarchy in std::fs::read_dir("/sys/fs/cgroup").unwrap().flatten() {
+        let _ = std::fs::remove_dir(hierarchy.path().join(&parent));
+    }
+    assert!(!common::cgroup_exists(&parent));
+    env.edit(|c| c["linux"]["cgroupsPath"] = json!("system.slice:nestbox:p2"));
+    env.create("p2").fails_with("systemd slice paths");
+}
+
+#[test]
+fn without_a_mount_namespace_nothing_is_mounted() {
+    if !ready("without_a_mount_namespace_nothing_is_mounted") {
+        return;
+    }
+    let env = Env::new(&["true"]);
+    let out = inside(&env, "ls /; ls /proc | wc -l", |c| {
+        let ns = c["linux"]["namespaces"].as_array_mut().unwrap();
+        ns.retain(|n| n["type"] != "mount");
+        c["root"]["readonly"] = json!(false);
+    });
+    // The root is the bundle's rootfs (a chroot); its /proc stays empty.
+    assert!(out.lines().any(|l| l == "bin"), "{out}");
+    assert_eq!(out.lines().last(), Some("0"));
+    // Nothing was mounted on the host: no mount under the bundle, and the
+    // host's /proc, /dev and /sys are each mounted once, as before.
+    let info = std::fs::read_to_string("/proc/self/mountinfo").unwrap();
+    assert!(!info.contains(env.bundle.to_str().unwrap()), "{info}");
+    for point in ["/proc", "/dev", "/sys"] {
+        let n = info
+            .lines()
+            .filter(|l| l.split(' ').nth(4) == Some(point))
+            .count();
+        assert_eq!(n, 1, "{point} mounted {n} times:\n{info}");
+    }
 }

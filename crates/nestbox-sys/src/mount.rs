@@ -1,5 +1,5 @@
 //! Mount calls: mount a filesystem, bind, move, remount read-only, make
-//! private, detach, bind a namespace file, pivot the root.
+//! private, detach, bind a namespace file, pivot the root (or chroot).
 //!
 //! The mechanics only: which mount goes where, and with which flags, is the
 //! callers' policy (`nestbox-isolation` for a box's root, the runtime's
@@ -96,6 +96,12 @@ pub fn detach(target: &Path) -> Result<()> {
 /// `pivot_root(new_root, put_old)`.
 pub fn pivot_root(new_root: &Path, put_old: &Path) -> Result<()> {
     nix::unistd::pivot_root(new_root, put_old)
+}
+
+/// `chroot(path)`: change the calling process's root directory (its mount
+/// namespace is left as it is).
+pub fn chroot(path: &Path) -> Result<()> {
+    nix::unistd::chroot(path)
 }
 
 /// Undo the octal escapes (`\040` for a space, `\011`, `\012`, `\134`) the
