@@ -38,6 +38,14 @@ pub enum OciError {
         /// What is wrong.
         message: String,
     },
+    /// A container record cannot be parsed.
+    #[error("corrupt state {path}: {message}")]
+    Corrupt {
+        /// The record.
+        path: PathBuf,
+        /// The parse error.
+        message: String,
+    },
     /// A config field holds a value this runtime refuses.
     #[error("config: {0}")]
     Unsupported(String),

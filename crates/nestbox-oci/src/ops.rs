@@ -93,10 +93,11 @@ fn stop_now(rec: &Record) -> Result<()> {
     let deadline = Instant::now() + Duration::from_secs(10);
     while state::alive(rec.pid, rec.start_time) {
         if Instant::now() >= deadline {
-            return Err(OciError::Setup {
-                id: rec.id.clone(),
-                message: "its process did not die within 10 s of SIGKILL".into(),
-            });
+            // Ten seconds after SIGKILL: the process hangs in the kernel.
+            return Err(OciError::sys(
+                format!("stop container {:?}", rec.id),
+                nix::errno::Errno::ETIMEDOUT,
+            ));
         }
         std::thread::sleep(Duration::from_millis(1));
     }

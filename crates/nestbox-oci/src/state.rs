@@ -147,9 +147,9 @@ impl Root {
             }
             Err(e) => return Err(OciError::io("read", path, e)),
         };
-        serde_json::from_str(&text).map_err(|e| OciError::Config {
+        serde_json::from_str(&text).map_err(|e| OciError::Corrupt {
             path,
-            message: format!("corrupt state: {e}"),
+            message: e.to_string(),
         })
     }
 
