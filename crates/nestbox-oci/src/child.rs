@@ -23,8 +23,8 @@ use nestbox_sys::ns::Namespace;
 use nix::sched::CloneFlags;
 
 use crate::config::{Plan, ProcessPlan};
-use crate::mounts::make_mountpoint;
 use crate::{OciError, Result};
+use nestbox_isolation::rootfs::make_mountpoint;
 
 /// Descriptors the container's process is given.
 #[derive(Debug)]
@@ -189,10 +189,6 @@ fn set_domainname(name: &str) -> Result<()> {
     std::fs::write(path, name).map_err(|e| OciError::io("set domainname", path, e))
 }
 
-/// Devices every container gets (bound from the host's `/dev`), as runc
-/// gives them.
-const DEFAULT_DEVICES: &[&str] = &["null", "zero", "full", "random", "urandom", "tty"];
-
 /// Mounts and devices under the root, before the pivot.
 fn prepare_root(plan: &Plan) -> Result<()> {
     let root = &plan.rootfs;
@@ -206,7 +202,8 @@ fn prepare_root(plan: &Plan) -> Result<()> {
     }
     let dev = secure_join(root, Path::new("/dev"))?;
     let userns = plan.has_namespace(Namespace::User);
-    for name in DEFAULT_DEVICES {
+    // The devices every box gets are runc's default set too.
+    for name in nestbox_isolation::dev::DEVICES {
         let target = dev.join(name);
         if plan
             .devices
@@ -240,13 +237,7 @@ fn prepare_root(plan: &Plan) -> Result<()> {
                 .map_err(|e| OciError::io("chmod", &target, e))?;
         }
     }
-    for (link, to) in [
-        ("ptmx", "pts/ptmx"),
-        ("fd", "/proc/self/fd"),
-        ("stdin", "/proc/self/fd/0"),
-        ("stdout", "/proc/self/fd/1"),
-        ("stderr", "/proc/self/fd/2"),
-    ] {
+    for &(link, to) in nestbox_isolation::dev::LINKS {
         let path = dev.join(link);
         if path.symlink_metadata().is_err() && dev.is_dir() {
             std::os::unix::fs::symlink(to, &path).map_err(|e| OciError::io("symlink", &path, e))?;
@@ -281,39 +272,13 @@ fn finish_root(plan: &Plan) -> Result<()> {
             continue;
         }
         nestbox_sys::mount::bind(path, path, true)
-            .and_then(|()| nestbox_sys::mount::remount_read_only(path, readonly_keep(path)))
-            .map_err(|e| OciError::sys(format!("make {} read-only", path.display()), e))?;
+            .map_err(|e| OciError::sys(format!("bind {}", path.display()), e))?;
+        nestbox_isolation::mounts::remount_read_only(path)?;
     }
     if plan.root_readonly {
-        nestbox_sys::mount::remount_read_only(root, readonly_keep(root))
-            .map_err(|e| OciError::sys("make the root read-only", e))?;
+        nestbox_isolation::mounts::remount_read_only(root)?;
     }
     Ok(())
-}
-
-/// The locked flags of the mount at `path` (a read-only remount must keep them).
-fn readonly_keep(path: &Path) -> MsFlags {
-    match nix::sys::statvfs::statvfs(path) {
-        Ok(s) => {
-            use nix::sys::statvfs::FsFlags;
-            let f = s.flags();
-            let mut keep = MsFlags::empty();
-            for (ff, mf) in [
-                (FsFlags::ST_NOSUID, MsFlags::MS_NOSUID),
-                (FsFlags::ST_NODEV, MsFlags::MS_NODEV),
-                (FsFlags::ST_NOEXEC, MsFlags::MS_NOEXEC),
-                (FsFlags::ST_NOATIME, MsFlags::MS_NOATIME),
-                (FsFlags::ST_NODIRATIME, MsFlags::MS_NODIRATIME),
-                (FsFlags::ST_RELATIME, MsFlags::MS_RELATIME),
-            ] {
-                if f.contains(ff) {
-                    keep |= mf;
-                }
-            }
-            keep
-        }
-        Err(_) => MsFlags::empty(),
-    }
 }
 
 /// The program to exec: `args[0]`, searched in the process's `PATH` when it
@@ -432,7 +397,7 @@ fn wait_and_exec(
         f.install()
             .map_err(|e| OciError::Usage(format!("seccomp: {e}")))?;
     }
-    reset_signals();
+    nestbox_sys::process::reset_signal_dispositions();
     let e = match nix::unistd::execve(program, argv, env) {
         Err(e) => e,
         Ok(never) => match never {},
@@ -441,21 +406,6 @@ fn wait_and_exec(
         format!("exec {}", program.to_string_lossy()),
         e,
     ))
-}
-
-/// Default dispositions and an empty mask for the program.
-fn reset_signals() {
-    use nix::sys::signal::{sigprocmask, SigSet, SigmaskHow, Signal};
-    for sig in Signal::iterator() {
-        if matches!(sig, Signal::SIGKILL | Signal::SIGSTOP) {
-            continue;
-        }
-        // SAFETY: installing SIG_DFL involves no handler code at all
-        // (and fails only for SIGKILL/SIGSTOP, skipped above).
-        let _ = unsafe { nix::sys::signal::signal(sig, nix::sys::signal::SigHandler::SigDfl) };
-    }
-    // Fails only for an invalid `how`, and SIG_SETMASK is valid.
-    let _ = sigprocmask(SigmaskHow::SIG_SETMASK, Some(&SigSet::empty()), None);
 }
 
 /// Groups, user, and the five capability sets.

@@ -344,6 +344,7 @@ pub fn start(root: &Root, id: &str) -> Result<()> {
         Err(e) => return Err(OciError::io("write exec fifo", &fifo_path, e)),
     }
     std::fs::remove_file(&fifo_path).map_err(|e| OciError::io("remove", &fifo_path, e))?;
+    wait_for_exec(rec.pid);
     if let Err(e) = hooks::run(
         "poststart",
         &rec.hooks.poststart,
@@ -357,6 +358,20 @@ pub fn start(root: &Root, id: &str) -> Result<()> {
 }
 
 use std::os::unix::fs::OpenOptionsExt;
+
+/// Wait (2 s at most) until process `pid` no longer runs the runtime's own
+/// binary, i.e. it has exec'd its program (or exited), so that `start`
+/// returns with the program running, as callers expect.
+fn wait_for_exec(pid: i32) {
+    use std::os::unix::fs::MetadataExt;
+    let id = |p: &str| std::fs::metadata(p).ok().map(|m| (m.dev(), m.ino()));
+    let ours = id("/proc/self/exe");
+    let theirs = format!("/proc/{pid}/exe");
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(2);
+    while ours.is_some() && id(&theirs) == ours && std::time::Instant::now() < deadline {
+        std::thread::sleep(std::time::Duration::from_micros(100));
+    }
+}
 
 /// A wrong-state error.
 pub fn wrong(id: &str, status: Status, why: &'static str) -> OciError {

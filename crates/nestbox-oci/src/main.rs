@@ -43,23 +43,44 @@ struct Cli {
     cmd: Cmd,
 }
 
+/// The options `create` and `run` share.
+#[derive(clap::Args, Debug)]
+struct CreateArgs {
+    id: String,
+    #[arg(short, long, default_value = ".")]
+    bundle: PathBuf,
+    #[arg(long = "pid-file")]
+    pid_file: Option<PathBuf>,
+    #[arg(long = "console-socket")]
+    console_socket: Option<PathBuf>,
+    /// Accepted for compatibility: nestbox always pivots.
+    #[arg(long = "no-pivot")]
+    no_pivot: bool,
+    /// Accepted for compatibility: no session keyring is made.
+    #[arg(long = "no-new-keyring")]
+    no_new_keyring: bool,
+    #[arg(long = "preserve-fds", default_value_t = 0)]
+    preserve_fds: u32,
+}
+
+impl CreateArgs {
+    fn opts(self) -> anyhow::Result<CreateOpts> {
+        refuse_preserve_fds(self.preserve_fds)?;
+        Ok(CreateOpts {
+            id: self.id,
+            bundle: self.bundle,
+            pid_file: self.pid_file,
+            console_socket: self.console_socket,
+        })
+    }
+}
+
 #[derive(Subcommand, Debug)]
 enum Cmd {
     /// Create a container from a bundle; it waits for `start`.
     Create {
-        id: String,
-        #[arg(short, long, default_value = ".")]
-        bundle: PathBuf,
-        #[arg(long = "pid-file")]
-        pid_file: Option<PathBuf>,
-        #[arg(long = "console-socket")]
-        console_socket: Option<PathBuf>,
-        #[arg(long = "no-pivot")]
-        no_pivot: bool,
-        #[arg(long = "no-new-keyring")]
-        no_new_keyring: bool,
-        #[arg(long = "preserve-fds", default_value_t = 0)]
-        preserve_fds: u32,
+        #[command(flatten)]
+        c: CreateArgs,
     },
     /// Start a created container.
     Start { id: String },
@@ -81,21 +102,10 @@ enum Cmd {
     },
     /// Create and start a container; without --detach, wait for it and delete it.
     Run {
-        id: String,
-        #[arg(short, long, default_value = ".")]
-        bundle: PathBuf,
-        #[arg(long = "pid-file")]
-        pid_file: Option<PathBuf>,
-        #[arg(long = "console-socket")]
-        console_socket: Option<PathBuf>,
+        #[command(flatten)]
+        c: CreateArgs,
         #[arg(short, long)]
         detach: bool,
-        #[arg(long = "no-pivot")]
-        no_pivot: bool,
-        #[arg(long = "no-new-keyring")]
-        no_new_keyring: bool,
-        #[arg(long = "preserve-fds", default_value_t = 0)]
-        preserve_fds: u32,
         #[arg(long)]
         keep: bool,
     },
@@ -238,22 +248,8 @@ fn run(cli: Cli) -> anyhow::Result<i32> {
     }
     let root = Root::new(&cli.root);
     match cli.cmd {
-        Cmd::Create {
-            id,
-            bundle,
-            pid_file,
-            console_socket,
-            preserve_fds,
-            ..
-        } => {
-            refuse_preserve_fds(preserve_fds)?;
-            let opts = CreateOpts {
-                id,
-                bundle,
-                pid_file,
-                console_socket,
-            };
-            create::create(&root, &opts)?;
+        Cmd::Create { c } => {
+            create::create(&root, &c.opts()?)?;
             Ok(0)
         }
         Cmd::Start { id } => {
@@ -272,23 +268,9 @@ fn run(cli: Cli) -> anyhow::Result<i32> {
             ops::delete(&root, &id, force)?;
             Ok(0)
         }
-        Cmd::Run {
-            id,
-            bundle,
-            pid_file,
-            console_socket,
-            detach,
-            preserve_fds,
-            keep,
-            ..
-        } => {
-            refuse_preserve_fds(preserve_fds)?;
-            let opts = CreateOpts {
-                id: id.clone(),
-                bundle,
-                pid_file,
-                console_socket,
-            };
+        Cmd::Run { c, detach, keep } => {
+            let opts = c.opts()?;
+            let id = opts.id.clone();
             let rec = create::create(&root, &opts)?;
             if let Err(e) = create::start(&root, &id) {
                 // Started or not, nothing of it may stay behind.

@@ -4,11 +4,10 @@
 //! symlink in the root filesystem can lead it outside.
 
 use std::fs;
-use std::os::unix::fs::DirBuilderExt;
 use std::path::{Path, PathBuf};
 
 use nestbox_isolation::mounts;
-use nestbox_isolation::rootfs::secure_join;
+use nestbox_isolation::rootfs::{make_mountpoint, secure_join};
 use nestbox_sys::mount::MsFlags;
 
 use crate::{OciError, Result};
@@ -249,26 +248,6 @@ fn cgroup_mounts(mountinfo: &str) -> Vec<(String, String, String)> {
         out.push((name.to_string(), fstype.to_string(), data));
     }
     out
-}
-
-/// Create a mount point (directory or empty file) if it does not exist yet.
-pub fn make_mountpoint(target: &Path, dir: bool) -> Result<()> {
-    if target.symlink_metadata().is_ok() {
-        return Ok(());
-    }
-    if let Some(parent) = target.parent() {
-        fs::DirBuilder::new()
-            .recursive(true)
-            .mode(0o755)
-            .create(parent)
-            .map_err(|e| OciError::io("mkdir", parent, e))?;
-    }
-    let made = if dir {
-        fs::DirBuilder::new().mode(0o755).create(target)
-    } else {
-        fs::File::create(target).map(|_| ())
-    };
-    made.map_err(|e| OciError::io("create mount point", target, e))
 }
 
 #[cfg(test)]
