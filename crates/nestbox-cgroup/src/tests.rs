@@ -16,6 +16,7 @@ fn full_limits() -> Limits {
         memory_swap: Some(128 << 20),
         pids: Some(10),
         cpus: Some(0.5),
+        cpu_period_us: None,
         cpu_shares: Some(512),
         cpuset_cpus: Some("0-1".into()),
         io_weight: Some(500),

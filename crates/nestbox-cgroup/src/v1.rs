@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use crate::error::CgroupError;
 use crate::fsutil;
-use crate::limits::{Limits, CFS_PERIOD_US};
+use crate::limits::Limits;
 
 /// The device rules of a box on v1: deny everything (`a`), then allow these
 /// (written one at a time to `devices.allow`). The standard container set:
@@ -50,7 +50,10 @@ pub(crate) fn apply(
     }
     if has("cpu") {
         if let Some(quota) = limits.cfs_quota_us() {
-            fsutil::write(&dir.join("cpu.cfs_period_us"), &CFS_PERIOD_US.to_string())?;
+            fsutil::write(
+                &dir.join("cpu.cfs_period_us"),
+                &limits.cfs_period_us().to_string(),
+            )?;
             fsutil::write(&dir.join("cpu.cfs_quota_us"), &quota.to_string())?;
         }
         if let Some(shares) = limits.cpu_shares {

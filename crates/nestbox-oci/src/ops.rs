@@ -349,3 +349,20 @@ pub fn wait_exit_code(pid: Pid) -> i32 {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn signals_parse_as_runc_parses_them() {
+        assert_eq!(parse_signal("KILL").unwrap(), libc::SIGKILL);
+        assert_eq!(parse_signal("SIGTERM").unwrap(), libc::SIGTERM);
+        assert_eq!(parse_signal("usr1").unwrap(), libc::SIGUSR1);
+        assert_eq!(parse_signal("9").unwrap(), 9);
+        assert_eq!(parse_signal("34").unwrap(), 34);
+        for bad in ["0", "65", "SIGFOO", ""] {
+            assert!(parse_signal(bad).is_err(), "{bad}");
+        }
+    }
+}

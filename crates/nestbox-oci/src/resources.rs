@@ -22,6 +22,15 @@ pub fn limits(resources: Option<&LinuxResources>) -> Result<Limits> {
         l.memory = m.limit().filter(|v| *v > 0).map(|v| v as u64);
         l.memory_swap = m.swap().filter(|v| *v != 0);
         l.memory_reserve = m.reservation().filter(|v| *v > 0).map(|v| v as u64);
+        if m.swappiness().is_some() {
+            return Err(refuse("memory.swappiness"));
+        }
+        if m.disable_oom_killer() == Some(true) {
+            return Err(refuse("memory.disableOOMKiller"));
+        }
+        if m.use_hierarchy().is_some() || m.check_before_update().is_some() {
+            return Err(refuse("memory.useHierarchy/checkBeforeUpdate"));
+        }
         // memory.kernel and memory.kernelTCP are not refused but have no
         // effect: Linux removed the kernel-memory limits of cgroup v1 (6.x
         // has no memory.kmem.limit_in_bytes) and v2 never had them; runc
@@ -36,7 +45,9 @@ pub fn limits(resources: Option<&LinuxResources>) -> Result<Limits> {
         l.cpu_shares = c.shares().filter(|v| *v > 0);
         if let (Some(quota), period) = (c.quota(), c.period()) {
             if quota > 0 {
-                let period = period.filter(|p| *p > 0).unwrap_or(100_000);
+                let period = period.filter(|p| *p > 0);
+                l.cpu_period_us = period;
+                let period = period.unwrap_or(nestbox_cgroup::limits::CFS_PERIOD_US);
                 l.cpus = Some(quota as f64 / period as f64);
             }
         }

@@ -192,6 +192,7 @@ fn limits() -> impl Strategy<Value = nestbox_cgroup::Limits> {
                     memory_swap,
                     pids,
                     cpus,
+                    cpu_period_us: None,
                     cpu_shares,
                     cpuset_cpus,
                     io_weight,

@@ -378,6 +378,7 @@ impl ResourceArgs {
             },
             pids: a.pids,
             cpus: a.cpus,
+            cpu_period_us: None,
             cpu_shares: a.cpu_shares,
             cpuset_cpus: a.cpuset_cpus.clone(),
             io_weight: a.io_weight,
