@@ -172,7 +172,10 @@ pub fn load(bundle: &Path) -> Result<Plan> {
             message: "not found (is --bundle the bundle directory?)".into(),
         });
     }
-    let spec = Spec::load(&path).map_err(|e| OciError::Config {
+    // serde_json directly rather than Spec::load: its errors name the field,
+    // the value and the line ("unknown variant `CAP_FLY`, expected one of …").
+    let text = std::fs::read_to_string(&path).map_err(|e| OciError::io("read", &path, e))?;
+    let spec: Spec = serde_json::from_str(&text).map_err(|e| OciError::Config {
         path: path.clone(),
         message: e.to_string(),
     })?;

@@ -345,15 +345,13 @@ pub fn start(root: &Root, id: &str) -> Result<()> {
     }
     std::fs::remove_file(&fifo_path).map_err(|e| OciError::io("remove", &fifo_path, e))?;
     wait_for_exec(rec.pid);
-    if let Err(e) = hooks::run(
+    // The spec: a failed poststart hook is logged, the others and the
+    // container go on.
+    hooks::run_warning(
         "poststart",
         &rec.hooks.poststart,
         &state_text(&rec, "running"),
-    ) {
-        // The spec: a failed poststart hook is logged, the container goes on.
-        tracing::warn!("{e}");
-        eprintln!("nestbox-runc: warning: {e}");
-    }
+    );
     Ok(())
 }
 

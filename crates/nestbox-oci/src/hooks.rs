@@ -96,6 +96,18 @@ pub fn run(stage: &'static str, hooks: &[Hook], state: &str) -> Result<()> {
     Ok(())
 }
 
+/// Run every hook of `stage` whatever happens to the others (poststart,
+/// poststop: the spec asks for a warning and the rest to run); each failure
+/// is a warning on stderr.
+pub fn run_warning(stage: &'static str, hooks: &[Hook], state: &str) {
+    for hook in hooks {
+        if let Err(e) = run_one(stage, hook, state) {
+            tracing::warn!("{e}");
+            eprintln!("nestbox-runc: warning: {e}");
+        }
+    }
+}
+
 fn run_one(stage: &'static str, hook: &Hook, state: &str) -> Result<()> {
     let fail = |message: String| OciError::Hook {
         stage,

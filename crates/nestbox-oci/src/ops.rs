@@ -113,11 +113,9 @@ fn remove(root: &Root, rec: &Record) -> Result<()> {
     std::fs::remove_dir_all(&dir).map_err(|e| OciError::io("remove", &dir, e))?;
     let mut v = state::state_json(rec, Status::Stopped);
     v["pid"] = serde_json::Value::from(rec.pid);
-    if let Err(e) = hooks::run("poststop", &rec.hooks.poststop, &v.to_string()) {
-        // The spec: a failed poststop hook is logged, the deletion stands.
-        tracing::warn!("{e}");
-        eprintln!("nestbox-runc: warning: {e}");
-    }
+    // The spec: a failed poststop hook is logged, the others run and the
+    // deletion stands.
+    hooks::run_warning("poststop", &rec.hooks.poststop, &v.to_string());
     Ok(())
 }
 
