@@ -58,6 +58,20 @@ pub fn clone_flags(plan: &Plan) -> CloneFlags {
 /// Body of the container's process. Never returns.
 pub fn run(plan: &Plan, fds: ChildFds) -> ! {
     let report = fds.report.as_raw_fd();
+    if plan.process.is_none() {
+        // No process: ready as it is, and nothing to start (`start` refuses
+        // and kills this process).
+        let err = match setup(plan, &fds) {
+            Ok(_) => {
+                let _ = nix::unistd::write(&fds.report, b"0");
+                loop {
+                    nix::unistd::pause();
+                }
+            }
+            Err(e) => e,
+        };
+        report_failure(report, &err)
+    }
     let err = match setup(plan, &fds).and_then(|program| {
         exec_with(
             &plan.process,
@@ -145,8 +159,10 @@ fn setup(plan: &Plan, fds: &ChildFds) -> Result<CString> {
             .ok_or_else(|| OciError::Usage("process.terminal needs --console-socket".into()))?;
         crate::console::attach(socket)?;
     }
-    let program = find_program(&plan.process)?;
-    Ok(program)
+    if plan.process.is_none() {
+        return Ok(CString::default());
+    }
+    find_program(&plan.process)
 }
 
 /// Take the ids of root in a freshly mapped user namespace.

@@ -101,6 +101,31 @@ pub struct ProcessPlan {
     pub oom_score_adj: Option<i32>,
 }
 
+impl ProcessPlan {
+    /// The process of a config without one (empty `args`): nothing to run.
+    pub fn none() -> ProcessPlan {
+        ProcessPlan {
+            args: Vec::new(),
+            env: Vec::new(),
+            cwd: PathBuf::from("/"),
+            uid: 0,
+            gid: 0,
+            additional_gids: Vec::new(),
+            umask: None,
+            caps: CapSets::default(),
+            rlimits: Vec::new(),
+            no_new_privileges: false,
+            terminal: false,
+            oom_score_adj: None,
+        }
+    }
+
+    /// Whether there is a program to run.
+    pub fn is_none(&self) -> bool {
+        self.args.is_empty()
+    }
+}
+
 /// Everything needed to create the container, checked.
 #[derive(Debug)]
 pub struct Plan {
@@ -205,11 +230,11 @@ fn translate(bundle: &Path, spec: &Spec) -> Result<Plan> {
             rootfs.display()
         )));
     }
-    let process = spec
-        .process()
-        .as_ref()
-        .ok_or_else(|| unsupported("process: missing"))?;
-    let process = process_plan(process)?;
+    // No process: the container can be created, and `start` refuses it.
+    let process = match spec.process() {
+        Some(p) => process_plan(p)?,
+        None => ProcessPlan::none(),
+    };
     let linux = spec.linux().clone().unwrap_or_default();
     let namespaces = namespaces(linux.namespaces().as_deref().unwrap_or_default())?;
     let has = |k: Namespace| namespaces.iter().any(|n| n.kind == k);

@@ -212,6 +212,7 @@ fn build(root: &Root, opts: &CreateOpts, plan: &Plan, made: &mut Made) -> Result
         created: state::now_rfc3339(),
         annotations: plan.annotations.clone(),
         cgroup: Some(cg),
+        no_process: plan.process.is_none(),
         hooks: hooks::Hooks {
             prestart: Vec::new(),
             create_runtime: Vec::new(),
@@ -314,6 +315,16 @@ pub fn start(root: &Root, id: &str) -> Result<()> {
                 "cannot start a container that is already running",
             ))
         }
+    }
+    if rec.no_process {
+        // Nothing to run: the container ends here, stopped.
+        let _ = nestbox_sys::process::tgkill(rec.pid, rec.pid, libc::SIGKILL);
+        let _ = std::fs::remove_file(root.fifo(id));
+        return Err(wrong(
+            id,
+            Status::Created,
+            "config.json has no process: nothing to start",
+        ));
     }
     hooks::run(
         "startContainer",

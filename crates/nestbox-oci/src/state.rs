@@ -38,6 +38,9 @@ pub struct Record {
     pub annotations: BTreeMap<String, String>,
     /// The container's cgroup.
     pub cgroup: Option<BoxCgroup>,
+    /// config.json had no process: `start` refuses the container.
+    #[serde(default)]
+    pub no_process: bool,
     /// The hooks still to run (startContainer, poststart, poststop).
     #[serde(default)]
     pub hooks: crate::hooks::Hooks,

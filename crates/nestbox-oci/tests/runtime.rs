@@ -635,3 +635,20 @@ fn without_a_mount_namespace_nothing_is_mounted() {
         assert_eq!(n, 1, "{point} mounted {n} times:\n{info}");
     }
 }
+
+#[test]
+fn config_without_process_is_created_but_not_started() {
+    if !ready("config_without_process_is_created_but_not_started") {
+        return;
+    }
+    let env = Env::new(&["true"]);
+    env.edit(|c| {
+        c.as_object_mut().unwrap().remove("process");
+    });
+    env.create("n1").ok();
+    assert_eq!(env.state("n1")["status"], "created");
+    env.runc(&["start", "n1"])
+        .fails_with("has no process: nothing to start");
+    env.wait_status("n1", "stopped");
+    env.runc(&["delete", "n1"]).ok();
+}
