@@ -10,7 +10,9 @@
 #   RUNTIME_TOOLS_SRC  a runtime-tools source tree to build (e.g. a checkout at
 #                      its head). Without it the module is taken from the Go
 #                      module proxy (`go mod download`), which serves tagged
-#                      versions only (v0.9.0 today).
+#                      versions only: v0.9.0 today, which has no go.mod and does
+#                      not build with today's dependencies (the script then
+#                      says so and stops), so in practice this is needed.
 #   NESTBOX_RUNC       the binary under test (default: target/release/nestbox-runc,
 #                      built here if missing).
 #   RUNC               the comparison runtime (default: runc on PATH; Debian's
@@ -56,6 +58,10 @@ else
   dir=$(cd "$work" && GOFLAGS=-mod=mod go mod download -json github.com/opencontainers/runtime-tools@latest \
         | sed -n 's/^\t"Dir": "\(.*\)",$/\1/p')
   [ -n "$dir" ] || { echo "oci-validation: go mod download of runtime-tools failed" >&2; exit 1; }
+  if [ ! -f "$dir/go.mod" ]; then
+    echo "oci-validation: the Go module proxy serves runtime-tools $(basename "$dir"), which predates Go modules and does not build with today's dependencies; give a checkout of its head with RUNTIME_TOOLS_SRC=DIR" >&2
+    exit 1
+  fi
   src=$work/src-$(basename "$dir")
   [ -d "$src" ] || { cp -r "$dir" "$src" && chmod -R u+w "$src"; }
 fi
