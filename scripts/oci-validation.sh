@@ -59,7 +59,7 @@ else
         | sed -n 's/^\t"Dir": "\(.*\)",$/\1/p')
   [ -n "$dir" ] || { echo "oci-validation: go mod download of runtime-tools failed" >&2; exit 1; }
   if [ ! -f "$dir/go.mod" ]; then
-    echo "oci-validation: the Go module proxy serves runtime-tools $(basename "$dir"), which predates Go modules and does not build with today's dependencies; give a checkout of its head with RUNTIME_TOOLS_SRC=DIR" >&2
+    echo "oci-validation: the Go module proxy serves runtime-tools ${dir##*@}, which predates Go modules and does not build with today's dependencies; give a checkout of its head with RUNTIME_TOOLS_SRC=DIR" >&2
     exit 1
   fi
   src=$work/src-$(basename "$dir")
