@@ -659,6 +659,24 @@ impl BoxCgroup {
         })
     }
 
+    /// Writes the limits set in `limits` into the box's existing
+    /// directories (a running box's resources changed; limits left `None`
+    /// are not touched). Errors: an invalid limit, or a write the kernel
+    /// refuses (a memory limit below the current usage, say).
+    pub fn update(&self, limits: &Limits) -> Result<(), CgroupError> {
+        limits.validate()?;
+        for d in &self.dirs {
+            match d.version {
+                Version::V1 => {
+                    let parent = d.path.parent().unwrap_or(&d.path);
+                    v1::apply(&d.path, parent, &d.controllers, limits, false)?
+                }
+                Version::V2 => v2::apply(&d.path, &d.controllers, limits)?,
+            }
+        }
+        Ok(())
+    }
+
     /// Removes every directory of the box (and any child cgroups in them).
     /// Directories not named `nestbox-<id>` are refused.
     /// Missing directories are fine, so this is idempotent; `EBUSY` is
@@ -728,7 +746,7 @@ fn build(
         let dir = parent.join(name);
         fsutil::make_dir(&dir)?;
         made.push(dir.clone());
-        v1::apply(&dir, parent, used, limits)?;
+        v1::apply(&dir, parent, used, limits, true)?;
         dirs.push(CgroupDir {
             version: Version::V1,
             controllers: used.clone(),

@@ -780,3 +780,38 @@ fn prepare_at_puts_the_cgroup_at_the_path_given() {
         assert!(e.to_string().contains("invalid cgroup path"), "{bad}: {e}");
     }
 }
+
+#[test]
+fn update_rewrites_only_the_limits_given() {
+    let tmp = tempfile::tempdir().unwrap();
+    let h = testfs::hybrid(tmp.path());
+    let cg = BoxCgroup::create(
+        &h,
+        "u1",
+        &Limits {
+            memory: Some(1 << 20),
+            pids: Some(10),
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let p = cg.paths();
+    // Marks that a full set-up would overwrite.
+    fs::write(p["devices"].join("devices.allow"), "mark").unwrap();
+    cg.update(&Limits {
+        pids: Some(20),
+        ..Default::default()
+    })
+    .unwrap();
+    assert_eq!(read(p["pids"].join("pids.max")), "20");
+    assert_eq!(read(p["memory"].join("memory.limit_in_bytes")), "1048576");
+    assert_eq!(read(p["devices"].join("devices.allow")), "mark");
+    let e = cg
+        .update(&Limits {
+            pids: Some(0),
+            ..Default::default()
+        })
+        .unwrap_err();
+    assert!(e.to_string().contains("pids"), "{e}");
+    cg.remove().unwrap();
+}

@@ -29,18 +29,22 @@ pub const DEFAULT_DEVICE_RULES: &[&str] = &[
     "b *:* m",
 ];
 
-/// Writes `limits` (and the cpuset/devices set-up every box needs) into the
-/// new box directory `dir` of a hierarchy carrying `controllers`; `parent`
-/// is the invoking process's cgroup in that hierarchy.
+/// Writes `limits` (and, for a new directory, the cpuset/devices set-up
+/// every box needs) into the box directory `dir` of a hierarchy carrying
+/// `controllers`; `parent` is its parent cgroup. Without `new` (an update of
+/// a running box) only the limits given are written.
 pub(crate) fn apply(
     dir: &Path,
     parent: &Path,
     controllers: &[String],
     limits: &Limits,
+    new: bool,
 ) -> Result<(), CgroupError> {
     let has = |c: &str| controllers.iter().any(|x| x == c);
     if has("cpuset") {
-        init_cpuset(dir, parent)?;
+        if new {
+            init_cpuset(dir, parent)?;
+        }
         if let Some(cpus) = &limits.cpuset_cpus {
             fsutil::write(&dir.join("cpuset.cpus"), cpus)?;
         }
@@ -70,7 +74,7 @@ pub(crate) fn apply(
             apply_blkio_weight(dir, w)?;
         }
     }
-    if has("devices") {
+    if has("devices") && new {
         apply_devices(dir)?;
     }
     Ok(())

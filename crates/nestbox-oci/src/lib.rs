@@ -1,6 +1,6 @@
 //! nestbox as an OCI runtime: the command line that runc defines (`create`,
 //! `start`, `state`, `kill`, `delete`, `run`, `exec`, `ps`, `pause`,
-//! `resume`, `events --stats`, `list`, `features`, `spec`) over the nestbox
+//! `resume`, `events --stats`, `list`, `update`, `features`, `spec`) over the nestbox
 //! libraries, so podman, containerd and Kubernetes can drive nestbox as they
 //! drive runc. The binary is `nestbox-runc`; `docs/oci.md` says how to
 //! register it and what is and is not supported.

@@ -175,10 +175,32 @@ enum Cmd {
         #[arg(short, long, default_value = ".")]
         bundle: PathBuf,
     },
-    /// Not supported yet (refused).
+    /// Change a container's resources (a linux.resources JSON file, `-` for
+    /// stdin, and/or the options below, which win).
     Update {
-        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
-        args: Vec<String>,
+        id: String,
+        #[arg(short, long)]
+        resources: Option<PathBuf>,
+        /// Memory limit in bytes (k, m, g suffixes accepted).
+        #[arg(long)]
+        memory: Option<String>,
+        /// Memory plus swap in bytes (-1: unlimited).
+        #[arg(long = "memory-swap")]
+        memory_swap: Option<String>,
+        #[arg(long = "memory-reservation")]
+        memory_reservation: Option<String>,
+        #[arg(long = "pids-limit")]
+        pids_limit: Option<i64>,
+        #[arg(long = "cpu-period")]
+        cpu_period: Option<u64>,
+        #[arg(long = "cpu-quota")]
+        cpu_quota: Option<i64>,
+        #[arg(long = "cpu-share")]
+        cpu_share: Option<u64>,
+        #[arg(long = "cpuset-cpus")]
+        cpuset_cpus: Option<String>,
+        #[arg(long = "blkio-weight")]
+        blkio_weight: Option<u16>,
     },
     /// Not supported yet (refused).
     Checkpoint {
@@ -230,6 +252,26 @@ fn write_log(path: &std::path::Path, format: &str, msg: &str) {
 fn print_json(v: &serde_json::Value) -> anyhow::Result<()> {
     println!("{}", serde_json::to_string_pretty(v)?);
     Ok(())
+}
+
+/// A byte count with an optional k/m/g suffix (powers of 1024), or -1.
+fn parse_bytes(text: &str) -> anyhow::Result<i64> {
+    let t = text.trim().to_ascii_lowercase();
+    let (num, mult) = match t.chars().last() {
+        Some('k') => (&t[..t.len() - 1], 1i64 << 10),
+        Some('m') => (&t[..t.len() - 1], 1 << 20),
+        Some('g') => (&t[..t.len() - 1], 1 << 30),
+        _ => (t.as_str(), 1),
+    };
+    let n: i64 = num.parse().with_context(|| {
+        format!("invalid size {text:?} (expected bytes, or a number with k, m or g)")
+    })?;
+    if n == -1 && mult == 1 {
+        return Ok(-1);
+    }
+    n.checked_mul(mult)
+        .filter(|v| *v >= 0)
+        .with_context(|| format!("invalid size {text:?}"))
 }
 
 fn refuse_preserve_fds(n: u32) -> anyhow::Result<()> {
@@ -401,7 +443,67 @@ fn run(cli: Cli) -> anyhow::Result<i32> {
             nestbox_oci::info::write_default_spec(&bundle)?;
             Ok(0)
         }
-        Cmd::Update { .. } => bail!("update is not supported by nestbox-runc yet"),
+        Cmd::Update {
+            id,
+            resources,
+            memory,
+            memory_swap,
+            memory_reservation,
+            pids_limit,
+            cpu_period,
+            cpu_quota,
+            cpu_share,
+            cpuset_cpus,
+            blkio_weight,
+        } => {
+            let mut r: serde_json::Value = match resources {
+                None => serde_json::json!({}),
+                Some(path) => {
+                    let text = if path.as_os_str() == "-" {
+                        std::io::read_to_string(std::io::stdin()).context("update: read stdin")?
+                    } else {
+                        std::fs::read_to_string(&path)
+                            .with_context(|| format!("update: read {}", path.display()))?
+                    };
+                    serde_json::from_str(&text).context("update: resources")?
+                }
+            };
+            let mut set = |section: &str, key: &str, v: serde_json::Value| {
+                if !r[section].is_object() {
+                    r[section] = serde_json::json!({});
+                }
+                r[section][key] = v;
+            };
+            for (key, value) in [
+                ("limit", memory),
+                ("swap", memory_swap),
+                ("reservation", memory_reservation),
+            ] {
+                if let Some(v) = value {
+                    set("memory", key, serde_json::json!(parse_bytes(&v)?));
+                }
+            }
+            if let Some(v) = pids_limit {
+                set("pids", "limit", serde_json::json!(v));
+            }
+            if let Some(v) = cpu_period {
+                set("cpu", "period", serde_json::json!(v));
+            }
+            if let Some(v) = cpu_quota {
+                set("cpu", "quota", serde_json::json!(v));
+            }
+            if let Some(v) = cpu_share {
+                set("cpu", "shares", serde_json::json!(v));
+            }
+            if let Some(v) = cpuset_cpus {
+                set("cpu", "cpus", serde_json::json!(v));
+            }
+            if let Some(v) = blkio_weight {
+                set("blockIO", "weight", serde_json::json!(v));
+            }
+            ops::update(&root, &id, &r)?;
+            Ok(0)
+        }
         Cmd::Checkpoint { .. } => bail!("checkpoint is not supported by nestbox-runc yet"),
         Cmd::Restore { .. } => bail!("restore is not supported by nestbox-runc yet"),
     }

@@ -1,5 +1,5 @@
 //! The operations on an existing container: `state`, `list`, `kill`,
-//! `delete`, `ps`, `pause`, `resume`, `events --stats` and `exec`.
+//! `delete`, `ps`, `pause`, `resume`, `events --stats`, `update` and `exec`.
 
 use std::os::fd::{AsFd, AsRawFd};
 use std::path::PathBuf;
@@ -164,6 +164,25 @@ pub fn stats(root: &Root, id: &str) -> Result<serde_json::Value> {
             "pids": { "current": s.pids_current },
         }
     }))
+}
+
+/// Change the resources of a running (or created or paused) container:
+/// `resources` is a `linux.resources` object (what `update --resources`
+/// reads); only the limits it sets are written.
+pub fn update(root: &Root, id: &str, resources: &serde_json::Value) -> Result<()> {
+    let rec = root.load(id)?;
+    let status = root.status(&rec);
+    if status == Status::Stopped {
+        return Err(wrong(id, status, "cannot update a stopped container"));
+    }
+    let r: oci_spec::runtime::LinuxResources = serde_json::from_value(resources.clone())
+        .map_err(|e| OciError::Usage(format!("update: resources: {e}")))?;
+    let limits = crate::resources::limits(Some(&r))?;
+    let cg = rec
+        .cgroup
+        .as_ref()
+        .ok_or_else(|| OciError::Usage(format!("container {id:?} has no cgroup")))?;
+    Ok(cg.update(&limits)?)
 }
 
 /// Options of `exec`.

@@ -652,3 +652,48 @@ fn config_without_process_is_created_but_not_started() {
     env.wait_status("n1", "stopped");
     env.runc(&["delete", "n1"]).ok();
 }
+
+#[test]
+fn update_changes_the_limits_of_a_running_container() {
+    if !ready("update_changes_the_limits_of_a_running_container") {
+        return;
+    }
+    let env = Env::new(&["sleep", "1000"]);
+    env.edit(|c| c["linux"]["resources"] = json!({"pids": {"limit": 20}}));
+    env.runc(&["run", "-d", "--bundle", env.bundle.to_str().unwrap(), "u1"])
+        .ok();
+    let pid = env.state("u1")["pid"].as_i64().unwrap();
+    let cgroup_file = |controller: &str, file: &str| {
+        let line = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).unwrap();
+        let path = line
+            .lines()
+            .find_map(|l| {
+                l.split_once(&format!(":{controller}:"))
+                    .map(|(_, p)| p.to_string())
+            })
+            .unwrap();
+        let full = Path::new("/sys/fs/cgroup")
+            .join(controller)
+            .join(path.trim_start_matches('/'))
+            .join(file);
+        std::fs::read_to_string(full).unwrap().trim().to_string()
+    };
+    assert_eq!(cgroup_file("pids", "pids.max"), "20");
+    env.runc(&["update", "--pids-limit", "50", "--memory", "64m", "u1"])
+        .ok();
+    assert_eq!(cgroup_file("pids", "pids.max"), "50");
+    assert_eq!(cgroup_file("memory", "memory.limit_in_bytes"), "67108864");
+    let file = env.tmp().join("resources.json");
+    std::fs::write(&file, json!({"pids": {"limit": 70}}).to_string()).unwrap();
+    env.runc(&["update", "--resources", file.to_str().unwrap(), "u1"])
+        .ok();
+    assert_eq!(cgroup_file("pids", "pids.max"), "70");
+    assert_eq!(cgroup_file("memory", "memory.limit_in_bytes"), "67108864");
+    env.runc(&["update", "--memory", "lots", "u1"])
+        .fails_with("invalid size");
+    env.runc(&["kill", "u1", "KILL"]).ok();
+    env.wait_status("u1", "stopped");
+    env.runc(&["update", "--pids-limit", "5", "u1"])
+        .fails_with("cannot update a stopped container");
+    env.runc(&["delete", "u1"]).ok();
+}
