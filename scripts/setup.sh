@@ -30,6 +30,11 @@ command -v npm >/dev/null 2>&1 || need+=(npm)
 python3 -c 'import ensurepip, venv' 2>/dev/null || need+=(python3-venv)
 [ -x /usr/bin/java ] || need+=(default-jdk-headless)
 [ -x /usr/local/go/bin/go ] || command -v go >/dev/null 2>&1 || need+=(golang-go)
+# podman drives nestbox-runc in crates/nestbox-oci/tests/podman.rs (netavark: its
+# network backend, which it looks for at start even with --network none).
+command -v podman >/dev/null 2>&1 || need+=(podman netavark)
+# containerd (with its runc shim) drives nestbox-runc in crates/nestbox-oci/tests/containerd.rs.
+command -v containerd-shim-runc-v2 >/dev/null 2>&1 || need+=(containerd)
 if [ "${#need[@]}" -gt 0 ]; then
   if [ "$(id -u)" -ne 0 ]; then
     echo "setup: missing Debian packages (${need[*]}); run as root to install them" >&2

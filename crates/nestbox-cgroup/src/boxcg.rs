@@ -89,6 +89,10 @@ pub struct BoxCgroup {
     dirs: Vec<CgroupDir>,
     #[serde(default)]
     warnings: Vec<CgroupWarning>,
+    /// The directories' name when the caller chose the path
+    /// ([`BoxCgroup::prepare_at`]); `None`: `nestbox-<id>`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    name: Option<String>,
 }
 
 /// Where a controller's files of the box are.
@@ -208,6 +212,8 @@ fn join_file(dir: &Path, version: Version) -> PathBuf {
 pub struct PendingCgroup {
     id: String,
     name: String,
+    /// The caller chose the path ([`BoxCgroup::prepare_at`]).
+    chosen: bool,
     /// The v2 parent directory and the controllers wanted there.
     v2: Option<(PathBuf, Vec<&'static str>)>,
     /// Each v1 parent directory and the controllers used from it.
@@ -242,6 +248,7 @@ impl PendingCgroup {
         let mut made = Vec::new();
         match build(&self, &mut made, &mut warnings) {
             Ok(dirs) => Ok(BoxCgroup {
+                name: self.chosen.then(|| self.name.clone()),
                 id: self.id,
                 dirs,
                 warnings,
@@ -285,20 +292,80 @@ impl BoxCgroup {
         id: &str,
         limits: &Limits,
     ) -> Result<PendingCgroup, CgroupError> {
+        Self::prepare_in(h, id, limits, dir_name(id), |hi| {
+            hi.invoking_dir().to_path_buf()
+        })
+    }
+
+    /// Like [`Self::prepare`], but the cgroup is the directory `path` of
+    /// every hierarchy (the OCI runtime spec's `cgroupsPath`): an absolute
+    /// `path` is taken from each hierarchy's mount point, a relative one from
+    /// the invoking process's cgroup. Missing parent directories are made by
+    /// [`PendingCgroup::create`] (v1 cpusets initialised from their parents)
+    /// and left in place by [`Self::remove`], which removes the last one only.
+    pub fn prepare_at(
+        h: &Hierarchies,
+        id: &str,
+        path: &Path,
+        limits: &Limits,
+    ) -> Result<PendingCgroup, CgroupError> {
+        use std::path::Component;
+        let bad = |reason: &str| CgroupError::InvalidPath {
+            path: path.to_path_buf(),
+            reason: reason.to_string(),
+        };
+        if path
+            .components()
+            .any(|c| !matches!(c, Component::Normal(_) | Component::RootDir))
+        {
+            return Err(bad("may hold no '.' or '..' component"));
+        }
+        let name = path
+            .file_name()
+            .and_then(|n| n.to_str())
+            .ok_or_else(|| bad("names no directory"))?
+            .to_string();
+        let rel: PathBuf = path
+            .parent()
+            .map(|p| {
+                p.components()
+                    .filter(|c| matches!(c, Component::Normal(_)))
+                    .collect()
+            })
+            .unwrap_or_default();
+        let absolute = path.is_absolute();
+        let mut pending = Self::prepare_in(h, id, limits, name, |hi| {
+            let base = if absolute {
+                hi.mount_point()
+            } else {
+                hi.invoking_dir()
+            };
+            base.join(&rel)
+        })?;
+        pending.chosen = true;
+        Ok(pending)
+    }
+
+    fn prepare_in(
+        h: &Hierarchies,
+        id: &str,
+        limits: &Limits,
+        name: String,
+        parent_of: impl Fn(&Hierarchy) -> PathBuf,
+    ) -> Result<PendingCgroup, CgroupError> {
         validate_id(id)?;
         limits.validate()?;
         limits.validate_cpuset_against(h)?;
         let plan = plan(h, limits)?;
         let pending = PendingCgroup {
             id: id.to_string(),
-            name: dir_name(id),
-            v2: plan
-                .v2
-                .map(|(hi, wanted)| (hi.invoking_dir().to_path_buf(), wanted)),
+            name,
+            chosen: false,
+            v2: plan.v2.map(|(hi, wanted)| (parent_of(hi), wanted)),
             v1: plan
                 .v1
                 .into_iter()
-                .map(|(hi, used)| (hi.invoking_dir().to_path_buf(), used))
+                .map(|(hi, used)| (parent_of(hi), used))
                 .collect(),
             required_v2: plan.required_v2,
             warnings: plan.warnings,
@@ -319,6 +386,7 @@ impl BoxCgroup {
             id: id.to_string(),
             dirs,
             warnings: Vec::new(),
+            name: None,
         })
     }
 
@@ -516,7 +584,7 @@ impl BoxCgroup {
     /// Refuses to act on directories not named `nestbox-<id>` (a tampered or
     /// corrupt saved state must not make us kill or remove anything else).
     fn check_dirs(&self) -> Result<(), CgroupError> {
-        let want = dir_name(&self.id);
+        let want = self.name.clone().unwrap_or_else(|| dir_name(&self.id));
         for d in &self.dirs {
             if d.path.file_name().and_then(|n| n.to_str()) != Some(want.as_str())
                 || !d.path.is_absolute()
@@ -591,6 +659,24 @@ impl BoxCgroup {
         })
     }
 
+    /// Writes the limits set in `limits` into the box's existing
+    /// directories (a running box's resources changed; limits left `None`
+    /// are not touched). Errors: an invalid limit, or a write the kernel
+    /// refuses (a memory limit below the current usage, say).
+    pub fn update(&self, limits: &Limits) -> Result<(), CgroupError> {
+        limits.validate()?;
+        for d in &self.dirs {
+            match d.version {
+                Version::V1 => {
+                    let parent = d.path.parent().unwrap_or(&d.path);
+                    v1::apply(&d.path, parent, &d.controllers, limits, false)?
+                }
+                Version::V2 => v2::apply(&d.path, &d.controllers, limits)?,
+            }
+        }
+        Ok(())
+    }
+
     /// Removes every directory of the box (and any child cgroups in them).
     /// Directories not named `nestbox-<id>` are refused.
     /// Missing directories are fine, so this is idempotent; `EBUSY` is
@@ -630,6 +716,28 @@ fn reserved(dir: &Path, version: Version, limits: &Limits) -> Result<(), CgroupE
     )
 }
 
+/// Makes `dir` and its missing ancestors (a v1 cpuset's initialised from
+/// their parents when `cpuset`); an existing one is fine.
+fn make_parents(dir: &Path, cpuset: bool) -> Result<(), CgroupError> {
+    if dir.is_dir() {
+        return Ok(());
+    }
+    let parent = dir.parent().ok_or_else(|| CgroupError::InvalidPath {
+        path: dir.to_path_buf(),
+        reason: "has no parent cgroup".into(),
+    })?;
+    make_parents(parent, cpuset)?;
+    match fsutil::make_dir(dir) {
+        Ok(()) => {}
+        Err(CgroupError::AlreadyExists { .. }) => return Ok(()),
+        Err(e) => return Err(e),
+    }
+    if cpuset {
+        v1::init_cpuset(dir, parent)?;
+    }
+    Ok(())
+}
+
 /// Makes the directories of `plan`, recording each in `made`.
 fn build(
     pending: &PendingCgroup,
@@ -639,6 +747,7 @@ fn build(
     let (name, limits) = (&pending.name, &pending.limits);
     let mut dirs = Vec::new();
     if let Some((parent, wanted)) = &pending.v2 {
+        make_parents(parent, false)?;
         let enabled = if wanted.is_empty() {
             Vec::new()
         } else {
@@ -658,10 +767,11 @@ fn build(
         });
     }
     for (parent, used) in &pending.v1 {
+        make_parents(parent, used.iter().any(|c| c == "cpuset"))?;
         let dir = parent.join(name);
         fsutil::make_dir(&dir)?;
         made.push(dir.clone());
-        v1::apply(&dir, parent, used, limits)?;
+        v1::apply(&dir, parent, used, limits, true)?;
         if used.iter().any(|c| c == "cpu") {
             reserved(&dir, Version::V1, limits)?;
         }

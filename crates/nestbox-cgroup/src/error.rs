@@ -120,6 +120,14 @@ pub enum CgroupError {
         /// Why it is invalid.
         reason: String,
     },
+    /// A cgroup path chosen by the caller is not usable.
+    #[error("cgroup: invalid cgroup path {}: {reason}", path.display())]
+    InvalidPath {
+        /// The path.
+        path: PathBuf,
+        /// Why it is invalid.
+        reason: String,
+    },
     /// The box cgroup directory already exists.
     #[error("cgroup: box cgroup {} already exists", path.display())]
     AlreadyExists {

@@ -47,6 +47,10 @@ pub struct Limits {
     /// Hard cap in CPUs (e.g. `0.5`): v1 `cpu.cfs_quota_us` with a
     /// [`CFS_PERIOD_US`] period, v2 `cpu.max`.
     pub cpus: Option<f64>,
+    /// CFS period in microseconds for `cpus` (1000 to 1000000; default
+    /// [`CFS_PERIOD_US`]): the quota is `cpus` × this period.
+    #[serde(default)]
+    pub cpu_period_us: Option<u64>,
     /// Relative CPU weight: v1 `cpu.shares`, v2 `cpu.weight` converted with
     /// [`shares_to_weight`].
     pub cpu_shares: Option<u64>,
@@ -231,6 +235,11 @@ impl Limits {
                 ));
             }
         }
+        if let Some(p) = self.cpu_period_us {
+            if !(1_000..=1_000_000).contains(&p) {
+                return Err(invalid("cpu_period_us", p, "must be in 1000..=1000000"));
+            }
+        }
         if let Some(s) = self.cpu_shares {
             if !CPU_SHARES_RANGE.contains(&s) {
                 return Err(invalid("cpu_shares", s, "must be in 2..=262144"));
@@ -289,9 +298,15 @@ impl Limits {
         Ok(())
     }
 
-    /// `cpus` as a CFS quota in microseconds per [`CFS_PERIOD_US`].
+    /// `cpus` as a CFS quota in microseconds per [`Self::cfs_period_us`].
     pub fn cfs_quota_us(&self) -> Option<u64> {
-        self.cpus.map(|c| (c * CFS_PERIOD_US as f64).round() as u64)
+        self.cpus
+            .map(|c| (c * self.cfs_period_us() as f64).round() as u64)
+    }
+
+    /// The CFS period in microseconds: `cpu_period_us` or [`CFS_PERIOD_US`].
+    pub fn cfs_period_us(&self) -> u64 {
+        self.cpu_period_us.unwrap_or(CFS_PERIOD_US)
     }
 
     /// `(option, v1 controller)` for every limit that is set.

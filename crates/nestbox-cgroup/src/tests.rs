@@ -20,6 +20,7 @@ fn full_limits() -> Limits {
         cpuset_cpus: Some("0-1".into()),
         io_weight: Some(500),
         cpu_reserve: None,
+        cpu_period_us: None,
     }
 }
 
@@ -835,4 +836,83 @@ fn v1_cpu_reservation_with_its_own_shares_keeps_the_larger() {
     assert_eq!(read(dir.join("cpu.shares")), "100000");
     r.remove().unwrap();
     assert!(!marked(dir.parent().unwrap()));
+}
+
+#[test]
+fn prepare_at_puts_the_cgroup_at_the_path_given() {
+    let tmp = tempfile::tempdir().unwrap();
+    let h = testfs::hybrid(tmp.path());
+    // (The fake tree has control files only in the invoking cgroups and the
+    // cpuset root, so the limit checked here is the cpuset's.)
+    let limits = Limits {
+        cpuset_cpus: Some("0".into()),
+        ..Default::default()
+    };
+    let base = tmp.path().join("sys/fs/cgroup");
+    // Absolute: from each hierarchy's mount point, parents made (the cpuset
+    // ones initialised from theirs).
+    let cg = BoxCgroup::prepare_at(&h, "p1", Path::new("/pods/a/ctr"), &limits)
+        .unwrap()
+        .create()
+        .unwrap();
+    let p = cg.paths();
+    assert_eq!(p["memory"], base.join("memory/pods/a/ctr"));
+    assert_eq!(p["cpu"], base.join("cpu/pods/a/ctr"));
+    assert_eq!(read(base.join("cpuset/pods/a/cpuset.mems")), "0");
+    assert_eq!(read(p["cpuset"].join("cpuset.cpus")), "0");
+    // The record round-trips and removal takes the last directory only.
+    let cg: BoxCgroup = serde_json::from_str(&serde_json::to_string(&cg).unwrap()).unwrap();
+    cg.remove().unwrap();
+    assert!(!base.join("memory/pods/a/ctr").exists());
+    assert!(base.join("memory/pods/a").is_dir());
+    // Relative: under the invoking process's cgroup.
+    let cg = BoxCgroup::prepare_at(&h, "p2", Path::new("ctr2"), &Limits::default())
+        .unwrap()
+        .create()
+        .unwrap();
+    assert_eq!(
+        cg.paths()["memory"],
+        base.join("memory/process_api/8a4fc6f47409c39973b09d59b9138c45/ctr2")
+    );
+    assert_eq!(cg.paths()["cpu"], base.join("cpu/ctr2"));
+    cg.remove().unwrap();
+    for bad in ["/a/../b", "/", ""] {
+        let e = BoxCgroup::prepare_at(&h, "p3", Path::new(bad), &Limits::default()).unwrap_err();
+        assert!(e.to_string().contains("invalid cgroup path"), "{bad}: {e}");
+    }
+}
+
+#[test]
+fn update_rewrites_only_the_limits_given() {
+    let tmp = tempfile::tempdir().unwrap();
+    let h = testfs::hybrid(tmp.path());
+    let cg = BoxCgroup::create(
+        &h,
+        "u1",
+        &Limits {
+            memory: Some(1 << 20),
+            pids: Some(10),
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let p = cg.paths();
+    // Marks that a full set-up would overwrite.
+    fs::write(p["devices"].join("devices.allow"), "mark").unwrap();
+    cg.update(&Limits {
+        pids: Some(20),
+        ..Default::default()
+    })
+    .unwrap();
+    assert_eq!(read(p["pids"].join("pids.max")), "20");
+    assert_eq!(read(p["memory"].join("memory.limit_in_bytes")), "1048576");
+    assert_eq!(read(p["devices"].join("devices.allow")), "mark");
+    let e = cg
+        .update(&Limits {
+            pids: Some(0),
+            ..Default::default()
+        })
+        .unwrap_err();
+    assert!(e.to_string().contains("pids"), "{e}");
+    cg.remove().unwrap();
 }

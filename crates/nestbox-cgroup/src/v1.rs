@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use crate::error::CgroupError;
 use crate::fsutil;
-use crate::limits::{Limits, CFS_PERIOD_US};
+use crate::limits::Limits;
 
 /// The device rules of a box on v1: deny everything (`a`), then allow these
 /// (written one at a time to `devices.allow`). The standard container set:
@@ -29,18 +29,22 @@ pub const DEFAULT_DEVICE_RULES: &[&str] = &[
     "b *:* m",
 ];
 
-/// Writes `limits` (and the cpuset/devices set-up every box needs) into the
-/// new box directory `dir` of a hierarchy carrying `controllers`; `parent`
-/// is the invoking process's cgroup in that hierarchy.
+/// Writes `limits` (and, for a new directory, the cpuset/devices set-up
+/// every box needs) into the box directory `dir` of a hierarchy carrying
+/// `controllers`; `parent` is its parent cgroup. Without `new` (an update of
+/// a running box) only the limits given are written.
 pub(crate) fn apply(
     dir: &Path,
     parent: &Path,
     controllers: &[String],
     limits: &Limits,
+    new: bool,
 ) -> Result<(), CgroupError> {
     let has = |c: &str| controllers.iter().any(|x| x == c);
     if has("cpuset") {
-        init_cpuset(dir, parent)?;
+        if new {
+            init_cpuset(dir, parent)?;
+        }
         if let Some(cpus) = &limits.cpuset_cpus {
             fsutil::write(&dir.join("cpuset.cpus"), cpus)?;
         }
@@ -50,7 +54,10 @@ pub(crate) fn apply(
     }
     if has("cpu") {
         if let Some(quota) = limits.cfs_quota_us() {
-            fsutil::write(&dir.join("cpu.cfs_period_us"), &CFS_PERIOD_US.to_string())?;
+            fsutil::write(
+                &dir.join("cpu.cfs_period_us"),
+                &limits.cfs_period_us().to_string(),
+            )?;
             fsutil::write(&dir.join("cpu.cfs_quota_us"), &quota.to_string())?;
         }
         if let Some(shares) = limits.cpu_shares {
@@ -67,7 +74,7 @@ pub(crate) fn apply(
             apply_blkio_weight(dir, w)?;
         }
     }
-    if has("devices") {
+    if has("devices") && new {
         apply_devices(dir)?;
     }
     Ok(())
@@ -75,7 +82,7 @@ pub(crate) fn apply(
 
 /// A new v1 cpuset cgroup starts with empty `cpuset.cpus`/`cpuset.mems`,
 /// and no process can join it until they are set: copy the parent's values.
-fn init_cpuset(dir: &Path, parent: &Path) -> Result<(), CgroupError> {
+pub(crate) fn init_cpuset(dir: &Path, parent: &Path) -> Result<(), CgroupError> {
     for (file, effective) in [
         ("cpuset.cpus", "cpuset.effective_cpus"),
         ("cpuset.mems", "cpuset.effective_mems"),

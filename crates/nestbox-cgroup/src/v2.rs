@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use crate::error::{CgroupError, CgroupWarning};
 use crate::fsutil;
-use crate::limits::{shares_to_weight, Limits, CFS_PERIOD_US};
+use crate::limits::{shares_to_weight, Limits};
 
 /// The v2 controllers a box uses, in the order they are enabled.
 pub(crate) const CONTROLLERS: &[&str] = &["cpu", "cpuset", "io", "memory", "pids"];
@@ -119,7 +119,10 @@ pub(crate) fn apply(
     }
     if has("cpu") {
         if let Some(quota) = limits.cfs_quota_us() {
-            fsutil::write(&dir.join("cpu.max"), &format!("{quota} {CFS_PERIOD_US}"))?;
+            fsutil::write(
+                &dir.join("cpu.max"),
+                &format!("{quota} {}", limits.cfs_period_us()),
+            )?;
         }
         if let Some(shares) = limits.cpu_shares {
             fsutil::write(

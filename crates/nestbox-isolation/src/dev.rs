@@ -13,6 +13,15 @@ use crate::{mounts, IsolationError, Result};
 /// Character devices every box gets, bound from the host's `/dev`.
 pub const DEVICES: &[&str] = &["null", "zero", "full", "random", "urandom", "tty"];
 
+/// The usual links of `/dev`: (name, target).
+pub const LINKS: &[(&str, &str)] = &[
+    ("ptmx", "pts/ptmx"),
+    ("fd", "/proc/self/fd"),
+    ("stdin", "/proc/self/fd/0"),
+    ("stdout", "/proc/self/fd/1"),
+    ("stderr", "/proc/self/fd/2"),
+];
+
 /// Populate `dev` (the box's `/dev` mount point, seen from the host side).
 pub fn populate(dev: &Path, userns: bool) -> Result<()> {
     // nodev: box root keeps CAP_MKNOD, and a node it makes here (a host disk,
@@ -53,13 +62,7 @@ pub fn populate(dev: &Path, userns: bool) -> Result<()> {
         MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC,
         Some("mode=1777,size=65536k"),
     )?;
-    for (link, target) in [
-        ("ptmx", "pts/ptmx"),
-        ("fd", "/proc/self/fd"),
-        ("stdin", "/proc/self/fd/0"),
-        ("stdout", "/proc/self/fd/1"),
-        ("stderr", "/proc/self/fd/2"),
-    ] {
+    for &(link, target) in LINKS {
         let path = dev.join(link);
         symlink(target, &path).map_err(|e| IsolationError::io("symlink", &path, e))?;
     }

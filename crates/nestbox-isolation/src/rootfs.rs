@@ -156,8 +156,9 @@ fn place_file(root: &Path, index: usize, path: &Path, content: &[u8]) -> Result<
     bound
 }
 
-/// Create a mount point (directory or empty file) if it does not exist yet.
-fn make_mountpoint(target: &Path, dir: bool) -> Result<()> {
+/// Create a mount point (directory or empty file) if it does not exist yet,
+/// with its missing parent directories.
+pub fn make_mountpoint(target: &Path, dir: bool) -> Result<()> {
     if target.symlink_metadata().is_ok() {
         return Ok(());
     }

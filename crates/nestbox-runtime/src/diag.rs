@@ -226,6 +226,12 @@ impl Visit for Fields {
 
 /// `t` as UTC, `YYYY-MM-DDTHH:MM:SS.mmmZ`.
 fn timestamp(t: SystemTime) -> String {
+    rfc3339(t, false)
+}
+
+/// `t` as UTC RFC 3339, `YYYY-MM-DDTHH:MM:SS.fffZ` with milliseconds, or
+/// nanoseconds when `nanos` (as runc writes a container's creation time).
+pub fn rfc3339(t: SystemTime, nanos: bool) -> String {
     let d = t.duration_since(UNIX_EPOCH).unwrap_or_default();
     let secs = d.as_secs();
     let (days, rem) = (secs / 86_400, secs % 86_400);
@@ -239,12 +245,16 @@ fn timestamp(t: SystemTime) -> String {
     let day = doy - (153 * mp + 2) / 5 + 1;
     let month = if mp < 10 { mp + 3 } else { mp - 9 };
     let year = yoe + era * 400 + i64::from(month <= 2);
+    let fraction = if nanos {
+        format!("{:09}", d.subsec_nanos())
+    } else {
+        format!("{:03}", d.subsec_millis())
+    };
     format!(
-        "{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}.{:03}Z",
+        "{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}.{fraction}Z",
         rem / 3_600,
         rem % 3_600 / 60,
         rem % 60,
-        d.subsec_millis()
     )
 }
 

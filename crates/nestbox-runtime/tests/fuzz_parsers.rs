@@ -192,6 +192,7 @@ fn limits() -> impl Strategy<Value = nestbox_cgroup::Limits> {
                     memory_swap,
                     pids,
                     cpus,
+                    cpu_period_us: None,
                     cpu_shares,
                     // Half the cap, when there is one: in range and out of it alike.
                     cpu_reserve: cpus.map(|c| c / 2.0),

@@ -15,10 +15,12 @@ pub mod fd;
 pub mod link;
 pub mod loopdev;
 pub mod mount;
+pub mod node;
 pub mod ns;
 pub mod pidfd;
 pub mod process;
 pub mod ptrace;
+pub mod tty;
 pub mod uffd;
 pub mod xattr;
 

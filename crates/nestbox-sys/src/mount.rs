@@ -1,5 +1,5 @@
 //! Mount calls: mount a filesystem, bind, move, remount read-only, make
-//! private, detach, bind a namespace file, pivot the root.
+//! private, detach, bind a namespace file, pivot the root (or chroot).
 //!
 //! The mechanics only: which mount goes where, and with which flags, is the
 //! callers' policy (`nestbox-isolation` for a box's root, the runtime's
@@ -87,6 +87,13 @@ pub fn unmount(target: &Path) -> Result<()> {
     umount2(target, MntFlags::empty())
 }
 
+/// Set the propagation type of the mount at `target` (`flags` holds one of
+/// `MS_SHARED`, `MS_SLAVE`, `MS_PRIVATE`, `MS_UNBINDABLE`, optionally with
+/// `MS_REC` for every mount below it too).
+pub fn set_propagation(target: &Path, flags: MsFlags) -> Result<()> {
+    mount(None::<&str>, target, None::<&str>, flags, None::<&str>)
+}
+
 /// Lazily detach the mount at `target` (`umount2(MNT_DETACH)`).
 pub fn detach(target: &Path) -> Result<()> {
     umount2(target, MntFlags::MNT_DETACH)
@@ -95,6 +102,12 @@ pub fn detach(target: &Path) -> Result<()> {
 /// `pivot_root(new_root, put_old)`.
 pub fn pivot_root(new_root: &Path, put_old: &Path) -> Result<()> {
     nix::unistd::pivot_root(new_root, put_old)
+}
+
+/// `chroot(path)`: change the calling process's root directory (its mount
+/// namespace is left as it is).
+pub fn chroot(path: &Path) -> Result<()> {
+    nix::unistd::chroot(path)
 }
 
 /// Undo the octal escapes (`\040` for a space, `\011`, `\012`, `\134`) the

@@ -117,6 +117,23 @@ pub fn robust_list(pid: i32) -> Result<(u64, u64)> {
     Errno::result(rc).map(|_| (head, len))
 }
 
+/// Give every signal its default disposition (except SIGKILL and SIGSTOP,
+/// which have no other) and empty the signal mask, as a freshly started
+/// program expects (Rust ignores SIGPIPE; an init may have blocked all).
+pub fn reset_signal_dispositions() {
+    use nix::sys::signal::{sigprocmask, SigHandler, SigSet, SigmaskHow, Signal};
+    for sig in Signal::iterator() {
+        if matches!(sig, Signal::SIGKILL | Signal::SIGSTOP) {
+            continue;
+        }
+        // SAFETY: installing SIG_DFL involves no handler code at all
+        // (and fails only for SIGKILL/SIGSTOP, skipped above).
+        let _ = unsafe { nix::sys::signal::signal(sig, SigHandler::SigDfl) };
+    }
+    // Fails only for an invalid `how`, and SIG_SETMASK is valid.
+    let _ = sigprocmask(SigmaskHow::SIG_SETMASK, Some(&SigSet::empty()), None);
+}
+
 /// End the calling process at once with `code` (`_exit(2)`): no exit
 /// handlers, no buffered-output flush, no destructors, which is what a forked
 /// child must do so it does not run its parent's a second time.

@@ -429,6 +429,7 @@ impl ResourceArgs {
             },
             pids: a.pids,
             cpus: a.cpus,
+            cpu_period_us: None,
             cpu_shares: a.cpu_shares,
             cpu_reserve: a.cpu_reserve,
             cpuset_cpus: a.cpuset_cpus.clone(),

@@ -267,7 +267,7 @@ fn prepare_credentials(plan: &CommandPlan) -> Result<(), Failure> {
     if plan.new_session {
         nix::unistd::setsid().map_err(|e| e125("setsid", &e))?;
     }
-    reset_signals();
+    nestbox_sys::process::reset_signal_dispositions();
     // Nothing the caller had open may leak into the box.
     nestbox_sys::fd::set_cloexec_range(3, u32::MAX)
         .map_err(|e| e125("mark descriptors close-on-exec", &e))?;
@@ -302,21 +302,6 @@ fn prepare_credentials(plan: &CommandPlan) -> Result<(), Failure> {
         filter.install().map_err(|e| e125("seccomp", &e))?;
     }
     Ok(())
-}
-
-/// Default dispositions and an empty mask, as a freshly started program expects
-/// (Rust ignores SIGPIPE, and init blocked everything).
-fn reset_signals() {
-    for sig in Signal::iterator() {
-        if matches!(sig, Signal::SIGKILL | Signal::SIGSTOP) {
-            continue;
-        }
-        // SAFETY: installing SIG_DFL involves no handler code at all.
-        // (signal fails only for SIGKILL/SIGSTOP, skipped above.)
-        let _ = unsafe { nix::sys::signal::signal(sig, nix::sys::signal::SigHandler::SigDfl) };
-    }
-    // Fails only for an invalid `how`, and SIG_SETMASK is valid.
-    let _ = sigprocmask(SigmaskHow::SIG_SETMASK, Some(&SigSet::empty()), None);
 }
 
 /// execve argv\[0\], searching PATH when it has no slash; returns the failure.

@@ -20,7 +20,9 @@
 //! image version, the kernel and CPU features, answered `R` ready or `E` and
 //! the reason), `P` pages (digest of 32 bytes then the 4096 bytes, repeated;
 //! each checked against its digest as it is stored in the target's page
-//! pool), `C` the checkpoint's directory as a tar archive, answered `D`
+//! pool), `F` the end of a pre-copy round (answered `A` once the target has
+//! read it: the stop does not begin while the target still reads a round),
+//! `C` the checkpoint's directory as a tar archive, answered `D`
 //! (JSON: the restored box) or `E`. The target keeps the checkpoint as
 //! `BOX-migrated-SECONDS` (its layers are the restored box's lower layers).
 
@@ -383,7 +385,11 @@ pub fn migrate(reg: &Registry, box_name: &str, req: &MigrateRequest) -> Result<M
         }
         out.flush(&mut stream)
             .and_then(|()| stream.send(b'F', &[]))
+            .and_then(|()| stream.flush())
             .map_err(io("sending pages"))?;
+        // The target has taken the round in (what it has still to read
+        // would otherwise be read during the stop).
+        answer(&mut stream, b'A').map_err(&fail)?;
         rounds.push(Round {
             written,
             sent: out.pages_sent - before,
@@ -699,6 +705,10 @@ fn receive_on(reg: &Registry, stream: &mut Stream) -> Result<(Restored, f64, f64
             // the next round runs.
             b'F' => {
                 let _ = to_pool.send(ToPool::Round);
+                stream
+                    .send(b'A', &[])
+                    .and_then(|()| stream.flush())
+                    .map_err(broken)?;
             }
             b'C' => return Ok((payload, Instant::now())),
             tag => {

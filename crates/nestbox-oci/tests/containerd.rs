@@ -1,0 +1,193 @@
+//! containerd driving nestbox-runc through its runc shim
+//! (`io.containerd.runc.v2`, `--runc-binary`): a private containerd daemon
+//! with its own config, state and socket, `ctr run` of a busybox root
+//! (`--rootfs`, no registry): run, exit status, detached run, `task exec`,
+//! pause/resume, kill, delete. Everything the test started or made (the
+//! daemon, its shims, the namespace's cgroup parents and runc-shim state) is
+//! ended or removed when it ends.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::{ready, Out, RUNC};
+
+struct Containerd {
+    dir: tempfile::TempDir,
+    daemon: Child,
+    namespace: String,
+}
+
+impl Containerd {
+    fn start() -> Containerd {
+        let dir = tempfile::Builder::new()
+            .prefix("nestbox-test-oci-containerd-")
+            .tempdir()
+            .unwrap();
+        let d = dir.path().display();
+        let config = dir.path().join("config.toml");
+        std::fs::write(
+            &config,
+            format!(
+                "version = 2\nroot = \"{d}/root\"\nstate = \"{d}/state\"\n\
+                 disabled_plugins = [\"io.containerd.grpc.v1.cri\"]\n\
+                 [grpc]\n  address = \"{d}/sock\"\n[ttrpc]\n  address = \"{d}/sock.ttrpc\"\n"
+            ),
+        )
+        .unwrap();
+        let log = std::fs::File::create(dir.path().join("containerd.log")).unwrap();
+        let daemon = Command::new("containerd")
+            .arg("--config")
+            .arg(&config)
+            .stdin(Stdio::null())
+            .stdout(log.try_clone().unwrap())
+            .stderr(log)
+            .spawn()
+            .unwrap();
+        let c = Containerd {
+            namespace: format!("nbtest-{}", std::process::id()),
+            dir,
+            daemon,
+        };
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while !c.path("sock").exists() {
+            assert!(Instant::now() < deadline, "containerd did not start");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        c
+    }
+
+    fn path(&self, name: &str) -> PathBuf {
+        self.dir.path().join(name)
+    }
+
+    fn ctr(&self, args: &[&str]) -> Out {
+        let sock = self.path("sock");
+        let mut full = vec!["--address", sock.to_str().unwrap(), "-n", &self.namespace];
+        full.extend_from_slice(args);
+        common::run("ctr", &full, None)
+    }
+
+    /// `ctr run` through the runc shim with nestbox-runc as its runc.
+    fn run(&self, opts: &[&str], id: &str, cmd: &[&str]) -> Out {
+        let rootfs = self.path("rootfs");
+        let mut args = vec!["run"];
+        args.extend_from_slice(opts);
+        args.extend_from_slice(&[
+            "--runtime",
+            "io.containerd.runc.v2",
+            "--runc-binary",
+            RUNC,
+            "--rootfs",
+            rootfs.to_str().unwrap(),
+            id,
+        ]);
+        args.extend_from_slice(cmd);
+        self.ctr(&args)
+    }
+}
+
+impl Drop for Containerd {
+    fn drop(&mut self) {
+        for id in self.ctr(&["container", "ls", "-q"]).stdout.lines() {
+            let _ = self.ctr(&["task", "kill", "-s", "SIGKILL", id]);
+            let _ = self.ctr(&["task", "delete", "-f", id]);
+            let _ = self.ctr(&["container", "delete", id]);
+        }
+        // Shims of this test's namespace that are still there (only after a
+        // failure): they name the namespace on their command line.
+        for entry in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
+            let Ok(pid) = entry.file_name().to_string_lossy().parse::<i32>() else {
+                continue;
+            };
+            let cmdline = std::fs::read(entry.path().join("cmdline")).unwrap_or_default();
+            let cmdline = String::from_utf8_lossy(&cmdline);
+            if cmdline.contains("containerd-shim") && cmdline.contains(&self.namespace) {
+                let _ = nix::sys::signal::kill(
+                    nix::unistd::Pid::from_raw(pid),
+                    nix::sys::signal::Signal::SIGKILL,
+                );
+            }
+        }
+        let _ = self.daemon.kill();
+        let _ = self.daemon.wait();
+        for h in std::fs::read_dir("/sys/fs/cgroup")
+            .into_iter()
+            .flatten()
+            .flatten()
+        {
+            let _ = std::fs::remove_dir(h.path().join(&self.namespace));
+        }
+        let _ = std::fs::remove_dir_all(Path::new("/run/containerd/runc").join(&self.namespace));
+    }
+}
+
+fn containerd_present(test: &str) -> bool {
+    let found = ["containerd", "ctr", "containerd-shim-runc-v2"]
+        .iter()
+        .all(|p| {
+            Command::new("sh")
+                .args(["-c", &format!("command -v {p}")])
+                .output()
+                .map(|o| o.status.success())
+                .unwrap_or(false)
+        });
+    nestbox_testkit::require(
+        found,
+        test,
+        "needs containerd (Debian containerd, scripts/setup.sh)",
+    )
+}
+
+#[test]
+fn containerd_runs_tasks_with_nestbox_runc() {
+    let test = "containerd_runs_tasks_with_nestbox_runc";
+    if !ready(test) || !containerd_present(test) {
+        return;
+    }
+    let c = Containerd::start();
+    common::make_rootfs(&c.path("rootfs"));
+
+    let out = c
+        .run(&["--rm"], "c1", &["sh", "-c", "echo hi; echo $$"])
+        .ok();
+    assert_eq!(out.stdout, "hi\n1\n", "{out:?}");
+    assert_eq!(c.run(&["--rm"], "c0", &["sh", "-c", "exit 5"]).code, 5);
+
+    c.run(&["-d"], "c2", &["sleep", "1000"]).ok();
+    let out = c.ctr(&[
+        "task",
+        "exec",
+        "--exec-id",
+        "e1",
+        "c2",
+        "sh",
+        "-c",
+        "cat /proc/1/comm; exit 4",
+    ]);
+    assert_eq!((out.code, out.stdout.as_str()), (4, "sleep\n"), "{out:?}");
+    let status = |id: &str| {
+        c.ctr(&["task", "ls"])
+            .ok()
+            .stdout
+            .lines()
+            .find(|l| l.starts_with(id))
+            .map(|l| l.split_whitespace().last().unwrap_or("").to_string())
+            .unwrap_or_default()
+    };
+    c.ctr(&["task", "pause", "c2"]).ok();
+    assert_eq!(status("c2"), "PAUSED");
+    c.ctr(&["task", "resume", "c2"]).ok();
+    assert_eq!(status("c2"), "RUNNING");
+    c.ctr(&["task", "kill", "-s", "SIGKILL", "c2"]).ok();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while status("c2") != "STOPPED" {
+        assert!(Instant::now() < deadline, "c2 never stopped");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    c.ctr(&["task", "delete", "c2"]).ok();
+    c.ctr(&["container", "delete", "c2"]).ok();
+    assert_eq!(c.ctr(&["container", "ls", "-q"]).ok().stdout, "");
+}

@@ -1,0 +1,218 @@
+//! podman driving nestbox-runc (`--runtime`), with the flags that work on
+//! these machines (`--cgroup-manager=cgroupfs --events-backend=file`, and
+//! ulimits podman can set without CAP_SYS_RESOURCE): run, run from a
+//! docker-archive, detached run, exec, pause/unpause, stop, kill, rm, logs.
+//! Images are made locally from a busybox root in a tar (no registry); the
+//! storage, run and temporary directories of podman are private to the test
+//! and removed (mounts first) when it ends.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+
+use common::{ready, Out, RUNC};
+
+/// podman with a private store under `dir`.
+struct Podman {
+    dir: tempfile::TempDir,
+    libpod_parent_existed: bool,
+}
+
+const LIMITS: &[&str] = &[
+    "--ulimit",
+    "nofile=1024:1024",
+    "--ulimit",
+    "nproc=1024:1024",
+    "--network",
+    "none",
+];
+
+impl Podman {
+    fn new() -> Podman {
+        let dir = tempfile::Builder::new()
+            .prefix("nestbox-test-oci-podman-")
+            .tempdir()
+            .unwrap();
+        let libpod_parent_existed = Path::new("/sys/fs/cgroup/pids/libpod_parent").exists();
+        Podman {
+            dir,
+            libpod_parent_existed,
+        }
+    }
+
+    fn path(&self, name: &str) -> PathBuf {
+        self.dir.path().join(name)
+    }
+
+    fn run(&self, args: &[&str]) -> Out {
+        let (storage, run, tmp) = (self.path("storage"), self.path("run"), self.path("tmp"));
+        let mut full = vec![
+            "--root",
+            storage.to_str().unwrap(),
+            "--runroot",
+            run.to_str().unwrap(),
+            "--tmpdir",
+            tmp.to_str().unwrap(),
+            "--cgroup-manager=cgroupfs",
+            "--events-backend=file",
+            "--runtime",
+            RUNC,
+        ];
+        full.extend_from_slice(args);
+        common::run("podman", &full, None)
+    }
+
+    /// `podman run` with the limits these machines need.
+    fn run_container(&self, opts: &[&str], image: &str, cmd: &[&str]) -> Out {
+        let mut args = vec!["run"];
+        args.extend_from_slice(opts);
+        args.extend_from_slice(LIMITS);
+        args.push(image);
+        args.extend_from_slice(cmd);
+        self.run(&args)
+    }
+}
+
+impl Drop for Podman {
+    fn drop(&mut self) {
+        let _ = self.run(&["rm", "-af", "-t", "0"]);
+        let _ = self.run(&["rmi", "-af"]);
+        let _ = self.run(&["system", "reset", "-f"]);
+        // Whatever podman still has mounted under its private directories.
+        let me = self.dir.path().to_str().unwrap().to_string();
+        let info = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
+        let mut points: Vec<&str> = info
+            .lines()
+            .filter_map(|l| l.split(' ').nth(4))
+            .filter(|p| p.starts_with(&me))
+            .collect();
+        points.sort_by_key(|p| std::cmp::Reverse(p.len()));
+        for p in points {
+            let _ = nix::mount::umount2(p, nix::mount::MntFlags::MNT_DETACH);
+        }
+        if !self.libpod_parent_existed {
+            // conmon's and the containers' parents that podman made.
+            for h in std::fs::read_dir("/sys/fs/cgroup")
+                .into_iter()
+                .flatten()
+                .flatten()
+            {
+                let parent = h.path().join("libpod_parent");
+                let _ = std::fs::remove_dir(parent.join("conmon"));
+                let _ = std::fs::remove_dir(&parent);
+            }
+        }
+    }
+}
+
+fn podman_present(test: &str) -> bool {
+    let found = std::process::Command::new("podman")
+        .arg("--version")
+        .output()
+        .map(|o| o.status.success())
+        .unwrap_or(false);
+    nestbox_testkit::require(
+        found,
+        test,
+        "needs podman (Debian podman, scripts/setup.sh)",
+    )
+}
+
+#[test]
+fn podman_runs_containers_with_nestbox_runc() {
+    let test = "podman_runs_containers_with_nestbox_runc";
+    if !ready(test) || !podman_present(test) {
+        return;
+    }
+    let p = Podman::new();
+    let rootfs = p.path("rootfs");
+    common::make_rootfs(&rootfs);
+    let tar = p.path("bb.tar");
+    common::run(
+        "tar",
+        &[
+            "-C",
+            rootfs.to_str().unwrap(),
+            "-cf",
+            tar.to_str().unwrap(),
+            ".",
+        ],
+        None,
+    );
+    p.run(&["import", tar.to_str().unwrap(), "localhost/nb-busybox:1"])
+        .ok();
+
+    // run --rm: output and exit status.
+    let out = p
+        .run_container(
+            &["--rm"],
+            "localhost/nb-busybox:1",
+            &["sh", "-c", "echo hello; echo $$"],
+        )
+        .ok();
+    // The program is pid 1 of the container's own pid namespace.
+    assert_eq!(out.stdout, "hello\n1\n", "{out:?}");
+    let out = p.run_container(&["--rm"], "localhost/nb-busybox:1", &["sh", "-c", "exit 3"]);
+    assert_eq!(out.code, 3, "{out:?}");
+
+    // run from a docker-archive.
+    let archive = p.path("archive.tar");
+    p.run(&[
+        "save",
+        "--format",
+        "docker-archive",
+        "-o",
+        archive.to_str().unwrap(),
+        "localhost/nb-busybox:1",
+    ])
+    .ok();
+    let image = format!("docker-archive:{}", archive.display());
+    let out = p
+        .run_container(&["--rm"], &image, &["echo", "from-archive"])
+        .ok();
+    assert!(out.stdout.contains("from-archive"), "{out:?}");
+
+    // Detached: exec, pause/unpause, logs, stop, rm.
+    p.run_container(
+        &["-d", "--name", "d1"],
+        "localhost/nb-busybox:1",
+        &["sh", "-c", "echo started; sleep 1000"],
+    )
+    .ok();
+    // exec: another process of the same pid namespace.
+    let out = p
+        .run(&["exec", "d1", "sh", "-c", "cat /proc/1/comm; echo $$"])
+        .ok();
+    let lines: Vec<&str> = out.stdout.lines().collect();
+    assert!(
+        matches!(lines[0], "sh" | "sleep") && lines[1] != "1",
+        "{out:?}"
+    );
+    assert_eq!(p.run(&["exec", "d1", "sh", "-c", "exit 4"]).code, 4);
+    p.run(&["pause", "d1"]).ok();
+    let state = |name: &str| {
+        p.run(&["inspect", "--format", "{{.State.Status}}", name])
+            .ok()
+            .stdout
+    };
+    assert_eq!(state("d1").trim(), "paused");
+    p.run(&["unpause", "d1"]).ok();
+    assert_eq!(state("d1").trim(), "running");
+    assert!(p.run(&["logs", "d1"]).ok().stdout.contains("started"));
+    p.run(&["stop", "-t", "1", "d1"]).ok();
+    assert_eq!(state("d1").trim(), "exited");
+    p.run(&["rm", "d1"]).ok();
+
+    // kill.
+    p.run_container(
+        &["-d", "--name", "k1"],
+        "localhost/nb-busybox:1",
+        &["sleep", "1000"],
+    )
+    .ok();
+    p.run(&["kill", "k1"]).ok();
+    p.run(&["wait", "k1"]).ok();
+    assert_eq!(state("k1").trim(), "exited");
+    p.run(&["rm", "k1"]).ok();
+    assert_eq!(p.run(&["ps", "-aq"]).ok().stdout.trim(), "");
+}

@@ -1,0 +1,699 @@
+//! nestbox-runc driven from outside, as podman or containerd drive runc:
+//! the lifecycle and its state JSON, exit codes, pid files, errors, and what
+//! the process inside a container sees of the config it was given.
+
+mod common;
+
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use common::{ready, Env};
+use serde_json::{json, Value};
+
+#[test]
+fn lifecycle_create_start_state_kill_delete() {
+    if !ready("lifecycle_create_start_state_kill_delete") {
+        return;
+    }
+    let env = Env::new(&["sleep", "1000"]);
+    let pid_file = env.tmp().join("pid");
+    env.runc(&[
+        "create",
+        "--bundle",
+        env.bundle.to_str().unwrap(),
+        "--pid-file",
+        pid_file.to_str().unwrap(),
+        "c1",
+    ])
+    .ok();
+    let s = env.state("c1");
+    assert_eq!(s["status"], "created");
+    assert_eq!(s["id"], "c1");
+    assert_eq!(s["ociVersion"], "1.2.0");
+    assert_eq!(s["bundle"], env.bundle.to_str().unwrap());
+    assert_eq!(s["rootfs"], env.bundle.join("rootfs").to_str().unwrap());
+    let pid = s["pid"].as_i64().unwrap();
+    assert_eq!(std::fs::read_to_string(&pid_file).unwrap(), pid.to_string());
+    // Created: the process waits, the program has not run.
+    let comm = |pid: i64| std::fs::read_to_string(format!("/proc/{pid}/comm")).unwrap_or_default();
+    assert_ne!(comm(pid).trim(), "sleep");
+    env.runc(&["start", "c1"]).ok();
+    let s = env.state("c1");
+    assert_eq!(s["status"], "running");
+    assert_eq!(comm(pid).trim(), "sleep");
+    env.runc(&["start", "c1"]).fails_with("already running");
+    env.runc(&["delete", "c1"]).fails_with("not stopped");
+    assert_eq!(env.state("c1")["status"], "running");
+    // SIGKILL: pid 1 of a pid namespace ignores signals it has no handler
+    // for (sleep has none for SIGTERM).
+    env.runc(&["kill", "c1", "9"]).ok();
+    env.wait_status("c1", "stopped");
+    assert_eq!(env.state("c1")["pid"], 0);
+    env.runc(&["kill", "c1", "KILL"]).fails_with("not running");
+    env.runc(&["delete", "c1"]).ok();
+    env.runc(&["state", "c1"]).fails_with("does not exist");
+    assert!(!common::cgroup_exists(&env.cgroup_name("c1")));
+    env.runc(&["delete", "--force", "c1"]).ok();
+}
+
+#[test]
+fn run_returns_the_exit_code_and_removes_the_container() {
+    if !ready("run_returns_the_exit_code_and_removes_the_container") {
+        return;
+    }
+    let env = Env::new(&["sh", "-c", "echo out; echo err >&2; exit 7"]);
+    let out = env.run("r1");
+    assert_eq!(out.code, 7, "{out:?}");
+    assert_eq!(out.stdout, "out\n");
+    assert_eq!(out.stderr, "err\n");
+    // Killed by a signal: 128 + the signal, as a shell reports it.
+    env.edit(|c| c["process"]["args"] = json!(["sleep", "1000"]));
+    let runner = {
+        let (root, bundle) = (env.root.clone(), env.bundle.clone());
+        std::thread::spawn(move || {
+            common::run(
+                common::RUNC,
+                &[
+                    "--root",
+                    root.to_str().unwrap(),
+                    "run",
+                    "--bundle",
+                    bundle.to_str().unwrap(),
+                    "r2",
+                ],
+                None,
+            )
+        })
+    };
+    let deadline = Instant::now() + common::TIMEOUT;
+    while env.runc(&["state", "r2"]).stdout.find("running").is_none() {
+        assert!(Instant::now() < deadline, "r2 never ran");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    env.runc(&["kill", "r2", "KILL"]).ok();
+    assert_eq!(runner.join().unwrap().code, 137);
+    assert_eq!(env.runc(&["list", "-q"]).ok().stdout, "");
+    assert!(!common::cgroup_exists(&env.cgroup_name("r1")));
+}
+
+#[test]
+fn run_detached_then_delete_force() {
+    if !ready("run_detached_then_delete_force") {
+        return;
+    }
+    let env = Env::new(&["sleep", "1000"]);
+    env.runc(&["run", "-d", "--bundle", env.bundle.to_str().unwrap(), "d1"])
+        .ok();
+    assert_eq!(env.state("d1")["status"], "running");
+    let list = env.runc(&["list", "--format", "json"]).ok().json();
+    assert_eq!(list[0]["id"], "d1");
+    env.runc(&["delete", "--force", "d1"]).ok();
+    env.runc(&["state", "d1"]).fails_with("does not exist");
+}
+
+#[test]
+fn bad_input_fails_clearly_and_leaves_nothing() {
+    if !ready("bad_input_fails_clearly_and_leaves_nothing") {
+        return;
+    }
+    let env = Env::new(&["no-such-program"]);
+    env.create("b1").fails_with("executable file not found");
+    assert!(!env.root.join("b1").exists());
+    assert!(!common::cgroup_exists(&env.cgroup_name("b1")));
+    env.edit(|c| c["process"]["args"] = json!(["sleep", "100"]));
+    env.create("b/1").fails_with("invalid container id");
+    env.runc(&["--systemd-cgroup", "create", "b2"])
+        .fails_with("--systemd-cgroup is not supported");
+    env.runc(&["start", "nope"]).fails_with("does not exist");
+    env.edit(|c| c["process"]["capabilities"]["bounding"] = json!(["CAP_FLY"]));
+    env.create("b3").fails_with("CAP_FLY");
+    env.edit(|c| {
+        c["process"]["capabilities"]["bounding"] =
+            json!(["CAP_AUDIT_WRITE", "CAP_KILL", "CAP_NET_BIND_SERVICE"]);
+        c["root"]["path"] = json!("no-such-rootfs");
+    });
+    env.create("b4").fails_with("root.path");
+    env.edit(|c| {
+        c["root"]["path"] = json!("rootfs");
+        c["linux"]["sysctl"] = json!({"vm.swappiness": "10"});
+    });
+    env.create("b5").fails_with("not namespaced");
+    env.edit(|c| {
+        c["linux"]["sysctl"] = json!({});
+        c["process"]["terminal"] = json!(true);
+    });
+    env.create("b6").fails_with("--console-socket is required");
+    env.edit(|c| {
+        c["process"]["terminal"] = json!(false);
+        c["mounts"].as_array_mut().unwrap().push(
+            json!({"destination": "/x", "type": "bind", "source": "/no/such", "options": ["bind"]}),
+        );
+    });
+    env.create("b7")
+        .fails_with("bind source /no/such does not exist");
+    assert_eq!(env.runc(&["list", "-q"]).ok().stdout, "");
+    env.edit(|c| {
+        c["mounts"].as_array_mut().unwrap().pop();
+    });
+    env.create("b8").ok();
+    env.create("b8").fails_with("already exists");
+}
+
+#[test]
+fn errors_go_to_the_log_file_as_json() {
+    if !ready("errors_go_to_the_log_file_as_json") {
+        return;
+    }
+    let env = Env::new(&["true"]);
+    let log = env.tmp().join("log.json");
+    env.runc(&[
+        "--log",
+        log.to_str().unwrap(),
+        "--log-format",
+        "json",
+        "state",
+        "nope",
+    ])
+    .fails_with("does not exist");
+    let line: Value = serde_json::from_str(std::fs::read_to_string(&log).unwrap().trim()).unwrap();
+    assert_eq!(line["level"], "error");
+    assert!(line["msg"]
+        .as_str()
+        .unwrap()
+        .contains("\"nope\" does not exist"));
+    assert!(line["time"].as_str().unwrap().ends_with('Z'));
+}
+
+/// Run `script` in a container made from `env`'s config changed by `edit`;
+/// its stdout.
+fn inside(env: &Env, script: &str, edit: impl FnOnce(&mut Value)) -> String {
+    env.edit(|c| {
+        c["process"]["args"] = json!(["sh", "-c", script]);
+        edit(c);
+    });
+    env.run("in").ok().stdout
+}
+
+#[test]
+fn config_hostname_namespaces_mounts_and_paths() {
+    if !ready("config_hostname_namespaces_mounts_and_paths") {
+        return;
+    }
+    let env = Env::new(&["true"]);
+    let shared = env.tmp().join("shared");
+    std::fs::create_dir(&shared).unwrap();
+    std::fs::write(shared.join("f"), "from host").unwrap();
+    let out = inside(
+        &env,
+        "hostname; echo pid=$$; cat /data/f; echo; touch /data/g 2>/dev/null || echo ro-bind; \
+         grep ' /scratch ' /proc/mounts; touch /scratch/x && echo scratch-rw; \
+         cat /proc/kcore 2>/dev/null | wc -c; echo 1 > /proc/sys/kernel/ostype 2>/dev/null || echo ro-proc-sys; \
+         ls /proc/acpi 2>/dev/null | wc -l; ls /dev | grep -c -E '^(null|zero|full|random|urandom|tty)$'",
+        |c| {
+            c["hostname"] = json!("oci-box");
+            let mounts = c["mounts"].as_array_mut().unwrap();
+            mounts.push(json!({"destination": "/data", "type": "bind",
+                "source": shared.to_str().unwrap(), "options": ["rbind", "ro"]}));
+            mounts.push(json!({"destination": "/scratch", "type": "tmpfs", "source": "tmpfs",
+                "options": ["nosuid", "nodev", "size=1m", "mode=1777"]}));
+            c["linux"]["maskedPaths"] = json!(["/proc/kcore", "/proc/acpi"]);
+            c["linux"]["readonlyPaths"] = json!(["/proc/sys"]);
+        },
+    );
+    let lines: Vec<&str> = out.lines().collect();
+    assert_eq!(lines[0], "oci-box");
+    assert_eq!(lines[1], "pid=1");
+    assert_eq!(lines[2], "from host");
+    assert_eq!(lines[3], "ro-bind");
+    assert!(
+        lines[4].contains("tmpfs /scratch tmpfs rw,nosuid,nodev")
+            && lines[4].contains("size=1024k"),
+        "{}",
+        lines[4]
+    );
+    assert_eq!(lines[5], "scratch-rw");
+    assert_eq!(lines[6], "0");
+    assert_eq!(lines[7], "ro-proc-sys");
+    assert_eq!(lines[8], "0");
+    assert_eq!(lines[9], "6");
+    assert!(!shared.join("g").exists());
+    assert_ne!(
+        std::fs::read_to_string("/proc/sys/kernel/hostname")
+            .unwrap()
+            .trim(),
+        "oci-box"
+    );
+}
+
+#[test]
+fn config_process_user_rlimits_caps_nnp_oom_sysctl() {
+    if !ready("config_process_user_rlimits_caps_nnp_oom_sysctl") {
+        return;
+    }
+    let env = Env::new(&["true"]);
+    let out = inside(
+        &env,
+        "id -u; id -g; id -G; ulimit -n; ulimit -Hn; grep -E '^(CapBnd|CapEff|CapPrm|CapAmb|NoNewPrivs)' /proc/self/status; \
+         cat /proc/self/oom_score_adj; cat /proc/sys/net/ipv4/ip_forward; pwd; echo $FOO",
+        |c| {
+            c["process"]["user"] = json!({"uid": 1000, "gid": 1001, "additionalGids": [1002, 1003]});
+            c["process"]["rlimits"] = json!([{"type": "RLIMIT_NOFILE", "soft": 100, "hard": 200}]);
+            c["process"]["capabilities"] = json!({
+                "bounding": ["CAP_KILL", "CAP_NET_BIND_SERVICE", "CAP_CHOWN"],
+                "effective": ["CAP_KILL"], "permitted": ["CAP_KILL", "CAP_CHOWN"],
+                "inheritable": ["CAP_KILL"], "ambient": ["CAP_KILL"]});
+            c["process"]["noNewPrivileges"] = json!(true);
+            c["process"]["oomScoreAdj"] = json!(500);
+            c["process"]["cwd"] = json!("/tmp/work");
+            c["process"]["env"] = json!(["PATH=/bin", "FOO=bar"]);
+            c["linux"]["sysctl"] = json!({"net.ipv4.ip_forward": "1"});
+        },
+    );
+    let lines: Vec<&str> = out.lines().collect();
+    assert_eq!(
+        &lines[..5],
+        &["1000", "1001", "1001 1002 1003", "100", "200"],
+        "{out}"
+    );
+    // CAP_KILL is bit 5 (0x20), CAP_CHOWN bit 0, CAP_NET_BIND_SERVICE bit 10.
+    assert_eq!(lines[5], "CapPrm:\t0000000000000020", "{out}");
+    assert_eq!(lines[6], "CapEff:\t0000000000000020");
+    assert_eq!(lines[7], "CapBnd:\t0000000000000421");
+    assert_eq!(lines[8], "CapAmb:\t0000000000000020");
+    assert_eq!(lines[9], "NoNewPrivs:\t1");
+    assert_eq!(lines[10], "500");
+    assert_eq!(lines[11], "1");
+    assert_eq!(lines[12], "/tmp/work");
+    assert_eq!(lines[13], "bar");
+    assert_eq!(
+        std::fs::read_to_string("/proc/sys/net/ipv4/ip_forward")
+            .unwrap()
+            .trim(),
+        "0"
+    );
+}
+
+#[test]
+fn config_seccomp_section_is_enforced() {
+    if !ready("config_seccomp_section_is_enforced") {
+        return;
+    }
+    let env = Env::new(&["true"]);
+    let out = inside(
+        &env,
+        "mkdir /dev/shm/d 2>&1; echo rc=$?; touch /dev/shm/f && echo touched",
+        |c| {
+            c["linux"]["seccomp"] = json!({
+                "defaultAction": "SCMP_ACT_ALLOW",
+                "architectures": ["SCMP_ARCH_X86_64"],
+                "syscalls": [{"names": ["mkdir", "mkdirat"], "action": "SCMP_ACT_ERRNO", "errnoRet": 1}]
+            });
+        },
+    );
+    assert!(out.contains("Operation not permitted"), "{out}");
+    assert!(out.contains("rc=1") && out.contains("touched"), "{out}");
+}
+
+#[test]
+fn config_user_namespace_mappings() {
+    if !ready("config_user_namespace_mappings") {
+        return;
+    }
+    let env = Env::new(&["true"]);
+    let out = inside(
+        &env,
+        "cat /proc/self/uid_map /proc/self/gid_map; id -u; stat -c %u /bin/busybox",
+        |c| {
+            c["linux"]["namespaces"]
+                .as_array_mut()
+                .unwrap()
+                .push(json!({"type": "user"}));
+            c["linux"]["uidMappings"] =
+                json!([{"containerID": 0, "hostID": 200000, "size": 65536}]);
+            c["linux"]["gidMappings"] =
+                json!([{"containerID": 0, "hostID": 200000, "size": 65536}]);
+        },
+    );
+    let words: Vec<&str> = out.split_whitespace().collect();
+    assert_eq!(
+        &words[..6],
+        &["0", "200000", "65536", "0", "200000", "65536"],
+        "{out}"
+    );
+    assert_eq!(words[6], "0");
+    // Host root is not mapped: its files show as the overflow id.
+    assert_eq!(words[7], "65534");
+}
+
+#[test]
+fn namespaces_joined_by_path() {
+    if !ready("namespaces_joined_by_path") {
+        return;
+    }
+    let env = Env::new(&["sleep", "1000"]);
+    env.edit(|c| c["hostname"] = json!("first"));
+    env.runc(&["run", "-d", "--bundle", env.bundle.to_str().unwrap(), "a"])
+        .ok();
+    let pid = env.state("a")["pid"].as_i64().unwrap();
+    let ns = |kind: &str| std::fs::read_link(format!("/proc/{pid}/ns/{kind}")).unwrap();
+    let out = inside(
+        &env,
+        "hostname; for n in net uts ipc; do readlink /proc/self/ns/$n; done",
+        |c| {
+            c["hostname"] = Value::Null;
+            for n in c["linux"]["namespaces"].as_array_mut().unwrap() {
+                if n["type"] == "network" || n["type"] == "uts" {
+                    let kind = if n["type"] == "network" { "net" } else { "uts" };
+                    n["path"] = json!(format!("/proc/{pid}/ns/{kind}"));
+                }
+            }
+        },
+    );
+    let lines: Vec<&str> = out.lines().collect();
+    assert_eq!(lines[0], "first");
+    assert_eq!(lines[1], ns("net").to_str().unwrap());
+    assert_eq!(lines[2], ns("uts").to_str().unwrap());
+    assert_ne!(lines[3], ns("ipc").to_str().unwrap());
+}
+
+#[test]
+fn exec_pause_resume_ps_and_stats() {
+    if !ready("exec_pause_resume_ps_and_stats") {
+        return;
+    }
+    let env = Env::new(&["sleep", "1000"]);
+    env.runc(&["run", "-d", "--bundle", env.bundle.to_str().unwrap(), "e1"])
+        .ok();
+    let out = env
+        .runc(&[
+            "exec",
+            "e1",
+            "sh",
+            "-c",
+            "cat /proc/1/comm; echo $$; hostname",
+        ])
+        .ok();
+    let lines: Vec<&str> = out.stdout.lines().collect();
+    assert_eq!(lines[0], "sleep");
+    assert_ne!(lines[1], "1");
+    assert_eq!(env.runc(&["exec", "e1", "sh", "-c", "exit 3"]).code, 3);
+    let process = env.tmp().join("process.json");
+    std::fs::write(
+        &process,
+        json!({"args": ["sh", "-c", "id -u; echo $X"], "cwd": "/", "env": ["X=y", "PATH=/bin"],
+               "user": {"uid": 7, "gid": 7}})
+        .to_string(),
+    )
+    .unwrap();
+    let out = env
+        .runc(&["exec", "--process", process.to_str().unwrap(), "e1"])
+        .ok();
+    assert_eq!(out.stdout, "7\ny\n");
+    env.runc(&["exec", "e1", "no-such-program"])
+        .fails_with("executable file not found");
+    let pid_file = env.tmp().join("exec.pid");
+    env.runc(&[
+        "exec",
+        "-d",
+        "--pid-file",
+        pid_file.to_str().unwrap(),
+        "e1",
+        "sleep",
+        "500",
+    ])
+    .ok();
+    let exec_pid: i32 = std::fs::read_to_string(&pid_file).unwrap().parse().unwrap();
+    let pids: Vec<i32> =
+        serde_json::from_str(&env.runc(&["ps", "--format", "json", "e1"]).ok().stdout).unwrap();
+    let init = env.state("e1")["pid"].as_i64().unwrap() as i32;
+    assert!(pids.contains(&init) && pids.contains(&exec_pid), "{pids:?}");
+    env.runc(&["pause", "e1"]).ok();
+    assert_eq!(env.state("e1")["status"], "paused");
+    env.runc(&["exec", "e1", "true"]).fails_with("not running");
+    env.runc(&["resume", "e1"]).ok();
+    assert_eq!(env.state("e1")["status"], "running");
+    let stats = env.runc(&["events", "--stats", "e1"]).ok().json();
+    assert_eq!(stats["type"], "stats");
+    assert_eq!(stats["data"]["pids"]["current"], 2);
+    assert!(stats["data"]["memory"]["usage"]["usage"].as_u64().unwrap() > 0);
+    env.runc(&["kill", "--all", "e1", "KILL"]).ok();
+    env.wait_status("e1", "stopped");
+    env.runc(&["delete", "e1"]).ok();
+}
+
+#[test]
+fn cgroup_limits_from_resources() {
+    if !ready("cgroup_limits_from_resources") {
+        return;
+    }
+    let env = Env::new(&["true"]);
+    let out = inside(
+        &env,
+        "cat /sys/fs/cgroup/memory/memory.limit_in_bytes /sys/fs/cgroup/pids/pids.max; \
+         cat /proc/self/cgroup | grep memory",
+        |c| {
+            c["linux"]["resources"] = json!({"memory": {"limit": 67108864}, "pids": {"limit": 20}});
+            c["mounts"].as_array_mut().unwrap().push(json!({"destination": "/sys/fs/cgroup",
+                "type": "cgroup", "source": "cgroup", "options": ["nosuid", "noexec", "nodev", "ro"]}));
+        },
+    );
+    let lines: Vec<&str> = out.lines().collect();
+    assert_eq!(lines[0], "67108864", "{out}");
+    assert_eq!(lines[1], "20");
+    assert!(lines[2].ends_with(":memory:/"), "{out}");
+}
+
+#[test]
+fn hooks_run_at_their_stages_with_the_state() {
+    if !ready("hooks_run_at_their_stages_with_the_state") {
+        return;
+    }
+    let env = Env::new(&["sleep", "1000"]);
+    let dir = env.tmp().to_path_buf();
+    let hook = |name: &str| json!([{"path": "/bin/sh", "args": ["sh", "-c", format!("cat > {}/{name}.json", dir.display())]}]);
+    env.edit(|c| {
+        c["hooks"] = json!({
+            "createRuntime": hook("createRuntime"), "createContainer": hook("createContainer"),
+            "startContainer": hook("startContainer"), "poststart": hook("poststart"),
+            // A failing poststop hook is a warning; the next one still runs.
+            "poststop": [{"path": "/bin/false"}, hook("poststop")[0]]});
+    });
+    let read = |name: &str| -> Option<Value> {
+        std::fs::read_to_string(dir.join(format!("{name}.json")))
+            .ok()
+            .map(|t| serde_json::from_str(&t).unwrap())
+    };
+    env.create("h1").ok();
+    let cr = read("createRuntime").unwrap();
+    assert_eq!(cr["id"], "h1");
+    assert_eq!(cr["status"], "created");
+    assert!(cr["pid"].as_i64().unwrap() > 0);
+    assert!(read("createContainer").is_some());
+    assert!(read("startContainer").is_none() && read("poststart").is_none());
+    env.runc(&["start", "h1"]).ok();
+    assert_eq!(read("poststart").unwrap()["status"], "running");
+    assert!(read("startContainer").is_some());
+    assert!(read("poststop").is_none());
+    env.runc(&["delete", "--force", "h1"]).ok();
+    let stop = read("poststop").unwrap();
+    assert_eq!(stop["status"], "stopped");
+    assert_eq!(stop["id"], "h1");
+}
+
+#[test]
+fn terminal_goes_over_the_console_socket() {
+    if !ready("terminal_goes_over_the_console_socket") {
+        return;
+    }
+    use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+    let env = Env::new(&["sh", "-c", "tty; echo hi-from-tty; sleep 1000"]);
+    env.edit(|c| c["process"]["terminal"] = json!(true));
+    let sock = env.tmp().join("console.sock");
+    let listener = std::os::unix::net::UnixListener::bind(&sock).unwrap();
+    env.runc(&[
+        "create",
+        "--bundle",
+        env.bundle.to_str().unwrap(),
+        "--console-socket",
+        sock.to_str().unwrap(),
+        "t1",
+    ])
+    .ok();
+    let (conn, _) = listener.accept().unwrap();
+    let mut buf = [0u8; 256];
+    let mut space = nix::cmsg_space!([std::os::fd::RawFd; 1]);
+    let mut iov = [std::io::IoSliceMut::new(&mut buf)];
+    let msg = nix::sys::socket::recvmsg::<()>(
+        conn.as_raw_fd(),
+        &mut iov,
+        Some(&mut space),
+        nix::sys::socket::MsgFlags::empty(),
+    )
+    .unwrap();
+    let fd = msg
+        .cmsgs()
+        .unwrap()
+        .find_map(|c| match c {
+            nix::sys::socket::ControlMessageOwned::ScmRights(fds) => fds.first().copied(),
+            _ => None,
+        })
+        .expect("a terminal fd");
+    // SAFETY: the fd was just received and is owned by nothing else.
+    let master = unsafe { OwnedFd::from_raw_fd(fd) };
+    env.runc(&["start", "t1"]).ok();
+    let mut seen = String::new();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let mut master = std::fs::File::from(master);
+    while !seen.contains("hi-from-tty") && Instant::now() < deadline {
+        use std::io::Read;
+        let mut b = [0u8; 256];
+        let n = master.read(&mut b).unwrap();
+        seen.push_str(&String::from_utf8_lossy(&b[..n]));
+    }
+    assert!(seen.contains("/dev/pts/0"), "{seen:?}");
+    assert!(seen.contains("hi-from-tty"), "{seen:?}");
+    env.runc(&["delete", "--force", "t1"]).ok();
+}
+
+#[test]
+fn features_and_spec() {
+    if !ready("features_and_spec") {
+        return;
+    }
+    let env = Env::new(&["true"]);
+    let f = env.runc(&["features"]).ok().json();
+    assert_eq!(f["linux"]["cgroup"]["systemd"], false);
+    assert!(f["linux"]["namespaces"]
+        .as_array()
+        .unwrap()
+        .contains(&json!("user")));
+    assert!(f["hooks"]
+        .as_array()
+        .unwrap()
+        .contains(&json!("createContainer")));
+    env.runc(&["spec", "--bundle", env.bundle.to_str().unwrap()])
+        .fails_with("exists already");
+}
+
+#[test]
+fn cgroups_path_is_honoured() {
+    if !ready("cgroups_path_is_honoured") {
+        return;
+    }
+    let env = Env::new(&["sleep", "1000"]);
+    // Named nestbox-… so that scripts/check-leaks.sh would see a leak.
+    let parent = format!("nestbox-test-oci-{}", std::process::id());
+    env.edit(|c| {
+        c["linux"]["cgroupsPath"] = json!(format!("/{parent}/ctr"));
+        c["linux"]["resources"] = json!({"pids": {"limit": 30}});
+    });
+    env.create("p1").ok();
+    let pid = env.state("p1")["pid"].as_i64().unwrap();
+    let dir = Path::new("/sys/fs/cgroup/pids").join(&parent).join("ctr");
+    assert_eq!(
+        std::fs::read_to_string(dir.join("pids.max"))
+            .unwrap()
+            .trim(),
+        "30"
+    );
+    let procs = std::fs::read_to_string(dir.join("cgroup.procs")).unwrap();
+    assert!(procs.lines().any(|l| l == pid.to_string()), "{procs}");
+    env.runc(&["delete", "--force", "p1"]).ok();
+    assert!(!dir.exists());
+    // The parents made for it stay (as runc leaves them): remove them here.
+    for hierarchy in std::fs::read_dir("/sys/fs/cgroup").unwrap().flatten() {
+        let _ = std::fs::remove_dir(hierarchy.path().join(&parent));
+    }
+    assert!(!common::cgroup_exists(&parent));
+    env.edit(|c| c["linux"]["cgroupsPath"] = json!("system.slice:nestbox:p2"));
+    env.create("p2").fails_with("systemd slice paths");
+}
+
+#[test]
+fn without_a_mount_namespace_nothing_is_mounted() {
+    if !ready("without_a_mount_namespace_nothing_is_mounted") {
+        return;
+    }
+    let env = Env::new(&["true"]);
+    let out = inside(&env, "ls /; ls /proc | wc -l", |c| {
+        let ns = c["linux"]["namespaces"].as_array_mut().unwrap();
+        ns.retain(|n| n["type"] != "mount");
+        c["root"]["readonly"] = json!(false);
+    });
+    // The root is the bundle's rootfs (a chroot); its /proc stays empty.
+    assert!(out.lines().any(|l| l == "bin"), "{out}");
+    assert_eq!(out.lines().last(), Some("0"));
+    // Nothing was mounted on the host: no mount under the bundle, and the
+    // host's /proc, /dev and /sys are each mounted once, as before.
+    let info = std::fs::read_to_string("/proc/self/mountinfo").unwrap();
+    assert!(!info.contains(env.bundle.to_str().unwrap()), "{info}");
+    for point in ["/proc", "/dev", "/sys"] {
+        let n = info
+            .lines()
+            .filter(|l| l.split(' ').nth(4) == Some(point))
+            .count();
+        assert_eq!(n, 1, "{point} mounted {n} times:\n{info}");
+    }
+}
+
+#[test]
+fn config_without_process_is_created_but_not_started() {
+    if !ready("config_without_process_is_created_but_not_started") {
+        return;
+    }
+    let env = Env::new(&["true"]);
+    env.edit(|c| {
+        c.as_object_mut().unwrap().remove("process");
+    });
+    env.create("n1").ok();
+    assert_eq!(env.state("n1")["status"], "created");
+    env.runc(&["start", "n1"])
+        .fails_with("has no process: nothing to start");
+    env.wait_status("n1", "stopped");
+    env.runc(&["delete", "n1"]).ok();
+}
+
+#[test]
+fn update_changes_the_limits_of_a_running_container() {
+    if !ready("update_changes_the_limits_of_a_running_container") {
+        return;
+    }
+    let env = Env::new(&["sleep", "1000"]);
+    env.edit(|c| c["linux"]["resources"] = json!({"pids": {"limit": 20}}));
+    env.runc(&["run", "-d", "--bundle", env.bundle.to_str().unwrap(), "u1"])
+        .ok();
+    let pid = env.state("u1")["pid"].as_i64().unwrap();
+    let cgroup_file = |controller: &str, file: &str| {
+        let line = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).unwrap();
+        let path = line
+            .lines()
+            .find_map(|l| {
+                l.split_once(&format!(":{controller}:"))
+                    .map(|(_, p)| p.to_string())
+            })
+            .unwrap();
+        let full = Path::new("/sys/fs/cgroup")
+            .join(controller)
+            .join(path.trim_start_matches('/'))
+            .join(file);
+        std::fs::read_to_string(full).unwrap().trim().to_string()
+    };
+    assert_eq!(cgroup_file("pids", "pids.max"), "20");
+    env.runc(&["update", "--pids-limit", "50", "--memory", "64m", "u1"])
+        .ok();
+    assert_eq!(cgroup_file("pids", "pids.max"), "50");
+    assert_eq!(cgroup_file("memory", "memory.limit_in_bytes"), "67108864");
+    let file = env.tmp().join("resources.json");
+    std::fs::write(&file, json!({"pids": {"limit": 70}}).to_string()).unwrap();
+    env.runc(&["update", "--resources", file.to_str().unwrap(), "u1"])
+        .ok();
+    assert_eq!(cgroup_file("pids", "pids.max"), "70");
+    assert_eq!(cgroup_file("memory", "memory.limit_in_bytes"), "67108864");
+    env.runc(&["update", "--memory", "lots", "u1"])
+        .fails_with("invalid size");
+    env.runc(&["kill", "u1", "KILL"]).ok();
+    env.wait_status("u1", "stopped");
+    env.runc(&["update", "--pids-limit", "5", "u1"])
+        .fails_with("cannot update a stopped container");
+    env.runc(&["delete", "u1"]).ok();
+}
