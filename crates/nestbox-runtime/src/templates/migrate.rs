@@ -620,7 +620,7 @@ pub fn receive(reg: &Registry, reader: Box<dyn Read>, writer: Box<dyn Write>) ->
     let mut stream = Stream::new(reader, writer, None);
     let result = receive_on(reg, &mut stream);
     let reply = match &result {
-        Ok((r, target_ms, unpack_ms)) => serde_json::to_vec(&Arrived {
+        Ok((r, target_ms, unpack_ms, _)) => serde_json::to_vec(&Arrived {
             name: r.name.clone(),
             pid: r.pid,
             restore_ms: r.restore_ms,
@@ -635,12 +635,29 @@ pub fn receive(reg: &Registry, reader: Box<dyn Read>, writer: Box<dyn Write>) ->
     if let Err(e) = stream.send(reply.0, &reply.1).and_then(|()| stream.flush()) {
         tracing::warn!("receive: answering the source: {e}");
     }
-    result.map(|(r, _, _)| r)
+    let (restored, _, _, pages) = result?;
+    // The box runs here; what is left is to make its checkpoint's pages
+    // durable (needed only to restore that checkpoint again).
+    let stored = pages.join().unwrap_or_else(|_| {
+        Err(RuntimeError::InvalidInput(
+            "page pool: its writer thread panicked".into(),
+        ))
+    });
+    crate::diag::warn_on_err(
+        Some(&restored.name),
+        "storing the pages of a migrated box's checkpoint (it cannot be restored again)",
+        stored,
+    );
+    Ok(restored)
 }
 
+/// The receiver's pool thread (see [`store_pages`]).
+type PoolThread = std::thread::JoinHandle<Result<()>>;
+
 /// [`receive`]'s work: the restored box, the milliseconds from the
-/// checkpoint's arrival to it running, and of those to unpack the files.
-fn receive_on(reg: &Registry, stream: &mut Stream) -> Result<(Restored, f64, f64)> {
+/// checkpoint's arrival to it running, and of those to unpack the files,
+/// and the thread still storing the pages in the pool.
+fn receive_on(reg: &Registry, stream: &mut Stream) -> Result<(Restored, f64, f64, PoolThread)> {
     let broken = |e: std::io::Error| RuntimeError::Migrate {
         name: "(incoming)".into(),
         problem: format!("the stream broke: {e}"),
@@ -739,26 +756,19 @@ fn receive_on(reg: &Registry, stream: &mut Stream) -> Result<(Restored, f64, f64
         unpack_ms = at.elapsed().as_secs_f64() * 1e3;
         unpacked
     });
-    // The pool must hold the checkpoint's pages before the source lets go.
-    let stored = pool_thread.join().unwrap_or_else(|_| {
-        Err(RuntimeError::InvalidInput(
-            "page pool: its writer thread panicked".into(),
-        ))
-    });
-    let restored = match (restored, stored) {
-        (Ok(r), Ok(())) => r,
-        (Ok(r), Err(e)) => {
-            crate::diag::warn_on_err(
-                Some(&r.name),
-                "removing a migrated box whose pages could not be stored",
-                crate::templates::ops::remove(reg, &r.name, true)
-                    .and_then(|()| crate::checkpoint::remove(reg, &hello.checkpoint)),
-            );
+    let restored = match restored {
+        Ok(r) => r,
+        Err(e) => {
+            let _ = pool_thread.join();
             return Err(e);
         }
-        (Err(e), _) => return Err(e),
     };
-    Ok((restored, arrived.elapsed().as_secs_f64() * 1e3, unpack_ms))
+    Ok((
+        restored,
+        arrived.elapsed().as_secs_f64() * 1e3,
+        unpack_ms,
+        pool_thread,
+    ))
 }
 
 /// What the receiver's pool thread is given.
