@@ -466,7 +466,9 @@ impl BoxCgroup {
         let mut all = BTreeSet::new();
         for d in &self.dirs {
             let file = d.path.join("cgroup.procs");
-            let Some(text) = fsutil::read_opt(&file)? else {
+            // (A box whose last process ended may have its cgroup removed
+            // by its monitor while this reads it.)
+            let Some(text) = fsutil::read_if_alive(&file)? else {
                 continue;
             };
             for line in text.lines().map(str::trim).filter(|l| !l.is_empty()) {

@@ -40,6 +40,18 @@ pub(crate) fn read_opt(path: &Path) -> Result<Option<String>, CgroupError> {
     }
 }
 
+/// [`read_opt`] of a file of a cgroup that may be removed meanwhile: a
+/// cgroup removed between the open and the read fails it with `ENODEV`,
+/// which is `None` too (the cgroup is gone).
+pub(crate) fn read_if_alive(path: &Path) -> Result<Option<String>, CgroupError> {
+    match fs::read_to_string(path) {
+        Ok(s) => Ok(Some(s)),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(None),
+        Err(e) if e.raw_os_error() == Some(nix::errno::Errno::ENODEV as i32) => Ok(None),
+        Err(e) => Err(CgroupError::io(Op::Read, path, e)),
+    }
+}
+
 /// Writes `value` to an existing control file in one `write(2)`.
 pub(crate) fn write(path: &Path, value: &str) -> Result<(), CgroupError> {
     write_with_hint(path, value, None)
