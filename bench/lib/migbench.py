@@ -136,7 +136,7 @@ def one(mode, r):
     clean_b()
     return {"mode": mode, "gap_ms": max(gaps) * 1e3, "command_ms": elapsed * 1e3,
             "requests": client.answered, **{k: stats[k] for k in
-            ("downtime_ms", "save_ms", "files_ms", "total_ms", "bytes", "last_read") if k in stats},
+            ("downtime_ms", "save_ms", "files_ms", "handover_ms", "answer_ms", "total_ms", "bytes", "last_read") if k in stats},
             "rounds": len(stats.get("rounds", [])),
             "restore_ms": stats.get("arrived", {}).get("restore_ms"),
             "shell_ms": stats.get("arrived", {}).get("shell_ms"),
@@ -158,7 +158,7 @@ def med(mode, key):
 
 
 summary = {m: {k: med(m, k) for k in ("gap_ms", "command_ms", "downtime_ms", "save_ms",
-                                      "files_ms", "restore_ms", "shell_ms", "target_ms",
+                                      "files_ms", "handover_ms", "answer_ms", "restore_ms", "shell_ms", "target_ms",
                                       "unpack_ms", "total_ms",
                                       "bytes", "rounds", "requests")}
            for m in ("migrate", "stop-and-copy")}
