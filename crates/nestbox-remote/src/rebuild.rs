@@ -974,6 +974,30 @@ fn map_private(x: &mut Tracee, scratch: &mut Scratch, t: &Vma, target_pid: i32) 
     Ok(())
 }
 
+/// Write `data` at `addr` of X's mapping `t`: with `process_vm_writev(2)`
+/// into a writable mapping (the pages of a whole run pinned at once), else,
+/// or if that is refused, through `/proc/X/mem` (which may write where X
+/// itself may not, one page at a time).
+fn write_remote(pid: i32, mem: &File, t: &Vma, data: &[u8], addr: u64) -> std::io::Result<()> {
+    if t.prot & libc::PROT_WRITE != 0 {
+        let local = [std::io::IoSlice::new(data)];
+        let remote = [nix::sys::uio::RemoteIoVec {
+            base: addr as usize,
+            len: data.len(),
+        }];
+        if let Ok(n) =
+            nix::sys::uio::process_vm_writev(nix::unistd::Pid::from_raw(pid), &local, &remote)
+        {
+            if n == data.len() {
+                return Ok(());
+            }
+            // A short write: the rest the slow way.
+            return mem.write_all_at(&data[n..], addr + n as u64);
+        }
+    }
+    mem.write_all_at(data, addr)
+}
+
 /// Apply `actions` to the pages of `t` in X: write runs through `/proc/X/mem`,
 /// drop runs with `MADV_DONTNEED`. In a new (`fresh`) mapping, zero pages are
 /// not written.
@@ -1036,7 +1060,7 @@ fn copy_pages(
                     }
                     let from = k * PAGE as usize;
                     let to = end * PAGE as usize;
-                    mem.write_all_at(&buf[from..to], start + from as u64)
+                    write_remote(pid, mem, t, &buf[from..to], start + from as u64)
                         .map_err(|source| RemoteError::Sys {
                             op: "writing the target's page into X (/proc/PID/mem)",
                             pid,
