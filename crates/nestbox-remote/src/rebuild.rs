@@ -1060,12 +1060,13 @@ fn copy_pages(
                     }
                     let from = k * PAGE as usize;
                     let to = end * PAGE as usize;
-                    write_remote(pid, mem, t, &buf[from..to], start + from as u64)
-                        .map_err(|source| RemoteError::Sys {
+                    write_remote(pid, mem, t, &buf[from..to], start + from as u64).map_err(
+                        |source| RemoteError::Sys {
                             op: "writing the target's page into X (/proc/PID/mem)",
                             pid,
                             source,
-                        })?;
+                        },
+                    )?;
                     stats.pages_written += (end - k) as u64;
                     k = end;
                 }
