@@ -7,7 +7,7 @@ mod common;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use common::{ready, Env};
+use common::{ready, Env, StdoutJson};
 use serde_json::{json, Value};
 
 #[test]

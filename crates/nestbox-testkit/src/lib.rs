@@ -7,6 +7,10 @@
 //! prepared by `scripts/setup.sh`) the gate panics instead, so a test that did not
 //! run can never be counted as passed there.
 
+mod out;
+
+pub use out::Out;
+
 /// Whether the suite runs under CI (`CI=true`): every skip is then a failure.
 pub fn under_ci() -> bool {
     std::env::var("CI").as_deref() == Ok("true")

@@ -21,53 +21,17 @@ pub const BUSYBOX: &str = "/bin/busybox";
 /// Longest a command may take.
 pub const TIMEOUT: Duration = Duration::from_secs(30);
 
-/// What a command printed and how it exited.
-#[derive(Debug)]
-pub struct Out {
-    /// Standard output.
-    pub stdout: String,
-    /// Standard error.
-    pub stderr: String,
-    /// Exit code (128+N for signal N).
-    pub code: i32,
-    /// The command line.
-    pub what: String,
+pub use nestbox_testkit::Out;
+
+/// Stdout of a command as JSON.
+pub trait StdoutJson {
+    /// Parse it (a failure names the command).
+    fn json(&self) -> Value;
 }
 
-impl Out {
-    /// Assert success.
+impl StdoutJson for Out {
     #[track_caller]
-    pub fn ok(self) -> Self {
-        assert_eq!(
-            self.code, 0,
-            "{} failed:\n{}{}",
-            self.what, self.stdout, self.stderr
-        );
-        self
-    }
-
-    /// Assert failure with one error line on stderr containing `needle`.
-    #[track_caller]
-    pub fn fails_with(self, needle: &str) -> Self {
-        assert_ne!(self.code, 0, "{} should fail:\n{}", self.what, self.stdout);
-        assert!(
-            self.stderr.contains(needle),
-            "{}: stderr lacks {needle:?}:\n{}",
-            self.what,
-            self.stderr
-        );
-        assert_eq!(
-            self.stderr.trim().lines().count(),
-            1,
-            "one line: {}",
-            self.stderr
-        );
-        self
-    }
-
-    /// Stdout as JSON.
-    #[track_caller]
-    pub fn json(&self) -> Value {
+    fn json(&self) -> Value {
         serde_json::from_str(&self.stdout)
             .unwrap_or_else(|e| panic!("{}: {e}: {}", self.what, self.stdout))
     }

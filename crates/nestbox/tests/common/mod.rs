@@ -41,51 +41,8 @@ pub const IMAGE_ROOT_ENTRIES: &[&str] = &[
     "root", "proc", "sys", "dev",
 ];
 
-/// What a finished command printed and how it exited.
-#[derive(Debug, Clone)]
-pub struct Out {
-    /// Standard output.
-    pub stdout: String,
-    /// Standard error.
-    pub stderr: String,
-    /// Exit code (128+N when killed by signal N, as a shell reports it).
-    pub code: i32,
-    /// The command line, for messages.
-    pub what: String,
-}
-
-impl Out {
-    /// Assert exit code 0 and return self.
-    #[track_caller]
-    pub fn ok(self) -> Self {
-        assert_eq!(self.code, 0, "expected success\n{self}");
-        self
-    }
-
-    /// Assert the exit code and return self.
-    #[track_caller]
-    pub fn code(self, code: i32) -> Self {
-        assert_eq!(self.code, code, "unexpected exit code\n{self}");
-        self
-    }
-
-    /// Lines of stdout.
-    pub fn lines(&self) -> Vec<&str> {
-        self.stdout.lines().collect()
-    }
-}
-
-impl std::fmt::Display for Out {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(
-            f,
-            "command: {}\nexit code: {}\nstdout: {:?}\nstderr: {:?}",
-            self.what, self.code, self.stdout, self.stderr
-        )
-    }
-}
-
 pub use nestbox_testkit::require_root;
+pub use nestbox_testkit::Out;
 
 /// Poll `cond` until it holds or `limit` passes; whether it held.
 pub fn wait_until(limit: Duration, mut cond: impl FnMut() -> bool) -> bool {
