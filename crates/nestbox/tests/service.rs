@@ -78,6 +78,13 @@ fn service_json(root: &TestRoot, name: &str) -> serde_json::Value {
     serde_json::from_str(&root.ok(&["service", "inspect", name])).unwrap()
 }
 
+/// The number in a replica's name (`svc.r7` → 7).
+fn replica_number(name: &str) -> u64 {
+    name.rsplit_once(".r")
+        .and_then(|(_, n)| n.parse().ok())
+        .unwrap_or_else(|| panic!("replica name {name:?}"))
+}
+
 fn active(v: &serde_json::Value) -> Vec<String> {
     v["state"]["replicas"]
         .as_array()
@@ -164,10 +171,33 @@ fn serial_service_rejuvenates_replicas_without_failing_a_request() {
     );
     assert_eq!(v["state"]["failed"], 0, "{v}");
 
-    // A replica that dies is replaced.
-    let victim = active(&v)[0].clone();
-    let init = root.inspect(&victim)["state"]["init_pid"].as_i64().unwrap() as i32;
-    nix::sys::signal::kill(nix::unistd::Pid::from_raw(init), nix::sys::signal::SIGKILL).unwrap();
+    // A replica that dies is replaced. Rejuvenation goes on meanwhile and
+    // retires the oldest replica, so the victim is the newest one, looked up
+    // right before the kill (again if rejuvenation removed it in between).
+    let mut victim = String::new();
+    for _ in 0..10 {
+        let v = service_json(&root, "svc");
+        victim = active(&v)
+            .into_iter()
+            .max_by_key(|n| replica_number(n))
+            .expect("an active replica");
+        let out = root.run(&["inspect", &victim]);
+        if out.code != 0 {
+            victim.clear();
+            continue;
+        }
+        let state: serde_json::Value = serde_json::from_str(&out.stdout).unwrap();
+        let init = state["state"]["init_pid"].as_i64().unwrap() as i32;
+        match nix::sys::signal::kill(nix::unistd::Pid::from_raw(init), nix::sys::signal::SIGKILL) {
+            Ok(()) => break,
+            Err(nix::errno::Errno::ESRCH) => victim.clear(),
+            Err(e) => panic!("kill {victim}'s init {init}: {e}"),
+        }
+    }
+    assert!(
+        !victim.is_empty(),
+        "no replica stayed long enough to be killed"
+    );
     wait_for("the dead replica to be replaced", START, || {
         let v = service_json(&root, "svc");
         v["state"]["replaced_dead"].as_u64() >= Some(1) && active(&v).len() == 3
