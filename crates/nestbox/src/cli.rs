@@ -612,7 +612,7 @@ pub fn dispatch(cli: Cli) -> Result<i32> {
             Ok(failed.unwrap_or(0))
         }
         Command::Stats { json, name } => output::stats(&reg, &name, json).map(|_| 0),
-        Command::Gc => output::gc(&reg).map(|_| 0),
+        Command::Gc => output::gc(&reg, &root).map(|_| 0),
         Command::Watchdog(a) => {
             use nestbox_runtime::watchdog;
             let min_available = match a.min_available.as_deref() {
