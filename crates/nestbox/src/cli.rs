@@ -512,6 +512,12 @@ struct RunArgs {
     /// with ENOSPC in the box (a filesystem image of its own; root only).
     #[arg(long, value_name = "SIZE")]
     disk: Option<String>,
+    /// Run the box under a monitor (repeatable: a stack, in order), which
+    /// answers the system calls it subscribes to: trace:CALL,.. |
+    /// files:deny=PATH,redirect=PATH=>OTHER | net:allow=CIDR[:PORT],.. |
+    /// null:CALL,.. | socket:PATH:CALL,.. (docs/monitors.md).
+    #[arg(long = "monitor", value_name = "NAME[:ARGS]")]
+    monitors: Vec<String>,
     /// Mount a host path: HOST:BOX[:ro] (repeatable).
     #[arg(short, long = "volume", value_name = "HOST:BOX[:ro]")]
     volume: Vec<String>,
@@ -910,6 +916,7 @@ fn build_spec(a: RunArgs) -> Result<BoxSpec> {
         clone_of: None,
         restore_of: None,
         network,
+        monitors: a.monitors,
     };
     // Validated by the runtime (ops::run_*) before anything is created.
     Ok(spec)
