@@ -59,6 +59,7 @@ impl Stack {
 /// Answer the calls stopped by the filter whose listener is `listener`, with
 /// `stack`, until no process uses the filter any more.
 pub fn serve(listener: OwnedFd, mut stack: Stack) {
+    let listener = std::sync::Arc::new(listener);
     let box_pid = stack.wants_box_pid();
     if let Err(e) = notify::sync_wake_up(listener.as_fd()) {
         tracing::debug!("monitors: no synchronous wake-ups ({e}): each call costs more");
@@ -83,14 +84,33 @@ pub fn serve(listener: OwnedFd, mut stack: Stack) {
             continue;
         }
         let verdict = stack.decide(&event);
-        if let Err(e) = answer(listener.as_fd(), &event, &verdict) {
-            if e != Errno::ENOENT {
-                tracing::warn!(
-                    "monitors: answering {} of {} ({verdict:?}): {e}",
-                    event.syscall,
-                    event.pid
-                );
+        if let Verdict::Connect(_) = verdict {
+            // A blocking connect may take minutes (a destination that drops
+            // the SYN): made in a thread of its own, so that the box's other
+            // calls are answered meanwhile.
+            let shared = listener.clone();
+            let spawned = std::thread::Builder::new()
+                .name("monitor connect".into())
+                .spawn(move || answer_and_log(shared.as_fd(), &event, &verdict));
+            if let Err(e) = spawned {
+                tracing::warn!("monitors: no thread for a connect ({e}); it is refused");
+                let _ = notify::respond_error(listener.as_fd(), n.id, libc::EAGAIN);
             }
+            continue;
+        }
+        answer_and_log(listener.as_fd(), &event, &verdict);
+    }
+}
+
+/// [`answer`], a failure logged (but for a caller gone meanwhile).
+fn answer_and_log(listener: BorrowedFd<'_>, event: &Event, verdict: &Verdict) {
+    if let Err(e) = answer(listener, event, verdict) {
+        if e != Errno::ENOENT {
+            tracing::warn!(
+                "monitors: answering {} of {} ({verdict:?}): {e}",
+                event.syscall,
+                event.pid
+            );
         }
     }
 }
