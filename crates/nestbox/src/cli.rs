@@ -94,6 +94,20 @@ enum Command {
         /// Box name.
         name: String,
     },
+    /// Attach gdb from outside to a process of a running box (its command by
+    /// default): the box gets no capability and keeps its filter; gdb runs on
+    /// the host as root and reads the program and its libraries from the
+    /// box's root. Arguments after `--` go to gdb (e.g. `-batch -ex bt`).
+    Debug {
+        /// The process, by its pid in the box (default: the box's command, 2).
+        #[arg(long, value_name = "PID")]
+        pid: Option<i32>,
+        /// Box name.
+        name: String,
+        /// gdb's own arguments.
+        #[arg(last = true)]
+        gdb_args: Vec<String>,
+    },
     /// Remove dead boxes and every leftover no live box owns.
     Gc,
     /// Same-page merging (KSM) on this host: what it saves, what its scanner
@@ -619,6 +633,25 @@ pub fn dispatch(cli: Cli) -> Result<i32> {
         }
         Command::Stats { json, name } => output::stats(&reg, &name, json).map(|_| 0),
         Command::Gc => output::gc(&reg, &root).map(|_| 0),
+        Command::Debug {
+            pid,
+            name,
+            gdb_args,
+        } => {
+            use std::os::unix::process::CommandExt;
+            let host = ops::host_pid_of(&reg, &name, pid)?;
+            // gdb is the debugger users know; nestbox only finds the process
+            // and points gdb at the box's files (an exception to "a call, not
+            // a program": this command is a launcher of gdb).
+            let err = std::process::Command::new("gdb")
+                .args(["-q", "-p", &host.to_string()])
+                .args(["-ex", &format!("set sysroot /proc/{host}/root")])
+                .args(&gdb_args)
+                .exec();
+            Err(anyhow::anyhow!(
+                "cannot run gdb: {err} (apt-get install gdb)"
+            ))
+        }
         Command::Watchdog(a) => {
             use nestbox_runtime::watchdog;
             let min_available = match a.min_available.as_deref() {

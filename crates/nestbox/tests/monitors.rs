@@ -382,3 +382,69 @@ server.listen(8080, "127.0.0.1", () => {
         "{out}"
     );
 }
+
+#[test]
+fn debug_attaches_gdb_from_outside_without_weakening_the_box() {
+    let Some(root) = TestRoot::new("debug_attaches_gdb_from_outside_without_weakening_the_box")
+    else {
+        return;
+    };
+    let caps = |name: &str| root.ok(&["exec", name, "--", "grep", "^CapEff", "/proc/2/status"]);
+    root.run(&[
+        "run",
+        "-d",
+        "--name",
+        "dbg",
+        "--network",
+        "none",
+        "--",
+        "python3",
+        "-c",
+        "import time\nprint('ready', flush=True)\nwhile True: time.sleep(0.2)",
+    ])
+    .ok();
+    root.inspect("dbg");
+    root.wait_log("dbg", "ready", Duration::from_secs(20));
+    let before = caps("dbg");
+    let out = root
+        .run_timeout(
+            &[
+                "debug",
+                "dbg",
+                "--",
+                "-batch",
+                "-ex",
+                "info sharedlibrary",
+                "-ex",
+                "bt 1",
+            ],
+            Duration::from_secs(120),
+        )
+        .ok();
+    // The program's libraries, read from the box's root; where it sleeps.
+    assert!(
+        out.stdout.contains("/root/lib/x86_64-linux-gnu/libc.so.6"),
+        "{out}"
+    );
+    assert!(out.stdout.contains("nanosleep"), "{out}");
+    // gdb detached: the box goes on, with the capabilities it had.
+    assert_eq!(root.status("dbg").as_deref(), Some("running"));
+    assert_eq!(caps("dbg"), before);
+    let eff = u64::from_str_radix(before.trim().trim_start_matches("CapEff:").trim(), 16).unwrap();
+    assert_eq!(
+        eff & (1 << 19),
+        0,
+        "the box has no CAP_SYS_PTRACE: {before}"
+    );
+    assert_error(
+        &root.run(&["debug", "--pid", "77", "dbg"]),
+        125,
+        "box \"dbg\" has no process 77",
+    );
+    assert_error(
+        &root.run(&["debug", "nobox"]),
+        125,
+        "no box named \"nobox\"",
+    );
+    root.rm_all(["dbg"]);
+}
