@@ -197,13 +197,18 @@ fn keep_only_box_fds(fds: ChildFds) -> nix::Result<(RawFd, RawFd)> {
     }
     nix::unistd::dup3(go, GO_FD, nix::fcntl::OFlag::O_CLOEXEC)?;
     nix::unistd::dup3(report, REPORT_FD, nix::fcntl::OFlag::O_CLOEXEC)?;
-    if let Some(i) = interpose {
-        nix::unistd::dup3(i, INTERPOSE_FD, nix::fcntl::OFlag::O_CLOEXEC)?;
-    }
+    let last = match interpose {
+        Some(i) => {
+            nix::unistd::dup3(i, INTERPOSE_FD, nix::fcntl::OFlag::O_CLOEXEC)?;
+            INTERPOSE_FD
+        }
+        None => REPORT_FD,
+    };
     std::mem::forget(fds);
-    // SAFETY: everything this child still needs lives on 0-5 (the ChildFds were
-    // forgotten above); no object owning a higher descriptor is used again.
-    unsafe { nestbox_sys::fd::close_range(INTERPOSE_FD as u32 + 1, u32::MAX) }?;
+    // SAFETY: everything this child still needs lives on 0-4, or 0-5 with
+    // monitors (the ChildFds were forgotten above); no object owning a higher
+    // descriptor is used again.
+    unsafe { nestbox_sys::fd::close_range(last as u32 + 1, u32::MAX) }?;
     Ok((GO_FD, REPORT_FD))
 }
 
