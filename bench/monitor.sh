@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # What monitors cost (issue 14), interleaved round-robin in one run, each box
-# timing itself (lib/monitor-work.py: ns per getppid, ns per 1-byte
-# read+write pair):
+# timing itself (lib/monitor-work.c, compiled here with gcc: ns per getppid and
+# per 1-byte read+write pair, each the best of 5 batches):
 #   none      a default box, no monitor
 #   null      --monitor null:getppid: getppid stops and a monitor that lets
 #             everything through answers (the cost of one interposed call);
@@ -9,8 +9,8 @@
 #             subscribes to: the second filter's evaluation)
 #   null x3   three such monitors stacked
 #   trace     --monitor trace:getppid (a built-in that writes a log line)
-# Env: ROUNDS (default 7), CALLS (interposed calls per run, default 20000),
-# RW (read+write pairs per run, default 300000), RESULTS_DIR.
+# Env: ROUNDS (default 7), CALLS (interposed calls per batch, default 20000),
+# RW (read+write pairs per batch, default 300000), RESULTS_DIR.
 set -euo pipefail
 # shellcheck source=lib/common.sh
 source "$(dirname "${BASH_SOURCE[0]}")/lib/common.sh"
@@ -29,7 +29,8 @@ cleanup() {
 trap cleanup EXIT
 trap 'exit 130' INT TERM
 require_nestbox "$root"
-cp "$BENCH_DIR/lib/monitor-work.py" "$work/work.py"
+command -v gcc >/dev/null || die "gcc missing (apt-get install gcc)"
+gcc -O2 -o "$work/work" "$BENCH_DIR/lib/monitor-work.c"
 load0=$(cut -d' ' -f1-3 /proc/loadavg)
 log "monitor cost: ROUNDS=$ROUNDS CALLS=$CALLS RW=$RW; load $load0"
 python3 - "$NESTBOX" "$root" "$work" "$ROUNDS" "$CALLS" "$RW" <<'PY' | tee "$RESULTS_DIR/monitor.md"
@@ -47,7 +48,7 @@ for r in range(rounds + 1):
     for name, extra in variants.items():
         out = subprocess.run(
             [nestbox, "--root", root, "run", "--rm", "--network", "none", "-v", f"{work}:/w:ro", *extra,
-             "--", "python3", "/w/work.py", calls, rw],
+             "--", "/w/work", calls, rw],
             check=True, capture_output=True, text=True).stdout.split()
         if r > 0:
             samples[name][0].append(float(out[0]))

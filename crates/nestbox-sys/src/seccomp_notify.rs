@@ -91,8 +91,10 @@ pub fn receive(listener: BorrowedFd<'_>) -> Result<Notification> {
 /// a call and its answer then hand over like a synchronous call instead of
 /// two scheduler wake-ups. `EINVAL` on older kernels (nothing changes).
 pub fn sync_wake_up(listener: BorrowedFd<'_>) -> Result<()> {
-    let mut flags = FD_SYNC_WAKE_UP;
-    ioctl(listener, SET_FLAGS, &mut flags).map(|_| ())
+    // SAFETY: this request takes its flags by value (no memory is passed);
+    // it only sets a flag of the listener.
+    let rc = unsafe { libc::ioctl(listener.as_raw_fd(), SET_FLAGS, FD_SYNC_WAKE_UP) };
+    Errno::result(rc).map(|_| ())
 }
 
 /// Whether notification `id` still waits for its answer (its caller is alive
