@@ -18,17 +18,7 @@ ROUNDS=${ROUNDS:-7}
 CALLS=${CALLS:-20000}
 RW=${RW:-300000}
 require_root
-work=$(make_tmpdir nestbox-bench-monitor)
-root=$work/root
-cleanup() {
-    local status=$?
-    nestbox_clean_root "$root"
-    remove_tmpdir "$work"
-    exit "$status"
-}
-trap cleanup EXIT
-trap 'exit 130' INT TERM
-require_nestbox "$root"
+with_work_root nestbox-bench-monitor
 command -v gcc >/dev/null || die "gcc missing (apt-get install gcc)"
 gcc -O2 -o "$work/work" "$BENCH_DIR/lib/monitor-work.c"
 load0=$(cut -d' ' -f1-3 /proc/loadavg)

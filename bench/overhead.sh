@@ -27,20 +27,13 @@ command -v runc >/dev/null || die "runc missing (run bench/setup.sh)"
 command -v jq >/dev/null || die "jq missing (run bench/setup.sh)"
 [[ -f $PROFILE ]] || die "$PROFILE missing (Debian's golang-github-containers-common, installed with podman by scripts/setup.sh)"
 
-work=$(make_tmpdir nestbox-bench-overhead)
-root=$work/nestbox-root
-cleanup() {
-    local status=$?
+extra_cleanup() {
+    local id
     for id in $(runc --root "$work/runc-root" list -q 2>/dev/null); do
         runc --root "$work/runc-root" delete --force "$id" >/dev/null 2>&1 || true
     done
-    nestbox_clean_root "$root"
-    remove_tmpdir "$work"
-    exit "$status"
 }
-trap cleanup EXIT
-trap 'exit 130' INT TERM
-require_nestbox "$root"
+with_work_root nestbox-bench-overhead
 
 lib=$work/lib
 mkdir -p "$lib" "$work/host-scratch" "$work/scratch"

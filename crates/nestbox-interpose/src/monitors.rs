@@ -30,32 +30,17 @@ pub enum Verdict {
     Connect(SocketAddr),
 }
 
-/// One monitor of a stack.
+/// One monitor of a stack: what it was asked to do, and what it holds.
 #[derive(Debug)]
 pub struct Monitor {
-    kind: Kind,
+    spec: MonitorSpec,
+    /// A `trace` monitor's log.
+    log: Option<std::fs::File>,
+    /// A `socket` monitor's connection, and whether it broke.
+    socket: Option<(BufReader<UnixStream>, bool)>,
     calls: Vec<u32>,
     /// Its `--monitor` text, for messages.
-    pub spec: String,
-}
-
-#[derive(Debug)]
-enum Kind {
-    Trace(std::fs::File),
-    Files {
-        deny: Vec<PathBuf>,
-        redirect: Vec<(PathBuf, PathBuf)>,
-        errno: i32,
-    },
-    Net {
-        allow: Vec<(IpAddr, u8, Option<u16>)>,
-        errno: i32,
-    },
-    Null,
-    Socket {
-        stream: BufReader<UnixStream>,
-        broken: bool,
-    },
+    pub text: String,
 }
 
 /// An answer of a socket monitor.
@@ -109,53 +94,42 @@ impl Monitor {
         text: &str,
         trace_log: &Path,
     ) -> Result<Monitor, InterposeError> {
-        let kind = match spec {
-            MonitorSpec::Trace { .. } => Kind::Trace(
-                std::fs::OpenOptions::new()
-                    .create(true)
-                    .append(true)
-                    .open(trace_log)
-                    .map_err(|source| InterposeError::Io {
-                        what: format!("open the trace log {}", trace_log.display()),
-                        source,
-                    })?,
-            ),
-            MonitorSpec::Files {
-                deny,
-                redirect,
-                errno,
-            } => Kind::Files {
-                deny: deny.clone(),
-                redirect: redirect.clone(),
-                errno: *errno,
-            },
-            MonitorSpec::Net { allow, errno } => Kind::Net {
-                allow: allow.clone(),
-                errno: *errno,
-            },
-            MonitorSpec::Null { .. } => Kind::Null,
+        let (mut log, mut socket) = (None, None);
+        match spec {
+            MonitorSpec::Trace { .. } => {
+                log = Some(
+                    std::fs::OpenOptions::new()
+                        .create(true)
+                        .append(true)
+                        .open(trace_log)
+                        .map_err(|source| InterposeError::Io {
+                            what: format!("open the trace log {}", trace_log.display()),
+                            source,
+                        })?,
+                )
+            }
             MonitorSpec::Socket { path, .. } => {
                 let s = UnixStream::connect(path).map_err(|source| InterposeError::Io {
                     what: format!("--monitor {text}: connect to {}", path.display()),
                     source,
                 })?;
-                Kind::Socket {
-                    stream: BufReader::new(s),
-                    broken: false,
-                }
+                socket = Some((BufReader::new(s), false));
             }
-        };
+            _ => {}
+        }
         Ok(Monitor {
-            kind,
+            spec: spec.clone(),
+            log,
+            socket,
             calls: crate::spec::subscribed(std::slice::from_ref(spec)),
-            spec: text.to_string(),
+            text: text.to_string(),
         })
     }
 
     /// Whether this monitor shows the caller's pid in the box (a trace or a
     /// socket monitor).
     pub fn shows_box_pid(&self) -> bool {
-        matches!(self.kind, Kind::Trace(_) | Kind::Socket { .. })
+        self.log.is_some() || self.socket.is_some()
     }
 
     /// Whether this monitor subscribed to call number `nr`.
@@ -165,31 +139,46 @@ impl Monitor {
 
     /// Decide `e`.
     pub fn decide(&mut self, e: &Event) -> Verdict {
-        match &mut self.kind {
-            Kind::Null => Verdict::Continue,
-            Kind::Trace(log) => {
-                let mut line = format!(
-                    "{:.6} {} {}({:#x}, {:#x}, {:#x})",
-                    now(),
-                    e.box_pid.unwrap_or(e.pid),
-                    e.syscall,
-                    e.args[0],
-                    e.args[1],
-                    e.args[2]
-                );
-                if let Some(p) = &e.path {
-                    line.push_str(&format!(" path={}", p.display()));
-                }
-                if let Some(a) = &e.addr {
-                    line.push_str(&format!(" addr={a}"));
-                }
-                line.push('\n');
-                if let Err(err) = log.write_all(line.as_bytes()) {
-                    tracing::warn!("trace monitor: writing its log: {err}");
-                }
-                Verdict::Continue
+        if let Some(log) = &mut self.log {
+            let mut line = format!(
+                "{:.6} {} {}({:#x}, {:#x}, {:#x})",
+                now(),
+                e.box_pid.unwrap_or(e.pid),
+                e.syscall,
+                e.args[0],
+                e.args[1],
+                e.args[2]
+            );
+            if let Some(p) = &e.path {
+                line.push_str(&format!(" path={}", p.display()));
             }
-            Kind::Files {
+            if let Some(a) = &e.addr {
+                line.push_str(&format!(" addr={a}"));
+            }
+            line.push('\n');
+            if let Err(err) = log.write_all(line.as_bytes()) {
+                tracing::warn!("trace monitor: writing its log: {err}");
+            }
+            return Verdict::Continue;
+        }
+        if let Some((stream, broken)) = &mut self.socket {
+            if *broken {
+                return Verdict::Errno(libc::EPERM);
+            }
+            return match ask(stream, e) {
+                Ok(v) => v,
+                Err(why) => {
+                    tracing::warn!(
+                        "monitor {}: {why}; its calls are refused (EPERM) from now on",
+                        self.text
+                    );
+                    *broken = true;
+                    Verdict::Errno(libc::EPERM)
+                }
+            };
+        }
+        match &self.spec {
+            MonitorSpec::Files {
                 deny,
                 redirect,
                 errno,
@@ -205,7 +194,7 @@ impl Monitor {
                 }
                 Verdict::Continue
             }
-            Kind::Net { allow, errno } => match &e.addr {
+            MonitorSpec::Net { allow, errno } => match &e.addr {
                 Some(Address::Inet(a)) => {
                     let ok = allow.iter().any(|(net, bits, port)| {
                         in_network(a.ip(), *net, *bits) && port.is_none_or(|p| p == a.port())
@@ -218,22 +207,8 @@ impl Monitor {
                 }
                 _ => Verdict::Continue,
             },
-            Kind::Socket { stream, broken } => {
-                if *broken {
-                    return Verdict::Errno(libc::EPERM);
-                }
-                match ask(stream, e) {
-                    Ok(v) => v,
-                    Err(why) => {
-                        tracing::warn!(
-                            "monitor {}: {why}; its calls are refused (EPERM) from now on",
-                            self.spec
-                        );
-                        *broken = true;
-                        Verdict::Errno(libc::EPERM)
-                    }
-                }
-            }
+            // null (and trace and socket, handled above).
+            _ => Verdict::Continue,
         }
     }
 }

@@ -164,42 +164,65 @@ pub fn respond_with_fd(
     ioctl(listener, ADDFD, &mut a)
 }
 
+/// `CMSG_SPACE(sizeof(int))` on x86-64: room for one fd.
+const SPACE: usize = 24;
+
+/// A one-byte message with room for one fd of control data, the buffers it
+/// points at owned with it (so the pointers stay valid while it lives).
+#[repr(C)]
+struct OneFdMessage {
+    msg: libc::msghdr,
+    iov: libc::iovec,
+    byte: [u8; 1],
+    control: Control,
+}
+
+#[repr(C, align(8))]
+struct Control([u8; SPACE]);
+
+impl OneFdMessage {
+    /// Boxed, so that the pointers set here stay valid when it moves.
+    fn new(byte: u8) -> Box<OneFdMessage> {
+        let mut m = Box::new(OneFdMessage {
+            // SAFETY: all-zero is a valid msghdr and iovec.
+            msg: unsafe { std::mem::zeroed() },
+            // SAFETY: as above.
+            iov: unsafe { std::mem::zeroed() },
+            byte: [byte],
+            control: Control([0; SPACE]),
+        });
+        m.iov.iov_base = m.byte.as_mut_ptr().cast();
+        m.iov.iov_len = 1;
+        m.msg.msg_iov = &mut m.iov;
+        m.msg.msg_iovlen = 1;
+        m.msg.msg_control = m.control.0.as_mut_ptr().cast();
+        m.msg.msg_controllen = SPACE;
+        m
+    }
+}
+
 /// Send `fd` over the Unix socket `sock` (`SCM_RIGHTS`, one byte of data),
 /// with `cookie` in the unused arguments 3 and 4 of `sendmsg` (see
-/// `nestbox_seccomp::monitor_profile`). Does not allocate: may be called
-/// between `fork` and `exec`.
+/// `nestbox_seccomp::monitor_profile`). Called between `fork` and `exec` of
+/// a single-threaded process (it allocates once).
 pub fn send_listener(sock: RawFd, fd: RawFd, cookie: [u64; 2]) -> Result<()> {
-    const SPACE: usize = 24; // CMSG_SPACE(sizeof(int)) on x86-64
-    #[repr(C, align(8))]
-    struct Control([u8; SPACE]);
-    let mut control = Control([0; SPACE]);
-    let mut byte = [b'L'];
-    let mut iov = libc::iovec {
-        iov_base: byte.as_mut_ptr().cast(),
-        iov_len: 1,
-    };
-    // SAFETY: all-zero is a valid msghdr.
-    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
-    msg.msg_iov = &mut iov;
-    msg.msg_iovlen = 1;
-    msg.msg_control = control.0.as_mut_ptr().cast();
-    msg.msg_controllen = SPACE;
+    let mut m = OneFdMessage::new(b'L');
     // SAFETY: msg_control points at SPACE bytes, room for one header and one
     // int; CMSG_FIRSTHDR returns a pointer into it.
     unsafe {
-        let c = libc::CMSG_FIRSTHDR(&msg);
+        let c = libc::CMSG_FIRSTHDR(&m.msg);
         (*c).cmsg_level = libc::SOL_SOCKET;
         (*c).cmsg_type = libc::SCM_RIGHTS;
         (*c).cmsg_len = libc::CMSG_LEN(std::mem::size_of::<i32>() as u32) as usize;
         std::ptr::write_unaligned(libc::CMSG_DATA(c).cast::<i32>(), fd);
     }
-    // SAFETY: msg and everything it points at live for the call; the kernel
-    // reads them only. Arguments 3 and 4 are ignored by sendmsg.
+    // SAFETY: the message and everything it points at live for the call; the
+    // kernel reads them only. Arguments 3 and 4 are ignored by sendmsg.
     let rc = unsafe {
         libc::syscall(
             libc::SYS_sendmsg,
             sock,
-            std::ptr::addr_of!(msg),
+            std::ptr::addr_of_mut!(m.msg),
             libc::MSG_NOSIGNAL,
             cookie[0],
             cookie[1],
@@ -212,25 +235,12 @@ pub fn send_listener(sock: RawFd, fd: RawFd, cookie: [u64; 2]) -> Result<()> {
 /// Receive the fd [`send_listener`] sent on `sock`; `None` at end of file
 /// (the sender closed the socket without sending: it failed before).
 pub fn receive_listener(sock: BorrowedFd<'_>) -> Result<Option<OwnedFd>> {
-    const SPACE: usize = 24;
-    #[repr(C, align(8))]
-    struct Control([u8; SPACE]);
-    let mut control = Control([0; SPACE]);
-    let mut byte = [0u8; 1];
-    let mut iov = libc::iovec {
-        iov_base: byte.as_mut_ptr().cast(),
-        iov_len: 1,
-    };
-    // SAFETY: all-zero is a valid msghdr.
-    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
-    msg.msg_iov = &mut iov;
-    msg.msg_iovlen = 1;
-    msg.msg_control = control.0.as_mut_ptr().cast();
-    msg.msg_controllen = SPACE;
+    let mut m = OneFdMessage::new(0);
+    let msg = &mut m.msg;
     let n = loop {
         // SAFETY: as in send_listener; the kernel writes at most SPACE bytes of
         // control data and one byte of data into our buffers.
-        let rc = unsafe { libc::recvmsg(sock.as_raw_fd(), &mut msg, libc::MSG_CMSG_CLOEXEC) };
+        let rc = unsafe { libc::recvmsg(sock.as_raw_fd(), &mut *msg, libc::MSG_CMSG_CLOEXEC) };
         match Errno::result(rc) {
             Err(Errno::EINTR) => continue,
             r => break r?,
@@ -242,7 +252,7 @@ pub fn receive_listener(sock: BorrowedFd<'_>) -> Result<Option<OwnedFd>> {
     // SAFETY: the kernel filled msg_control (msg_controllen says how much);
     // CMSG_FIRSTHDR returns null when there is no header.
     unsafe {
-        let c = libc::CMSG_FIRSTHDR(&msg);
+        let c = libc::CMSG_FIRSTHDR(&*msg);
         if c.is_null() || (*c).cmsg_level != libc::SOL_SOCKET || (*c).cmsg_type != libc::SCM_RIGHTS
         {
             return Err(Errno::EBADMSG);
