@@ -61,6 +61,9 @@ pub fn create(root: &Root, opts: &CreateOpts) -> Result<Record> {
         return Err(OciError::Exists(opts.id.clone()));
     }
     let plan = config::load(&opts.bundle)?;
+    if let Some(template) = crate::clone::template_of(&plan) {
+        return crate::clone::create(root, opts, &plan, template);
+    }
     match (plan.process.terminal, &opts.console_socket) {
         (true, None) => {
             return Err(OciError::Usage(
@@ -219,6 +222,7 @@ fn build(root: &Root, opts: &CreateOpts, plan: &Plan, made: &mut Made) -> Result
             create_container: Vec::new(),
             ..plan.hooks.clone()
         },
+        clone: None,
     };
     // The validation suite of the runtime spec expects "created" here.
     let creating = state_text(&rec, "created");
@@ -233,7 +237,7 @@ fn build(root: &Root, opts: &CreateOpts, plan: &Plan, made: &mut Made) -> Result
 }
 
 /// The state JSON with `status` overridden, for hooks.
-fn state_text(rec: &Record, status: &str) -> String {
+pub(crate) fn state_text(rec: &Record, status: &str) -> String {
     let mut v = state::state_json(rec, Status::Created);
     v["status"] = serde_json::Value::from(status);
     if status == "stopped" {
@@ -331,6 +335,15 @@ pub fn start(root: &Root, id: &str) -> Result<()> {
         &rec.hooks.start_container,
         &state_text(&rec, "created"),
     )?;
+    if let Some(link) = &rec.clone {
+        crate::clone::start(root, &rec, link)?;
+        hooks::run_warning(
+            "poststart",
+            &rec.hooks.poststart,
+            &state_text(&rec, "running"),
+        );
+        return Ok(());
+    }
     let fifo_path = root.fifo(id);
     // Write-only and non-blocking: refused (ENXIO) when no process holds
     // the fifo any more, i.e. the container's process is gone.

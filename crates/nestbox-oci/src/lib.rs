@@ -13,9 +13,12 @@
 //! nestbox-isolation), sets credentials, capabilities and seccomp
 //! (nestbox-seccomp), reports ready and waits on the `exec.fifo` → [`create`]
 //! runs the hooks and records the container in [`state`]. `start` opens the
-//! fifo and the process execs the program.
+//! fifo and the process execs the program. A config annotated
+//! `nestbox.template=NAME` is forked from a nestbox template instead
+//! ([`clone`]).
 
 pub mod child;
+pub mod clone;
 pub mod config;
 pub mod console;
 pub mod create;

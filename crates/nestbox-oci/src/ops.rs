@@ -59,7 +59,9 @@ pub fn kill(root: &Root, id: &str, signal: i32, all: bool) -> Result<()> {
         }
         return Ok(());
     }
-    send(rec.pid).map_err(|e| OciError::sys(format!("kill container {id:?}"), e))
+    // A clone: its process, not the monitor the caller waits on.
+    let target = rec.clone.as_ref().map_or(rec.pid, |c| c.process);
+    send(target).map_err(|e| OciError::sys(format!("kill container {id:?}"), e))
 }
 
 /// Delete container `id`: refused unless it is stopped, or `force` (which
@@ -85,6 +87,10 @@ pub fn delete(root: &Root, id: &str, force: bool) -> Result<()> {
 
 /// Kill every process of the container and wait until its process is gone.
 fn stop_now(rec: &Record) -> Result<()> {
+    if let Some(link) = &rec.clone {
+        // The box goes with everything in it; its monitor then exits.
+        return crate::clone::remove(link);
+    }
     if let Some(cg) = &rec.cgroup {
         cg.kill_all()?;
     } else {
@@ -105,7 +111,9 @@ fn stop_now(rec: &Record) -> Result<()> {
 }
 
 fn remove(root: &Root, rec: &Record) -> Result<()> {
-    if let Some(cg) = &rec.cgroup {
+    if let Some(link) = &rec.clone {
+        crate::clone::remove(link)?;
+    } else if let Some(cg) = &rec.cgroup {
         cg.kill_all()?;
         cg.remove()?;
     }
@@ -273,9 +281,11 @@ pub fn exec(root: &Root, id: &str, opts: &ExecOpts) -> Result<i32> {
         Some(path) => Some(crate::console::connect(path)?),
         None => None,
     };
-    let handles = nestbox_isolation::namespaces::NamespaceHandles::open(Pid::from_raw(rec.pid))?;
-    let pid_ns = std::fs::File::open(format!("/proc/{}/ns/pid", rec.pid))
-        .map_err(|e| OciError::io("open namespace", format!("/proc/{}/ns/pid", rec.pid), e))?;
+    // A clone's namespaces are its process's (its record's pid is its monitor).
+    let target = rec.clone.as_ref().map_or(rec.pid, |c| c.process);
+    let handles = nestbox_isolation::namespaces::NamespaceHandles::open(Pid::from_raw(target))?;
+    let pid_ns = std::fs::File::open(format!("/proc/{target}/ns/pid"))
+        .map_err(|e| OciError::io("open namespace", format!("/proc/{target}/ns/pid"), e))?;
     // Joining the pid namespace changes only where children are born.
     nestbox_sys::ns::enter(pid_ns.as_fd(), Namespace::Pid)
         .map_err(|e| OciError::sys(format!("setns(pid) of container {id:?}"), e))?;

@@ -1,0 +1,249 @@
+//! Containers forked from a nestbox template: a config whose annotation
+//! `nestbox.template=NAME` makes `create` fork the container from template
+//! NAME (the library code of `nestbox clone`) instead of starting it cold.
+//!
+//! **Who waits on what.** An OCI caller (conmon, the containerd shim) is a
+//! subreaper: it reads the pid `create` reports and collects that process's
+//! exit status when it is re-parented to the caller. A nestbox clone is a box
+//! whose processes are children of its *monitor* (through the box's init),
+//! and the monitor exits with the clone's status (128 + N when killed by
+//! signal N) once the clone has ended and the box is cleaned up. So
+//! `create` forks the clone's shell with its monitor as a child of
+//! `nestbox-runc` itself ([`CloneRequest::fork_now`]: never a pooled clone,
+//! whose monitor belongs to nobody), and reports the **monitor's** pid: when
+//! `create` exits, the monitor is adopted by the caller, which then reaps it
+//! and reads the container's exit status from it, as it reads it from runc's
+//! init. The clone's own process (the template's continued state) is recorded
+//! beside it: `kill` signals it, `exec` joins its namespaces, and `ps`,
+//! `pause`, `resume`, `update` and `events` act on the box's cgroup.
+//!
+//! **Created, then started.** The clone is forked with `SIGSTOP` delivered
+//! as it is let go, so it runs nothing of its own between `create` and
+//! `start`; `start` wakes its processes with `SIGCONT` (children first).
+//!
+//! `delete` removes the box as `nestbox rm -f` does (cgroup, writable layer,
+//! record). The box lives in the nestbox root given by the annotation
+//! `nestbox.root=DIR` (else `NESTBOX_ROOT`, else the system root), the root
+//! the template is in.
+
+use std::path::{Path, PathBuf};
+
+use nestbox_runtime::clone::CloneRequest;
+use nestbox_runtime::paths::Roots;
+use nestbox_runtime::registry::Registry;
+use serde::{Deserialize, Serialize};
+
+use crate::config::Plan;
+use crate::create::CreateOpts;
+use crate::state::{self, Record, Root, Status};
+use crate::{hooks, OciError, Result};
+
+/// The annotation naming the template a container is forked from.
+pub const TEMPLATE_ANNOTATION: &str = "nestbox.template";
+/// The annotation naming the nestbox root the template is in.
+pub const ROOT_ANNOTATION: &str = "nestbox.root";
+
+/// What a container forked from a template is, beside its record.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct CloneLink {
+    /// The nestbox root's runtime state directory.
+    pub run: PathBuf,
+    /// The nestbox root's persistent data directory.
+    pub lib: PathBuf,
+    /// The template.
+    pub template: String,
+    /// The clone's box name in that root.
+    pub name: String,
+    /// Host pid of the clone's process (the template's process continued).
+    pub process: i32,
+    /// Its start time, to tell a reused pid.
+    pub process_start: u64,
+    /// Host pids of its other processes (a template with a process tree).
+    #[serde(default)]
+    pub others: Vec<i32>,
+}
+
+impl CloneLink {
+    fn registry(&self) -> Registry {
+        Registry::new(Roots {
+            run: self.run.clone(),
+            lib: self.lib.clone(),
+        })
+    }
+
+    /// Whether the clone's process still runs.
+    pub fn alive(&self) -> bool {
+        state::alive(self.process, self.process_start)
+    }
+}
+
+/// The template a config asks to be forked from, if any.
+pub fn template_of(plan: &Plan) -> Option<&str> {
+    plan.annotations
+        .get(TEMPLATE_ANNOTATION)
+        .map(String::as_str)
+}
+
+fn nestbox_error(what: String) -> impl FnOnce(nestbox_runtime::RuntimeError) -> OciError {
+    move |source| OciError::Nestbox {
+        what,
+        source: Box::new(source),
+    }
+}
+
+/// Create container `opts.id` by forking template `template`: on success it
+/// is `created`, its processes stopped until `start`; on failure nothing of
+/// it is left (no record, no box).
+pub fn create(root: &Root, opts: &CreateOpts, plan: &Plan, template: &str) -> Result<Record> {
+    if template.is_empty() {
+        return Err(OciError::Unsupported(format!(
+            "annotation {TEMPLATE_ANNOTATION} must name a template"
+        )));
+    }
+    if plan.process.terminal || opts.console_socket.is_some() {
+        return Err(OciError::Unsupported(format!(
+            "process.terminal: a container forked from a template ({TEMPLATE_ANNOTATION}) keeps its template's standard streams"
+        )));
+    }
+    if plan.process.is_none() {
+        return Err(OciError::Unsupported(format!(
+            "a container forked from a template ({TEMPLATE_ANNOTATION}) needs a process section (its process is the template's)"
+        )));
+    }
+    let roots = Roots::resolve(plan.annotations.get(ROOT_ANNOTATION).map(Path::new));
+    let reg = Registry::new(roots.clone());
+    let dir = root.reserve(&opts.id)?;
+    let name = crate::create::cgroup_id(root, &opts.id);
+    let mut undo = Undo {
+        dir: Some(dir),
+        reg: None,
+        name: name.clone(),
+    };
+    let req = CloneRequest {
+        names: vec![name.clone()],
+        count: 1,
+        // The config's limits when it gives any, else the template's.
+        limits: (plan.limits != nestbox_cgroup::Limits::default()).then(|| plan.limits.clone()),
+        on_clone_signal: Some(nix::sys::signal::Signal::SIGSTOP),
+        fork_now: true,
+        ..CloneRequest::default()
+    };
+    undo.reg = Some(reg.clone());
+    let made = nestbox_runtime::clone::clone_template(&reg, template, &req)
+        .map_err(nestbox_error(format!("{TEMPLATE_ANNOTATION} {template:?}")))?;
+    let cloned = made.into_iter().next().ok_or_else(|| OciError::Setup {
+        id: opts.id.clone(),
+        message: "the template made no clone".into(),
+    })?;
+    let boxed = reg
+        .load(&name)
+        .map_err(nestbox_error(format!("clone {name:?}")))?;
+    let gone = || OciError::Setup {
+        id: opts.id.clone(),
+        message: "the clone ended as soon as it was forked".into(),
+    };
+    let monitor = boxed.state.monitor.ok_or_else(gone)?;
+    let (_, process_start) = state::proc_stat(cloned.pid).ok_or_else(gone)?;
+    let link = CloneLink {
+        run: roots.run.clone(),
+        lib: roots.lib.clone(),
+        template: template.to_string(),
+        name: name.clone(),
+        process: cloned.pid,
+        process_start,
+        others: cloned.others.clone(),
+    };
+    let rec = Record {
+        id: opts.id.clone(),
+        pid: monitor.pid,
+        start_time: monitor.start_time,
+        bundle: plan.bundle.clone(),
+        rootfs: plan.rootfs.clone(),
+        created: state::now_rfc3339(),
+        annotations: plan.annotations.clone(),
+        cgroup: boxed.state.cgroup.clone(),
+        no_process: false,
+        hooks: hooks::Hooks {
+            prestart: Vec::new(),
+            create_runtime: Vec::new(),
+            create_container: Vec::new(),
+            ..plan.hooks.clone()
+        },
+        clone: Some(link),
+    };
+    let marker = root.clone_created_marker(&opts.id);
+    std::fs::write(&marker, b"").map_err(|e| OciError::io("write", &marker, e))?;
+    let creating = crate::create::state_text(&rec, "created");
+    hooks::run("prestart", &plan.hooks.prestart, &creating)?;
+    hooks::run("createRuntime", &plan.hooks.create_runtime, &creating)?;
+    hooks::run("createContainer", &plan.hooks.create_container, &creating)?;
+    root.save(&rec)?;
+    if let Some(p) = &opts.pid_file {
+        crate::create::write_pid_file(p, rec.pid)?;
+    }
+    undo.forget();
+    Ok(rec)
+}
+
+/// What a failed clone `create` must undo: the box, then the record's directory.
+struct Undo {
+    dir: Option<PathBuf>,
+    reg: Option<Registry>,
+    name: String,
+}
+
+impl Undo {
+    fn forget(&mut self) {
+        self.dir = None;
+        self.reg = None;
+    }
+}
+
+impl Drop for Undo {
+    fn drop(&mut self) {
+        if let Some(reg) = self.reg.take() {
+            // A failed clone_template removes its own shell: then there is no box.
+            if reg.load(&self.name).is_ok() {
+                if let Err(e) = nestbox_runtime::ops::remove(&reg, &self.name, true) {
+                    tracing::warn!("removing the clone of a failed create: {e}");
+                }
+            }
+        }
+        if let Some(dir) = self.dir.take() {
+            if let Err(e) = std::fs::remove_dir_all(&dir) {
+                tracing::warn!("removing {}: {e}", dir.display());
+            }
+        }
+    }
+}
+
+/// `start` of a clone: its processes go on (children first, so a parent
+/// wakes to a complete tree).
+pub fn start(root: &Root, rec: &Record, link: &CloneLink) -> Result<()> {
+    let marker = root.clone_created_marker(&rec.id);
+    std::fs::remove_file(&marker).map_err(|e| OciError::io("remove", &marker, e))?;
+    for pid in link.others.iter().rev().chain([&link.process]) {
+        // A process of the tree that has exited meanwhile needs no waking.
+        let _ = nestbox_sys::process::tgkill(*pid, *pid, libc::SIGCONT);
+    }
+    if !link.alive() {
+        return Err(crate::create::wrong(
+            &rec.id,
+            Status::Stopped,
+            "its process exited before start",
+        ));
+    }
+    Ok(())
+}
+
+/// Remove the clone's box (killing what still runs in it), as `nestbox rm -f`.
+pub fn remove(link: &CloneLink) -> Result<()> {
+    let reg = link.registry();
+    match nestbox_runtime::ops::remove(&reg, &link.name, true) {
+        Ok(()) | Err(nestbox_runtime::RuntimeError::NoSuchBox(_)) => Ok(()),
+        Err(e) => Err(OciError::Nestbox {
+            what: format!("clone {:?}", link.name),
+            source: Box::new(e),
+        }),
+    }
+}

@@ -1,0 +1,292 @@
+//! Containers forked from a nestbox template through the annotation
+//! `nestbox.template`: nestbox-runc `create` forks the container from a
+//! frozen box whose process counts in a shell variable, and the container's
+//! process goes on counting from the template's number (the template's
+//! continued state), stopped until `start`. The test process is a subreaper,
+//! as conmon and the containerd shim are, and collects the container's exit
+//! status from the pid `create` reported.
+//!
+//! The template is made with the `nestbox` binary built next to
+//! `nestbox-runc` (`cargo build -p nestbox`); its nestbox root is private to
+//! the test and removed with everything in it.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use common::{ready, Env, Out, StdoutJson};
+use serde_json::json;
+
+/// The `nestbox` binary next to the `nestbox-runc` under test.
+fn nestbox_bin() -> PathBuf {
+    Path::new(common::RUNC).with_file_name("nestbox")
+}
+
+/// A private nestbox root holding one template, removed on drop.
+struct Template {
+    dir: tempfile::TempDir,
+}
+
+impl Template {
+    fn root(&self) -> &str {
+        self.dir.path().to_str().unwrap()
+    }
+
+    fn nestbox(&self, args: &[&str]) -> Out {
+        let mut full = vec!["--root", self.root()];
+        full.extend_from_slice(args);
+        common::run(nestbox_bin().to_str().unwrap(), &full, None)
+    }
+
+    /// Box names of the root.
+    fn boxes(&self) -> Vec<String> {
+        let out = self.nestbox(&["ps", "--all", "--json"]).ok();
+        let v: serde_json::Value =
+            serde_json::from_str(&out.stdout).unwrap_or_else(|e| panic!("ls: {e}: {}", out.stdout));
+        v.as_array()
+            .unwrap()
+            .iter()
+            .map(|b| b["name"].as_str().unwrap().to_string())
+            .collect()
+    }
+}
+
+impl Drop for Template {
+    fn drop(&mut self) {
+        if let Ok(boxes) = std::panic::catch_unwind(|| self.boxes()) {
+            for b in boxes {
+                let _ = self.nestbox(&["rm", "-f", &b]);
+            }
+        }
+        let _ = self.nestbox(&["gc"]);
+    }
+}
+
+/// A frozen template named `tpl` whose process counts in shell variable `i`
+/// and writes each value to `/count`; its last value before the freeze.
+fn counting_template() -> (Template, u64) {
+    let t = Template {
+        dir: tempfile::Builder::new()
+            .prefix("nestbox-test-oci-clone-")
+            .tempdir()
+            .unwrap(),
+    };
+    t.nestbox(&[
+        "run",
+        "-d",
+        "--name",
+        "tpl",
+        "--network",
+        "none",
+        "--",
+        "sh",
+        "-c",
+        "i=0; while :; do i=$((i+1)); echo $i > /count.tmp; mv /count.tmp /count; sleep 0.01; done",
+    ])
+    .ok();
+    let pid = template_pid(&t);
+    let count = |pid: i64| read_count(pid);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while count(pid).unwrap_or(0) < 20 {
+        assert!(
+            Instant::now() < deadline,
+            "the template never counted to 20"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    t.nestbox(&["freeze", "tpl"]).ok();
+    let frozen = count(pid).expect("the template's count");
+    assert!(frozen >= 20);
+    (t, frozen)
+}
+
+/// Host pid of the template box's process.
+fn template_pid(t: &Template) -> i64 {
+    let v: serde_json::Value =
+        serde_json::from_str(&t.nestbox(&["ps", "--all", "--json"]).ok().stdout).unwrap();
+    let init = v
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|b| b["name"] == "tpl")
+        .and_then(|b| b["pid"].as_i64())
+        .unwrap_or_else(|| panic!("no init pid of tpl in {v}"));
+    // The command's pid: init's only child.
+    let children =
+        std::fs::read_to_string(format!("/proc/{init}/task/{init}/children")).unwrap_or_default();
+    children
+        .split_whitespace()
+        .next()
+        .unwrap_or_else(|| panic!("init {init} has no child"))
+        .parse()
+        .unwrap()
+}
+
+/// The number in `/count` of the root of process `pid`.
+fn read_count(pid: i64) -> Option<u64> {
+    std::fs::read_to_string(format!("/proc/{pid}/root/count"))
+        .ok()?
+        .trim()
+        .parse()
+        .ok()
+}
+
+/// The process state letter of `pid`.
+fn proc_state(pid: i64) -> char {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    stat.rfind(')')
+        .and_then(|i| stat[i + 2..].chars().next())
+        .unwrap_or('?')
+}
+
+/// Reap `pid` (re-parented to this subreaper) and give its exit code.
+fn reap(pid: i64) -> i32 {
+    use nix::sys::wait::{waitpid, WaitStatus};
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        match waitpid(
+            nix::unistd::Pid::from_raw(pid as i32),
+            Some(nix::sys::wait::WaitPidFlag::WNOHANG),
+        ) {
+            Ok(WaitStatus::Exited(_, code)) => return code,
+            Ok(WaitStatus::Signaled(_, sig, _)) => return 128 + sig as i32,
+            Ok(_) => {}
+            Err(e) => panic!("waitpid({pid}): {e} (not re-parented to the test's subreaper?)"),
+        }
+        assert!(Instant::now() < deadline, "{pid} never exited");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+#[test]
+fn clone_from_template_through_the_annotation() {
+    let test = "clone_from_template_through_the_annotation";
+    if !ready(test)
+        || !nestbox_testkit::require(
+            nestbox_bin().is_file(),
+            test,
+            "needs the nestbox binary next to nestbox-runc (cargo build -p nestbox)",
+        )
+    {
+        return;
+    }
+    // As conmon and the containerd shim are: orphans of the runtime come here.
+    nix::sys::prctl::set_child_subreaper(true).unwrap();
+    let (t, frozen) = counting_template();
+    let env = Env::new(&["sh"]);
+    env.edit(|c| {
+        c["annotations"] = json!({"nestbox.template": "tpl", "nestbox.root": t.root()});
+    });
+    let pid_file = env.tmp().join("pid");
+    let created = Instant::now();
+    env.runc(&[
+        "create",
+        "--bundle",
+        env.bundle.to_str().unwrap(),
+        "--pid-file",
+        pid_file.to_str().unwrap(),
+        "c1",
+    ])
+    .ok();
+    eprintln!("create from the template: {:?}", created.elapsed());
+    let s = env.state("c1");
+    assert_eq!(s["status"], "created", "{s}");
+    assert_eq!(s["annotations"]["nestbox.template"], "tpl");
+    let monitor = s["pid"].as_i64().unwrap();
+    assert_eq!(
+        std::fs::read_to_string(&pid_file).unwrap(),
+        monitor.to_string()
+    );
+    // The reported pid is the clone's monitor, now this subreaper's child.
+    let ppid = std::fs::read_to_string(format!("/proc/{monitor}/stat")).unwrap();
+    let ppid: i64 = ppid[ppid.rfind(')').unwrap() + 2..]
+        .split_whitespace()
+        .nth(1)
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert_eq!(
+        ppid,
+        i64::from(std::process::id() as i32),
+        "monitor's parent"
+    );
+    // The clone is a box of the template's root; its processes are the
+    // container's.
+    let boxes = t.boxes();
+    assert_eq!(boxes.len(), 2, "{boxes:?}");
+    let procs: Vec<i64> = env
+        .runc(&["ps", "--format", "json", "c1"])
+        .ok()
+        .json()
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| p.as_i64().unwrap())
+        .collect();
+    let process = *procs
+        .iter()
+        .find(|p| read_count(**p).is_some() && proc_state(**p) == 'T')
+        .unwrap_or_else(|| panic!("no stopped counting process among {procs:?}"));
+    // Created: stopped, the count where the template left it.
+    let before = read_count(process).unwrap();
+    assert!(
+        before >= frozen.saturating_sub(1) && before <= frozen,
+        "clone's count {before}, template's {frozen}"
+    );
+    std::thread::sleep(Duration::from_millis(100));
+    assert_eq!(read_count(process), Some(before), "counted before start");
+    env.runc(&["start", "c1"]).ok();
+    assert_eq!(env.state("c1")["status"], "running");
+    // Running: it goes on from the template's number (a cold start would
+    // begin at 1).
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while read_count(process).unwrap_or(0) < before + 5 {
+        assert!(Instant::now() < deadline, "the clone does not count");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let out = env.runc(&["exec", "c1", "cat", "/count"]).ok();
+    let seen: u64 = out.stdout.trim().parse().unwrap();
+    assert!(seen > before, "exec saw {seen}, start was {before}");
+    env.runc(&["start", "c1"]).fails_with("already running");
+    env.runc(&["delete", "c1"]).fails_with("not stopped");
+    // Pause and resume act on the clone's cgroup.
+    env.runc(&["pause", "c1"]).ok();
+    assert_eq!(env.state("c1")["status"], "paused");
+    env.runc(&["resume", "c1"]).ok();
+    // The template is untouched: still frozen at its number.
+    assert_eq!(read_count(template_pid(&t)), Some(frozen));
+    // SIGTERM to the container reaches the clone's process; the exit status
+    // comes back through the monitor the caller reaps.
+    env.runc(&["kill", "c1", "TERM"]).ok();
+    let code = reap(monitor);
+    assert_eq!(code, 128 + libc::SIGTERM, "exit status relayed");
+    env.wait_status("c1", "stopped");
+    env.runc(&["delete", "c1"]).ok();
+    env.runc(&["state", "c1"]).fails_with("does not exist");
+    assert_eq!(t.boxes(), vec!["tpl".to_string()], "clone box left");
+
+    // A second clone, killed while created and deleted by force.
+    env.runc(&["create", "--bundle", env.bundle.to_str().unwrap(), "c2"])
+        .ok();
+    let monitor = env.state("c2")["pid"].as_i64().unwrap();
+    env.runc(&["delete", "--force", "c2"]).ok();
+    assert_eq!(reap(monitor), 128 + libc::SIGKILL);
+    assert_eq!(t.boxes(), vec!["tpl".to_string()], "clone box left");
+
+    // Bad annotations: one line, nothing left.
+    env.edit(|c| c["annotations"]["nestbox.template"] = json!("nope"));
+    env.runc(&["create", "--bundle", env.bundle.to_str().unwrap(), "c3"])
+        .fails_with("nestbox.template \"nope\"");
+    env.edit(|c| c["annotations"]["nestbox.template"] = json!(""));
+    env.runc(&["create", "--bundle", env.bundle.to_str().unwrap(), "c3"])
+        .fails_with("must name a template");
+    env.edit(|c| {
+        c["annotations"]["nestbox.template"] = json!("tpl");
+        c["process"]["terminal"] = json!(true);
+    });
+    env.runc(&["create", "--bundle", env.bundle.to_str().unwrap(), "c3"])
+        .fails_with("keeps its template's standard streams");
+    env.runc(&["state", "c3"]).fails_with("does not exist");
+    assert_eq!(t.boxes(), vec!["tpl".to_string()], "box left");
+}
