@@ -87,7 +87,7 @@ pub fn template_of(plan: &Plan) -> Option<&str> {
 fn nestbox_error(what: String) -> impl FnOnce(nestbox_runtime::RuntimeError) -> OciError {
     move |source| OciError::Nestbox {
         what,
-        source: Box::new(source),
+        error: Box::new(source),
     }
 }
 
@@ -243,7 +243,7 @@ pub fn remove(link: &CloneLink) -> Result<()> {
         Ok(()) | Err(nestbox_runtime::RuntimeError::NoSuchBox(_)) => Ok(()),
         Err(e) => Err(OciError::Nestbox {
             what: format!("clone {:?}", link.name),
-            source: Box::new(e),
+            error: Box::new(e),
         }),
     }
 }

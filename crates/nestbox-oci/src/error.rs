@@ -95,12 +95,12 @@ pub enum OciError {
     #[error("linux.seccomp: {0}")]
     Seccomp(#[from] nestbox_seccomp::SeccompError),
     /// A nestbox operation (a clone from a template, its removal) failed.
-    #[error("{what}: {source}")]
+    #[error("{what}: {error}")]
     Nestbox {
         /// What it was about (the template, the clone).
         what: String,
         /// The nestbox error (boxed: it is large).
-        source: Box<nestbox_runtime::RuntimeError>,
+        error: Box<nestbox_runtime::RuntimeError>,
     },
     /// An isolation step failed.
     #[error("{0}")]

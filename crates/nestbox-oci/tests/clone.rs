@@ -12,125 +12,11 @@
 
 mod common;
 
-use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use common::{ready, Env, Out, StdoutJson};
+use common::template::{counting_template, nestbox_present, read_count, template_pid};
+use common::{ready, Env, StdoutJson};
 use serde_json::json;
-
-/// The `nestbox` binary next to the `nestbox-runc` under test.
-fn nestbox_bin() -> PathBuf {
-    Path::new(common::RUNC).with_file_name("nestbox")
-}
-
-/// A private nestbox root holding one template, removed on drop.
-struct Template {
-    dir: tempfile::TempDir,
-}
-
-impl Template {
-    fn root(&self) -> &str {
-        self.dir.path().to_str().unwrap()
-    }
-
-    fn nestbox(&self, args: &[&str]) -> Out {
-        let mut full = vec!["--root", self.root()];
-        full.extend_from_slice(args);
-        common::run(nestbox_bin().to_str().unwrap(), &full, None)
-    }
-
-    /// Box names of the root.
-    fn boxes(&self) -> Vec<String> {
-        let out = self.nestbox(&["ps", "--all", "--json"]).ok();
-        let v: serde_json::Value =
-            serde_json::from_str(&out.stdout).unwrap_or_else(|e| panic!("ls: {e}: {}", out.stdout));
-        v.as_array()
-            .unwrap()
-            .iter()
-            .map(|b| b["name"].as_str().unwrap().to_string())
-            .collect()
-    }
-}
-
-impl Drop for Template {
-    fn drop(&mut self) {
-        if let Ok(boxes) = std::panic::catch_unwind(|| self.boxes()) {
-            for b in boxes {
-                let _ = self.nestbox(&["rm", "-f", &b]);
-            }
-        }
-        let _ = self.nestbox(&["gc"]);
-    }
-}
-
-/// A frozen template named `tpl` whose process counts in shell variable `i`
-/// and writes each value to `/count`; its last value before the freeze.
-fn counting_template() -> (Template, u64) {
-    let t = Template {
-        dir: tempfile::Builder::new()
-            .prefix("nestbox-test-oci-clone-")
-            .tempdir()
-            .unwrap(),
-    };
-    t.nestbox(&[
-        "run",
-        "-d",
-        "--name",
-        "tpl",
-        "--network",
-        "none",
-        "--",
-        "sh",
-        "-c",
-        "i=0; while :; do i=$((i+1)); echo $i > /count.tmp; mv /count.tmp /count; sleep 0.01; done",
-    ])
-    .ok();
-    let pid = template_pid(&t);
-    let count = |pid: i64| read_count(pid);
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while count(pid).unwrap_or(0) < 20 {
-        assert!(
-            Instant::now() < deadline,
-            "the template never counted to 20"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    t.nestbox(&["freeze", "tpl"]).ok();
-    let frozen = count(pid).expect("the template's count");
-    assert!(frozen >= 20);
-    (t, frozen)
-}
-
-/// Host pid of the template box's process.
-fn template_pid(t: &Template) -> i64 {
-    let v: serde_json::Value =
-        serde_json::from_str(&t.nestbox(&["ps", "--all", "--json"]).ok().stdout).unwrap();
-    let init = v
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|b| b["name"] == "tpl")
-        .and_then(|b| b["pid"].as_i64())
-        .unwrap_or_else(|| panic!("no init pid of tpl in {v}"));
-    // The command's pid: init's only child.
-    let children =
-        std::fs::read_to_string(format!("/proc/{init}/task/{init}/children")).unwrap_or_default();
-    children
-        .split_whitespace()
-        .next()
-        .unwrap_or_else(|| panic!("init {init} has no child"))
-        .parse()
-        .unwrap()
-}
-
-/// The number in `/count` of the root of process `pid`.
-fn read_count(pid: i64) -> Option<u64> {
-    std::fs::read_to_string(format!("/proc/{pid}/root/count"))
-        .ok()?
-        .trim()
-        .parse()
-        .ok()
-}
 
 /// The process state letter of `pid`.
 fn proc_state(pid: i64) -> char {
@@ -162,13 +48,7 @@ fn reap(pid: i64) -> i32 {
 #[test]
 fn clone_from_template_through_the_annotation() {
     let test = "clone_from_template_through_the_annotation";
-    if !ready(test)
-        || !nestbox_testkit::require(
-            nestbox_bin().is_file(),
-            test,
-            "needs the nestbox binary next to nestbox-runc (cargo build -p nestbox)",
-        )
-    {
+    if !ready(test) || !nestbox_present(test) {
         return;
     }
     // As conmon and the containerd shim are: orphans of the runtime come here.
