@@ -9,7 +9,7 @@
 # and then, side by side (lib/oci-ready.py, alternating), a cold container
 # (busybox `sleep`) against one forked from a nestbox template through the
 # annotation nestbox.template (a frozen box of a private nestbox root whose
-# shell counts in a loop): how long `create` takes, and how long after it
+# Python process counts in a loop): how long `create` takes, and how long after it
 # returns the container's process runs its program (`start` returned, the
 # program exec'd / the clone no longer stopped).
 #
@@ -85,8 +85,16 @@ done
 # Cold against cloned: a template in a private nestbox root, and two
 # bundles on the same rootfs (the clone's process is the template's).
 log "template for the clone figure"
-"$NESTBOX" --root "$work/nestbox" run -d --name tpl --network none -- \
-    sh -c 'i=0; while :; do i=$((i+1)); echo $i > /count; sleep 0.01; done' >/dev/null
+"$NESTBOX" --root "$work/nestbox" run -d --name tpl --network none -- python3 -c '
+import os, time
+i = 0
+while True:
+    i += 1
+    with open("/count.tmp", "w") as f:
+        f.write(str(i))
+    os.rename("/count.tmp", "/count")
+    time.sleep(0.01)
+' >/dev/null
 sleep 0.5
 "$NESTBOX" --root "$work/nestbox" freeze tpl >/dev/null
 for b in cold clone; do

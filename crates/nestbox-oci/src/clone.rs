@@ -25,6 +25,12 @@
 //! record). The box lives in the nestbox root given by the annotation
 //! `nestbox.root=DIR` (else `NESTBOX_ROOT`, else the system root), the root
 //! the template is in.
+//!
+//! **Checkpoint and restore.** Such a container is a nestbox box, so
+//! `checkpoint` saves it with nestbox's own engine (`nestbox checkpoint -o`)
+//! and `restore` makes a new box from the image (`nestbox restore`), whose
+//! monitor is reported and reaped the same way. A cold container is a bare
+//! process tree, which the engine does not save: refused.
 
 use std::path::{Path, PathBuf};
 
@@ -50,7 +56,8 @@ pub struct CloneLink {
     pub run: PathBuf,
     /// The nestbox root's persistent data directory.
     pub lib: PathBuf,
-    /// The template.
+    /// The template (empty for a container restored from a checkpoint).
+    #[serde(default)]
     pub template: String,
     /// The clone's box name in that root.
     pub name: String,
@@ -91,6 +98,14 @@ fn nestbox_error(what: String) -> impl FnOnce(nestbox_runtime::RuntimeError) -> 
     }
 }
 
+/// The nestbox registry a config names (`nestbox.root`, else `NESTBOX_ROOT`,
+/// else the system root).
+fn registry_of(plan: &Plan) -> Registry {
+    Registry::new(Roots::resolve(
+        plan.annotations.get(ROOT_ANNOTATION).map(Path::new),
+    ))
+}
+
 /// Create container `opts.id` by forking template `template`: on success it
 /// is `created`, its processes stopped until `start`; on failure nothing of
 /// it is left (no record, no box).
@@ -110,8 +125,7 @@ pub fn create(root: &Root, opts: &CreateOpts, plan: &Plan, template: &str) -> Re
             "a container forked from a template ({TEMPLATE_ANNOTATION}) needs a process section (its process is the template's)"
         )));
     }
-    let roots = Roots::resolve(plan.annotations.get(ROOT_ANNOTATION).map(Path::new));
-    let reg = Registry::new(roots.clone());
+    let reg = registry_of(plan);
     let dir = root.reserve(&opts.id)?;
     let name = crate::create::cgroup_id(root, &opts.id);
     let mut undo = Undo {
@@ -135,23 +149,53 @@ pub fn create(root: &Root, opts: &CreateOpts, plan: &Plan, template: &str) -> Re
         id: opts.id.clone(),
         message: "the template made no clone".into(),
     })?;
+    let marker = root.clone_created_marker(&opts.id);
+    std::fs::write(&marker, b"").map_err(|e| OciError::io("write", &marker, e))?;
+    let rec = record(
+        root,
+        opts,
+        plan,
+        &reg,
+        template,
+        &name,
+        cloned.pid,
+        cloned.others.clone(),
+    )?;
+    undo.forget();
+    Ok(rec)
+}
+
+/// Record container `opts.id`, the box `name` of `reg` whose process is
+/// `process`: run the create-stage hooks, save the record and the pid file.
+#[allow(clippy::too_many_arguments)]
+fn record(
+    root: &Root,
+    opts: &CreateOpts,
+    plan: &Plan,
+    reg: &Registry,
+    template: &str,
+    name: &str,
+    process: i32,
+    others: Vec<i32>,
+) -> Result<Record> {
+    let roots = reg.roots();
     let boxed = reg
-        .load(&name)
+        .load(name)
         .map_err(nestbox_error(format!("clone {name:?}")))?;
     let gone = || OciError::Setup {
         id: opts.id.clone(),
         message: "the clone ended as soon as it was forked".into(),
     };
     let monitor = boxed.state.monitor.ok_or_else(gone)?;
-    let (_, process_start) = state::proc_stat(cloned.pid).ok_or_else(gone)?;
+    let (_, process_start) = state::proc_stat(process).ok_or_else(gone)?;
     let link = CloneLink {
         run: roots.run.clone(),
         lib: roots.lib.clone(),
         template: template.to_string(),
-        name: name.clone(),
-        process: cloned.pid,
+        name: name.to_string(),
+        process,
         process_start,
-        others: cloned.others.clone(),
+        others,
     };
     let rec = Record {
         id: opts.id.clone(),
@@ -171,8 +215,6 @@ pub fn create(root: &Root, opts: &CreateOpts, plan: &Plan, template: &str) -> Re
         },
         clone: Some(link),
     };
-    let marker = root.clone_created_marker(&opts.id);
-    std::fs::write(&marker, b"").map_err(|e| OciError::io("write", &marker, e))?;
     let creating = crate::create::state_text(&rec, "created");
     hooks::run("prestart", &plan.hooks.prestart, &creating)?;
     hooks::run("createRuntime", &plan.hooks.create_runtime, &creating)?;
@@ -181,7 +223,6 @@ pub fn create(root: &Root, opts: &CreateOpts, plan: &Plan, template: &str) -> Re
     if let Some(p) = &opts.pid_file {
         crate::create::write_pid_file(p, rec.pid)?;
     }
-    undo.forget();
     Ok(rec)
 }
 
@@ -246,4 +287,96 @@ pub fn remove(link: &CloneLink) -> Result<()> {
             error: Box::new(e),
         }),
     }
+}
+
+/// A checkpoint image directory as the OCI caller gives it: absolute; an
+/// empty directory (which podman makes) is taken as not there yet, since
+/// nestbox writes the image under a temporary name and renames it.
+fn image_dir(path: &Path) -> Result<PathBuf> {
+    let abs = std::path::absolute(path).map_err(|e| OciError::io("resolve", path, e))?;
+    Ok(abs)
+}
+
+/// `checkpoint ID`: save the container (a nestbox box: forked from a
+/// template or restored) to `image` with nestbox's checkpoint engine; it is
+/// stopped afterwards unless `leave_running`.
+pub fn checkpoint(root: &Root, id: &str, image: &Path, leave_running: bool) -> Result<()> {
+    let rec = root.load(id)?;
+    let link = rec.clone.as_ref().ok_or_else(|| {
+        OciError::Usage(format!(
+            "checkpoint: container {id:?} was started cold; nestbox-runc checkpoints containers that are nestbox boxes (forked from a template with {TEMPLATE_ANNOTATION}, or restored)"
+        ))
+    })?;
+    let status = root.status(&rec);
+    if status != Status::Running {
+        return Err(crate::create::wrong(
+            id,
+            status,
+            "only a running container can be checkpointed",
+        ));
+    }
+    let image = image_dir(image)?;
+    let emptied = match std::fs::read_dir(&image) {
+        Ok(mut entries) => {
+            if entries.next().is_some() {
+                return Err(OciError::Usage(format!(
+                    "checkpoint --image-path {}: the directory is not empty",
+                    image.display()
+                )));
+            }
+            std::fs::remove_dir(&image).map_err(|e| OciError::io("remove", &image, e))?;
+            true
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => false,
+        Err(e) => return Err(OciError::io("read", &image, e)),
+    };
+    let req = nestbox_runtime::checkpoint::CheckpointRequest {
+        name: None,
+        leave_running,
+        output: Some(image.clone()),
+    };
+    let saved = nestbox_runtime::checkpoint::checkpoint(&link.registry(), &link.name, &req);
+    if saved.is_err() && emptied {
+        // Put back the directory the caller made.
+        let _ = std::fs::create_dir(&image);
+    }
+    saved
+        .map(|_| ())
+        .map_err(nestbox_error(format!("checkpoint of container {id:?}")))
+}
+
+/// `restore ID`: a new container made from the checkpoint in `image` (of a
+/// container that was a nestbox box), running; its record and hooks are
+/// those of the bundle's config, its box in the root the config names.
+pub fn restore(root: &Root, opts: &CreateOpts, image: &Path) -> Result<Record> {
+    state::validate_id(&opts.id)?;
+    if root.container_dir(&opts.id).exists() {
+        return Err(OciError::Exists(opts.id.clone()));
+    }
+    let plan = crate::config::load(&opts.bundle)?;
+    if plan.process.terminal || opts.console_socket.is_some() {
+        return Err(OciError::Unsupported(
+            "process.terminal: a restored container keeps its checkpoint's standard streams".into(),
+        ));
+    }
+    let image = image_dir(image)?;
+    let reg = registry_of(&plan);
+    let dir = root.reserve(&opts.id)?;
+    let name = crate::create::cgroup_id(root, &opts.id);
+    let mut undo = Undo {
+        dir: Some(dir),
+        reg: Some(reg.clone()),
+        name: name.clone(),
+    };
+    let source = image.to_string_lossy().into_owned();
+    let restored = nestbox_runtime::checkpoint::restore(&reg, &source, Some(&name))
+        .map_err(nestbox_error(format!("restore of {}", image.display())))?;
+    let rec = record(root, opts, &plan, &reg, "", &name, restored.pid, Vec::new())?;
+    undo.forget();
+    hooks::run_warning(
+        "poststart",
+        &rec.hooks.poststart,
+        &crate::create::state_text(&rec, "running"),
+    );
+    Ok(rec)
 }

@@ -1,6 +1,6 @@
 //! A nestbox template for the tests of containers forked from one
 //! (`nestbox.template`): a private nestbox root (removed with every box in
-//! it) holding a frozen box whose process counts in a shell variable and
+//! it) holding a frozen box whose process (Python, from the host image) counts in a variable and
 //! writes each value to `/count`. It is made with the `nestbox` binary built
 //! next to `nestbox-runc` (`cargo build -p nestbox`).
 
@@ -56,8 +56,22 @@ impl Drop for Template {
     }
 }
 
-/// A frozen template named `tpl` whose process counts in shell variable `i`
-/// and writes each value to `/count`; its last value before the freeze.
+/// The template's program: it counts in a variable and writes each value to
+/// `/count` (renamed into place, so a reader never sees a partial number),
+/// 100 times a second. It forks nothing: a template's process tree is then
+/// one process, whatever the moment it is frozen.
+const COUNTER: &str = "import os, time
+i = 0
+while True:
+    i += 1
+    with open('/count.tmp', 'w') as f:
+        f.write(str(i))
+    os.rename('/count.tmp', '/count')
+    time.sleep(0.01)
+";
+
+/// A frozen template named `tpl` whose process counts in variable `i` and
+/// writes each value to `/count`; its last value before the freeze.
 pub fn counting_template() -> (Template, u64) {
     let t = Template {
         dir: tempfile::Builder::new()
@@ -73,9 +87,9 @@ pub fn counting_template() -> (Template, u64) {
         "--network",
         "none",
         "--",
-        "sh",
+        "python3",
         "-c",
-        "i=0; while :; do i=$((i+1)); echo $i > /count.tmp; mv /count.tmp /count; sleep 0.01; done",
+        COUNTER,
     ])
     .ok();
     let pid = template_pid(&t);
