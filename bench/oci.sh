@@ -15,7 +15,7 @@
 #
 # Env: N (runs per command, default 200), WARMUP (default 10),
 #      NESTBOX_RUNC (default target/release/nestbox-runc),
-#      NESTBOX (default target/release/nestbox), READY_N (default N),
+#      NESTBOX_BIN (default target/release/nestbox), READY_N (default N),
 #      RESULTS_DIR.
 # Writes: $RESULTS_DIR/oci-samples.csv, oci-summary.json,
 #         oci-ready-samples.csv, oci.md
@@ -26,7 +26,6 @@ source "$(dirname "${BASH_SOURCE[0]}")/lib/common.sh"
 N=${N:-200}
 WARMUP=${WARMUP:-10}
 NESTBOX_RUNC=${NESTBOX_RUNC:-$REPO_DIR/target/release/nestbox-runc}
-NESTBOX=${NESTBOX:-$REPO_DIR/target/release/nestbox}
 READY_N=${READY_N:-$N}
 require_root
 [[ -x $NESTBOX_RUNC ]] || die "nestbox-runc not found at $NESTBOX_RUNC (cargo build --release -p nestbox-oci)"

@@ -22,6 +22,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 
 
@@ -35,9 +36,14 @@ def percentile(values, p):
 
 
 def call(argv):
-    proc = subprocess.run(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    if proc.returncode != 0:
-        sys.exit(f"oci-ready: {' '.join(argv)}: exit {proc.returncode}: {proc.stderr.strip()}")
+    # stderr to a file, not a pipe: a created container keeps the runtime's
+    # stdio open after `create` returned.
+    with tempfile.TemporaryFile() as err:
+        proc = subprocess.run(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err)
+        if proc.returncode != 0:
+            err.seek(0)
+            text = err.read().decode(errors="replace").strip()
+            sys.exit(f"oci-ready: {' '.join(argv)}: exit {proc.returncode}: {text}")
 
 
 def proc_state(pid):

@@ -38,6 +38,8 @@ pub struct ChildFds {
     /// `exec.fifo`, opened read-write (which never blocks), read until
     /// `start` writes to it; `None` to exec at once (`exec`).
     pub fifo: Option<OwnedFd>,
+    /// `--preserve-fds N`: descriptors 3 to 3 + N - 1 reach the program.
+    pub preserve_fds: u32,
 }
 
 /// The namespaces made at `clone` time: the pid namespace (the process must
@@ -79,6 +81,7 @@ pub fn run(plan: &Plan, fds: ChildFds) -> ! {
             fds.fifo.as_ref(),
             plan.seccomp.as_ref(),
             Some(report),
+            fds.preserve_fds,
         )
     }) {
         Ok(never) => match never {},
@@ -334,13 +337,15 @@ fn cstring(s: &str) -> Result<CString> {
 /// Credentials, capabilities, `no_new_privs`, seccomp, then wait for `start`
 /// (when there is a fifo) and `execve`. `ready` (the report pipe) gets `0`
 /// once everything that can fail before the wait is done; a failure after
-/// that is printed on stderr and ends the process with 127.
+/// that is printed on stderr and ends the process with 127. Descriptors 3
+/// to 3 + `preserve_fds` - 1 are passed to the program; no other one is.
 pub fn exec_with(
     p: &ProcessPlan,
     program: &CString,
     fifo: Option<&OwnedFd>,
     seccomp: Option<&nestbox_seccomp::Program>,
     ready: Option<RawFd>,
+    preserve_fds: u32,
 ) -> Result<std::convert::Infallible> {
     let argv = p
         .args
@@ -352,10 +357,21 @@ pub fn exec_with(
         .iter()
         .map(|a| cstring(a))
         .collect::<Result<Vec<_>>>()?;
-    // Nothing the runtime had open may reach the program. Done first: a
-    // seccomp filter installed below may not allow close_range.
-    nestbox_sys::fd::set_cloexec_range(3, u32::MAX)
+    // Nothing the runtime had open may reach the program but the preserved
+    // descriptors (checked open when the runtime started, so none of its
+    // own is among them). Done first: a seccomp filter installed below may
+    // not allow close_range.
+    let first_closed = 3 + preserve_fds;
+    nestbox_sys::fd::set_cloexec_range(first_closed, u32::MAX)
         .map_err(|e| OciError::sys("mark descriptors close-on-exec", e))?;
+    for fd in 3..first_closed {
+        // The caller passed them open; they may be close-on-exec in it.
+        nix::fcntl::fcntl(
+            fd as RawFd,
+            nix::fcntl::FcntlArg::F_SETFD(nix::fcntl::FdFlag::empty()),
+        )
+        .map_err(|e| OciError::sys(format!("--preserve-fds: descriptor {fd}"), e))?;
+    }
     if let Some(adj) = p.oom_score_adj {
         let path = "/proc/self/oom_score_adj";
         std::fs::write(path, adj.to_string()).map_err(|e| OciError::io("write", path, e))?;

@@ -120,6 +120,11 @@ pub fn create(root: &Root, opts: &CreateOpts, plan: &Plan, template: &str) -> Re
             "process.terminal: a container forked from a template ({TEMPLATE_ANNOTATION}) keeps its template's standard streams"
         )));
     }
+    if opts.preserve_fds > 0 {
+        return Err(OciError::Usage(format!(
+            "--preserve-fds: a container forked from a template ({TEMPLATE_ANNOTATION}) keeps its template's descriptors"
+        )));
+    }
     if plan.process.is_none() {
         return Err(OciError::Unsupported(format!(
             "a container forked from a template ({TEMPLATE_ANNOTATION}) needs a process section (its process is the template's)"

@@ -31,6 +31,9 @@ pub struct CreateOpts {
     pub pid_file: Option<PathBuf>,
     /// Where to send the terminal's master.
     pub console_socket: Option<PathBuf>,
+    /// `--preserve-fds N`: the runtime's descriptors 3 to 3 + N - 1 are
+    /// passed to the container's program.
+    pub preserve_fds: u32,
 }
 
 /// The name of the container's cgroup: nestbox-cgroup ids are `[a-z0-9-]`,
@@ -185,6 +188,7 @@ fn build(root: &Root, opts: &CreateOpts, plan: &Plan, made: &mut Made) -> Result
                     report: rep_w,
                     console,
                     fifo: Some(fifo),
+                    preserve_fds: opts.preserve_fds,
                 },
             )
         }

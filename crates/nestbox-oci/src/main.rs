@@ -65,12 +65,13 @@ struct CreateArgs {
 
 impl CreateArgs {
     fn opts(self) -> anyhow::Result<CreateOpts> {
-        refuse_preserve_fds(self.preserve_fds)?;
+        check_preserved_fds(self.preserve_fds)?;
         Ok(CreateOpts {
             id: self.id,
             bundle: self.bundle,
             pid_file: self.pid_file,
             console_socket: self.console_socket,
+            preserve_fds: self.preserve_fds,
         })
     }
 }
@@ -356,9 +357,14 @@ fn parse_bytes(text: &str) -> anyhow::Result<i64> {
         .with_context(|| format!("invalid size {text:?}"))
 }
 
-fn refuse_preserve_fds(n: u32) -> anyhow::Result<()> {
-    if n > 0 {
-        bail!("--preserve-fds is not supported by nestbox-runc");
+/// `--preserve-fds N`: descriptors 3 to 3 + N - 1 must be open when the
+/// runtime starts (it has opened nothing yet), so that none of the runtime's
+/// own descriptors can take one of their numbers and reach the program.
+fn check_preserved_fds(n: u32) -> anyhow::Result<()> {
+    for fd in 3..3u32.saturating_add(n) {
+        if nix::fcntl::fcntl(fd as i32, nix::fcntl::FcntlArg::F_GETFD).is_err() {
+            bail!("--preserve-fds {n}: descriptor {fd} is not open");
+        }
     }
     Ok(())
 }
@@ -428,15 +434,12 @@ fn run(cli: Cli) -> anyhow::Result<i32> {
             cap,
             args,
         } => {
-            refuse_preserve_fds(preserve_fds)?;
+            check_preserved_fds(preserve_fds)?;
             if process_label.is_some_and(|l| !l.is_empty()) {
                 bail!("exec --process-label: SELinux is not supported");
             }
             if apparmor.is_some_and(|l| !l.is_empty()) {
                 bail!("exec --apparmor: AppArmor is not supported");
-            }
-            if !cap.is_empty() {
-                bail!("exec --cap is not supported: give the capabilities in --process");
             }
             let opts = ExecOpts {
                 process,
@@ -449,6 +452,8 @@ fn run(cli: Cli) -> anyhow::Result<i32> {
                 pid_file,
                 detach,
                 no_new_privs,
+                preserve_fds,
+                caps: cap,
             };
             Ok(ops::exec(&root, &id, &opts)?)
         }
@@ -625,6 +630,7 @@ fn run(cli: Cli) -> anyhow::Result<i32> {
                 bundle,
                 pid_file,
                 console_socket,
+                preserve_fds: 0,
             };
             let rec = nestbox_oci::clone::restore(&root, &opts, &image_path)?;
             if detach {

@@ -216,6 +216,11 @@ pub struct ExecOpts {
     pub detach: bool,
     /// Set no_new_privs.
     pub no_new_privs: bool,
+    /// `--preserve-fds N`: descriptors 3 to 3 + N - 1 reach the program.
+    pub preserve_fds: u32,
+    /// `--cap`: capabilities added to the bounding, effective and permitted
+    /// sets of the process (as runc does).
+    pub caps: Vec<String>,
 }
 
 /// Run a new process in container `id`; its exit code, or 0 when detached.
@@ -272,6 +277,29 @@ pub fn exec(root: &Root, id: &str, opts: &ExecOpts) -> Result<i32> {
         p.gid = num(g)?;
     }
     p.no_new_privileges |= opts.no_new_privs;
+    for name in &opts.caps {
+        let upper = name.to_ascii_uppercase();
+        let full = if upper.starts_with("CAP_") {
+            upper
+        } else {
+            format!("CAP_{upper}")
+        };
+        let cap: caps::Capability = full.parse().map_err(|_| {
+            OciError::Usage(format!(
+                "exec --cap {name}: not a capability this kernel interface knows"
+            ))
+        })?;
+        for set in [
+            &mut p.caps.bounding,
+            &mut p.caps.effective,
+            &mut p.caps.permitted,
+        ] {
+            if !set.contains(&cap) {
+                set.push(cap);
+                set.sort_by_key(|c| c.index());
+            }
+        }
+    }
     if p.terminal != opts.console_socket.is_some() {
         return Err(OciError::Usage(
             "a terminal (--tty or process.terminal) and --console-socket go together".into(),
@@ -302,7 +330,14 @@ pub fn exec(root: &Root, id: &str, opts: &ExecOpts) -> Result<i32> {
     let pid = match forked {
         nestbox_sys::process::Forked::Child => {
             drop(rep_r);
-            let err = match exec_child(&join_files, &handles, &p, &plan, console.as_ref()) {
+            let err = match exec_child(
+                &join_files,
+                &handles,
+                &p,
+                &plan,
+                console.as_ref(),
+                opts.preserve_fds,
+            ) {
                 Ok(never) => match never {},
                 Err(e) => e,
             };
@@ -346,6 +381,7 @@ fn exec_child(
     p: &config::ProcessPlan,
     plan: &config::Plan,
     console: Option<&std::os::unix::net::UnixStream>,
+    preserve_fds: u32,
 ) -> Result<std::convert::Infallible> {
     for file in join_files {
         std::fs::write(file, "0").map_err(|e| OciError::io("join cgroup", file, e))?;
@@ -360,7 +396,7 @@ fn exec_child(
         crate::console::attach(socket)?;
     }
     let program = child::find_program(p)?;
-    child::exec_with(p, &program, None, plan.seccomp.as_ref(), None)
+    child::exec_with(p, &program, None, plan.seccomp.as_ref(), None, preserve_fds)
 }
 
 /// Wait for `pid` (a child) and give its exit code as a shell would: the

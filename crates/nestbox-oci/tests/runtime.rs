@@ -697,3 +697,110 @@ fn update_changes_the_limits_of_a_running_container() {
         .fails_with("cannot update a stopped container");
     env.runc(&["delete", "u1"]).ok();
 }
+
+/// Run nestbox-runc with `--root` of `env` and `args`, its descriptor 3
+/// appending to `out3` and its descriptor 4 reading `in4` (set up by a shell
+/// that then execs the runtime, as a caller passing descriptors would).
+fn runc_with_fds(env: &Env, out3: &Path, in4: &Path, args: &[&str]) -> common::Out {
+    let mut full = vec![
+        "-c",
+        "exec 3>>\"$1\" 4<\"$2\"; shift 2; exec \"$@\"",
+        "sh",
+        out3.to_str().unwrap(),
+        in4.to_str().unwrap(),
+        common::RUNC,
+        "--root",
+        env.root.to_str().unwrap(),
+    ];
+    full.extend_from_slice(args);
+    common::run("sh", &full, Some(&env.bundle))
+}
+
+#[test]
+fn preserve_fds_and_exec_cap() {
+    if !ready("preserve_fds_and_exec_cap") {
+        return;
+    }
+    // The program writes to descriptor 3, reads descriptor 4, and names any
+    // descriptor from 5 to 9 it has (none may leak).
+    let env = Env::new(&[
+        "sh",
+        "-c",
+        "echo through-3 >&3; cat <&4; for i in 3 4 5 6 7 8 9; do [ -e /proc/$$/fd/$i ] && echo has-$i; done; true",
+    ]);
+    let out3 = env.tmp().join("out3");
+    let in4 = env.tmp().join("in4");
+    std::fs::write(&in4, "from-4\n").unwrap();
+    let bundle = env.bundle.to_str().unwrap().to_string();
+    let out = runc_with_fds(
+        &env,
+        &out3,
+        &in4,
+        &["run", "--preserve-fds", "2", "--bundle", &bundle, "p1"],
+    )
+    .ok();
+    assert_eq!(out.stdout, "from-4\nhas-3\nhas-4\n", "{out}");
+    assert_eq!(std::fs::read_to_string(&out3).unwrap(), "through-3\n");
+    // Without --preserve-fds the runtime's descriptors stay out.
+    let out = runc_with_fds(&env, &out3, &in4, &["run", "--bundle", &bundle, "p2"]);
+    assert!(!out.stdout.contains("has-"), "{out}");
+    assert!(!out.stdout.contains("from-4"), "{out}");
+    assert_eq!(std::fs::read_to_string(&out3).unwrap(), "through-3\n");
+    // More than are open: refused before anything is made.
+    runc_with_fds(
+        &env,
+        &out3,
+        &in4,
+        &["run", "--preserve-fds", "3", "--bundle", &bundle, "p3"],
+    )
+    .fails_with("--preserve-fds 3: descriptor 5 is not open");
+    env.runc(&["state", "p3"]).fails_with("does not exist");
+
+    // exec --preserve-fds and --cap in a running container.
+    env.edit(|c| c["process"]["args"] = json!(["sleep", "1000"]));
+    env.runc(&["run", "-d", "--bundle", &bundle, "e1"]).ok();
+    runc_with_fds(
+        &env,
+        &out3,
+        &in4,
+        &[
+            "exec",
+            "--preserve-fds",
+            "1",
+            "e1",
+            "sh",
+            "-c",
+            "echo via-exec >&3; [ -e /proc/$$/fd/4 ] && echo has-4; true",
+        ],
+    )
+    .ok();
+    assert_eq!(
+        std::fs::read_to_string(&out3).unwrap(),
+        "through-3\nvia-exec\n"
+    );
+    let caps = |extra: &[&str]| -> (u64, u64, u64) {
+        let mut args = vec!["exec"];
+        args.extend_from_slice(extra);
+        args.extend_from_slice(&["e1", "cat", "/proc/self/status"]);
+        let out = env.runc(&args).ok();
+        let field = |k: &str| {
+            let v = out
+                .stdout
+                .lines()
+                .find_map(|l| l.strip_prefix(k))
+                .unwrap_or_else(|| panic!("no {k} in {out}"));
+            u64::from_str_radix(v.trim(), 16).unwrap()
+        };
+        (field("CapBnd:"), field("CapEff:"), field("CapPrm:"))
+    };
+    let sys_admin = 1u64 << 21;
+    let net_admin = 1u64 << 12;
+    let (bnd, eff, prm) = caps(&[]);
+    assert_eq!((bnd | eff | prm) & (sys_admin | net_admin), 0);
+    let (bnd2, eff2, prm2) = caps(&["--cap", "CAP_SYS_ADMIN", "--cap", "net_admin"]);
+    for (before, after) in [(bnd, bnd2), (eff, eff2), (prm, prm2)] {
+        assert_eq!(after, before | sys_admin | net_admin);
+    }
+    env.runc(&["exec", "--cap", "CAP_NOPE", "e1", "true"])
+        .fails_with("exec --cap CAP_NOPE");
+}
