@@ -139,6 +139,10 @@ fn build(root: &Root, opts: &CreateOpts, plan: &Plan, made: &mut Made) -> Result
     };
     let cg = pending.create()?;
     made.cgroup = Some(cg.clone());
+    if let Some(rules) = &plan.device_rules {
+        // Before the process joins the cgroup: it opens no device unchecked.
+        cg.set_device_rules(&crate::resources::full_device_rules(rules, &plan.devices))?;
+    }
     let fifo_path = root.fifo(&opts.id);
     nestbox_sys::node::make_node(&fifo_path, nestbox_sys::node::NodeKind::Fifo, 0o622, 0, 0)
         .map_err(|e| OciError::sys(format!("mkfifo {}", fifo_path.display()), e))?;

@@ -804,3 +804,55 @@ fn preserve_fds_and_exec_cap() {
     env.runc(&["exec", "--cap", "CAP_NOPE", "e1", "true"])
         .fails_with("exec --cap CAP_NOPE");
 }
+
+#[test]
+fn device_cgroup_rules_of_the_config_are_enforced() {
+    if !ready("device_cgroup_rules_of_the_config_are_enforced") {
+        return;
+    }
+    // /dev/net/tun (c 10:200) is made inside (in the /dev tmpfs) with mknod (allowed: `m` of
+    // every device), then opened: the device cgroup decides. Opened, tun
+    // answers a read with EBADFD ("File descriptor in bad state").
+    let script = "busybox mknod /dev/tun c 10 200 2>&1; cat /dev/tun 2>&1; cat /dev/null && echo null-ok; true";
+    let caps = json!(["CAP_MKNOD", "CAP_AUDIT_WRITE", "CAP_KILL"]);
+    let env = Env::new(&["true"]);
+    let with_rules = |rules: Value| {
+        let caps = caps.clone();
+        inside(&env, script, move |c| {
+            for set in [
+                "bounding",
+                "effective",
+                "permitted",
+                "inheritable",
+                "ambient",
+            ] {
+                c["process"]["capabilities"][set] = caps.clone();
+            }
+            c["linux"]["resources"]["devices"] = rules;
+        })
+    };
+    // Every device denied but the standard ones: tun cannot be opened.
+    let out = with_rules(json!([{"allow": false, "access": "rwm"}]));
+    assert!(out.contains("Operation not permitted"), "{out}");
+    assert!(out.contains("null-ok"), "{out}");
+    // Allowed by the config: it opens.
+    let out = with_rules(json!([
+        {"allow": false, "access": "rwm"},
+        {"allow": true, "type": "c", "major": 10, "minor": 200, "access": "rw"}
+    ]));
+    assert!(out.contains("bad state"), "{out}");
+    assert!(!out.contains("Operation not permitted"), "{out}");
+    // Allowed for mknod only: not opened.
+    let out = with_rules(json!([
+        {"allow": false, "access": "rwm"},
+        {"allow": true, "type": "c", "major": 10, "minor": 200, "access": "m"}
+    ]));
+    assert!(out.contains("Operation not permitted"), "{out}");
+    // A bad rule: refused, nothing made.
+    env.edit(|c| {
+        c["linux"]["resources"]["devices"] = json!([{"allow": true, "type": "c", "access": "rwx"}])
+    });
+    env.run("bad")
+        .fails_with("linux.resources.devices[0]: access \"rwx\" must be made of r, w and m");
+    env.runc(&["state", "bad"]).fails_with("does not exist");
+}
