@@ -396,7 +396,18 @@ fn exec_child(
         crate::console::attach(socket)?;
     }
     let program = child::find_program(p)?;
-    child::exec_with(p, &program, None, plan.seccomp.as_ref(), None, preserve_fds)
+    child::exec_with(
+        p,
+        &program,
+        None,
+        plan.seccomp.as_ref(),
+        None,
+        preserve_fds,
+        child::StartHooks {
+            hooks: &[],
+            state: "",
+        },
+    )
 }
 
 /// Wait for `pid` (a child) and give its exit code as a shell would: the

@@ -469,35 +469,84 @@ fn hooks_run_at_their_stages_with_the_state() {
         return;
     }
     let env = Env::new(&["sleep", "1000"]);
-    let dir = env.tmp().to_path_buf();
-    let hook = |name: &str| json!([{"path": "/bin/sh", "args": ["sh", "-c", format!("cat > {}/{name}.json", dir.display())]}]);
+    let dir = env.tmp().join("hooks");
+    std::fs::create_dir(&dir).unwrap();
+    // Each hook saves its state and its mount namespace. createContainer
+    // runs in the container's namespaces but resolves paths in the
+    // runtime's file system (before the pivot): it writes to the host's
+    // directory. startContainer runs in the container after the pivot: it
+    // writes through /hookout, a bind mount of that directory.
+    let hook_in = |name: &str, out: &str| {
+        json!([{"path": "/bin/sh", "args": ["sh", "-c",
+            format!("cat > {out}/{name}.json; readlink /proc/self/ns/mnt > {out}/{name}.ns")]}])
+    };
+    let host = dir.display().to_string();
+    let hook = |name: &str| hook_in(name, &host);
     env.edit(|c| {
         c["hooks"] = json!({
             "createRuntime": hook("createRuntime"), "createContainer": hook("createContainer"),
-            "startContainer": hook("startContainer"), "poststart": hook("poststart"),
+            "startContainer": hook_in("startContainer", "/hookout"), "poststart": hook("poststart"),
             // A failing poststop hook is a warning; the next one still runs.
             "poststop": [{"path": "/bin/false"}, hook("poststop")[0]]});
+        c["mounts"].as_array_mut().unwrap().push(json!({
+            "destination": "/hookout", "type": "bind", "source": host,
+            "options": ["rbind", "rw"]}));
     });
     let read = |name: &str| -> Option<Value> {
         std::fs::read_to_string(dir.join(format!("{name}.json")))
             .ok()
             .map(|t| serde_json::from_str(&t).unwrap())
     };
+    let ns = |name: &str| std::fs::read_to_string(dir.join(format!("{name}.ns"))).unwrap();
     env.create("h1").ok();
     let cr = read("createRuntime").unwrap();
     assert_eq!(cr["id"], "h1");
     assert_eq!(cr["status"], "created");
-    assert!(cr["pid"].as_i64().unwrap() > 0);
-    assert!(read("createContainer").is_some());
+    let pid = cr["pid"].as_i64().unwrap();
+    assert!(pid > 0);
+    let cc = read("createContainer").unwrap();
+    assert_eq!(cc["id"], "h1");
+    assert_eq!(cc["pid"], pid);
+    let container_mnt = format!(
+        "{}\n",
+        std::fs::read_link(format!("/proc/{pid}/ns/mnt"))
+            .unwrap()
+            .display()
+    );
+    let own_mnt = format!(
+        "{}\n",
+        std::fs::read_link("/proc/self/ns/mnt").unwrap().display()
+    );
+    assert_ne!(container_mnt, own_mnt);
+    assert_eq!(ns("createRuntime"), own_mnt, "createRuntime: the runtime's");
+    assert_eq!(
+        ns("createContainer"),
+        container_mnt,
+        "createContainer: the container's"
+    );
     assert!(read("startContainer").is_none() && read("poststart").is_none());
     env.runc(&["start", "h1"]).ok();
     assert_eq!(read("poststart").unwrap()["status"], "running");
-    assert!(read("startContainer").is_some());
+    let sc = read("startContainer").unwrap();
+    assert_eq!(sc["status"], "created");
+    assert_eq!(
+        ns("startContainer"),
+        container_mnt,
+        "startContainer: the container's"
+    );
+    // The program runs (the hook did not fail it).
+    assert_eq!(env.state("h1")["status"], "running");
     assert!(read("poststop").is_none());
     env.runc(&["delete", "--force", "h1"]).ok();
     let stop = read("poststop").unwrap();
     assert_eq!(stop["status"], "stopped");
     assert_eq!(stop["id"], "h1");
+
+    // A failing createContainer hook fails create; nothing is left.
+    env.edit(|c| c["hooks"] = json!({"createContainer": [{"path": "/bin/false"}]}));
+    env.create("h2")
+        .fails_with("createContainer hook /bin/false: exited with");
+    env.runc(&["state", "h2"]).fails_with("does not exist");
 }
 
 #[test]
