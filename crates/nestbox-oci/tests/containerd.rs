@@ -47,7 +47,14 @@ impl Containerd {
             .spawn()
             .unwrap();
         let c = Containerd {
-            namespace: format!("nbtest-{}", std::process::id()),
+            // One per daemon: the runc shim's state (/run/containerd/runc/NS)
+            // and the cgroup parents are named by it, and two tests of this
+            // binary run at once.
+            namespace: {
+                static N: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+                let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                format!("nbtest-{}-{n}", std::process::id())
+            },
             dir,
             daemon,
         };
