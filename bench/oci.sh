@@ -16,6 +16,7 @@
 # Env: N (runs per command, default 200), WARMUP (default 10),
 #      NESTBOX_RUNC (default target/release/nestbox-runc),
 #      NESTBOX_BIN (default target/release/nestbox), READY_N (default N),
+#      ONLY_READY=1 (only the cold vs clone figure),
 #      RESULTS_DIR.
 # Writes: $RESULTS_DIR/oci-samples.csv, oci-summary.json,
 #         oci-ready-samples.csv, oci.md
@@ -72,6 +73,9 @@ cycle=$BENCH_DIR/lib/oci-cycle.sh
 load0=$(cut -d' ' -f1-3 /proc/loadavg)
 log "OCI runtimes: nestbox-runc vs runc; N=$N, warm-up $WARMUP each, interleaved; load $(cut -d' ' -f1-3 /proc/loadavg)"
 mkdir -p "$RESULTS_DIR"
+if [[ ${ONLY_READY:-0} == 1 ]]; then
+    table="(runc comparison skipped: ONLY_READY=1)"
+else
 table=$(python3 "$BENCH_DIR/lib/timing.py" --runs "$N" --warmup "$WARMUP" --out "$RESULTS_DIR" --tag oci \
     --bench nestbox-cycle "$cycle $NESTBOX_RUNC $work/nb-root $bundle c{i}" \
     --bench runc-cycle "$cycle runc $work/runc-root $bundle c{i}" \
@@ -81,6 +85,7 @@ for rt in "$NESTBOX_RUNC:$work/nb-root" "runc:$work/runc-root"; do
     left=$("${rt%%:*}" --root "${rt#*:}" list -q | wc -l)
     ((left == 0)) || die "${rt%%:*} left $left container(s) behind"
 done
+fi
 # Cold against cloned: a template in a private nestbox root, and two
 # bundles on the same rootfs (the clone's process is the template's).
 log "template for the clone figure"
