@@ -294,12 +294,11 @@ pub fn remove(link: &CloneLink) -> Result<()> {
     }
 }
 
-/// A checkpoint image directory as the OCI caller gives it: absolute; an
-/// empty directory (which podman makes) is taken as not there yet, since
-/// nestbox writes the image under a temporary name and renames it.
+/// A checkpoint image directory as the OCI caller gives it, made absolute
+/// (nestbox's engine resolves a relative one against its own idea of the
+/// current directory otherwise).
 fn image_dir(path: &Path) -> Result<PathBuf> {
-    let abs = std::path::absolute(path).map_err(|e| OciError::io("resolve", path, e))?;
-    Ok(abs)
+    std::path::absolute(path).map_err(|e| OciError::io("resolve", path, e))
 }
 
 /// `checkpoint ID`: save the container (a nestbox box: forked from a
@@ -321,6 +320,9 @@ pub fn checkpoint(root: &Root, id: &str, image: &Path, leave_running: bool) -> R
         ));
     }
     let image = image_dir(image)?;
+    // An empty directory (podman makes one) is taken as not there yet: the
+    // engine writes the image under a temporary name and renames it into
+    // place, so the directory is removed first (and put back on failure).
     let emptied = match std::fs::read_dir(&image) {
         Ok(mut entries) => {
             if entries.next().is_some() {
