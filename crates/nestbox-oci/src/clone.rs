@@ -376,8 +376,18 @@ pub fn restore(root: &Root, opts: &CreateOpts, image: &Path) -> Result<Record> {
         name: name.clone(),
     };
     let source = image.to_string_lossy().into_owned();
-    let restored = nestbox_runtime::checkpoint::restore(&reg, &source, Some(&name))
-        .map_err(nestbox_error(format!("restore of {}", image.display())))?;
+    // nestbox's restore forks a helper into the new box's pid namespace from
+    // a child of ours that exits at once; the helper is killed once the
+    // restore is done. As a subreaper, this process is the one it is
+    // re-parented to, and reaps it below: otherwise it would go to the
+    // caller's subreaper, and until someone reaps it the box's init cannot
+    // finish when the box ends.
+    nix::sys::prctl::set_child_subreaper(true)
+        .map_err(|e| OciError::sys("prctl(PR_SET_CHILD_SUBREAPER)", e))?;
+    let restored = nestbox_runtime::checkpoint::restore(&reg, &source, Some(&name));
+    let monitor = reg.load(&name).ok().and_then(|b| b.state.monitor);
+    reap_helpers(monitor.map(|m| m.pid));
+    let restored = restored.map_err(nestbox_error(format!("restore of {}", image.display())))?;
     let rec = record(root, opts, &plan, &reg, "", &name, restored.pid, Vec::new())?;
     undo.forget();
     hooks::run_warning(
@@ -386,4 +396,32 @@ pub fn restore(root: &Root, opts: &CreateOpts, image: &Path) -> Result<Record> {
         &crate::create::state_text(&rec, "running"),
     );
     Ok(rec)
+}
+
+/// Reap this process's children but `keep` (the restored box's monitor,
+/// which the caller reaps once this process has exited): the restore's
+/// helpers, killed by the restore, may take a moment to exit (one second at
+/// most is waited for).
+fn reap_helpers(keep: Option<i32>) {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(1);
+    loop {
+        let me = std::process::id();
+        let children: Vec<i32> = std::fs::read_to_string(format!("/proc/{me}/task/{me}/children"))
+            .unwrap_or_default()
+            .split_whitespace()
+            .filter_map(|p| p.parse().ok())
+            .filter(|p| Some(*p) != keep)
+            .collect();
+        if children.is_empty() || std::time::Instant::now() >= deadline {
+            return;
+        }
+        for pid in children {
+            // Only those that have exited; a live one is looked at again.
+            let _ = nix::sys::wait::waitpid(
+                nix::unistd::Pid::from_raw(pid),
+                Some(nix::sys::wait::WaitPidFlag::WNOHANG),
+            );
+        }
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
 }
