@@ -4,10 +4,11 @@
 //! forked with the template and already in the box's namespaces, cgroup,
 //! capability set and seccomp filter: a command then costs one fork and exec
 //! in the box, where `nestbox exec` starts a process on the host that joins
-//! all of those first. The agent is a short Python program (python3 is in the
-//! image) listening on an abstract Unix socket, which lives in the box's
-//! network namespace: the server connects from a short-lived thread that has
-//! joined that namespace.
+//! all of those first. The agent is this server's own binary run as
+//! `e2b-agent` in the box ([`crate::envd::agentd`]), listening on an abstract
+//! Unix socket, which lives in the box's network namespace: the server
+//! connects from a short-lived thread that has joined that namespace. This
+//! module is the server's side of the protocol.
 //!
 //! Protocol, one request per connection: a JSON line, with the command's
 //! stdin, stdout and stderr as `SCM_RIGHTS` for a start. Start
@@ -34,75 +35,6 @@ use crate::error::{E2bError, Result};
 
 /// The agent's abstract socket name (without the leading NUL).
 pub const SOCKET: &str = "nestbox-e2b-agent";
-
-/// The agent, run as `python3 -c AGENT`.
-pub const AGENT: &str = r#"
-import fcntl, json, os, socket, struct, subprocess, termios, threading
-def reply(c, obj):
-    c.sendall((json.dumps(obj) + "\n").encode())
-def serve(c):
-    fds = []
-    try:
-        data, fds, _, _ = socket.recv_fds(c, 1 << 20, 3)
-        while not data.endswith(b"\n"):
-            more = c.recv(1 << 20)
-            if not more:
-                return
-            data += more
-        req = json.loads(data)
-        if "kill" in req:
-            try:
-                os.kill(req["kill"], req["signal"])
-                reply(c, {"ok": True})
-            except OSError:
-                reply(c, {"ok": False})
-            return
-        env = dict(os.environ)
-        # A clone's name is its own, not the template's it inherited.
-        env["HOSTNAME"] = socket.gethostname()
-        env.update(req["env"])
-        argv, master = req["argv"], None
-        if "pty" in req:
-            # A terminal of the box's own devpts; the command gets it as its
-            # controlling terminal (setsid -c), the server the master side.
-            master, slave = os.openpty()
-            size = struct.pack("HHHH", req["pty"]["rows"], req["pty"]["cols"], 0, 0)
-            fcntl.ioctl(slave, termios.TIOCSWINSZ, size)
-            fds = [slave, os.dup(slave), os.dup(slave)]
-            argv = ["setsid", "-c"] + argv
-        try:
-            p = subprocess.Popen(argv, stdin=fds[0], stdout=fds[1], stderr=fds[2],
-                                 cwd=req["cwd"], env=env, user=req["uid"], group=req["gid"],
-                                 extra_groups=[], close_fds=True)
-        except OSError as e:
-            reply(c, {"error": str(e), "code": 127 if isinstance(e, FileNotFoundError) else 126})
-            if master is not None:
-                os.close(master)
-            return
-        finally:
-            for fd in fds:
-                os.close(fd)
-            fds = []
-        if master is None:
-            reply(c, {"pid": p.pid})
-        else:
-            socket.send_fds(c, [(json.dumps({"pid": p.pid}) + "\n").encode()], [master])
-            os.close(master)
-        code = p.wait()
-        reply(c, {"exit": code if code >= 0 else 128 - code})
-    except Exception:
-        pass
-    finally:
-        for fd in fds:
-            os.close(fd)
-        c.close()
-s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-s.bind("\0nestbox-e2b-agent")
-s.listen(512)
-while True:
-    c, _ = s.accept()
-    threading.Thread(target=serve, args=(c,), daemon=True).start()
-"#;
 
 /// A connection to the agent of the box whose init is `pid`; `None` if the
 /// box has none (or this server may not join its network namespace).

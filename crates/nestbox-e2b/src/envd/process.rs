@@ -387,6 +387,7 @@ fn start(
                 .collect()
         })
         .unwrap_or_default();
+    let started_at = Instant::now();
     let box_name = sandbox.running_box()?;
     let user = sandbox.user(&server.reg, user)?;
     let cwd = user.resolve(config.get("cwd").and_then(Value::as_str).unwrap_or(""));
@@ -410,7 +411,10 @@ fn start(
     command.extend(args);
     // Through the box's agent when it has one, else `nestbox exec`.
     let root_pid = sandbox.root_pid(&server.reg)?;
-    let (proc_, runner) = match agent::connect_to(root_pid)? {
+    let looked_up = started_at.elapsed();
+    let conn = agent::connect_to(root_pid)?;
+    let connected = started_at.elapsed();
+    let (proc_, runner) = match conn {
         Some(conn) if pty_size.is_some() => {
             let size = pty_size.unwrap_or((24, 80));
             match agent::start_pty(conn, &command, &env, &cwd, (user.uid, user.gid), size)? {
@@ -524,6 +528,12 @@ fn start(
             )
         }
     };
+    if phases_wanted() {
+        eprintln!(
+            "PHASES e2b start: looked up {looked_up:?}, connected {connected:?}, started {:?}",
+            started_at.elapsed()
+        );
+    }
     let proc_ = Arc::new(proc_);
     let rx = proc_
         .subscribe()
@@ -540,6 +550,13 @@ fn start(
         })
         .map_err(E2bError::io("spawn a thread for", "a process"))?;
     Ok((proc_, rx))
+}
+
+/// Whether the phases of each command are printed on stderr (the server's
+/// log): `NB_PHASES` set in the server's environment, as for clones.
+fn phases_wanted() -> bool {
+    static WANTED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *WANTED.get_or_init(|| std::env::var_os("NB_PHASES").is_some())
 }
 
 /// What a process's output and exit come from.
@@ -675,6 +692,7 @@ fn stream(
         200,
         "application/connect+json",
         Box::new(move |w| {
+            let streamed_at = Instant::now();
             connect::send(w, &json!({"event": {"start": {"pid": p.pid}}}))?;
             loop {
                 let wait = match deadline {
@@ -700,6 +718,12 @@ fn stream(
                             end["status"] = json!(format!("signal: {}", code - 128));
                         }
                         connect::send(w, &json!({"event": {"end": end}}))?;
+                        if phases_wanted() {
+                            eprintln!(
+                                "PHASES e2b stream: end sent {:?} after the start event",
+                                streamed_at.elapsed()
+                            );
+                        }
                         return connect::end(w, None);
                     }
                     Err(RecvTimeoutError::Timeout) => {
