@@ -313,6 +313,9 @@ snap = a.create_snapshot(name="kept-snap")
 a.commands.run("sleep 600", background=True)
 b = Sandbox.create(metadata={"who": "b"})
 b.commands.run("echo paused > state.txt")
+# (A pause freezes the box where it is: its commands stay, also across a
+# restart of the server.)
+b.commands.run("sleep 700", background=True)
 assert b.pause() is True
 c = Sandbox.create(metadata={"who": "c"}, timeout=2)
 print("ids", a.sandbox_id, b.sandbox_id, c.sandbox_id, snap.snapshot_id)
@@ -350,7 +353,7 @@ a = Sandbox.connect(a_id)
 assert a.files.read("kept.txt") == "still here"
 assert a.commands.run("cat kept.txt; pgrep -x sleep >/dev/null && echo sleeping").stdout == "still here" + "sleeping\n"
 b = Sandbox.connect(b_id)
-assert b.commands.run("cat state.txt").stdout == "paused\n"
+assert b.commands.run("cat state.txt; pgrep -x -f 'sleep 700' >/dev/null && echo sleeping").stdout == "paused\nsleeping\n"
 assert b.get_info().state == SandboxState.RUNNING
 # The snapshot too: listed, created from by its name, deleted.
 assert snap_id in [s.snapshot_id for s in Sandbox.list_snapshots().next_items()]

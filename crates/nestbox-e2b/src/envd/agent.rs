@@ -41,12 +41,117 @@ pub const SOCKET: &str = "nestbox-e2b-agent";
 pub fn connect_to(pid: i32) -> Result<Option<UnixStream>> {
     let ns_path = format!("/proc/{pid}/ns/net");
     let ns = std::fs::File::open(&ns_path).map_err(E2bError::io("open", &ns_path))?;
-    // setns(CLONE_NEWNET) changes the calling thread only: a thread of its
-    // own joins the box's network namespace, makes the connection, and ends.
-    let joined = std::thread::spawn(move || -> nix::Result<Option<OwnedFd>> {
-        match nix::sched::setns(&ns, CloneFlags::CLONE_NEWNET) {
+    // setns(CLONE_NEWNET) changes the calling thread only: one thread of the
+    // server goes into the box's network namespace to make the socket (an
+    // abstract name is looked up in the namespace the socket was made in)
+    // and back. A thread of its own per call if that one is gone.
+    let made = match Connector::get().map(|c| c.connect(ns)) {
+        Some(Ok(made)) => made,
+        Some(Err(ns)) => connect_in_new_thread(ns)?,
+        None => return Err(E2bError::Invalid("no thread to reach the agent".into())),
+    };
+    let fd = made
+        .map_err(|e| E2bError::io("connect to the agent of", format!("/proc/{pid}"))(e.into()))?;
+    Ok(fd.map(UnixStream::from))
+}
+
+/// What connecting in a box's network namespace gave.
+type Made = nix::Result<Option<OwnedFd>>;
+
+/// The thread that makes agent connections in boxes' network namespaces
+/// (joining one costs far less than making a thread).
+#[derive(Debug)]
+struct Connector {
+    jobs: std::sync::Mutex<
+        std::sync::mpsc::Sender<(std::fs::File, std::sync::mpsc::SyncSender<Made>)>,
+    >,
+}
+
+impl Connector {
+    /// The server's connector, started at first use (`None` if no thread
+    /// could be made at all).
+    fn get() -> Option<&'static Connector> {
+        static CONNECTOR: std::sync::OnceLock<Option<Connector>> = std::sync::OnceLock::new();
+        CONNECTOR
+            .get_or_init(|| {
+                let (tx, rx) = std::sync::mpsc::channel();
+                std::thread::Builder::new()
+                    .name("e2b-netns".into())
+                    .spawn(move || connector_thread(rx))
+                    .ok()?;
+                Some(Connector {
+                    jobs: std::sync::Mutex::new(tx),
+                })
+            })
+            .as_ref()
+    }
+
+    /// Connect to the agent in namespace `ns`; `Err(ns)` back if the thread
+    /// has ended.
+    fn connect(&self, ns: std::fs::File) -> std::result::Result<Made, std::fs::File> {
+        let (tx, rx) = std::sync::mpsc::sync_channel(1);
+        let sent = self
+            .jobs
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .send((ns, tx));
+        match sent {
+            // (It answers every job it takes.)
+            Ok(()) => Ok(rx.recv().unwrap_or(Err(nix::errno::Errno::ECONNABORTED))),
+            Err(std::sync::mpsc::SendError((ns, _))) => Err(ns),
+        }
+    }
+}
+
+/// The connector: for each job, join the box's network namespace, make the
+/// socket, come back, connect. If it cannot come back to the server's own
+/// namespace it ends (a thread left in a box's namespace must not serve on).
+fn connector_thread(
+    jobs: std::sync::mpsc::Receiver<(std::fs::File, std::sync::mpsc::SyncSender<Made>)>,
+) {
+    let Ok(own) = std::fs::File::open("/proc/thread-self/ns/net") else {
+        return;
+    };
+    for (ns, answer) in jobs {
+        let made = match nix::sched::setns(&ns, CloneFlags::CLONE_NEWNET) {
             // Without the privilege to join (a server without root), the box
             // is served as one without the agent.
+            Err(nix::errno::Errno::EPERM) => Ok(None),
+            Err(e) => Err(e),
+            Ok(()) => {
+                let fd = socket(
+                    AddressFamily::Unix,
+                    SockType::Stream,
+                    SockFlag::SOCK_CLOEXEC,
+                    None,
+                );
+                if let Err(e) = nix::sched::setns(&own, CloneFlags::CLONE_NEWNET) {
+                    tracing::error!("e2b: back from a box's network namespace: {e}");
+                    let _ = answer.send(Err(e));
+                    return;
+                }
+                fd.and_then(connect_agent)
+            }
+        };
+        let _ = answer.send(made);
+    }
+}
+
+/// Connect `fd` (made in the box's network namespace) to the agent; `None`
+/// if nothing listens there.
+fn connect_agent(fd: OwnedFd) -> Made {
+    let addr = UnixAddr::new_abstract(SOCKET.as_bytes())?;
+    match connect(fd.as_raw_fd(), &addr) {
+        Ok(()) => Ok(Some(fd)),
+        Err(nix::errno::Errno::ECONNREFUSED) => Ok(None),
+        Err(e) => Err(e),
+    }
+}
+
+/// [`connect_to`]'s work in a short-lived thread of its own.
+fn connect_in_new_thread(ns: std::fs::File) -> Result<Made> {
+    std::thread::spawn(move || -> Made {
+        match nix::sched::setns(&ns, CloneFlags::CLONE_NEWNET) {
             Err(nix::errno::Errno::EPERM) => return Ok(None),
             other => other?,
         }
@@ -56,18 +161,10 @@ pub fn connect_to(pid: i32) -> Result<Option<UnixStream>> {
             SockFlag::SOCK_CLOEXEC,
             None,
         )?;
-        let addr = UnixAddr::new_abstract(SOCKET.as_bytes())?;
-        match connect(fd.as_raw_fd(), &addr) {
-            Ok(()) => Ok(Some(fd)),
-            Err(nix::errno::Errno::ECONNREFUSED) => Ok(None),
-            Err(e) => Err(e),
-        }
+        connect_agent(fd)
     })
     .join()
-    .map_err(|_| E2bError::Invalid("the agent connection thread panicked".into()))?;
-    let fd = joined
-        .map_err(|e| E2bError::io("connect to the agent of", format!("/proc/{pid}"))(e.into()))?;
-    Ok(fd.map(UnixStream::from))
+    .map_err(|_| E2bError::Invalid("the agent connection thread panicked".into()))
 }
 
 /// Send `request` with `fds` (none for a kill).

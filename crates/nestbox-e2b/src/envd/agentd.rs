@@ -2,8 +2,9 @@
 //! `base` template's box (and of a cold box of the host image), run from the
 //! server's binary mounted read-only at [`AGENT_PATH`] in the box. It speaks
 //! the protocol of [`crate::envd::agent`] on the abstract Unix socket
-//! [`crate::envd::agent::SOCKET`], a thread per connection, and starts each
-//! command with one fork and exec of this small process (as the sandbox's
+//! [`crate::envd::agent::SOCKET`]: the accepting thread reads each request
+//! and starts its command (a thread per running command then waits for its
+//! exit), with one fork and exec of this small process (as the sandbox's
 //! user: `setgroups(0)`, `setgid`, `setuid`, then `chdir` and `execvp`), where
 //! a Python agent forked a whole interpreter. Nothing here is privileged
 //! beyond what the box allows its root: the agent is a process of the box.
@@ -13,7 +14,8 @@ use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::fs::OpenOptionsExt;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::os::unix::process::{CommandExt, ExitStatusExt};
-use std::process::{Command, Stdio};
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
 
 use nix::sys::socket::{
     bind, listen, recvmsg, sendmsg, socket, AddressFamily, Backlog, ControlMessage,
@@ -27,6 +29,8 @@ use crate::envd::agent::SOCKET;
 pub const AGENT_PATH: &str = "/run/e2b-agent";
 /// The hidden subcommand that runs the agent.
 pub const SUBCOMMAND: &str = "e2b-agent";
+/// How long the agent waits for a connection's request.
+const REQUEST_TIMEOUT: Duration = Duration::from_secs(2);
 /// The longest request line (a command line with its environment).
 const MAX_REQUEST: usize = 1 << 20;
 
@@ -45,12 +49,23 @@ pub fn run() -> std::io::Result<()> {
     let listener = UnixListener::from(fd);
     for conn in listener.incoming() {
         let Ok(conn) = conn else { continue };
-        // A thread that cannot be made drops the connection: the server sees
-        // it closed without an answer.
-        let _ = std::thread::Builder::new()
+        // The request is read and the command started here, so that its pid
+        // is answered without waiting for a thread to be made; a thread then
+        // waits for its exit. A client that does not send its request
+        // within the bound (only a process of the box could) is dropped.
+        let _ = conn.set_read_timeout(Some(REQUEST_TIMEOUT));
+        let Some((conn, child)) = serve(conn) else {
+            continue;
+        };
+        let waiter = std::thread::Builder::new()
             .name("agent".into())
-            .stack_size(256 << 10)
-            .spawn(move || serve(conn));
+            .stack_size(64 << 10)
+            .spawn(move || finish(&conn, child));
+        if let Err(e) = waiter {
+            // The command runs on; the server sees the connection close
+            // without its exit.
+            tracing::warn!("e2b agent: no thread to wait for a command: {e}");
+        }
     }
     Ok(())
 }
@@ -101,19 +116,31 @@ fn request(conn: &UnixStream) -> std::io::Result<(Value, Vec<OwnedFd>)> {
     Ok((value, fds))
 }
 
-/// Serve one connection: a kill, or a start and then the command's exit.
-fn serve(conn: UnixStream) {
-    let Ok((req, fds)) = request(&conn) else {
-        return;
-    };
+/// Serve one connection's request: a kill, or a start; the connection and
+/// the command started, whose exit is still to be answered.
+fn serve(conn: UnixStream) -> Option<(UnixStream, Child)> {
+    let (req, fds) = request(&conn).ok()?;
     if let Some(pid) = req.get("kill").and_then(Value::as_i64) {
         let signal = req.get("signal").and_then(Value::as_i64).unwrap_or(0);
         // SAFETY: kill has no memory-safety preconditions.
         let ok = unsafe { libc::kill(pid as i32, signal as i32) } == 0;
         let _ = reply(&conn, &json!({"ok": ok}));
-        return;
+        return None;
     }
-    let _ = start(&conn, &req, fds);
+    let child = start(&conn, &req, fds).ok()??;
+    Some((conn, child))
+}
+
+/// Wait for `child` to end and answer its exit on `conn`.
+fn finish(conn: &UnixStream, mut child: Child) {
+    let Ok(status) = child.wait() else {
+        return;
+    };
+    let code = status
+        .code()
+        .or_else(|| status.signal().map(|s| 128 + s))
+        .unwrap_or(-1);
+    let _ = reply(conn, &json!({"exit": code}));
 }
 
 /// The command's argv, environment, directory and ids from a start request.
@@ -190,13 +217,14 @@ fn terminal(req: &Value) -> std::io::Result<(nix::pty::PtyMaster, OwnedFd)> {
 }
 
 /// Start the command of `req` with `fds` as its stdin, stdout and stderr (or
-/// on a new terminal), answer its pid, then its exit.
-fn start(conn: &UnixStream, req: &Value, fds: Vec<OwnedFd>) -> std::io::Result<()> {
+/// on a new terminal) and answer its pid; the command, if it started.
+fn start(conn: &UnixStream, req: &Value, fds: Vec<OwnedFd>) -> std::io::Result<Option<Child>> {
     let Some(mut cmd) = command(req) else {
-        return reply(
+        reply(
             conn,
             &json!({"error": "a start request needs argv", "code": 126}),
-        );
+        )?;
+        return Ok(None);
     };
     let mut master = None;
     let stdio: Vec<OwnedFd> = if req.get("pty").is_some() {
@@ -208,10 +236,11 @@ fn start(conn: &UnixStream, req: &Value, fds: Vec<OwnedFd>) -> std::io::Result<(
     };
     let mut stdio = stdio.into_iter();
     let (Some(i), Some(o), Some(e)) = (stdio.next(), stdio.next(), stdio.next()) else {
-        return reply(
+        reply(
             conn,
             &json!({"error": "a start request needs three descriptors", "code": 126}),
-        );
+        )?;
+        return Ok(None);
     };
     cmd.stdin(Stdio::from(i))
         .stdout(Stdio::from(o))
@@ -219,7 +248,7 @@ fn start(conn: &UnixStream, req: &Value, fds: Vec<OwnedFd>) -> std::io::Result<(
     let spawned = cmd.spawn();
     // The child has its copies; the agent's go with `cmd`.
     drop(cmd);
-    let mut child = match spawned {
+    let child = match spawned {
         Ok(c) => c,
         Err(e) => {
             let code = if e.kind() == std::io::ErrorKind::NotFound {
@@ -227,7 +256,8 @@ fn start(conn: &UnixStream, req: &Value, fds: Vec<OwnedFd>) -> std::io::Result<(
             } else {
                 126
             };
-            return reply(conn, &json!({"error": e.to_string(), "code": code}));
+            reply(conn, &json!({"error": e.to_string(), "code": code}))?;
+            return Ok(None);
         }
     };
     let started = json!({"pid": child.id()});
@@ -246,10 +276,5 @@ fn start(conn: &UnixStream, req: &Value, fds: Vec<OwnedFd>) -> std::io::Result<(
         }
     }
     drop(master);
-    let status = child.wait()?;
-    let code = status
-        .code()
-        .or_else(|| status.signal().map(|s| 128 + s))
-        .unwrap_or(-1);
-    reply(conn, &json!({"exit": code}))
+    Ok(Some(child))
 }

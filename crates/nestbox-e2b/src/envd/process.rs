@@ -717,7 +717,7 @@ fn stream(
                         if code > 128 {
                             end["status"] = json!(format!("signal: {}", code - 128));
                         }
-                        connect::send(w, &json!({"event": {"end": end}}))?;
+                        connect::send_last(w, &json!({"event": {"end": end}}));
                         if phases_wanted() {
                             eprintln!(
                                 "PHASES e2b stream: end sent {:?} after the start event",
