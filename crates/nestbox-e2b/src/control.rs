@@ -20,6 +20,8 @@ use crate::{base, Server};
 pub const ENVD_VERSION: &str = "0.5.7";
 /// A sandbox's life when the request gives none (E2B's default).
 pub const DEFAULT_TIMEOUT: u64 = 300;
+/// How long a fork or snapshot waits for the commands it ends to be gone.
+const KILL_WAIT: Duration = Duration::from_secs(2);
 /// How long the cgroup freezer may take to freeze or thaw a box.
 const FREEZER_TIMEOUT: Duration = Duration::from_secs(5);
 /// The longest a create of `base` waits for the template to be made.
@@ -415,7 +417,7 @@ fn freeze(server: &Server, s: &Sandbox, live: &Live) -> Result<String> {
     if live.phase == Phase::Paused {
         set_frozen(server, &live.box_name, false)?;
     }
-    s.procs.kill_all();
+    s.procs.end_all(KILL_WAIT);
     server.nestbox.run(
         &format!("freeze sandbox {:?}", s.id),
         &["freeze", &live.box_name],

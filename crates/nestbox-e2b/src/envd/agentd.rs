@@ -48,7 +48,11 @@ pub fn run() -> std::io::Result<()> {
     listen(&fd, Backlog::new(512).unwrap_or(Backlog::MAXCONN))?;
     let listener = UnixListener::from(fd);
     for conn in listener.incoming() {
-        let Ok(conn) = conn else { continue };
+        let Ok(conn) = conn else {
+            // (Out of descriptors, say: not a busy loop meanwhile.)
+            std::thread::sleep(Duration::from_millis(10));
+            continue;
+        };
         // The request is read and the command started here, so that its pid
         // is answered without waiting for a thread to be made; a thread then
         // waits for its exit. A client that does not send its request

@@ -205,7 +205,20 @@ impl Table {
         self.kill_all();
     }
 
-    /// Kill every process (the sandbox is paused: its streams see them end).
+    /// Kill every process and wait, at most `limit` in all, until each has
+    /// been reaped and its end reported (the box is about to be frozen into
+    /// a template, which a process of the user, even a dying one, would
+    /// refuse): their streams see them end.
+    pub fn end_all(&self, limit: Duration) {
+        let procs: Vec<Arc<Proc>> = self.lock().values().cloned().collect();
+        self.kill_all();
+        let end = Instant::now() + limit;
+        for p in procs {
+            p.wait_ended(end.saturating_duration_since(Instant::now()));
+        }
+    }
+
+    /// Kill every process (their streams see them end).
     pub fn kill_all(&self) {
         let procs: Vec<Arc<Proc>> = self.lock().values().cloned().collect();
         for p in procs {
