@@ -1,11 +1,15 @@
 //! envd's process service (`/process.Process/…`): Start and Connect stream a
 //! process's events (start with its pid, stdout/stderr data, end with its
 //! exit code); List, SendSignal, SendInput and CloseStdin act on the
-//! processes started. Each process is `nestbox exec` of the command in the
-//! sandbox's box (its namespaces, cgroup, seccomp filter and limits), as the
-//! sandbox's user in its home; the pid the SDK sees is that of the `nestbox
-//! exec` process on the host, which the server maps to the command itself
-//! when it signals it.
+//! processes started. Each process is started in the sandbox's box (its
+//! namespaces, cgroup, seccomp filter and limits), as the sandbox's user in
+//! its home: by the box's in-box agent when it has one ([`agent`]; the pid
+//! the SDK sees is the command's in the box), else as `nestbox exec` of the
+//! command (the pid is that of the `nestbox exec` process on the host, which
+//! the server maps to the command itself when it signals it). The command's
+//! stdin, stdout and stderr are pipes to this server, read by a thread per
+//! process; a pause freezes them with the box, a fork or snapshot ends them
+//! ([`Table::end_all`]).
 
 use std::collections::HashMap;
 use std::fs::File;
