@@ -8,8 +8,9 @@
 //! from 1000 up that the host does not use), mounted read-only over
 //! `/etc/passwd` and `/etc/group` (and `LIB/e2b/profile` over `/etc/profile`,
 //! see [`user_box_args`]). Then: `nestbox run -d --name base -v
-//! …passwd:/etc/passwd:ro -v …group:/etc/group:ro -- python3 -c AGENT` (the
-//! in-box agent, [`crate::envd::agent`]), the home made in its writable layer
+//! …passwd:/etc/passwd:ro -v …group:/etc/group:ro -v NESTBOX:/run/e2b-agent:ro
+//! -- /run/e2b-agent e2b-agent` (the in-box agent, [`crate::envd::agentd`]: this
+//! server's own binary), the home made in its writable layer
 //! (`mkdir -p /home/user; chown`), and once the agent listens, `nestbox
 //! freeze base --pool N`. A cold create of the `host` image makes the same
 //! box without freezing it.
@@ -113,7 +114,8 @@ fn make(server: &Server, pool: u32) -> Result<()> {
     let args = user_box_args(server)?;
     let mut run = vec!["run", "-d", "--name", BASE];
     run.extend(args.iter().map(String::as_str));
-    run.extend(["--", "python3", "-c", crate::envd::agent::AGENT]);
+    let agent = agent_args(server);
+    run.extend(agent.iter().map(String::as_str));
     // A box named base that is no template (someone else's) makes this
     // fail, and is left alone.
     server.nestbox.run("start the base box", &run)?;
@@ -172,6 +174,20 @@ pub fn make_home(server: &Server, name: &str) -> Result<()> {
         &["exec", name, "--", "sh", "-c", &script],
     )?;
     Ok(())
+}
+
+/// The end of the `run` command line that makes the in-box agent the box's
+/// command: this server's binary mounted read-only at
+/// [`crate::envd::agentd::AGENT_PATH`] and run as `e2b-agent`.
+pub fn agent_args(server: &Server) -> Vec<String> {
+    use crate::envd::agentd::{AGENT_PATH, SUBCOMMAND};
+    vec![
+        "-v".into(),
+        format!("{}:{AGENT_PATH}:ro", server.nestbox.exe.display()),
+        "--".into(),
+        AGENT_PATH.into(),
+        SUBCOMMAND.into(),
+    ]
 }
 
 /// The `run` options that give a box of the host image the user `user`.

@@ -20,6 +20,10 @@ use crate::{base, Server};
 pub const ENVD_VERSION: &str = "0.5.7";
 /// A sandbox's life when the request gives none (E2B's default).
 pub const DEFAULT_TIMEOUT: u64 = 300;
+/// How long a fork or snapshot waits for the commands it ends to be gone.
+const KILL_WAIT: Duration = Duration::from_secs(2);
+/// How long the cgroup freezer may take to freeze or thaw a box.
+const FREEZER_TIMEOUT: Duration = Duration::from_secs(5);
 /// The longest a create of `base` waits for the template to be made.
 const BASE_WAIT: Duration = Duration::from_secs(120);
 
@@ -289,6 +293,7 @@ pub fn create(server: &Arc<Server>, body: &Value) -> Result<Arc<Sandbox>> {
         }),
         procs: Default::default(),
         watchers: Default::default(),
+        init: Default::default(),
     });
     server.insert(sandbox.clone());
     Ok(sandbox)
@@ -304,10 +309,11 @@ fn cold(server: &Server, image: &str, id: &str) -> Result<()> {
     if host {
         args.extend(base::user_box_args(server)?);
     }
-    // A box of the host image runs the agent (python3 is there); another
-    // image just stays up, its commands run by `nestbox exec`.
+    // A box of the host image runs the agent (whose binary, this server's,
+    // runs on the host's libraries); another image just stays up, its
+    // commands run by `nestbox exec`.
     if host {
-        args.extend(["--", "python3", "-c", crate::envd::agent::AGENT].map(String::from));
+        args.extend(base::agent_args(server));
     } else {
         args.extend(["--".into(), "sleep".into(), "infinity".into()]);
     }
@@ -372,8 +378,15 @@ pub fn kill(server: &Server, id: &str) -> Result<()> {
     let s = server
         .take(id)
         .ok_or_else(|| E2bError::NoSuchSandbox(id.to_string()))?;
-    s.procs.remove_all();
     let live = s.live();
+    if live.phase == Phase::Paused {
+        // A frozen process takes no signal (the v1 freezer holds even
+        // SIGKILL): thawed, then killed with its box.
+        if let Err(e) = set_frozen(server, &live.box_name, false) {
+            tracing::error!("e2b: thawing paused sandbox {id} to remove it: {e}");
+        }
+    }
+    s.procs.remove_all();
     server.nestbox.run(
         &format!("remove sandbox {id:?}"),
         &["rm", "-f", &live.box_name],
@@ -396,24 +409,46 @@ pub fn kill(server: &Server, id: &str) -> Result<()> {
     Ok(())
 }
 
-/// Freeze the box of running sandbox `s` (its envd processes killed first);
-/// the frozen box's name.
+/// Freeze the box of sandbox `s` into a template, for a fork or a snapshot
+/// (its envd processes killed first: they run as the sandbox's user, and a
+/// clone forks only processes that run as the box's root); the frozen box's
+/// name. A paused sandbox is thawed first (its commands could not be killed).
 fn freeze(server: &Server, s: &Sandbox, live: &Live) -> Result<String> {
     if live.phase == Phase::Paused {
-        return Err(E2bError::AlreadyPaused(s.id.clone()));
+        set_frozen(server, &live.box_name, false)?;
     }
-    s.procs.kill_all();
+    s.procs.end_all(KILL_WAIT);
     server.nestbox.run(
-        &format!("pause sandbox {:?}", s.id),
+        &format!("freeze sandbox {:?}", s.id),
         &["freeze", &live.box_name],
     )?;
     Ok(live.box_name.clone())
 }
 
+/// Freeze (`true`) or thaw box `name` in place, with its cgroup's freezer:
+/// every process of it stops where it is (or goes on), its memory, files,
+/// pipes and connections kept.
+fn set_frozen(server: &Server, name: &str, frozen: bool) -> Result<()> {
+    let record = server.reg.load(name)?;
+    let cgroup = record.state.cgroup.as_ref().ok_or_else(|| {
+        E2bError::Invalid(format!(
+            "box {name:?} has no cgroup, so it cannot be paused"
+        ))
+    })?;
+    cgroup
+        .set_frozen(frozen, FREEZER_TIMEOUT)
+        .map_err(|e| E2bError::Runtime(e.into()))
+}
+
+/// Pause sandbox `id`: its box frozen in place (every process, commands
+/// started through envd included, stops where it is; connect thaws it).
 fn pause(server: &Server, id: &str) -> Result<()> {
     let s = server.sandbox(id)?;
     let mut live = s.live.lock().unwrap_or_else(|p| p.into_inner());
-    freeze(server, &s, &live)?;
+    if live.phase == Phase::Paused {
+        return Err(E2bError::AlreadyPaused(s.id.clone()));
+    }
+    set_frozen(server, &live.box_name, true)?;
     live.phase = Phase::Paused;
     Ok(())
 }
@@ -431,14 +466,7 @@ fn connect(server: &Server, id: &str, timeout: Option<u64>) -> Result<(Arc<Sandb
     let mut live = s.live.lock().unwrap_or_else(|p| p.into_inner());
     let resumed = live.phase == Phase::Paused;
     if resumed {
-        let frozen = live.box_name.clone();
-        let name = next_box(server, &s, &mut live)?;
-        // The frozen box goes once its last clone has.
-        server
-            .nestbox
-            .run("remove the paused box", &["rm", "-f", &frozen])?;
-        live.previous.push(frozen);
-        live.box_name = name;
+        set_frozen(server, &live.box_name, false)?;
         live.phase = Phase::Running;
     }
     // A resume sets the new end of life; a connect to a running sandbox
@@ -461,6 +489,10 @@ fn freeze_and_go_on(server: &Server, s: &Sandbox) -> Result<(String, f64)> {
     let name = next_box(server, s, &mut live)?;
     live.box_name = name;
     live.previous.push(frozen.clone());
+    if live.phase == Phase::Paused {
+        // It stays paused: its new box is frozen in place as the old was.
+        set_frozen(server, &live.box_name, true)?;
+    }
     Ok((frozen, live.end_at))
 }
 
@@ -489,6 +521,7 @@ fn fork(server: &Arc<Server>, id: &str, count: u32, timeout: Option<u64>) -> Res
                     }),
                     procs: Default::default(),
                     watchers: Default::default(),
+                    init: Default::default(),
                 });
                 server.insert(forked.clone());
                 results.push(json!({"sandbox": sandbox_json(&forked)}));

@@ -57,19 +57,34 @@ impl Request {
 #[derive(Debug)]
 pub struct ChunkWriter<'a> {
     stream: &'a mut TcpStream,
+    /// Chunks kept to go out with the next write (the last ones of the body
+    /// go with its end: one write, one segment for the client to wake on).
+    pending: Vec<u8>,
 }
 
 impl ChunkWriter<'_> {
     /// Send `data` as one chunk, now.
     pub fn chunk(&mut self, data: &[u8]) -> io::Result<()> {
-        if data.is_empty() {
-            return Ok(());
-        }
-        let mut out = format!("{:x}\r\n", data.len()).into_bytes();
-        out.extend_from_slice(data);
-        out.extend_from_slice(b"\r\n");
+        self.keep(data);
+        let out = std::mem::take(&mut self.pending);
         self.stream.write_all(&out)?;
         self.stream.flush()
+    }
+
+    /// Send `data` as one chunk with the end of the body: the producer
+    /// writes nothing after it but other last chunks.
+    pub fn last_chunk(&mut self, data: &[u8]) {
+        self.keep(data);
+    }
+
+    fn keep(&mut self, data: &[u8]) {
+        if data.is_empty() {
+            return;
+        }
+        self.pending
+            .extend_from_slice(format!("{:x}\r\n", data.len()).as_bytes());
+        self.pending.extend_from_slice(data);
+        self.pending.extend_from_slice(b"\r\n");
     }
 }
 
@@ -372,7 +387,10 @@ fn write_response(stream: &mut TcpStream, response: Response, keep_alive: bool) 
             head.push_str("Transfer-Encoding: chunked\r\n\r\n");
             stream.write_all(head.as_bytes())?;
             stream.flush()?;
-            let mut writer = ChunkWriter { stream };
+            let mut writer = ChunkWriter {
+                stream,
+                pending: Vec::new(),
+            };
             if let Err(e) = producer(&mut writer) {
                 // A stream cut by its producer (the sandbox went) is reset,
                 // not ended: the client sees the connection dropped
@@ -380,7 +398,10 @@ fn write_response(stream: &mut TcpStream, response: Response, keep_alive: bool) 
                 reset_on_close(writer.stream);
                 return Err(e);
             }
-            writer.stream.write_all(b"0\r\n\r\n")?;
+            // The last chunks and the end of the body, in one write.
+            let mut out = std::mem::take(&mut writer.pending);
+            out.extend_from_slice(b"0\r\n\r\n");
+            writer.stream.write_all(&out)?;
             writer.stream.flush()
         }
     }

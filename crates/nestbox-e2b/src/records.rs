@@ -159,6 +159,7 @@ fn from_json(v: &Value) -> Option<Sandbox> {
         }),
         procs: Default::default(),
         watchers: Default::default(),
+        init: Default::default(),
     })
 }
 
@@ -187,6 +188,7 @@ mod tests {
             }),
             procs: Default::default(),
             watchers: Default::default(),
+            init: Default::default(),
         };
         records.save(&s).unwrap();
         let back = records.load();

@@ -6,6 +6,7 @@
 use std::collections::BTreeMap;
 use std::sync::Mutex;
 
+use nestbox_runtime::liveness::ProcRef;
 use nestbox_runtime::registry::Registry;
 use nestbox_runtime::state::Status;
 
@@ -109,6 +110,10 @@ pub struct Sandbox {
     pub procs: Table,
     /// Directories watched through envd.
     pub watchers: crate::envd::fs::Watchers,
+    /// The init of the box last looked up (its name and identity), so that a
+    /// command or file call need not read the box's record again while that
+    /// process lives.
+    pub init: Mutex<Option<(String, ProcRef)>>,
 }
 
 impl Sandbox {
@@ -130,9 +135,20 @@ impl Sandbox {
     /// the box's root.
     pub fn root_pid(&self, reg: &Registry) -> Result<i32> {
         let name = self.running_box()?;
+        let mut cached = self.init.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some((box_name, init)) = &*cached {
+            // The same process (pid and start time) as when the record said
+            // the box ran: a box that ends takes its init with it.
+            if *box_name == name && init.alive() {
+                return Ok(init.pid);
+            }
+        }
         let record = reg.load(&name)?;
         match (record.state.effective_status(), record.state.init) {
-            (Status::Running, Some(init)) if init.alive() => Ok(init.pid),
+            (Status::Running, Some(init)) if init.alive() => {
+                *cached = Some((name, init));
+                Ok(init.pid)
+            }
             _ => Err(E2bError::NoSuchSandbox(self.id.clone())),
         }
     }

@@ -218,6 +218,9 @@ enum Command {
         #[arg(long = "api-key", value_name = "KEY", requires = "http")]
         api_keys: Vec<String>,
     },
+    /// The in-box agent of `serve --http` (run by it as a box's command).
+    #[command(name = "e2b-agent", hide = true)]
+    E2bAgent,
     /// Manage images in the content-addressed store.
     #[command(subcommand)]
     Image(crate::store_cmd::ImageCommand),
@@ -824,6 +827,10 @@ pub fn dispatch(cli: Cli) -> Result<i32> {
                 )?,
                 None => nestbox_runtime::api::serve(&reg, &socket)?,
             }
+            Ok(0)
+        }
+        Command::E2bAgent => {
+            nestbox_e2b::envd::agentd::run().context("the e2b agent's socket")?;
             Ok(0)
         }
         Command::Image(cmd) => crate::store_cmd::image(&reg, cmd),

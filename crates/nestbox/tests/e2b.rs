@@ -177,7 +177,7 @@ assert r.stdout == "out\nuser\n/home/user\n/home/user c1 x2\n", repr(r.stdout)
 assert r.stderr == "err\n", repr(r.stderr)
 # Run by the in-box agent (a process of the sandbox, as E2B's envd), which
 # reports in-box pids.
-assert sb.commands.run("cat /proc/$PPID/comm").stdout == "python3\n"
+assert sb.commands.run("cat /proc/$PPID/comm").stdout == "e2b-agent\n"
 # The sandbox's own hostname: the command ran in the box, not on the host.
 import socket
 host = sb.commands.run("hostname").stdout.strip()
@@ -313,6 +313,9 @@ snap = a.create_snapshot(name="kept-snap")
 a.commands.run("sleep 600", background=True)
 b = Sandbox.create(metadata={"who": "b"})
 b.commands.run("echo paused > state.txt")
+# (A pause freezes the box where it is: its commands stay, also across a
+# restart of the server.)
+b.commands.run("sleep 700", background=True)
 assert b.pause() is True
 c = Sandbox.create(metadata={"who": "c"}, timeout=2)
 print("ids", a.sandbox_id, b.sandbox_id, c.sandbox_id, snap.snapshot_id)
@@ -350,7 +353,7 @@ a = Sandbox.connect(a_id)
 assert a.files.read("kept.txt") == "still here"
 assert a.commands.run("cat kept.txt; pgrep -x sleep >/dev/null && echo sleeping").stdout == "still here" + "sleeping\n"
 b = Sandbox.connect(b_id)
-assert b.commands.run("cat state.txt").stdout == "paused\n"
+assert b.commands.run("cat state.txt; pgrep -x -f 'sleep 700' >/dev/null && echo sleeping").stdout == "paused\nsleeping\n"
 assert b.get_info().state == SandboxState.RUNNING
 # The snapshot too: listed, created from by its name, deleted.
 assert snap_id in [s.snapshot_id for s in Sandbox.list_snapshots().next_items()]
@@ -398,11 +401,11 @@ assert Sandbox.get_info(sb.sandbox_id).state == SandboxState.PAUSED
 again = Sandbox.connect(sb.sandbox_id)
 assert again.commands.run("cat state.txt").stdout == "kept\n"
 assert again.get_info().state == SandboxState.RUNNING
-# Pause and resume once more (a clone of a clone of the template).
+# Pause and resume once more.
 again.pause()
 again = Sandbox.connect(sb.sandbox_id)
 assert again.commands.run("cat state.txt; ls -d /home/user").stdout == "kept\n/home/user\n"
-assert again.commands.run("cat /proc/$PPID/comm").stdout == "python3\n", "no agent after resume"
+assert again.commands.run("cat /proc/$PPID/comm").stdout == "e2b-agent\n", "no agent after resume"
 # Fork: a new sandbox with the same files; the two go their own ways.
 (fork,) = again.fork()
 assert fork.sandbox_id != sb.sandbox_id
@@ -422,6 +425,52 @@ except SandboxNotFoundException:
     pass
 again.kill()
 assert Sandbox.list().next_items() == []
+print("done")
+"#,
+    );
+}
+
+#[test]
+fn e2b_sdk_background_commands_survive_pause_and_resume() {
+    sdk_test(
+        "e2b_sdk_background_commands_survive_pause_and_resume",
+        r#"
+import time
+from e2b import Sandbox, CommandExitException
+sb = Sandbox.create(timeout=120)
+# A background command that counts for 4 s, into a file and on stdout.
+h = sb.commands.run(
+    "for i in $(seq 1 20); do echo $i; echo $i > count; sleep 0.2; done; echo finished",
+    background=True)
+time.sleep(1)
+before = int(sb.commands.run("cat count").stdout)
+assert sb.pause() is True
+time.sleep(1.5)
+again = Sandbox.connect(sb.sandbox_id)
+# Frozen while paused: the count did not go on (7 more if it had run).
+resumed = int(again.commands.run("cat count").stdout)
+assert before <= resumed <= before + 2, (before, resumed)
+# Still running, listed, and it can be connected to after the resume.
+assert h.pid in [p.pid for p in again.commands.list()], again.commands.list()
+later = again.commands.connect(h.pid).wait()
+assert later.exit_code == 0 and later.stdout.endswith("finished\n"), later
+# The stream opened before the pause got every line, in order.
+whole = h.wait()
+assert whole.stdout == "".join(f"{i}\n" for i in range(1, 21)) + "finished\n", whole.stdout
+assert h.pid not in [p.pid for p in again.commands.list()]
+# A fork ends the commands of the sandbox forked (documented: a clone forks
+# only processes running as the box's root); both go on without them.
+h2 = again.commands.run("sleep 300", background=True)
+(twin,) = again.fork()
+try:
+    h2.wait()
+    raise SystemExit("a command outlived the fork of its sandbox")
+except CommandExitException as e:
+    assert e.exit_code == 137, e.exit_code
+assert again.commands.list() == [] and twin.commands.list() == []
+assert twin.commands.run("pgrep -x sleep || echo none").stdout == "none\n"
+twin.kill()
+again.kill()
 print("done")
 "#,
     );

@@ -4,10 +4,11 @@
 //! forked with the template and already in the box's namespaces, cgroup,
 //! capability set and seccomp filter: a command then costs one fork and exec
 //! in the box, where `nestbox exec` starts a process on the host that joins
-//! all of those first. The agent is a short Python program (python3 is in the
-//! image) listening on an abstract Unix socket, which lives in the box's
-//! network namespace: the server connects from a short-lived thread that has
-//! joined that namespace.
+//! all of those first. The agent is this server's own binary run as
+//! `e2b-agent` in the box ([`crate::envd::agentd`]), listening on an abstract
+//! Unix socket, which lives in the box's network namespace: the server
+//! connects from a short-lived thread that has joined that namespace. This
+//! module is the server's side of the protocol.
 //!
 //! Protocol, one request per connection: a JSON line, with the command's
 //! stdin, stdout and stderr as `SCM_RIGHTS` for a start. Start
@@ -35,86 +36,122 @@ use crate::error::{E2bError, Result};
 /// The agent's abstract socket name (without the leading NUL).
 pub const SOCKET: &str = "nestbox-e2b-agent";
 
-/// The agent, run as `python3 -c AGENT`.
-pub const AGENT: &str = r#"
-import fcntl, json, os, socket, struct, subprocess, termios, threading
-def reply(c, obj):
-    c.sendall((json.dumps(obj) + "\n").encode())
-def serve(c):
-    fds = []
-    try:
-        data, fds, _, _ = socket.recv_fds(c, 1 << 20, 3)
-        while not data.endswith(b"\n"):
-            more = c.recv(1 << 20)
-            if not more:
-                return
-            data += more
-        req = json.loads(data)
-        if "kill" in req:
-            try:
-                os.kill(req["kill"], req["signal"])
-                reply(c, {"ok": True})
-            except OSError:
-                reply(c, {"ok": False})
-            return
-        env = dict(os.environ)
-        # A clone's name is its own, not the template's it inherited.
-        env["HOSTNAME"] = socket.gethostname()
-        env.update(req["env"])
-        argv, master = req["argv"], None
-        if "pty" in req:
-            # A terminal of the box's own devpts; the command gets it as its
-            # controlling terminal (setsid -c), the server the master side.
-            master, slave = os.openpty()
-            size = struct.pack("HHHH", req["pty"]["rows"], req["pty"]["cols"], 0, 0)
-            fcntl.ioctl(slave, termios.TIOCSWINSZ, size)
-            fds = [slave, os.dup(slave), os.dup(slave)]
-            argv = ["setsid", "-c"] + argv
-        try:
-            p = subprocess.Popen(argv, stdin=fds[0], stdout=fds[1], stderr=fds[2],
-                                 cwd=req["cwd"], env=env, user=req["uid"], group=req["gid"],
-                                 extra_groups=[], close_fds=True)
-        except OSError as e:
-            reply(c, {"error": str(e), "code": 127 if isinstance(e, FileNotFoundError) else 126})
-            if master is not None:
-                os.close(master)
-            return
-        finally:
-            for fd in fds:
-                os.close(fd)
-            fds = []
-        if master is None:
-            reply(c, {"pid": p.pid})
-        else:
-            socket.send_fds(c, [(json.dumps({"pid": p.pid}) + "\n").encode()], [master])
-            os.close(master)
-        code = p.wait()
-        reply(c, {"exit": code if code >= 0 else 128 - code})
-    except Exception:
-        pass
-    finally:
-        for fd in fds:
-            os.close(fd)
-        c.close()
-s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-s.bind("\0nestbox-e2b-agent")
-s.listen(512)
-while True:
-    c, _ = s.accept()
-    threading.Thread(target=serve, args=(c,), daemon=True).start()
-"#;
-
 /// A connection to the agent of the box whose init is `pid`; `None` if the
 /// box has none (or this server may not join its network namespace).
 pub fn connect_to(pid: i32) -> Result<Option<UnixStream>> {
     let ns_path = format!("/proc/{pid}/ns/net");
     let ns = std::fs::File::open(&ns_path).map_err(E2bError::io("open", &ns_path))?;
-    // setns(CLONE_NEWNET) changes the calling thread only: a thread of its
-    // own joins the box's network namespace, makes the connection, and ends.
-    let joined = std::thread::spawn(move || -> nix::Result<Option<OwnedFd>> {
-        match nix::sched::setns(&ns, CloneFlags::CLONE_NEWNET) {
+    // setns(CLONE_NEWNET) changes the calling thread only: one thread of the
+    // server goes into the box's network namespace to make the socket (an
+    // abstract name is looked up in the namespace the socket was made in)
+    // and back. A thread of its own per call if that one is gone.
+    let made = match Connector::get().map(|c| c.connect(ns)) {
+        Some(Ok(made)) => made,
+        Some(Err(ns)) => connect_in_new_thread(ns)?,
+        None => return Err(E2bError::Invalid("no thread to reach the agent".into())),
+    };
+    let fd = made
+        .map_err(|e| E2bError::io("connect to the agent of", format!("/proc/{pid}"))(e.into()))?;
+    Ok(fd.map(UnixStream::from))
+}
+
+/// What connecting in a box's network namespace gave.
+type Made = nix::Result<Option<OwnedFd>>;
+
+/// The thread that makes agent connections in boxes' network namespaces
+/// (joining one costs far less than making a thread).
+#[derive(Debug)]
+struct Connector {
+    jobs: std::sync::Mutex<
+        std::sync::mpsc::Sender<(std::fs::File, std::sync::mpsc::SyncSender<Made>)>,
+    >,
+}
+
+impl Connector {
+    /// The server's connector, started at first use (`None` if no thread
+    /// could be made at all).
+    fn get() -> Option<&'static Connector> {
+        static CONNECTOR: std::sync::OnceLock<Option<Connector>> = std::sync::OnceLock::new();
+        CONNECTOR
+            .get_or_init(|| {
+                let (tx, rx) = std::sync::mpsc::channel();
+                std::thread::Builder::new()
+                    .name("e2b-netns".into())
+                    .spawn(move || connector_thread(rx))
+                    .ok()?;
+                Some(Connector {
+                    jobs: std::sync::Mutex::new(tx),
+                })
+            })
+            .as_ref()
+    }
+
+    /// Connect to the agent in namespace `ns`; `Err(ns)` back if the thread
+    /// has ended.
+    fn connect(&self, ns: std::fs::File) -> std::result::Result<Made, std::fs::File> {
+        let (tx, rx) = std::sync::mpsc::sync_channel(1);
+        let sent = self
+            .jobs
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .send((ns, tx));
+        match sent {
+            // (It answers every job it takes.)
+            Ok(()) => Ok(rx.recv().unwrap_or(Err(nix::errno::Errno::ECONNABORTED))),
+            Err(std::sync::mpsc::SendError((ns, _))) => Err(ns),
+        }
+    }
+}
+
+/// The connector: for each job, join the box's network namespace, make the
+/// socket, come back, connect. If it cannot come back to the server's own
+/// namespace it ends (a thread left in a box's namespace must not serve on).
+fn connector_thread(
+    jobs: std::sync::mpsc::Receiver<(std::fs::File, std::sync::mpsc::SyncSender<Made>)>,
+) {
+    let Ok(own) = std::fs::File::open("/proc/thread-self/ns/net") else {
+        return;
+    };
+    for (ns, answer) in jobs {
+        let made = match nix::sched::setns(&ns, CloneFlags::CLONE_NEWNET) {
             // Without the privilege to join (a server without root), the box
             // is served as one without the agent.
+            Err(nix::errno::Errno::EPERM) => Ok(None),
+            Err(e) => Err(e),
+            Ok(()) => {
+                let fd = socket(
+                    AddressFamily::Unix,
+                    SockType::Stream,
+                    SockFlag::SOCK_CLOEXEC,
+                    None,
+                );
+                if let Err(e) = nix::sched::setns(&own, CloneFlags::CLONE_NEWNET) {
+                    tracing::error!("e2b: back from a box's network namespace: {e}");
+                    let _ = answer.send(Err(e));
+                    return;
+                }
+                fd.and_then(connect_agent)
+            }
+        };
+        let _ = answer.send(made);
+    }
+}
+
+/// Connect `fd` (made in the box's network namespace) to the agent; `None`
+/// if nothing listens there.
+fn connect_agent(fd: OwnedFd) -> Made {
+    let addr = UnixAddr::new_abstract(SOCKET.as_bytes())?;
+    match connect(fd.as_raw_fd(), &addr) {
+        Ok(()) => Ok(Some(fd)),
+        Err(nix::errno::Errno::ECONNREFUSED) => Ok(None),
+        Err(e) => Err(e),
+    }
+}
+
+/// [`connect_to`]'s work in a short-lived thread of its own.
+fn connect_in_new_thread(ns: std::fs::File) -> Result<Made> {
+    std::thread::spawn(move || -> Made {
+        match nix::sched::setns(&ns, CloneFlags::CLONE_NEWNET) {
             Err(nix::errno::Errno::EPERM) => return Ok(None),
             other => other?,
         }
@@ -124,18 +161,10 @@ pub fn connect_to(pid: i32) -> Result<Option<UnixStream>> {
             SockFlag::SOCK_CLOEXEC,
             None,
         )?;
-        let addr = UnixAddr::new_abstract(SOCKET.as_bytes())?;
-        match connect(fd.as_raw_fd(), &addr) {
-            Ok(()) => Ok(Some(fd)),
-            Err(nix::errno::Errno::ECONNREFUSED) => Ok(None),
-            Err(e) => Err(e),
-        }
+        connect_agent(fd)
     })
     .join()
-    .map_err(|_| E2bError::Invalid("the agent connection thread panicked".into()))?;
-    let fd = joined
-        .map_err(|e| E2bError::io("connect to the agent of", format!("/proc/{pid}"))(e.into()))?;
-    Ok(fd.map(UnixStream::from))
+    .map_err(|_| E2bError::Invalid("the agent connection thread panicked".into()))
 }
 
 /// Send `request` with `fds` (none for a kill).

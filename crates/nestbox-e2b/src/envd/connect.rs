@@ -75,13 +75,19 @@ pub fn send(w: &mut ChunkWriter<'_>, message: &Value) -> std::io::Result<()> {
     w.chunk(&envelope(0, message))
 }
 
-/// End a stream, with its error if it failed.
+/// Send the last message of a stream with its end (one write).
+pub fn send_last(w: &mut ChunkWriter<'_>, message: &Value) {
+    w.last_chunk(&envelope(0, message));
+}
+
+/// End a stream, with its error if it failed (sent with the end of the body).
 pub fn end(w: &mut ChunkWriter<'_>, error: Option<&E2bError>) -> std::io::Result<()> {
     let last = match error {
         None => json!({}),
         Some(e) => json!({"error": error_json(e)}),
     };
-    w.chunk(&envelope(END_STREAM, &last))
+    w.last_chunk(&envelope(END_STREAM, &last));
+    Ok(())
 }
 
 /// A stream that fails before its first message: a 200 with only the

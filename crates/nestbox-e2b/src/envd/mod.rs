@@ -4,6 +4,7 @@
 //! `process.Process` and `filesystem.Filesystem`.
 
 pub mod agent;
+pub mod agentd;
 pub mod connect;
 pub mod fs;
 pub mod process;

@@ -1,11 +1,15 @@
 //! envd's process service (`/process.Process/…`): Start and Connect stream a
 //! process's events (start with its pid, stdout/stderr data, end with its
 //! exit code); List, SendSignal, SendInput and CloseStdin act on the
-//! processes started. Each process is `nestbox exec` of the command in the
-//! sandbox's box (its namespaces, cgroup, seccomp filter and limits), as the
-//! sandbox's user in its home; the pid the SDK sees is that of the `nestbox
-//! exec` process on the host, which the server maps to the command itself
-//! when it signals it.
+//! processes started. Each process is started in the sandbox's box (its
+//! namespaces, cgroup, seccomp filter and limits), as the sandbox's user in
+//! its home: by the box's in-box agent when it has one ([`agent`]; the pid
+//! the SDK sees is the command's in the box), else as `nestbox exec` of the
+//! command (the pid is that of the `nestbox exec` process on the host, which
+//! the server maps to the command itself when it signals it). The command's
+//! stdin, stdout and stderr are pipes to this server, read by a thread per
+//! process; a pause freezes them with the box, a fork or snapshot ends them
+//! ([`Table::end_all`]).
 
 use std::collections::HashMap;
 use std::fs::File;
@@ -205,7 +209,20 @@ impl Table {
         self.kill_all();
     }
 
-    /// Kill every process (the sandbox is paused: its streams see them end).
+    /// Kill every process and wait, at most `limit` in all, until each has
+    /// been reaped and its end reported (the box is about to be frozen into
+    /// a template, which a process of the user, even a dying one, would
+    /// refuse): their streams see them end.
+    pub fn end_all(&self, limit: Duration) {
+        let procs: Vec<Arc<Proc>> = self.lock().values().cloned().collect();
+        self.kill_all();
+        let end = Instant::now() + limit;
+        for p in procs {
+            p.wait_ended(end.saturating_duration_since(Instant::now()));
+        }
+    }
+
+    /// Kill every process (their streams see them end).
     pub fn kill_all(&self) {
         let procs: Vec<Arc<Proc>> = self.lock().values().cloned().collect();
         for p in procs {
@@ -387,6 +404,7 @@ fn start(
                 .collect()
         })
         .unwrap_or_default();
+    let started_at = Instant::now();
     let box_name = sandbox.running_box()?;
     let user = sandbox.user(&server.reg, user)?;
     let cwd = user.resolve(config.get("cwd").and_then(Value::as_str).unwrap_or(""));
@@ -410,7 +428,10 @@ fn start(
     command.extend(args);
     // Through the box's agent when it has one, else `nestbox exec`.
     let root_pid = sandbox.root_pid(&server.reg)?;
-    let (proc_, runner) = match agent::connect_to(root_pid)? {
+    let looked_up = started_at.elapsed();
+    let conn = agent::connect_to(root_pid)?;
+    let connected = started_at.elapsed();
+    let (proc_, runner) = match conn {
         Some(conn) if pty_size.is_some() => {
             let size = pty_size.unwrap_or((24, 80));
             match agent::start_pty(conn, &command, &env, &cwd, (user.uid, user.gid), size)? {
@@ -524,6 +545,12 @@ fn start(
             )
         }
     };
+    if phases_wanted() {
+        eprintln!(
+            "PHASES e2b start: looked up {looked_up:?}, connected {connected:?}, started {:?}",
+            started_at.elapsed()
+        );
+    }
     let proc_ = Arc::new(proc_);
     let rx = proc_
         .subscribe()
@@ -540,6 +567,13 @@ fn start(
         })
         .map_err(E2bError::io("spawn a thread for", "a process"))?;
     Ok((proc_, rx))
+}
+
+/// Whether the phases of each command are printed on stderr (the server's
+/// log): `NB_PHASES` set in the server's environment, as for clones.
+fn phases_wanted() -> bool {
+    static WANTED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *WANTED.get_or_init(|| std::env::var_os("NB_PHASES").is_some())
 }
 
 /// What a process's output and exit come from.
@@ -675,6 +709,7 @@ fn stream(
         200,
         "application/connect+json",
         Box::new(move |w| {
+            let streamed_at = Instant::now();
             connect::send(w, &json!({"event": {"start": {"pid": p.pid}}}))?;
             loop {
                 let wait = match deadline {
@@ -699,7 +734,13 @@ fn stream(
                         if code > 128 {
                             end["status"] = json!(format!("signal: {}", code - 128));
                         }
-                        connect::send(w, &json!({"event": {"end": end}}))?;
+                        connect::send_last(w, &json!({"event": {"end": end}}));
+                        if phases_wanted() {
+                            eprintln!(
+                                "PHASES e2b stream: end sent {:?} after the start event",
+                                streamed_at.elapsed()
+                            );
+                        }
                         return connect::end(w, None);
                     }
                     Err(RecvTimeoutError::Timeout) => {
