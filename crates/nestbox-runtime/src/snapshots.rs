@@ -145,6 +145,34 @@ pub fn list(record: &BoxRecord) -> Result<Vec<SnapshotRecord>> {
     Ok(out)
 }
 
+/// The names of `record`'s snapshots, oldest first (by the time their record
+/// was written), without reading them.
+pub fn names(record: &BoxRecord) -> Result<Vec<String>> {
+    let d = dir(record);
+    let entries = match fs::read_dir(&d) {
+        Ok(e) => e,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(e) => return Err(RuntimeError::io("read directory", &d)(e)),
+    };
+    let mut out: Vec<(std::time::SystemTime, String)> = Vec::new();
+    for e in entries {
+        let e = e.map_err(RuntimeError::io("read directory", &d))?;
+        let file = e.file_name().to_string_lossy().to_string();
+        let Some(name) = file.strip_suffix(".json") else {
+            continue;
+        };
+        if file.starts_with('.') {
+            continue;
+        }
+        // Removed meanwhile by `snapshot rm`: not listed.
+        if let Ok(t) = e.metadata().and_then(|m| m.modified()) {
+            out.push((t, name.to_string()));
+        }
+    }
+    out.sort();
+    Ok(out.into_iter().map(|(_, n)| n).collect())
+}
+
 /// Snapshot `name` of `record`. Unknown: the error says whose it is if another
 /// box of the registry has one of that name.
 pub fn load(reg: &Registry, record: &BoxRecord, name: &str) -> Result<SnapshotRecord> {
@@ -194,7 +222,8 @@ pub fn write_new(record: &BoxRecord, snap: &SnapshotRecord) -> Result<()> {
     })?;
     let written = (|| {
         let mut f = fs::File::create(&tmp).map_err(RuntimeError::io("create", &tmp))?;
-        f.write_all(&data).map_err(RuntimeError::io("write", &tmp))?;
+        f.write_all(&data)
+            .map_err(RuntimeError::io("write", &tmp))?;
         f.sync_all().map_err(RuntimeError::io("fsync", &tmp))?;
         nix::fcntl::renameat2(
             None,
@@ -308,7 +337,11 @@ fn remove_leftovers(lib: &Path, base: &Path) {
         base.join(OLD_WORK),
     ] {
         if d.exists() {
-            crate::diag::warn_on_err(None, "removing a replaced layer", crate::registry::remove_tree(&d));
+            crate::diag::warn_on_err(
+                None,
+                "removing a replaced layer",
+                crate::registry::remove_tree(&d),
+            );
         }
     }
 }

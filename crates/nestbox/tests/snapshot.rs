@@ -44,7 +44,14 @@ fn import_image(root: &TestRoot) {
     fs::write(dir.join("etc/keep"), "keep\n").unwrap();
     fs::write(dir.join("etc/d/one"), "one\n").unwrap();
     fs::write(dir.join("etc/d/sub/deep"), "deep\n").unwrap();
-    root.ok(&["image", "import", "-q", dir.to_str().unwrap(), "--name", "bb"]);
+    root.ok(&[
+        "image",
+        "import",
+        "-q",
+        dir.to_str().unwrap(),
+        "--name",
+        "bb",
+    ]);
 }
 
 fn json(text: &str) -> Value {
@@ -103,7 +110,17 @@ fn snapshot_diff_rollback_round_trip() {
     }
     import_image(&root);
     root.ok(&[
-        "run", "-d", "--name", "tt", "--network", "none", "--image", "bb", "--", "sleep", "100000",
+        "run",
+        "-d",
+        "--name",
+        "tt",
+        "--network",
+        "none",
+        "--image",
+        "bb",
+        "--",
+        "sleep",
+        "100000",
     ]);
     // Add, modify, delete a lower file (a whiteout), replace a lower
     // directory (an opaque one), and a new directory.
@@ -275,7 +292,16 @@ fn bad_input_is_one_line_and_changes_nothing() {
     import_image(&root);
     for name in ["a", "b"] {
         root.ok(&[
-            "run", "-d", "--name", name, "--network", "none", "--image", "bb", "--", "sleep",
+            "run",
+            "-d",
+            "--name",
+            name,
+            "--network",
+            "none",
+            "--image",
+            "bb",
+            "--",
+            "sleep",
             "100000",
         ]);
     }
@@ -285,7 +311,11 @@ fn bad_input_is_one_line_and_changes_nothing() {
     let listing = root.ok(&["snapshot", "ls"]);
     let objs = objects(&root);
 
-    assert_error(&root.run(&["snapshot", "nope"]), 125, "no box named \"nope\"");
+    assert_error(
+        &root.run(&["snapshot", "nope"]),
+        125,
+        "no box named \"nope\"",
+    );
     assert_error(
         &root.run(&["snapshot", "a", "sa"]),
         125,
@@ -336,7 +366,17 @@ fn a_killed_snapshot_leaves_a_whole_one_or_none() {
     }
     import_image(&root);
     root.ok(&[
-        "run", "-d", "--name", "k", "--network", "none", "--image", "bb", "--", "sleep", "100000",
+        "run",
+        "-d",
+        "--name",
+        "k",
+        "--network",
+        "none",
+        "--image",
+        "bb",
+        "--",
+        "sleep",
+        "100000",
     ]);
     root.ok(&[
         "exec",

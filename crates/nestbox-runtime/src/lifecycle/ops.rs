@@ -48,17 +48,17 @@ fn run_detached_inner(reg: &Registry, spec: &BoxSpec) -> Result<()> {
 pub fn restart_detached(reg: &Registry, record: &BoxRecord) -> Result<()> {
     let mut record = record.clone();
     record.state = reg.update(record.name(), |s| {
-            s.status = Status::Creating;
-            s.monitor = Some(crate::liveness::ProcRef::current());
-            s.init = None;
-            s.started_at = None;
-            s.finished_at = None;
-            s.exit_code = None;
-            s.oom_killed = false;
-            s.error = None;
-            s.final_stats = None;
-            s.watchdog = None;
-        })?;
+        s.status = Status::Creating;
+        s.monitor = Some(crate::liveness::ProcRef::current());
+        s.init = None;
+        s.started_at = None;
+        s.finished_at = None;
+        s.exit_code = None;
+        s.oom_killed = false;
+        s.error = None;
+        s.final_stats = None;
+        s.watchdog = None;
+    })?;
     let name = record.name().to_string();
     start_detached(reg, record, true).map_err(|e| e.in_box(&name))
 }

@@ -112,21 +112,26 @@ pub fn snapshot(reg: &Registry, box_name: &str, name: Option<&str>) -> Result<Sn
     let _lock = snapshots::lock(&record)?;
     let (upper, _) = record.layer_dirs(0);
     snapshots::recover(record.lib_dir(), &upper)?;
-    let existing = snapshots::list(&record)?;
+    // Only the newest snapshot is read: its stamps tell which files changed.
+    let existing = snapshots::names(&record)?;
     let name = match name {
         Some(n) => n.to_string(),
         None => (existing.len() + 1..)
             .map(|i| format!("snap-{i}"))
-            .find(|n| !existing.iter().any(|s| &s.name == n))
+            .find(|n| !existing.contains(n))
             .expect("an unused name"),
     };
-    if existing.iter().any(|s| s.name == name) {
+    if existing.contains(&name) {
         return Err(RuntimeError::SnapshotExists {
             box_name: box_name.to_string(),
             name,
         });
     }
-    let previous = existing.last();
+    let previous = match existing.last() {
+        Some(n) => Some(snapshots::load(reg, &record, n)?),
+        None => None,
+    };
+    let previous = previous.as_ref();
     let base = snapshots::rollback_layer(record.lib_dir())?;
     let store = store(reg)?;
     let txn = in_store(&record, Txn::begin(&store))?;
@@ -134,7 +139,10 @@ pub fn snapshot(reg: &Registry, box_name: &str, name: Option<&str>) -> Result<Sn
         (Some(cg), Status::Running) => match cg.set_frozen(true, Duration::from_secs(5)) {
             Ok(()) => Some(cg),
             Err(e) => {
-                tracing::warn!(box_name, "snapshot of a running box without freezing it: {e}");
+                tracing::warn!(
+                    box_name,
+                    "snapshot of a running box without freezing it: {e}"
+                );
                 None
             }
         },
@@ -270,10 +278,17 @@ pub fn diff(reg: &Registry, box_name: &str, name: Option<&str>) -> Result<Vec<(C
         Some(n) => snapshots::load(reg, &record, n)?.layer,
         None => LayerManifest::empty(),
     };
-    let all = snapshots::list(&record)?;
+    let newest = match snapshots::names(&record)?.last() {
+        Some(n) => Some(snapshots::load(reg, &record, n)?),
+        None => None,
+    };
     let base = snapshots::rollback_layer(record.lib_dir())?;
     let scanned = if upper.is_dir() {
-        nestbox_store::scan_upper(&upper, all.last().map(|s| &s.layer), Contents::HashOnly)
+        nestbox_store::scan_upper(
+            &upper,
+            newest.as_ref().map(|s| &s.layer),
+            Contents::HashOnly,
+        )
     } else {
         Ok((LayerManifest::empty(), Default::default()))
     };
@@ -296,17 +311,20 @@ pub fn diff(reg: &Registry, box_name: &str, name: Option<&str>) -> Result<Vec<(C
         .chain(record.spec.volumes.iter().map(|v| rel(&v.target)))
         .chain(record.spec.tmpfs.iter().map(|t| rel(t)))
         .collect();
-    Ok(
-        nestbox_store::diff_layers(&from, &now, &LowerDirs(lowers))
-            .into_iter()
-            .filter(|(_, p)| !mounts.contains(p))
-            .collect(),
-    )
+    Ok(nestbox_store::diff_layers(&from, &now, &LowerDirs(lowers))
+        .into_iter()
+        .filter(|(_, p)| !mounts.contains(p))
+        .collect())
 }
 
 /// Files the runtime binds over in every box (their mount points appear in
 /// the writable layer when the image lacks them).
-const RUNTIME_MOUNTS: &[&str] = &["etc/machine-id", "etc/hosts", "etc/resolv.conf", "etc/hostname"];
+const RUNTIME_MOUNTS: &[&str] = &[
+    "etc/machine-id",
+    "etc/hosts",
+    "etc/resolv.conf",
+    "etc/hostname",
+];
 
 fn rel(p: &std::path::Path) -> String {
     p.to_string_lossy().trim_start_matches('/').to_string()
