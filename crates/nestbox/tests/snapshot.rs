@@ -207,6 +207,37 @@ fn snapshot_diff_rollback_round_trip() {
     assert!(diff(&root, &["tt", "s1"]).is_empty());
     assert_eq!(diff(&root, &["tt"]), from_image);
 
+    // A rolled-back box commits as the files it sees; checkpoint and freeze,
+    // which copy or share `upper-0` alone, refuse it with one line.
+    root.ok(&["commit", "tt", "img2"]);
+    root.ok(&[
+        "run",
+        "-d",
+        "--name",
+        "c2",
+        "--network",
+        "none",
+        "--image",
+        "img2",
+        "--",
+        "sleep",
+        "100000",
+    ]);
+    assert_eq!(view(&root, "c2"), at_s1);
+    root.ok(&["rm", "-f", "c2"]);
+    root.ok(&["image", "rm", "img2"]);
+    assert_error(
+        &root.run(&["checkpoint", "tt"]),
+        125,
+        "was rolled back to a snapshot",
+    );
+    assert_error(
+        &root.run(&["freeze", "tt"]),
+        125,
+        "was rolled back to a snapshot",
+    );
+    assert_eq!(root.status("tt").as_deref(), Some("running"));
+
     // Changes after a rollback stack on the snapshot's layer; a snapshot of
     // them stores only what is new: 64 KiB of new content, one object.
     let before = objects(&root);

@@ -203,6 +203,7 @@ pub fn checkpoint(reg: &Registry, box_name: &str, req: &CheckpointRequest) -> Re
             name
         }));
     }
+    crate::snapshots::refuse_rolled_back(&record, "checkpoint")?;
     let cgroup = running_cgroup(&record)?;
     let template = record.state.template.is_some();
     private_dir(&parent)?;
@@ -509,6 +510,7 @@ pub(crate) fn copy_layers(
     dir: &Path,
     self_contained: bool,
 ) -> Result<usize> {
+    crate::snapshots::refuse_rolled_back(record, "checkpoint")?;
     let mut lines: Vec<String> = Vec::new();
     let mut k = 0;
     // A clone's root has its template's layers under its own (and, for a

@@ -69,6 +69,7 @@ fn freeze_inner(
         });
     }
     let record = reg.load(name)?;
+    crate::snapshots::refuse_rolled_back(&record, "freeze")?;
     match record.state.effective_status() {
         Status::Running => {}
         Status::Frozen => {
