@@ -17,7 +17,8 @@ Rollback, N rounds, alternating between two snapshots that differ in all FILES
 files (each restores FILES files' contents):
 
   rollback (running)   `nestbox rollback --json BOX SNAP` of the running box:
-                       stop, swap, start again (the box restarted)
+                       materialise the snapshot's layer, then stop, swap, start
+                       again (downtime_ms: from the stop to the command running)
   rollback (stopped)   the same of the box stopped (files only)
   cp -a restore        `rm -rf UPPER2; cp -a SAVED UPPER2` (naive restore of a
                        saved copy of the layer)
@@ -103,7 +104,7 @@ def main():
     run(["cp", "-a", upper, saved])
     run(base + change)
     run(base + ["snapshot", box, "rb"])
-    rb = {"running": [], "running_swap": [], "running_materialise": [], "stopped": [],
+    rb = {"running": [], "running_swap": [], "running_materialise": [], "running_down": [], "stopped": [],
           "stopped_swap": [], "stopped_materialise": [], "cp_restore": []}
     target = os.path.join(scratch, "upper2")
     for r in range(n):
@@ -114,6 +115,7 @@ def main():
         rb["running"].append(ms)
         rb["running_swap"].append(j["swap_ms"])
         rb["running_materialise"].append(j["materialise_ms"])
+        rb["running_down"].append(j["downtime_ms"])
         if os.path.exists(target):
             shutil.rmtree(target)
         run(["cp", "-a", upper, target])
@@ -148,7 +150,7 @@ def main():
     print(f"| `cp -a` of the upper dir | {sn['cp']} |")
     print(f"| `tar -cf` of the upper dir | {sn['tar']} |")
     print(f"| `snapshot` with nothing changed | {sn['unchanged']} (own {sn['unchanged_self']}) |")
-    print(f"| `rollback` of the running box (stop, swap, restart) | {rl['running']} (materialise {rl['running_materialise']}, swap {rl['running_swap']}) |")
+    print(f"| `rollback` of the running box (stop, swap, restart) | {rl['running']} (materialise {rl['running_materialise']}, then down {rl['running_down']}: stop, swap {rl['running_swap']}, start) |")
     print(f"| `rollback` of the stopped box | {rl['stopped']} (materialise {rl['stopped_materialise']}, swap {rl['stopped_swap']}) |")
     print(f"| naive restore: `rm -rf` + `cp -a` of a saved layer | {rl['cp_restore']} |")
 

@@ -80,6 +80,9 @@ pub struct RollbackReport {
     pub materialise_ms: f64,
     /// Milliseconds the box's files took to change (the layer swap).
     pub swap_ms: f64,
+    /// Milliseconds from the stop of a running box to its command running
+    /// again (stop, swap, start); the swap alone for a box not running.
+    pub downtime_ms: f64,
     /// Milliseconds of the whole rollback (stop and start included).
     pub total_ms: f64,
 }
@@ -241,6 +244,7 @@ pub fn rollback(
         return Err(e);
     }
     let materialise_ms = started.elapsed().as_secs_f64() * 1000.0;
+    let down = Instant::now();
     if running {
         crate::lifecycle::ops::stop(reg, box_name, stop_timeout)?;
     }
@@ -255,6 +259,7 @@ pub fn rollback(
     } else {
         Ok(())
     };
+    let downtime_ms = down.elapsed().as_secs_f64() * 1000.0;
     snapshots::remove_replaced(&lib, &upper);
     restarted?;
     Ok(RollbackReport {
@@ -263,6 +268,7 @@ pub fn rollback(
         restarted: running,
         materialise_ms,
         swap_ms,
+        downtime_ms,
         total_ms: started.elapsed().as_secs_f64() * 1000.0,
     })
 }
