@@ -37,6 +37,8 @@ pub const LAYER_VERSION: u32 = 1;
 
 /// The xattr overlayfs reads to make a directory opaque.
 const OPAQUE_XATTR: &str = "trusted.overlay.opaque";
+/// The same for an overlay mounted with `userxattr` (in a user namespace).
+const USER_OPAQUE_XATTR: &str = "user.overlay.opaque";
 
 /// What changes whenever a regular file's content or metadata can have changed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -308,8 +310,20 @@ fn read_files(
 /// Build `layer` as a directory at `root` (which must not exist): directories
 /// (opaque ones marked so), whiteouts, symlinks and special files made anew,
 /// regular files hardlinked to their objects in `store` (so the directory is
-/// for a read-only lower layer only). `root` gets mode 0755.
-pub fn materialise(store: &Store, layer: &LayerManifest, root: &Path) -> Result<()> {
+/// for a read-only lower layer only). `root` gets mode 0755. With
+/// `user_xattrs`, opaque directories are marked for an overlay mounted in a
+/// user namespace (`user.overlay.opaque`).
+pub fn materialise(
+    store: &Store,
+    layer: &LayerManifest,
+    root: &Path,
+    user_xattrs: bool,
+) -> Result<()> {
+    let opaque_xattr = if user_xattrs {
+        USER_OPAQUE_XATTR
+    } else {
+        OPAQUE_XATTR
+    };
     let mut dirs = fs::DirBuilder::new();
     dirs.mode(0o700);
     dirs.create(root).map_err(StoreError::io("mkdir", root))?;
@@ -363,7 +377,7 @@ pub fn materialise(store: &Store, layer: &LayerManifest, root: &Path) -> Result<
             let mut meta = e.entry.meta.clone();
             if e.opaque {
                 meta.xattrs
-                    .insert(OPAQUE_XATTR.into(), crate::meta::XattrValue(b"y".to_vec()));
+                    .insert(opaque_xattr.into(), crate::meta::XattrValue(b"y".to_vec()));
             }
             meta.apply_path(&root.join(path), false)?;
         }
@@ -655,9 +669,9 @@ mod tests {
 
     #[test]
     fn scan_reuses_unchanged_files_and_materialise_round_trips() {
-        if !nix::unistd::geteuid().is_root() {
-            // Whiteouts (mknod) and trusted.* xattrs need root; the
-            // integration tests run this as root.
+        // Whiteouts (mknod) and trusted.* xattrs need root.
+        if !nestbox_testkit::require_root("scan_reuses_unchanged_files_and_materialise_round_trips")
+        {
             return;
         }
         let tmp = tempfile::tempdir().unwrap();
@@ -700,7 +714,7 @@ mod tests {
             .collect();
         assert_eq!(got, vec!["C g"]);
         let out = tmp.path().join("out");
-        materialise(&store, &first, &out).unwrap();
+        materialise(&store, &first, &out, false).unwrap();
         assert_eq!(fs::read(out.join("d/e/f")).unwrap(), b"hello");
         assert!(is_opaque(&out.join("d")));
         let md = fs::symlink_metadata(out.join("wh")).unwrap();

@@ -418,7 +418,8 @@ fn a_killed_snapshot_leaves_a_whole_one_or_none() {
         "mkdir /many; for i in $(seq 1 3000); do echo $i > /many/f$i; done",
     ]);
     let mut listed: Vec<Value> = Vec::new();
-    for (i, delay_ms) in [2u64, 5, 10, 20, 40, 80].iter().enumerate() {
+    let delays = [2u64, 5, 10, 20, 40, 80, 300, 1000, 3000];
+    for (i, delay_ms) in delays.iter().enumerate() {
         let name = format!("k{i}");
         let mut child = root.spawn(&["snapshot", "k", &name]);
         std::thread::sleep(Duration::from_millis(*delay_ms));
@@ -443,9 +444,16 @@ fn a_killed_snapshot_leaves_a_whole_one_or_none() {
         assert_eq!(s["files"], last["files"], "a listed snapshot is whole: {s}");
     }
     root.ok(&["store", "verify"]);
+    // What the killed ones staged goes at gc.
+    root.ok(&["store", "gc"]);
+    let staging: Vec<_> = fs::read_dir(root.path().join("lib/images/store/tmp"))
+        .map(|d| d.flatten().map(|e| e.file_name()).collect())
+        .unwrap_or_default();
+    assert!(staging.is_empty(), "staging left: {staging:?}");
     eprintln!(
-        "{test}: {} of 6 killed snapshots had finished",
-        listed.len()
+        "{test}: {} of {} killed snapshots had finished",
+        listed.len(),
+        delays.len()
     );
     root.rm_all(["k"]);
     root.ok(&["image", "rm", "bb"]);

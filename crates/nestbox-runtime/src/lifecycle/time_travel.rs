@@ -231,7 +231,14 @@ pub fn rollback(
         .and_then(|()| {
             in_store(
                 &record,
-                nestbox_store::materialise(&store, &snap.layer, &staging.join("tree")),
+                nestbox_store::materialise(
+                    &store,
+                    &snap.layer,
+                    &staging.join("tree"),
+                    // A box in a user namespace mounts its overlay with
+                    // `userxattr`: its opaque marker is a user xattr.
+                    record.spec.userns || record.state.idmap.is_some(),
+                ),
             )
         })
         .and_then(|()| crate::state::write_json(&staging.join("layer.json"), &snap.layer));
