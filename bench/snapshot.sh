@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The time-travel disk (docs/snapshots.md), side by side in one interleaved
 # run (medians): snapshot of a layer with FILES changed files against `cp -a`
-# and `tar` of the same upper directory; a snapshot with nothing changed;
+# (alone, and followed by `sync -f`: a snapshot is durable) and `tar` of the
+# same upper directory; a snapshot with nothing changed;
 # rollback of the running box (stop, swap, restart) and of the stopped box,
 # against the naive restore (`rm -rf` + `cp -a` of a saved layer).
 #   sudo N=15 FILES=1000 bench/snapshot.sh   -> bench/results/snapshot.json

@@ -55,8 +55,12 @@ pub struct SnapshotRecord {
     pub new_objects: u64,
     /// Content bytes it added to the store.
     pub new_bytes: u64,
-    /// Milliseconds it took.
+    /// Milliseconds it took (up to writing its record).
     pub ms: f64,
+    /// Of which: making its new objects durable and visible in the store
+    /// (`syncfs`, renames into `objects/`, `syncfs`).
+    #[serde(default)]
+    pub publish_ms: f64,
     /// The layer: every path of the box's writable layer.
     pub layer: LayerManifest,
 }

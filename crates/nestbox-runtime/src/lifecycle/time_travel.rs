@@ -47,6 +47,8 @@ pub struct SnapshotInfo {
     pub new_bytes: u64,
     /// Milliseconds it took.
     pub ms: f64,
+    /// Of which: making its new objects durable and visible in the store.
+    pub publish_ms: f64,
 }
 
 impl From<&SnapshotRecord> for SnapshotInfo {
@@ -62,6 +64,7 @@ impl From<&SnapshotRecord> for SnapshotInfo {
             new_objects: s.new_objects,
             new_bytes: s.new_bytes,
             ms: s.ms,
+            publish_ms: s.publish_ms,
         }
     }
 }
@@ -165,7 +168,9 @@ pub fn snapshot(reg: &Registry, box_name: &str, name: Option<&str>) -> Result<Sn
     }
     let (upper_layer, scan) = in_store(&record, scanned)?;
     let layer = base.compose(&upper_layer);
+    let publish = Instant::now();
     in_store(&record, txn.publish())?;
+    let publish_ms = publish.elapsed().as_secs_f64() * 1000.0;
     let stats = txn.stats();
     let (files, bytes) = layer.file_stats();
     let snap = SnapshotRecord {
@@ -180,6 +185,7 @@ pub fn snapshot(reg: &Registry, box_name: &str, name: Option<&str>) -> Result<Sn
         new_objects: stats.new_objects,
         new_bytes: stats.new_bytes,
         ms: started.elapsed().as_secs_f64() * 1000.0,
+        publish_ms,
         layer,
     };
     // The record last, while the transaction still holds the store's shared
