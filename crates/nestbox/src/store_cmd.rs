@@ -302,9 +302,8 @@ pub fn store(reg: &Registry, cmd: StoreCommand) -> Result<i32> {
         }
         StoreCommand::Gc { json } => {
             let r = store.gc_keeping(&|| {
-                nestbox_runtime::snapshots::referenced_inodes(reg).map_err(|e| {
-                    nestbox_store::StoreError::Referrers(format!("listing box snapshots: {e}"))
-                })
+                nestbox_runtime::snapshots::referenced_inodes(reg)
+                    .map_err(|e| nestbox_store::StoreError::Referrers(e.to_string()))
             })?;
             if json {
                 println!("{}", serde_json::to_string_pretty(&r)?);
