@@ -383,6 +383,35 @@ fn bad_input_is_one_line_and_changes_nothing() {
     // The box was not touched by the failed rollbacks.
     assert_eq!(root.status("a").as_deref(), Some("running"));
     assert_eq!(diff(&root, &["a"]), ["C /etc", "A /etc/x"]);
+
+    // A running --rm box would be removed by the stop of a rollback.
+    root.ok(&[
+        "run",
+        "-d",
+        "--rm",
+        "--name",
+        "r",
+        "--network",
+        "none",
+        "--image",
+        "bb",
+        "--",
+        "sleep",
+        "100000",
+    ]);
+    root.ok(&["snapshot", "r", "sr"]);
+    assert_error(
+        &root.run(&["rollback", "r", "sr"]),
+        125,
+        "was started with --rm",
+    );
+    assert_eq!(root.status("r").as_deref(), Some("running"));
+    root.ok(&["snapshot", "rm", "r", "sr"]);
+    // A --rm box removes itself once killed.
+    root.ok(&["kill", "r"]);
+    common::wait_for("box r to go", Duration::from_secs(10), || {
+        !root.names().iter().any(|n| n == "r")
+    });
     root.rm_all(["a", "b"]);
 }
 

@@ -222,6 +222,11 @@ pub fn rollback(
         return Err(wrong("is being created: roll it back once it runs"));
     }
     let running = status == Status::Running;
+    if running && record.spec.remove_on_exit {
+        return Err(wrong(
+            "was started with --rm: stopping it for the rollback would remove it",
+        ));
+    }
     if running && (record.spec.clone_of.is_some() || record.spec.restore_of.is_some()) {
         return Err(wrong(
             "is a clone or a restored box, which cannot be started again: stop it first (its files can then be rolled back)",
