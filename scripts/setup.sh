@@ -15,9 +15,10 @@ if ! command -v cargo >/dev/null 2>&1; then
 fi
 
 # Debian packages the test suite runs inside boxes or uses to check the host;
-# e2fsprogs formats the image of a box's `--disk` layer (mkfs.ext4).
+# e2fsprogs formats the image of a box's `--disk` layer (mkfs.ext4); gdb is what
+# `nestbox debug` runs.
 need=()
-for pkg in python3 procps util-linux iproute2 ca-certificates busybox-static nftables e2fsprogs; do
+for pkg in python3 procps util-linux iproute2 ca-certificates busybox-static nftables e2fsprogs gdb; do
   dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || need+=("$pkg")
 done
 # Programs the clone tests of real multi-threaded servers run (crates/nestbox/tests/

@@ -76,3 +76,21 @@ nestbox_clean_root() {
     "$NESTBOX" --root "$root" gc >/dev/null 2>&1 || true
     "$NESTBOX" --root "$root" network rm >/dev/null 2>&1 || true
 }
+
+# with_work_root PREFIX: make $work (a new temp dir) and $root (a nestbox root
+# in it, checked usable), both removed at exit; a script that defines
+# extra_cleanup has it called first.
+with_work_root() {
+    work=$(make_tmpdir "$1")
+    root=$work/root
+    trap _work_root_cleanup EXIT
+    trap 'exit 130' INT TERM
+    require_nestbox "$root"
+}
+_work_root_cleanup() {
+    local status=$?
+    if declare -F extra_cleanup >/dev/null; then extra_cleanup; fi
+    nestbox_clean_root "$root"
+    remove_tmpdir "$work"
+    exit "$status"
+}

@@ -27,6 +27,38 @@ use crate::limits::Limits;
 use crate::stats::{self, Stats};
 use crate::{fsutil, v1, v2};
 
+/// One rule of a device cgroup: allow or deny `access` (of `r`, `w`, `m`)
+/// to devices of type `kind` (`a` all, `b` block, `c` character) with the
+/// numbers given (`None`: any).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DeviceRule {
+    /// Allow (`true`) or deny.
+    pub allow: bool,
+    /// `a`, `b` or `c`.
+    pub kind: char,
+    /// Major number (`None`: any).
+    pub major: Option<i64>,
+    /// Minor number (`None`: any).
+    pub minor: Option<i64>,
+    /// Some of `r`, `w`, `m`.
+    pub access: String,
+}
+
+impl DeviceRule {
+    /// The rule as a v1 `devices.allow`/`devices.deny` line (`c 1:3 rwm`,
+    /// `a *:* rwm`).
+    pub fn v1_text(&self) -> String {
+        let num = |n: Option<i64>| n.map_or("*".to_string(), |v| v.to_string());
+        format!(
+            "{} {}:{} {}",
+            self.kind,
+            num(self.major),
+            num(self.minor),
+            self.access
+        )
+    }
+}
+
 /// Prefix of every box cgroup directory name.
 pub const DIR_PREFIX: &str = "nestbox-";
 /// How long [`BoxCgroup::freeze`] and [`BoxCgroup::thaw`] wait.
@@ -393,6 +425,30 @@ impl BoxCgroup {
     /// The box id.
     pub fn id(&self) -> &str {
         &self.id
+    }
+
+    /// Replace the box's device rules (the OCI config's
+    /// `linux.resources.devices`, say): every device denied, then `rules` in
+    /// order, a later rule overriding an earlier one. On cgroup v1 they go to
+    /// the devices controller. cgroup v2 has no devices controller (a BPF
+    /// program attached to the cgroup decides), which nestbox does not
+    /// attach: without a v1 devices hierarchy this is refused.
+    pub fn set_device_rules(&self, rules: &[DeviceRule]) -> Result<(), CgroupError> {
+        let v1: Vec<&CgroupDir> = self
+            .dirs
+            .iter()
+            .filter(|d| d.version == Version::V1 && d.controllers.iter().any(|c| c == "devices"))
+            .collect();
+        if v1.is_empty() {
+            return Err(CgroupError::Unsupported {
+                option: "device rules",
+                reason: "no cgroup v1 devices hierarchy here, and cgroup v2 device control (a BPF program) is not supported".into(),
+            });
+        }
+        for d in v1 {
+            v1::set_device_rules(&d.path, rules)?;
+        }
+        Ok(())
     }
 
     /// The box's directories.

@@ -246,10 +246,12 @@ impl CgroupError {
         }
     }
 
-    /// True when the error is a missing file or directory.
+    /// True when the error is a missing file or directory, or a file of a
+    /// cgroup removed while it was open (`ENODEV`): the cgroup is gone.
     pub fn is_not_found(&self) -> bool {
-        self.io_error()
-            .is_some_and(|e| e.kind() == io::ErrorKind::NotFound)
+        self.io_error().is_some_and(|e| {
+            e.kind() == io::ErrorKind::NotFound || e.raw_os_error() == Some(libc::ENODEV)
+        })
     }
 }
 

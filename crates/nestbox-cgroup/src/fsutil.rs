@@ -251,6 +251,15 @@ mod tests {
         assert_eq!(read(&d.join("pids.max")).unwrap(), "7");
         let err = write(&d.join("nope"), "1").unwrap_err();
         assert!(err.is_not_found());
+        // A file of a cgroup removed while it was open reads ENODEV: gone too.
+        let removed = CgroupError::io(
+            Op::Read,
+            &d.join("freezer.state"),
+            io::Error::from_raw_os_error(libc::ENODEV),
+        );
+        assert!(removed.is_not_found(), "{removed}");
+        let other = CgroupError::io(Op::Read, &d, io::Error::from_raw_os_error(libc::EACCES));
+        assert!(!other.is_not_found());
         remove_dir(&d).unwrap();
         assert!(!d.exists());
         remove_dir(&d).unwrap();

@@ -916,3 +916,71 @@ fn update_rewrites_only_the_limits_given() {
     assert!(e.to_string().contains("pids"), "{e}");
     cg.remove().unwrap();
 }
+
+fn rule(
+    allow: bool,
+    kind: char,
+    major: Option<i64>,
+    minor: Option<i64>,
+    access: &str,
+) -> DeviceRule {
+    DeviceRule {
+        allow,
+        kind,
+        major,
+        minor,
+        access: access.into(),
+    }
+}
+
+#[test]
+fn device_rules_go_to_the_v1_devices_controller_in_order() {
+    let tmp = tempfile::tempdir().unwrap();
+    let h = testfs::hybrid(tmp.path());
+    let cg = BoxCgroup::create(&h, "dev-1", &Limits::default()).unwrap();
+    let rules = [
+        rule(false, 'a', None, None, "rwm"),
+        rule(true, 'c', Some(1), Some(3), "rwm"),
+        rule(false, 'c', Some(1), Some(5), "rw"),
+        rule(true, 'b', Some(8), None, "m"),
+    ];
+    assert_eq!(rules[0].v1_text(), "a *:* rwm");
+    assert_eq!(rules[3].v1_text(), "b 8:* m");
+    cg.set_device_rules(&rules).unwrap();
+    let d = &cg.paths()["devices"];
+    // The fake files keep the last line written to each.
+    assert_eq!(read(d.join("devices.deny")), "c 1:5 rw");
+    assert_eq!(read(d.join("devices.allow")), "b 8:* m");
+    // Nothing went to the v2 (hugetlb) directory.
+    for dir in cg.dirs().iter().filter(|d| d.version == Version::V2) {
+        assert!(!dir.path.join("devices.allow").exists());
+        assert!(!dir.path.join("devices.deny").exists());
+    }
+    // No rules: every device denied.
+    cg.set_device_rules(&[]).unwrap();
+    assert_eq!(read(d.join("devices.deny")), "a");
+    cg.remove().unwrap();
+}
+
+#[test]
+fn device_rules_on_pure_v2_are_refused_and_change_nothing() {
+    let tmp = tempfile::tempdir().unwrap();
+    let h = testfs::pure_v2(tmp.path());
+    let cg = BoxCgroup::create(&h, "dev-2", &Limits::default()).unwrap();
+    let dir = cg.dirs()[0].path.clone();
+    let before: Vec<_> = fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
+    let e = cg
+        .set_device_rules(&[rule(true, 'c', Some(1), Some(3), "rwm")])
+        .unwrap_err();
+    assert!(matches!(e, CgroupError::Unsupported { .. }), "{e}");
+    assert!(e.to_string().contains("BPF"), "{e}");
+    let after: Vec<_> = fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
+    assert_eq!(before, after);
+    cg.remove().unwrap();
+}

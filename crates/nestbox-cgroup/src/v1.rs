@@ -147,6 +147,26 @@ fn apply_blkio_weight(dir: &Path, weight: u16) -> Result<(), CgroupError> {
     })
 }
 
+/// Replaces the device rules of the v1 devices cgroup `dir`: deny every
+/// device, then write each rule in order (`devices.allow` or
+/// `devices.deny`), so a later rule overrides an earlier one.
+pub(crate) fn set_device_rules(dir: &Path, rules: &[crate::DeviceRule]) -> Result<(), CgroupError> {
+    fsutil::write(&dir.join("devices.deny"), "a")?;
+    for rule in rules {
+        let file = dir.join(if rule.allow {
+            "devices.allow"
+        } else {
+            "devices.deny"
+        });
+        fsutil::write_with_hint(
+            &file,
+            &rule.v1_text(),
+            Some("a v1 devices cgroup can only allow what its parent allows"),
+        )?;
+    }
+    Ok(())
+}
+
 fn apply_devices(dir: &Path) -> Result<(), CgroupError> {
     fsutil::write(&dir.join("devices.deny"), "a")?;
     let allow = dir.join("devices.allow");

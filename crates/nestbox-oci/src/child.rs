@@ -38,6 +38,8 @@ pub struct ChildFds {
     /// `exec.fifo`, opened read-write (which never blocks), read until
     /// `start` writes to it; `None` to exec at once (`exec`).
     pub fifo: Option<OwnedFd>,
+    /// `--preserve-fds N`: descriptors 3 to 3 + N - 1 reach the program.
+    pub preserve_fds: u32,
 }
 
 /// The namespaces made at `clone` time: the pid namespace (the process must
@@ -72,13 +74,18 @@ pub fn run(plan: &Plan, fds: ChildFds) -> ! {
         };
         report_failure(report, &err)
     }
-    let err = match setup(plan, &fds).and_then(|program| {
+    let err = match setup(plan, &fds).and_then(|(program, state)| {
         exec_with(
             &plan.process,
             &program,
             fds.fifo.as_ref(),
             plan.seccomp.as_ref(),
             Some(report),
+            fds.preserve_fds,
+            StartHooks {
+                hooks: &plan.hooks.start_container,
+                state: &state,
+            },
         )
     }) {
         Ok(never) => match never {},
@@ -97,7 +104,37 @@ pub fn report_failure(report: RawFd, err: &OciError) -> ! {
     nestbox_sys::process::exit_now(1)
 }
 
-fn setup(plan: &Plan, fds: &ChildFds) -> Result<CString> {
+/// The hook point: the container's namespaces are made (and, with a mount
+/// namespace, its mounts under the root, before the pivot). The process says
+/// so (`h` on the report pipe); the runtime runs the `prestart` and
+/// `createRuntime` hooks in its own namespaces and sends the container's
+/// state JSON on the go pipe (then closes it); the process runs the
+/// `createContainer` hooks here, in the container's namespaces, with their
+/// paths resolved in the runtime's file system (the root is not pivoted
+/// yet), as the runtime spec asks. Returns the state, which the
+/// `startContainer` hooks get too.
+fn hook_point(plan: &Plan, fds: &ChildFds) -> Result<String> {
+    nix::unistd::write(&fds.report, b"h").map_err(|e| OciError::sys("write report pipe", e))?;
+    let mut state = Vec::new();
+    let mut buf = [0u8; 4096];
+    loop {
+        match nix::unistd::read(fds.go.as_raw_fd(), &mut buf) {
+            Ok(0) => break,
+            Ok(n) => state.extend_from_slice(&buf[..n]),
+            Err(nix::errno::Errno::EINTR) => continue,
+            Err(e) => return Err(OciError::sys("read go pipe", e)),
+        }
+    }
+    if state.is_empty() {
+        // The runtime gave up (a createRuntime hook failed): it kills us.
+        nestbox_sys::process::exit_now(1)
+    }
+    let state = String::from_utf8_lossy(&state).into_owned();
+    crate::hooks::run("createContainer", &plan.hooks.create_container, &state)?;
+    Ok(state)
+}
+
+fn setup(plan: &Plan, fds: &ChildFds) -> Result<(CString, String)> {
     let mut byte = [0u8; 1];
     match nix::unistd::read(fds.go.as_raw_fd(), &mut byte) {
         Ok(1) => {}
@@ -129,10 +166,13 @@ fn setup(plan: &Plan, fds: &ChildFds) -> Result<CString> {
     if plan.new_namespace(Namespace::Net) {
         nestbox_isolation::net::loopback_up()?;
     }
+    let state;
     if plan.has_namespace(Namespace::Mnt) {
         prepare_root(plan)?;
+        state = hook_point(plan, fds)?;
         pivot_into(&plan.rootfs)?;
     } else {
+        state = hook_point(plan, fds)?;
         // No mount namespace: any mount would land on the host, so none is
         // made (config.rs refuses what needs one); the root is a chroot.
         nestbox_sys::mount::chroot(&plan.rootfs)
@@ -160,9 +200,9 @@ fn setup(plan: &Plan, fds: &ChildFds) -> Result<CString> {
         crate::console::attach(socket)?;
     }
     if plan.process.is_none() {
-        return Ok(CString::default());
+        return Ok((CString::default(), state));
     }
-    find_program(&plan.process)
+    Ok((find_program(&plan.process)?, state))
 }
 
 /// Take the ids of root in a freshly mapped user namespace.
@@ -334,13 +374,19 @@ fn cstring(s: &str) -> Result<CString> {
 /// Credentials, capabilities, `no_new_privs`, seccomp, then wait for `start`
 /// (when there is a fifo) and `execve`. `ready` (the report pipe) gets `0`
 /// once everything that can fail before the wait is done; a failure after
-/// that is printed on stderr and ends the process with 127.
+/// that is printed on stderr and ends the process with 127. Descriptors 3
+/// to 3 + `preserve_fds` - 1 are passed to the program; no other one is.
+/// The `startContainer` hooks run once `start` came, right before the
+/// `execve`, in the container (their paths resolved in its root).
+#[allow(clippy::too_many_arguments)]
 pub fn exec_with(
     p: &ProcessPlan,
     program: &CString,
     fifo: Option<&OwnedFd>,
     seccomp: Option<&nestbox_seccomp::Program>,
     ready: Option<RawFd>,
+    preserve_fds: u32,
+    start_hooks: StartHooks<'_>,
 ) -> Result<std::convert::Infallible> {
     let argv = p
         .args
@@ -352,10 +398,21 @@ pub fn exec_with(
         .iter()
         .map(|a| cstring(a))
         .collect::<Result<Vec<_>>>()?;
-    // Nothing the runtime had open may reach the program. Done first: a
-    // seccomp filter installed below may not allow close_range.
-    nestbox_sys::fd::set_cloexec_range(3, u32::MAX)
+    // Nothing the runtime had open may reach the program but the preserved
+    // descriptors (checked open when the runtime started, so none of its
+    // own is among them). Done first: a seccomp filter installed below may
+    // not allow close_range.
+    let first_closed = 3 + preserve_fds;
+    nestbox_sys::fd::set_cloexec_range(first_closed, u32::MAX)
         .map_err(|e| OciError::sys("mark descriptors close-on-exec", e))?;
+    for fd in 3..first_closed {
+        // The caller passed them open; they may be close-on-exec in it.
+        nix::fcntl::fcntl(
+            fd as RawFd,
+            nix::fcntl::FcntlArg::F_SETFD(nix::fcntl::FdFlag::empty()),
+        )
+        .map_err(|e| OciError::sys(format!("--preserve-fds: descriptor {fd}"), e))?;
+    }
     if let Some(adj) = p.oom_score_adj {
         let path = "/proc/self/oom_score_adj";
         std::fs::write(path, adj.to_string()).map_err(|e| OciError::io("write", path, e))?;
@@ -381,13 +438,30 @@ pub fn exec_with(
         // A runtime that went away will find the container stopped.
         let _ = nix::unistd::write(fd, b"0");
     }
-    match wait_and_exec(program, &argv, &env, fifo, seccomp, p.no_new_privileges) {
+    match wait_and_exec(
+        program,
+        &argv,
+        &env,
+        fifo,
+        seccomp,
+        p.no_new_privileges,
+        start_hooks,
+    ) {
         Err(e) if ready.is_some() => {
             eprintln!("nestbox-runc: {e}");
             nestbox_sys::process::exit_now(127)
         }
         other => other,
     }
+}
+
+/// The `startContainer` hooks and the state they read.
+#[derive(Debug, Clone, Copy)]
+pub struct StartHooks<'a> {
+    /// The hooks (none for `exec`).
+    pub hooks: &'a [crate::hooks::Hook],
+    /// The container's state JSON.
+    pub state: &'a str,
 }
 
 fn wait_and_exec(
@@ -397,6 +471,7 @@ fn wait_and_exec(
     fifo: Option<&OwnedFd>,
     seccomp: Option<&nestbox_seccomp::Program>,
     no_new_privileges: bool,
+    start_hooks: StartHooks<'_>,
 ) -> Result<std::convert::Infallible> {
     if let Some(fifo) = fifo {
         let mut byte = [0u8; 1];
@@ -409,6 +484,7 @@ fn wait_and_exec(
             }
         }
     }
+    crate::hooks::run("startContainer", start_hooks.hooks, start_hooks.state)?;
     if let (Some(f), true) = (seccomp, no_new_privileges) {
         f.install()
             .map_err(|e| OciError::Usage(format!("seccomp: {e}")))?;

@@ -161,6 +161,9 @@ pub struct Plan {
     pub process: ProcessPlan,
     /// Cgroup limits (from `linux.resources`).
     pub limits: Limits,
+    /// `linux.resources.devices`: the device cgroup's rules (`None`:
+    /// nestbox's default rules).
+    pub device_rules: Option<Vec<nestbox_cgroup::DeviceRule>>,
     /// `linux.cgroupsPath`: where the cgroup goes (absolute: from each
     /// hierarchy's root; relative: under the runtime's own cgroup).
     pub cgroups_path: Option<PathBuf>,
@@ -324,6 +327,7 @@ fn translate(bundle: &Path, spec: &Spec) -> Result<Plan> {
         check_sysctl(key, &has)?;
     }
     let limits = crate::resources::limits(linux.resources().as_ref())?;
+    let device_rules = crate::resources::device_rules(linux.resources().as_ref())?;
     let seccomp = match linux.seccomp() {
         Some(s) => Some(seccomp_program(s)?),
         None => None,
@@ -364,6 +368,7 @@ fn translate(bundle: &Path, spec: &Spec) -> Result<Plan> {
         sysctl,
         process,
         limits,
+        device_rules,
         cgroups_path,
         seccomp,
         hooks,

@@ -31,6 +31,9 @@ pub struct CreateOpts {
     pub pid_file: Option<PathBuf>,
     /// Where to send the terminal's master.
     pub console_socket: Option<PathBuf>,
+    /// `--preserve-fds N`: the runtime's descriptors 3 to 3 + N - 1 are
+    /// passed to the container's program.
+    pub preserve_fds: u32,
 }
 
 /// The name of the container's cgroup: nestbox-cgroup ids are `[a-z0-9-]`,
@@ -61,6 +64,9 @@ pub fn create(root: &Root, opts: &CreateOpts) -> Result<Record> {
         return Err(OciError::Exists(opts.id.clone()));
     }
     let plan = config::load(&opts.bundle)?;
+    if let Some(template) = crate::clone::template_of(&plan) {
+        return crate::clone::create(root, opts, &plan, template);
+    }
     match (plan.process.terminal, &opts.console_socket) {
         (true, None) => {
             return Err(OciError::Usage(
@@ -133,6 +139,10 @@ fn build(root: &Root, opts: &CreateOpts, plan: &Plan, made: &mut Made) -> Result
     };
     let cg = pending.create()?;
     made.cgroup = Some(cg.clone());
+    if let Some(rules) = &plan.device_rules {
+        // Before the process joins the cgroup: it opens no device unchecked.
+        cg.set_device_rules(&crate::resources::full_device_rules(rules, &plan.devices))?;
+    }
     let fifo_path = root.fifo(&opts.id);
     nestbox_sys::node::make_node(&fifo_path, nestbox_sys::node::NodeKind::Fifo, 0o622, 0, 0)
         .map_err(|e| OciError::sys(format!("mkfifo {}", fifo_path.display()), e))?;
@@ -182,6 +192,7 @@ fn build(root: &Root, opts: &CreateOpts, plan: &Plan, made: &mut Made) -> Result
                     report: rep_w,
                     console,
                     fifo: Some(fifo),
+                    preserve_fds: opts.preserve_fds,
                 },
             )
         }
@@ -196,9 +207,6 @@ fn build(root: &Root, opts: &CreateOpts, plan: &Plan, made: &mut Made) -> Result
         write_id_maps(pid, plan)?;
     }
     cg.add_process(pid.as_raw())?;
-    nix::unistd::write(&go_w, b"1").map_err(|e| OciError::sys("write go pipe", e))?;
-    drop(go_w);
-    wait_ready(&rep_r, &opts.id)?;
     let (_, start_time) = state::proc_stat(pid.as_raw()).ok_or_else(|| OciError::Setup {
         id: opts.id.clone(),
         message: "the container's process exited".into(),
@@ -219,12 +227,21 @@ fn build(root: &Root, opts: &CreateOpts, plan: &Plan, made: &mut Made) -> Result
             create_container: Vec::new(),
             ..plan.hooks.clone()
         },
+        clone: None,
     };
-    // The validation suite of the runtime spec expects "created" here.
+    nix::unistd::write(&go_w, b"1").map_err(|e| OciError::sys("write go pipe", e))?;
+    // The hook point (child::hook_point): the container's namespaces are
+    // made; prestart and createRuntime run here, in the runtime's, then the
+    // process runs createContainer in the container's. The validation suite
+    // of the runtime spec expects "created" in their state.
+    wait_hook_point(&rep_r, &opts.id)?;
     let creating = state_text(&rec, "created");
     hooks::run("prestart", &plan.hooks.prestart, &creating)?;
     hooks::run("createRuntime", &plan.hooks.create_runtime, &creating)?;
-    hooks::run("createContainer", &plan.hooks.create_container, &creating)?;
+    nix::unistd::write(&go_w, creating.as_bytes())
+        .map_err(|e| OciError::sys("write go pipe", e))?;
+    drop(go_w);
+    wait_ready(&rep_r, &opts.id)?;
     root.save(&rec)?;
     if let Some(p) = &opts.pid_file {
         write_pid_file(p, pid.as_raw())?;
@@ -233,7 +250,7 @@ fn build(root: &Root, opts: &CreateOpts, plan: &Plan, made: &mut Made) -> Result
 }
 
 /// The state JSON with `status` overridden, for hooks.
-fn state_text(rec: &Record, status: &str) -> String {
+pub(crate) fn state_text(rec: &Record, status: &str) -> String {
     let mut v = state::state_json(rec, Status::Created);
     v["status"] = serde_json::Value::from(status);
     if status == "stopped" {
@@ -253,6 +270,43 @@ fn write_id_maps(pid: Pid, plan: &Plan) -> Result<()> {
         std::fs::write(&path, text(map)).map_err(|e| OciError::io("write", path, e))?;
     }
     Ok(())
+}
+
+/// Wait for the container's process to reach its hook point (`h`), or to
+/// fail before (`1\tMESSAGE`).
+fn wait_hook_point(report: &OwnedFd, id: &str) -> Result<()> {
+    let mut byte = [0u8; 1];
+    loop {
+        match nix::unistd::read(report.as_raw_fd(), &mut byte) {
+            Ok(1) if byte[0] == b'h' => return Ok(()),
+            Ok(1) => {
+                // A failure report: the rest of it follows.
+                let mut rest = vec![byte[0]];
+                let mut buf = [0u8; 1024];
+                while let Ok(n @ 1..) = nix::unistd::read(report.as_raw_fd(), &mut buf) {
+                    rest.extend_from_slice(&buf[..n]);
+                }
+                return Err(setup_error(&rest, id));
+            }
+            Ok(_) => return Err(setup_error(&[], id)),
+            Err(nix::errno::Errno::EINTR) => continue,
+            Err(e) => return Err(OciError::sys("read report pipe", e)),
+        }
+    }
+}
+
+/// The error of a failed set-up report (`1\tMESSAGE`, or nothing when the
+/// process died without one).
+fn setup_error(bytes: &[u8], id: &str) -> OciError {
+    let text = String::from_utf8_lossy(bytes);
+    let message = match text.strip_prefix("1\t") {
+        Some(m) => m.to_string(),
+        None => "the container's process exited during set-up".to_string(),
+    };
+    OciError::Setup {
+        id: id.to_string(),
+        message,
+    }
 }
 
 /// Wait for the container's process to report: `0` ready, `1\tMESSAGE` failed.
@@ -326,11 +380,22 @@ pub fn start(root: &Root, id: &str) -> Result<()> {
             "config.json has no process: nothing to start",
         ));
     }
-    hooks::run(
-        "startContainer",
-        &rec.hooks.start_container,
-        &state_text(&rec, "created"),
-    )?;
+    if let Some(link) = &rec.clone {
+        // A clone's processes are the template's: its startContainer hooks
+        // run from here (in the runtime's namespaces).
+        hooks::run(
+            "startContainer",
+            &rec.hooks.start_container,
+            &state_text(&rec, "created"),
+        )?;
+        crate::clone::start(root, &rec, link)?;
+        hooks::run_warning(
+            "poststart",
+            &rec.hooks.poststart,
+            &state_text(&rec, "running"),
+        );
+        return Ok(());
+    }
     let fifo_path = root.fifo(id);
     // Write-only and non-blocking: refused (ENXIO) when no process holds
     // the fifo any more, i.e. the container's process is gone.

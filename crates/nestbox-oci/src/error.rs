@@ -94,6 +94,14 @@ pub enum OciError {
     /// A seccomp section could not be translated.
     #[error("linux.seccomp: {0}")]
     Seccomp(#[from] nestbox_seccomp::SeccompError),
+    /// A nestbox operation (a clone from a template, its removal) failed.
+    #[error("{what}: {error}")]
+    Nestbox {
+        /// What it was about (the template, the clone).
+        what: String,
+        /// The nestbox error (boxed: it is large).
+        error: Box<nestbox_runtime::RuntimeError>,
+    },
     /// An isolation step failed.
     #[error("{0}")]
     Isolation(#[from] nestbox_isolation::IsolationError),

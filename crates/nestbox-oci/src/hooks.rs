@@ -32,9 +32,11 @@ pub struct Hooks {
     pub prestart: Vec<Hook>,
     /// After the namespaces are made, in the runtime's namespaces.
     pub create_runtime: Vec<Hook>,
-    /// After the namespaces are made (run from the runtime).
+    /// After the namespaces are made, in the container's (run by the
+    /// container's process before its pivot; by the runtime for a clone).
     pub create_container: Vec<Hook>,
-    /// Before the process is started (run from the runtime).
+    /// Before the program is executed, in the container (run by the
+    /// container's process after `start`; by the runtime for a clone).
     pub start_container: Vec<Hook>,
     /// After the process was started.
     pub poststart: Vec<Hook>,

@@ -1,6 +1,7 @@
 //! nestbox as an OCI runtime: the command line that runc defines (`create`,
 //! `start`, `state`, `kill`, `delete`, `run`, `exec`, `ps`, `pause`,
-//! `resume`, `events --stats`, `list`, `update`, `features`, `spec`) over the nestbox
+//! `resume`, `events --stats`, `list`, `update`, `features`, `spec`,
+//! `checkpoint`, `restore`) over the nestbox
 //! libraries, so podman, containerd and Kubernetes can drive nestbox as they
 //! drive runc. The binary is `nestbox-runc`; `docs/oci.md` says how to
 //! register it and what is and is not supported.
@@ -13,9 +14,13 @@
 //! nestbox-isolation), sets credentials, capabilities and seccomp
 //! (nestbox-seccomp), reports ready and waits on the `exec.fifo` → [`create`]
 //! runs the hooks and records the container in [`state`]. `start` opens the
-//! fifo and the process execs the program.
+//! fifo and the process execs the program. A config annotated
+//! `nestbox.template=NAME` is forked from a nestbox template instead
+//! ([`clone`], which also checkpoints and restores such containers with
+//! nestbox's own engine).
 
 pub mod child;
+pub mod clone;
 pub mod config;
 pub mod console;
 pub mod create;

@@ -65,12 +65,13 @@ struct CreateArgs {
 
 impl CreateArgs {
     fn opts(self) -> anyhow::Result<CreateOpts> {
-        refuse_preserve_fds(self.preserve_fds)?;
+        check_preserved_fds(self.preserve_fds)?;
         Ok(CreateOpts {
             id: self.id,
             bundle: self.bundle,
             pid_file: self.pid_file,
             console_socket: self.console_socket,
+            preserve_fds: self.preserve_fds,
         })
     }
 }
@@ -202,16 +203,98 @@ enum Cmd {
         #[arg(long = "blkio-weight")]
         blkio_weight: Option<u16>,
     },
-    /// Not supported yet (refused).
+    /// Save a container (one that is a nestbox box: forked from a template
+    /// or restored) with nestbox's checkpoint engine.
     Checkpoint {
-        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
-        args: Vec<String>,
+        id: String,
+        /// Where the image goes (made; an empty directory is accepted).
+        #[arg(long = "image-path", default_value = "checkpoint")]
+        image_path: PathBuf,
+        /// Accepted: nestbox writes no CRIU work files.
+        #[arg(long = "work-path")]
+        work_path: Option<PathBuf>,
+        /// Leave the container running (default: stopped once saved).
+        #[arg(long = "leave-running")]
+        leave_running: bool,
+        #[command(flatten)]
+        criu: CriuFlags,
+        #[arg(long = "pre-dump")]
+        pre_dump: bool,
+        #[arg(long = "page-server")]
+        page_server: Option<String>,
+        #[arg(long = "status-fd")]
+        status_fd: Option<String>,
     },
-    /// Not supported yet (refused).
+    /// Make a container from a checkpoint image, running.
     Restore {
-        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
-        args: Vec<String>,
+        id: String,
+        #[arg(long = "image-path", default_value = "checkpoint")]
+        image_path: PathBuf,
+        /// Accepted: nestbox writes no CRIU work files.
+        #[arg(long = "work-path")]
+        work_path: Option<PathBuf>,
+        #[arg(short, long, default_value = ".")]
+        bundle: PathBuf,
+        #[arg(short, long)]
+        detach: bool,
+        #[arg(long = "pid-file")]
+        pid_file: Option<PathBuf>,
+        #[arg(long = "console-socket")]
+        console_socket: Option<PathBuf>,
+        /// Accepted: the restored box's monitor is this process's child.
+        #[arg(long = "no-subreaper")]
+        no_subreaper: bool,
+        /// Accepted for compatibility: nestbox always pivots.
+        #[arg(long = "no-pivot")]
+        no_pivot: bool,
+        #[command(flatten)]
+        criu: CriuFlags,
     },
+}
+
+/// runc's CRIU options of `checkpoint` and `restore`, which nestbox's own
+/// checkpoint engine has no use for: each is refused by name.
+#[derive(clap::Args, Debug)]
+struct CriuFlags {
+    #[arg(long = "tcp-established")]
+    tcp_established: bool,
+    #[arg(long = "ext-unix-sk")]
+    ext_unix_sk: bool,
+    #[arg(long = "shell-job")]
+    shell_job: bool,
+    #[arg(long = "lazy-pages")]
+    lazy_pages: bool,
+    #[arg(long = "file-locks")]
+    file_locks: bool,
+    #[arg(long = "auto-dedup")]
+    auto_dedup: bool,
+    #[arg(long = "parent-path")]
+    parent_path: Option<String>,
+    #[arg(long = "manage-cgroups-mode")]
+    manage_cgroups_mode: Option<String>,
+    #[arg(long = "empty-ns")]
+    empty_ns: Vec<String>,
+}
+
+impl CriuFlags {
+    /// Refuse the first CRIU option given.
+    fn refuse(&self, cmd: &str, more: &[(&str, bool)]) -> anyhow::Result<()> {
+        let given = [
+            ("--tcp-established", self.tcp_established),
+            ("--ext-unix-sk", self.ext_unix_sk),
+            ("--shell-job", self.shell_job),
+            ("--lazy-pages", self.lazy_pages),
+            ("--file-locks", self.file_locks),
+            ("--auto-dedup", self.auto_dedup),
+            ("--parent-path", self.parent_path.is_some()),
+            ("--manage-cgroups-mode", self.manage_cgroups_mode.is_some()),
+            ("--empty-ns", !self.empty_ns.is_empty()),
+        ];
+        if let Some((flag, _)) = given.iter().chain(more).find(|(_, on)| *on) {
+            bail!("{cmd} {flag} is a CRIU option: nestbox-runc checkpoints with nestbox's own engine, which does not support it");
+        }
+        Ok(())
+    }
 }
 
 fn main() {
@@ -274,9 +357,14 @@ fn parse_bytes(text: &str) -> anyhow::Result<i64> {
         .with_context(|| format!("invalid size {text:?}"))
 }
 
-fn refuse_preserve_fds(n: u32) -> anyhow::Result<()> {
-    if n > 0 {
-        bail!("--preserve-fds is not supported by nestbox-runc");
+/// `--preserve-fds N`: descriptors 3 to 3 + N - 1 must be open when the
+/// runtime starts (it has opened nothing yet), so that none of the runtime's
+/// own descriptors can take one of their numbers and reach the program.
+fn check_preserved_fds(n: u32) -> anyhow::Result<()> {
+    for fd in 3..3u32.saturating_add(n) {
+        if nix::fcntl::fcntl(fd as i32, nix::fcntl::FcntlArg::F_GETFD).is_err() {
+            bail!("--preserve-fds {n}: descriptor {fd} is not open");
+        }
     }
     Ok(())
 }
@@ -346,15 +434,12 @@ fn run(cli: Cli) -> anyhow::Result<i32> {
             cap,
             args,
         } => {
-            refuse_preserve_fds(preserve_fds)?;
+            check_preserved_fds(preserve_fds)?;
             if process_label.is_some_and(|l| !l.is_empty()) {
                 bail!("exec --process-label: SELinux is not supported");
             }
             if apparmor.is_some_and(|l| !l.is_empty()) {
                 bail!("exec --apparmor: AppArmor is not supported");
-            }
-            if !cap.is_empty() {
-                bail!("exec --cap is not supported: give the capabilities in --process");
             }
             let opts = ExecOpts {
                 process,
@@ -367,6 +452,8 @@ fn run(cli: Cli) -> anyhow::Result<i32> {
                 pid_file,
                 detach,
                 no_new_privs,
+                preserve_fds,
+                caps: cap,
             };
             Ok(ops::exec(&root, &id, &opts)?)
         }
@@ -504,7 +591,56 @@ fn run(cli: Cli) -> anyhow::Result<i32> {
             ops::update(&root, &id, &r)?;
             Ok(0)
         }
-        Cmd::Checkpoint { .. } => bail!("checkpoint is not supported by nestbox-runc yet"),
-        Cmd::Restore { .. } => bail!("restore is not supported by nestbox-runc yet"),
+        Cmd::Checkpoint {
+            id,
+            image_path,
+            work_path: _,
+            leave_running,
+            criu,
+            pre_dump,
+            page_server,
+            status_fd,
+        } => {
+            criu.refuse(
+                "checkpoint",
+                &[
+                    ("--pre-dump", pre_dump),
+                    ("--page-server", page_server.is_some()),
+                    ("--status-fd", status_fd.is_some()),
+                ],
+            )?;
+            nestbox_oci::clone::checkpoint(&root, &id, &image_path, leave_running)?;
+            Ok(0)
+        }
+        Cmd::Restore {
+            id,
+            image_path,
+            work_path: _,
+            bundle,
+            detach,
+            pid_file,
+            console_socket,
+            no_subreaper: _,
+            no_pivot: _,
+            criu,
+        } => {
+            criu.refuse("restore", &[])?;
+            let opts = CreateOpts {
+                id: id.clone(),
+                bundle,
+                pid_file,
+                console_socket,
+                preserve_fds: 0,
+            };
+            let rec = nestbox_oci::clone::restore(&root, &opts, &image_path)?;
+            if detach {
+                return Ok(0);
+            }
+            // In the foreground, as `run`: wait for it (its monitor is our
+            // child), then delete it.
+            let code = ops::wait_exit_code(nix::unistd::Pid::from_raw(rec.pid));
+            ops::delete(&root, &id, true).context("delete after restore")?;
+            Ok(code)
+        }
     }
 }

@@ -59,7 +59,9 @@ pub fn kill(root: &Root, id: &str, signal: i32, all: bool) -> Result<()> {
         }
         return Ok(());
     }
-    send(rec.pid).map_err(|e| OciError::sys(format!("kill container {id:?}"), e))
+    // A clone: its process, not the monitor the caller waits on.
+    let target = rec.clone.as_ref().map_or(rec.pid, |c| c.process);
+    send(target).map_err(|e| OciError::sys(format!("kill container {id:?}"), e))
 }
 
 /// Delete container `id`: refused unless it is stopped, or `force` (which
@@ -85,6 +87,10 @@ pub fn delete(root: &Root, id: &str, force: bool) -> Result<()> {
 
 /// Kill every process of the container and wait until its process is gone.
 fn stop_now(rec: &Record) -> Result<()> {
+    if let Some(link) = &rec.clone {
+        // The box goes with everything in it; its monitor then exits.
+        return crate::clone::remove(link);
+    }
     if let Some(cg) = &rec.cgroup {
         cg.kill_all()?;
     } else {
@@ -105,7 +111,9 @@ fn stop_now(rec: &Record) -> Result<()> {
 }
 
 fn remove(root: &Root, rec: &Record) -> Result<()> {
-    if let Some(cg) = &rec.cgroup {
+    if let Some(link) = &rec.clone {
+        crate::clone::remove(link)?;
+    } else if let Some(cg) = &rec.cgroup {
         cg.kill_all()?;
         cg.remove()?;
     }
@@ -208,6 +216,11 @@ pub struct ExecOpts {
     pub detach: bool,
     /// Set no_new_privs.
     pub no_new_privs: bool,
+    /// `--preserve-fds N`: descriptors 3 to 3 + N - 1 reach the program.
+    pub preserve_fds: u32,
+    /// `--cap`: capabilities added to the bounding, effective and permitted
+    /// sets of the process (as runc does).
+    pub caps: Vec<String>,
 }
 
 /// Run a new process in container `id`; its exit code, or 0 when detached.
@@ -264,6 +277,29 @@ pub fn exec(root: &Root, id: &str, opts: &ExecOpts) -> Result<i32> {
         p.gid = num(g)?;
     }
     p.no_new_privileges |= opts.no_new_privs;
+    for name in &opts.caps {
+        let upper = name.to_ascii_uppercase();
+        let full = if upper.starts_with("CAP_") {
+            upper
+        } else {
+            format!("CAP_{upper}")
+        };
+        let cap: caps::Capability = full.parse().map_err(|_| {
+            OciError::Usage(format!(
+                "exec --cap {name}: not a capability this kernel interface knows"
+            ))
+        })?;
+        for set in [
+            &mut p.caps.bounding,
+            &mut p.caps.effective,
+            &mut p.caps.permitted,
+        ] {
+            if !set.contains(&cap) {
+                set.push(cap);
+                set.sort_by_key(|c| c.index());
+            }
+        }
+    }
     if p.terminal != opts.console_socket.is_some() {
         return Err(OciError::Usage(
             "a terminal (--tty or process.terminal) and --console-socket go together".into(),
@@ -273,9 +309,11 @@ pub fn exec(root: &Root, id: &str, opts: &ExecOpts) -> Result<i32> {
         Some(path) => Some(crate::console::connect(path)?),
         None => None,
     };
-    let handles = nestbox_isolation::namespaces::NamespaceHandles::open(Pid::from_raw(rec.pid))?;
-    let pid_ns = std::fs::File::open(format!("/proc/{}/ns/pid", rec.pid))
-        .map_err(|e| OciError::io("open namespace", format!("/proc/{}/ns/pid", rec.pid), e))?;
+    // A clone's namespaces are its process's (its record's pid is its monitor).
+    let target = rec.clone.as_ref().map_or(rec.pid, |c| c.process);
+    let handles = nestbox_isolation::namespaces::NamespaceHandles::open(Pid::from_raw(target))?;
+    let pid_ns = std::fs::File::open(format!("/proc/{target}/ns/pid"))
+        .map_err(|e| OciError::io("open namespace", format!("/proc/{target}/ns/pid"), e))?;
     // Joining the pid namespace changes only where children are born.
     nestbox_sys::ns::enter(pid_ns.as_fd(), Namespace::Pid)
         .map_err(|e| OciError::sys(format!("setns(pid) of container {id:?}"), e))?;
@@ -292,7 +330,14 @@ pub fn exec(root: &Root, id: &str, opts: &ExecOpts) -> Result<i32> {
     let pid = match forked {
         nestbox_sys::process::Forked::Child => {
             drop(rep_r);
-            let err = match exec_child(&join_files, &handles, &p, &plan, console.as_ref()) {
+            let err = match exec_child(
+                &join_files,
+                &handles,
+                &p,
+                &plan,
+                console.as_ref(),
+                opts.preserve_fds,
+            ) {
                 Ok(never) => match never {},
                 Err(e) => e,
             };
@@ -336,6 +381,7 @@ fn exec_child(
     p: &config::ProcessPlan,
     plan: &config::Plan,
     console: Option<&std::os::unix::net::UnixStream>,
+    preserve_fds: u32,
 ) -> Result<std::convert::Infallible> {
     for file in join_files {
         std::fs::write(file, "0").map_err(|e| OciError::io("join cgroup", file, e))?;
@@ -350,7 +396,18 @@ fn exec_child(
         crate::console::attach(socket)?;
     }
     let program = child::find_program(p)?;
-    child::exec_with(p, &program, None, plan.seccomp.as_ref(), None)
+    child::exec_with(
+        p,
+        &program,
+        None,
+        plan.seccomp.as_ref(),
+        None,
+        preserve_fds,
+        child::StartHooks {
+            hooks: &[],
+            state: "",
+        },
+    )
 }
 
 /// Wait for `pid` (a child) and give its exit code as a shell would: the

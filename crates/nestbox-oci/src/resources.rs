@@ -1,9 +1,10 @@
 //! `linux.resources` onto nestbox-cgroup's [`Limits`]: memory, swap, pids,
 //! CPU shares, quota and cpuset, block I/O weight. Other controls are refused
 //! with the field named, never silently dropped (except the kernel-memory
-//! limits, which the kernel no longer has).
+//! limits, which the kernel no longer has), and `linux.resources.devices`
+//! onto the device cgroup's rules.
 
-use nestbox_cgroup::Limits;
+use nestbox_cgroup::{DeviceRule, Limits};
 use oci_spec::runtime::LinuxResources;
 
 use crate::{OciError, Result};
@@ -80,4 +81,155 @@ pub fn limits(resources: Option<&LinuxResources>) -> Result<Limits> {
     }
     l.validate()?;
     Ok(l)
+}
+
+/// The device-cgroup rules of `resources.devices`, checked (`None` when the
+/// config gives none: the cgroup then keeps nestbox's default rules).
+pub fn device_rules(resources: Option<&LinuxResources>) -> Result<Option<Vec<DeviceRule>>> {
+    use oci_spec::runtime::LinuxDeviceType as T;
+    let Some(list) = resources.and_then(|r| r.devices().as_ref()) else {
+        return Ok(None);
+    };
+    let mut rules = Vec::with_capacity(list.len());
+    for (i, d) in list.iter().enumerate() {
+        let kind = match d.typ().unwrap_or_default() {
+            T::A => 'a',
+            T::B => 'b',
+            T::C | T::U => 'c',
+            T::P => {
+                return Err(OciError::Unsupported(format!(
+                    "linux.resources.devices[{i}]: type \"p\" (FIFO) has no device-cgroup rule"
+                )))
+            }
+        };
+        let access = d.access().clone().unwrap_or_else(|| "rwm".into());
+        if access.is_empty() || !access.chars().all(|c| "rwm".contains(c)) {
+            return Err(OciError::Unsupported(format!(
+                "linux.resources.devices[{i}]: access {access:?} must be made of r, w and m"
+            )));
+        }
+        for (what, n) in [("major", d.major()), ("minor", d.minor())] {
+            if n.is_some_and(|v| v < 0) {
+                return Err(OciError::Unsupported(format!(
+                    "linux.resources.devices[{i}]: negative {what}"
+                )));
+            }
+        }
+        rules.push(DeviceRule {
+            allow: d.allow(),
+            kind,
+            major: d.major(),
+            minor: d.minor(),
+            access,
+        });
+    }
+    Ok(Some(rules))
+}
+
+/// The rules a container's device cgroup gets from `config` rules: those,
+/// in order, then (as runc does) access to the standard devices every
+/// container has (null, zero, full, random, urandom, tty, ptmx, pts,
+/// `mknod`) and to each device of `linux.devices`.
+pub fn full_device_rules(
+    config: &[DeviceRule],
+    devices: &[crate::config::Device],
+) -> Vec<DeviceRule> {
+    let mut rules = config.to_vec();
+    for text in nestbox_cgroup::DEFAULT_DEVICE_RULES {
+        // "c 1:3 rwm": type, major:minor, access.
+        let mut parts = text.split_whitespace();
+        let (Some(kind), Some(nums), Some(access)) = (parts.next(), parts.next(), parts.next())
+        else {
+            continue;
+        };
+        let (major, minor) = nums.split_once(':').unwrap_or(("*", "*"));
+        rules.push(DeviceRule {
+            allow: true,
+            kind: kind.chars().next().unwrap_or('a'),
+            major: major.parse().ok(),
+            minor: minor.parse().ok(),
+            access: access.to_string(),
+        });
+    }
+    for d in devices {
+        let kind = match d.kind {
+            nestbox_sys::node::NodeKind::Block => 'b',
+            nestbox_sys::node::NodeKind::Char => 'c',
+            _ => continue,
+        };
+        rules.push(DeviceRule {
+            allow: true,
+            kind,
+            major: Some(d.major as i64),
+            minor: Some(d.minor as i64),
+            access: "rwm".into(),
+        });
+    }
+    rules
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn resources(json: serde_json::Value) -> LinuxResources {
+        serde_json::from_value(json).unwrap()
+    }
+
+    #[test]
+    fn device_rules_are_read_and_checked() {
+        assert!(device_rules(None).unwrap().is_none());
+        let r = resources(serde_json::json!({"devices": [
+            {"allow": false, "access": "rwm"},
+            {"allow": true, "type": "c", "major": 1, "minor": 3, "access": "rw"},
+            {"allow": true, "type": "b", "major": 8, "access": "m"},
+        ]}));
+        let rules = device_rules(Some(&r)).unwrap().unwrap();
+        let texts: Vec<String> = rules.iter().map(|r| r.v1_text()).collect();
+        assert_eq!(texts, ["a *:* rwm", "c 1:3 rw", "b 8:* m"]);
+        assert_eq!(
+            rules.iter().map(|r| r.allow).collect::<Vec<_>>(),
+            [false, true, true]
+        );
+        for bad in [
+            serde_json::json!({"devices": [{"allow": true, "type": "c", "access": "rwx"}]}),
+            serde_json::json!({"devices": [{"allow": true, "type": "c", "access": ""}]}),
+            serde_json::json!({"devices": [{"allow": true, "type": "p"}]}),
+            serde_json::json!({"devices": [{"allow": true, "type": "c", "major": -1}]}),
+        ] {
+            let e = device_rules(Some(&resources(bad.clone()))).unwrap_err();
+            assert!(
+                e.to_string().contains("linux.resources.devices[0]"),
+                "{bad}: {e}"
+            );
+        }
+    }
+
+    #[test]
+    fn the_standard_devices_follow_the_config_rules() {
+        let config = [DeviceRule {
+            allow: false,
+            kind: 'a',
+            major: None,
+            minor: None,
+            access: "rwm".into(),
+        }];
+        let dev = crate::config::Device {
+            path: "/dev/fuse".into(),
+            kind: nestbox_sys::node::NodeKind::Char,
+            major: 10,
+            minor: 229,
+            mode: 0o666,
+            uid: 0,
+            gid: 0,
+        };
+        let rules = full_device_rules(&config, &[dev]);
+        let texts: Vec<String> = rules.iter().map(|r| r.v1_text()).collect();
+        assert_eq!(texts[0], "a *:* rwm");
+        assert!(!rules[0].allow);
+        assert!(texts.contains(&"c 1:3 rwm".to_string()));
+        assert!(texts.contains(&"c 136:* rwm".to_string()));
+        assert_eq!(texts.last().unwrap(), "c 10:229 rwm");
+        assert!(rules[1..].iter().all(|r| r.allow));
+    }
 }

@@ -44,6 +44,10 @@ pub struct Record {
     /// The hooks still to run (startContainer, poststart, poststop).
     #[serde(default)]
     pub hooks: crate::hooks::Hooks,
+    /// Forked from a nestbox template (`nestbox.template`): the clone; `pid`
+    /// is then its box's monitor, the process the caller waits on.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub clone: Option<crate::clone::CloneLink>,
 }
 
 /// The status of a container, as the OCI spec names it.
@@ -188,12 +192,20 @@ impl Root {
         self.container_dir(id).join("exec.fifo")
     }
 
+    /// The file that marks a container forked from a template as `created`
+    /// (its processes stopped) until `start`.
+    pub fn clone_created_marker(&self, id: &str) -> PathBuf {
+        self.container_dir(id).join("clone.created")
+    }
+
     /// The status of `rec`.
     pub fn status(&self, rec: &Record) -> Status {
-        if !alive(rec.pid, rec.start_time) {
+        if !alive(rec.pid, rec.start_time) || rec.clone.as_ref().is_some_and(|c| !c.alive()) {
             return Status::Stopped;
         }
-        if self.fifo(&rec.id).exists() {
+        if self.fifo(&rec.id).exists()
+            || (rec.clone.is_some() && self.clone_created_marker(&rec.id).exists())
+        {
             return Status::Created;
         }
         if rec.cgroup.as_ref().is_some_and(frozen) {

@@ -47,7 +47,14 @@ impl Containerd {
             .spawn()
             .unwrap();
         let c = Containerd {
-            namespace: format!("nbtest-{}", std::process::id()),
+            // One per daemon: the runc shim's state (/run/containerd/runc/NS)
+            // and the cgroup parents are named by it, and two tests of this
+            // binary run at once.
+            namespace: {
+                static N: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+                let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                format!("nbtest-{}-{n}", std::process::id())
+            },
             dir,
             daemon,
         };
@@ -190,4 +197,61 @@ fn containerd_runs_tasks_with_nestbox_runc() {
     c.ctr(&["task", "delete", "c2"]).ok();
     c.ctr(&["container", "delete", "c2"]).ok();
     assert_eq!(c.ctr(&["container", "ls", "-q"]).ok().stdout, "");
+}
+
+#[test]
+fn containerd_runs_a_task_forked_from_a_template() {
+    let test = "containerd_runs_a_task_forked_from_a_template";
+    if !ready(test) || !containerd_present(test) || !common::template::nestbox_present(test) {
+        return;
+    }
+    let (t, frozen) = common::template::counting_template();
+    let c = Containerd::start();
+    common::make_rootfs(&c.path("rootfs"));
+    let template = "nestbox.template=tpl".to_string();
+    let root = format!("nestbox.root={}", t.root());
+    let opts = [
+        "--annotation",
+        template.as_str(),
+        "--annotation",
+        root.as_str(),
+    ];
+    // In the foreground: `ctr run` returns with the task's exit status, which
+    // the shim reads from the clone's monitor it reaped.
+    std::thread::scope(|s| {
+        let fg = s.spawn(|| c.run(&opts, "c1", &["sh"]));
+        let n = std::sync::atomic::AtomicU32::new(0);
+        let count = |c: &Containerd| -> Option<u64> {
+            let exec_id = format!("x{}", n.fetch_add(1, std::sync::atomic::Ordering::Relaxed));
+            let out = c.ctr(&["task", "exec", "--exec-id", &exec_id, "c1", "cat", "/count"]);
+            (out.code == 0).then(|| out.stdout.trim().parse().ok())?
+        };
+        let deadline = Instant::now() + Duration::from_secs(20);
+        let first = loop {
+            if let Some(n) = count(&c) {
+                break n;
+            }
+            assert!(Instant::now() < deadline, "the task never answered");
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        // The template's process going on, not a cold start from 1.
+        assert!(first + 1 >= frozen, "count {first}, template's {frozen}");
+        std::thread::sleep(Duration::from_millis(200));
+        let later = count(&c);
+        assert!(
+            later.is_some_and(|l| l > first),
+            "the task does not count: {later:?} after {first}"
+        );
+        c.ctr(&["task", "kill", "-s", "SIGTERM", "c1"]).ok();
+        let out = fg.join().unwrap();
+        assert_eq!(out.code, 143, "{out:?}");
+    });
+    c.ctr(&["task", "delete", "c1"]);
+    c.ctr(&["container", "delete", "c1"]).ok();
+    assert_eq!(c.ctr(&["container", "ls", "-q"]).ok().stdout, "");
+    assert_eq!(
+        t.boxes(),
+        vec!["tpl".to_string()],
+        "the clone's box is left"
+    );
 }

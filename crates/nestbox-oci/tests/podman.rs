@@ -4,7 +4,9 @@
 //! docker-archive, detached run, exec, pause/unpause, stop, kill, rm, logs.
 //! Images are made locally from a busybox root in a tar (no registry); the
 //! storage, run and temporary directories of podman are private to the test
-//! and removed (mounts first) when it ends.
+//! and removed (mounts first) when it ends. A container forked from a nestbox
+//! template (`--annotation nestbox.template=NAME`) runs, execs, stops with
+//! its status and is removed through podman too.
 
 mod common;
 
@@ -215,4 +217,80 @@ fn podman_runs_containers_with_nestbox_runc() {
     assert_eq!(state("k1").trim(), "exited");
     p.run(&["rm", "k1"]).ok();
     assert_eq!(p.run(&["ps", "-aq"]).ok().stdout.trim(), "");
+}
+
+#[test]
+fn podman_runs_a_container_forked_from_a_template() {
+    let test = "podman_runs_a_container_forked_from_a_template";
+    if !ready(test) || !podman_present(test) || !common::template::nestbox_present(test) {
+        return;
+    }
+    let (t, frozen) = common::template::counting_template();
+    let p = Podman::new();
+    let rootfs = p.path("rootfs");
+    common::make_rootfs(&rootfs);
+    let tar = p.path("bb.tar");
+    common::run(
+        "tar",
+        &[
+            "-C",
+            rootfs.to_str().unwrap(),
+            "-cf",
+            tar.to_str().unwrap(),
+            ".",
+        ],
+        None,
+    );
+    p.run(&["import", tar.to_str().unwrap(), "localhost/nb-busybox:1"])
+        .ok();
+    let template = "nestbox.template=tpl".to_string();
+    let root = format!("nestbox.root={}", t.root());
+    p.run_container(
+        &[
+            "-d",
+            "--name",
+            "c1",
+            "--annotation",
+            &template,
+            "--annotation",
+            &root,
+        ],
+        "localhost/nb-busybox:1",
+        &["sh"],
+    )
+    .ok();
+    let state = |name: &str| {
+        p.run(&[
+            "inspect",
+            "--format",
+            "{{.State.Status}} {{.State.ExitCode}}",
+            name,
+        ])
+        .ok()
+        .stdout
+        .trim()
+        .to_string()
+    };
+    assert_eq!(state("c1"), "running 0");
+    // The container is the template's process going on: its count starts
+    // where the template's stopped (a cold start would begin at 1) and grows.
+    let count = |p: &Podman| -> u64 {
+        let out = p.run(&["exec", "c1", "cat", "/count"]).ok();
+        out.stdout.trim().parse().unwrap()
+    };
+    let first = count(&p);
+    assert!(first >= frozen, "count {first}, template's {frozen}");
+    std::thread::sleep(std::time::Duration::from_millis(200));
+    assert!(count(&p) > first, "the clone does not count");
+    assert_eq!(t.boxes().len(), 2, "the clone's box");
+    // stop: SIGTERM through nestbox-runc kill; conmon reaps the clone's
+    // monitor, whose status is the clone's.
+    p.run(&["stop", "-t", "5", "c1"]).ok();
+    assert_eq!(state("c1"), "exited 143");
+    p.run(&["rm", "c1"]).ok();
+    assert_eq!(
+        t.boxes(),
+        vec!["tpl".to_string()],
+        "the clone's box is left"
+    );
 }

@@ -469,35 +469,84 @@ fn hooks_run_at_their_stages_with_the_state() {
         return;
     }
     let env = Env::new(&["sleep", "1000"]);
-    let dir = env.tmp().to_path_buf();
-    let hook = |name: &str| json!([{"path": "/bin/sh", "args": ["sh", "-c", format!("cat > {}/{name}.json", dir.display())]}]);
+    let dir = env.tmp().join("hooks");
+    std::fs::create_dir(&dir).unwrap();
+    // Each hook saves its state and its mount namespace. createContainer
+    // runs in the container's namespaces but resolves paths in the
+    // runtime's file system (before the pivot): it writes to the host's
+    // directory. startContainer runs in the container after the pivot: it
+    // writes through /hookout, a bind mount of that directory.
+    let hook_in = |name: &str, out: &str| {
+        json!([{"path": "/bin/sh", "args": ["sh", "-c",
+            format!("cat > {out}/{name}.json; readlink /proc/self/ns/mnt > {out}/{name}.ns")]}])
+    };
+    let host = dir.display().to_string();
+    let hook = |name: &str| hook_in(name, &host);
     env.edit(|c| {
         c["hooks"] = json!({
             "createRuntime": hook("createRuntime"), "createContainer": hook("createContainer"),
-            "startContainer": hook("startContainer"), "poststart": hook("poststart"),
+            "startContainer": hook_in("startContainer", "/hookout"), "poststart": hook("poststart"),
             // A failing poststop hook is a warning; the next one still runs.
             "poststop": [{"path": "/bin/false"}, hook("poststop")[0]]});
+        c["mounts"].as_array_mut().unwrap().push(json!({
+            "destination": "/hookout", "type": "bind", "source": host,
+            "options": ["rbind", "rw"]}));
     });
     let read = |name: &str| -> Option<Value> {
         std::fs::read_to_string(dir.join(format!("{name}.json")))
             .ok()
             .map(|t| serde_json::from_str(&t).unwrap())
     };
+    let ns = |name: &str| std::fs::read_to_string(dir.join(format!("{name}.ns"))).unwrap();
     env.create("h1").ok();
     let cr = read("createRuntime").unwrap();
     assert_eq!(cr["id"], "h1");
     assert_eq!(cr["status"], "created");
-    assert!(cr["pid"].as_i64().unwrap() > 0);
-    assert!(read("createContainer").is_some());
+    let pid = cr["pid"].as_i64().unwrap();
+    assert!(pid > 0);
+    let cc = read("createContainer").unwrap();
+    assert_eq!(cc["id"], "h1");
+    assert_eq!(cc["pid"], pid);
+    let container_mnt = format!(
+        "{}\n",
+        std::fs::read_link(format!("/proc/{pid}/ns/mnt"))
+            .unwrap()
+            .display()
+    );
+    let own_mnt = format!(
+        "{}\n",
+        std::fs::read_link("/proc/self/ns/mnt").unwrap().display()
+    );
+    assert_ne!(container_mnt, own_mnt);
+    assert_eq!(ns("createRuntime"), own_mnt, "createRuntime: the runtime's");
+    assert_eq!(
+        ns("createContainer"),
+        container_mnt,
+        "createContainer: the container's"
+    );
     assert!(read("startContainer").is_none() && read("poststart").is_none());
     env.runc(&["start", "h1"]).ok();
     assert_eq!(read("poststart").unwrap()["status"], "running");
-    assert!(read("startContainer").is_some());
+    let sc = read("startContainer").unwrap();
+    assert_eq!(sc["status"], "created");
+    assert_eq!(
+        ns("startContainer"),
+        container_mnt,
+        "startContainer: the container's"
+    );
+    // The program runs (the hook did not fail it).
+    assert_eq!(env.state("h1")["status"], "running");
     assert!(read("poststop").is_none());
     env.runc(&["delete", "--force", "h1"]).ok();
     let stop = read("poststop").unwrap();
     assert_eq!(stop["status"], "stopped");
     assert_eq!(stop["id"], "h1");
+
+    // A failing createContainer hook fails create; nothing is left.
+    env.edit(|c| c["hooks"] = json!({"createContainer": [{"path": "/bin/false"}]}));
+    env.create("h2")
+        .fails_with("createContainer hook /bin/false: exited with");
+    env.runc(&["state", "h2"]).fails_with("does not exist");
 }
 
 #[test]
@@ -696,4 +745,163 @@ fn update_changes_the_limits_of_a_running_container() {
     env.runc(&["update", "--pids-limit", "5", "u1"])
         .fails_with("cannot update a stopped container");
     env.runc(&["delete", "u1"]).ok();
+}
+
+/// Run nestbox-runc with `--root` of `env` and `args`, its descriptor 3
+/// appending to `out3` and its descriptor 4 reading `in4` (set up by a shell
+/// that then execs the runtime, as a caller passing descriptors would).
+fn runc_with_fds(env: &Env, out3: &Path, in4: &Path, args: &[&str]) -> common::Out {
+    let mut full = vec![
+        "-c",
+        "exec 3>>\"$1\" 4<\"$2\"; shift 2; exec \"$@\"",
+        "sh",
+        out3.to_str().unwrap(),
+        in4.to_str().unwrap(),
+        common::RUNC,
+        "--root",
+        env.root.to_str().unwrap(),
+    ];
+    full.extend_from_slice(args);
+    common::run("sh", &full, Some(&env.bundle))
+}
+
+#[test]
+fn preserve_fds_and_exec_cap() {
+    if !ready("preserve_fds_and_exec_cap") {
+        return;
+    }
+    // The program writes to descriptor 3, reads descriptor 4, and names any
+    // descriptor from 5 to 9 it has (none may leak).
+    let env = Env::new(&[
+        "sh",
+        "-c",
+        "echo through-3 >&3; cat <&4; for i in 3 4 5 6 7 8 9; do [ -e /proc/$$/fd/$i ] && echo has-$i; done; true",
+    ]);
+    let out3 = env.tmp().join("out3");
+    let in4 = env.tmp().join("in4");
+    std::fs::write(&in4, "from-4\n").unwrap();
+    let bundle = env.bundle.to_str().unwrap().to_string();
+    let out = runc_with_fds(
+        &env,
+        &out3,
+        &in4,
+        &["run", "--preserve-fds", "2", "--bundle", &bundle, "p1"],
+    )
+    .ok();
+    assert_eq!(out.stdout, "from-4\nhas-3\nhas-4\n", "{out}");
+    assert_eq!(std::fs::read_to_string(&out3).unwrap(), "through-3\n");
+    // Without --preserve-fds the runtime's descriptors stay out.
+    let out = runc_with_fds(&env, &out3, &in4, &["run", "--bundle", &bundle, "p2"]);
+    assert!(!out.stdout.contains("has-"), "{out}");
+    assert!(!out.stdout.contains("from-4"), "{out}");
+    assert_eq!(std::fs::read_to_string(&out3).unwrap(), "through-3\n");
+    // More than are open: refused before anything is made.
+    runc_with_fds(
+        &env,
+        &out3,
+        &in4,
+        &["run", "--preserve-fds", "3", "--bundle", &bundle, "p3"],
+    )
+    .fails_with("--preserve-fds 3: descriptor 5 is not open");
+    env.runc(&["state", "p3"]).fails_with("does not exist");
+
+    // exec --preserve-fds and --cap in a running container.
+    env.edit(|c| c["process"]["args"] = json!(["sleep", "1000"]));
+    env.runc(&["run", "-d", "--bundle", &bundle, "e1"]).ok();
+    runc_with_fds(
+        &env,
+        &out3,
+        &in4,
+        &[
+            "exec",
+            "--preserve-fds",
+            "1",
+            "e1",
+            "sh",
+            "-c",
+            "echo via-exec >&3; [ -e /proc/$$/fd/4 ] && echo has-4; true",
+        ],
+    )
+    .ok();
+    assert_eq!(
+        std::fs::read_to_string(&out3).unwrap(),
+        "through-3\nvia-exec\n"
+    );
+    let caps = |extra: &[&str]| -> (u64, u64, u64) {
+        let mut args = vec!["exec"];
+        args.extend_from_slice(extra);
+        args.extend_from_slice(&["e1", "cat", "/proc/self/status"]);
+        let out = env.runc(&args).ok();
+        let field = |k: &str| {
+            let v = out
+                .stdout
+                .lines()
+                .find_map(|l| l.strip_prefix(k))
+                .unwrap_or_else(|| panic!("no {k} in {out}"));
+            u64::from_str_radix(v.trim(), 16).unwrap()
+        };
+        (field("CapBnd:"), field("CapEff:"), field("CapPrm:"))
+    };
+    let sys_admin = 1u64 << 21;
+    let net_admin = 1u64 << 12;
+    let (bnd, eff, prm) = caps(&[]);
+    assert_eq!((bnd | eff | prm) & (sys_admin | net_admin), 0);
+    let (bnd2, eff2, prm2) = caps(&["--cap", "CAP_SYS_ADMIN", "--cap", "net_admin"]);
+    for (before, after) in [(bnd, bnd2), (eff, eff2), (prm, prm2)] {
+        assert_eq!(after, before | sys_admin | net_admin);
+    }
+    env.runc(&["exec", "--cap", "CAP_NOPE", "e1", "true"])
+        .fails_with("exec --cap CAP_NOPE");
+}
+
+#[test]
+fn device_cgroup_rules_of_the_config_are_enforced() {
+    if !ready("device_cgroup_rules_of_the_config_are_enforced") {
+        return;
+    }
+    // /dev/net/tun (c 10:200) is made inside (in the /dev tmpfs) with mknod (allowed: `m` of
+    // every device), then opened: the device cgroup decides. Opened, tun
+    // answers a read with EBADFD ("File descriptor in bad state").
+    let script = "busybox mknod /dev/tun c 10 200 2>&1; cat /dev/tun 2>&1; cat /dev/null && echo null-ok; true";
+    let caps = json!(["CAP_MKNOD", "CAP_AUDIT_WRITE", "CAP_KILL"]);
+    let env = Env::new(&["true"]);
+    let with_rules = |rules: Value| {
+        let caps = caps.clone();
+        inside(&env, script, move |c| {
+            for set in [
+                "bounding",
+                "effective",
+                "permitted",
+                "inheritable",
+                "ambient",
+            ] {
+                c["process"]["capabilities"][set] = caps.clone();
+            }
+            c["linux"]["resources"]["devices"] = rules;
+        })
+    };
+    // Every device denied but the standard ones: tun cannot be opened.
+    let out = with_rules(json!([{"allow": false, "access": "rwm"}]));
+    assert!(out.contains("Operation not permitted"), "{out}");
+    assert!(out.contains("null-ok"), "{out}");
+    // Allowed by the config: it opens.
+    let out = with_rules(json!([
+        {"allow": false, "access": "rwm"},
+        {"allow": true, "type": "c", "major": 10, "minor": 200, "access": "rw"}
+    ]));
+    assert!(out.contains("bad state"), "{out}");
+    assert!(!out.contains("Operation not permitted"), "{out}");
+    // Allowed for mknod only: not opened.
+    let out = with_rules(json!([
+        {"allow": false, "access": "rwm"},
+        {"allow": true, "type": "c", "major": 10, "minor": 200, "access": "m"}
+    ]));
+    assert!(out.contains("Operation not permitted"), "{out}");
+    // A bad rule: refused, nothing made.
+    env.edit(|c| {
+        c["linux"]["resources"]["devices"] = json!([{"allow": true, "type": "c", "access": "rwx"}])
+    });
+    env.run("bad")
+        .fails_with("linux.resources.devices[0]: access \"rwx\" must be made of r, w and m");
+    env.runc(&["state", "bad"]).fails_with("does not exist");
 }

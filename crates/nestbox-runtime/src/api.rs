@@ -369,6 +369,7 @@ fn handle(reg: &Registry, line: &str, idle: &mut IdleWork) -> Result<(Value, Fol
                 without_network: false,
                 network: None,
                 disk: None,
+                fork_now: false,
             };
             idle.want(&template);
             let mut follow_up = FollowUp::default();

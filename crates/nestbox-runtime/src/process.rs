@@ -79,6 +79,20 @@ pub fn proc_pid_dirs() -> impl Iterator<Item = std::path::PathBuf> {
         .map(|e| e.path())
 }
 
+/// The pids of the process whose `/proc` directory is `dir`, outermost
+/// namespace first (its `NSpid` line); `None` if it is gone.
+pub fn ns_pids(dir: &std::path::Path) -> Option<Vec<i32>> {
+    std::fs::read_to_string(dir.join("status"))
+        .ok()?
+        .lines()
+        .find_map(|l| l.strip_prefix("NSpid:"))
+        .map(|v| {
+            v.split_whitespace()
+                .filter_map(|p| p.parse().ok())
+                .collect()
+        })
+}
+
 /// Point stdin, stdout and stderr at `/dev/null` (best effort).
 pub fn stdio_to_dev_null() {
     if let Ok(null) = std::fs::OpenOptions::new()

@@ -95,6 +95,11 @@ pub struct BoxSpec {
     /// Clones inherit it, each with a disk of its own.
     #[serde(default)]
     pub disk: Option<u64>,
+    /// The box's monitor stack (`--monitor`, in order; see
+    /// `nestbox_interpose::MonitorSpec` for the forms): the calls they
+    /// subscribe to stop and are answered by them.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub monitors: Vec<String>,
 }
 
 /// How a box is connected.
@@ -235,6 +240,9 @@ impl BoxSpec {
         self.limits.validate()?;
         if let Some(size) = self.disk {
             crate::disk::validate(size)?;
+        }
+        for m in &self.monitors {
+            nestbox_interpose::MonitorSpec::parse(m).map_err(|e| invalid(e.to_string()))?;
         }
         for kv in &self.env {
             if !kv.contains('=') || kv.starts_with('=') {
@@ -434,6 +442,7 @@ pub(crate) mod tests_support {
             remove_on_exit: false,
             ksm: false,
             disk: None,
+            monitors: Vec::new(),
             clone_of: None,
             restore_of: None,
             network: NetSpec::default(),

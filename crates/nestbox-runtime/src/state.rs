@@ -205,6 +205,30 @@ pub fn write_json<T: Serialize>(path: &Path, value: &T) -> Result<()> {
     })
 }
 
+/// An exclusive `flock` on `path` (created if missing): waiting for it with
+/// `wait`, else `None` when another holds it. Held until the lock is dropped,
+/// or its holder dies (SIGKILL too). The file is opened close-on-exec, so the
+/// holder's children do not hold it.
+pub fn lock_file(path: &Path, wait: bool) -> Result<Option<nix::fcntl::Flock<fs::File>>> {
+    use nix::fcntl::{Flock, FlockArg};
+    let file = fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(path)
+        .map_err(RuntimeError::io("open", path))?;
+    let how = if wait {
+        FlockArg::LockExclusive
+    } else {
+        FlockArg::LockExclusiveNonblock
+    };
+    match Flock::lock(file, how) {
+        Ok(l) => Ok(Some(l)),
+        Err((_, nix::errno::Errno::EWOULDBLOCK)) if !wait => Ok(None),
+        Err((_, e)) => Err(RuntimeError::sys(format!("flock {}", path.display()))(e)),
+    }
+}
+
 /// Read JSON from `path`.
 pub fn read_json<T: DeserializeOwned>(path: &Path) -> Result<T> {
     let data = fs::read(path).map_err(RuntimeError::io("read", path))?;

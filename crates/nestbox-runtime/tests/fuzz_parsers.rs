@@ -252,6 +252,7 @@ fn spec() -> impl Strategy<Value = BoxSpec> {
                     remove_on_exit: false,
                     ksm: false,
                     disk: None,
+                    monitors: Vec::new(),
                     clone_of: None,
                     restore_of: None,
                     network: NetSpec {
@@ -323,6 +324,7 @@ fn stored_spec_json() {
         remove_on_exit: false,
         ksm: false,
         disk: None,
+        monitors: Vec::new(),
         clone_of: None,
         restore_of: None,
         network: NetSpec::default(),

@@ -16,6 +16,9 @@ use crate::error::SeccompError;
 /// `SECCOMP_SET_MODE_FILTER`.
 const SECCOMP_SET_MODE_FILTER: libc::c_uint = 1;
 
+/// `SECCOMP_FILTER_FLAG_NEW_LISTENER`: the call returns a notification fd.
+const SECCOMP_FILTER_FLAG_NEW_LISTENER: libc::c_ulong = 1 << 3;
+
 impl Program {
     /// Install this filter on the calling thread with
     /// `seccomp(SECCOMP_SET_MODE_FILTER, 0, prog)`.
@@ -30,6 +33,26 @@ impl Program {
     /// seccomp filters or rejected the program; `ENOMEM`: too many or too long
     /// filters are already stacked).
     pub fn install(&self) -> Result<(), SeccompError> {
+        self.install_with(0).map(|_| ())
+    }
+
+    /// Install this filter like [`Program::install`], with
+    /// `SECCOMP_FILTER_FLAG_NEW_LISTENER`: the calls it answers with
+    /// [`crate::Action::Notify`] wait for an answer on the returned fd
+    /// (close-on-exec; see `nestbox_sys::seccomp_notify`). Makes one syscall and
+    /// does not allocate.
+    ///
+    /// # Errors
+    /// As [`Program::install`]; `EBUSY` when a filter with a listener is
+    /// already installed on this thread.
+    pub fn install_with_listener(&self) -> Result<std::os::fd::OwnedFd, SeccompError> {
+        let fd = self.install_with(SECCOMP_FILTER_FLAG_NEW_LISTENER)?;
+        // SAFETY: with NEW_LISTENER the kernel returned a new descriptor that
+        // nothing else owns.
+        Ok(unsafe { <std::os::fd::OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd as i32) })
+    }
+
+    fn install_with(&self, flags: libc::c_ulong) -> Result<libc::c_long, SeccompError> {
         if !cfg!(target_arch = "x86_64") {
             return Err(SeccompError::UnsupportedArch {
                 arch: std::env::consts::ARCH,
@@ -48,17 +71,18 @@ impl Program {
         // SAFETY: `prog` points at `len` initialised `sock_filter`s owned by `self`,
         // which outlives the call; the kernel copies the program before returning and
         // never writes through the pointer. The call affects only the seccomp state of
-        // this thread, which cannot violate any Rust invariant.
+        // this thread (and, with NEW_LISTENER, adds a descriptor the caller takes
+        // ownership of), which cannot violate any Rust invariant.
         let rc = unsafe {
             libc::syscall(
                 libc::SYS_seccomp,
                 libc::c_ulong::from(SECCOMP_SET_MODE_FILTER),
-                0 as libc::c_ulong,
+                flags,
                 std::ptr::addr_of!(prog),
             )
         };
-        if rc == 0 {
-            return Ok(());
+        if rc >= 0 {
+            return Ok(rc);
         }
         let source = io::Error::last_os_error();
         let hint = match source.raw_os_error() {
@@ -67,6 +91,7 @@ impl Program {
             Some(libc::ENOMEM) => "the kernel's limit on stacked filter size was reached",
             Some(libc::EFAULT) => "the program address was invalid",
             Some(libc::ENOSYS) => "the kernel has no seccomp(2) syscall",
+            Some(libc::EBUSY) => "a filter with a listener is installed already",
             _ => "the kernel refused the filter",
         };
         Err(SeccompError::Install { hint, source })

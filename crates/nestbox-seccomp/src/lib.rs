@@ -30,6 +30,7 @@ mod error;
 mod install;
 #[cfg(test)]
 mod interp;
+mod monitor;
 mod profile;
 mod sysno;
 
@@ -40,6 +41,7 @@ pub use default::{
 };
 pub use error::SeccompError;
 pub use install::set_no_new_privs;
+pub use monitor::monitor_profile;
 pub use profile::{
     Action, ArgCondition, CmpOp, Profile, Rule, ENOSYS, EPERM, MAX_ERRNO, X32_SYSCALL_BIT,
 };

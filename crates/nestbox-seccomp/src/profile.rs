@@ -39,6 +39,9 @@ pub enum Action {
     Trap,
     /// Let the call run but log it to the audit log (`SECCOMP_RET_LOG`).
     Log,
+    /// Stop the call and notify the filter's listener, which answers it
+    /// (`SECCOMP_RET_USER_NOTIF`; see [`crate::monitor_profile`]).
+    Notify,
 }
 
 impl Action {
@@ -51,6 +54,7 @@ impl Action {
             Action::KillThread => 0x0000_0000,
             Action::Trap => 0x0003_0000,
             Action::Log => 0x7ffc_0000,
+            Action::Notify => 0x7fc0_0000,
         }
     }
 
@@ -64,6 +68,7 @@ impl Action {
             0x0000_0000 if data == 0 => Some(Action::KillThread),
             0x0003_0000 if data == 0 => Some(Action::Trap),
             0x7ffc_0000 if data == 0 => Some(Action::Log),
+            0x7fc0_0000 if data == 0 => Some(Action::Notify),
             _ => None,
         }
     }
@@ -255,6 +260,7 @@ mod tests {
             Action::KillThread,
             Action::Trap,
             Action::Log,
+            Action::Notify,
         ] {
             assert_eq!(Action::from_ret_value(action.ret_value()), Some(action));
         }

@@ -20,6 +20,7 @@ pub mod ns;
 pub mod pidfd;
 pub mod process;
 pub mod ptrace;
+pub mod seccomp_notify;
 pub mod tty;
 pub mod uffd;
 pub mod xattr;

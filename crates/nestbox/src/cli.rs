@@ -94,6 +94,20 @@ enum Command {
         /// Box name.
         name: String,
     },
+    /// Attach gdb from outside to a process of a running box (its command by
+    /// default): the box gets no capability and keeps its filter; gdb runs on
+    /// the host as root and reads the program and its libraries from the
+    /// box's root. Arguments after `--` go to gdb (e.g. `-batch -ex bt`).
+    Debug {
+        /// The process, by its pid in the box (default: the box's command, 2).
+        #[arg(long, value_name = "PID")]
+        pid: Option<i32>,
+        /// Box name.
+        name: String,
+        /// gdb's own arguments.
+        #[arg(last = true)]
+        gdb_args: Vec<String>,
+    },
     /// Remove dead boxes and every leftover no live box owns.
     Gc,
     /// Same-page merging (KSM) on this host: what it saves, what its scanner
@@ -521,6 +535,12 @@ struct RunArgs {
     /// with ENOSPC in the box (a filesystem image of its own; root only).
     #[arg(long, value_name = "SIZE")]
     disk: Option<String>,
+    /// Run the box under a monitor (repeatable: a stack, in order), which
+    /// answers the system calls it subscribes to: trace:CALL,.. |
+    /// files:deny=PATH,redirect=PATH=>OTHER | net:allow=CIDR[:PORT],.. |
+    /// null:CALL,.. | socket:PATH:CALL,.. (docs/monitors.md).
+    #[arg(long = "monitor", value_name = "NAME[:ARGS]")]
+    monitors: Vec<String>,
     /// Mount a host path: HOST:BOX[:ro] (repeatable).
     #[arg(short, long = "volume", value_name = "HOST:BOX[:ro]")]
     volume: Vec<String>,
@@ -621,7 +641,26 @@ pub fn dispatch(cli: Cli) -> Result<i32> {
             Ok(failed.unwrap_or(0))
         }
         Command::Stats { json, name } => output::stats(&reg, &name, json).map(|_| 0),
-        Command::Gc => output::gc(&reg).map(|_| 0),
+        Command::Gc => output::gc(&reg, &root).map(|_| 0),
+        Command::Debug {
+            pid,
+            name,
+            gdb_args,
+        } => {
+            use std::os::unix::process::CommandExt;
+            let host = ops::host_pid_of(&reg, &name, pid)?;
+            // gdb is the debugger users know; nestbox only finds the process
+            // and points gdb at the box's files (an exception to "a call, not
+            // a program": this command is a launcher of gdb).
+            let err = std::process::Command::new("gdb")
+                .args(["-q", "-p", &host.to_string()])
+                .args(["-ex", &format!("set sysroot /proc/{host}/root")])
+                .args(&gdb_args)
+                .exec();
+            Err(anyhow::anyhow!(
+                "cannot run gdb: {err} (apt-get install gdb)"
+            ))
+        }
         Command::Watchdog(a) => {
             use nestbox_runtime::watchdog;
             let min_available = match a.min_available.as_deref() {
@@ -922,6 +961,7 @@ fn build_spec(a: RunArgs) -> Result<BoxSpec> {
         clone_of: None,
         restore_of: None,
         network,
+        monitors: a.monitors,
     };
     // Validated by the runtime (ops::run_*) before anything is created.
     Ok(spec)
@@ -1094,6 +1134,7 @@ fn clone(reg: &Registry, a: CloneArgs) -> Result<i32> {
         },
         on_clone_signal: a.on_clone_signal.as_deref().map(parse_signal).transpose()?,
         pooled: false,
+        fork_now: false,
         disk: disk_size(&a.disk)?,
         without_network: a.network.as_deref() == Some("none"),
         network: match a.network.as_deref() {

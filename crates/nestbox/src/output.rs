@@ -257,8 +257,16 @@ pub fn follow_to_end(reg: &Registry, name: &str) -> Result<i32> {
 }
 
 /// `gc`: say what was removed.
-pub fn gc(reg: &Registry) -> Result<()> {
+pub fn gc(reg: &Registry, root: &Option<std::path::PathBuf>) -> Result<()> {
     let r = ops::gc(reg)?;
+    // Services whose supervisor died: their replicas are made anew under a
+    // new supervisor.
+    let revived = nestbox_runtime::service::orphaned(reg)?;
+    for name in &revived {
+        crate::service_cmd::start_supervisor(root, name)?;
+        nestbox_runtime::service::wait_ready(reg.roots(), name, None)?;
+        println!("restarted the supervisor of service {name} (its replicas made anew)");
+    }
     let (dirs, packs, bytes) = nestbox_runtime::checkpoint::gc(reg)?;
     if dirs > 0 {
         println!("removed {dirs} unfinished checkpoint(s)");
@@ -287,6 +295,7 @@ pub fn gc(reg: &Registry) -> Result<()> {
         && r.network.is_empty()
         && dirs == 0
         && packs == 0
+        && revived.is_empty()
     {
         println!("nothing to collect");
     }

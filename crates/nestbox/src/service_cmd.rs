@@ -169,7 +169,7 @@ pub fn service(reg: &Registry, root: &Option<PathBuf>, cmd: ServiceCommand) -> R
 
 /// Start `nestbox service supervise NAME` detached: its own session, stdio on
 /// /dev/null (its warnings go to the service's log).
-fn start_supervisor(root: &Option<PathBuf>, name: &str) -> Result<()> {
+pub(crate) fn start_supervisor(root: &Option<PathBuf>, name: &str) -> Result<()> {
     use std::os::unix::process::CommandExt;
     let exe = std::env::current_exe().context("the nestbox executable")?;
     let mut cmd = Command::new(exe);

@@ -275,3 +275,115 @@ fn service_bad_input_fails_clearly_and_leaves_nothing() {
     assert!(!root.path().join("run/services/s").exists());
     root.rm_all(["plain"]);
 }
+
+/// One request through the service's port: the replica's name, or the error.
+fn get(port: u16) -> Result<String, String> {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).map_err(|e| e.to_string())?;
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    s.write_all(b"GET / HTTP/1.0\r\n\r\n")
+        .map_err(|e| e.to_string())?;
+    let mut answer = String::new();
+    s.read_to_string(&mut answer).map_err(|e| e.to_string())?;
+    answer
+        .split("\r\n\r\n")
+        .nth(1)
+        .map(String::from)
+        .filter(|b| b.starts_with("svc2.r"))
+        .ok_or(answer)
+}
+
+#[test]
+fn gc_restarts_a_service_whose_supervisor_was_killed() {
+    let Some(root) = TestRoot::new("gc_restarts_a_service_whose_supervisor_was_killed") else {
+        return;
+    };
+    let server = root.path().join("server.py");
+    std::fs::write(&server, SERVER).unwrap();
+    let volume = format!("{}:/srv.py:ro", server.display());
+    root.run(&[
+        "run", "-d", "--name", "svc2-t", "-v", &volume, "--", "python3", "/srv.py",
+    ])
+    .ok();
+    root.wait_log("svc2-t", "ready", START);
+    root.ok(&["freeze", "svc2-t", "--as", "svc2"]);
+    let port = free_port();
+    let publish = format!("{port}:8080");
+    root.run_timeout(
+        &[
+            "service",
+            "create",
+            "svc2",
+            "--template",
+            "svc2",
+            "--replicas",
+            "2",
+            "-p",
+            &publish,
+        ],
+        Duration::from_secs(120),
+    )
+    .ok();
+    let _guard = ServiceGuard(&root, "svc2");
+    let v = service_json(&root, "svc2");
+    let old = active(&v);
+    assert_eq!(old.len(), 2, "{v}");
+    // Box ids (remembered for the final leak checks too).
+    let ids = |names: &[String]| -> Vec<String> {
+        names
+            .iter()
+            .map(|r| root.inspect(r)["id"].as_str().unwrap().to_string())
+            .collect()
+    };
+    let old_ids = ids(&old);
+    get(port).expect("the service answers");
+
+    // SIGKILL: the supervisor removes nothing, records nothing.
+    let supervisor = v["state"]["supervisor"]["pid"].as_i64().unwrap() as i32;
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(supervisor),
+        nix::sys::signal::SIGKILL,
+    )
+    .unwrap();
+    wait_for("the supervisor to end", START, || !pid_alive(supervisor));
+    assert!(get(port).is_err(), "no proxy, no answer");
+    assert!(root.ok(&["service", "ls"]).contains("svc2"));
+
+    let out = root.run_timeout(&["gc"], Duration::from_secs(120)).ok();
+    assert!(
+        out.stdout
+            .contains("restarted the supervisor of service svc2"),
+        "{out}"
+    );
+    let v = service_json(&root, "svc2");
+    let new = active(&v);
+    assert_eq!(new.len(), 2, "{v}");
+    let new_ids = ids(&new);
+    let new_supervisor = v["state"]["supervisor"]["pid"].as_i64().unwrap() as i32;
+    assert_ne!(new_supervisor, supervisor);
+    assert!(pid_alive(new_supervisor));
+    // The old replicas are gone (their names may be taken again).
+    let listed: Vec<String> = root
+        .ps_all()
+        .iter()
+        .filter_map(|r| r["id"].as_str().map(String::from))
+        .collect();
+    for id in &old_ids {
+        assert!(
+            !new_ids.contains(id),
+            "replicas made anew: {old_ids:?} {new_ids:?}"
+        );
+        assert!(!listed.contains(id), "the old replica {id} is removed");
+    }
+    let answer = get(port).expect("the service answers again");
+    assert!(new.contains(&answer), "{answer} is one of {new:?}");
+
+    // A second gc finds nothing to do; rm leaves nothing.
+    let out = root.run(&["gc"]).ok();
+    assert!(!out.stdout.contains("restarted"), "{out}");
+    root.run_timeout(&["service", "rm", "svc2"], Duration::from_secs(90))
+        .ok();
+    assert!(!pid_alive(new_supervisor));
+    assert!(!root.path().join("run/services/svc2").exists());
+    root.rm_all(["svc2-t"]);
+}

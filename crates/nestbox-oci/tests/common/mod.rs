@@ -6,6 +6,8 @@
 
 #![allow(dead_code)]
 
+pub mod template;
+
 use std::io::Read;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};

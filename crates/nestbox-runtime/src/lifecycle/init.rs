@@ -99,16 +99,8 @@ fn linger_for_clones(sfd: &SignalFd) {
 /// Whether a process of a pid namespace nested in this one is alive (its `NSpid`
 /// line in /proc lists more than one pid).
 fn nested_namespace_processes() -> bool {
-    crate::process::proc_pid_dirs().any(|dir| {
-        std::fs::read_to_string(dir.join("status"))
-            .ok()
-            .and_then(|s| {
-                s.lines()
-                    .find_map(|l| l.strip_prefix("NSpid:"))
-                    .map(|v| v.split_whitespace().count() > 1)
-            })
-            .unwrap_or(false)
-    })
+    crate::process::proc_pid_dirs()
+        .any(|dir| crate::process::ns_pids(&dir).is_some_and(|p| p.len() > 1))
 }
 
 /// Reap every exited child; the command's exit code once it is among them.

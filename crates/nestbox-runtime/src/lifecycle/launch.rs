@@ -49,6 +49,10 @@ pub struct CommandPlan {
     pub new_session: bool,
     /// Mark the command's memory mergeable (`PR_SET_MEMORY_MERGE`, `--ksm`).
     pub memory_merge: bool,
+    /// The monitor filter (`--monitor`) and its hand-over cookie: installed
+    /// after the box's own filter, its listener sent to the box's monitor on
+    /// [`INTERPOSE_FD`] (see `nestbox_seccomp::monitor_profile`).
+    pub monitor_filter: Option<(Program, [u64; 2])>,
 }
 
 impl CommandPlan {
@@ -91,6 +95,7 @@ impl CommandPlan {
             setgroups,
             new_session,
             memory_merge: false,
+            monitor_filter: None,
         })
     }
 }
@@ -132,6 +137,8 @@ pub struct ChildFds {
     pub go: OwnedFd,
     /// Error reports to the monitor (close-on-exec).
     pub report: OwnedFd,
+    /// With monitors: where the command sends the monitor filter's listener.
+    pub interpose: Option<OwnedFd>,
 }
 
 /// Body of the box's first process (pid 1 of the new pid namespace). Never returns.
@@ -141,8 +148,12 @@ pub fn box_first_process(plan: &LaunchPlan, fds: ChildFds) -> ! {
     match setup_box(plan, fds) {
         Ok(Some(command)) => {
             // The command holds its own copy until exec; init must not keep the pipe open.
-            // SAFETY: REPORT_FD is this process's own descriptor, never used again.
-            unsafe { libc::close(REPORT_FD) };
+            // SAFETY: REPORT_FD is this process's own descriptor, never used again;
+            // so is INTERPOSE_FD when there is one (EBADF otherwise, ignored).
+            unsafe {
+                libc::close(REPORT_FD);
+                libc::close(INTERPOSE_FD);
+            }
             crate::init::run(command)
         }
         Ok(None) => {
@@ -164,6 +175,8 @@ fn e125(what: &str, e: &dyn std::fmt::Display) -> Failure {
 /// Where the go pipe and the report pipe end up in the box's first process.
 const GO_FD: RawFd = 3;
 const REPORT_FD: RawFd = 4;
+/// Where the monitors' hand-over socket ends up (when the box has monitors).
+const INTERPOSE_FD: RawFd = 5;
 
 /// Put stdio on 0-2, the go and report pipes on 3 and 4, and close every other
 /// descriptor: init never execs, so close-on-exec alone would let it keep the
@@ -174,15 +187,28 @@ fn keep_only_box_fds(fds: ChildFds) -> nix::Result<(RawFd, RawFd)> {
     // Move the pipes out of the way first so the dup2s below cannot clobber them.
     let go = fcntl(fds.go.as_raw_fd(), FcntlArg::F_DUPFD_CLOEXEC(16))?;
     let report = fcntl(fds.report.as_raw_fd(), FcntlArg::F_DUPFD_CLOEXEC(16))?;
+    let interpose = fds
+        .interpose
+        .as_ref()
+        .map(|f| fcntl(f.as_raw_fd(), FcntlArg::F_DUPFD_CLOEXEC(16)))
+        .transpose()?;
     for (fd, target) in [(&fds.stdin, 0), (&fds.stdout, 1), (&fds.stderr, 2)] {
         nix::unistd::dup2(fd.as_raw_fd(), target)?;
     }
     nix::unistd::dup3(go, GO_FD, nix::fcntl::OFlag::O_CLOEXEC)?;
     nix::unistd::dup3(report, REPORT_FD, nix::fcntl::OFlag::O_CLOEXEC)?;
+    let last = match interpose {
+        Some(i) => {
+            nix::unistd::dup3(i, INTERPOSE_FD, nix::fcntl::OFlag::O_CLOEXEC)?;
+            INTERPOSE_FD
+        }
+        None => REPORT_FD,
+    };
     std::mem::forget(fds);
-    // SAFETY: everything this child still needs lives on 0-4 (the ChildFds were
-    // forgotten above); no object owning a higher descriptor is used again.
-    unsafe { nestbox_sys::fd::close_range(REPORT_FD as u32 + 1, u32::MAX) }?;
+    // SAFETY: everything this child still needs lives on 0-4, or 0-5 with
+    // monitors (the ChildFds were forgotten above); no object owning a higher
+    // descriptor is used again.
+    unsafe { nestbox_sys::fd::close_range(last as u32 + 1, u32::MAX) }?;
     Ok((GO_FD, REPORT_FD))
 }
 
@@ -297,6 +323,25 @@ fn prepare_credentials(plan: &CommandPlan) -> Result<(), Failure> {
     nix::sys::prctl::set_no_new_privs().map_err(|e| e125("prctl(NO_NEW_PRIVS)", &e))?;
     if plan.memory_merge {
         crate::ksm::make_process_mergeable().map_err(|e| e125("prctl(PR_SET_MEMORY_MERGE)", &e))?;
+    }
+    // The monitor filter first: installing the box's own filter after it
+    // does not depend on that filter allowing seccomp(2) (the stricter
+    // answer of the two wins whatever their order).
+    if let Some((filter, cookie)) = &plan.monitor_filter {
+        let listener = filter
+            .install_with_listener()
+            .map_err(|e| e125("seccomp (monitors)", &e))?;
+        // The one call the filter lets through unanswered (the cookie): the
+        // monitor is not listening yet.
+        nestbox_sys::seccomp_notify::send_listener(
+            INTERPOSE_FD,
+            std::os::fd::AsRawFd::as_raw_fd(&listener),
+            *cookie,
+        )
+        .map_err(|e| e125("hand the monitors their listener", &e))?;
+        drop(listener);
+        // SAFETY: INTERPOSE_FD is this process's own descriptor, not used again.
+        unsafe { libc::close(INTERPOSE_FD) };
     }
     if let Some(filter) = &plan.seccomp {
         filter.install().map_err(|e| e125("seccomp", &e))?;

@@ -245,6 +245,38 @@ fn start_inner(
         plan.cgroup_join = join_files.clone();
     }
 
+    // Monitors (`--monitor`): made now, so that a socket monitor not
+    // listening or a trace log that cannot be written fails the start.
+    let interpose = match plan.command.as_mut() {
+        Some(command) if !spec.monitors.is_empty() => {
+            let stack = nestbox_interpose::Stack::open(&spec.monitors, &trace_log(record))
+                .map_err(|e| RuntimeError::InvalidInput(e.to_string()))?;
+            let cookie = new_setns_cookie()?;
+            let specs: Vec<nestbox_interpose::MonitorSpec> = spec
+                .monitors
+                .iter()
+                .map(|m| nestbox_interpose::MonitorSpec::parse(m))
+                .collect::<std::result::Result<_, _>>()
+                .map_err(|e| RuntimeError::InvalidInput(e.to_string()))?;
+            let filter =
+                nestbox_seccomp::monitor_profile(&nestbox_interpose::subscribed(&specs), cookie)
+                    .compile()?;
+            command.monitor_filter = Some((filter, cookie));
+            let (ours, theirs) = nix::sys::socket::socketpair(
+                nix::sys::socket::AddressFamily::Unix,
+                nix::sys::socket::SockType::SeqPacket,
+                None,
+                nix::sys::socket::SockFlag::SOCK_CLOEXEC,
+            )
+            .map_err(RuntimeError::sys("socketpair"))?;
+            Some((stack, ours, theirs))
+        }
+        _ => None,
+    };
+    let (interpose, interpose_child) = match interpose {
+        Some((stack, ours, theirs)) => (Some((stack, ours)), Some(theirs)),
+        None => (None, None),
+    };
     let (go_r, go_w) = pipe2(OFlag::O_CLOEXEC).map_err(RuntimeError::sys("pipe2"))?;
     let (rep_r, rep_w) = pipe2(OFlag::O_CLOEXEC).map_err(RuntimeError::sys("pipe2"))?;
     let (out_r, out_w) = pipe2(OFlag::O_CLOEXEC).map_err(RuntimeError::sys("pipe2"))?;
@@ -313,12 +345,13 @@ fn start_inner(
                 stderr: err_w,
                 go: go_r,
                 report: rep_w,
+                interpose: interpose_child,
             };
             box_first_process(&plan, fds)
         }
         Forked::Parent(pid) => pid,
     };
-    drop((go_r, rep_w, out_w, err_w, stdin));
+    drop((go_r, rep_w, out_w, err_w, stdin, interpose_child));
     let abandon = |e: RuntimeError| {
         // As above: our own child; ESRCH only if it died already.
         let _ = kill(child, Signal::SIGKILL);
@@ -372,6 +405,29 @@ fn start_inner(
         })
     })?;
     drop(go_w);
+    if let Some((stack, sock)) = interpose {
+        // The command sends the listener before it execs (end of file: it
+        // failed before; its report says why). From then on its subscribed
+        // calls wait for the thread started here.
+        match nestbox_sys::seccomp_notify::receive_listener(sock.as_fd()) {
+            Ok(Some(listener)) => {
+                std::thread::Builder::new()
+                    .name("monitors".into())
+                    .spawn(move || nestbox_interpose::serve(listener, stack))
+                    .map_err(|e| {
+                        abandon(RuntimeError::Failed(format!(
+                            "no thread for the monitors: {e}"
+                        )))
+                    })?;
+            }
+            Ok(None) => {}
+            Err(e) => {
+                return Err(abandon(
+                    RuntimeError::sys("receive the monitors' listener")(e),
+                ))
+            }
+        }
+    }
     if let Some((code, message)) = read_report(&rep_r) {
         // The box's process reported its failure and exits: reap it (it is
         // our child, so only EINTR could fail, leaving a zombie until we exit).
@@ -744,6 +800,11 @@ pub fn seccomp_program(
         }
     }
     Ok(Some(profile.compile()?))
+}
+
+/// Where a box's `trace` monitors write.
+pub fn trace_log(record: &BoxRecord) -> std::path::PathBuf {
+    record.run_dir().join("trace.log")
 }
 
 /// A fresh random setns cookie.

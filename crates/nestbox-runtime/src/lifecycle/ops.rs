@@ -231,6 +231,39 @@ fn kill_inner(reg: &Registry, name: &str, signal: Signal) -> Result<()> {
     kill(target, signal).map_err(RuntimeError::sys(format!("kill {}", signal.as_str())))
 }
 
+/// The host pid of the process that box `name` sees as `box_pid` (default:
+/// its command, pid 2), for a debugger attached from outside (`nestbox
+/// debug`). The box must run, not be frozen (a frozen process cannot be
+/// attached to).
+pub fn host_pid_of(reg: &Registry, name: &str, box_pid: Option<i32>) -> Result<i32> {
+    let record = reg.load(name).map_err(|e| e.in_box(name))?;
+    if running_init(&record).is_none() {
+        return Err(RuntimeError::NotRunning(name.to_string()));
+    }
+    if record.state.effective_status() == Status::Frozen {
+        return Err(RuntimeError::WrongState {
+            name: name.to_string(),
+            problem: "is frozen: a debugger cannot attach to its processes".into(),
+        });
+    }
+    let want = box_pid.unwrap_or(crate::init::ADOPTED_PID);
+    let procs = record
+        .state
+        .cgroup
+        .as_ref()
+        .map(|c| c.procs())
+        .transpose()?
+        .unwrap_or_default();
+    procs
+        .into_iter()
+        .find(|&p| {
+            crate::process::ns_pids(std::path::Path::new(&format!("/proc/{p}")))
+                .and_then(|n| n.last().copied())
+                == Some(want)
+        })
+        .ok_or_else(|| RuntimeError::InvalidInput(format!("box {name:?} has no process {want}")))
+}
+
 /// Where a box's signals go: its init, which forwards them to the command. A
 /// frozen box is thawed first (a frozen process takes no signal), and a template's
 /// signals go straight to its process: its init must stay, for its clones' sake.

@@ -21,7 +21,7 @@ use std::os::fd::{AsFd, OwnedFd};
 use std::path::{Path, PathBuf};
 
 use nestbox_sys::ns::{Namespace, NsGuard};
-use nix::fcntl::{Flock, FlockArg};
+use nix::fcntl::Flock;
 
 use crate::paths::Roots;
 use crate::spec::{BoxSpec, NetworkMode};
@@ -88,23 +88,7 @@ pub fn eligible(spec: &BoxSpec) -> bool {
 fn lock(roots: &Roots, wait: bool) -> Result<Option<Flock<fs::File>>> {
     let dir = pool_dir(roots);
     fs::create_dir_all(&dir).map_err(RuntimeError::io("mkdir", &dir))?;
-    let path = dir.join(".lock");
-    let file = fs::OpenOptions::new()
-        .create(true)
-        .truncate(false)
-        .write(true)
-        .open(&path)
-        .map_err(RuntimeError::io("open", &path))?;
-    let how = if wait {
-        FlockArg::LockExclusive
-    } else {
-        FlockArg::LockExclusiveNonblock
-    };
-    match Flock::lock(file, how) {
-        Ok(l) => Ok(Some(l)),
-        Err((_, nix::errno::Errno::EWOULDBLOCK)) if !wait => Ok(None),
-        Err((_, e)) => Err(RuntimeError::sys(format!("flock {}", path.display()))(e)),
-    }
+    crate::state::lock_file(&dir.join(".lock"), wait)
 }
 
 /// Ready entries, oldest name first.

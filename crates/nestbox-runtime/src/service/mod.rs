@@ -9,6 +9,10 @@
 //! `scale` rewrites the spec's replica count, which the supervisor follows;
 //! `rm` stops the supervisor (SIGTERM: it stops accepting, removes its
 //! replicas and exits) and removes whatever a dead supervisor left.
+//! A supervisor holds the service's `lock` file (`flock`) for its life, so at
+//! most one runs per service; `gc` finds a service whose supervisor died
+//! without recording a failure (SIGKILL, a crash), removes the replicas it
+//! left and starts a new supervisor ([`orphaned`]).
 //!
 //! Replicas are boxes named `NAME.rN` (N counts up), clones of the template
 //! on its network; the proxy connects to `ADDRESS:BOXPORT` of each.
@@ -137,6 +141,11 @@ fn spec_path(roots: &Roots, name: &str) -> PathBuf {
 
 fn state_path(roots: &Roots, name: &str) -> PathBuf {
     dir(roots, name).join("state.json")
+}
+
+/// The lock a live supervisor holds.
+pub(crate) fn lock_path(roots: &Roots, name: &str) -> PathBuf {
+    dir(roots, name).join("lock")
 }
 
 /// The supervisor's log.
@@ -350,6 +359,39 @@ pub fn remove_leftovers(reg: &Registry, name: &str) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// Services whose supervisor died without recording a failure (killed, or
+/// crashed): for each, under its lock (so that no new supervisor is starting),
+/// the replicas it left are removed (nothing relays to them any more) and its
+/// state is cleared. The caller then starts a supervisor for each name
+/// returned, which makes the replicas anew, and waits with [`wait_ready`].
+/// A service whose supervisor recorded a failure is left for `rm`.
+pub fn orphaned(reg: &Registry) -> Result<Vec<String>> {
+    let mut names = Vec::new();
+    for s in list(reg.roots())? {
+        if s.running || s.state.supervisor.is_none() || s.state.error.is_some() {
+            continue;
+        }
+        let name = s.spec.name;
+        // Held: a supervisor runs after all (it started after the listing).
+        let Some(lock) = crate::state::lock_file(&lock_path(reg.roots(), &name), false)? else {
+            continue;
+        };
+        let s = load(reg.roots(), &name)?;
+        if s.running || s.state.supervisor.is_none() {
+            continue;
+        }
+        tracing::warn!(
+            "service {name}: its supervisor (pid {}) died; removing its replicas and starting another",
+            s.state.supervisor.map_or(0, |p| p.pid)
+        );
+        remove_leftovers(reg, &name)?;
+        write_json(&state_path(reg.roots(), &name), &ServiceState::default())?;
+        drop(lock);
+        names.push(name);
+    }
+    Ok(names)
 }
 
 /// Whether `dir` holds a service record.

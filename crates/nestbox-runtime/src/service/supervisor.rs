@@ -104,6 +104,12 @@ pub fn run(reg: &Registry, name: &str, nestbox: Nestbox) -> Result<()> {
         .map_err(RuntimeError::sys("sigprocmask"))?;
     let signals = SignalFd::with_flags(&set, SfdFlags::SFD_CLOEXEC | SfdFlags::SFD_NONBLOCK)
         .map_err(RuntimeError::sys("signalfd"))?;
+    // One supervisor per service, for its whole life (a dead one's lock is
+    // free: `gc` starts another, see [`super::orphaned`]).
+    let Some(_lock) = crate::state::lock_file(&super::lock_path(reg.roots(), name), false)? else {
+        tracing::warn!("service {name}: another supervisor runs it; this one stops");
+        return Ok(());
+    };
     let spec = load(reg.roots(), name)?.spec;
     let mut sup = Supervisor {
         reg,

@@ -176,6 +176,7 @@ pub(crate) fn cpu_flags() -> Vec<String> {
 pub fn checkpoint(reg: &Registry, box_name: &str, req: &CheckpointRequest) -> Result<Checkpoint> {
     let start = Instant::now();
     let record = reg.load(box_name)?;
+    crate::template::refuse_monitored(&record, "checkpointed")?;
     let name = req.name.clone().unwrap_or_else(|| box_name.to_string());
     nestbox_store::validate_name(&name)
         .map_err(|e| RuntimeError::InvalidInput(format!("checkpoint name: {e}")))?;
@@ -510,7 +511,6 @@ pub(crate) fn copy_layers(
     dir: &Path,
     self_contained: bool,
 ) -> Result<usize> {
-    crate::snapshots::refuse_rolled_back(record, "checkpoint")?;
     let mut lines: Vec<String> = Vec::new();
     let mut k = 0;
     // A clone's root has its template's layers under its own (and, for a

@@ -57,6 +57,11 @@ pub struct CloneRequest {
     pub network: Option<String>,
     /// Size of each clone's writable layer (`--disk`; `None`: the template's).
     pub disk: Option<u64>,
+    /// Fork each clone now, never claim one from the pool: the shell's monitor
+    /// is then forked by the calling process, so that when the caller exits the
+    /// monitor is adopted by the caller's subreaper (`nestbox-runc`, whose
+    /// caller — conmon, the containerd shim — waits on it).
+    pub fork_now: bool,
 }
 
 /// One clone made.
@@ -194,6 +199,7 @@ pub fn clone_template_answer_first(
     for name in names {
         // Pooled clones have the template's settings: a request with its own is forked.
         let claimed = if req.pooled
+            || req.fork_now
             || req.limits.is_some()
             || req.without_network
             || req.network.is_some()

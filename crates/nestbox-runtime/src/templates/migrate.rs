@@ -321,6 +321,7 @@ pub fn migrate(reg: &Registry, box_name: &str, req: &MigrateRequest) -> Result<M
     let start = Instant::now();
     let record = reg.load(box_name)?;
     crate::snapshots::refuse_rolled_back(&record, "migrate")?;
+    crate::template::refuse_monitored(&record, "migrated")?;
     let fail = |problem: String| RuntimeError::Migrate {
         name: box_name.to_string(),
         problem,

@@ -39,6 +39,20 @@ pub struct TemplateSummary {
     pub removed: bool,
 }
 
+/// A box under monitors cannot be frozen, cloned, checkpointed or moved:
+/// its monitor filter's listener belongs to its monitor process, and a copy
+/// of its processes would stop at their first subscribed call with no one
+/// to answer.
+pub(crate) fn refuse_monitored(record: &crate::registry::BoxRecord, what: &str) -> Result<()> {
+    if record.spec.monitors.is_empty() {
+        return Ok(());
+    }
+    Err(RuntimeError::Unsupported {
+        name: record.name().to_string(),
+        problem: format!("runs under monitors (--monitor): it cannot be {what}"),
+    })
+}
+
 /// Freeze the running box `name` into a template called `as_name` (default: the
 /// box name). Refuses boxes it could not clone from, before freezing anything.
 /// `pool` clones are forked ahead of time (see [`crate::clone::fill_pool`]).
@@ -70,6 +84,7 @@ fn freeze_inner(
     }
     let record = reg.load(name)?;
     crate::snapshots::refuse_rolled_back(&record, "freeze")?;
+    refuse_monitored(&record, "frozen or cloned")?;
     match record.state.effective_status() {
         Status::Running => {}
         Status::Frozen => {

@@ -1,0 +1,427 @@
+//! Containers forked from a nestbox template: a config whose annotation
+//! `nestbox.template=NAME` makes `create` fork the container from template
+//! NAME (the library code of `nestbox clone`) instead of starting it cold.
+//!
+//! **Who waits on what.** An OCI caller (conmon, the containerd shim) is a
+//! subreaper: it reads the pid `create` reports and collects that process's
+//! exit status when it is re-parented to the caller. A nestbox clone is a box
+//! whose processes are children of its *monitor* (through the box's init),
+//! and the monitor exits with the clone's status (128 + N when killed by
+//! signal N) once the clone has ended and the box is cleaned up. So
+//! `create` forks the clone's shell with its monitor as a child of
+//! `nestbox-runc` itself ([`CloneRequest::fork_now`]: never a pooled clone,
+//! whose monitor belongs to nobody), and reports the **monitor's** pid: when
+//! `create` exits, the monitor is adopted by the caller, which then reaps it
+//! and reads the container's exit status from it, as it reads it from runc's
+//! init. The clone's own process (the template's continued state) is recorded
+//! beside it: `kill` signals it, `exec` joins its namespaces, and `ps`,
+//! `pause`, `resume`, `update` and `events` act on the box's cgroup.
+//!
+//! **Created, then started.** The clone is forked with `SIGSTOP` delivered
+//! as it is let go, so it runs nothing of its own between `create` and
+//! `start`; `start` wakes its processes with `SIGCONT` (children first).
+//!
+//! `delete` removes the box as `nestbox rm -f` does (cgroup, writable layer,
+//! record). The box lives in the nestbox root given by the annotation
+//! `nestbox.root=DIR` (else `NESTBOX_ROOT`, else the system root), the root
+//! the template is in.
+//!
+//! **Checkpoint and restore.** Such a container is a nestbox box, so
+//! `checkpoint` saves it with nestbox's own engine (`nestbox checkpoint -o`)
+//! and `restore` makes a new box from the image (`nestbox restore`), whose
+//! monitor is reported and reaped the same way. A cold container is a bare
+//! process tree, which the engine does not save: refused.
+
+use std::path::{Path, PathBuf};
+
+use nestbox_runtime::clone::CloneRequest;
+use nestbox_runtime::paths::Roots;
+use nestbox_runtime::registry::Registry;
+use serde::{Deserialize, Serialize};
+
+use crate::config::Plan;
+use crate::create::CreateOpts;
+use crate::state::{self, Record, Root, Status};
+use crate::{hooks, OciError, Result};
+
+/// The annotation naming the template a container is forked from.
+pub const TEMPLATE_ANNOTATION: &str = "nestbox.template";
+/// The annotation naming the nestbox root the template is in.
+pub const ROOT_ANNOTATION: &str = "nestbox.root";
+
+/// What a container forked from a template is, beside its record.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct CloneLink {
+    /// The nestbox root's runtime state directory.
+    pub run: PathBuf,
+    /// The nestbox root's persistent data directory.
+    pub lib: PathBuf,
+    /// The template (empty for a container restored from a checkpoint).
+    #[serde(default)]
+    pub template: String,
+    /// The clone's box name in that root.
+    pub name: String,
+    /// Host pid of the clone's process (the template's process continued).
+    pub process: i32,
+    /// Its start time, to tell a reused pid.
+    pub process_start: u64,
+    /// Host pids of its other processes (a template with a process tree).
+    #[serde(default)]
+    pub others: Vec<i32>,
+}
+
+impl CloneLink {
+    fn registry(&self) -> Registry {
+        Registry::new(Roots {
+            run: self.run.clone(),
+            lib: self.lib.clone(),
+        })
+    }
+
+    /// Whether the clone's process still runs.
+    pub fn alive(&self) -> bool {
+        state::alive(self.process, self.process_start)
+    }
+}
+
+/// The template a config asks to be forked from, if any.
+pub fn template_of(plan: &Plan) -> Option<&str> {
+    plan.annotations
+        .get(TEMPLATE_ANNOTATION)
+        .map(String::as_str)
+}
+
+fn nestbox_error(what: String) -> impl FnOnce(nestbox_runtime::RuntimeError) -> OciError {
+    move |source| OciError::Nestbox {
+        what,
+        error: Box::new(source),
+    }
+}
+
+/// The nestbox registry a config names (`nestbox.root`, else `NESTBOX_ROOT`,
+/// else the system root).
+fn registry_of(plan: &Plan) -> Registry {
+    Registry::new(Roots::resolve(
+        plan.annotations.get(ROOT_ANNOTATION).map(Path::new),
+    ))
+}
+
+/// Create container `opts.id` by forking template `template`: on success it
+/// is `created`, its processes stopped until `start`; on failure nothing of
+/// it is left (no record, no box).
+pub fn create(root: &Root, opts: &CreateOpts, plan: &Plan, template: &str) -> Result<Record> {
+    if template.is_empty() {
+        return Err(OciError::Unsupported(format!(
+            "annotation {TEMPLATE_ANNOTATION} must name a template"
+        )));
+    }
+    if plan.process.terminal || opts.console_socket.is_some() {
+        return Err(OciError::Unsupported(format!(
+            "process.terminal: a container forked from a template ({TEMPLATE_ANNOTATION}) keeps its template's standard streams"
+        )));
+    }
+    if opts.preserve_fds > 0 {
+        return Err(OciError::Usage(format!(
+            "--preserve-fds: a container forked from a template ({TEMPLATE_ANNOTATION}) keeps its template's descriptors"
+        )));
+    }
+    if plan.process.is_none() {
+        return Err(OciError::Unsupported(format!(
+            "a container forked from a template ({TEMPLATE_ANNOTATION}) needs a process section (its process is the template's)"
+        )));
+    }
+    let reg = registry_of(plan);
+    let dir = root.reserve(&opts.id)?;
+    let name = crate::create::cgroup_id(root, &opts.id);
+    let mut undo = Undo {
+        dir: Some(dir),
+        reg: None,
+        name: name.clone(),
+    };
+    let req = CloneRequest {
+        names: vec![name.clone()],
+        count: 1,
+        // The config's limits when it gives any, else the template's.
+        limits: (plan.limits != nestbox_cgroup::Limits::default()).then(|| plan.limits.clone()),
+        on_clone_signal: Some(nix::sys::signal::Signal::SIGSTOP),
+        fork_now: true,
+        ..CloneRequest::default()
+    };
+    undo.reg = Some(reg.clone());
+    let made = nestbox_runtime::clone::clone_template(&reg, template, &req)
+        .map_err(nestbox_error(format!("{TEMPLATE_ANNOTATION} {template:?}")))?;
+    let cloned = made.into_iter().next().ok_or_else(|| OciError::Setup {
+        id: opts.id.clone(),
+        message: "the template made no clone".into(),
+    })?;
+    let marker = root.clone_created_marker(&opts.id);
+    std::fs::write(&marker, b"").map_err(|e| OciError::io("write", &marker, e))?;
+    let rec = record(
+        root,
+        opts,
+        plan,
+        &reg,
+        template,
+        &name,
+        cloned.pid,
+        cloned.others.clone(),
+    )?;
+    undo.forget();
+    Ok(rec)
+}
+
+/// Record container `opts.id`, the box `name` of `reg` whose process is
+/// `process`: run the create-stage hooks, save the record and the pid file.
+#[allow(clippy::too_many_arguments)]
+fn record(
+    root: &Root,
+    opts: &CreateOpts,
+    plan: &Plan,
+    reg: &Registry,
+    template: &str,
+    name: &str,
+    process: i32,
+    others: Vec<i32>,
+) -> Result<Record> {
+    let roots = reg.roots();
+    let boxed = reg
+        .load(name)
+        .map_err(nestbox_error(format!("clone {name:?}")))?;
+    let gone = || OciError::Setup {
+        id: opts.id.clone(),
+        message: "the clone ended as soon as it was forked".into(),
+    };
+    let monitor = boxed.state.monitor.ok_or_else(gone)?;
+    let (_, process_start) = state::proc_stat(process).ok_or_else(gone)?;
+    let link = CloneLink {
+        run: roots.run.clone(),
+        lib: roots.lib.clone(),
+        template: template.to_string(),
+        name: name.to_string(),
+        process,
+        process_start,
+        others,
+    };
+    let rec = Record {
+        id: opts.id.clone(),
+        pid: monitor.pid,
+        start_time: monitor.start_time,
+        bundle: plan.bundle.clone(),
+        rootfs: plan.rootfs.clone(),
+        created: state::now_rfc3339(),
+        annotations: plan.annotations.clone(),
+        cgroup: boxed.state.cgroup.clone(),
+        no_process: false,
+        hooks: hooks::Hooks {
+            prestart: Vec::new(),
+            create_runtime: Vec::new(),
+            create_container: Vec::new(),
+            ..plan.hooks.clone()
+        },
+        clone: Some(link),
+    };
+    let creating = crate::create::state_text(&rec, "created");
+    hooks::run("prestart", &plan.hooks.prestart, &creating)?;
+    hooks::run("createRuntime", &plan.hooks.create_runtime, &creating)?;
+    hooks::run("createContainer", &plan.hooks.create_container, &creating)?;
+    root.save(&rec)?;
+    if let Some(p) = &opts.pid_file {
+        crate::create::write_pid_file(p, rec.pid)?;
+    }
+    Ok(rec)
+}
+
+/// What a failed clone `create` must undo: the box, then the record's directory.
+struct Undo {
+    dir: Option<PathBuf>,
+    reg: Option<Registry>,
+    name: String,
+}
+
+impl Undo {
+    fn forget(&mut self) {
+        self.dir = None;
+        self.reg = None;
+    }
+}
+
+impl Drop for Undo {
+    fn drop(&mut self) {
+        if let Some(reg) = self.reg.take() {
+            // A failed clone_template removes its own shell: then there is no box.
+            if reg.load(&self.name).is_ok() {
+                if let Err(e) = nestbox_runtime::ops::remove(&reg, &self.name, true) {
+                    tracing::warn!("removing the clone of a failed create: {e}");
+                }
+            }
+        }
+        if let Some(dir) = self.dir.take() {
+            if let Err(e) = std::fs::remove_dir_all(&dir) {
+                tracing::warn!("removing {}: {e}", dir.display());
+            }
+        }
+    }
+}
+
+/// `start` of a clone: its processes go on (children first, so a parent
+/// wakes to a complete tree).
+pub fn start(root: &Root, rec: &Record, link: &CloneLink) -> Result<()> {
+    let marker = root.clone_created_marker(&rec.id);
+    std::fs::remove_file(&marker).map_err(|e| OciError::io("remove", &marker, e))?;
+    for pid in link.others.iter().rev().chain([&link.process]) {
+        // A process of the tree that has exited meanwhile needs no waking.
+        let _ = nestbox_sys::process::tgkill(*pid, *pid, libc::SIGCONT);
+    }
+    if !link.alive() {
+        return Err(crate::create::wrong(
+            &rec.id,
+            Status::Stopped,
+            "its process exited before start",
+        ));
+    }
+    Ok(())
+}
+
+/// Remove the clone's box (killing what still runs in it), as `nestbox rm -f`.
+pub fn remove(link: &CloneLink) -> Result<()> {
+    let reg = link.registry();
+    match nestbox_runtime::ops::remove(&reg, &link.name, true) {
+        Ok(()) | Err(nestbox_runtime::RuntimeError::NoSuchBox(_)) => Ok(()),
+        Err(e) => Err(OciError::Nestbox {
+            what: format!("clone {:?}", link.name),
+            error: Box::new(e),
+        }),
+    }
+}
+
+/// A checkpoint image directory as the OCI caller gives it, made absolute
+/// (nestbox's engine resolves a relative one against its own idea of the
+/// current directory otherwise).
+fn image_dir(path: &Path) -> Result<PathBuf> {
+    std::path::absolute(path).map_err(|e| OciError::io("resolve", path, e))
+}
+
+/// `checkpoint ID`: save the container (a nestbox box: forked from a
+/// template or restored) to `image` with nestbox's checkpoint engine; it is
+/// stopped afterwards unless `leave_running`.
+pub fn checkpoint(root: &Root, id: &str, image: &Path, leave_running: bool) -> Result<()> {
+    let rec = root.load(id)?;
+    let link = rec.clone.as_ref().ok_or_else(|| {
+        OciError::Usage(format!(
+            "checkpoint: container {id:?} was started cold; nestbox-runc checkpoints containers that are nestbox boxes (forked from a template with {TEMPLATE_ANNOTATION}, or restored)"
+        ))
+    })?;
+    let status = root.status(&rec);
+    if status != Status::Running {
+        return Err(crate::create::wrong(
+            id,
+            status,
+            "only a running container can be checkpointed",
+        ));
+    }
+    let image = image_dir(image)?;
+    // An empty directory (podman makes one) is taken as not there yet: the
+    // engine writes the image under a temporary name and renames it into
+    // place, so the directory is removed first (and put back on failure).
+    let emptied = match std::fs::read_dir(&image) {
+        Ok(mut entries) => {
+            if entries.next().is_some() {
+                return Err(OciError::Usage(format!(
+                    "checkpoint --image-path {}: the directory is not empty",
+                    image.display()
+                )));
+            }
+            std::fs::remove_dir(&image).map_err(|e| OciError::io("remove", &image, e))?;
+            true
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => false,
+        Err(e) => return Err(OciError::io("read", &image, e)),
+    };
+    let req = nestbox_runtime::checkpoint::CheckpointRequest {
+        name: None,
+        leave_running,
+        output: Some(image.clone()),
+    };
+    let saved = nestbox_runtime::checkpoint::checkpoint(&link.registry(), &link.name, &req);
+    if saved.is_err() && emptied {
+        // Put back the directory the caller made.
+        let _ = std::fs::create_dir(&image);
+    }
+    saved
+        .map(|_| ())
+        .map_err(nestbox_error(format!("checkpoint of container {id:?}")))
+}
+
+/// `restore ID`: a new container made from the checkpoint in `image` (of a
+/// container that was a nestbox box), running; its record and hooks are
+/// those of the bundle's config, its box in the root the config names.
+pub fn restore(root: &Root, opts: &CreateOpts, image: &Path) -> Result<Record> {
+    state::validate_id(&opts.id)?;
+    if root.container_dir(&opts.id).exists() {
+        return Err(OciError::Exists(opts.id.clone()));
+    }
+    let plan = crate::config::load(&opts.bundle)?;
+    if plan.process.terminal || opts.console_socket.is_some() {
+        return Err(OciError::Unsupported(
+            "process.terminal: a restored container keeps its checkpoint's standard streams".into(),
+        ));
+    }
+    let image = image_dir(image)?;
+    let reg = registry_of(&plan);
+    let dir = root.reserve(&opts.id)?;
+    let name = crate::create::cgroup_id(root, &opts.id);
+    let mut undo = Undo {
+        dir: Some(dir),
+        reg: Some(reg.clone()),
+        name: name.clone(),
+    };
+    let source = image.to_string_lossy().into_owned();
+    // nestbox's restore forks a helper into the new box's pid namespace from
+    // a child of ours that exits at once; the helper is killed once the
+    // restore is done. As a subreaper, this process is the one it is
+    // re-parented to, and reaps it below: otherwise it would go to the
+    // caller's subreaper, and until someone reaps it the box's init cannot
+    // finish when the box ends.
+    nix::sys::prctl::set_child_subreaper(true)
+        .map_err(|e| OciError::sys("prctl(PR_SET_CHILD_SUBREAPER)", e))?;
+    let restored = nestbox_runtime::checkpoint::restore(&reg, &source, Some(&name));
+    let monitor = reg.load(&name).ok().and_then(|b| b.state.monitor);
+    reap_helpers(monitor.map(|m| m.pid));
+    let restored = restored.map_err(nestbox_error(format!("restore of {}", image.display())))?;
+    let rec = record(root, opts, &plan, &reg, "", &name, restored.pid, Vec::new())?;
+    undo.forget();
+    hooks::run_warning(
+        "poststart",
+        &rec.hooks.poststart,
+        &crate::create::state_text(&rec, "running"),
+    );
+    Ok(rec)
+}
+
+/// Reap this process's children but `keep` (the restored box's monitor,
+/// which the caller reaps once this process has exited): the restore's
+/// helpers, killed by the restore, may take a moment to exit (one second at
+/// most is waited for).
+fn reap_helpers(keep: Option<i32>) {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(1);
+    loop {
+        let me = std::process::id();
+        let children: Vec<i32> = std::fs::read_to_string(format!("/proc/{me}/task/{me}/children"))
+            .unwrap_or_default()
+            .split_whitespace()
+            .filter_map(|p| p.parse().ok())
+            .filter(|p| Some(*p) != keep)
+            .collect();
+        if children.is_empty() || std::time::Instant::now() >= deadline {
+            return;
+        }
+        for pid in children {
+            // Only those that have exited; a live one is looked at again.
+            let _ = nix::sys::wait::waitpid(
+                nix::unistd::Pid::from_raw(pid),
+                Some(nix::sys::wait::WaitPidFlag::WNOHANG),
+            );
+        }
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
+}

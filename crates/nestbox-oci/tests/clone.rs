@@ -1,0 +1,338 @@
+//! Containers forked from a nestbox template through the annotation
+//! `nestbox.template`: nestbox-runc `create` forks the container from a
+//! frozen box whose process counts in a variable, and the container's
+//! process goes on counting from the template's number (the template's
+//! continued state), stopped until `start`. The test process is a subreaper,
+//! as conmon and the containerd shim are, and collects the container's exit
+//! status from the pid `create` reported.
+//!
+//! The template is made with the `nestbox` binary built next to
+//! `nestbox-runc` (`cargo build -p nestbox`); its nestbox root is private to
+//! the test and removed with everything in it.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::template::{counting_template, nestbox_present, read_count, template_pid};
+use common::{ready, Env, StdoutJson};
+use serde_json::json;
+
+/// The process state letter of `pid`.
+fn proc_state(pid: i64) -> char {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    stat.rfind(')')
+        .and_then(|i| stat[i + 2..].chars().next())
+        .unwrap_or('?')
+}
+
+/// Reap `pid` (re-parented to this subreaper) and give its exit code.
+fn reap(pid: i64) -> i32 {
+    use nix::sys::wait::{waitpid, WaitStatus};
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        match waitpid(
+            nix::unistd::Pid::from_raw(pid as i32),
+            Some(nix::sys::wait::WaitPidFlag::WNOHANG),
+        ) {
+            Ok(WaitStatus::Exited(_, code)) => return code,
+            Ok(WaitStatus::Signaled(_, sig, _)) => return 128 + sig as i32,
+            Ok(_) => {}
+            Err(e) => panic!("waitpid({pid}): {e} (not re-parented to the test's subreaper?)"),
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{pid} never exited: {}",
+            std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default()
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+/// Children of this process that live in a nested pid namespace (orphans
+/// of a box adopted by this subreaper), with their states.
+fn adopted_from_boxes() -> Vec<String> {
+    let me = std::process::id().to_string();
+    let mut found = Vec::new();
+    for entry in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Ok(status) = std::fs::read_to_string(entry.path().join("status")) else {
+            continue;
+        };
+        let field = |k: &str| {
+            status
+                .lines()
+                .find_map(|l| l.strip_prefix(k))
+                .map(|v| v.trim().to_string())
+                .unwrap_or_default()
+        };
+        if field("PPid:") == me && field("NSpid:").split_whitespace().count() > 1 {
+            found.push(format!("{} {}", field("Pid:"), field("State:")));
+        }
+    }
+    found
+}
+
+#[test]
+fn clone_from_template_through_the_annotation() {
+    let test = "clone_from_template_through_the_annotation";
+    if !ready(test) || !nestbox_present(test) {
+        return;
+    }
+    // As conmon and the containerd shim are: orphans of the runtime come here.
+    nix::sys::prctl::set_child_subreaper(true).unwrap();
+    let (t, frozen) = counting_template();
+    let env = Env::new(&["sh"]);
+    env.edit(|c| {
+        c["annotations"] = json!({"nestbox.template": "tpl", "nestbox.root": t.root()});
+    });
+    let pid_file = env.tmp().join("pid");
+    let created = Instant::now();
+    env.runc(&[
+        "create",
+        "--bundle",
+        env.bundle.to_str().unwrap(),
+        "--pid-file",
+        pid_file.to_str().unwrap(),
+        "c1",
+    ])
+    .ok();
+    eprintln!("create from the template: {:?}", created.elapsed());
+    let s = env.state("c1");
+    assert_eq!(s["status"], "created", "{s}");
+    assert_eq!(s["annotations"]["nestbox.template"], "tpl");
+    let monitor = s["pid"].as_i64().unwrap();
+    assert_eq!(
+        std::fs::read_to_string(&pid_file).unwrap(),
+        monitor.to_string()
+    );
+    // The reported pid is the clone's monitor, now this subreaper's child.
+    let ppid = std::fs::read_to_string(format!("/proc/{monitor}/stat")).unwrap();
+    let ppid: i64 = ppid[ppid.rfind(')').unwrap() + 2..]
+        .split_whitespace()
+        .nth(1)
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert_eq!(
+        ppid,
+        i64::from(std::process::id() as i32),
+        "monitor's parent"
+    );
+    // The clone is a box of the template's root; its processes are the
+    // container's.
+    let boxes = t.boxes();
+    assert_eq!(boxes.len(), 2, "{boxes:?}");
+    let procs: Vec<i64> = env
+        .runc(&["ps", "--format", "json", "c1"])
+        .ok()
+        .json()
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| p.as_i64().unwrap())
+        .collect();
+    let process = *procs
+        .iter()
+        .find(|p| read_count(**p).is_some() && proc_state(**p) == 'T')
+        .unwrap_or_else(|| panic!("no stopped counting process among {procs:?}"));
+    // Created: stopped, the count where the template left it.
+    // (The template runs for a moment while it is forked: its count may
+    // have moved on by a step or two since it was frozen.)
+    let before = read_count(process).unwrap();
+    assert!(
+        before + 1 >= frozen && before <= frozen + 5,
+        "clone's count {before}, template's {frozen}"
+    );
+    let template_count = read_count(template_pid(&t)).unwrap();
+    std::thread::sleep(Duration::from_millis(100));
+    assert_eq!(read_count(process), Some(before), "counted before start");
+    env.runc(&["start", "c1"]).ok();
+    assert_eq!(env.state("c1")["status"], "running");
+    // Running: it goes on from the template's number (a cold start would
+    // begin at 1).
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while read_count(process).unwrap_or(0) < before + 5 {
+        assert!(Instant::now() < deadline, "the clone does not count");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let out = env.runc(&["exec", "c1", "cat", "/count"]).ok();
+    let seen: u64 = out.stdout.trim().parse().unwrap();
+    assert!(seen > before, "exec saw {seen}, start was {before}");
+    env.runc(&["start", "c1"]).fails_with("already running");
+    env.runc(&["delete", "c1"]).fails_with("not stopped");
+    // Pause and resume act on the clone's cgroup.
+    env.runc(&["pause", "c1"]).ok();
+    assert_eq!(env.state("c1")["status"], "paused");
+    env.runc(&["resume", "c1"]).ok();
+    // The template is untouched: still frozen at its number.
+    assert_eq!(read_count(template_pid(&t)), Some(template_count));
+    // SIGTERM to the container reaches the clone's process; the exit status
+    // comes back through the monitor the caller reaps.
+    env.runc(&["kill", "c1", "TERM"]).ok();
+    let code = reap(monitor);
+    assert_eq!(code, 128 + libc::SIGTERM, "exit status relayed");
+    env.wait_status("c1", "stopped");
+    env.runc(&["delete", "c1"]).ok();
+    env.runc(&["state", "c1"]).fails_with("does not exist");
+    assert_eq!(t.boxes(), vec!["tpl".to_string()], "clone box left");
+
+    // A second clone, killed while created and deleted by force.
+    env.runc(&["create", "--bundle", env.bundle.to_str().unwrap(), "c2"])
+        .ok();
+    let monitor = env.state("c2")["pid"].as_i64().unwrap();
+    env.runc(&["delete", "--force", "c2"]).ok();
+    assert_eq!(reap(monitor), 128 + libc::SIGKILL);
+    assert_eq!(t.boxes(), vec!["tpl".to_string()], "clone box left");
+
+    // Bad annotations: one line, nothing left.
+    env.edit(|c| c["annotations"]["nestbox.template"] = json!("nope"));
+    env.runc(&["create", "--bundle", env.bundle.to_str().unwrap(), "c3"])
+        .fails_with("nestbox.template \"nope\"");
+    env.edit(|c| c["annotations"]["nestbox.template"] = json!(""));
+    env.runc(&["create", "--bundle", env.bundle.to_str().unwrap(), "c3"])
+        .fails_with("must name a template");
+    env.edit(|c| {
+        c["annotations"]["nestbox.template"] = json!("tpl");
+        c["process"]["terminal"] = json!(true);
+    });
+    env.runc(&["create", "--bundle", env.bundle.to_str().unwrap(), "c3"])
+        .fails_with("keeps its template's standard streams");
+    env.runc(&["state", "c3"]).fails_with("does not exist");
+    assert_eq!(t.boxes(), vec!["tpl".to_string()], "box left");
+}
+
+/// Wait until the count in the root of `pid` reaches `at_least`.
+#[track_caller]
+fn wait_count(pid: i64, at_least: u64) -> u64 {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let n = read_count(pid).unwrap_or(0);
+        if n >= at_least {
+            return n;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{pid} counts no further than {n}"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+#[test]
+fn checkpoint_and_restore_through_the_oci_command_line() {
+    let test = "checkpoint_and_restore_through_the_oci_command_line";
+    if !ready(test) || !nestbox_present(test) {
+        return;
+    }
+    nix::sys::prctl::set_child_subreaper(true).unwrap();
+    let (t, frozen) = counting_template();
+    let env = Env::new(&["sh"]);
+    env.edit(|c| {
+        c["annotations"] = json!({"nestbox.template": "tpl", "nestbox.root": t.root()});
+    });
+    let bundle = env.bundle.to_str().unwrap().to_string();
+    env.runc(&["run", "-d", "--bundle", &bundle, "c1"]).ok();
+    let rec = |id: &str| -> serde_json::Value {
+        let path = env.root.join(id).join("state.json");
+        serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
+    };
+    let process = rec("c1")["clone"]["process"].as_i64().unwrap();
+    let monitor = env.state("c1")["pid"].as_i64().unwrap();
+    wait_count(process, frozen + 5);
+
+    // --leave-running: the image is written, the container goes on.
+    let img1 = env.tmp().join("img1");
+    std::fs::create_dir(&img1).unwrap(); // podman makes it, empty
+    env.runc(&[
+        "checkpoint",
+        "--image-path",
+        img1.to_str().unwrap(),
+        "--work-path",
+        env.tmp().to_str().unwrap(),
+        "--leave-running",
+        "c1",
+    ])
+    .ok();
+    assert!(img1.join("checkpoint.json").is_file());
+    assert_eq!(env.state("c1")["status"], "running");
+    let n = read_count(process).unwrap();
+    wait_count(process, n + 3);
+
+    // Without it: saved, then stopped (the monitor exits, killed).
+    let img2 = env.tmp().join("img2");
+    env.runc(&["checkpoint", "--image-path", img2.to_str().unwrap(), "c1"])
+        .ok();
+    let saved = read_count(process);
+    assert_eq!(reap(monitor), 128 + libc::SIGKILL);
+    env.wait_status("c1", "stopped");
+    let saved = saved.unwrap_or(0);
+    env.runc(&["delete", "c1"]).ok();
+
+    // Restored (detached) under a new id: running, counting on from the
+    // checkpoint's number.
+    env.runc(&[
+        "restore",
+        "--image-path",
+        img2.to_str().unwrap(),
+        "--bundle",
+        &bundle,
+        "--detach",
+        "r1",
+    ])
+    .ok();
+    let s = env.state("r1");
+    assert_eq!(s["status"], "running", "{s}");
+    // The restore's helper (forked into the box's pid namespace, killed
+    // once the restore is done) was reaped by nestbox-runc, not left to the
+    // caller's subreaper: the box's init could not finish until it is.
+    assert_eq!(adopted_from_boxes(), Vec::<String>::new());
+    let restored = rec("r1")["clone"]["process"].as_i64().unwrap();
+    let first = read_count(restored).unwrap();
+    assert!(
+        first + 1 >= saved && first < saved + 50,
+        "restored at {first}, saved at {saved}"
+    );
+    wait_count(restored, first + 5);
+    let monitor = s["pid"].as_i64().unwrap();
+    env.runc(&["kill", "r1", "KILL"]).ok();
+    assert_eq!(reap(monitor), 128 + libc::SIGKILL);
+    env.runc(&["delete", "r1"]).ok();
+    assert_eq!(t.boxes(), vec!["tpl".to_string()], "box left");
+
+    // Refused, one line each, nothing changed.
+    env.runc(&[
+        "checkpoint",
+        "--image-path",
+        img2.to_str().unwrap(),
+        "--tcp-established",
+        "c9",
+    ])
+    .fails_with("--tcp-established is a CRIU option");
+    env.runc(&[
+        "restore",
+        "--image-path",
+        img2.to_str().unwrap(),
+        "--shell-job",
+        "r2",
+    ])
+    .fails_with("--shell-job is a CRIU option");
+    env.runc(&[
+        "restore",
+        "--image-path",
+        "/nonexistent/img",
+        "--bundle",
+        &bundle,
+        "r2",
+    ])
+    .fails_with("restore of /nonexistent/img");
+    env.runc(&["state", "r2"]).fails_with("does not exist");
+    assert_eq!(t.boxes(), vec!["tpl".to_string()], "box left");
+    let cold = Env::new(&["sleep", "100"]);
+    cold.runc(&["run", "-d", "--bundle", cold.bundle.to_str().unwrap(), "k1"])
+        .ok();
+    let img3 = cold.tmp().join("img3");
+    cold.runc(&["checkpoint", "--image-path", img3.to_str().unwrap(), "k1"])
+        .fails_with("was started cold");
+    assert!(!img3.exists());
+    assert_eq!(cold.state("k1")["status"], "running");
+}
