@@ -254,7 +254,7 @@ mod tests {
         // A file of a cgroup removed while it was open reads ENODEV: gone too.
         let removed = CgroupError::io(
             Op::Read,
-            &d.join("freezer.state"),
+            d.join("freezer.state"),
             io::Error::from_raw_os_error(libc::ENODEV),
         );
         assert!(removed.is_not_found(), "{removed}");
