@@ -102,6 +102,40 @@ pub enum RuntimeError {
         /// What is wrong.
         problem: String,
     },
+    /// No snapshot of that name of the box.
+    #[error("box {box_name:?} has no snapshot named {name:?}")]
+    NoSuchSnapshot {
+        /// The box.
+        box_name: String,
+        /// The snapshot asked for.
+        name: String,
+    },
+    /// The snapshot named is another box's.
+    #[error("snapshot {name:?} is of box {owner:?}, not of box {box_name:?}")]
+    SnapshotOfOtherBox {
+        /// The box asked for.
+        box_name: String,
+        /// The snapshot.
+        name: String,
+        /// The box it belongs to.
+        owner: String,
+    },
+    /// The box already has a snapshot of that name.
+    #[error("box {box_name:?} already has a snapshot named {name:?}")]
+    SnapshotExists {
+        /// The box.
+        box_name: String,
+        /// The name.
+        name: String,
+    },
+    /// The store failed while taking, reading or restoring a snapshot.
+    #[error("snapshot of box {box_name:?}: {source}")]
+    Snapshot {
+        /// The box.
+        box_name: String,
+        /// The store's error.
+        source: nestbox_store::StoreError,
+    },
     /// A migration could not be made (the target refused it, the stream
     /// broke); the box goes on where it was.
     #[error("migration of box {name:?}: {problem}")]
@@ -253,9 +287,13 @@ impl RuntimeError {
             E::NoSuchBox(_)
             | E::NoSuchTemplate(_)
             | E::TemplateRemoved(_)
-            | E::NoSuchCheckpoint(_) => ErrorKind::NotFound,
+            | E::NoSuchCheckpoint(_)
+            | E::NoSuchSnapshot { .. } => ErrorKind::NotFound,
+            E::SnapshotOfOtherBox { .. } => ErrorKind::Invalid,
+            E::Snapshot { .. } => ErrorKind::System,
             E::NameInUse(_)
             | E::CheckpointExists(_)
+            | E::SnapshotExists { .. }
             | E::TemplateNameInUse { .. }
             | E::NotRunning(_)
             | E::StillRunning(_)

@@ -14,9 +14,11 @@
 //! ```text
 //! api         the `nestbox serve` request loop; services (rejuvenated clone pools)
 //!  └ templates   freeze, templates, clones, pools, working sets, prepared claims
-//!     └ lifecycle   monitor, launch, init, exec, logs, residency, plain-box operations
+//!     └ lifecycle   monitor, launch, init, exec, logs, residency, plain-box operations,
+//!                   time travel (snapshot, rollback, diff)
 //!        └ network     network glue of a box (leases, attach, release) and the network pool
-//!           └ records     error, diag, disk, paths, size, spec, state, registry, liveness, process
+//!           └ records     error, diag, disk, paths, size, snapshots, spec, state, registry,
+//!                         liveness, process
 //! ```
 //!
 //! A lower layer never names a higher one. Where the life of a box needs what a
@@ -36,6 +38,7 @@ pub mod process;
 pub mod registry;
 pub mod service;
 pub mod size;
+pub mod snapshots;
 pub mod spec;
 pub mod state;
 pub mod store_ops;
@@ -46,7 +49,7 @@ pub use error::{Result, RuntimeError};
 
 // The modules' paths before they were grouped, kept so that callers (the CLI and
 // other crates) need not change.
-pub use lifecycle::{exec, init, ksm, launch, logs, monitor, residency};
+pub use lifecycle::{exec, init, ksm, launch, logs, monitor, residency, time_travel};
 pub use network::pool as network_pool;
 pub use templates::{checkpoint, clone, migrate, prepared_claim, template, working_set};
 

@@ -165,14 +165,20 @@ pub fn commit(
         return Err(StoreOpsError::HostImage(box_name.to_string()));
     }
     let (upper, _) = record.layer_dirs(0);
+    let what = format!("commit of box {box_name} (image {base})");
+    let rolled_back = crate::snapshots::rollback_layer(record.lib_dir())?;
+    if !rolled_back.entries.is_empty() {
+        // A box rolled back to a snapshot: its files are the snapshot's
+        // layer with its writable layer on top.
+        return store
+            .commit_rolled_back(base, &rolled_back, &upper, name, &what)
+            .map_err(|source| StoreOpsError::Commit {
+                name: box_name.to_string(),
+                source,
+            });
+    }
     store
-        .commit_upper(
-            base,
-            &upper,
-            name,
-            &format!("commit of box {box_name} (image {base})"),
-            progress,
-        )
+        .commit_upper(base, &upper, name, &what, progress)
         .map_err(|source| StoreOpsError::Commit {
             name: box_name.to_string(),
             source,

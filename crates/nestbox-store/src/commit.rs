@@ -8,9 +8,10 @@ use std::path::Path;
 
 use crate::error::Result;
 use crate::import::dir::{read_tree, TreeKind};
-use crate::layer::RootBuilder;
+use crate::layer::{Layer, Op, RootBuilder};
 use crate::progress::Progress;
 use crate::refs::{validate_name, ImageRef};
+use crate::snapshot::{scan_upper, Contents, LayerManifest};
 use crate::store::Store;
 use crate::txn::{Txn, TxnStats};
 use crate::StoreError;
@@ -42,6 +43,49 @@ impl Store {
         let stats = txn.stats();
         let image = txn.commit_image(name, &manifest, what)?;
         progress.finish();
+        Ok((image, stats))
+    }
+
+    /// [`Store::commit_upper`] for a box rolled back to a snapshot: image
+    /// `base`, then the snapshot layer `below` (its objects are in the store),
+    /// then the overlay upper directory `upper`.
+    pub fn commit_rolled_back(
+        &self,
+        base: &str,
+        below: &LayerManifest,
+        upper: &Path,
+        name: &str,
+        what: &str,
+    ) -> Result<(ImageRef, TxnStats)> {
+        validate_name(name)?;
+        if self.has_image(name) {
+            return Err(StoreError::NameInUse(name.to_string()));
+        }
+        let base = self.image(base)?;
+        let manifest = self.manifest(&base.id)?;
+        let txn = Txn::begin(self)?;
+        let on_top = if upper.exists() {
+            scan_upper(upper, None, Contents::Store(&txn))?.0
+        } else {
+            LayerManifest::empty()
+        };
+        let layer = below.compose(&on_top);
+        let mut apply = Layer::default();
+        for (path, e) in layer.entries {
+            if e.is_whiteout() {
+                apply.whiteouts.push(path);
+                continue;
+            }
+            if e.opaque {
+                apply.opaque.push(path.clone());
+            }
+            apply.ops.push(Op::Put(path, e.entry));
+        }
+        let mut root = RootBuilder::from_manifest(manifest);
+        root.apply(apply, upper)?;
+        let manifest = root.finish(upper)?;
+        let stats = txn.stats();
+        let image = txn.commit_image(name, &manifest, what)?;
         Ok((image, stats))
     }
 }

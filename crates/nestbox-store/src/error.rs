@@ -65,6 +65,10 @@ pub enum StoreError {
     /// A request the store cannot honour, with the reason.
     #[error("{0}")]
     Unsupported(String),
+    /// What references the store from outside (box snapshots) could not be
+    /// listed, so `gc` removed nothing.
+    #[error("store gc: {0}")]
+    Referrers(String),
     /// The kernel's random source (`getrandom`) failed; names that must not
     /// collide are not made up from anything weaker.
     #[error("getrandom: {0}")]

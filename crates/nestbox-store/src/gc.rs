@@ -47,6 +47,15 @@ impl Store {
 
     /// Delete everything unreferenced.
     pub fn gc(&self) -> Result<GcReport> {
+        self.gc_keeping(&|| Ok(Vec::new()))
+    }
+
+    /// [`Store::gc`], also keeping the inodes `keep` lists (what references
+    /// the store from outside it, such as box layer snapshots). `keep` is
+    /// called once the exclusive lock is held: whatever is written under the
+    /// shared lock (a snapshot's objects and then its record) is either
+    /// complete and listed, or not referenced yet.
+    pub fn gc_keeping(&self, keep: &dyn Fn() -> Result<Vec<(Digest, String)>>) -> Result<GcReport> {
         let _lock = self.lock_exclusive()?;
         let mut report = GcReport {
             staging_removed: clean_stale(self, true),
@@ -55,7 +64,7 @@ impl Store {
         let images = self.images()?;
         let live_ids: HashSet<Digest> = images.iter().map(|i| i.id).collect();
         let internal = Meta::internal().key();
-        let mut live: HashSet<(Digest, String)> = HashSet::new();
+        let mut live: HashSet<(Digest, String)> = keep()?.into_iter().collect();
         for image in &images {
             live.insert((image.id, internal.clone()));
             for inode in self.manifest(&image.id)?.inodes() {

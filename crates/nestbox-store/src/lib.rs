@@ -23,6 +23,7 @@ mod meta;
 mod pages;
 mod progress;
 mod refs;
+mod snapshot;
 mod store;
 mod tree;
 mod txn;
@@ -41,6 +42,10 @@ pub use meta::{Meta, XattrValue};
 pub use pages::{PagePool, PageWriter, PoolUsage, PAGE_SIZE};
 pub use progress::Progress;
 pub use refs::{validate_name, ImageRef, RESERVED_NAME};
+pub use snapshot::{
+    diff as diff_layers, materialise, scan_upper, Below, Change, Contents, LayerEntry,
+    LayerManifest, LowerDirs, ScanStats, Stamp,
+};
 pub use store::{Store, StoreLock};
 pub use tree::ensure_tree;
 pub use txn::{Txn, TxnStats};

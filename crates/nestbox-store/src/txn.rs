@@ -32,6 +32,11 @@ use crate::store::{Store, StoreLock};
 /// Size of the copy buffer.
 const CHUNK: usize = 1 << 20;
 
+thread_local! {
+    /// The copy buffer of [`Txn::put_reader`] on this thread.
+    static COPY_BUFFER: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
 /// Counters of one transaction.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
 pub struct TxnStats {
@@ -141,12 +146,14 @@ impl<'s> Txn<'s> {
             .create_new(true)
             .open(&tmp)
             .map_err(StoreError::io("create", &tmp))?;
-        let result = (|| {
+        let result = COPY_BUFFER.with_borrow_mut(|buf| {
+            // One buffer per thread, allocated (and zeroed) once: a fresh
+            // 1 MiB buffer per file costs more than a small file's whole copy.
+            buf.resize(CHUNK, 0);
             let mut hasher = blake3::Hasher::new();
-            let mut buf = vec![0u8; CHUNK];
             let mut len = 0u64;
             loop {
-                let n = match src.read(&mut buf) {
+                let n = match src.read(buf) {
                     Ok(0) => break,
                     Ok(n) => n,
                     Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
@@ -159,7 +166,7 @@ impl<'s> Txn<'s> {
                 progress(n as u64);
             }
             Ok((Digest::from_hasher(&hasher), len))
-        })();
+        });
         let (digest, len) = match result {
             Ok(v) => v,
             Err(e) => {
@@ -231,9 +238,11 @@ impl<'s> Txn<'s> {
             return Ok(());
         }
         self.store.sync()?;
+        // Each of the 256 fan-out directories is looked at once, not once per object.
+        let mut seen = std::collections::HashSet::new();
         for (fin, tmp) in pending {
             let parent = fin.parent().expect("objects have a parent");
-            if !parent.is_dir() {
+            if seen.insert(parent.to_path_buf()) && !parent.is_dir() {
                 match fs::create_dir(parent) {
                     Ok(()) => {}
                     Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}

@@ -231,6 +231,15 @@ enum Command {
     Store(crate::store_cmd::StoreCommand),
     /// Merge identical files across images and box layers into shared objects.
     Dedup(crate::store_cmd::DedupArgs),
+    /// Record a box's writable layer as a snapshot (only files changed since
+    /// the last one are read); `snapshot ls|rm` manage snapshots.
+    Snapshot(crate::snapshot_cmd::SnapshotArgs),
+    /// Put a box's files back as a snapshot had them (a running box is
+    /// stopped and started again).
+    Rollback(crate::snapshot_cmd::RollbackArgs),
+    /// List the paths a box changed (A added, C changed, D deleted) against
+    /// its image, or against a snapshot.
+    Diff(crate::snapshot_cmd::DiffArgs),
     /// Inspect or remove box networks.
     #[command(subcommand)]
     Network(crate::network_cmd::NetworkCommand),
@@ -837,6 +846,9 @@ pub fn dispatch(cli: Cli) -> Result<i32> {
         Command::Commit(args) => crate::store_cmd::commit(&reg, args),
         Command::Store(cmd) => crate::store_cmd::store(&reg, cmd),
         Command::Dedup(args) => crate::store_cmd::dedup(&reg, args),
+        Command::Snapshot(a) => crate::snapshot_cmd::snapshot(&reg, a),
+        Command::Rollback(a) => crate::snapshot_cmd::rollback(&reg, a),
+        Command::Diff(a) => crate::snapshot_cmd::diff(&reg, a),
         Command::Network(cmd) => crate::network_cmd::network(&reg, cmd),
         Command::Service(cmd) => crate::service_cmd::service(&reg, &root, cmd),
     }

@@ -7,6 +7,7 @@ mod cli;
 mod network_cmd;
 mod output;
 mod service_cmd;
+mod snapshot_cmd;
 mod store_cmd;
 
 use std::process::ExitCode;

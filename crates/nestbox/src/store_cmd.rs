@@ -223,8 +223,21 @@ pub fn store(reg: &Registry, cmd: StoreCommand) -> Result<i32> {
     match cmd {
         StoreCommand::Df { json } => {
             let u = store_ops::usage(reg, &store)?;
+            // Snapshots of box layers: their contents are objects of the
+            // store (counted in its physical bytes) once each.
+            let snaps = nestbox_runtime::time_travel::list(reg, None)?;
+            let snap_files: u64 = snaps.iter().map(|s| s.files).sum();
+            let snap_bytes: u64 = snaps.iter().map(|s| s.bytes).sum();
+            let snap_added: u64 = snaps.iter().map(|s| s.new_bytes).sum();
             if json {
-                println!("{}", serde_json::to_string_pretty(&u)?);
+                let mut v = serde_json::to_value(&u)?;
+                v["snapshots"] = serde_json::json!({
+                    "count": snaps.len(),
+                    "files": snap_files,
+                    "logical_bytes": snap_bytes,
+                    "stored_bytes": snap_added,
+                });
+                println!("{}", serde_json::to_string_pretty(&v)?);
                 return Ok(0);
             }
             println!(
@@ -247,6 +260,13 @@ pub fn store(reg: &Registry, cmd: StoreCommand) -> Result<i32> {
                 human(u.layer_physical_bytes),
                 u.objects,
                 u.sharing_ratio
+            );
+            println!(
+                "snapshots: {:>4}  {:>9} files  {:>10} logical, {} added to the store",
+                snaps.len(),
+                snap_files,
+                human(snap_bytes),
+                human(snap_added)
             );
             let pool = nestbox_runtime::checkpoint::pool_usage(reg)?;
             println!(
@@ -281,7 +301,10 @@ pub fn store(reg: &Registry, cmd: StoreCommand) -> Result<i32> {
             Ok(if r.problems.is_empty() { 0 } else { 1 })
         }
         StoreCommand::Gc { json } => {
-            let r = store.gc()?;
+            let r = store.gc_keeping(&|| {
+                nestbox_runtime::snapshots::referenced_inodes(reg)
+                    .map_err(|e| nestbox_store::StoreError::Referrers(e.to_string()))
+            })?;
             if json {
                 println!("{}", serde_json::to_string_pretty(&r)?);
             } else {

@@ -84,12 +84,23 @@ struct Running {
 /// The monitor does not write the child's pid into the cgroup: the child moves
 /// itself (see `LaunchPlan::cgroup_join`) before it does anything else.
 pub fn run_box(reg: &Registry, record: &BoxRecord, mode: Mode) -> Result<Outcome> {
+    run_box_as(reg, record, mode, false)
+}
+
+/// [`run_box`] for a box that ran before (restarted after a rollback): a
+/// failure to start leaves its record, marked exited with the error, instead
+/// of removing it (its layer and snapshots with it).
+pub fn rerun_box(reg: &Registry, record: &BoxRecord, mode: Mode) -> Result<Outcome> {
+    run_box_as(reg, record, mode, true)
+}
+
+fn run_box_as(reg: &Registry, record: &BoxRecord, mode: Mode, again: bool) -> Result<Outcome> {
     if matches!(mode, Mode::Detached(_)) {
         crate::residency::one_malloc_arena();
         crate::diag::to_file(record.monitor_log_path(), false);
     }
     let signals = block_forwarded_signals()?;
-    let started = start(reg, record, matches!(mode, Mode::Foreground));
+    let started = start(reg, record, matches!(mode, Mode::Foreground), again);
     let ready = match mode {
         Mode::Foreground => None,
         Mode::Detached(fd) => Some(File::from(fd)),
@@ -115,7 +126,7 @@ pub fn run_box(reg: &Registry, record: &BoxRecord, mode: Mode) -> Result<Outcome
 }
 
 /// Prepare and start; on failure remove everything made for the box.
-fn start(reg: &Registry, record: &BoxRecord, hold_mount_ns: bool) -> Result<Running> {
+fn start(reg: &Registry, record: &BoxRecord, hold_mount_ns: bool, again: bool) -> Result<Running> {
     let mut cgroup = None;
     let result = start_inner(reg, record, &mut cgroup, hold_mount_ns);
     if result.is_err() {
@@ -128,7 +139,19 @@ fn start(reg: &Registry, record: &BoxRecord, hold_mount_ns: bool) -> Result<Runn
         }
         let released = crate::network::release(reg.roots(), &record.state.id);
         crate::diag::warn_on_err(name, "releasing the network", released);
-        crate::diag::warn_on_err(name, "removing the record", reg.remove(record));
+        if again {
+            let msg = result.as_ref().err().map(|e| e.to_string());
+            let marked = reg.update(record.name(), |s| {
+                s.status = Status::Exited;
+                s.exit_code = Some(crate::error::EXIT_NESTBOX_ERROR);
+                s.finished_at = Some(now());
+                s.cgroup = None;
+                s.error = msg;
+            });
+            crate::diag::warn_on_err(name, "recording the failed restart", marked);
+        } else {
+            crate::diag::warn_on_err(name, "removing the record", reg.remove(record));
+        }
     }
     result
 }
@@ -664,6 +687,15 @@ fn launch_plan(
     }
     if let Some(size) = spec.disk {
         crate::disk::ensure_mounted(record.lib_dir(), size, owner)?;
+    }
+    // A box rolled back to a snapshot: the snapshot's layer, read-only, right
+    // under its (fresh) writable layer (see `snapshots`).
+    crate::snapshots::recover(record.lib_dir(), &record.layer_dirs(0).0)?;
+    if let (Some(tree), Some(layer)) = (
+        crate::snapshots::rollback_tree(record.lib_dir()),
+        view.layers.first_mut(),
+    ) {
+        layer.lowers.insert(0, tree);
     }
     let mut layers = Vec::new();
     for (i, layer) in view.layers.into_iter().enumerate() {

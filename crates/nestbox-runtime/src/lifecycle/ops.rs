@@ -39,6 +39,31 @@ pub fn run_detached(reg: &Registry, spec: &BoxSpec) -> Result<()> {
 fn run_detached_inner(reg: &Registry, spec: &BoxSpec) -> Result<()> {
     spec.validate()?;
     let record = reg.create(spec)?;
+    start_detached(reg, record, false)
+}
+
+/// Start box `record` again, in the background, from its spec: a box that
+/// has exited (its writable layer as it is, e.g. after a rollback). Returns
+/// once the command runs; a failure leaves the record, marked exited.
+pub fn restart_detached(reg: &Registry, record: &BoxRecord) -> Result<()> {
+    let mut record = record.clone();
+    record.state = reg.update(record.name(), |s| {
+        s.status = Status::Creating;
+        s.monitor = Some(crate::liveness::ProcRef::current());
+        s.init = None;
+        s.started_at = None;
+        s.finished_at = None;
+        s.exit_code = None;
+        s.oom_killed = false;
+        s.error = None;
+        s.final_stats = None;
+        s.watchdog = None;
+    })?;
+    let name = record.name().to_string();
+    start_detached(reg, record, true).map_err(|e| e.in_box(&name))
+}
+
+fn start_detached(reg: &Registry, record: BoxRecord, again: bool) -> Result<()> {
     let (ready_r, ready_w) = pipe2(OFlag::O_CLOEXEC).map_err(RuntimeError::sys("pipe2"))?;
     // SAFETY: the CLI is single-threaded, so the child may run arbitrary code.
     match unsafe { fork() } {
@@ -72,7 +97,12 @@ fn run_detached_inner(reg: &Registry, spec: &BoxSpec) -> Result<()> {
                 std::process::exit(crate::error::EXIT_NESTBOX_ERROR);
             }
             crate::process::become_daemon();
-            let code = match run_box(reg, &record, Mode::Detached(ready_w)) {
+            let run = if again {
+                crate::monitor::rerun_box
+            } else {
+                run_box
+            };
+            let code = match run(reg, &record, Mode::Detached(ready_w)) {
                 Ok(o) => o.exit_code,
                 Err(e) => {
                     // A start error was reported to the caller as well; one

@@ -204,6 +204,7 @@ pub fn checkpoint(reg: &Registry, box_name: &str, req: &CheckpointRequest) -> Re
             name
         }));
     }
+    crate::snapshots::refuse_rolled_back(&record, "checkpoint")?;
     let cgroup = running_cgroup(&record)?;
     let template = record.state.template.is_some();
     private_dir(&parent)?;

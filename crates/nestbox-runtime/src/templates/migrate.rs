@@ -320,6 +320,7 @@ impl Outgoing {
 pub fn migrate(reg: &Registry, box_name: &str, req: &MigrateRequest) -> Result<MigrateStats> {
     let start = Instant::now();
     let record = reg.load(box_name)?;
+    crate::snapshots::refuse_rolled_back(&record, "migrate")?;
     crate::template::refuse_monitored(&record, "migrated")?;
     let fail = |problem: String| RuntimeError::Migrate {
         name: box_name.to_string(),

@@ -83,6 +83,7 @@ fn freeze_inner(
         });
     }
     let record = reg.load(name)?;
+    crate::snapshots::refuse_rolled_back(&record, "freeze")?;
     refuse_monitored(&record, "frozen or cloned")?;
     match record.state.effective_status() {
         Status::Running => {}

@@ -1,0 +1,383 @@
+//! A box's snapshots and rollback layer on disk (see `docs/snapshots.md`).
+//!
+//! ```text
+//! $ROOT/lib/boxes/<id>/snapshots/NAME.json   one snapshot: its layer manifest and figures
+//! $ROOT/lib/boxes/<id>/snapshot.lock         flock: one snapshot, rollback or rm at a time
+//! $ROOT/lib/boxes/<id>/rollback/layer.json   the snapshot layer the box was rolled back to,
+//!                              /tree/        materialised (hardlinks into the store): the
+//!                                            read-only layer between the image and upper-0
+//! ```
+//!
+//! Everything lives in the box's data directory, so it goes with the box
+//! (`rm`, `gc`); the objects a snapshot names stay in the store until
+//! `store gc`, which keeps every object a snapshot or a rollback layer of a
+//! live box names ([`referenced_inodes`]).
+//!
+//! A snapshot record is written to a temporary file, synced and linked into
+//! place under its name (`RENAME_NOREPLACE`): killed at any instant, a snapshot
+//! either exists whole or not at all. A rollback swaps directories with
+//! renames; [`recover`] finishes (or undoes) a swap a crash interrupted, and runs
+//! before anything reads the layers.
+
+use std::fs;
+use std::io::Write;
+use std::os::unix::fs::DirBuilderExt;
+use std::path::{Path, PathBuf};
+
+use nestbox_store::{Digest, LayerManifest};
+use nix::fcntl::{Flock, FlockArg};
+use serde::{Deserialize, Serialize};
+
+use crate::registry::{BoxRecord, Registry};
+use crate::{Result, RuntimeError};
+
+/// One snapshot of a box's writable layer.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct SnapshotRecord {
+    /// Its name (unique per box).
+    pub name: String,
+    /// The box's name when it was taken.
+    #[serde(rename = "box")]
+    pub box_name: String,
+    /// The box's id.
+    pub box_id: String,
+    /// When it was taken (seconds since the epoch).
+    pub created: f64,
+    /// The snapshot it was taken incrementally after, if any.
+    pub parent: Option<String>,
+    /// Regular files in the layer.
+    pub files: u64,
+    /// Their content bytes.
+    pub bytes: u64,
+    /// Files read and hashed for it (the others were unchanged since `parent`).
+    pub files_read: u64,
+    /// Objects it added to the store.
+    pub new_objects: u64,
+    /// Content bytes it added to the store.
+    pub new_bytes: u64,
+    /// Milliseconds it took (up to writing its record).
+    pub ms: f64,
+    /// Of which: making its new objects durable and visible in the store
+    /// (`syncfs`, renames into `objects/`, `syncfs`).
+    #[serde(default)]
+    pub publish_ms: f64,
+    /// The layer: every path of the box's writable layer.
+    pub layer: LayerManifest,
+}
+
+/// The directory of `record`'s snapshots.
+pub fn dir(record: &BoxRecord) -> PathBuf {
+    record.lib_dir().join("snapshots")
+}
+
+/// The rollback layer directory of the box whose data directory is `lib`.
+pub fn rollback_dir(lib: &Path) -> PathBuf {
+    lib.join("rollback")
+}
+
+/// The materialised rollback layer of the box whose data directory is `lib`
+/// (the overlay's top lower directory), if the box was rolled back.
+pub fn rollback_tree(lib: &Path) -> Option<PathBuf> {
+    let t = rollback_dir(lib).join("tree");
+    t.is_dir().then_some(t)
+}
+
+/// The layer the box was rolled back to (empty if it never was).
+pub fn rollback_layer(lib: &Path) -> Result<LayerManifest> {
+    let path = rollback_dir(lib).join("layer.json");
+    if !path.exists() {
+        return Ok(LayerManifest::empty());
+    }
+    crate::state::read_json(&path)
+}
+
+/// Refuse `what` (an operation that copies or shares the box's writable
+/// layer by its `upper-N` directories: freeze, checkpoint) for a box rolled
+/// back to a snapshot, whose files are partly in its rollback layer.
+pub fn refuse_rolled_back(record: &BoxRecord, what: &str) -> Result<()> {
+    if rollback_tree(record.lib_dir()).is_some() {
+        return Err(RuntimeError::Unsupported {
+            name: record.name().to_string(),
+            problem: format!(
+                "was rolled back to a snapshot, whose layer {what} does not carry yet"
+            ),
+        });
+    }
+    Ok(())
+}
+
+/// Take `record`'s snapshot lock (released on drop).
+pub fn lock(record: &BoxRecord) -> Result<Flock<fs::File>> {
+    let path = record.lib_dir().join("snapshot.lock");
+    let file = fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .read(true)
+        .write(true)
+        .open(&path)
+        .map_err(|e| {
+            if e.kind() == std::io::ErrorKind::NotFound {
+                RuntimeError::NoSuchBox(record.name().to_string())
+            } else {
+                RuntimeError::io("open", &path)(e)
+            }
+        })?;
+    Flock::lock(file, FlockArg::LockExclusive)
+        .map_err(|(_, e)| RuntimeError::sys(format!("flock {}", path.display()))(e))
+}
+
+/// Check a snapshot name: the rules of image names.
+pub fn validate_name(name: &str) -> Result<()> {
+    nestbox_store::validate_name(name).map_err(|e| {
+        RuntimeError::InvalidInput(
+            e.to_string()
+                .replacen("invalid image name", "invalid snapshot name", 1)
+                .replace(": \"host\" is the built-in host image", ": reserved"),
+        )
+    })
+}
+
+/// Every snapshot of `record`, oldest first.
+pub fn list(record: &BoxRecord) -> Result<Vec<SnapshotRecord>> {
+    let d = dir(record);
+    let mut out: Vec<SnapshotRecord> = Vec::new();
+    let entries = match fs::read_dir(&d) {
+        Ok(e) => e,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(out),
+        Err(e) => return Err(RuntimeError::io("read directory", &d)(e)),
+    };
+    for e in entries {
+        let e = e.map_err(RuntimeError::io("read directory", &d))?;
+        let name = e.file_name().to_string_lossy().to_string();
+        if name.starts_with('.') || !name.ends_with(".json") {
+            continue;
+        }
+        match crate::state::read_json::<SnapshotRecord>(&e.path()) {
+            Ok(s) => out.push(s),
+            // Removed meanwhile by `snapshot rm`.
+            Err(RuntimeError::Io { source, .. })
+                if source.kind() == std::io::ErrorKind::NotFound => {}
+            Err(err) => return Err(err),
+        }
+    }
+    out.sort_by(|a, b| a.created.total_cmp(&b.created).then(a.name.cmp(&b.name)));
+    Ok(out)
+}
+
+/// The names of `record`'s snapshots, oldest first (by the time their record
+/// was written), without reading them.
+pub fn names(record: &BoxRecord) -> Result<Vec<String>> {
+    let d = dir(record);
+    let entries = match fs::read_dir(&d) {
+        Ok(e) => e,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(e) => return Err(RuntimeError::io("read directory", &d)(e)),
+    };
+    let mut out: Vec<(std::time::SystemTime, String)> = Vec::new();
+    for e in entries {
+        let e = e.map_err(RuntimeError::io("read directory", &d))?;
+        let file = e.file_name().to_string_lossy().to_string();
+        let Some(name) = file.strip_suffix(".json") else {
+            continue;
+        };
+        if file.starts_with('.') {
+            continue;
+        }
+        // Removed meanwhile by `snapshot rm`: not listed.
+        if let Ok(t) = e.metadata().and_then(|m| m.modified()) {
+            out.push((t, name.to_string()));
+        }
+    }
+    out.sort();
+    Ok(out.into_iter().map(|(_, n)| n).collect())
+}
+
+/// Snapshot `name` of `record`. Unknown: the error says whose it is if another
+/// box of the registry has one of that name.
+pub fn load(reg: &Registry, record: &BoxRecord, name: &str) -> Result<SnapshotRecord> {
+    validate_name(name)?;
+    let path = dir(record).join(format!("{name}.json"));
+    match crate::state::read_json(&path) {
+        Ok(s) => Ok(s),
+        Err(RuntimeError::Io { source, .. }) if source.kind() == std::io::ErrorKind::NotFound => {
+            let owner = reg.list().ok().and_then(|all| {
+                all.into_iter()
+                    .find(|r| dir(r).join(format!("{name}.json")).exists())
+            });
+            Err(match owner {
+                Some(o) => RuntimeError::SnapshotOfOtherBox {
+                    box_name: record.name().to_string(),
+                    name: name.to_string(),
+                    owner: o.name().to_string(),
+                },
+                None => RuntimeError::NoSuchSnapshot {
+                    box_name: record.name().to_string(),
+                    name: name.to_string(),
+                },
+            })
+        }
+        Err(e) => Err(e),
+    }
+}
+
+/// Whether `record` has a snapshot `name`.
+pub fn exists(record: &BoxRecord, name: &str) -> bool {
+    dir(record).join(format!("{name}.json")).exists()
+}
+
+/// Write a new snapshot record: whole or not at all, never over another.
+pub fn write_new(record: &BoxRecord, snap: &SnapshotRecord) -> Result<()> {
+    let d = dir(record);
+    match fs::create_dir(&d) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
+        Err(e) => return Err(RuntimeError::io("mkdir", &d)(e)),
+    }
+    let fin = d.join(format!("{}.json", snap.name));
+    let tmp = d.join(format!(".{}.{}.tmp", snap.name, std::process::id()));
+    let data = serde_json::to_vec(snap).map_err(|source| RuntimeError::State {
+        path: fin.clone(),
+        source,
+    })?;
+    let written = (|| {
+        let mut f = fs::File::create(&tmp).map_err(RuntimeError::io("create", &tmp))?;
+        f.write_all(&data)
+            .map_err(RuntimeError::io("write", &tmp))?;
+        f.sync_all().map_err(RuntimeError::io("fsync", &tmp))?;
+        nix::fcntl::renameat2(
+            None,
+            &tmp,
+            None,
+            &fin,
+            nix::fcntl::RenameFlags::RENAME_NOREPLACE,
+        )
+        .map_err(|e| match e {
+            nix::errno::Errno::EEXIST => RuntimeError::SnapshotExists {
+                box_name: record.name().to_string(),
+                name: snap.name.clone(),
+            },
+            e => RuntimeError::sys(format!("rename {}", fin.display()))(e),
+        })
+    })();
+    if written.is_err() {
+        // The write's error is the one to report; a leftover temporary file
+        // is hidden from `list` and goes with the box.
+        let _ = fs::remove_file(&tmp);
+    }
+    written?;
+    fs::File::open(&d)
+        .and_then(|f| f.sync_all())
+        .map_err(RuntimeError::io("fsync", &d))
+}
+
+/// Remove snapshot `name` of `record`.
+pub fn remove(reg: &Registry, record: &BoxRecord, name: &str) -> Result<()> {
+    load(reg, record, name)?;
+    let path = dir(record).join(format!("{name}.json"));
+    fs::remove_file(&path).map_err(RuntimeError::io("remove", &path))
+}
+
+/// Every store inode a snapshot or a rollback layer of a box of `reg` names
+/// (what `store gc` must keep).
+pub fn referenced_inodes(reg: &Registry) -> Result<Vec<(Digest, String)>> {
+    let mut out = Vec::new();
+    for r in reg.list()? {
+        for s in list(&r)? {
+            out.extend(s.layer.inodes());
+        }
+        out.extend(rollback_layer(r.lib_dir())?.inodes());
+    }
+    Ok(out)
+}
+
+/// Names of the directories a rollback swap moves through.
+const NEW: &str = ".rollback-new";
+const OLD_LAYER: &str = ".rollback-old";
+const OLD_UPPER: &str = ".upper-old";
+const OLD_WORK: &str = ".work-old";
+
+/// Where a rollback materialises the snapshot layer before [`swap_in`].
+pub fn staging_dir(lib: &Path) -> PathBuf {
+    lib.join(NEW)
+}
+
+/// Make the materialised layer in [`staging_dir`] the box's rollback layer
+/// under a fresh, empty writable layer (`upper`, `work`: the box's layer 0,
+/// owned as `owner`). The box must not be running.
+///
+/// The order makes every crash recoverable: the old upper and work
+/// directories are renamed away first (from then on [`recover`] completes the
+/// swap), then the layers are exchanged, then the empty ones made. The
+/// replaced directories are left for [`remove_replaced`] (after the box has
+/// started again).
+pub fn swap_in(lib: &Path, upper: &Path, work: &Path, owner: (u32, u32)) -> Result<()> {
+    let rename = |a: &Path, b: &Path| fs::rename(a, b).map_err(RuntimeError::io("rename", b));
+    let base = upper.parent().unwrap_or(lib);
+    for (from, to) in [(work, base.join(OLD_WORK)), (upper, base.join(OLD_UPPER))] {
+        if from.exists() {
+            rename(from, &to)?;
+        }
+    }
+    complete(lib, base)?;
+    for d in [upper, work] {
+        fs::DirBuilder::new()
+            .mode(0o755)
+            .create(d)
+            .map_err(RuntimeError::io("mkdir", d))?;
+        nix::unistd::chown(d, Some(owner.0.into()), Some(owner.1.into()))
+            .map_err(RuntimeError::sys(format!("chown {}", d.display())))?;
+    }
+    Ok(())
+}
+
+/// Remove what [`swap_in`] replaced (the box's old layers).
+pub fn remove_replaced(lib: &Path, upper: &Path) {
+    remove_leftovers(lib, upper.parent().unwrap_or(lib));
+}
+
+/// After the old upper was moved away: exchange the rollback layers.
+fn complete(lib: &Path, base: &Path) -> Result<()> {
+    let new = lib.join(NEW);
+    if !new.exists() || !base.join(OLD_UPPER).exists() {
+        return Ok(());
+    }
+    let cur = rollback_dir(lib);
+    if cur.exists() {
+        fs::rename(&cur, lib.join(OLD_LAYER)).map_err(RuntimeError::io("rename", &cur))?;
+    }
+    fs::rename(&new, &cur).map_err(RuntimeError::io("rename", &cur))
+}
+
+fn remove_leftovers(lib: &Path, base: &Path) {
+    for d in [
+        lib.join(NEW),
+        lib.join(OLD_LAYER),
+        base.join(OLD_UPPER),
+        base.join(OLD_WORK),
+    ] {
+        if d.exists() {
+            crate::diag::warn_on_err(
+                None,
+                "removing a replaced layer",
+                crate::registry::remove_tree(&d),
+            );
+        }
+    }
+}
+
+/// Finish a rollback a crash interrupted (or drop one that had not begun to
+/// swap) for the box whose data directory is `lib` and layer-0 upper
+/// directory is `upper`.
+pub fn recover(lib: &Path, upper: &Path) -> Result<()> {
+    let base = upper.parent().unwrap_or(lib);
+    if !lib.join(NEW).exists()
+        && !lib.join(OLD_LAYER).exists()
+        && !base.join(OLD_UPPER).exists()
+        && !base.join(OLD_WORK).exists()
+    {
+        return Ok(());
+    }
+    complete(lib, base)?;
+    remove_leftovers(lib, base);
+    Ok(())
+}

@@ -1,0 +1,491 @@
+//! The time-travel disk through the CLI: `snapshot`, `diff`, `rollback`,
+//! `snapshot ls|rm`, with whiteouts and opaque directories, incremental
+//! storage of changed files only, bad input, a snapshot killed midway, and
+//! removal plus `store gc` leaving nothing.
+
+mod common;
+
+use std::collections::BTreeSet;
+use std::fs;
+use std::os::unix::fs::PermissionsExt;
+use std::path::Path;
+use std::time::Duration;
+
+use common::{assert_error, TestRoot};
+use serde_json::Value;
+
+const BUSYBOX: &str = "/bin/busybox";
+const APPLETS: &[&str] = &[
+    "sh", "cat", "ls", "echo", "sleep", "mkdir", "rm", "head", "chmod", "seq", "true",
+];
+
+fn busybox_present(test: &str) -> bool {
+    nestbox_testkit::require(
+        Path::new(BUSYBOX).is_file(),
+        test,
+        &format!("{BUSYBOX} missing (scripts/setup.sh installs busybox-static)"),
+    )
+}
+
+/// Import a busybox image `bb` with /etc/hello, /etc/keep and a directory
+/// /etc/d holding one and sub/deep.
+fn import_image(root: &TestRoot) {
+    let src = tempfile::tempdir().unwrap();
+    let dir = src.path();
+    for d in ["bin", "etc/d/sub", "tmp"] {
+        fs::create_dir_all(dir.join(d)).unwrap();
+    }
+    fs::set_permissions(dir.join("tmp"), fs::Permissions::from_mode(0o1777)).unwrap();
+    fs::copy(BUSYBOX, dir.join("bin/busybox")).unwrap();
+    for a in APPLETS {
+        std::os::unix::fs::symlink("busybox", dir.join("bin").join(a)).unwrap();
+    }
+    fs::write(dir.join("etc/hello"), "hello\n").unwrap();
+    fs::write(dir.join("etc/keep"), "keep\n").unwrap();
+    fs::write(dir.join("etc/d/one"), "one\n").unwrap();
+    fs::write(dir.join("etc/d/sub/deep"), "deep\n").unwrap();
+    root.ok(&[
+        "image",
+        "import",
+        "-q",
+        dir.to_str().unwrap(),
+        "--name",
+        "bb",
+    ]);
+}
+
+fn json(text: &str) -> Value {
+    serde_json::from_str(text).unwrap_or_else(|e| panic!("not JSON ({e}): {text}"))
+}
+
+/// The lines of `nestbox diff ARGS`, sorted.
+fn diff(root: &TestRoot, args: &[&str]) -> Vec<String> {
+    let mut a = vec!["diff"];
+    a.extend_from_slice(args);
+    root.ok(&a).lines().map(str::to_string).collect()
+}
+
+/// What the box sees of the files the test touches: every name in the
+/// directories and the content of every regular file in them.
+const VIEW: &str = r#"for d in /etc /etc/d /etc/d/sub /data; do
+  echo "[$d]"
+  ls -A "$d" 2>/dev/null | while read f; do
+    case "$f" in machine-id|hosts|resolv.conf|hostname) continue;; esac
+    if [ -f "$d/$f" ]; then echo "$f=$(cat "$d/$f")"; else echo "$f/"; fi
+  done
+done"#;
+
+fn view(root: &TestRoot, name: &str) -> String {
+    root.ok(&["exec", name, "--", "sh", "-c", VIEW])
+}
+
+fn objects(root: &TestRoot) -> BTreeSet<String> {
+    let mut out = BTreeSet::new();
+    let base = root.path().join("lib/images/store/objects");
+    let Ok(dirs) = fs::read_dir(&base) else {
+        return out;
+    };
+    for d in dirs.flatten() {
+        for f in fs::read_dir(d.path()).unwrap().flatten() {
+            out.insert(f.file_name().to_string_lossy().to_string());
+        }
+    }
+    out
+}
+
+fn init_pid(root: &TestRoot, name: &str) -> i64 {
+    root.inspect(name)["state"]["init"]["pid"]
+        .as_i64()
+        .unwrap_or(-1)
+}
+
+#[test]
+fn snapshot_diff_rollback_round_trip() {
+    let test = "snapshot_diff_rollback_round_trip";
+    let Some(root) = TestRoot::new(test) else {
+        return;
+    };
+    if !busybox_present(test) {
+        return;
+    }
+    import_image(&root);
+    root.ok(&[
+        "run",
+        "-d",
+        "--name",
+        "tt",
+        "--network",
+        "none",
+        "--image",
+        "bb",
+        "--",
+        "sleep",
+        "100000",
+    ]);
+    // Add, modify, delete a lower file (a whiteout), replace a lower
+    // directory (an opaque one), and a new directory.
+    root.ok(&[
+        "exec",
+        "tt",
+        "--",
+        "sh",
+        "-c",
+        "echo new > /etc/new; echo changed > /etc/keep; rm /etc/hello; \
+         rm -r /etc/d; mkdir /etc/d; echo two > /etc/d/two; \
+         mkdir /data; echo f1 > /data/f1; echo f2 > /data/f2",
+    ]);
+    let from_image = diff(&root, &["tt"]);
+    assert_eq!(
+        from_image,
+        [
+            "A /data",
+            "A /data/f1",
+            "A /data/f2",
+            "C /etc",
+            "C /etc/d",
+            "D /etc/d/one",
+            "D /etc/d/sub",
+            "A /etc/d/two",
+            "D /etc/hello",
+            "C /etc/keep",
+            "A /etc/new",
+        ],
+        "diff against the image"
+    );
+    let at_s1 = view(&root, "tt");
+    assert!(
+        at_s1.contains("new=new") && !at_s1.contains("hello=") && at_s1.contains("two=two"),
+        "{at_s1}"
+    );
+
+    let s1 = json(&root.ok(&["snapshot", "--json", "tt", "s1"]));
+    assert_eq!(s1["name"], "s1");
+    assert_eq!(s1["parent"], Value::Null);
+
+    // A snapshot right after reads nothing and stores nothing.
+    let same = json(&root.ok(&["snapshot", "--json", "tt", "same"]));
+    assert_eq!(same["files_read"], 0, "{same}");
+    assert_eq!(same["new_objects"], 0, "{same}");
+    assert_eq!(same["files"], s1["files"], "{same}");
+    assert!(diff(&root, &["tt", "s1"]).is_empty());
+
+    // More changes after s1.
+    root.ok(&[
+        "exec",
+        "tt",
+        "--",
+        "sh",
+        "-c",
+        "echo again > /etc/new; rm /data/f1; echo later > /etc/later; rm -r /etc/d; echo back > /etc/hello",
+    ]);
+    assert_eq!(
+        diff(&root, &["tt", "s1"]),
+        [
+            "C /data",
+            "D /data/f1",
+            "C /etc",
+            "D /etc/d",
+            "A /etc/hello",
+            "A /etc/later",
+            "C /etc/new",
+        ],
+        "diff against s1"
+    );
+    let s2 = json(&root.ok(&["snapshot", "--json", "tt", "s2"]));
+    assert_eq!(s2["parent"], "same");
+    // Only the files written since: /etc/new, /etc/later, /etc/hello.
+    assert_eq!(s2["files_read"], 3, "{s2}");
+    let at_s2 = view(&root, "tt");
+
+    // Roll back to s1: the box is restarted and sees exactly s1's files.
+    let pid_before = init_pid(&root, "tt");
+    let rb = json(&root.ok(&["rollback", "--json", "tt", "s1"]));
+    assert_eq!(rb["restarted"], true, "{rb}");
+    assert_eq!(root.status("tt").as_deref(), Some("running"));
+    assert_ne!(init_pid(&root, "tt"), pid_before, "a new init");
+    assert_eq!(view(&root, "tt"), at_s1);
+    assert!(diff(&root, &["tt", "s1"]).is_empty());
+    assert_eq!(diff(&root, &["tt"]), from_image);
+
+    // A rolled-back box commits as the files it sees; checkpoint and freeze,
+    // which copy or share `upper-0` alone, refuse it with one line.
+    root.ok(&["commit", "tt", "img2"]);
+    root.ok(&[
+        "run",
+        "-d",
+        "--name",
+        "c2",
+        "--network",
+        "none",
+        "--image",
+        "img2",
+        "--",
+        "sleep",
+        "100000",
+    ]);
+    assert_eq!(view(&root, "c2"), at_s1);
+    root.ok(&["rm", "-f", "c2"]);
+    root.ok(&["image", "rm", "img2"]);
+    assert_error(
+        &root.run(&["checkpoint", "tt"]),
+        125,
+        "was rolled back to a snapshot",
+    );
+    assert_error(
+        &root.run(&["freeze", "tt"]),
+        125,
+        "was rolled back to a snapshot",
+    );
+    assert_eq!(root.status("tt").as_deref(), Some("running"));
+
+    // Changes after a rollback stack on the snapshot's layer; a snapshot of
+    // them stores only what is new: 64 KiB of new content, one object.
+    let before = objects(&root);
+    root.ok(&[
+        "exec",
+        "tt",
+        "--",
+        "sh",
+        "-c",
+        "head -c 65536 /bin/busybox > /data/big; rm /data/f2; echo third > /etc/d/three",
+    ]);
+    assert_eq!(
+        diff(&root, &["tt", "s1"]),
+        [
+            "C /data",
+            "A /data/big",
+            "D /data/f2",
+            "C /etc/d",
+            "A /etc/d/three",
+        ]
+    );
+    let s3 = json(&root.ok(&["snapshot", "--json", "tt", "s3"]));
+    assert_eq!(s3["new_bytes"], 65536 + 6, "{s3}");
+    assert_eq!(s3["new_objects"], 2, "{s3}");
+    assert_eq!(objects(&root).difference(&before).count(), 2);
+    let at_s3 = view(&root, "tt");
+
+    // Rolling forward to s2 (taken before the rollback), then back to s3.
+    root.ok(&["rollback", "tt", "s2"]);
+    assert_eq!(view(&root, "tt"), at_s2);
+    root.ok(&["rollback", "tt", "s3"]);
+    assert_eq!(view(&root, "tt"), at_s3);
+
+    // A stopped box is rolled back without being started.
+    root.ok(&["stop", "-t", "1", "tt"]);
+    root.ok(&["rollback", "tt", "s1"]);
+    assert_eq!(root.status("tt").as_deref(), Some("exited"));
+    assert!(diff(&root, &["tt", "s1"]).is_empty());
+
+    let ls = json(&root.ok(&["snapshot", "ls", "--json", "tt"]));
+    let names: Vec<&str> = ls
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| s["name"].as_str().unwrap())
+        .collect();
+    assert_eq!(names, ["s1", "same", "s2", "s3"]);
+    let df = json(&root.ok(&["store", "df", "--json"]));
+    assert_eq!(df["snapshots"]["count"], 4, "{df}");
+
+    // Removing snapshots: gc keeps what the others (and the rollback layer)
+    // still name; nothing is lost.
+    root.ok(&["snapshot", "rm", "tt", "same", "s2", "s3"]);
+    root.ok(&["store", "gc"]);
+    root.ok(&["rollback", "tt", "s1"]);
+    root.ok(&["store", "verify"]);
+
+    // Removing the box takes its snapshots; gc then leaves only the image.
+    let image_only = {
+        let r = TestRoot::new(test).unwrap();
+        import_image(&r);
+        objects(&r).len()
+    };
+    root.ok(&["rm", "-f", "tt"]);
+    root.ok(&["store", "gc"]);
+    assert!(root.ok(&["snapshot", "ls"]).lines().count() <= 1);
+    assert_eq!(objects(&root).len(), image_only);
+    root.ok(&["image", "rm", "bb"]);
+    root.ok(&["store", "gc"]);
+    assert!(objects(&root).is_empty(), "{:?}", objects(&root));
+    root.assert_no_boxes();
+}
+
+#[test]
+fn bad_input_is_one_line_and_changes_nothing() {
+    let test = "bad_input_is_one_line_and_changes_nothing";
+    let Some(root) = TestRoot::new(test) else {
+        return;
+    };
+    if !busybox_present(test) {
+        return;
+    }
+    import_image(&root);
+    for name in ["a", "b"] {
+        root.ok(&[
+            "run",
+            "-d",
+            "--name",
+            name,
+            "--network",
+            "none",
+            "--image",
+            "bb",
+            "--",
+            "sleep",
+            "100000",
+        ]);
+    }
+    root.ok(&["exec", "a", "--", "sh", "-c", "echo x > /etc/x"]);
+    root.ok(&["snapshot", "a", "sa"]);
+    root.ok(&["snapshot", "b", "sb"]);
+    let listing = root.ok(&["snapshot", "ls"]);
+    let objs = objects(&root);
+
+    assert_error(
+        &root.run(&["snapshot", "nope"]),
+        125,
+        "no box named \"nope\"",
+    );
+    assert_error(
+        &root.run(&["snapshot", "a", "sa"]),
+        125,
+        "box \"a\" already has a snapshot named \"sa\"",
+    );
+    assert_error(
+        &root.run(&["snapshot", "a", "../x"]),
+        125,
+        "invalid snapshot name",
+    );
+    assert_error(
+        &root.run(&["rollback", "a", "missing"]),
+        125,
+        "box \"a\" has no snapshot named \"missing\"",
+    );
+    assert_error(
+        &root.run(&["rollback", "a", "sb"]),
+        125,
+        "snapshot \"sb\" is of box \"b\", not of box \"a\"",
+    );
+    assert_error(&root.run(&["rollback", "nope", "sa"]), 125, "no box named");
+    assert_error(
+        &root.run(&["diff", "a", "missing"]),
+        125,
+        "has no snapshot named",
+    );
+    assert_error(
+        &root.run(&["snapshot", "rm", "a", "sb"]),
+        125,
+        "is of box \"b\"",
+    );
+    assert_eq!(root.ok(&["snapshot", "ls"]), listing);
+    assert_eq!(objects(&root), objs);
+    // The box was not touched by the failed rollbacks.
+    assert_eq!(root.status("a").as_deref(), Some("running"));
+    assert_eq!(diff(&root, &["a"]), ["C /etc", "A /etc/x"]);
+
+    // A running --rm box would be removed by the stop of a rollback.
+    root.ok(&[
+        "run",
+        "-d",
+        "--rm",
+        "--name",
+        "r",
+        "--network",
+        "none",
+        "--image",
+        "bb",
+        "--",
+        "sleep",
+        "100000",
+    ]);
+    root.ok(&["snapshot", "r", "sr"]);
+    assert_error(
+        &root.run(&["rollback", "r", "sr"]),
+        125,
+        "was started with --rm",
+    );
+    assert_eq!(root.status("r").as_deref(), Some("running"));
+    root.ok(&["snapshot", "rm", "r", "sr"]);
+    // A --rm box removes itself once killed.
+    root.ok(&["kill", "r"]);
+    common::wait_for("box r to go", Duration::from_secs(10), || {
+        !root.names().iter().any(|n| n == "r")
+    });
+    root.rm_all(["a", "b"]);
+}
+
+#[test]
+fn a_killed_snapshot_leaves_a_whole_one_or_none() {
+    let test = "a_killed_snapshot_leaves_a_whole_one_or_none";
+    let Some(root) = TestRoot::new(test) else {
+        return;
+    };
+    if !busybox_present(test) {
+        return;
+    }
+    import_image(&root);
+    root.ok(&[
+        "run",
+        "-d",
+        "--name",
+        "k",
+        "--network",
+        "none",
+        "--image",
+        "bb",
+        "--",
+        "sleep",
+        "100000",
+    ]);
+    root.ok(&[
+        "exec",
+        "k",
+        "--",
+        "sh",
+        "-c",
+        "mkdir /many; for i in $(seq 1 3000); do echo $i > /many/f$i; done",
+    ]);
+    let mut listed: Vec<Value> = Vec::new();
+    let delays = [2u64, 5, 10, 20, 40, 80, 300, 1000, 3000];
+    for (i, delay_ms) in delays.iter().enumerate() {
+        let name = format!("k{i}");
+        let mut child = root.spawn(&["snapshot", "k", &name]);
+        std::thread::sleep(Duration::from_millis(*delay_ms));
+        // Our own child, by its pid (ESRCH only if it already ended).
+        let _ = nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(child.id() as i32),
+            nix::sys::signal::Signal::SIGKILL,
+        );
+        let _ = child.wait();
+        let ls = json(&root.ok(&["snapshot", "ls", "--json", "k"]));
+        if let Some(s) = ls.as_array().unwrap().iter().find(|s| s["name"] == name) {
+            // It can be used.
+            assert!(diff(&root, &["k", &name]).is_empty());
+            listed.push(s.clone());
+        }
+    }
+    // The name of a killed snapshot is free again; a full one lists every
+    // file (the 3000 and the runtime's /etc/machine-id mount point).
+    let last = json(&root.ok(&["snapshot", "--json", "k", "final"]));
+    assert_eq!(last["files"], 3001, "{last}");
+    for s in &listed {
+        assert_eq!(s["files"], last["files"], "a listed snapshot is whole: {s}");
+    }
+    root.ok(&["store", "verify"]);
+    // What the killed ones staged goes at gc.
+    root.ok(&["store", "gc"]);
+    let staging: Vec<_> = fs::read_dir(root.path().join("lib/images/store/tmp"))
+        .map(|d| d.flatten().map(|e| e.file_name()).collect())
+        .unwrap_or_default();
+    assert!(staging.is_empty(), "staging left: {staging:?}");
+    eprintln!(
+        "{test}: {} of {} killed snapshots had finished",
+        listed.len(),
+        delays.len()
+    );
+    root.rm_all(["k"]);
+    root.ok(&["image", "rm", "bb"]);
+    root.ok(&["store", "gc"]);
+    assert!(objects(&root).is_empty());
+}
