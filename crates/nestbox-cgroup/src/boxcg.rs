@@ -430,23 +430,36 @@ impl BoxCgroup {
     /// Replace the box's device rules (the OCI config's
     /// `linux.resources.devices`, say): every device denied, then `rules` in
     /// order, a later rule overriding an earlier one. On cgroup v1 they go to
-    /// the devices controller. cgroup v2 has no devices controller (a BPF
-    /// program attached to the cgroup decides), which nestbox does not
-    /// attach: without a v1 devices hierarchy this is refused.
+    /// the devices controller. Without one (pure cgroup v2, which has no
+    /// devices controller) they become a device program attached to the
+    /// box's v2 directory ([`crate::devfilter`]).
     pub fn set_device_rules(&self, rules: &[DeviceRule]) -> Result<(), CgroupError> {
         let v1: Vec<&CgroupDir> = self
             .dirs
             .iter()
             .filter(|d| d.version == Version::V1 && d.controllers.iter().any(|c| c == "devices"))
             .collect();
-        if v1.is_empty() {
+        if !v1.is_empty() {
+            for d in v1 {
+                v1::set_device_rules(&d.path, rules)?;
+            }
+            return Ok(());
+        }
+        // Pure v2: a device program on the box's directory.
+        let v2: Vec<&CgroupDir> = self
+            .dirs
+            .iter()
+            .filter(|d| d.version == Version::V2)
+            .collect();
+        if v2.is_empty() {
             return Err(CgroupError::Unsupported {
                 option: "device rules",
-                reason: "no cgroup v1 devices hierarchy here, and cgroup v2 device control (a BPF program) is not supported".into(),
+                reason: "the box has neither a cgroup v1 devices directory nor a cgroup v2 one"
+                    .into(),
             });
         }
-        for d in v1 {
-            v1::set_device_rules(&d.path, rules)?;
+        for d in v2 {
+            crate::devfilter::attach(&d.path, rules)?;
         }
         Ok(())
     }

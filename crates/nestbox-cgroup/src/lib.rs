@@ -27,6 +27,7 @@
 
 pub mod boxcg;
 pub mod detect;
+pub mod devfilter;
 pub mod error;
 mod fsutil;
 pub mod gc;

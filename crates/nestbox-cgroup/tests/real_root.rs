@@ -296,3 +296,64 @@ fn real_find_stale() {
     assert!(!cg.exists());
     assert!(find_stale(&h, &|i| i != name).is_empty());
 }
+
+/// A device program on a real cgroup v2 directory (the kernel's device
+/// control of v2, which pure-v2 hosts use for a box's device rules) allows
+/// and denies exactly what the rules say, seen from a process in it.
+#[test]
+fn a_device_program_on_a_v2_cgroup_enforces_the_rules() {
+    let test = "a_device_program_on_a_v2_cgroup_enforces_the_rules";
+    let Some(h) = setup(test) else {
+        return;
+    };
+    let Some(v2) = h.hierarchies().iter().find(|x| x.version() == Version::V2) else {
+        nestbox_testkit::skip(test, "no cgroup v2 hierarchy is mounted");
+        return;
+    };
+    // Not named like a box: the leak checks look for those.
+    let dir = v2
+        .invoking_dir()
+        .join(format!("devprog-test-{}", std::process::id()));
+    fs::create_dir(&dir).unwrap();
+    struct Remove(std::path::PathBuf);
+    impl Drop for Remove {
+        fn drop(&mut self) {
+            let _ = fs::remove_dir(&self.0);
+        }
+    }
+    let _remove = Remove(dir.clone());
+    let rule = |allow: bool, kind: char, major: Option<i64>, minor: Option<i64>, access: &str| {
+        nestbox_cgroup::DeviceRule {
+            allow,
+            kind,
+            major,
+            minor,
+            access: access.into(),
+        }
+    };
+    // Everything, but /dev/null (c 1:3) only for reading.
+    nestbox_cgroup::devfilter::attach(
+        &dir,
+        &[
+            rule(true, 'a', None, None, "rwm"),
+            rule(false, 'c', Some(1), Some(3), "rwm"),
+            rule(true, 'c', Some(1), Some(3), "r"),
+        ],
+    )
+    .unwrap();
+    // The shell moves itself into the directory, then opens devices.
+    let script = format!(
+        "echo 0 > {procs} || exit 9\n\
+         if head -c 1 /dev/zero | od -An -tx1 | grep -q 00; then echo zero-read; fi\n\
+         if cat /dev/null; then echo null-read; fi\n\
+         if ( : > /dev/null ) 2>/dev/null; then echo null-write; else echo null-write-denied; fi",
+        procs = dir.join("cgroup.procs").display()
+    );
+    let out = Command::new("sh").args(["-c", &script]).output().unwrap();
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout),
+        "zero-read\nnull-read\nnull-write-denied\n",
+        "stderr: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}

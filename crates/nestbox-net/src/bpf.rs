@@ -21,7 +21,6 @@ use crate::error::{NetError, Result};
 const BPF_MAP_CREATE: libc::c_long = 0;
 const BPF_MAP_UPDATE_ELEM: libc::c_long = 2;
 const BPF_MAP_DELETE_ELEM: libc::c_long = 3;
-const BPF_PROG_LOAD: libc::c_long = 5;
 const BPF_MAP_GET_FD_BY_ID: libc::c_long = 14;
 const BPF_OBJ_GET_INFO_BY_FD: libc::c_long = 15;
 const BPF_MAP_TYPE_HASH: u32 = 1;
@@ -209,39 +208,22 @@ pub fn map_remove(map: BorrowedFd<'_>, addr: std::net::Ipv4Addr) -> Result<bool>
 }
 
 /// One instruction: opcode, destination and source registers, offset, immediate.
-pub(crate) fn insn(code: u8, dst: u8, src: u8, off: i16, imm: i32) -> [u8; 8] {
-    let mut b = [0u8; 8];
-    b[0] = code;
-    b[1] = (src << 4) | (dst & 0x0f);
-    b[2..4].copy_from_slice(&off.to_le_bytes());
-    b[4..8].copy_from_slice(&imm.to_le_bytes());
-    b
-}
+pub(crate) use nestbox_sys::bpf::insn;
 
 /// Load the classifier `code` (a box's guard and shortcut, see
 /// [`crate::guard`]), named `name`. The returned descriptor is needed only
 /// until the program is attached (the filter then holds it, and it holds the
 /// map).
 pub fn load_program(code: &[[u8; 8]], name: &str) -> Result<OwnedFd> {
-    let code: Vec<u8> = code.concat();
-    let license = b"Apache-2.0\0";
     let what = format!("bpf(BPF_PROG_LOAD {name})");
     let load = |log: Option<&mut Vec<u8>>| {
-        let mut attr = [0u8; ATTR_SIZE];
-        put_u32(&mut attr, 0, BPF_PROG_TYPE_SCHED_CLS);
-        put_u32(&mut attr, 4, (code.len() / 8) as u32);
-        put_u64(&mut attr, 8, code.as_ptr() as u64);
-        put_u64(&mut attr, 16, license.as_ptr() as u64);
-        if let Some(log) = log {
-            put_u32(&mut attr, 24, 1);
-            put_u32(&mut attr, 28, log.len() as u32);
-            put_u64(&mut attr, 32, log.as_mut_ptr() as u64);
-        }
-        put_name(&mut attr, 48, name);
-        // SAFETY: the pointers are to `code` and `license` (read by the kernel,
-        // lengths given) and to `log` (written within the length given), all
-        // alive for the call; PROG_LOAD returns a new descriptor.
-        unsafe { sys_bpf_fd(BPF_PROG_LOAD, &mut attr, &what) }
+        nestbox_sys::bpf::prog_load(
+            BPF_PROG_TYPE_SCHED_CLS,
+            code,
+            name,
+            log.map(|l| l.as_mut_slice()),
+        )
+        .map_err(sys_err(&what))
     };
     match load(None) {
         Ok(fd) => Ok(fd),
