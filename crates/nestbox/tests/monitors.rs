@@ -48,8 +48,13 @@ fn trace_logs_exactly_the_subscribed_calls() {
         script,
     ])
     .ok();
-    root.inspect("tr");
-    let log = root.path().join("run/boxes/tr/trace.log");
+    let v = root.inspect("tr");
+    let log = std::path::PathBuf::from(
+        v["trace_log"]
+            .as_str()
+            .expect("inspect names the trace log"),
+    );
+    assert_eq!(log, root.path().join("run/boxes/tr/trace.log"));
     let mut text = String::new();
     wait_for(
         "the connect in the trace log",

@@ -448,6 +448,13 @@ pub fn inspect_with(reg: &Registry, rel: &dyn Relations, name: &str) -> Result<s
         "exit_code": record.state.exit_code,
         "oom_killed": record.state.oom_killed,
         "log_path": record.log_path(),
+        // Where its `trace` monitors write (`--monitor trace:…`), if it has one.
+        "trace_log": record
+            .spec
+            .monitors
+            .iter()
+            .any(|m| m.starts_with("trace:"))
+            .then(|| crate::monitor::trace_log(&record)),
         "memory_sharing": rel.inspect_extra(reg, &record),
     }))
 }
