@@ -98,11 +98,17 @@ pub(crate) fn program(rules: &[DeviceRule]) -> Vec<[u8; 8]> {
         block.push(insn(MOV_K, 0, 0, 0, i32::from(rule.allow)));
         block.push(insn(EXIT, 0, 0, 0, 0));
         let len = block.len();
+        let unconditional = jumps.is_empty();
         for at in jumps {
             let off = (len - at - 1) as i16;
             block[at][2..4].copy_from_slice(&off.to_le_bytes());
         }
         code.extend(block);
+        if unconditional {
+            // It matches every request: the rules before it are never
+            // reached, and the verifier refuses unreachable code.
+            return code;
+        }
     }
     code.push(insn(MOV_K, 0, 0, 0, 0));
     code.push(insn(EXIT, 0, 0, 0, 0));
@@ -131,11 +137,12 @@ pub fn attach(dir: &Path, rules: &[DeviceRule]) -> Result<(), CgroupError> {
     )
     .map_err(|e| {
         let text = String::from_utf8_lossy(&log);
+        // The line before the statistics names the problem.
         let last = text
             .trim_end_matches('\0')
             .trim()
             .lines()
-            .last()
+            .rfind(|l| !l.starts_with("processed ") && !l.trim().is_empty())
             .unwrap_or("");
         CgroupError::io(
             Op::Write,
@@ -223,6 +230,11 @@ mod tests {
         // Any other device: the first rule.
         assert_eq!(run(&code, DEV_CHAR, r | w, 1, 5), 1);
         assert_eq!(run(&code, DEV_BLOCK, w, 8, 0), 1);
+        // A rule for everything ends the program (what is before it in the
+        // list is never reached, and no instruction follows it).
+        let ends = program(&rules[..1]);
+        assert_eq!(ends.len(), 8, "6 loads and shifts, then r0 = 1; exit");
+        assert_eq!(run(&ends, DEV_BLOCK, ACC_MKNOD, 8, 1), 1);
         // No rules: everything denied.
         assert_eq!(run(&program(&[]), DEV_CHAR, r, 1, 3), 0);
         // Type and numbers must match.
