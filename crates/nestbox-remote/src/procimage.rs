@@ -967,7 +967,11 @@ fn child_fds(
 /// image's sets are put back at release). In a user namespace whose
 /// `setgroups` is denied, the groups cannot be set: the stub then keeps the
 /// (unmapped) groups it has, as the box's own processes do.
-fn set_credentials(x: &mut Tracee, scratch: &mut Scratch, want: &Credentials) -> Result<()> {
+pub(crate) fn set_credentials(
+    x: &mut Tracee,
+    scratch: &mut Scratch,
+    want: &Credentials,
+) -> Result<()> {
     let have = Credentials::read(x.pid())?;
     if *want == have {
         return Ok(());

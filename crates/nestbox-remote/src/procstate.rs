@@ -61,6 +61,31 @@ const INHERITED: [&str; 6] = [
     "Seccomp_filters",
 ];
 
+/// Every resource limit of `pid` as `/proc/PID/limits` shows it, in the
+/// order of the resource numbers (the kernel lists them so): `(soft, hard)`,
+/// `unlimited` as `RLIM_INFINITY`.
+fn read_limits(pid: i32) -> Result<Vec<(u64, u64)>> {
+    let text = procfs::read_to_string(&procfs::proc_path(pid, "limits"))?;
+    parse_limits(&text).ok_or_else(|| {
+        RemoteError::Unclonable(format!("process {pid}: /proc/{pid}/limits does not parse"))
+    })
+}
+
+fn parse_limits(text: &str) -> Option<Vec<(u64, u64)>> {
+    let value = |v: &str| match v {
+        "unlimited" => Some(u64::MAX),
+        n => n.parse().ok(),
+    };
+    text.lines()
+        .skip(1)
+        .map(|l| {
+            // The name is the first 26 columns ("Max open files" and such).
+            let mut f = l.get(26..)?.split_whitespace();
+            Some((value(f.next()?)?, value(f.next()?)?))
+        })
+        .collect()
+}
+
 impl ProcessState {
     /// Read the state of the stopped `template` process (its registers are put
     /// back afterwards).
@@ -82,12 +107,26 @@ impl ProcessState {
             .to_string();
         let mut rlimits = Vec::with_capacity(RLIMITS as usize);
         for resource in 0..RLIMITS {
-            let (soft, hard) =
-                nestbox_sys::process::get_rlimit(pid, resource).map_err(|e| RemoteError::Sys {
-                    op: "prlimit (read)",
-                    pid,
-                    source: e.into(),
-                })?;
+            let (soft, hard) = match nestbox_sys::process::get_rlimit(pid, resource) {
+                Ok(l) => l,
+                // Another uid's limits need CAP_SYS_RESOURCE for prlimit,
+                // which this machine's root may lack; /proc shows them.
+                Err(nix::errno::Errno::EPERM) => read_limits(pid)?
+                    .get(resource as usize)
+                    .copied()
+                    .ok_or_else(|| {
+                        RemoteError::Unclonable(format!(
+                            "process {pid}: /proc/{pid}/limits has no line for resource {resource}"
+                        ))
+                    })?,
+                Err(e) => {
+                    return Err(RemoteError::Sys {
+                        op: "prlimit (read)",
+                        pid,
+                        source: e.into(),
+                    })
+                }
+            };
             rlimits.push((resource, soft, hard));
         }
         let sigactions = read_sigactions(template)?;
@@ -115,8 +154,19 @@ impl ProcessState {
     /// parent's (`parent`): its clone, forked by the parent's clone, would
     /// inherit the parent's.
     pub fn check_inherits(&self, pid: i32, parent: &ProcessState) -> Result<()> {
+        self.check_inherits_but(pid, parent, &[])
+    }
+
+    /// [`Self::check_inherits`], but for the lines `except` (which the caller
+    /// re-creates itself: a clone sets a child's user and group ids).
+    pub fn check_inherits_but(
+        &self,
+        pid: i32,
+        parent: &ProcessState,
+        except: &[&str],
+    ) -> Result<()> {
         for ((key, mine), (_, theirs)) in self.inherited.iter().zip(&parent.inherited) {
-            if mine != theirs {
+            if mine != theirs && !except.contains(&key.as_str()) {
                 return Err(RemoteError::Unclonable(format!(
                     "process {pid} ({}) has {key} {mine:?} where its parent has {theirs:?}: a clone cannot re-create it",
                     self.comm
@@ -225,4 +275,21 @@ fn read_sigactions(template: &mut Tracee) -> Result<Vec<(i32, [u8; KERNEL_SIGACT
     unmapped?;
     restored?;
     Ok(actions)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn proc_limits_parse_in_resource_order() {
+        let me = std::process::id() as i32;
+        let mine = procfs::read_to_string(&procfs::proc_path(me, "limits")).unwrap();
+        let parsed = parse_limits(&mine).unwrap();
+        assert_eq!(parsed.len(), RLIMITS as usize);
+        for (resource, limits) in parsed.iter().enumerate() {
+            let own = nestbox_sys::process::get_rlimit(me, resource as i32).unwrap();
+            assert_eq!(*limits, own, "resource {resource}");
+        }
+    }
 }

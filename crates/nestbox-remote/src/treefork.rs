@@ -31,6 +31,7 @@ use crate::fork::{
 use crate::memory::Scratch;
 use crate::objects::CloneObjects;
 use crate::procfs::Status;
+use crate::procimage::{set_credentials, Credentials};
 use crate::procstate::ProcessState;
 use crate::rebuild::{rebuild, Layout, LiveProcess};
 use crate::retarget::{box_pidfds, retarget_with, FdOutcome};
@@ -152,7 +153,13 @@ pub fn remote_fork_tree(
             }
             Origin::ForkedBy(parent) => {
                 let own = &states[&pid];
-                own.check_inherits(template.pid(), &states[&parent])?;
+                // Its user and group ids may differ from its parent's (a
+                // root server's worker running as a user): fork_child sets them.
+                own.check_inherits_but(
+                    template.pid(),
+                    &states[&parent],
+                    &["Uid", "Gid", "Groups"],
+                )?;
                 let parent_made = made
                     .iter_mut()
                     .find(|(p, _)| *p == parent)
@@ -288,17 +295,20 @@ fn fork_child(
         entries,
         &mut tables.objects,
     )?;
+    // Its user and group ids, when they are not its parent's (the fork gave
+    // it the parent's): set before its threads are made, which inherit them.
+    let ids = Credentials::read(target)?;
+    let own_ids = ids != Credentials::read(x.pid())?;
+    if own_ids {
+        set_credentials(&mut x, &mut scratch, &ids)?;
+    }
     // Bounding set, securebits and capability sets: as the parent's clone,
-    // which has them from the same box (check_inherits); the main thread's
-    // sets are put back at release.
-    let threads = fix_up(
-        &mut x,
-        &mut scratch,
-        &state,
-        0,
-        parent.caps.is_some(),
-        plan.setns_cookie,
-    )?;
+    // which has them from the same box (check_inherits), unless it has ids
+    // of its own: then its template's sets are given to every thread (the
+    // main thread's at release), as for a process that joined a user
+    // namespace (setting the ids kept the parent's permitted set).
+    let own_caps = parent.caps.is_some() || own_ids;
+    let threads = fix_up(&mut x, &mut scratch, &state, 0, own_caps, plan.setns_cookie)?;
     // Its restart block is its parent's (the fork copied it), not its
     // template's: a call to resume through it is re-run instead.
     crate::retarget::own_pidfds(&mut x, entries)?;
@@ -308,7 +318,7 @@ fn fork_child(
         threads,
         scratch,
         ns_pid,
-        caps: parent.caps.map(|_| state.leader.caps),
+        caps: own_caps.then_some(state.leader.caps),
         fds: outcomes,
     })
 }

@@ -179,3 +179,87 @@ fn a_pidfd_of_a_child_points_to_the_clones_child() {
     assert_eq!(get(&root, "c2"), vec![-15, 3]);
     root.ok(&["rm", "-f", "c1", "c2", "tpl"]);
 }
+
+/// A root server whose worker runs as another user (uid 1000, no groups):
+/// each clone's worker has the worker's ids and capability sets (none), and
+/// continues its count; the root master still reads it through their pipe.
+#[test]
+fn a_worker_running_as_another_user_is_cloned_with_its_ids() {
+    let Some(root) = TestRoot::new("a_worker_running_as_another_user_is_cloned_with_its_ids")
+    else {
+        return;
+    };
+    let server = "import os, time\n\
+        r, w = os.pipe()\n\
+        if os.fork() == 0:\n\
+        \x20   os.setgroups([]); os.setgid(1000); os.setuid(1000)\n\
+        \x20   n = 0\n\
+        \x20   while True:\n\
+        \x20       n += 1\n\
+        \x20       os.write(w, f'{n}\\n'.encode())\n\
+        \x20       time.sleep(0.05)\n\
+        print('ready', flush=True)\n\
+        f = os.fdopen(r)\n\
+        while True:\n\
+        \x20   line = f.readline()\n\
+        \x20   open('/tmp/last', 'w').write(line)\n";
+    root.run(&[
+        "run",
+        "-d",
+        "--name",
+        "ut",
+        "--network",
+        "none",
+        "--",
+        "python3",
+        "-c",
+        server,
+    ])
+    .ok();
+    root.inspect("ut");
+    root.wait_log("ut", "ready", Duration::from_secs(20));
+    let last = |name: &str| -> i64 {
+        root.ok(&["exec", name, "--", "cat", "/tmp/last"])
+            .trim()
+            .parse()
+            .unwrap_or(0)
+    };
+    wait_for("the worker to count", Duration::from_secs(10), || {
+        last("ut") >= 3
+    });
+    root.ok(&["freeze", "ut", "--as", "ut-t"]);
+    let status = |name: &str, pid: i64| -> String {
+        root.ok(&["exec", name, "--", "cat", &format!("/proc/{pid}/status")])
+    };
+    let field = |text: &str, key: &str| -> String {
+        text.lines()
+            .find_map(|l| l.strip_prefix(key))
+            .unwrap_or("")
+            .split_whitespace()
+            .collect::<Vec<_>>()
+            .join(" ")
+    };
+    for i in 0..3 {
+        let name = format!("uc{i}");
+        root.ok(&["clone", "-d", "--name", &name, "ut-t"]);
+        root.inspect(&name);
+        // The worker is pid 3 in the clone, as in the template.
+        let s = status(&name, 3);
+        assert_eq!(field(&s, "Uid:"), "1000 1000 1000 1000", "{s}");
+        assert_eq!(field(&s, "Gid:"), "1000 1000 1000 1000", "{s}");
+        assert_eq!(field(&s, "Groups:"), "", "{s}");
+        assert_eq!(field(&s, "CapEff:"), "0000000000000000", "{s}");
+        assert_eq!(field(&s, "CapPrm:"), "0000000000000000", "{s}");
+        let master = status(&name, 2);
+        assert_eq!(field(&master, "Uid:"), "0 0 0 0", "{master}");
+        // It goes on counting, and its root master reads it.
+        let first = last(&name);
+        wait_for(
+            "the clone's worker to go on",
+            Duration::from_secs(10),
+            || last(&name) > first,
+        );
+    }
+    let names = ["uc0", "uc1", "uc2", "ut"];
+    root.rm_all(names);
+}

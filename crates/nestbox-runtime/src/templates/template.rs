@@ -117,10 +117,15 @@ fn freeze_inner(
         })?;
     let steps = template_tree(&record)?;
     for step in &steps {
+        // A process forked by its parent's clone gets its own ids set; one
+        // forked from its template process directly (a child of the box's
+        // init) must run as the box's root, which the remote fork needs.
+        let root_uid = record.state.idmap.map(|m| m.uid.outside).unwrap_or(0);
+        let must_be_root = matches!(step.origin, nestbox_remote::tree::Origin::RemoteFork);
         check_cloneable(
             name,
             Pid::from_raw(step.process.host_pid),
-            record.state.idmap.map(|m| m.uid.outside).unwrap_or(0),
+            must_be_root.then_some(root_uid),
         )?;
     }
     let host_pids: Vec<i32> = steps.iter().map(|s| s.process.host_pid).collect();
@@ -214,8 +219,9 @@ pub(crate) fn template_tree(record: &BoxRecord) -> Result<Vec<nestbox_remote::tr
 }
 
 /// Refuse processes nestbox cannot fork remotely, naming the reason.
-/// `root_uid` is the host uid of the box's root.
-fn check_cloneable(name: &str, pid: Pid, root_uid: u32) -> Result<()> {
+/// `root_uid`: the host uid of the box's root, which the process must run as
+/// (`None`: any uid).
+fn check_cloneable(name: &str, pid: Pid, root_uid: Option<u32>) -> Result<()> {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).map_err(|e| {
         if e.kind() == std::io::ErrorKind::NotFound {
             // It ended since the cgroup was read (a stop or rm -f racing).
@@ -256,10 +262,10 @@ fn check_cloneable(name: &str, pid: Pid, root_uid: u32) -> Result<()> {
         .nth(1)
         .unwrap_or("0")
         .to_string();
-    if euid != root_uid.to_string() {
+    if let Some(root_uid) = root_uid.filter(|r| euid != r.to_string()) {
         return Err(RuntimeError::Unsupported {
             name: name.to_string(),
-            problem: format!("cannot be cloned: process {pid} ({comm}) runs as uid {euid}; cloning supports processes running as root in the box"),
+            problem: format!("cannot be cloned: process {pid} ({comm}) runs as uid {euid}, not as the box's root ({root_uid}); cloning supports other uids only in processes their parent in the box forked"),
         });
     }
     Ok(())
