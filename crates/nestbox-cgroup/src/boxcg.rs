@@ -45,6 +45,24 @@ pub struct DeviceRule {
 }
 
 impl DeviceRule {
+    /// A rule: allow (or deny) `access` (some of `rwm`) to devices of `kind`
+    /// (`a`, `b` or `c`) numbered `major`:`minor` (`None`: any).
+    pub fn new(
+        allow: bool,
+        kind: char,
+        major: Option<i64>,
+        minor: Option<i64>,
+        access: &str,
+    ) -> DeviceRule {
+        DeviceRule {
+            allow,
+            kind,
+            major,
+            minor,
+            access: access.into(),
+        }
+    }
+
     /// The rule as a v1 `devices.allow`/`devices.deny` line (`c 1:3 rwm`,
     /// `a *:* rwm`).
     pub fn v1_text(&self) -> String {

@@ -198,28 +198,12 @@ mod tests {
         }
     }
 
-    fn rule(
-        allow: bool,
-        kind: char,
-        major: Option<i64>,
-        minor: Option<i64>,
-        access: &str,
-    ) -> DeviceRule {
-        DeviceRule {
-            allow,
-            kind,
-            major,
-            minor,
-            access: access.into(),
-        }
-    }
-
     #[test]
     fn the_last_matching_rule_decides_and_nothing_matched_is_denied() {
         let rules = [
-            rule(true, 'a', None, None, "rwm"),
-            rule(false, 'c', Some(1), Some(3), "rwm"),
-            rule(true, 'c', Some(1), None, "r"),
+            DeviceRule::new(true, 'a', None, None, "rwm"),
+            DeviceRule::new(false, 'c', Some(1), Some(3), "rwm"),
+            DeviceRule::new(true, 'c', Some(1), None, "r"),
         ];
         let code = program(&rules);
         let (r, w) = (ACC_READ, ACC_WRITE);
@@ -238,7 +222,7 @@ mod tests {
         // No rules: everything denied.
         assert_eq!(run(&program(&[]), DEV_CHAR, r, 1, 3), 0);
         // Type and numbers must match.
-        let only_zero = program(&[rule(true, 'c', Some(1), Some(5), "rw")]);
+        let only_zero = program(&[DeviceRule::new(true, 'c', Some(1), Some(5), "rw")]);
         assert_eq!(run(&only_zero, DEV_CHAR, r, 1, 5), 1);
         assert_eq!(run(&only_zero, DEV_BLOCK, r, 1, 5), 0);
         assert_eq!(run(&only_zero, DEV_CHAR, r, 1, 6), 0);

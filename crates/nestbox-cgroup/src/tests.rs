@@ -917,32 +917,16 @@ fn update_rewrites_only_the_limits_given() {
     cg.remove().unwrap();
 }
 
-fn rule(
-    allow: bool,
-    kind: char,
-    major: Option<i64>,
-    minor: Option<i64>,
-    access: &str,
-) -> DeviceRule {
-    DeviceRule {
-        allow,
-        kind,
-        major,
-        minor,
-        access: access.into(),
-    }
-}
-
 #[test]
 fn device_rules_go_to_the_v1_devices_controller_in_order() {
     let tmp = tempfile::tempdir().unwrap();
     let h = testfs::hybrid(tmp.path());
     let cg = BoxCgroup::create(&h, "dev-1", &Limits::default()).unwrap();
     let rules = [
-        rule(false, 'a', None, None, "rwm"),
-        rule(true, 'c', Some(1), Some(3), "rwm"),
-        rule(false, 'c', Some(1), Some(5), "rw"),
-        rule(true, 'b', Some(8), None, "m"),
+        DeviceRule::new(false, 'a', None, None, "rwm"),
+        DeviceRule::new(true, 'c', Some(1), Some(3), "rwm"),
+        DeviceRule::new(false, 'c', Some(1), Some(5), "rw"),
+        DeviceRule::new(true, 'b', Some(8), None, "m"),
     ];
     assert_eq!(rules[0].v1_text(), "a *:* rwm");
     assert_eq!(rules[3].v1_text(), "b 8:* m");
@@ -981,7 +965,7 @@ fn device_rules_on_pure_v2_go_to_a_device_program_not_to_files() {
     // attaching it to a directory of a fake tree, no cgroup, is refused by
     // the kernel: the v2 path was taken and wrote no file.
     let e = cg
-        .set_device_rules(&[rule(true, 'c', Some(1), Some(3), "rwm")])
+        .set_device_rules(&[DeviceRule::new(true, 'c', Some(1), Some(3), "rwm")])
         .unwrap_err();
     assert!(
         e.to_string().contains("BPF_PROG_ATTACH, BPF_CGROUP_DEVICE"),

@@ -322,15 +322,7 @@ fn a_device_program_on_a_v2_cgroup_enforces_the_rules() {
         }
     }
     let _remove = Remove(dir.clone());
-    let rule = |allow: bool, kind: char, major: Option<i64>, minor: Option<i64>, access: &str| {
-        nestbox_cgroup::DeviceRule {
-            allow,
-            kind,
-            major,
-            minor,
-            access: access.into(),
-        }
-    };
+    let rule = nestbox_cgroup::DeviceRule::new;
     // Everything, but /dev/null (c 1:3) only for reading.
     nestbox_cgroup::devfilter::attach(
         &dir,

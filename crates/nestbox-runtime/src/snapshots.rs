@@ -25,7 +25,7 @@ use std::os::unix::fs::DirBuilderExt;
 use std::path::{Path, PathBuf};
 
 use nestbox_store::{Digest, LayerManifest};
-use nix::fcntl::{Flock, FlockArg};
+use nix::fcntl::Flock;
 use serde::{Deserialize, Serialize};
 
 use crate::registry::{BoxRecord, Registry};
@@ -109,21 +109,16 @@ pub fn refuse_rolled_back(record: &BoxRecord, what: &str) -> Result<()> {
 /// Take `record`'s snapshot lock (released on drop).
 pub fn lock(record: &BoxRecord) -> Result<Flock<fs::File>> {
     let path = record.lib_dir().join("snapshot.lock");
-    let file = fs::OpenOptions::new()
-        .create(true)
-        .truncate(false)
-        .read(true)
-        .write(true)
-        .open(&path)
-        .map_err(|e| {
-            if e.kind() == std::io::ErrorKind::NotFound {
-                RuntimeError::NoSuchBox(record.name().to_string())
-            } else {
-                RuntimeError::io("open", &path)(e)
-            }
-        })?;
-    Flock::lock(file, FlockArg::LockExclusive)
-        .map_err(|(_, e)| RuntimeError::sys(format!("flock {}", path.display()))(e))
+    match crate::state::lock_file(&path, true) {
+        Ok(Some(lock)) => Ok(lock),
+        // A wait for the lock ends with it.
+        Ok(None) => Err(RuntimeError::Failed(format!("flock {}", path.display()))),
+        // The box's data directory is gone: the box is.
+        Err(RuntimeError::Io { source, .. }) if source.kind() == std::io::ErrorKind::NotFound => {
+            Err(RuntimeError::NoSuchBox(record.name().to_string()))
+        }
+        Err(e) => Err(e),
+    }
 }
 
 /// Check a snapshot name: the rules of image names.

@@ -65,14 +65,10 @@ pub fn open(roots: &Roots) -> Result<Network> {
 fn lock_root(roots: &Roots) -> Result<nix::fcntl::Flock<std::fs::File>> {
     std::fs::create_dir_all(&roots.lib).map_err(crate::RuntimeError::io("mkdir", &roots.lib))?;
     let lock_path = roots.lib.join("network.lock");
-    let lock = std::fs::OpenOptions::new()
-        .create(true)
-        .truncate(false)
-        .write(true)
-        .open(&lock_path)
-        .map_err(crate::RuntimeError::io("open", &lock_path))?;
-    nix::fcntl::Flock::lock(lock, nix::fcntl::FlockArg::LockExclusive)
-        .map_err(|(_, e)| crate::RuntimeError::sys(format!("flock {}", lock_path.display()))(e))
+    crate::state::lock_file(&lock_path, true)?.ok_or_else(|| {
+        // A wait for the lock ends with it.
+        crate::RuntimeError::Failed(format!("flock {}", lock_path.display()))
+    })
 }
 
 /// Make the user-defined network `name` of `roots` on the host (`nestbox
