@@ -14,6 +14,7 @@ use crate::refs::{validate_name, ImageRef};
 use crate::snapshot::{scan_upper, Contents, LayerManifest};
 use crate::store::Store;
 use crate::txn::{Txn, TxnStats};
+use crate::Manifest;
 use crate::StoreError;
 
 impl Store {
@@ -27,13 +28,7 @@ impl Store {
         what: &str,
         progress: &Progress,
     ) -> Result<(ImageRef, TxnStats)> {
-        validate_name(name)?;
-        if self.has_image(name) {
-            return Err(StoreError::NameInUse(name.to_string()));
-        }
-        let base = self.image(base)?;
-        let manifest = self.manifest(&base.id)?;
-        let txn = Txn::begin(self)?;
+        let (manifest, txn) = self.begin_commit(base, name)?;
         let mut root = RootBuilder::from_manifest(manifest);
         if upper.exists() {
             let layer = read_tree(upper, TreeKind::Upper, &txn, progress)?;
@@ -44,6 +39,18 @@ impl Store {
         let image = txn.commit_image(name, &manifest, what)?;
         progress.finish();
         Ok((image, stats))
+    }
+
+    /// A commit's start: `name` checked (valid, free), image `base`'s
+    /// manifest, and the transaction the new image's objects go in.
+    fn begin_commit(&self, base: &str, name: &str) -> Result<(Manifest, Txn<'_>)> {
+        validate_name(name)?;
+        if self.has_image(name) {
+            return Err(StoreError::NameInUse(name.to_string()));
+        }
+        let base = self.image(base)?;
+        let manifest = self.manifest(&base.id)?;
+        Ok((manifest, Txn::begin(self)?))
     }
 
     /// [`Store::commit_upper`] for a box rolled back to a snapshot: image
@@ -57,13 +64,7 @@ impl Store {
         name: &str,
         what: &str,
     ) -> Result<(ImageRef, TxnStats)> {
-        validate_name(name)?;
-        if self.has_image(name) {
-            return Err(StoreError::NameInUse(name.to_string()));
-        }
-        let base = self.image(base)?;
-        let manifest = self.manifest(&base.id)?;
-        let txn = Txn::begin(self)?;
+        let (manifest, txn) = self.begin_commit(base, name)?;
         let on_top = if upper.exists() {
             scan_upper(upper, None, Contents::Store(&txn))?.0
         } else {
