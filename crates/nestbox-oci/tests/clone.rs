@@ -14,7 +14,7 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use common::template::{counting_template, nestbox_present, read_count, template_pid};
+use common::template::{counting_template, nestbox_present, read_count, template_pid, Template};
 use common::{ready, Env, StdoutJson};
 use serde_json::json;
 
@@ -72,19 +72,26 @@ fn adopted_from_boxes() -> Vec<String> {
     found
 }
 
-#[test]
-fn clone_from_template_through_the_annotation() {
-    let test = "clone_from_template_through_the_annotation";
-    if !ready(test) || !nestbox_present(test) {
-        return;
-    }
-    // As conmon and the containerd shim are: orphans of the runtime come here.
+/// The counting template, and a bundle annotated to be forked from it; this
+/// process made a subreaper first, as conmon and the containerd shim are
+/// (orphans of the runtime come here).
+fn annotated_bundle() -> (Template, u64, Env) {
     nix::sys::prctl::set_child_subreaper(true).unwrap();
     let (t, frozen) = counting_template();
     let env = Env::new(&["sh"]);
     env.edit(|c| {
         c["annotations"] = json!({"nestbox.template": "tpl", "nestbox.root": t.root()});
     });
+    (t, frozen, env)
+}
+
+#[test]
+fn clone_from_template_through_the_annotation() {
+    let test = "clone_from_template_through_the_annotation";
+    if !ready(test) || !nestbox_present(test) {
+        return;
+    }
+    let (t, frozen, env) = annotated_bundle();
     let pid_file = env.tmp().join("pid");
     let created = Instant::now();
     env.runc(&[
@@ -224,12 +231,7 @@ fn checkpoint_and_restore_through_the_oci_command_line() {
     if !ready(test) || !nestbox_present(test) {
         return;
     }
-    nix::sys::prctl::set_child_subreaper(true).unwrap();
-    let (t, frozen) = counting_template();
-    let env = Env::new(&["sh"]);
-    env.edit(|c| {
-        c["annotations"] = json!({"nestbox.template": "tpl", "nestbox.root": t.root()});
-    });
+    let (t, frozen, env) = annotated_bundle();
     let bundle = env.bundle.to_str().unwrap().to_string();
     env.runc(&["run", "-d", "--bundle", &bundle, "c1"]).ok();
     let rec = |id: &str| -> serde_json::Value {

@@ -64,6 +64,27 @@ impl Podman {
         common::run("podman", &full, None)
     }
 
+    /// The busybox root of the tests as the image `localhost/nb-busybox:1`
+    /// (a tar of it, imported).
+    fn import_busybox(&self) {
+        let rootfs = self.path("rootfs");
+        common::make_rootfs(&rootfs);
+        let tar = self.path("bb.tar");
+        common::run(
+            "tar",
+            &[
+                "-C",
+                rootfs.to_str().unwrap(),
+                "-cf",
+                tar.to_str().unwrap(),
+                ".",
+            ],
+            None,
+        );
+        self.run(&["import", tar.to_str().unwrap(), "localhost/nb-busybox:1"])
+            .ok();
+    }
+
     /// `podman run` with the limits these machines need.
     fn run_container(&self, opts: &[&str], image: &str, cmd: &[&str]) -> Out {
         let mut args = vec!["run"];
@@ -127,22 +148,7 @@ fn podman_runs_containers_with_nestbox_runc() {
         return;
     }
     let p = Podman::new();
-    let rootfs = p.path("rootfs");
-    common::make_rootfs(&rootfs);
-    let tar = p.path("bb.tar");
-    common::run(
-        "tar",
-        &[
-            "-C",
-            rootfs.to_str().unwrap(),
-            "-cf",
-            tar.to_str().unwrap(),
-            ".",
-        ],
-        None,
-    );
-    p.run(&["import", tar.to_str().unwrap(), "localhost/nb-busybox:1"])
-        .ok();
+    p.import_busybox();
 
     // run --rm: output and exit status.
     let out = p
@@ -227,22 +233,7 @@ fn podman_runs_a_container_forked_from_a_template() {
     }
     let (t, frozen) = common::template::counting_template();
     let p = Podman::new();
-    let rootfs = p.path("rootfs");
-    common::make_rootfs(&rootfs);
-    let tar = p.path("bb.tar");
-    common::run(
-        "tar",
-        &[
-            "-C",
-            rootfs.to_str().unwrap(),
-            "-cf",
-            tar.to_str().unwrap(),
-            ".",
-        ],
-        None,
-    );
-    p.run(&["import", tar.to_str().unwrap(), "localhost/nb-busybox:1"])
-        .ok();
+    p.import_busybox();
     let template = "nestbox.template=tpl".to_string();
     let root = format!("nestbox.root={}", t.root());
     p.run_container(

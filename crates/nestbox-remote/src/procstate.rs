@@ -157,6 +157,16 @@ impl ProcessState {
         self.check_inherits_but(pid, parent, &[])
     }
 
+    /// Whether its user, group and supplementary group ids are `parent`'s
+    /// (the `Uid`, `Gid` and `Groups` lines read at capture).
+    pub fn same_ids(&self, parent: &ProcessState) -> bool {
+        self.inherited
+            .iter()
+            .zip(&parent.inherited)
+            .filter(|((key, _), _)| matches!(key.as_str(), "Uid" | "Gid" | "Groups"))
+            .all(|((_, mine), (_, theirs))| mine == theirs)
+    }
+
     /// [`Self::check_inherits`], but for the lines `except` (which the caller
     /// re-creates itself: a clone sets a child's user and group ids).
     pub fn check_inherits_but(

@@ -174,6 +174,7 @@ pub fn remote_fork_tree(
                     ns_pid: pid,
                     process_state: own,
                     entries: &inventories[i],
+                    own_ids: !own.same_ids(&states[&parent]),
                 };
                 fork_child(parent_made, child, &mut tables, plan)?
             }
@@ -246,6 +247,8 @@ struct Child<'a> {
     process_state: &'a ProcessState,
     /// Its fds (with the box's Unix connections marked).
     entries: &'a [FdEntry],
+    /// It runs with user or group ids other than its parent's.
+    own_ids: bool,
 }
 
 /// Fork `child` from the held clone of its parent and make it its template's
@@ -262,6 +265,7 @@ fn fork_child(
         ns_pid,
         process_state,
         entries,
+        own_ids,
     } = child;
     let target = template.pid();
     ensure_all_threads_held(template)?;
@@ -297,10 +301,8 @@ fn fork_child(
     )?;
     // Its user and group ids, when they are not its parent's (the fork gave
     // it the parent's): set before its threads are made, which inherit them.
-    let ids = Credentials::read(target)?;
-    let own_ids = ids != Credentials::read(x.pid())?;
     if own_ids {
-        set_credentials(&mut x, &mut scratch, &ids)?;
+        set_credentials(&mut x, &mut scratch, &Credentials::read(target)?)?;
     }
     // Bounding set, securebits and capability sets: as the parent's clone,
     // which has them from the same box (check_inherits), unless it has ids

@@ -328,48 +328,7 @@ pub fn materialise(
     dirs.mode(0o700);
     dirs.create(root).map_err(StoreError::io("mkdir", root))?;
     for (path, e) in &layer.entries {
-        let target = root.join(path);
-        let meta = &e.entry.meta;
-        match &e.entry.kind {
-            Kind::Dir => dirs
-                .create(&target)
-                .map_err(StoreError::io("mkdir", &target))?,
-            Kind::File { object, .. } => {
-                let src = store.object_path(object, &meta.key());
-                fs::hard_link(&src, &target).map_err(|err| {
-                    if err.kind() == std::io::ErrorKind::NotFound && !src.exists() {
-                        StoreError::MissingObject(format!("{object} ({path})"))
-                    } else {
-                        StoreError::io("link", &target)(err)
-                    }
-                })?;
-            }
-            Kind::Symlink { target: to } => {
-                std::os::unix::fs::symlink(to, &target)
-                    .map_err(StoreError::io("symlink", &target))?;
-                meta.apply_path(&target, true)?;
-            }
-            Kind::Char { major, minor } | Kind::Block { major, minor } => {
-                let kind = if matches!(e.entry.kind, Kind::Char { .. }) {
-                    nix::sys::stat::SFlag::S_IFCHR
-                } else {
-                    nix::sys::stat::SFlag::S_IFBLK
-                };
-                nix::sys::stat::mknod(
-                    &target,
-                    kind,
-                    nix::sys::stat::Mode::from_bits_truncate(0o600),
-                    nix::sys::stat::makedev(u64::from(*major), u64::from(*minor)),
-                )
-                .map_err(StoreError::sys("mknod", &target))?;
-                meta.apply_path(&target, false)?;
-            }
-            Kind::Fifo => {
-                nix::unistd::mkfifo(&target, nix::sys::stat::Mode::from_bits_truncate(0o600))
-                    .map_err(StoreError::sys("mkfifo", &target))?;
-                meta.apply_path(&target, false)?;
-            }
-        }
+        crate::tree::make_entry(store, &dirs, path, &e.entry, &root.join(path))?;
     }
     // Directory metadata last, children first, so nothing moves an mtime once set.
     for (path, e) in layer.entries.iter().rev() {

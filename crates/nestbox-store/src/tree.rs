@@ -14,7 +14,7 @@ use std::path::Path;
 
 use crate::error::{Result, StoreError};
 use crate::hash::Digest;
-use crate::manifest::{Kind, Manifest};
+use crate::manifest::{Entry, Kind, Manifest};
 use crate::store::Store;
 
 /// Top-level directories every tree has (mount points of the box's `/proc`, `/sys`, `/dev`).
@@ -74,6 +74,59 @@ pub(crate) fn ensure_tree_locked(
     }
 }
 
+/// Make `entry` (manifest path `path`) at `target`: a directory, a regular
+/// file hardlinked to its object in `store`, or a symlink or special file
+/// made anew with its metadata (a directory's metadata is the caller's, set
+/// once its children exist).
+pub(crate) fn make_entry(
+    store: &Store,
+    dirs: &fs::DirBuilder,
+    path: &str,
+    entry: &Entry,
+    target: &Path,
+) -> Result<()> {
+    match &entry.kind {
+        Kind::Dir => dirs
+            .create(target)
+            .map_err(StoreError::io("mkdir", target))?,
+        Kind::File { object, .. } => {
+            let src = store.object_path(object, &entry.meta.key());
+            fs::hard_link(&src, target).map_err(|e| {
+                if e.kind() == std::io::ErrorKind::NotFound && !src.exists() {
+                    StoreError::MissingObject(format!("{object} ({path})"))
+                } else {
+                    StoreError::io("link", target)(e)
+                }
+            })?;
+        }
+        Kind::Symlink { target: to } => {
+            symlink(to, target).map_err(StoreError::io("symlink", target))?;
+            entry.meta.apply_path(target, true)?;
+        }
+        Kind::Char { major, minor } | Kind::Block { major, minor } => {
+            let kind = if matches!(entry.kind, Kind::Char { .. }) {
+                nix::sys::stat::SFlag::S_IFCHR
+            } else {
+                nix::sys::stat::SFlag::S_IFBLK
+            };
+            nix::sys::stat::mknod(
+                target,
+                kind,
+                nix::sys::stat::Mode::from_bits_truncate(0o600),
+                nix::sys::stat::makedev(u64::from(*major), u64::from(*minor)),
+            )
+            .map_err(StoreError::sys("mknod", target))?;
+            entry.meta.apply_path(target, false)?;
+        }
+        Kind::Fifo => {
+            nix::unistd::mkfifo(target, nix::sys::stat::Mode::from_bits_truncate(0o600))
+                .map_err(StoreError::sys("mkfifo", target))?;
+            entry.meta.apply_path(target, false)?;
+        }
+    }
+    Ok(())
+}
+
 fn build(store: &Store, manifest: &Manifest, root: &Path) -> Result<()> {
     let mut dirs = fs::DirBuilder::new();
     dirs.mode(0o700);
@@ -82,46 +135,7 @@ fn build(store: &Store, manifest: &Manifest, root: &Path) -> Result<()> {
         if path.is_empty() {
             continue;
         }
-        let target = root.join(path);
-        match &entry.kind {
-            Kind::Dir => dirs
-                .create(&target)
-                .map_err(StoreError::io("mkdir", &target))?,
-            Kind::File { object, .. } => {
-                let src = store.object_path(object, &entry.meta.key());
-                fs::hard_link(&src, &target).map_err(|e| {
-                    if e.kind() == std::io::ErrorKind::NotFound && !src.exists() {
-                        StoreError::MissingObject(format!("{object} ({path})"))
-                    } else {
-                        StoreError::io("link", &target)(e)
-                    }
-                })?;
-            }
-            Kind::Symlink { target: to } => {
-                symlink(to, &target).map_err(StoreError::io("symlink", &target))?;
-                entry.meta.apply_path(&target, true)?;
-            }
-            Kind::Char { major, minor } | Kind::Block { major, minor } => {
-                let kind = if matches!(entry.kind, Kind::Char { .. }) {
-                    nix::sys::stat::SFlag::S_IFCHR
-                } else {
-                    nix::sys::stat::SFlag::S_IFBLK
-                };
-                nix::sys::stat::mknod(
-                    &target,
-                    kind,
-                    nix::sys::stat::Mode::from_bits_truncate(0o600),
-                    nix::sys::stat::makedev(u64::from(*major), u64::from(*minor)),
-                )
-                .map_err(StoreError::sys("mknod", &target))?;
-                entry.meta.apply_path(&target, false)?;
-            }
-            Kind::Fifo => {
-                nix::unistd::mkfifo(&target, nix::sys::stat::Mode::from_bits_truncate(0o600))
-                    .map_err(StoreError::sys("mkfifo", &target))?;
-                entry.meta.apply_path(&target, false)?;
-            }
-        }
+        make_entry(store, &dirs, path, entry, &root.join(path))?;
     }
     for (name, mode) in MOUNT_POINTS {
         if !manifest.entries.contains_key(*name) {

@@ -148,11 +148,17 @@ pub fn box_first_process(plan: &LaunchPlan, fds: ChildFds) -> ! {
     match setup_box(plan, fds) {
         Ok(Some(command)) => {
             // The command holds its own copy until exec; init must not keep the pipe open.
-            // SAFETY: REPORT_FD is this process's own descriptor, never used again;
-            // so is INTERPOSE_FD when there is one (EBADF otherwise, ignored).
+            // SAFETY: REPORT_FD is this process's own descriptor, never used
+            // again; so is INTERPOSE_FD, which the box has only with monitors.
             unsafe {
                 libc::close(REPORT_FD);
-                libc::close(INTERPOSE_FD);
+                if plan
+                    .command
+                    .as_ref()
+                    .is_some_and(|c| c.monitor_filter.is_some())
+                {
+                    libc::close(INTERPOSE_FD);
+                }
             }
             crate::init::run(command)
         }
