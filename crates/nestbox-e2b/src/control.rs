@@ -9,6 +9,7 @@ use std::time::Duration;
 
 use serde_json::{json, Map, Value};
 
+use crate::envd::process::Table;
 use crate::error::{E2bError, Result};
 use crate::http::{Request, Response};
 use crate::sandbox::{Live, Phase, Sandbox};
@@ -268,6 +269,7 @@ pub fn create(server: &Arc<Server>, body: &Value) -> Result<Arc<Sandbox>> {
     if template == base::BASE && !base::is_template(server, base::BASE) {
         server.base.wait(BASE_WAIT)?;
     }
+    let from_snapshot = server.all_snapshots().iter().any(|s| s.id == template);
     if base::is_template(server, &template) {
         server.nestbox.clone_box(&template, &id)?;
     } else {
@@ -295,6 +297,10 @@ pub fn create(server: &Arc<Server>, body: &Value) -> Result<Arc<Sandbox>> {
         watchers: Default::default(),
         init: Default::default(),
     });
+    if from_snapshot {
+        // Its commands were frozen with it: they go on here.
+        follow_commands(server, &sandbox.procs, &id);
+    }
     server.insert(sandbox.clone());
     Ok(sandbox)
 }
@@ -409,20 +415,39 @@ pub fn kill(server: &Server, id: &str) -> Result<()> {
     Ok(())
 }
 
-/// Freeze the box of sandbox `s` into a template, for a fork or a snapshot
-/// (its envd processes killed first: they run as the sandbox's user, and a
-/// clone forks only processes that run as the box's root); the frozen box's
-/// name. A paused sandbox is thawed first (its commands could not be killed).
+/// Freeze the box of sandbox `s` into a template, for a fork or a snapshot;
+/// the frozen box's name. Commands started through envd with pipes are
+/// frozen with it and go on in every clone of it ([`Table::follow`]);
+/// those on a terminal or run by `nestbox exec` are ended first
+/// ([`Table::end_unfollowed`]). A paused sandbox is thawed first.
 fn freeze(server: &Server, s: &Sandbox, live: &Live) -> Result<String> {
     if live.phase == Phase::Paused {
         set_frozen(server, &live.box_name, false)?;
     }
-    s.procs.end_all(KILL_WAIT);
+    s.procs.end_unfollowed(KILL_WAIT);
     server.nestbox.run(
         &format!("freeze sandbox {:?}", s.id),
         &["freeze", &live.box_name],
     )?;
     Ok(live.box_name.clone())
+}
+
+/// The init of running box `name`.
+fn init_pid(server: &Server, name: &str) -> Result<i32> {
+    let record = server.reg.load(name)?;
+    match record.state.init {
+        Some(init) if init.alive() => Ok(init.pid),
+        _ => Err(E2bError::Invalid(format!("box {name:?} has no init"))),
+    }
+}
+
+/// Take up in `procs` the commands of new box `name`, a clone of a box they
+/// ran in: they go on there. A command that cannot is logged (the sandbox
+/// goes on; its stream ends when the frozen box it came from is removed).
+fn follow_commands(server: &Server, procs: &Arc<Table>, name: &str) {
+    if let Err(e) = init_pid(server, name).and_then(|pid| procs.follow(pid)) {
+        tracing::error!("e2b: the commands of box {name} cannot be taken up: {e}");
+    }
 }
 
 /// Freeze (`true`) or thaw box `name` in place, with its cgroup's freezer:
@@ -487,6 +512,7 @@ fn freeze_and_go_on(server: &Server, s: &Sandbox) -> Result<(String, f64)> {
     let mut live = s.live.lock().unwrap_or_else(|p| p.into_inner());
     let frozen = freeze(server, s, &live)?;
     let name = next_box(server, s, &mut live)?;
+    follow_commands(server, &s.procs, &name);
     live.box_name = name;
     live.previous.push(frozen.clone());
     if live.phase == Phase::Paused {
@@ -523,6 +549,7 @@ fn fork(server: &Arc<Server>, id: &str, count: u32, timeout: Option<u64>) -> Res
                     watchers: Default::default(),
                     init: Default::default(),
                 });
+                follow_commands(server, &forked.procs, &forked.id);
                 server.insert(forked.clone());
                 results.push(json!({"sandbox": sandbox_json(&forked)}));
             }

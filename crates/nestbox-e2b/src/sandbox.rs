@@ -4,7 +4,7 @@
 //! processes, and its users as its own `/etc/passwd` names them.
 
 use std::collections::BTreeMap;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 use nestbox_runtime::liveness::ProcRef;
 use nestbox_runtime::registry::Registry;
@@ -107,7 +107,7 @@ pub struct Sandbox {
     /// What changes.
     pub live: Mutex<Live>,
     /// Processes started through envd.
-    pub procs: Table,
+    pub procs: Arc<Table>,
     /// Directories watched through envd.
     pub watchers: crate::envd::fs::Watchers,
     /// The init of the box last looked up (its name and identity), so that a

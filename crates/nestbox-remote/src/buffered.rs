@@ -21,11 +21,7 @@ pub(crate) fn copy_pipe(from: &OwnedFd, to: &OwnedFd) -> io::Result<()> {
     if unsafe { libc::fcntl(to.as_raw_fd(), libc::F_SETPIPE_SZ, size) } < 0 {
         return Err(io::Error::last_os_error());
     }
-    let mut avail: libc::c_int = 0;
-    // SAFETY: FIONREAD writes one int to the valid pointer.
-    if unsafe { libc::ioctl(from.as_raw_fd(), libc::FIONREAD, &mut avail) } < 0 {
-        return Err(io::Error::last_os_error());
-    }
+    let avail = queued_bytes(from)?;
     if avail <= 0 {
         return Ok(());
     }
@@ -116,11 +112,30 @@ pub(crate) fn queue_carries_fds(from: &OwnedFd, sock_type: i32) -> io::Result<bo
     }
 }
 
+/// Bytes queued for reading in pipe or socket `fd` (`FIONREAD`).
+fn queued_bytes(fd: &OwnedFd) -> io::Result<libc::c_int> {
+    let mut avail: libc::c_int = 0;
+    // SAFETY: FIONREAD writes one int to the valid pointer.
+    if unsafe { libc::ioctl(fd.as_raw_fd(), libc::FIONREAD, &mut avail) } < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(avail)
+}
+
 fn scan_queue(
     from: &OwnedFd,
     sock_type: i32,
     sender: Option<&OwnedFd>,
 ) -> std::result::Result<(), CopyError> {
+    // An empty stream is not read at all: a read of it would return, and
+    // clear, the error a reset left pending on the socket (a connection
+    // reset by its peer, a clone's placeholder), which its owner is still
+    // to see.
+    if sock_type == libc::SOCK_STREAM
+        && queued_bytes(from).map_err(|e| CopyError::Io("ioctl(FIONREAD)", e))? == 0
+    {
+        return Ok(());
+    }
     let old_peek = sockopt(from, libc::SO_PEEK_OFF)
         .map_err(|e| CopyError::Io("getsockopt(SO_PEEK_OFF)", e))?;
     set_sockopt(from, libc::SO_PEEK_OFF, 0)
@@ -247,4 +262,46 @@ fn send_all(sender: &OwnedFd, data: &[u8], stream: bool) -> std::result::Result<
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use std::io::{Read, Write};
+    use std::os::fd::OwnedFd;
+    use std::os::unix::net::UnixStream;
+
+    use super::*;
+
+    /// A Unix stream whose peer was closed while a byte it had not read
+    /// was queued in it: the kernel's reset, pending on the socket.
+    fn reset_socket() -> UnixStream {
+        let (ours, peer) = UnixStream::pair().unwrap();
+        (&ours).write_all(b"x").unwrap();
+        drop(peer);
+        ours
+    }
+
+    #[test]
+    fn an_empty_reset_stream_is_scanned_without_taking_its_reset() {
+        let sock = reset_socket();
+        let fd = OwnedFd::from(sock.try_clone().unwrap());
+        assert!(!queue_carries_fds(&fd, libc::SOCK_STREAM).unwrap());
+        // Its owner still sees the reset first, then the end.
+        let mut buf = [0u8; 4];
+        let first = (&sock).read(&mut buf);
+        assert_eq!(
+            first.map_err(|e| e.raw_os_error()),
+            Err(Some(libc::ECONNRESET))
+        );
+        assert_eq!((&sock).read(&mut buf).unwrap(), 0);
+    }
+
+    #[test]
+    fn queued_bytes_of_a_stream_are_still_scanned() {
+        let (ours, peer) = UnixStream::pair().unwrap();
+        (&peer).write_all(b"abc").unwrap();
+        let fd = OwnedFd::from(ours);
+        assert!(!queue_carries_fds(&fd, libc::SOCK_STREAM).unwrap());
+        assert_eq!(queued_bytes(&fd).unwrap(), 3, "the queue is left as it was");
+    }
 }

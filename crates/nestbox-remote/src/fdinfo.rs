@@ -236,6 +236,11 @@ pub struct FdEntry {
     pub ino: u64,
     /// What it is.
     pub kind: FdKind,
+    /// An fd 0–2 that is not the box's stdio but an object of the box (in a
+    /// process tree, a pipe to another process of it, say): then it follows
+    /// the rule of its kind, not [`FdAction::Stdio`]. Set by [`mark_stdio`].
+    #[serde(default)]
+    pub not_box_stdio: bool,
 }
 
 impl FdEntry {
@@ -246,7 +251,7 @@ impl FdEntry {
 
     /// The rule of the clone fd matrix for this fd.
     pub fn action(&self) -> FdAction {
-        if (0..=2).contains(&self.fd) {
+        if (0..=2).contains(&self.fd) && !self.not_box_stdio {
             return FdAction::Stdio;
         }
         if self.flags & libc::O_PATH != 0 {
@@ -407,6 +412,31 @@ pub fn mark_peers_inside(processes: &mut [&mut [FdEntry]]) {
                 s.peer_inside = peers_peer == Some(&s.ino);
                 s.peer_bound_inside =
                     s.sock_type == libc::SOCK_DGRAM && !s.peer_inside && peers_peer.is_some();
+            }
+        }
+    }
+}
+
+/// Over the inventories of a box's processes, the first being its main
+/// process (whose fds 0–2 are the box's stdio: the monitor's pipes, a
+/// terminal, a file), mark each other process's fd 0–2 that is not one of
+/// those objects (its `/proc/PID/fd` target differs from all three) as
+/// [`FdEntry::not_box_stdio`]: a command whose output is piped to another
+/// process of the box keeps that pipe in a clone, where only what wrote to
+/// the box's own stdio writes to the clone's.
+pub fn mark_stdio(processes: &mut [&mut [FdEntry]]) {
+    let Some((main, others)) = processes.split_first_mut() else {
+        return;
+    };
+    let box_stdio: Vec<&str> = main
+        .iter()
+        .filter(|e| (0..=2).contains(&e.fd))
+        .map(|e| e.target.as_str())
+        .collect();
+    for entries in others.iter_mut() {
+        for entry in entries.iter_mut() {
+            if (0..=2).contains(&entry.fd) {
+                entry.not_box_stdio = !box_stdio.contains(&entry.target.as_str());
             }
         }
     }
@@ -585,6 +615,7 @@ fn inspect_one(pid: i32, fd: i32, pidfd: &mut Option<OwnedFd>) -> Result<FdEntry
         pos,
         ino,
         kind,
+        not_box_stdio: false,
     })
 }
 

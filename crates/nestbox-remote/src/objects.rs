@@ -463,6 +463,7 @@ mod tests {
                 peer_bound_inside: false,
                 fds_in_flight: false,
             }),
+            not_box_stdio: false,
         }
     }
 
@@ -474,6 +475,7 @@ mod tests {
             pos: 0,
             ino,
             kind: FdKind::Pipe,
+            not_box_stdio: false,
         }
     }
 

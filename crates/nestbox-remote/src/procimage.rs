@@ -299,7 +299,7 @@ pub fn capture_box_incremental(
             Origin::RemoteFork => Vec::new(),
             Origin::ForkedBy(p) => fds
                 .iter()
-                .filter(|e| e.fd > 2)
+                .filter(|e| e.fd > 2 || e.not_box_stdio)
                 .filter(|e| {
                     nestbox_sys::process::same_open_file(host_of[&p], e.fd, pid, e.fd)
                         .unwrap_or(false)
@@ -921,7 +921,7 @@ fn child_fds(
     let own: Vec<FdEntry> = image
         .fds
         .iter()
-        .filter(|e| e.fd > 2 && !image.inherited_fds.contains(&e.fd))
+        .filter(|e| (e.fd > 2 || e.not_box_stdio) && !image.inherited_fds.contains(&e.fd))
         .cloned()
         .collect();
     let mut batch = Batch::new();

@@ -591,10 +591,20 @@ impl Tracee {
             nix::unistd::Pid::from_raw(self.pid),
             nix::sys::signal::Signal::SIGKILL,
         );
+        // A thread group leader's end is reported only once its other
+        // threads are gone; those we trace too (a clone's re-created
+        // threads) report their own end to us first, and must be reaped
+        // here, or the leader's wait would never return.
         loop {
-            match waitpid(self.pid, 0) {
+            for tid in task_ids(self.pid).unwrap_or_default() {
+                if tid != self.pid {
+                    let _ = waitpid(tid, libc::WNOHANG);
+                }
+            }
+            match waitpid(self.pid, libc::WNOHANG) {
                 Ok(Some(status)) if describe_exit(status).is_some() => break,
-                Ok(_) => {}
+                Ok(Some(_)) => {}
+                Ok(None) => std::thread::sleep(std::time::Duration::from_micros(200)),
                 Err(_) => break,
             }
         }

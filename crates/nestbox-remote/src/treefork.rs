@@ -23,7 +23,9 @@ use std::time::{Duration, Instant};
 use serde::Serialize;
 
 use crate::error::{RemoteError, Result};
-use crate::fdinfo::{ensure_clonable, inspect_fds, mark_peers_inside, mark_pidfds_inside, FdEntry};
+use crate::fdinfo::{
+    ensure_clonable, inspect_fds, mark_peers_inside, mark_pidfds_inside, mark_stdio, FdEntry,
+};
 use crate::fork::{
     ensure_all_threads_held, fix_up, fork_into, make_root, read_template, CloneTables, ForkPlan,
     Made, Phases,
@@ -355,7 +357,7 @@ fn child_fds(
         |fd: i32| nestbox_sys::process::same_open_file(base, fd, target, fd).unwrap_or(false);
     let own: Vec<FdEntry> = entries
         .iter()
-        .filter(|e| e.fd > 2 && !same_as_parent(e.fd))
+        .filter(|e| (e.fd > 2 || e.not_box_stdio) && !same_as_parent(e.fd))
         .cloned()
         .collect();
     // The parent's fds the child does not have at all go; a number the child
@@ -399,6 +401,7 @@ fn child_fds(
 pub(crate) fn mark_box(inventories: &mut [Vec<FdEntry>], host_pids: &[i32]) {
     let mut all: Vec<&mut [FdEntry]> = inventories.iter_mut().map(|v| v.as_mut_slice()).collect();
     if all.len() > 1 {
+        mark_stdio(&mut all);
         mark_peers_inside(&mut all);
     }
     mark_pidfds_inside(&mut all, host_pids);

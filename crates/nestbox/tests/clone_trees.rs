@@ -263,3 +263,55 @@ fn a_worker_running_as_another_user_is_cloned_with_its_ids() {
     let names = ["uc0", "uc1", "uc2", "ut"];
     root.rm_all(names);
 }
+
+/// A pipeline of the box: a producer whose stdout is a pipe to a consumer's
+/// stdin (both children of the box's shell). In every clone the two go on
+/// through a pipe of the clone's own: the consumer keeps receiving the
+/// producer's count, and nothing of it reaches the clone's own stdout (the
+/// box's log), which only the box's stdio writes to.
+#[test]
+fn a_pipeline_in_the_box_keeps_its_pipe_in_clones() {
+    let Some(root) = TestRoot::new("a_pipeline_in_the_box_keeps_its_pipe_in_clones") else {
+        return;
+    };
+    let script = "i=0\n\
+                  (while :; do i=$((i+1)); echo n$i; sleep 0.05; done) | \
+                  (while read n; do echo $n > /tmp/last; done) &\n\
+                  echo ready\n\
+                  wait\n";
+    root.detached_sh("tpl", &[], script);
+    root.wait_logged("tpl", "ready", Duration::from_secs(20));
+    let last = |name: &str| -> i64 {
+        let out = root.run(&["exec", name, "--", "cat", "/tmp/last"]);
+        out.stdout
+            .trim()
+            .trim_start_matches('n')
+            .parse()
+            .unwrap_or(-1)
+    };
+    wait_for("the template's consumer", Duration::from_secs(10), || {
+        last("tpl") > 2
+    });
+    let before = last("tpl");
+    root.ok(&["freeze", "tpl"]);
+    for i in 0..3 {
+        let name = format!("c{i}");
+        root.ok(&["clone", "tpl", "-d", "--name", &name]);
+        let first = last(&name);
+        wait_for(
+            &format!("{name}'s consumer to receive its producer's count"),
+            Duration::from_secs(10),
+            || last(&name) > first + 3,
+        );
+        assert!(
+            first >= before,
+            "{name} continues from {before}, read {first}"
+        );
+        let log = root.ok(&["logs", &name]);
+        assert!(
+            !log.lines().any(|l| l.starts_with('n')),
+            "the producer of {name} writes to its pipe, not to the box's stdout:\n{log}"
+        );
+    }
+    root.rm_all(["c0", "c1", "c2", "tpl"]);
+}

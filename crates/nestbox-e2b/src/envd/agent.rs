@@ -10,15 +10,28 @@
 //! connects from a short-lived thread that has joined that namespace. This
 //! module is the server's side of the protocol.
 //!
-//! Protocol, one request per connection: a JSON line, with the command's
-//! stdin, stdout and stderr as `SCM_RIGHTS` for a start. Start
-//! `{"argv","env","cwd","uid","gid"}` → `{"pid":N}` (in-box pid) then, when
-//! the command has ended, `{"exit":CODE}` (128+N for signal N), or
-//! `{"error","code"}` if it could not start (127: not found, 126: other).
-//! With `"pty":{"rows","cols"}` and no descriptors, the agent opens a
-//! terminal of the box's devpts, runs the command on it as its controlling
-//! terminal (`setsid -c`), and sends the master side back with `{"pid":N}`.
-//! Kill `{"kill":PID,"signal":N}` → `{"ok":bool}`.
+//! Protocol, one request per connection: a JSON line, with descriptors as
+//! `SCM_RIGHTS` where said.
+//! - Start `{"argv","env","cwd","uid","gid","stdin":bool,"meta"}` with the
+//!   server's stdout and stderr pipes → `{"pid":N}` (in-box pid) then, when
+//!   the command has ended and its output with it, `{"exit":CODE}` (128+N
+//!   for signal N), or `{"error","code"}` if it could not start (127: not
+//!   found, 126: other). The command's own stdin, stdout and stderr are pipes
+//!   of the box to the agent, which relays its output to the server's pipes
+//!   and keeps `meta` (its tag and configuration) with it.
+//! - With `"pty":{"rows","cols"}` and no descriptors, the agent opens a
+//!   terminal of the box's devpts, runs the command on it as its controlling
+//!   terminal (`setsid -c`), and sends the master side back with `{"pid":N}`.
+//! - Jobs `{"jobs":true}` → `{"jobs":[{"pid","meta"}]}`: the commands started
+//!   with pipes whose end is not yet told (in a clone of a box: the copies of
+//!   its commands).
+//! - Attach `{"attach":PID}` with new stdout and stderr pipes →
+//!   `{"ok":true}` then, later, `{"exit":CODE}`: the command's output from
+//!   now on (and what its relay held for want of a sink) goes there.
+//! - Input `{"input":PID,"data":BASE64}` and `{"close_stdin":PID}` →
+//!   `{"ok":true}` or `{"error"}`.
+//! - Kill `{"kill":PID,"signal":N}` → `{"ok":bool}`.
+//!
 //! A box without the agent (another image or template) gets `nestbox exec`.
 
 use std::io::{BufRead, BufReader, IoSlice, Write};
@@ -207,19 +220,36 @@ pub enum Started {
     Failed(i32, String),
 }
 
-/// Start `argv` through the agent on `conn`.
-pub fn start(
-    conn: UnixStream,
-    argv: &[String],
-    env: &[(String, String)],
-    cwd: &str,
-    ids: (u32, u32),
-    stdio: [BorrowedFd<'_>; 3],
-) -> Result<Started> {
-    let env: serde_json::Map<String, Value> =
-        env.iter().map(|(k, v)| (k.clone(), json!(v))).collect();
-    let request = json!({"argv": argv, "env": env, "cwd": cwd, "uid": ids.0, "gid": ids.1});
-    send(&conn, &request, &stdio)?;
+/// What the agent is asked to run: the command line, its environment,
+/// directory and ids, whether it gets a stdin pipe, and what the agent keeps
+/// with it for [`jobs`] (its tag and configuration).
+#[derive(Debug)]
+pub struct Launch<'a> {
+    /// Program and arguments.
+    pub argv: &'a [String],
+    /// Environment added to the agent's.
+    pub env: &'a [(String, String)],
+    /// Working directory.
+    pub cwd: &'a str,
+    /// User and group ids in the box.
+    pub ids: (u32, u32),
+    /// A stdin pipe (written through [`input`]), else `/dev/null`.
+    pub stdin: bool,
+    /// Kept by the agent with the command.
+    pub meta: Value,
+}
+
+/// Start `launch` through the agent on `conn`, its output going to the
+/// pipes `sinks` (stdout, stderr).
+pub fn start(conn: UnixStream, launch: &Launch<'_>, sinks: [BorrowedFd<'_>; 2]) -> Result<Started> {
+    let env: serde_json::Map<String, Value> = launch
+        .env
+        .iter()
+        .map(|(k, v)| (k.clone(), json!(v)))
+        .collect();
+    let request = json!({"argv": launch.argv, "env": env, "cwd": launch.cwd,
+        "uid": launch.ids.0, "gid": launch.ids.1, "stdin": launch.stdin, "meta": launch.meta});
+    send(&conn, &request, &sinks)?;
     let mut reader = BufReader::new(conn);
     let a = answer(&mut reader)?;
     if let Some(pid) = a.get("pid").and_then(Value::as_u64) {
@@ -227,6 +257,70 @@ pub fn start(
     }
     let (code, why) = failure(&a);
     Ok(Started::Failed(code, why))
+}
+
+/// The commands started with pipes that the agent of the box of init
+/// `root_pid` still runs (or whose end it has not yet told): pid and meta.
+/// In a clone of a box these are the copies of the box's commands.
+pub fn jobs(root_pid: i32) -> Result<Vec<(u32, Value)>> {
+    let a = ask(root_pid, &json!({"jobs": true}))?;
+    Ok(a.get("jobs")
+        .and_then(Value::as_array)
+        .map(|list| {
+            list.iter()
+                .filter_map(|j| {
+                    let pid = j.get("pid").and_then(Value::as_u64)?;
+                    Some((pid as u32, j.get("meta").cloned().unwrap_or(Value::Null)))
+                })
+                .collect()
+        })
+        .unwrap_or_default())
+}
+
+/// Attach the pipes `sinks` (stdout, stderr) to command `pid` of the box of
+/// init `root_pid`: the connection its exit comes on, or `None` if the agent
+/// has no such command.
+pub fn attach(
+    root_pid: i32,
+    pid: u32,
+    sinks: [BorrowedFd<'_>; 2],
+) -> Result<Option<BufReader<UnixStream>>> {
+    let conn = connect_to(root_pid)?.ok_or_else(agent_gone)?;
+    send(&conn, &json!({"attach": pid}), &sinks)?;
+    let mut reader = BufReader::new(conn);
+    let a = answer(&mut reader)?;
+    Ok((a.get("ok") == Some(&json!(true))).then_some(reader))
+}
+
+/// Write `data` to the stdin of command `pid` of the box of init `root_pid`.
+pub fn input(root_pid: i32, pid: u32, data: &[u8]) -> Result<()> {
+    let data = crate::util::base64_encode(data);
+    refused(ask(root_pid, &json!({"input": pid, "data": data}))?)
+}
+
+/// Close the stdin of command `pid` of the box of init `root_pid`.
+pub fn close_stdin(root_pid: i32, pid: u32) -> Result<()> {
+    refused(ask(root_pid, &json!({"close_stdin": pid}))?)
+}
+
+/// An answer `{"error": …}` as an error.
+fn refused(a: Value) -> Result<()> {
+    match a.get("error").and_then(Value::as_str) {
+        Some(why) => Err(E2bError::Invalid(why.to_string())),
+        None => Ok(()),
+    }
+}
+
+/// The agent of a box that has none any more.
+fn agent_gone() -> E2bError {
+    E2bError::NotFound("the sandbox's agent is gone".into())
+}
+
+/// Send `request` to the agent of the box of init `root_pid`; its answer.
+fn ask(root_pid: i32, request: &Value) -> Result<Value> {
+    let conn = connect_to(root_pid)?.ok_or_else(agent_gone)?;
+    send(&conn, request, &[])?;
+    answer(&mut BufReader::new(conn))
 }
 
 /// The exit code and reason of an answer that is no pid.
@@ -334,12 +428,7 @@ pub fn resize(master: BorrowedFd<'_>, rows: u16, cols: u16) -> Result<()> {
 
 /// Signal in-box process `pid` through the agent of the box of init `root_pid`.
 pub fn kill(root_pid: i32, pid: u32, signal: i32) -> Result<bool> {
-    let Some(conn) = connect_to(root_pid)? else {
-        return Err(E2bError::NotFound("the sandbox's agent is gone".into()));
-    };
-    send(&conn, &json!({"kill": pid, "signal": signal}), &[])?;
-    let mut reader = BufReader::new(conn);
-    Ok(answer(&mut reader)?.get("ok") == Some(&json!(true)))
+    Ok(ask(root_pid, &json!({"kill": pid, "signal": signal}))?.get("ok") == Some(&json!(true)))
 }
 
 /// A pipe, both ends close-on-exec.

@@ -6,10 +6,15 @@
 //! its home: by the box's in-box agent when it has one ([`agent`]; the pid
 //! the SDK sees is the command's in the box), else as `nestbox exec` of the
 //! command (the pid is that of the `nestbox exec` process on the host, which
-//! the server maps to the command itself when it signals it). The command's
-//! stdin, stdout and stderr are pipes to this server, read by a thread per
-//! process; a pause freezes them with the box, a fork or snapshot ends them
-//! ([`Table::end_all`]).
+//! the server maps to the command itself when it signals it). A command's
+//! output comes to this server through pipes, read by a thread per process
+//! (its pump). A pause freezes the commands with the box. A fork or a
+//! snapshot clones them with it: the agent relays each command's output
+//! through pipes of the box, so in every clone of the box the command goes
+//! on, and [`Table::follow`] attaches new pipes to the clone's copy (the
+//! sandbox that goes on in a clone keeps its streams, a fork gets its own).
+//! Commands on a terminal or run by `nestbox exec` are ended before a fork or
+//! snapshot instead ([`Table::end_unfollowed`]).
 
 use std::collections::HashMap;
 use std::fs::File;
@@ -19,6 +24,7 @@ use std::os::fd::AsFd;
 use std::os::fd::OwnedFd;
 use std::os::unix::net::UnixStream;
 use std::process::{Child, Stdio};
+use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU64, Ordering};
 use std::sync::mpsc::{channel, Receiver, RecvTimeoutError, Sender};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -64,27 +70,43 @@ struct Listeners {
 pub struct Proc {
     pid: u32,
     kind: Kind,
+    /// The init of the box whose agent runs it (a sandbox that goes on in a
+    /// clone of its box has its commands there; [`Table::follow`]).
+    root_pid: AtomicI32,
     tag: Option<String>,
     config: Value,
+    /// Its stdin pipe (`nestbox exec`) or terminal; through the agent,
+    /// `None`, and [`Proc::stdin_open`] says whether it has one.
     stdin: Mutex<Option<File>>,
+    /// Through the agent: whether its stdin is a pipe not yet closed.
+    stdin_open: AtomicBool,
     /// The master side of its terminal, if it has one (for resizes).
     pty: Option<File>,
     listeners: Mutex<Listeners>,
+    /// Which pump relays its output: one that sees a later generation stops
+    /// (its pipes drained) and the next takes over, after a clone.
+    generation: AtomicU64,
+    /// The thread of the pump now relaying its output.
+    pump: Mutex<Option<std::thread::JoinHandle<()>>>,
 }
 
-/// How a process was started, which says how to signal it.
-#[derive(Debug, Clone, Copy)]
+/// How a process was started, which says how to signal it and whether it
+/// can follow its sandbox into a clone of its box.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Kind {
     /// `nestbox exec` on the host: `pid` is that process's.
     Exec,
-    /// By the box's agent: `pid` is the command's in the box.
-    Agent {
-        /// The box's init, through which the agent is reached.
-        root_pid: i32,
-    },
+    /// By the box's agent, with pipes: `pid` is the command's in the box.
+    Agent,
+    /// By the box's agent, on a terminal of the box.
+    Pty,
 }
 
 impl Proc {
+    fn root_pid(&self) -> i32 {
+        self.root_pid.load(Ordering::Acquire)
+    }
+
     fn subscribe(&self) -> Option<Receiver<Event>> {
         let mut l = self.listeners.lock().unwrap_or_else(|p| p.into_inner());
         if l.ended {
@@ -119,8 +141,8 @@ impl Proc {
     /// Send `signal` to the command (found below the `nestbox exec`
     /// process: exec → its helper in the box → the command).
     fn signal(&self, signal: i32) -> Result<()> {
-        if let Kind::Agent { root_pid } = self.kind {
-            agent::kill(root_pid, self.pid, signal)?;
+        if self.kind != Kind::Exec {
+            agent::kill(self.root_pid(), self.pid, signal)?;
             return Ok(());
         }
         let end = Instant::now() + Duration::from_secs(2);
@@ -209,13 +231,22 @@ impl Table {
         self.kill_all();
     }
 
-    /// Kill every process and wait, at most `limit` in all, until each has
-    /// been reaped and its end reported (the box is about to be frozen into
-    /// a template, which a process of the user, even a dying one, would
-    /// refuse): their streams see them end.
-    pub fn end_all(&self, limit: Duration) {
-        let procs: Vec<Arc<Proc>> = self.lock().values().cloned().collect();
-        self.kill_all();
+    /// Kill every process that cannot follow its sandbox into a clone of
+    /// its box (one on a terminal, which is a device of the box a clone
+    /// would share; one run by `nestbox exec`, whose pipes end on this
+    /// server), and wait, at most `limit` in all, until each has been
+    /// reaped and its end reported: their streams see them end. Commands
+    /// the agent started with pipes stay ([`Table::follow`]).
+    pub fn end_unfollowed(&self, limit: Duration) {
+        let procs: Vec<Arc<Proc>> = self
+            .lock()
+            .values()
+            .filter(|p| p.kind != Kind::Agent)
+            .cloned()
+            .collect();
+        for p in &procs {
+            p.kill();
+        }
         let end = Instant::now() + limit;
         for p in procs {
             p.wait_ended(end.saturating_duration_since(Instant::now()));
@@ -226,18 +257,102 @@ impl Table {
     pub fn kill_all(&self) {
         let procs: Vec<Arc<Proc>> = self.lock().values().cloned().collect();
         for p in procs {
-            match p.kind {
-                // SAFETY: kill has no memory-safety preconditions.
-                Kind::Exec => unsafe {
-                    libc::kill(p.pid as i32, libc::SIGKILL);
-                },
-                Kind::Agent { root_pid } => {
-                    // The box may be going: then its commands go with it.
-                    let _ = agent::kill(root_pid, p.pid, libc::SIGKILL);
+            p.kill();
+        }
+    }
+
+    /// Take up the commands that the agent of the box of init `root_pid`
+    /// runs with pipes: the copies, in a clone of a box, of the commands
+    /// started there. A command this table has (the sandbox went on in a
+    /// clone of its box) keeps its listeners, and its output now comes from
+    /// the clone, after what its old pipes still held; any other (a fork, a
+    /// sandbox made from a snapshot) is added, as its meta describes it. A
+    /// command the agent no longer has ended before the clone was made.
+    pub fn follow(self: &Arc<Self>, root_pid: i32) -> Result<()> {
+        for (pid, meta) in agent::jobs(root_pid)? {
+            let (out_r, out_w) = agent::pipe()?;
+            let (err_r, err_w) = agent::pipe()?;
+            let Some(exit) = agent::attach(root_pid, pid, [out_w.as_fd(), err_w.as_fd()])? else {
+                continue;
+            };
+            drop((out_w, err_w));
+            let runner = Runner::Agent {
+                out: File::from(out_r),
+                err: File::from(err_r),
+                exit,
+            };
+            let known = self.lock().get(&pid).cloned();
+            let p = match known {
+                Some(p) => {
+                    p.root_pid.store(root_pid, Ordering::Release);
+                    p
                 }
+                None => {
+                    let p = Arc::new(Proc::of_agent(pid, root_pid, &meta));
+                    self.insert(p.clone());
+                    p
+                }
+            };
+            pump_in_thread(self, &p, runner)?;
+        }
+        Ok(())
+    }
+}
+
+impl Proc {
+    /// A command the agent runs with pipes, as its `meta` describes it.
+    fn of_agent(pid: u32, root_pid: i32, meta: &Value) -> Proc {
+        Proc {
+            pid,
+            kind: Kind::Agent,
+            root_pid: AtomicI32::new(root_pid),
+            tag: meta.get("tag").and_then(Value::as_str).map(String::from),
+            config: meta.get("config").cloned().unwrap_or(Value::Null),
+            stdin: Mutex::new(None),
+            stdin_open: AtomicBool::new(meta.get("stdin") == Some(&Value::Bool(true))),
+            pty: None,
+            listeners: Mutex::new(Listeners::default()),
+            generation: AtomicU64::new(0),
+            pump: Mutex::new(None),
+        }
+    }
+
+    /// SIGKILL it (through the agent, which may be gone with its box: then
+    /// its commands went with it).
+    fn kill(&self) {
+        match self.kind {
+            // SAFETY: kill has no memory-safety preconditions.
+            Kind::Exec => unsafe {
+                libc::kill(self.pid as i32, libc::SIGKILL);
+            },
+            Kind::Agent | Kind::Pty => {
+                let _ = agent::kill(self.root_pid(), self.pid, libc::SIGKILL);
             }
         }
     }
+}
+
+/// Relay `p`'s output and exit from `runner` in a thread of its own. A pump
+/// already relaying it is stopped first, once it has drained its pipes (so
+/// nothing of the old output is lost or comes after the new).
+fn pump_in_thread(table: &Arc<Table>, p: &Arc<Proc>, runner: Runner) -> Result<()> {
+    let generation = p.generation.fetch_add(1, Ordering::AcqRel) + 1;
+    let old = p.pump.lock().unwrap_or_else(|e| e.into_inner()).take();
+    if let Some(old) = old {
+        let _ = old.join();
+    }
+    let (pumped, table) = (p.clone(), table.clone());
+    let handle = std::thread::Builder::new()
+        .name("e2b-proc".into())
+        .spawn(move || {
+            if let Some(code) = pump(&pumped, runner, generation) {
+                table.remove(pumped.pid);
+                pumped.publish(Event::End(code));
+            }
+        })
+        .map_err(E2bError::io("spawn a thread for", "a process"))?;
+    *p.pump.lock().unwrap_or_else(|e| e.into_inner()) = Some(handle);
+    Ok(())
 }
 
 /// Answer `/process.Process/METHOD`.
@@ -334,6 +449,9 @@ pub fn handle(server: &Arc<Server>, id: &str, method: &str, req: &Request) -> Re
                 .and_then(Value::as_str)
                 .and_then(base64_decode)
                 .ok_or_else(|| E2bError::Invalid("SendInput needs input.stdin (base64)".into()))?;
+            if p.kind == Kind::Agent {
+                return agent::input(p.root_pid(), p.pid, &data).map(|()| json!({}));
+            }
             let mut stdin = p.stdin.lock().unwrap_or_else(|e| e.into_inner());
             let pipe = stdin
                 .as_mut()
@@ -363,6 +481,12 @@ pub fn handle(server: &Arc<Server>, id: &str, method: &str, req: &Request) -> Re
             let p = sandbox
                 .procs
                 .select(msg.get("process").unwrap_or(&Value::Null))?;
+            if p.kind == Kind::Agent {
+                if p.stdin_open.swap(false, Ordering::AcqRel) {
+                    agent::close_stdin(p.root_pid(), p.pid)?;
+                }
+                return Ok(json!({}));
+            }
             p.stdin.lock().unwrap_or_else(|e| e.into_inner()).take();
             Ok(json!({}))
         })()),
@@ -444,12 +568,16 @@ fn start(
                     (
                         Proc {
                             pid,
-                            kind: Kind::Agent { root_pid },
+                            kind: Kind::Pty,
+                            root_pid: AtomicI32::new(root_pid),
                             tag,
                             config,
                             stdin: Mutex::new(Some(dup(&master)?)),
+                            stdin_open: AtomicBool::new(true),
                             pty: Some(dup(&master)?),
                             listeners: Mutex::new(Listeners::default()),
+                            generation: AtomicU64::new(0),
+                            pump: Mutex::new(None),
                         },
                         Runner::Pty {
                             master: File::from(master),
@@ -470,32 +598,20 @@ fn start(
         Some(conn) => {
             let (out_r, out_w) = agent::pipe()?;
             let (err_r, err_w) = agent::pipe()?;
-            let (in_child, in_ours) = if with_stdin {
-                let (r, w) = agent::pipe()?;
-                (r, Some(File::from(w)))
-            } else {
-                (agent::dev_null()?, None)
+            let meta = json!({"tag": tag, "config": config, "stdin": with_stdin});
+            let launch = agent::Launch {
+                argv: &command,
+                env: &env,
+                cwd: &cwd,
+                ids: (user.uid, user.gid),
+                stdin: with_stdin,
+                meta,
             };
-            let started = agent::start(
-                conn,
-                &command,
-                &env,
-                &cwd,
-                (user.uid, user.gid),
-                [in_child.as_fd(), out_w.as_fd(), err_w.as_fd()],
-            )?;
-            drop((in_child, out_w, err_w));
+            let started = agent::start(conn, &launch, [out_w.as_fd(), err_w.as_fd()])?;
+            drop((out_w, err_w));
             match started {
                 agent::Started::Running(pid, reader) => (
-                    Proc {
-                        pid,
-                        kind: Kind::Agent { root_pid },
-                        tag,
-                        config,
-                        stdin: Mutex::new(in_ours),
-                        pty: None,
-                        listeners: Mutex::new(Listeners::default()),
-                    },
+                    Proc::of_agent(pid, root_pid, &launch.meta),
                     Runner::Agent {
                         out: File::from(out_r),
                         err: File::from(err_r),
@@ -535,11 +651,15 @@ fn start(
                 Proc {
                     pid: child.id(),
                     kind: Kind::Exec,
+                    root_pid: AtomicI32::new(root_pid),
                     tag,
                     config,
                     stdin: Mutex::new(stdin),
+                    stdin_open: AtomicBool::new(with_stdin),
                     pty: None,
                     listeners: Mutex::new(Listeners::default()),
+                    generation: AtomicU64::new(0),
+                    pump: Mutex::new(None),
                 },
                 Runner::Exec(child),
             )
@@ -556,16 +676,7 @@ fn start(
         .subscribe()
         .ok_or_else(|| E2bError::NotFound("process ended".into()))?;
     sandbox.procs.insert(proc_.clone());
-    let pumped = proc_.clone();
-    let sandbox = sandbox.clone();
-    std::thread::Builder::new()
-        .name("e2b-proc".into())
-        .spawn(move || {
-            let code = pump(&pumped, runner);
-            sandbox.procs.remove(pumped.pid);
-            pumped.publish(Event::End(code));
-        })
-        .map_err(E2bError::io("spawn a thread for", "a process"))?;
+    pump_in_thread(&sandbox.procs, &proc_, runner)?;
     Ok((proc_, rx))
 }
 
@@ -594,8 +705,9 @@ enum Runner {
 }
 
 /// Relay the process's output to the listeners until it has exited; its
-/// exit code.
-fn pump(p: &Proc, runner: Runner) -> i32 {
+/// exit code. `None` if a pump of a later generation takes over first: the
+/// output already in the pipes is relayed, then this one stops.
+fn pump(p: &Proc, runner: Runner, generation: u64) -> Option<i32> {
     let mut pty = false;
     let (mut out, mut err, mut child, mut exit) = match runner {
         Runner::Exec(mut c) => {
@@ -612,6 +724,7 @@ fn pump(p: &Proc, runner: Runner) -> i32 {
     let mut exited: Option<(i32, Instant)> = None;
     let mut buf = vec![0u8; 64 << 10];
     loop {
+        let retired = p.generation.load(Ordering::Acquire) != generation;
         if out.is_none() && err.is_none() && (exited.is_some() || exit.is_none()) {
             break;
         }
@@ -623,11 +736,12 @@ fn pump(p: &Proc, runner: Runner) -> i32 {
             if let Some(e) = &err {
                 fds.push(PollFd::new(e.as_fd(), PollFlags::POLLIN));
             }
-            let watch_exit = exited.is_none() && exit.is_some();
+            let watch_exit = !retired && exited.is_none() && exit.is_some();
             if let (true, Some(x)) = (watch_exit, &exit) {
                 fds.push(PollFd::new(x.get_ref().as_fd(), PollFlags::POLLIN));
             }
-            let _ = poll(&mut fds, PollTimeout::from(20u16));
+            let wait = if retired { 0u16 } else { 20 };
+            let _ = poll(&mut fds, PollTimeout::from(wait));
             let ready = |f: &PollFd<'_>| f.revents().is_some_and(|r| !r.is_empty());
             let mut it = fds.iter();
             let o = out.is_some() && it.next().is_some_and(ready);
@@ -667,6 +781,10 @@ fn pump(p: &Proc, runner: Runner) -> i32 {
                 exited = Some((code as i32, Instant::now()));
             }
         }
+        if retired && !out_ready && !err_ready {
+            // Drained (the box these pipes came from is frozen for good).
+            return None;
+        }
         if let Some((_, at)) = exited {
             if at.elapsed() >= DRAIN_AFTER_EXIT && !out_ready && !err_ready {
                 break;
@@ -682,11 +800,11 @@ fn pump(p: &Proc, runner: Runner) -> i32 {
             exited = Some((code as i32, Instant::now()));
         }
     }
-    match (exited, child) {
+    Some(match (exited, child) {
         (Some((code, _)), _) => code,
         (None, Some(mut c)) => c.wait().map(exit_code).unwrap_or(-1),
         (None, None) => -1,
-    }
+    })
 }
 
 fn exit_code(status: std::process::ExitStatus) -> i32 {
