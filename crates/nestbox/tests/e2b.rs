@@ -213,6 +213,21 @@ h = sb.commands.run("cat", background=True, stdin=True)
 sb.commands.send_stdin(h.pid, "piped in\n")
 sb.commands.close_stdin(h.pid)
 assert h.wait().stdout == "piped in\n"
+# Input a command does not read (more than its pipe holds) and a close of
+# its stdin wait for it without holding up the sandbox's other commands.
+import threading
+h = sb.commands.run("sleep 60", background=True, stdin=True)
+def stuff():
+    try:
+        sb.commands.send_stdin(h.pid, "x" * (256 << 10))
+    except Exception:
+        pass
+threading.Thread(target=stuff, daemon=True).start()
+time.sleep(0.5)
+threading.Thread(target=lambda: sb.commands.close_stdin(h.pid), daemon=True).start()
+time.sleep(0.3)
+assert sb.commands.run("echo still").stdout == "still\n"
+assert h.kill()
 # Connect to a running command and see its later output.
 h = sb.commands.run("sleep 0.5; echo late", background=True)
 assert sb.commands.connect(h.pid).wait().stdout == "late\n"

@@ -136,6 +136,7 @@ fn serve(conn: UnixStream) {
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .values()
+            .filter(|j| !j.next.lock().unwrap_or_else(|p| p.into_inner()).told)
             .map(|j| json!({"pid": j.pid, "meta": j.meta}))
             .collect();
         let _ = reply(&conn, &json!({"jobs": list}));
@@ -148,26 +149,26 @@ fn serve(conn: UnixStream) {
             .get("data")
             .and_then(Value::as_str)
             .and_then(crate::util::base64_decode);
-        let _ = std::thread::Builder::new()
-            .name("agent-input".into())
-            .stack_size(64 << 10)
-            .spawn(move || {
-                let answer = match (job(pid as u32), data) {
-                    (_, None) => json!({"error": "input needs base64 data"}),
-                    (None, _) => json!({"error": format!("no command {pid}")}),
-                    (Some(j), Some(data)) => j.write_stdin(&data),
-                };
-                let _ = reply(&conn, &answer);
-            });
+        in_thread("agent-input", move || {
+            let answer = match (job(pid as u32), data) {
+                (_, None) => json!({"error": "input needs base64 data"}),
+                (None, _) => json!({"error": format!("no command {pid}")}),
+                (Some(j), Some(data)) => j.write_stdin(&data),
+            };
+            let _ = reply(&conn, &answer);
+        });
     } else if let Some(pid) = req.get("close_stdin").and_then(Value::as_u64) {
-        let answer = match job(pid as u32) {
-            None => json!({"error": format!("no command {pid}")}),
-            Some(j) => {
-                j.stdin.lock().unwrap_or_else(|p| p.into_inner()).take();
-                json!({"ok": true})
-            }
-        };
-        let _ = reply(&conn, &answer);
+        // (Its stdin may be held by an input still being written.)
+        in_thread("agent-input", move || {
+            let answer = match job(pid as u32) {
+                None => json!({"error": format!("no command {pid}")}),
+                Some(j) => {
+                    j.stdin.lock().unwrap_or_else(|p| p.into_inner()).take();
+                    json!({"ok": true})
+                }
+            };
+            let _ = reply(&conn, &answer);
+        });
     } else if req.get("pty").is_some() {
         let Ok(Some(child)) = start_pty(&conn, &req) else {
             return;
@@ -183,6 +184,19 @@ fn serve(conn: UnixStream) {
         }
     } else {
         let _ = start(conn, &req, fds);
+    }
+}
+
+/// Run `work` in a thread of its own (a small stack: it writes to a pipe
+/// and answers); logged if no thread can be made (the request's connection
+/// then closes unanswered).
+fn in_thread(name: &str, work: impl FnOnce() + Send + 'static) {
+    let spawned = std::thread::Builder::new()
+        .name(name.into())
+        .stack_size(64 << 10)
+        .spawn(work);
+    if let Err(e) = spawned {
+        tracing::warn!("e2b agent: no thread for a request: {e}");
     }
 }
 
@@ -351,8 +365,10 @@ struct Job {
     meta: Value,
     /// The write end of its stdin; `None` without one, or once closed.
     stdin: Mutex<Option<File>>,
-    /// Sinks of an attach, for the relay to take when woken.
-    next: Mutex<Option<Sinks>>,
+    /// Sinks of an attach, for the relay to take when woken, and whether
+    /// its end was told (then no attach is taken: one lock, so that an
+    /// attach either comes before the end is told or is refused).
+    next: Mutex<Attach>,
     /// Wakes the relay (a pipe of the box: a clone has its own).
     wake: File,
 }
@@ -369,6 +385,13 @@ impl Job {
             },
         }
     }
+}
+
+/// What an attach hands the relay of a [`Job`].
+#[derive(Default)]
+struct Attach {
+    sinks: Option<Sinks>,
+    told: bool,
 }
 
 /// The commands started with pipes that have not yet been seen to the end.
@@ -402,14 +425,20 @@ fn attach(conn: UnixStream, pid: u32, fds: Vec<OwnedFd>) {
         );
         return;
     };
+    let mut next = j.next.lock().unwrap_or_else(|p| p.into_inner());
+    if next.told {
+        let _ = reply(&conn, &json!({"error": format!("command {pid} has ended")}));
+        return;
+    }
     if reply(&conn, &json!({"ok": true})).is_err() {
         return;
     }
-    *j.next.lock().unwrap_or_else(|p| p.into_inner()) = Some(Sinks {
+    next.sinks = Some(Sinks {
         out: File::from(out),
         err: File::from(err),
         control: conn,
     });
+    drop(next);
     let _ = (&j.wake).write_all(b"a");
 }
 
@@ -465,7 +494,7 @@ fn start(conn: UnixStream, req: &Value, fds: Vec<OwnedFd>) -> std::io::Result<()
         pid,
         meta: req.get("meta").cloned().unwrap_or(Value::Null),
         stdin: Mutex::new(stdin),
-        next: Mutex::new(None),
+        next: Mutex::new(Attach::default()),
         wake: wake_w,
     });
     jobs()
@@ -527,7 +556,13 @@ fn relay(job: &Job, sources: [File; 2], pidfd: File, mut wake: File, first: Sink
     let mut drain_until = Instant::now();
     let mut buf = vec![0u8; 64 << 10];
     loop {
-        if let Some(new) = job.next.lock().unwrap_or_else(|p| p.into_inner()).take() {
+        if let Some(new) = job
+            .next
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .sinks
+            .take()
+        {
             sinks = Some(new);
             if exit.is_some() {
                 drain_until = Instant::now() + DRAIN_AFTER_EXIT;
@@ -544,9 +579,12 @@ fn relay(job: &Job, sources: [File; 2], pidfd: File, mut wake: File, first: Sink
             if let Some(Sinks { out, err, control }) = sinks.take() {
                 // The output ends before the exit is told.
                 drop((out, err));
-                if reply(&control, &json!({"exit": code})).is_ok() {
+                let mut next = job.next.lock().unwrap_or_else(|p| p.into_inner());
+                if next.sinks.is_none() && reply(&control, &json!({"exit": code})).is_ok() {
+                    next.told = true;
                     break;
                 }
+                drop(next);
                 // Not told: kept for the next attach.
                 continue;
             }
