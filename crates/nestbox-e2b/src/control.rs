@@ -299,7 +299,7 @@ pub fn create(server: &Arc<Server>, body: &Value) -> Result<Arc<Sandbox>> {
     });
     if from_snapshot {
         // Its commands were frozen with it: they go on here.
-        follow_commands(server, &sandbox.procs, &id);
+        follow_commands(server, &sandbox.procs, &id, true);
     }
     server.insert(sandbox.clone());
     Ok(sandbox)
@@ -441,11 +441,15 @@ fn init_pid(server: &Server, name: &str) -> Result<i32> {
     }
 }
 
-/// Take up in `procs` the commands of new box `name`, a clone of a box they
-/// ran in: they go on there. A command that cannot is logged (the sandbox
-/// goes on; its stream ends when the frozen box it came from is removed).
-fn follow_commands(server: &Server, procs: &Arc<Table>, name: &str) {
-    if let Err(e) = init_pid(server, name).and_then(|pid| procs.follow(pid)) {
+/// Take up in `procs` the commands the agent of box `name` runs: with
+/// `retake_known`, a new box that is a clone of the box they ran in (they go
+/// on there); without, the sandbox's own box, whose commands a server
+/// before this one started. A command that cannot is logged (the sandbox
+/// goes on; the stream of a command in a clone ends when the frozen box it
+/// came from is removed).
+pub(crate) fn follow_commands(server: &Server, procs: &Arc<Table>, name: &str, retake_known: bool) {
+    let followed = init_pid(server, name).and_then(|pid| procs.follow(pid, retake_known));
+    if let Err(e) = followed {
         tracing::error!("e2b: the commands of box {name} cannot be taken up: {e}");
     }
 }
@@ -493,6 +497,9 @@ fn connect(server: &Server, id: &str, timeout: Option<u64>) -> Result<(Arc<Sandb
     if resumed {
         set_frozen(server, &live.box_name, false)?;
         live.phase = Phase::Running;
+        // Its commands started by a server before this one (paused across
+        // a restart of the server) are taken up.
+        follow_commands(server, &s.procs, &live.box_name, false);
     }
     // A resume sets the new end of life; a connect to a running sandbox
     // only extends it, never shortens it (as E2B does).
@@ -512,7 +519,7 @@ fn freeze_and_go_on(server: &Server, s: &Sandbox) -> Result<(String, f64)> {
     let mut live = s.live.lock().unwrap_or_else(|p| p.into_inner());
     let frozen = freeze(server, s, &live)?;
     let name = next_box(server, s, &mut live)?;
-    follow_commands(server, &s.procs, &name);
+    follow_commands(server, &s.procs, &name, true);
     live.box_name = name;
     live.previous.push(frozen.clone());
     if live.phase == Phase::Paused {
@@ -549,7 +556,7 @@ fn fork(server: &Arc<Server>, id: &str, count: u32, timeout: Option<u64>) -> Res
                     watchers: Default::default(),
                     init: Default::default(),
                 });
-                follow_commands(server, &forked.procs, &forked.id);
+                follow_commands(server, &forked.procs, &forked.id, true);
                 server.insert(forked.clone());
                 results.push(json!({"sandbox": sandbox_json(&forked)}));
             }

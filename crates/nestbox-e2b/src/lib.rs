@@ -137,7 +137,13 @@ impl Server {
     /// Those whose time is up are then the reaper's.
     fn restore(&self) {
         for s in self.records.load() {
-            if self.reg.load(&s.live().box_name).is_ok() {
+            let live = s.live();
+            if self.reg.load(&live.box_name).is_ok() {
+                if live.phase == sandbox::Phase::Running {
+                    // Its commands go on, their output to this server now
+                    // (a paused one's are taken up when it resumes).
+                    control::follow_commands(self, &s.procs, &live.box_name, false);
+                }
                 self.lock().insert(s.id.clone(), Arc::new(s));
             } else {
                 tracing::info!("e2b: sandbox {} is gone since the last server", s.id);

@@ -323,17 +323,18 @@ fn e2b_sdk_sandboxes_survive_a_server_restart() {
 from e2b import Sandbox
 a = Sandbox.create(metadata={"who": "a"}, timeout=300)
 a.files.write("kept.txt", "still here")
-# (A snapshot freezes the box: commands started through envd do not survive it.)
 snap = a.create_snapshot(name="kept-snap")
 a.commands.run("sleep 600", background=True)
+# A command that waits for its input: the next server reaches it.
+w = a.commands.run("read x; echo got $x", background=True, stdin=True)
 b = Sandbox.create(metadata={"who": "b"})
 b.commands.run("echo paused > state.txt")
 # (A pause freezes the box where it is: its commands stay, also across a
 # restart of the server.)
-b.commands.run("sleep 700", background=True)
+bw = b.commands.run("sleep 700", background=True)
 assert b.pause() is True
 c = Sandbox.create(metadata={"who": "c"}, timeout=2)
-print("ids", a.sandbox_id, b.sandbox_id, c.sandbox_id, snap.snapshot_id)
+print("ids", a.sandbox_id, b.sandbox_id, c.sandbox_id, snap.snapshot_id, w.pid, bw.pid)
 print("done")
 "#);
     let ids: Vec<String> = out
@@ -351,7 +352,8 @@ print("done")
         r#"
 import time
 from e2b import Sandbox, SandboxQuery, SandboxState, SandboxNotFoundException
-a_id, b_id, c_id, snap_id = {ids:?}
+a_id, b_id, c_id, snap_id, w_pid, bw_pid = {ids:?}
+w_pid, bw_pid = int(w_pid), int(bw_pid)
 time.sleep(1)  # the reaper's first rounds
 both = [SandboxState.RUNNING, SandboxState.PAUSED]
 listed = {{s.sandbox_id: s for s in Sandbox.list(query=SandboxQuery(state=both)).next_items()}}
@@ -367,8 +369,14 @@ except SandboxNotFoundException:
 a = Sandbox.connect(a_id)
 assert a.files.read("kept.txt") == "still here"
 assert a.commands.run("cat kept.txt; pgrep -x sleep >/dev/null && echo sleeping").stdout == "still here" + "sleeping\n"
+# Its commands started through the server before are this server's now.
+assert w_pid in [p.pid for p in a.commands.list()], a.commands.list()
+wh = a.commands.connect(w_pid)
+a.commands.send_stdin(w_pid, "after\n")
+assert wh.wait().stdout == "got after\n"
 b = Sandbox.connect(b_id)
 assert b.commands.run("cat state.txt; pgrep -x -f 'sleep 700' >/dev/null && echo sleeping").stdout == "paused\nsleeping\n"
+assert bw_pid in [p.pid for p in b.commands.list()], b.commands.list()
 assert b.get_info().state == SandboxState.RUNNING
 # The snapshot too: listed, created from by its name, deleted.
 assert snap_id in [s.snapshot_id for s in Sandbox.list_snapshots().next_items()]
@@ -381,13 +389,12 @@ b.kill()
 assert Sandbox.list(query=SandboxQuery(state=both)).next_items() == []
 print("done")
 "#,
-        ids = (&ids[0], &ids[1], &ids[2], &ids[3])
     ));
     assert!(out.contains("done"), "{out}");
     server.stop();
     // Nothing of them is left: c's box went with its record.
     let ps = root.ok(&["ps", "-a"]);
-    for id in &ids {
+    for id in &ids[..4] {
         assert!(!ps.contains(id.as_str()), "{id} is left:\n{ps}");
     }
 }

@@ -268,8 +268,14 @@ impl Table {
     /// the clone, after what its old pipes still held; any other (a fork, a
     /// sandbox made from a snapshot) is added, as its meta describes it. A
     /// command the agent no longer has ended before the clone was made.
-    pub fn follow(self: &Arc<Self>, root_pid: i32) -> Result<()> {
+    /// With `retake_known` false, a command this table has is left as it is
+    /// (the box is the one it runs in: only commands this server does not
+    /// know, those of a server before it, are taken up).
+    pub fn follow(self: &Arc<Self>, root_pid: i32, retake_known: bool) -> Result<()> {
         for (pid, meta) in agent::jobs(root_pid)? {
+            if !retake_known && self.lock().contains_key(&pid) {
+                continue;
+            }
             let (out_r, out_w) = agent::pipe()?;
             let (err_r, err_w) = agent::pipe()?;
             let Some(exit) = agent::attach(root_pid, pid, [out_w.as_fd(), err_w.as_fd()])? else {
