@@ -437,7 +437,7 @@ fn init_pid(server: &Server, name: &str) -> Result<i32> {
     let record = server.reg.load(name)?;
     match record.state.init {
         Some(init) if init.alive() => Ok(init.pid),
-        _ => Err(E2bError::Invalid(format!("box {name:?} has no init"))),
+        _ => Err(E2bError::NotFound(format!("box {name:?} has no init"))),
     }
 }
 

@@ -262,8 +262,13 @@ pub fn start(conn: UnixStream, launch: &Launch<'_>, sinks: [BorrowedFd<'_>; 2]) 
 /// The commands started with pipes that the agent of the box of init
 /// `root_pid` still runs (or whose end it has not yet told): pid and meta.
 /// In a clone of a box these are the copies of the box's commands.
+/// A box without the agent has none.
 pub fn jobs(root_pid: i32) -> Result<Vec<(u32, Value)>> {
-    let a = ask(root_pid, &json!({"jobs": true}))?;
+    let Some(conn) = connect_to(root_pid)? else {
+        return Ok(Vec::new());
+    };
+    send(&conn, &json!({"jobs": true}), &[])?;
+    let a = answer(&mut BufReader::new(conn))?;
     Ok(a.get("jobs")
         .and_then(Value::as_array)
         .map(|list| {

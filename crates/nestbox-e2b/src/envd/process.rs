@@ -456,6 +456,12 @@ pub fn handle(server: &Arc<Server>, id: &str, method: &str, req: &Request) -> Re
                 .and_then(base64_decode)
                 .ok_or_else(|| E2bError::Invalid("SendInput needs input.stdin (base64)".into()))?;
             if p.kind == Kind::Agent {
+                if !p.stdin_open.load(Ordering::Acquire) {
+                    return Err(E2bError::Invalid(format!(
+                        "process {} has no stdin open",
+                        p.pid
+                    )));
+                }
                 return agent::input(p.root_pid(), p.pid, &data).map(|()| json!({}));
             }
             let mut stdin = p.stdin.lock().unwrap_or_else(|e| e.into_inner());
