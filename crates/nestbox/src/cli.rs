@@ -1142,6 +1142,7 @@ fn clone(reg: &Registry, a: CloneArgs) -> Result<i32> {
         on_clone_signal: a.on_clone_signal.as_deref().map(parse_signal).transpose()?,
         pooled: false,
         fork_now: false,
+        stdio: None,
         disk: disk_size(&a.disk)?,
         without_network: a.network.as_deref() == Some("none"),
         network: match a.network.as_deref() {
