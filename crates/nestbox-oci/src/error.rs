@@ -78,6 +78,10 @@ pub enum OciError {
         /// The report of its process.
         message: String,
     },
+    /// An error reported by a container's waiting process (a container
+    /// forked from a template), as it printed it.
+    #[error("{0}")]
+    Relayed(String),
     /// A hook failed.
     #[error("{stage} hook {path}: {message}")]
     Hook {

@@ -554,7 +554,6 @@ fn terminal_goes_over_the_console_socket() {
     if !ready("terminal_goes_over_the_console_socket") {
         return;
     }
-    use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
     let env = Env::new(&["sh", "-c", "tty; echo hi-from-tty; sleep 1000"]);
     env.edit(|c| c["process"]["terminal"] = json!(true));
     let sock = env.tmp().join("console.sock");
@@ -568,27 +567,7 @@ fn terminal_goes_over_the_console_socket() {
         "t1",
     ])
     .ok();
-    let (conn, _) = listener.accept().unwrap();
-    let mut buf = [0u8; 256];
-    let mut space = nix::cmsg_space!([std::os::fd::RawFd; 1]);
-    let mut iov = [std::io::IoSliceMut::new(&mut buf)];
-    let msg = nix::sys::socket::recvmsg::<()>(
-        conn.as_raw_fd(),
-        &mut iov,
-        Some(&mut space),
-        nix::sys::socket::MsgFlags::empty(),
-    )
-    .unwrap();
-    let fd = msg
-        .cmsgs()
-        .unwrap()
-        .find_map(|c| match c {
-            nix::sys::socket::ControlMessageOwned::ScmRights(fds) => fds.first().copied(),
-            _ => None,
-        })
-        .expect("a terminal fd");
-    // SAFETY: the fd was just received and is owned by nothing else.
-    let master = unsafe { OwnedFd::from_raw_fd(fd) };
+    let master = common::receive_terminal(&listener);
     env.runc(&["start", "t1"]).ok();
     let mut seen = String::new();
     let deadline = Instant::now() + Duration::from_secs(10);
