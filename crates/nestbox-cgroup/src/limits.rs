@@ -65,6 +65,16 @@ pub struct Limits {
     /// I/O weight 10..=1000: v2 `io.weight`, v1 `blkio.weight` or
     /// `blkio.bfq.weight`.
     pub io_weight: Option<u16>,
+    /// How eagerly the kernel swaps the box's anonymous memory, 0..=100:
+    /// v1 `memory.swappiness` (cgroup v2 has no per-cgroup value: refused
+    /// there).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub memory_swappiness: Option<u64>,
+    /// The OOM killer leaves the box's processes alone: at its memory limit
+    /// they wait for memory instead (v1 `memory.oom_control` = 1; cgroup v2
+    /// has no such switch: refused there).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub oom_kill_disable: bool,
 }
 
 /// Converts v1 `cpu.shares` to v2 `cpu.weight` the way runc and crun do:
@@ -257,6 +267,11 @@ impl Limits {
                 return Err(invalid("io_weight", w, "must be in 10..=1000"));
             }
         }
+        if let Some(s) = self.memory_swappiness {
+            if s > 100 {
+                return Err(invalid("memory_swappiness", s, "must be in 0..=100"));
+            }
+        }
         Ok(())
     }
 
@@ -335,6 +350,12 @@ impl Limits {
         }
         if self.io_weight.is_some() {
             v.push(("io_weight", "blkio"));
+        }
+        if self.memory_swappiness.is_some() {
+            v.push(("memory_swappiness", "memory"));
+        }
+        if self.oom_kill_disable {
+            v.push(("oom_kill_disable", "memory"));
         }
         v
     }

@@ -122,6 +122,7 @@ fn v1_files(ctrl: &str) -> Vec<(&'static str, &'static str)> {
             ("memory.memsw.limit_in_bytes", "9223372036854771712\n"),
             ("memory.usage_in_bytes", "4096\n"),
             ("memory.max_usage_in_bytes", "8192\n"),
+            ("memory.swappiness", "60\n"),
             (
                 "memory.oom_control",
                 "oom_kill_disable 0\nunder_oom 0\noom_kill 3\n",

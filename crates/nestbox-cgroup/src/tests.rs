@@ -21,7 +21,47 @@ fn full_limits() -> Limits {
         io_weight: Some(500),
         cpu_reserve: None,
         cpu_period_us: None,
+        memory_swappiness: None,
+        oom_kill_disable: false,
     }
+}
+
+#[test]
+fn swappiness_and_oom_kill_disable_on_v1_refused_on_v2() {
+    let limits = Limits {
+        memory: Some(1 << 20),
+        memory_swappiness: Some(17),
+        oom_kill_disable: true,
+        ..Limits::default()
+    };
+    let tmp = tempfile::tempdir().unwrap();
+    let h = testfs::pure_v1(tmp.path());
+    let cg = BoxCgroup::create(&h, "swp-1", &limits).unwrap();
+    let p = cg.paths();
+    assert_eq!(read(p["memory"].join("memory.swappiness")), "17");
+    assert_eq!(read(p["memory"].join("memory.oom_control")), "1");
+    cg.remove().unwrap();
+    let tmp = tempfile::tempdir().unwrap();
+    let h = testfs::pure_v2(tmp.path());
+    let e = BoxCgroup::create(&h, "swp-2", &limits)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("memory_swappiness") && e.contains("no per-cgroup swappiness"),
+        "{e}"
+    );
+    assert_no_box_dirs(&h, "swp-2");
+    let e = Limits {
+        memory_swappiness: Some(101),
+        ..Limits::default()
+    }
+    .validate()
+    .unwrap_err()
+    .to_string();
+    assert!(
+        e.contains("invalid memory_swappiness=101: must be in 0..=100"),
+        "{e}"
+    );
 }
 
 fn assert_no_box_dirs(h: &Hierarchies, id: &str) {

@@ -128,6 +128,12 @@ fn apply_memory(dir: &Path, limits: &Limits) -> Result<(), CgroupError> {
         // memsw must stay >= limit_in_bytes: the memory limit is written first.
         fsutil::write(&file, &swap.to_string())?;
     }
+    if let Some(s) = limits.memory_swappiness {
+        fsutil::write(&dir.join("memory.swappiness"), &s.to_string())?;
+    }
+    if limits.oom_kill_disable {
+        fsutil::write(&dir.join("memory.oom_control"), "1")?;
+    }
     Ok(())
 }
 

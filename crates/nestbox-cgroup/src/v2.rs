@@ -91,6 +91,18 @@ pub(crate) fn apply(
         }
     }
     if has("memory") {
+        if limits.memory_swappiness.is_some() {
+            return Err(CgroupError::Unsupported {
+                option: "memory_swappiness",
+                reason: "cgroup v2 has no per-cgroup swappiness".into(),
+            });
+        }
+        if limits.oom_kill_disable {
+            return Err(CgroupError::Unsupported {
+                option: "oom_kill_disable",
+                reason: "cgroup v2 cannot keep the OOM killer from a cgroup".into(),
+            });
+        }
         if let Some(m) = limits.memory {
             fsutil::write(&dir.join("memory.max"), &m.to_string())?;
         }

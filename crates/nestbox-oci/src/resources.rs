@@ -23,12 +23,9 @@ pub fn limits(resources: Option<&LinuxResources>) -> Result<Limits> {
         l.memory = m.limit().filter(|v| *v > 0).map(|v| v as u64);
         l.memory_swap = m.swap().filter(|v| *v != 0);
         l.memory_reserve = m.reservation().filter(|v| *v > 0).map(|v| v as u64);
-        if m.swappiness().is_some() {
-            return Err(refuse("memory.swappiness"));
-        }
-        if m.disable_oom_killer() == Some(true) {
-            return Err(refuse("memory.disableOOMKiller"));
-        }
+        // A swappiness above 100 is refused by Limits::validate, naming it.
+        l.memory_swappiness = m.swappiness();
+        l.oom_kill_disable = m.disable_oom_killer() == Some(true);
         if m.use_hierarchy().is_some() || m.check_before_update().is_some() {
             return Err(refuse("memory.useHierarchy/checkBeforeUpdate"));
         }

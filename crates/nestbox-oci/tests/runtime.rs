@@ -450,9 +450,12 @@ fn cgroup_limits_from_resources() {
     let out = inside(
         &env,
         "cat /sys/fs/cgroup/memory/memory.limit_in_bytes /sys/fs/cgroup/pids/pids.max; \
-         cat /proc/self/cgroup | grep memory",
+         cat /proc/self/cgroup | grep memory; \
+         cat /sys/fs/cgroup/memory/memory.swappiness; \
+         grep oom_kill_disable /sys/fs/cgroup/memory/memory.oom_control",
         |c| {
-            c["linux"]["resources"] = json!({"memory": {"limit": 67108864}, "pids": {"limit": 20}});
+            c["linux"]["resources"] = json!({"memory": {"limit": 67108864, "swappiness": 17,
+                "disableOOMKiller": true}, "pids": {"limit": 20}});
             c["mounts"].as_array_mut().unwrap().push(json!({"destination": "/sys/fs/cgroup",
                 "type": "cgroup", "source": "cgroup", "options": ["nosuid", "noexec", "nodev", "ro"]}));
         },
@@ -461,6 +464,15 @@ fn cgroup_limits_from_resources() {
     assert_eq!(lines[0], "67108864", "{out}");
     assert_eq!(lines[1], "20");
     assert!(lines[2].ends_with(":memory:/"), "{out}");
+    assert_eq!(lines[3], "17", "memory.swappiness: {out}");
+    assert_eq!(lines[4], "oom_kill_disable 1", "{out}");
+    // A swappiness above 100 is refused, naming it; nothing is left.
+    env.edit(|c| {
+        c["linux"]["resources"] = json!({"memory": {"swappiness": 101}});
+    });
+    env.create("m2")
+        .fails_with("invalid memory_swappiness=101: must be in 0..=100");
+    env.runc(&["state", "m2"]).fails_with("does not exist");
 }
 
 #[test]

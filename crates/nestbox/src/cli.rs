@@ -460,6 +460,10 @@ impl ResourceArgs {
             cpu_reserve: a.cpu_reserve,
             cpuset_cpus: a.cpuset_cpus.clone(),
             io_weight: a.io_weight,
+            // Not options of nestbox's own command line (the OCI runtime's
+            // linux.resources.memory sets them).
+            memory_swappiness: None,
+            oom_kill_disable: false,
         })
     }
 
