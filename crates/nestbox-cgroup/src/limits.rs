@@ -75,6 +75,44 @@ pub struct Limits {
     /// has no such switch: refused there).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub oom_kill_disable: bool,
+    /// Per-device I/O limits (the OCI config's `blockIO.weightDevice` and
+    /// `throttle*Device`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub io_devices: Vec<IoDeviceLimit>,
+}
+
+/// The I/O limits of one block device `major:minor`: v1
+/// `blkio.weight_device` (or `blkio.bfq.weight_device`) and
+/// `blkio.throttle.{read,write}_{bps,iops}_device`; v2 `io.weight` (or
+/// `io.bfq.weight`) and `io.max`.
+#[derive(Serialize, Deserialize, Default, Clone, Debug, PartialEq, Eq)]
+pub struct IoDeviceLimit {
+    /// The device's major number.
+    pub major: u32,
+    /// The device's minor number.
+    pub minor: u32,
+    /// Its weight, 10..=1000.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub weight: Option<u16>,
+    /// Read bytes per second.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub read_bps: Option<u64>,
+    /// Written bytes per second.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub write_bps: Option<u64>,
+    /// Read operations per second.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub read_iops: Option<u64>,
+    /// Write operations per second.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub write_iops: Option<u64>,
+}
+
+impl IoDeviceLimit {
+    /// `major:minor`, as the cgroup files name a device.
+    pub fn device(&self) -> String {
+        format!("{}:{}", self.major, self.minor)
+    }
 }
 
 /// Converts v1 `cpu.shares` to v2 `cpu.weight` the way runc and crun do:
@@ -267,6 +305,17 @@ impl Limits {
                 return Err(invalid("io_weight", w, "must be in 10..=1000"));
             }
         }
+        for d in &self.io_devices {
+            if let Some(w) = d.weight {
+                if !IO_WEIGHT_RANGE.contains(&w) {
+                    return Err(invalid(
+                        "io_devices",
+                        format!("{} weight {w}", d.device()),
+                        "must be in 10..=1000",
+                    ));
+                }
+            }
+        }
         if let Some(s) = self.memory_swappiness {
             if s > 100 {
                 return Err(invalid("memory_swappiness", s, "must be in 0..=100"));
@@ -356,6 +405,9 @@ impl Limits {
         }
         if self.oom_kill_disable {
             v.push(("oom_kill_disable", "memory"));
+        }
+        if !self.io_devices.is_empty() {
+            v.push(("io_devices", "blkio"));
         }
         v
     }

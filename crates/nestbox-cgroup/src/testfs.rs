@@ -134,7 +134,13 @@ fn v1_files(ctrl: &str) -> Vec<(&'static str, &'static str)> {
             ("devices.list", "a *:* rwm\n"),
         ],
         "freezer" => vec![("freezer.state", "THAWED\n")],
-        "blkio" => vec![("blkio.bfq.weight", "100\n")],
+        "blkio" => vec![
+            ("blkio.bfq.weight", "100\n"),
+            ("blkio.throttle.read_bps_device", ""),
+            ("blkio.throttle.write_bps_device", ""),
+            ("blkio.throttle.read_iops_device", ""),
+            ("blkio.throttle.write_iops_device", ""),
+        ],
         "pids" => vec![("pids.max", "max\n"), ("pids.current", "2\n")],
         _ => vec![],
     });
@@ -201,6 +207,7 @@ pub(crate) fn pure_v2(root: &Path) -> Hierarchies {
         ("cpuset.cpus.effective", "0-3\n"),
         ("cpuset.mems", ""),
         ("io.weight", "default 100\n"),
+        ("io.max", ""),
         ("memory.max", "max\n"),
         ("memory.low", "0\n"),
         ("memory.swap.max", "max\n"),

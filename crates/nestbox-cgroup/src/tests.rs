@@ -23,7 +23,58 @@ fn full_limits() -> Limits {
         cpu_period_us: None,
         memory_swappiness: None,
         oom_kill_disable: false,
+        io_devices: Vec::new(),
     }
+}
+
+#[test]
+fn per_device_io_limits_on_v1_and_v2() {
+    let limits = Limits {
+        io_devices: vec![IoDeviceLimit {
+            major: 7,
+            minor: 0,
+            read_bps: Some(1024),
+            write_iops: Some(50),
+            ..IoDeviceLimit::default()
+        }],
+        ..Limits::default()
+    };
+    let tmp = tempfile::tempdir().unwrap();
+    let h = testfs::pure_v1(tmp.path());
+    let cg = BoxCgroup::create(&h, "io-1", &limits).unwrap();
+    let p = cg.paths();
+    assert_eq!(
+        read(p["blkio"].join("blkio.throttle.read_bps_device")),
+        "7:0 1024"
+    );
+    assert_eq!(
+        read(p["blkio"].join("blkio.throttle.write_iops_device")),
+        "7:0 50"
+    );
+    cg.remove().unwrap();
+    let tmp = tempfile::tempdir().unwrap();
+    let h = testfs::pure_v2(tmp.path());
+    let cg = BoxCgroup::create(&h, "io-2", &limits).unwrap();
+    let dir = tmp.path().join(testfs::V2_REL).join("nestbox-io-2");
+    assert_eq!(read(dir.join("io.max")), "7:0 rbps=1024 wiops=50");
+    cg.remove().unwrap();
+    // A per-device weight where the kernel has no per-device weight file.
+    let weighted = Limits {
+        io_devices: vec![IoDeviceLimit {
+            major: 7,
+            minor: 0,
+            weight: Some(100),
+            ..IoDeviceLimit::default()
+        }],
+        ..Limits::default()
+    };
+    let tmp = tempfile::tempdir().unwrap();
+    let h = testfs::pure_v1(tmp.path());
+    let e = BoxCgroup::create(&h, "io-3", &weighted)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("no per-device weight file"), "{e}");
+    assert_no_box_dirs(&h, "io-3");
 }
 
 #[test]

@@ -476,6 +476,52 @@ fn cgroup_limits_from_resources() {
 }
 
 #[test]
+fn block_io_limits_per_device() {
+    if !ready("block_io_limits_per_device") {
+        return;
+    }
+    // loop0 (7:0) exists on these machines whether attached or not.
+    if !std::path::Path::new("/sys/block/loop0").exists() {
+        return nestbox_testkit::skip("block_io_limits_per_device", "needs /dev/loop0");
+    }
+    let env = Env::new(&["true"]);
+    let out = inside(
+        &env,
+        "cd /sys/fs/cgroup/blkio; cat blkio.throttle.read_bps_device blkio.throttle.write_bps_device \
+         blkio.throttle.read_iops_device blkio.throttle.write_iops_device",
+        |c| {
+            c["linux"]["resources"] = json!({"blockIO": {
+                "throttleReadBpsDevice": [{"major": 7, "minor": 0, "rate": 1048576}],
+                "throttleWriteBpsDevice": [{"major": 7, "minor": 0, "rate": 2097152}],
+                "throttleReadIOPSDevice": [{"major": 7, "minor": 0, "rate": 300}],
+                "throttleWriteIOPSDevice": [{"major": 7, "minor": 0, "rate": 400}]}});
+            c["mounts"].as_array_mut().unwrap().push(json!({"destination": "/sys/fs/cgroup",
+                "type": "cgroup", "source": "cgroup", "options": ["nosuid", "noexec", "nodev", "ro"]}));
+        },
+    );
+    assert_eq!(
+        out.lines().collect::<Vec<_>>(),
+        ["7:0 1048576", "7:0 2097152", "7:0 300", "7:0 400"],
+        "{out}"
+    );
+    // Leaf weights: the kernel has none; refused, nothing left.
+    env.edit(|c| {
+        c["linux"]["resources"] = json!({"blockIO": {"leafWeight": 300}});
+    });
+    env.create("b2")
+        .fails_with("blockIO.leafWeight is not supported");
+    env.runc(&["state", "b2"]).fails_with("does not exist");
+    // A device number that is not one: refused, naming the field.
+    env.edit(|c| {
+        c["linux"]["resources"] = json!({"blockIO": {
+            "throttleReadBpsDevice": [{"major": -1, "minor": 0, "rate": 1}]}});
+    });
+    env.create("b3")
+        .fails_with("blockIO.throttleReadBpsDevice: device -1:0 is not a device number");
+    env.runc(&["state", "b3"]).fails_with("does not exist");
+}
+
+#[test]
 fn hooks_run_at_their_stages_with_the_state() {
     if !ready("hooks_run_at_their_stages_with_the_state") {
         return;

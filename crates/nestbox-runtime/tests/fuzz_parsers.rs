@@ -201,6 +201,7 @@ fn limits() -> impl Strategy<Value = nestbox_cgroup::Limits> {
                     // From the weight: in range (0..=100) and out of it alike.
                     memory_swappiness: io_weight.map(|w| u64::from(w % 128)),
                     oom_kill_disable: pids.is_some_and(|p| p % 2 == 0),
+                    io_devices: Vec::new(),
                 }
             },
         )

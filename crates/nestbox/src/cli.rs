@@ -464,6 +464,7 @@ impl ResourceArgs {
             // linux.resources.memory sets them).
             memory_swappiness: None,
             oom_kill_disable: false,
+            io_devices: Vec::new(),
         })
     }
 
