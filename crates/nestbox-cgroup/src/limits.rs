@@ -79,6 +79,23 @@ pub struct Limits {
     /// `throttle*Device`).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub io_devices: Vec<IoDeviceLimit>,
+    /// Class id tagged on the box's network packets: v1 `net_cls.classid`
+    /// (cgroup v2 has no net_cls: refused there).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub net_class_id: Option<u32>,
+    /// Priority of the box's traffic per interface: v1 `net_prio.ifpriomap`
+    /// (cgroup v2 has no net_prio: refused there).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub net_priorities: Vec<NetPriority>,
+}
+
+/// The priority of a box's traffic on one network interface.
+#[derive(Serialize, Deserialize, Default, Clone, Debug, PartialEq, Eq)]
+pub struct NetPriority {
+    /// The interface's name.
+    pub interface: String,
+    /// The priority.
+    pub priority: u32,
 }
 
 /// The I/O limits of one block device `major:minor`: v1
@@ -316,6 +333,20 @@ impl Limits {
                 }
             }
         }
+        for p in &self.net_priorities {
+            let name_ok = !p.interface.is_empty()
+                && p.interface.len() < 16
+                && !p
+                    .interface
+                    .contains(|c: char| c.is_whitespace() || c == '/');
+            if !name_ok {
+                return Err(invalid(
+                    "net_priorities",
+                    format!("{:?}", p.interface),
+                    "is not an interface name",
+                ));
+            }
+        }
         if let Some(s) = self.memory_swappiness {
             if s > 100 {
                 return Err(invalid("memory_swappiness", s, "must be in 0..=100"));
@@ -408,6 +439,12 @@ impl Limits {
         }
         if !self.io_devices.is_empty() {
             v.push(("io_devices", "blkio"));
+        }
+        if self.net_class_id.is_some() {
+            v.push(("net_class_id", "net_cls"));
+        }
+        if !self.net_priorities.is_empty() {
+            v.push(("net_priorities", "net_prio"));
         }
         v
     }

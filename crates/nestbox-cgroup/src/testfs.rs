@@ -142,6 +142,8 @@ fn v1_files(ctrl: &str) -> Vec<(&'static str, &'static str)> {
             ("blkio.throttle.write_iops_device", ""),
         ],
         "pids" => vec![("pids.max", "max\n"), ("pids.current", "2\n")],
+        "net_cls" => vec![("net_cls.classid", "0\n")],
+        "net_prio" => vec![("net_prio.ifpriomap", "lo 0\n")],
         _ => vec![],
     });
     v

@@ -24,6 +24,8 @@ fn full_limits() -> Limits {
         memory_swappiness: None,
         oom_kill_disable: false,
         io_devices: Vec::new(),
+        net_class_id: None,
+        net_priorities: Vec::new(),
     }
 }
 
@@ -75,6 +77,51 @@ fn per_device_io_limits_on_v1_and_v2() {
         .to_string();
     assert!(e.contains("no per-device weight file"), "{e}");
     assert_no_box_dirs(&h, "io-3");
+}
+
+#[test]
+fn network_class_and_priorities_on_v1_only_when_asked() {
+    let limits = Limits {
+        net_class_id: Some(0x10001),
+        net_priorities: vec![NetPriority {
+            interface: "eth0".into(),
+            priority: 5,
+        }],
+        ..Limits::default()
+    };
+    let tmp = tempfile::tempdir().unwrap();
+    let h = testfs::pure_v1(tmp.path());
+    let cg = BoxCgroup::create(&h, "net-1", &limits).unwrap();
+    let p = cg.paths();
+    assert_eq!(read(p["net_cls"].join("net_cls.classid")), "65537");
+    assert_eq!(read(p["net_prio"].join("net_prio.ifpriomap")), "eth0 5");
+    cg.remove().unwrap();
+    // Without them, no net_cls/net_prio cgroup is made.
+    let cg = BoxCgroup::create(&h, "net-2", &Limits::default()).unwrap();
+    assert!(!cg.paths().contains_key("net_cls"));
+    cg.remove().unwrap();
+    // No v1 net_cls hierarchy, and v2 has none: refused, nothing made.
+    let tmp = tempfile::tempdir().unwrap();
+    let h = testfs::hybrid(tmp.path());
+    let e = BoxCgroup::create(&h, "net-3", &limits)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("net_class_id requested but the net_cls controller is not usable"),
+        "{e}"
+    );
+    assert_no_box_dirs(&h, "net-3");
+    let e = Limits {
+        net_priorities: vec![NetPriority {
+            interface: "a b".into(),
+            priority: 1,
+        }],
+        ..Limits::default()
+    }
+    .validate()
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("is not an interface name"), "{e}");
 }
 
 #[test]

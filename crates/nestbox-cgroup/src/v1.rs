@@ -75,6 +75,19 @@ pub(crate) fn apply(
         }
         apply_blkio_devices(dir, &limits.io_devices)?;
     }
+    if has("net_cls") {
+        if let Some(id) = limits.net_class_id {
+            fsutil::write(&dir.join("net_cls.classid"), &id.to_string())?;
+        }
+    }
+    if has("net_prio") {
+        for p in &limits.net_priorities {
+            fsutil::write(
+                &dir.join("net_prio.ifpriomap"),
+                &format!("{} {}", p.interface, p.priority),
+            )?;
+        }
+    }
     if has("devices") && new {
         apply_devices(dir)?;
     }

@@ -61,8 +61,17 @@ pub fn limits(resources: Option<&LinuxResources>) -> Result<Limits> {
     if r.hugepage_limits().as_ref().is_some_and(|v| !v.is_empty()) {
         return Err(refuse("hugepageLimits"));
     }
-    if r.network().is_some() {
-        return Err(refuse("network"));
+    if let Some(n) = r.network() {
+        l.net_class_id = n.class_id();
+        l.net_priorities = n
+            .priorities()
+            .iter()
+            .flatten()
+            .map(|p| nestbox_cgroup::NetPriority {
+                interface: p.name().clone(),
+                priority: p.priority(),
+            })
+            .collect();
     }
     if r.rdma().as_ref().is_some_and(|v| !v.is_empty()) {
         return Err(refuse("rdma"));

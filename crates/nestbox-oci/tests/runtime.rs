@@ -473,6 +473,18 @@ fn cgroup_limits_from_resources() {
     env.create("m2")
         .fails_with("invalid memory_swappiness=101: must be in 0..=100");
     env.runc(&["state", "m2"]).fails_with("does not exist");
+    // linux.resources.network goes to the v1 net_cls/net_prio controllers;
+    // where there is none (cgroup v2 has no such controller), the config is
+    // refused naming what is missing, and nothing is left.
+    if !std::path::Path::new("/sys/fs/cgroup/net_cls").exists() {
+        env.edit(|c| {
+            c["linux"]["resources"] = json!({"network": {"classID": 1048577,
+                "priorities": [{"name": "lo", "priority": 3}]}});
+        });
+        env.create("m3")
+            .fails_with("net_class_id requested but the net_cls controller is not usable");
+        env.runc(&["state", "m3"]).fails_with("does not exist");
+    }
 }
 
 #[test]

@@ -202,6 +202,8 @@ fn limits() -> impl Strategy<Value = nestbox_cgroup::Limits> {
                     memory_swappiness: io_weight.map(|w| u64::from(w % 128)),
                     oom_kill_disable: pids.is_some_and(|p| p % 2 == 0),
                     io_devices: Vec::new(),
+                    net_class_id: None,
+                    net_priorities: Vec::new(),
                 }
             },
         )

@@ -465,6 +465,8 @@ impl ResourceArgs {
             memory_swappiness: None,
             oom_kill_disable: false,
             io_devices: Vec::new(),
+            net_class_id: None,
+            net_priorities: Vec::new(),
         })
     }
 
