@@ -119,6 +119,21 @@ fn bad_input_fails_clearly_and_leaves_nothing() {
     let env = Env::new(&["no-such-program"]);
     env.create("b1").fails_with("executable file not found");
     assert!(!env.root.join("b1").exists());
+    // An I/O error is said once (not repeated as its source).
+    let out = common::run(
+        common::RUNC,
+        &[
+            "--root",
+            "/proc/nestbox-no-such-dir",
+            "create",
+            "--bundle",
+            env.bundle.to_str().unwrap(),
+            "b0",
+        ],
+        None,
+    )
+    .fails_with("/proc/nestbox-no-such-dir");
+    assert_eq!(out.stderr.matches("No such file").count(), 1, "{out}");
     assert!(!common::cgroup_exists(&env.cgroup_name("b1")));
     env.edit(|c| c["process"]["args"] = json!(["sleep", "100"]));
     env.create("b/1").fails_with("invalid container id");
@@ -481,8 +496,15 @@ fn cgroup_limits_from_resources() {
             c["linux"]["resources"] = json!({"network": {"classID": 1048577,
                 "priorities": [{"name": "lo", "priority": 3}]}});
         });
-        env.create("m3")
+        let out = env
+            .create("m3")
             .fails_with("net_class_id requested but the net_cls controller is not usable");
+        // Said once: the wrapped error is not repeated as its source.
+        assert!(
+            out.stderr.starts_with("nestbox-runc: cgroup: net_class_id"),
+            "{out}"
+        );
+        assert_eq!(out.stderr.matches("net_class_id").count(), 1, "{out}");
         env.runc(&["state", "m3"]).fails_with("does not exist");
     }
 }
