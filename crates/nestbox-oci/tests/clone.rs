@@ -233,6 +233,44 @@ fn clone_from_template_through_the_annotation() {
     assert_eq!(reap(monitor), 128 + libc::SIGKILL);
     assert_eq!(t.boxes(), vec!["tpl".to_string()], "clone box left");
 
+    // A foreground `run`: it waits for the waiter (its child), prints what
+    // the clone prints, exits with the clone's status and deletes it.
+    let run_out = env.tmp().join("c5.out");
+    let mut run = std::process::Command::new(common::RUNC)
+        .args([
+            "--root",
+            env.root.to_str().unwrap(),
+            "run",
+            "--bundle",
+            env.bundle.to_str().unwrap(),
+            "c5",
+        ])
+        .stdin(std::process::Stdio::null())
+        .stdout(std::fs::File::create(&run_out).unwrap())
+        .spawn()
+        .unwrap();
+    // (It does not exist until run's create has made it.)
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !env.runc(&["state", "c5"]).stdout.contains("\"running\"") {
+        assert!(Instant::now() < deadline, "c5 never ran");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    while !std::fs::read_to_string(&run_out)
+        .unwrap()
+        .contains("count ")
+    {
+        assert!(
+            Instant::now() < deadline,
+            "run printed nothing of the clone"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    env.runc(&["kill", "c5", "TERM"]).ok();
+    let status = run.wait().unwrap();
+    assert_eq!(status.code(), Some(128 + libc::SIGTERM), "run's status");
+    env.runc(&["state", "c5"]).fails_with("does not exist");
+    assert_eq!(t.boxes(), vec!["tpl".to_string()], "clone box left");
+
     // Bad annotations: one line, nothing left.
     env.edit(|c| c["annotations"]["nestbox.template"] = json!("nope"));
     env.runc(&["create", "--bundle", env.bundle.to_str().unwrap(), "c3"])
