@@ -179,6 +179,9 @@ pub fn create(root: &Root, opts: &CreateOpts, plan: &Plan, template: &str) -> Re
             }
             // It has reported its error (after undoing what it made), or died.
             let _ = nix::sys::wait::waitpid(waiter, None);
+            if text.is_empty() {
+                remove_left_behind(root, &opts.id, plan);
+            }
             Err(if text.is_empty() {
                 OciError::Setup {
                     id: opts.id.clone(),
@@ -187,6 +190,26 @@ pub fn create(root: &Root, opts: &CreateOpts, plan: &Plan, template: &str) -> Re
             } else {
                 OciError::Relayed(text)
             })
+        }
+    }
+}
+
+/// What a waiter killed before it could report (or undo) may have left of
+/// container `id`: its clone box and its record (best effort; both names
+/// are this container's alone: the record's directory was reserved by the
+/// waiter, the box is named after the runtime root and the id).
+fn remove_left_behind(root: &Root, id: &str, plan: &Plan) {
+    let reg = registry_of(plan);
+    let name = crate::create::cgroup_id(root, id);
+    if reg.load(&name).is_ok() {
+        if let Err(e) = nestbox_runtime::ops::remove(&reg, &name, true) {
+            tracing::warn!("removing the clone of a failed create: {e}");
+        }
+    }
+    let dir = root.container_dir(id);
+    if dir.exists() {
+        if let Err(e) = std::fs::remove_dir_all(&dir) {
+            tracing::warn!("removing {}: {e}", dir.display());
         }
     }
 }

@@ -278,8 +278,21 @@ fn clone_from_template_through_the_annotation() {
     env.edit(|c| c["annotations"]["nestbox.template"] = json!(""));
     env.runc(&["create", "--bundle", env.bundle.to_str().unwrap(), "c3"])
         .fails_with("must name a template");
+    // The waiter killed while it makes the container (by a createRuntime
+    // hook, which it runs): create fails in one line and removes what the
+    // waiter had made (the clone's box, the record).
     env.edit(|c| {
         c["annotations"]["nestbox.template"] = json!("tpl");
+        c["hooks"] = json!({"createRuntime": [
+            {"path": "/bin/sh", "args": ["sh", "-c", "kill -9 $PPID"]}]});
+    });
+    env.runc(&["create", "--bundle", env.bundle.to_str().unwrap(), "c6"])
+        .fails_with("the container's process exited during set-up");
+    env.runc(&["state", "c6"]).fails_with("does not exist");
+    assert!(!env.root.join("c6").exists(), "record left");
+    assert_eq!(t.boxes(), vec!["tpl".to_string()], "box left");
+    env.edit(|c| {
+        c.as_object_mut().unwrap().remove("hooks");
         c["process"]["terminal"] = json!(true);
     });
     env.runc(&["create", "--bundle", env.bundle.to_str().unwrap(), "c3"])
