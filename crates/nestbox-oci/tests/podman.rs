@@ -296,6 +296,20 @@ fn podman_runs_a_container_forked_from_a_template() {
     // `podman top` lists the clone's processes: its program among them.
     let top = p.run(&["top", "c1"]).ok().stdout;
     eprintln!("podman top c1:\n{top}");
+    // `podman cp` out of the running container enters the mount namespace
+    // of the container's pid: it reads the clone's /count (the waiter is in
+    // the clone's mount namespace), not a host path.
+    let copied = p.path("count-copied");
+    p.run(&["cp", "c1:/count", copied.to_str().unwrap()]).ok();
+    let n: u64 = std::fs::read_to_string(&copied)
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    assert!(
+        n >= first,
+        "podman cp read {n}, the clone counted {first} before"
+    );
     assert!(
         top.lines().any(|l| l.contains("python3")),
         "podman top: {top}"
