@@ -194,6 +194,13 @@ pub fn create(root: &Root, opts: &CreateOpts, plan: &Plan, template: &str) -> Re
     }
 }
 
+/// The signals a waiter passes on to the clone's process.
+const FORWARDED_SIGNALS: &[nix::sys::signal::Signal] = {
+    use nix::sys::signal::Signal::*;
+    // (Not SIGCONT: a created clone waits, stopped, for `start`.)
+    &[SIGTERM, SIGINT, SIGHUP, SIGQUIT, SIGUSR1, SIGUSR2, SIGWINCH]
+};
+
 /// What a waiter killed before it could report (or undo) may have left of
 /// container `id`: its clone box and its record (best effort; both names
 /// are this container's alone: the record's directory was reserved by the
@@ -224,8 +231,8 @@ fn waiter(
     stdio: [std::os::fd::OwnedFd; 3],
     report: std::os::fd::OwnedFd,
 ) -> i32 {
-    let monitor = match make(root, opts, plan, template, stdio) {
-        Ok(monitor) => monitor,
+    let (monitor, process) = match make(root, opts, plan, template, stdio) {
+        Ok(made) => made,
         Err(e) => {
             // Nothing of the container is left (make undoes it); the caller
             // prints the error.
@@ -243,19 +250,27 @@ fn waiter(
         tracing::warn!("create: the caller went before the container was reported");
     }
     drop(report);
+    // The waiter stands for the clone's process: a signal sent to the pid
+    // the caller knows goes on to it, as it would reach runc's container
+    // process (best effort: without it, `kill` still reaches the clone).
+    let forwarded = nestbox_sys::pidfd::pidfd_open(process)
+        .and_then(|fd| nestbox_sys::process::forward_signals(fd, FORWARDED_SIGNALS));
+    if let Err(e) = forwarded {
+        tracing::warn!("create: signals to the waiter will not reach the clone: {e}");
+    }
     crate::ops::wait_exit_code(nix::unistd::Pid::from_raw(monitor))
 }
 
 /// Make the clone and record the container with this process (the waiter)
-/// as its pid, and move into the clone's mount namespace; the monitor's pid.
-/// On failure nothing of the container is left.
+/// as its pid, and move into the clone's mount namespace; the monitor's pid
+/// and the clone's process's. On failure nothing of the container is left.
 fn make(
     root: &Root,
     opts: &CreateOpts,
     plan: &Plan,
     template: &str,
     stdio: [std::os::fd::OwnedFd; 3],
-) -> Result<i32> {
+) -> Result<(i32, i32)> {
     let reg = registry_of(plan);
     let dir = root.reserve(&opts.id)?;
     let name = crate::create::cgroup_id(root, &opts.id);
@@ -329,7 +344,7 @@ fn make(
         ));
     }
     undo.forget();
-    Ok(monitor)
+    Ok((monitor, cloned.pid))
 }
 
 /// Join the mount namespace `ns`. `setns` refuses (`EINVAL`) while another

@@ -233,6 +233,33 @@ fn clone_from_template_through_the_annotation() {
     assert_eq!(reap(monitor), 128 + libc::SIGKILL);
     assert_eq!(t.boxes(), vec!["tpl".to_string()], "clone box left");
 
+    // A signal sent to the reported pid itself (not through `kill`) reaches
+    // the clone's process, as it would reach runc's container process.
+    env.runc(&["create", "--bundle", env.bundle.to_str().unwrap(), "c7"])
+        .ok();
+    env.runc(&["start", "c7"]).ok();
+    let waiter = env.state("c7")["pid"].as_i64().unwrap();
+    let record: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(env.root.join("c7").join("state.json")).unwrap(),
+    )
+    .unwrap();
+    let process = record["clone"]["process"].as_i64().unwrap();
+    let waiter_pid = nix::unistd::Pid::from_raw(waiter as i32);
+    nix::sys::signal::kill(waiter_pid, nix::sys::signal::Signal::SIGTERM).unwrap();
+    // The waiter exits (it is not killed) with the status of the clone,
+    // which SIGTERM ended.
+    assert_eq!(
+        nix::sys::wait::waitpid(waiter_pid, None).unwrap(),
+        nix::sys::wait::WaitStatus::Exited(waiter_pid, 128 + libc::SIGTERM),
+        "the waiter's status"
+    );
+    assert!(
+        !std::path::Path::new(&format!("/proc/{process}")).exists(),
+        "the clone's process lives on"
+    );
+    env.runc(&["delete", "c7"]).ok();
+    assert_eq!(t.boxes(), vec!["tpl".to_string()], "clone box left");
+
     // A foreground `run`: it waits for the waiter (its child), prints what
     // the clone prints, exits with the clone's status and deletes it.
     let run_out = env.tmp().join("c5.out");
