@@ -90,6 +90,9 @@ pub const MAX_ID_LEN: usize = 128;
 const V1_USED: &[&str] = &[
     "cpu", "cpuacct", "cpuset", "memory", "devices", "freezer", "blkio", "pids",
 ];
+/// v1 controllers used only when a limit asks for them (cgroup v2 has no
+/// such controller).
+const V1_ON_REQUEST: &[&str] = &["net_cls", "net_prio"];
 /// v1 names of the controllers that v2 can provide.
 const V2_BACKED: &[&str] = &["cpu", "cpuset", "blkio", "memory", "pids"];
 
@@ -162,20 +165,23 @@ struct Plan<'a> {
 }
 
 fn plan<'a>(h: &'a Hierarchies, limits: &Limits) -> Result<Plan<'a>, CgroupError> {
+    let requested = limits.requested();
+    // The network controllers (v1 only) only for a box whose limits ask for
+    // them: every other box stays in the caller's net_cls/net_prio cgroups.
+    let asked = |c: &str| V1_ON_REQUEST.contains(&c) && requested.iter().any(|(_, r)| *r == c);
     let v1: Vec<(&Hierarchy, Vec<String>)> = h
         .v1()
         .filter_map(|hi| {
             let used: Vec<String> = hi
                 .controllers()
                 .iter()
-                .filter(|c| V1_USED.contains(&c.as_str()))
+                .filter(|c| V1_USED.contains(&c.as_str()) || asked(c))
                 .cloned()
                 .collect();
             (!used.is_empty()).then_some((hi, used))
         })
         .collect();
     let v1_has = |c: &str| v1.iter().any(|(_, used)| used.iter().any(|u| u == c));
-    let requested = limits.requested();
     let mut warnings = Vec::new();
     let mut required_v2 = BTreeSet::new();
     let mut v2_plan = None;

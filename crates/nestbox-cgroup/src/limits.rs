@@ -65,6 +65,71 @@ pub struct Limits {
     /// I/O weight 10..=1000: v2 `io.weight`, v1 `blkio.weight` or
     /// `blkio.bfq.weight`.
     pub io_weight: Option<u16>,
+    /// How eagerly the kernel swaps the box's anonymous memory, 0..=100:
+    /// v1 `memory.swappiness` (cgroup v2 has no per-cgroup value: refused
+    /// there).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub memory_swappiness: Option<u64>,
+    /// The OOM killer leaves the box's processes alone: at its memory limit
+    /// they wait for memory instead (v1 `memory.oom_control` = 1; cgroup v2
+    /// has no such switch: refused there).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub oom_kill_disable: bool,
+    /// Per-device I/O limits (the OCI config's `blockIO.weightDevice` and
+    /// `throttle*Device`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub io_devices: Vec<IoDeviceLimit>,
+    /// Class id tagged on the box's network packets: v1 `net_cls.classid`
+    /// (cgroup v2 has no net_cls: refused there).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub net_class_id: Option<u32>,
+    /// Priority of the box's traffic per interface: v1 `net_prio.ifpriomap`
+    /// (cgroup v2 has no net_prio: refused there).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub net_priorities: Vec<NetPriority>,
+}
+
+/// The priority of a box's traffic on one network interface.
+#[derive(Serialize, Deserialize, Default, Clone, Debug, PartialEq, Eq)]
+pub struct NetPriority {
+    /// The interface's name.
+    pub interface: String,
+    /// The priority.
+    pub priority: u32,
+}
+
+/// The I/O limits of one block device `major:minor`: v1
+/// `blkio.weight_device` (or `blkio.bfq.weight_device`) and
+/// `blkio.throttle.{read,write}_{bps,iops}_device`; v2 `io.weight` (or
+/// `io.bfq.weight`) and `io.max`.
+#[derive(Serialize, Deserialize, Default, Clone, Debug, PartialEq, Eq)]
+pub struct IoDeviceLimit {
+    /// The device's major number.
+    pub major: u32,
+    /// The device's minor number.
+    pub minor: u32,
+    /// Its weight, 10..=1000.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub weight: Option<u16>,
+    /// Read bytes per second.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub read_bps: Option<u64>,
+    /// Written bytes per second.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub write_bps: Option<u64>,
+    /// Read operations per second.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub read_iops: Option<u64>,
+    /// Write operations per second.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub write_iops: Option<u64>,
+}
+
+impl IoDeviceLimit {
+    /// `major:minor`, as the cgroup files name a device.
+    pub fn device(&self) -> String {
+        format!("{}:{}", self.major, self.minor)
+    }
 }
 
 /// Converts v1 `cpu.shares` to v2 `cpu.weight` the way runc and crun do:
@@ -257,6 +322,36 @@ impl Limits {
                 return Err(invalid("io_weight", w, "must be in 10..=1000"));
             }
         }
+        for d in &self.io_devices {
+            if let Some(w) = d.weight {
+                if !IO_WEIGHT_RANGE.contains(&w) {
+                    return Err(invalid(
+                        "io_devices",
+                        format!("{} weight {w}", d.device()),
+                        "must be in 10..=1000",
+                    ));
+                }
+            }
+        }
+        for p in &self.net_priorities {
+            let name_ok = !p.interface.is_empty()
+                && p.interface.len() < 16
+                && !p
+                    .interface
+                    .contains(|c: char| c.is_whitespace() || c == '/');
+            if !name_ok {
+                return Err(invalid(
+                    "net_priorities",
+                    format!("{:?}", p.interface),
+                    "is not an interface name",
+                ));
+            }
+        }
+        if let Some(s) = self.memory_swappiness {
+            if s > 100 {
+                return Err(invalid("memory_swappiness", s, "must be in 0..=100"));
+            }
+        }
         Ok(())
     }
 
@@ -335,6 +430,21 @@ impl Limits {
         }
         if self.io_weight.is_some() {
             v.push(("io_weight", "blkio"));
+        }
+        if self.memory_swappiness.is_some() {
+            v.push(("memory_swappiness", "memory"));
+        }
+        if self.oom_kill_disable {
+            v.push(("oom_kill_disable", "memory"));
+        }
+        if !self.io_devices.is_empty() {
+            v.push(("io_devices", "blkio"));
+        }
+        if self.net_class_id.is_some() {
+            v.push(("net_class_id", "net_cls"));
+        }
+        if !self.net_priorities.is_empty() {
+            v.push(("net_priorities", "net_prio"));
         }
         v
     }

@@ -122,6 +122,7 @@ fn v1_files(ctrl: &str) -> Vec<(&'static str, &'static str)> {
             ("memory.memsw.limit_in_bytes", "9223372036854771712\n"),
             ("memory.usage_in_bytes", "4096\n"),
             ("memory.max_usage_in_bytes", "8192\n"),
+            ("memory.swappiness", "60\n"),
             (
                 "memory.oom_control",
                 "oom_kill_disable 0\nunder_oom 0\noom_kill 3\n",
@@ -133,8 +134,16 @@ fn v1_files(ctrl: &str) -> Vec<(&'static str, &'static str)> {
             ("devices.list", "a *:* rwm\n"),
         ],
         "freezer" => vec![("freezer.state", "THAWED\n")],
-        "blkio" => vec![("blkio.bfq.weight", "100\n")],
+        "blkio" => vec![
+            ("blkio.bfq.weight", "100\n"),
+            ("blkio.throttle.read_bps_device", ""),
+            ("blkio.throttle.write_bps_device", ""),
+            ("blkio.throttle.read_iops_device", ""),
+            ("blkio.throttle.write_iops_device", ""),
+        ],
         "pids" => vec![("pids.max", "max\n"), ("pids.current", "2\n")],
+        "net_cls" => vec![("net_cls.classid", "0\n")],
+        "net_prio" => vec![("net_prio.ifpriomap", "lo 0\n")],
         _ => vec![],
     });
     v
@@ -200,6 +209,7 @@ pub(crate) fn pure_v2(root: &Path) -> Hierarchies {
         ("cpuset.cpus.effective", "0-3\n"),
         ("cpuset.mems", ""),
         ("io.weight", "default 100\n"),
+        ("io.max", ""),
         ("memory.max", "max\n"),
         ("memory.low", "0\n"),
         ("memory.swap.max", "max\n"),

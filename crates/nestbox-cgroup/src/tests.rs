@@ -21,7 +21,145 @@ fn full_limits() -> Limits {
         io_weight: Some(500),
         cpu_reserve: None,
         cpu_period_us: None,
+        memory_swappiness: None,
+        oom_kill_disable: false,
+        io_devices: Vec::new(),
+        net_class_id: None,
+        net_priorities: Vec::new(),
     }
+}
+
+#[test]
+fn per_device_io_limits_on_v1_and_v2() {
+    let limits = Limits {
+        io_devices: vec![IoDeviceLimit {
+            major: 7,
+            minor: 0,
+            read_bps: Some(1024),
+            write_iops: Some(50),
+            ..IoDeviceLimit::default()
+        }],
+        ..Limits::default()
+    };
+    let tmp = tempfile::tempdir().unwrap();
+    let h = testfs::pure_v1(tmp.path());
+    let cg = BoxCgroup::create(&h, "io-1", &limits).unwrap();
+    let p = cg.paths();
+    assert_eq!(
+        read(p["blkio"].join("blkio.throttle.read_bps_device")),
+        "7:0 1024"
+    );
+    assert_eq!(
+        read(p["blkio"].join("blkio.throttle.write_iops_device")),
+        "7:0 50"
+    );
+    cg.remove().unwrap();
+    let tmp = tempfile::tempdir().unwrap();
+    let h = testfs::pure_v2(tmp.path());
+    let cg = BoxCgroup::create(&h, "io-2", &limits).unwrap();
+    let dir = tmp.path().join(testfs::V2_REL).join("nestbox-io-2");
+    assert_eq!(read(dir.join("io.max")), "7:0 rbps=1024 wiops=50");
+    cg.remove().unwrap();
+    // A per-device weight where the kernel has no per-device weight file.
+    let weighted = Limits {
+        io_devices: vec![IoDeviceLimit {
+            major: 7,
+            minor: 0,
+            weight: Some(100),
+            ..IoDeviceLimit::default()
+        }],
+        ..Limits::default()
+    };
+    let tmp = tempfile::tempdir().unwrap();
+    let h = testfs::pure_v1(tmp.path());
+    let e = BoxCgroup::create(&h, "io-3", &weighted)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("no per-device weight file"), "{e}");
+    assert_no_box_dirs(&h, "io-3");
+}
+
+#[test]
+fn network_class_and_priorities_on_v1_only_when_asked() {
+    let limits = Limits {
+        net_class_id: Some(0x10001),
+        net_priorities: vec![NetPriority {
+            interface: "eth0".into(),
+            priority: 5,
+        }],
+        ..Limits::default()
+    };
+    let tmp = tempfile::tempdir().unwrap();
+    let h = testfs::pure_v1(tmp.path());
+    let cg = BoxCgroup::create(&h, "net-1", &limits).unwrap();
+    let p = cg.paths();
+    assert_eq!(read(p["net_cls"].join("net_cls.classid")), "65537");
+    assert_eq!(read(p["net_prio"].join("net_prio.ifpriomap")), "eth0 5");
+    cg.remove().unwrap();
+    // Without them, no net_cls/net_prio cgroup is made.
+    let cg = BoxCgroup::create(&h, "net-2", &Limits::default()).unwrap();
+    assert!(!cg.paths().contains_key("net_cls"));
+    cg.remove().unwrap();
+    // No v1 net_cls hierarchy, and v2 has none: refused, nothing made.
+    let tmp = tempfile::tempdir().unwrap();
+    let h = testfs::hybrid(tmp.path());
+    let e = BoxCgroup::create(&h, "net-3", &limits)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("net_class_id requested but the net_cls controller is not usable"),
+        "{e}"
+    );
+    assert_no_box_dirs(&h, "net-3");
+    let e = Limits {
+        net_priorities: vec![NetPriority {
+            interface: "a b".into(),
+            priority: 1,
+        }],
+        ..Limits::default()
+    }
+    .validate()
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("is not an interface name"), "{e}");
+}
+
+#[test]
+fn swappiness_and_oom_kill_disable_on_v1_refused_on_v2() {
+    let limits = Limits {
+        memory: Some(1 << 20),
+        memory_swappiness: Some(17),
+        oom_kill_disable: true,
+        ..Limits::default()
+    };
+    let tmp = tempfile::tempdir().unwrap();
+    let h = testfs::pure_v1(tmp.path());
+    let cg = BoxCgroup::create(&h, "swp-1", &limits).unwrap();
+    let p = cg.paths();
+    assert_eq!(read(p["memory"].join("memory.swappiness")), "17");
+    assert_eq!(read(p["memory"].join("memory.oom_control")), "1");
+    cg.remove().unwrap();
+    let tmp = tempfile::tempdir().unwrap();
+    let h = testfs::pure_v2(tmp.path());
+    let e = BoxCgroup::create(&h, "swp-2", &limits)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("memory_swappiness") && e.contains("no per-cgroup swappiness"),
+        "{e}"
+    );
+    assert_no_box_dirs(&h, "swp-2");
+    let e = Limits {
+        memory_swappiness: Some(101),
+        ..Limits::default()
+    }
+    .validate()
+    .unwrap_err()
+    .to_string();
+    assert!(
+        e.contains("invalid memory_swappiness=101: must be in 0..=100"),
+        "{e}"
+    );
 }
 
 fn assert_no_box_dirs(h: &Hierarchies, id: &str) {

@@ -73,6 +73,20 @@ pub(crate) fn apply(
         if let Some(w) = limits.io_weight {
             apply_blkio_weight(dir, w)?;
         }
+        apply_blkio_devices(dir, &limits.io_devices)?;
+    }
+    if has("net_cls") {
+        if let Some(id) = limits.net_class_id {
+            fsutil::write(&dir.join("net_cls.classid"), &id.to_string())?;
+        }
+    }
+    if has("net_prio") {
+        for p in &limits.net_priorities {
+            fsutil::write(
+                &dir.join("net_prio.ifpriomap"),
+                &format!("{} {}", p.interface, p.priority),
+            )?;
+        }
     }
     if has("devices") && new {
         apply_devices(dir)?;
@@ -128,6 +142,12 @@ fn apply_memory(dir: &Path, limits: &Limits) -> Result<(), CgroupError> {
         // memsw must stay >= limit_in_bytes: the memory limit is written first.
         fsutil::write(&file, &swap.to_string())?;
     }
+    if let Some(s) = limits.memory_swappiness {
+        fsutil::write(&dir.join("memory.swappiness"), &s.to_string())?;
+    }
+    if limits.oom_kill_disable {
+        fsutil::write(&dir.join("memory.oom_control"), "1")?;
+    }
     Ok(())
 }
 
@@ -145,6 +165,42 @@ fn apply_blkio_weight(dir: &Path, weight: u16) -> Result<(), CgroupError> {
             dir.display()
         ),
     })
+}
+
+/// The per-device weights and throttles of `devices` in the v1 blkio
+/// cgroup `dir`.
+fn apply_blkio_devices(
+    dir: &Path,
+    devices: &[crate::limits::IoDeviceLimit],
+) -> Result<(), CgroupError> {
+    for d in devices {
+        let dev = d.device();
+        if let Some(w) = d.weight {
+            let file = ["blkio.weight_device", "blkio.bfq.weight_device"]
+                .iter()
+                .map(|n| dir.join(n))
+                .find(|f| f.exists())
+                .ok_or_else(|| CgroupError::Unsupported {
+                    option: "io_devices",
+                    reason: format!(
+                        "the kernel's blkio controller offers no per-device weight file (neither blkio.weight_device nor blkio.bfq.weight_device in {}); weight {w} of {dev} cannot be applied",
+                        dir.display()
+                    ),
+                })?;
+            fsutil::write(&file, &format!("{dev} {w}"))?;
+        }
+        for (value, name) in [
+            (d.read_bps, "blkio.throttle.read_bps_device"),
+            (d.write_bps, "blkio.throttle.write_bps_device"),
+            (d.read_iops, "blkio.throttle.read_iops_device"),
+            (d.write_iops, "blkio.throttle.write_iops_device"),
+        ] {
+            if let Some(v) = value {
+                fsutil::write(&dir.join(name), &format!("{dev} {v}"))?;
+            }
+        }
+    }
+    Ok(())
 }
 
 /// Replaces the device rules of the v1 devices cgroup `dir`: deny every

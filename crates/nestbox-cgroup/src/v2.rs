@@ -91,6 +91,18 @@ pub(crate) fn apply(
         }
     }
     if has("memory") {
+        if limits.memory_swappiness.is_some() {
+            return Err(CgroupError::Unsupported {
+                option: "memory_swappiness",
+                reason: "cgroup v2 has no per-cgroup swappiness".into(),
+            });
+        }
+        if limits.oom_kill_disable {
+            return Err(CgroupError::Unsupported {
+                option: "oom_kill_disable",
+                reason: "cgroup v2 cannot keep the OOM killer from a cgroup".into(),
+            });
+        }
         if let Some(m) = limits.memory {
             fsutil::write(&dir.join("memory.max"), &m.to_string())?;
         }
@@ -152,6 +164,35 @@ pub(crate) fn apply(
                         dir.display()
                     ),
                 });
+            }
+        }
+        for d in &limits.io_devices {
+            let dev = d.device();
+            if let Some(w) = d.weight {
+                let file = ["io.weight", "io.bfq.weight"]
+                    .iter()
+                    .map(|n| dir.join(n))
+                    .find(|f| f.exists())
+                    .ok_or_else(|| CgroupError::Unsupported {
+                        option: "io_devices",
+                        reason: format!(
+                            "the kernel's io controller offers no weight file (neither io.weight nor io.bfq.weight in {}); weight {w} of {dev} cannot be applied",
+                            dir.display()
+                        ),
+                    })?;
+                fsutil::write(&file, &format!("{dev} {w}"))?;
+            }
+            let max: Vec<String> = [
+                (d.read_bps, "rbps"),
+                (d.write_bps, "wbps"),
+                (d.read_iops, "riops"),
+                (d.write_iops, "wiops"),
+            ]
+            .iter()
+            .filter_map(|(v, k)| v.map(|v| format!("{k}={v}")))
+            .collect();
+            if !max.is_empty() {
+                fsutil::write(&dir.join("io.max"), &format!("{dev} {}", max.join(" ")))?;
             }
         }
     }

@@ -7,15 +7,26 @@
 //! exit status when it is re-parented to the caller. A nestbox clone is a box
 //! whose processes are children of its *monitor* (through the box's init),
 //! and the monitor exits with the clone's status (128 + N when killed by
-//! signal N) once the clone has ended and the box is cleaned up. So
-//! `create` forks the clone's shell with its monitor as a child of
-//! `nestbox-runc` itself ([`CloneRequest::fork_now`]: never a pooled clone,
-//! whose monitor belongs to nobody), and reports the **monitor's** pid: when
-//! `create` exits, the monitor is adopted by the caller, which then reaps it
-//! and reads the container's exit status from it, as it reads it from runc's
-//! init. The clone's own process (the template's continued state) is recorded
-//! beside it: `kill` signals it, `exec` joins its namespaces, and `ps`,
-//! `pause`, `resume`, `update` and `events` act on the box's cgroup.
+//! signal N) once the clone has ended and the box is cleaned up. The clone's
+//! own process is a child of the box's init in the box's pid namespace: the
+//! kernel never makes it a child of the caller, so the caller could not reap
+//! it. So `create` forks a *waiter* (the pid it reports), which forks the
+//! clone's shell with the monitor as its own child ([`CloneRequest::fork_now`]:
+//! never a pooled clone, whose monitor belongs to nobody), records the
+//! container, enters the clone's mount namespace (so that tools that list a
+//! container's processes through its pid's mount namespace, `podman top`,
+//! see the clone's /proc), then waits for the monitor and exits with its
+//! status. When `create` exits, the waiter is adopted by the caller, which
+//! reaps it and reads the container's exit status from it, as it reads it
+//! from runc's init. The clone's own process (the template's continued
+//! state) is recorded beside it: `kill` signals it, `exec` joins its
+//! namespaces, and `ps`, `pause`, `resume`, `update` and `events` act on the
+//! box's cgroup.
+//!
+//! **Streams.** The clone's descriptors 0, 1 and 2 are the streams `create`
+//! was given (conmon's pipes, the shim's fifos), or with `process.terminal`
+//! the slave of a terminal whose master goes over `--console-socket` (not
+//! the clone's controlling terminal: the clone keeps the template's session).
 //!
 //! **Created, then started.** The clone is forked with `SIGSTOP` delivered
 //! as it is let go, so it runs nothing of its own between `create` and
@@ -29,7 +40,7 @@
 //! **Checkpoint and restore.** Such a container is a nestbox box, so
 //! `checkpoint` saves it with nestbox's own engine (`nestbox checkpoint -o`)
 //! and `restore` makes a new box from the image (`nestbox restore`), whose
-//! monitor is reported and reaped the same way. A cold container is a bare
+//! monitor (a child of `nestbox-runc`) is reported and reaped. A cold container is a bare
 //! process tree, which the engine does not save: refused.
 
 use std::path::{Path, PathBuf};
@@ -109,16 +120,30 @@ fn registry_of(plan: &Plan) -> Registry {
 /// Create container `opts.id` by forking template `template`: on success it
 /// is `created`, its processes stopped until `start`; on failure nothing of
 /// it is left (no record, no box).
+///
+/// The work is done by a child of this process, the container's *waiter*
+/// (the pid reported): it forks the clone (whose monitor is thus the
+/// waiter's child), records the container, enters the clone's mount
+/// namespace, reports `ok` and then waits for the monitor and exits with its
+/// status. This process returns once the waiter has reported.
 pub fn create(root: &Root, opts: &CreateOpts, plan: &Plan, template: &str) -> Result<Record> {
     if template.is_empty() {
         return Err(OciError::Unsupported(format!(
             "annotation {TEMPLATE_ANNOTATION} must name a template"
         )));
     }
-    if plan.process.terminal || opts.console_socket.is_some() {
-        return Err(OciError::Unsupported(format!(
-            "process.terminal: a container forked from a template ({TEMPLATE_ANNOTATION}) keeps its template's standard streams"
-        )));
+    match (plan.process.terminal, &opts.console_socket) {
+        (true, None) => {
+            return Err(OciError::Usage(
+                "process.terminal is true: --console-socket is required".into(),
+            ))
+        }
+        (false, Some(_)) => {
+            return Err(OciError::Usage(
+                "--console-socket given but process.terminal is false".into(),
+            ))
+        }
+        _ => {}
     }
     if opts.preserve_fds > 0 {
         return Err(OciError::Usage(format!(
@@ -130,6 +155,122 @@ pub fn create(root: &Root, opts: &CreateOpts, plan: &Plan, template: &str) -> Re
             "a container forked from a template ({TEMPLATE_ANNOTATION}) needs a process section (its process is the template's)"
         )));
     }
+    let stdio = crate::streams::for_clone(opts.console_socket.as_deref())?;
+    let (report_r, report_w) =
+        nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).map_err(|e| OciError::sys("pipe2", e))?;
+    // SAFETY: nestbox-runc is single-threaded (it starts no thread before
+    // this point), and the flags are empty: a plain fork.
+    let forked =
+        unsafe { nestbox_isolation::namespaces::fork_into(nix::sched::CloneFlags::empty()) }?;
+    match forked {
+        nestbox_sys::process::Forked::Child => {
+            drop(report_r);
+            let code = waiter(root, opts, plan, template, stdio, report_w);
+            nestbox_sys::process::exit_now(code)
+        }
+        nestbox_sys::process::Forked::Parent(waiter) => {
+            drop(report_w);
+            drop(stdio);
+            let mut text = String::new();
+            // A read error leaves `text` short: read as "the waiter died".
+            let _ = std::io::Read::read_to_string(&mut std::fs::File::from(report_r), &mut text);
+            if text == "ok" {
+                return root.load(&opts.id);
+            }
+            // It has reported its error (after undoing what it made), or died.
+            let _ = nix::sys::wait::waitpid(waiter, None);
+            if text.is_empty() {
+                remove_left_behind(root, &opts.id, plan);
+            }
+            Err(if text.is_empty() {
+                OciError::Setup {
+                    id: opts.id.clone(),
+                    message: "the container's process exited during set-up".into(),
+                }
+            } else {
+                OciError::Relayed(text)
+            })
+        }
+    }
+}
+
+/// The signals a waiter passes on to the clone's process.
+const FORWARDED_SIGNALS: &[nix::sys::signal::Signal] = {
+    use nix::sys::signal::Signal::*;
+    // (Not SIGCONT: a created clone waits, stopped, for `start`.)
+    &[SIGTERM, SIGINT, SIGHUP, SIGQUIT, SIGUSR1, SIGUSR2, SIGWINCH]
+};
+
+/// What a waiter killed before it could report (or undo) may have left of
+/// container `id`: its clone box and its record (best effort; both names
+/// are this container's alone: the record's directory was reserved by the
+/// waiter, the box is named after the runtime root and the id).
+fn remove_left_behind(root: &Root, id: &str, plan: &Plan) {
+    let reg = registry_of(plan);
+    let name = crate::create::cgroup_id(root, id);
+    if reg.load(&name).is_ok() {
+        if let Err(e) = nestbox_runtime::ops::remove(&reg, &name, true) {
+            tracing::warn!("removing the clone of a failed create: {e}");
+        }
+    }
+    let dir = root.container_dir(id);
+    if dir.exists() {
+        if let Err(e) = std::fs::remove_dir_all(&dir) {
+            tracing::warn!("removing {}: {e}", dir.display());
+        }
+    }
+}
+
+/// The waiter's life (see [`create`]): make the container, report, wait for
+/// the clone's monitor; its exit code.
+fn waiter(
+    root: &Root,
+    opts: &CreateOpts,
+    plan: &Plan,
+    template: &str,
+    stdio: [std::os::fd::OwnedFd; 3],
+    report: std::os::fd::OwnedFd,
+) -> i32 {
+    let (monitor, process) = match make(root, opts, plan, template, stdio) {
+        Ok(made) => made,
+        Err(e) => {
+            // Nothing of the container is left (make undoes it); the caller
+            // prints the error.
+            let _ = nix::unistd::write(&report, format!("{e:#}").as_bytes());
+            return 1;
+        }
+    };
+    // The caller's streams are the clone's now: the waiter keeps none of them
+    // (and writes nothing after this).
+    crate::streams::release_own();
+    if nix::unistd::write(&report, b"ok").is_err() {
+        // The caller died: it never saw the container made. The container
+        // stays, as a `create` killed after its record was saved leaves it
+        // (`delete --force` removes it).
+        tracing::warn!("create: the caller went before the container was reported");
+    }
+    drop(report);
+    // The waiter stands for the clone's process: a signal sent to the pid
+    // the caller knows goes on to it, as it would reach runc's container
+    // process (best effort: without it, `kill` still reaches the clone).
+    let forwarded = nestbox_sys::pidfd::pidfd_open(process)
+        .and_then(|fd| nestbox_sys::process::forward_signals(fd, FORWARDED_SIGNALS));
+    if let Err(e) = forwarded {
+        tracing::warn!("create: signals to the waiter will not reach the clone: {e}");
+    }
+    crate::ops::wait_exit_code(nix::unistd::Pid::from_raw(monitor))
+}
+
+/// Make the clone and record the container with this process (the waiter)
+/// as its pid, and move into the clone's mount namespace; the monitor's pid
+/// and the clone's process's. On failure nothing of the container is left.
+fn make(
+    root: &Root,
+    opts: &CreateOpts,
+    plan: &Plan,
+    template: &str,
+    stdio: [std::os::fd::OwnedFd; 3],
+) -> Result<(i32, i32)> {
     let reg = registry_of(plan);
     let dir = root.reserve(&opts.id)?;
     let name = crate::create::cgroup_id(root, &opts.id);
@@ -145,33 +286,86 @@ pub fn create(root: &Root, opts: &CreateOpts, plan: &Plan, template: &str) -> Re
         limits: (plan.limits != nestbox_cgroup::Limits::default()).then(|| plan.limits.clone()),
         on_clone_signal: Some(nix::sys::signal::Signal::SIGSTOP),
         fork_now: true,
+        stdio: Some(std::sync::Arc::new(stdio)),
         ..CloneRequest::default()
     };
     undo.reg = Some(reg.clone());
     let made = nestbox_runtime::clone::clone_template(&reg, template, &req)
         .map_err(nestbox_error(format!("{TEMPLATE_ANNOTATION} {template:?}")))?;
+    // This process holds the streams no longer: the clone has its copies.
+    drop(req);
     let cloned = made.into_iter().next().ok_or_else(|| OciError::Setup {
         id: opts.id.clone(),
         message: "the template made no clone".into(),
     })?;
     let marker = root.clone_created_marker(&opts.id);
     std::fs::write(&marker, b"").map_err(|e| OciError::io("write", &marker, e))?;
-    let rec = record(
+    let me = std::process::id() as i32;
+    let gone = || OciError::Setup {
+        id: opts.id.clone(),
+        message: "the clone ended as soon as it was forked".into(),
+    };
+    let boxed = reg
+        .load(&name)
+        .map_err(nestbox_error(format!("clone {name:?}")))?;
+    let (monitor, init) = match (boxed.state.monitor, boxed.state.init) {
+        (Some(m), Some(i)) => (m.pid, i.pid),
+        _ => return Err(gone()),
+    };
+    // The clone's mount namespace, opened while the clone certainly lives.
+    let ns_path = PathBuf::from(format!("/proc/{init}/ns/mnt"));
+    let mnt = std::fs::File::open(&ns_path).map_err(|_| gone())?;
+    let (_, my_start) = state::proc_stat(me).ok_or_else(|| OciError::Setup {
+        id: opts.id.clone(),
+        message: "cannot read the waiter's own start time".into(),
+    })?;
+    record(
         root,
         opts,
         plan,
         &reg,
         template,
         &name,
+        (me, my_start),
         cloned.pid,
         cloned.others.clone(),
     )?;
+    // Last, as it changes what paths mean: the waiter enters the clone's
+    // mount namespace, so that a tool that lists a container's processes
+    // through the reported pid's mount namespace (`podman top`: the /proc
+    // mounted there) lists the clone's.
+    if let Err(e) = enter_mount_namespace(&mnt) {
+        if let Some(p) = &opts.pid_file {
+            let _ = std::fs::remove_file(p);
+        }
+        return Err(OciError::sys(
+            format!("setns(mnt) {} (the clone's)", ns_path.display()),
+            e,
+        ));
+    }
     undo.forget();
-    Ok(rec)
+    Ok((monitor, cloned.pid))
+}
+
+/// Join the mount namespace `ns`. `setns` refuses (`EINVAL`) while another
+/// thread shares this process's file-system information: a helper thread of
+/// the clone, joined already, may take a moment more to release it.
+fn enter_mount_namespace(ns: &std::fs::File) -> std::result::Result<(), nix::errno::Errno> {
+    use std::os::fd::AsFd;
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(1);
+    loop {
+        match nestbox_sys::ns::enter(ns.as_fd(), nestbox_sys::ns::Namespace::Mnt) {
+            Err(nix::errno::Errno::EINVAL) if std::time::Instant::now() < deadline => {
+                std::thread::sleep(std::time::Duration::from_millis(1));
+            }
+            other => return other,
+        }
+    }
 }
 
 /// Record container `opts.id`, the box `name` of `reg` whose process is
-/// `process`: run the create-stage hooks, save the record and the pid file.
+/// `process`, reported as `pid` (with its start time): run the create-stage
+/// hooks, save the record and the pid file.
 #[allow(clippy::too_many_arguments)]
 fn record(
     root: &Root,
@@ -180,18 +374,15 @@ fn record(
     reg: &Registry,
     template: &str,
     name: &str,
+    pid: (i32, u64),
     process: i32,
     others: Vec<i32>,
 ) -> Result<Record> {
     let roots = reg.roots();
-    let boxed = reg
-        .load(name)
-        .map_err(nestbox_error(format!("clone {name:?}")))?;
     let gone = || OciError::Setup {
         id: opts.id.clone(),
         message: "the clone ended as soon as it was forked".into(),
     };
-    let monitor = boxed.state.monitor.ok_or_else(gone)?;
     let (_, process_start) = state::proc_stat(process).ok_or_else(gone)?;
     let link = CloneLink {
         run: roots.run.clone(),
@@ -202,10 +393,13 @@ fn record(
         process_start,
         others,
     };
+    let boxed = reg
+        .load(name)
+        .map_err(nestbox_error(format!("clone {name:?}")))?;
     let rec = Record {
         id: opts.id.clone(),
-        pid: monitor.pid,
-        start_time: monitor.start_time,
+        pid: pid.0,
+        start_time: pid.1,
         bundle: plan.bundle.clone(),
         rootfs: plan.rootfs.clone(),
         created: state::now_rfc3339(),
@@ -388,7 +582,25 @@ pub fn restore(root: &Root, opts: &CreateOpts, image: &Path) -> Result<Record> {
     let monitor = reg.load(&name).ok().and_then(|b| b.state.monitor);
     reap_helpers(monitor.map(|m| m.pid));
     let restored = restored.map_err(nestbox_error(format!("restore of {}", image.display())))?;
-    let rec = record(root, opts, &plan, &reg, "", &name, restored.pid, Vec::new())?;
+    let monitor = reg
+        .load(&name)
+        .ok()
+        .and_then(|b| b.state.monitor)
+        .ok_or_else(|| OciError::Setup {
+            id: opts.id.clone(),
+            message: "the clone ended as soon as it was forked".into(),
+        })?;
+    let rec = record(
+        root,
+        opts,
+        &plan,
+        &reg,
+        "",
+        &name,
+        (monitor.pid, monitor.start_time),
+        restored.pid,
+        Vec::new(),
+    )?;
     undo.forget();
     hooks::run_warning(
         "poststart",

@@ -6,6 +6,7 @@
 
 use std::io::IoSlice;
 use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::unix::fs::OpenOptionsExt;
 use std::os::unix::net::UnixStream;
 use std::path::Path;
 
@@ -22,9 +23,8 @@ pub fn connect(path: &Path) -> Result<UnixStream> {
 }
 
 /// Open a terminal (through the calling process's `/dev/ptmx`), send its
-/// master over `socket`, and make its slave the caller's stdio and
-/// controlling terminal (the caller must lead a new session).
-pub fn attach(socket: &UnixStream) -> Result<()> {
+/// master over `socket` and give its slave side.
+pub fn open_and_send(socket: &UnixStream) -> Result<OwnedFd> {
     let master = posix_openpt(OFlag::O_RDWR | OFlag::O_NOCTTY | OFlag::O_CLOEXEC)
         .map_err(|e| OciError::sys("open /dev/ptmx", e))?;
     grantpt(&master).map_err(|e| OciError::sys("grantpt", e))?;
@@ -33,6 +33,7 @@ pub fn attach(socket: &UnixStream) -> Result<()> {
     let slave: OwnedFd = std::fs::OpenOptions::new()
         .read(true)
         .write(true)
+        .custom_flags(libc::O_NOCTTY)
         .open(&name)
         .map_err(|e| OciError::io("open terminal", &name, e))?
         .into();
@@ -41,7 +42,14 @@ pub fn attach(socket: &UnixStream) -> Result<()> {
     let iov = [IoSlice::new(name.as_bytes())];
     sendmsg::<()>(socket.as_raw_fd(), &iov, &cmsg, MsgFlags::empty(), None)
         .map_err(|e| OciError::sys("send the terminal over the console socket", e))?;
-    drop(master);
+    Ok(slave)
+}
+
+/// Open a terminal (through the calling process's `/dev/ptmx`), send its
+/// master over `socket`, and make its slave the caller's stdio and
+/// controlling terminal (the caller must lead a new session).
+pub fn attach(socket: &UnixStream) -> Result<()> {
+    let slave = open_and_send(socket)?;
     for target in 0..=2 {
         nix::unistd::dup2(slave.as_raw_fd(), target)
             .map_err(|e| OciError::sys("dup2 terminal", e))?;

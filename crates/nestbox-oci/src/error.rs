@@ -53,14 +53,14 @@ pub enum OciError {
     #[error("{0}")]
     Usage(String),
     /// A file operation failed.
-    #[error("{what} {path}: {source}")]
+    #[error("{what} {path}: {error}")]
     Io {
         /// What was being done.
         what: &'static str,
         /// On which path.
         path: PathBuf,
         /// The error.
-        source: std::io::Error,
+        error: std::io::Error,
     },
     /// A system call failed.
     #[error("{call}: {errno}")]
@@ -78,6 +78,10 @@ pub enum OciError {
         /// The report of its process.
         message: String,
     },
+    /// An error reported by a container's waiting process (a container
+    /// forked from a template), as it printed it.
+    #[error("{0}")]
+    Relayed(String),
     /// A hook failed.
     #[error("{stage} hook {path}: {message}")]
     Hook {
@@ -89,11 +93,11 @@ pub enum OciError {
         message: String,
     },
     /// A cgroup operation failed.
-    #[error("cgroup: {0}")]
-    Cgroup(#[from] nestbox_cgroup::CgroupError),
+    #[error("{0}")]
+    Cgroup(nestbox_cgroup::CgroupError),
     /// A seccomp section could not be translated.
     #[error("linux.seccomp: {0}")]
-    Seccomp(#[from] nestbox_seccomp::SeccompError),
+    Seccomp(nestbox_seccomp::SeccompError),
     /// A nestbox operation (a clone from a template, its removal) failed.
     #[error("{what}: {error}")]
     Nestbox {
@@ -104,7 +108,28 @@ pub enum OciError {
     },
     /// An isolation step failed.
     #[error("{0}")]
-    Isolation(#[from] nestbox_isolation::IsolationError),
+    Isolation(nestbox_isolation::IsolationError),
+}
+
+// The errors a variant wraps are part of its message and not given as its
+// source: the command line prints an error with its chain of sources, which
+// would repeat them.
+impl From<nestbox_cgroup::CgroupError> for OciError {
+    fn from(e: nestbox_cgroup::CgroupError) -> Self {
+        OciError::Cgroup(e)
+    }
+}
+
+impl From<nestbox_seccomp::SeccompError> for OciError {
+    fn from(e: nestbox_seccomp::SeccompError) -> Self {
+        OciError::Seccomp(e)
+    }
+}
+
+impl From<nestbox_isolation::IsolationError> for OciError {
+    fn from(e: nestbox_isolation::IsolationError) -> Self {
+        OciError::Isolation(e)
+    }
 }
 
 impl OciError {
@@ -113,7 +138,7 @@ impl OciError {
         OciError::Io {
             what,
             path: path.into(),
-            source,
+            error: source,
         }
     }
 

@@ -31,5 +31,6 @@ pub mod mounts;
 pub mod ops;
 pub mod resources;
 pub mod state;
+pub mod streams;
 
 pub use error::{OciError, Result};

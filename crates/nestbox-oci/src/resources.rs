@@ -23,12 +23,9 @@ pub fn limits(resources: Option<&LinuxResources>) -> Result<Limits> {
         l.memory = m.limit().filter(|v| *v > 0).map(|v| v as u64);
         l.memory_swap = m.swap().filter(|v| *v != 0);
         l.memory_reserve = m.reservation().filter(|v| *v > 0).map(|v| v as u64);
-        if m.swappiness().is_some() {
-            return Err(refuse("memory.swappiness"));
-        }
-        if m.disable_oom_killer() == Some(true) {
-            return Err(refuse("memory.disableOOMKiller"));
-        }
+        // A swappiness above 100 is refused by Limits::validate, naming it.
+        l.memory_swappiness = m.swappiness();
+        l.oom_kill_disable = m.disable_oom_killer() == Some(true);
         if m.use_hierarchy().is_some() || m.check_before_update().is_some() {
             return Err(refuse("memory.useHierarchy/checkBeforeUpdate"));
         }
@@ -59,28 +56,98 @@ pub fn limits(resources: Option<&LinuxResources>) -> Result<Limits> {
     }
     if let Some(b) = r.block_io() {
         l.io_weight = b.weight();
-        if b.weight_device().as_ref().is_some_and(|v| !v.is_empty())
-            || b.throttle_read_bps_device()
-                .as_ref()
-                .is_some_and(|v| !v.is_empty())
-            || b.throttle_write_bps_device()
-                .as_ref()
-                .is_some_and(|v| !v.is_empty())
-        {
-            return Err(refuse("blockIO per-device limits"));
-        }
+        l.io_devices = io_devices(b)?;
     }
     if r.hugepage_limits().as_ref().is_some_and(|v| !v.is_empty()) {
         return Err(refuse("hugepageLimits"));
     }
-    if r.network().is_some() {
-        return Err(refuse("network"));
+    if let Some(n) = r.network() {
+        l.net_class_id = n.class_id();
+        l.net_priorities = n
+            .priorities()
+            .iter()
+            .flatten()
+            .map(|p| nestbox_cgroup::NetPriority {
+                interface: p.name().clone(),
+                priority: p.priority(),
+            })
+            .collect();
     }
     if r.rdma().as_ref().is_some_and(|v| !v.is_empty()) {
         return Err(refuse("rdma"));
     }
     l.validate()?;
     Ok(l)
+}
+
+/// The per-device limits of `blockIO`: one entry per device, its weight and
+/// throttles gathered. Leaf weights are refused: Linux has had none since
+/// 5.0 (they were CFQ's), on cgroup v1 or v2.
+fn io_devices(b: &oci_spec::runtime::LinuxBlockIo) -> Result<Vec<nestbox_cgroup::IoDeviceLimit>> {
+    if b.leaf_weight().is_some()
+        || b.weight_device()
+            .iter()
+            .flatten()
+            .any(|d| d.leaf_weight().is_some())
+    {
+        return Err(OciError::Unsupported(
+            "linux.resources.blockIO.leafWeight is not supported: Linux has no leaf weights since 5.0 (CFQ was removed)".into(),
+        ));
+    }
+    let mut out: Vec<nestbox_cgroup::IoDeviceLimit> = Vec::new();
+    let mut entry = |field: &str, major: i64, minor: i64| -> Result<usize> {
+        let (Ok(major), Ok(minor)) = (u32::try_from(major), u32::try_from(minor)) else {
+            return Err(OciError::Unsupported(format!(
+                "linux.resources.blockIO.{field}: device {major}:{minor} is not a device number"
+            )));
+        };
+        Ok(
+            match out
+                .iter()
+                .position(|d| (d.major, d.minor) == (major, minor))
+            {
+                Some(i) => i,
+                None => {
+                    out.push(nestbox_cgroup::IoDeviceLimit {
+                        major,
+                        minor,
+                        ..Default::default()
+                    });
+                    out.len() - 1
+                }
+            },
+        )
+    };
+    let mut weights = Vec::new();
+    for d in b.weight_device().iter().flatten() {
+        if let Some(w) = d.weight() {
+            weights.push((entry("weightDevice", d.major(), d.minor())?, w));
+        }
+    }
+    let mut throttles = Vec::new();
+    for (field, list, which) in [
+        ("throttleReadBpsDevice", b.throttle_read_bps_device(), 0),
+        ("throttleWriteBpsDevice", b.throttle_write_bps_device(), 1),
+        ("throttleReadIOPSDevice", b.throttle_read_iops_device(), 2),
+        ("throttleWriteIOPSDevice", b.throttle_write_iops_device(), 3),
+    ] {
+        for d in list.iter().flatten() {
+            throttles.push((entry(field, d.major(), d.minor())?, which, d.rate()));
+        }
+    }
+    for (i, w) in weights {
+        out[i].weight = Some(w);
+    }
+    for (i, which, rate) in throttles {
+        let d = &mut out[i];
+        match which {
+            0 => d.read_bps = Some(rate),
+            1 => d.write_bps = Some(rate),
+            2 => d.read_iops = Some(rate),
+            _ => d.write_iops = Some(rate),
+        }
+    }
+    Ok(out)
 }
 
 /// The device-cgroup rules of `resources.devices`, checked (`None` when the

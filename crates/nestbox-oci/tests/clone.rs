@@ -93,16 +93,26 @@ fn clone_from_template_through_the_annotation() {
     }
     let (t, frozen, env) = annotated_bundle();
     let pid_file = env.tmp().join("pid");
+    // create's standard output is a file read later: the clone's output
+    // must arrive there, as conmon's pipe gets it.
+    let out_path = env.tmp().join("c1.out");
     let created = Instant::now();
-    env.runc(&[
-        "create",
-        "--bundle",
-        env.bundle.to_str().unwrap(),
-        "--pid-file",
-        pid_file.to_str().unwrap(),
-        "c1",
-    ])
-    .ok();
+    let status = std::process::Command::new(common::RUNC)
+        .args([
+            "--root",
+            env.root.to_str().unwrap(),
+            "create",
+            "--bundle",
+            env.bundle.to_str().unwrap(),
+            "--pid-file",
+            pid_file.to_str().unwrap(),
+            "c1",
+        ])
+        .stdin(std::process::Stdio::null())
+        .stdout(std::fs::File::create(&out_path).unwrap())
+        .status()
+        .unwrap();
+    assert!(status.success(), "create: {status}");
     eprintln!("create from the template: {:?}", created.elapsed());
     let s = env.state("c1");
     assert_eq!(s["status"], "created", "{s}");
@@ -112,7 +122,7 @@ fn clone_from_template_through_the_annotation() {
         std::fs::read_to_string(&pid_file).unwrap(),
         monitor.to_string()
     );
-    // The reported pid is the clone's monitor, now this subreaper's child.
+    // The reported pid is the container's waiter, now this subreaper's child.
     let ppid = std::fs::read_to_string(format!("/proc/{monitor}/stat")).unwrap();
     let ppid: i64 = ppid[ppid.rfind(')').unwrap() + 2..]
         .split_whitespace()
@@ -123,7 +133,7 @@ fn clone_from_template_through_the_annotation() {
     assert_eq!(
         ppid,
         i64::from(std::process::id() as i32),
-        "monitor's parent"
+        "waiter's parent"
     );
     // The clone is a box of the template's root; its processes are the
     // container's.
@@ -142,6 +152,14 @@ fn clone_from_template_through_the_annotation() {
         .iter()
         .find(|p| read_count(**p).is_some() && proc_state(**p) == 'T')
         .unwrap_or_else(|| panic!("no stopped counting process among {procs:?}"));
+    // The reported pid is in the clone's mount namespace, whose /proc lists
+    // the clone's processes (what `podman top` reads): its root is the
+    // clone's root, and its /proc shows the clone's process as pid 2.
+    let mnt = |pid: i64| std::fs::read_link(format!("/proc/{pid}/ns/mnt")).unwrap();
+    assert_eq!(mnt(monitor), mnt(process), "the waiter's mount namespace");
+    let comm =
+        std::fs::read_to_string(format!("/proc/{monitor}/root/proc/2/comm")).unwrap_or_default();
+    assert_eq!(comm.trim(), "python3", "pid 2 in the waiter's /proc");
     // Created: stopped, the count where the template left it.
     // (The template runs for a moment while it is forked: its count may
     // have moved on by a step or two since it was frozen.)
@@ -153,8 +171,32 @@ fn clone_from_template_through_the_annotation() {
     let template_count = read_count(template_pid(&t)).unwrap();
     std::thread::sleep(Duration::from_millis(100));
     assert_eq!(read_count(process), Some(before), "counted before start");
+    assert_eq!(
+        std::fs::read_to_string(&out_path).unwrap(),
+        "",
+        "output before start"
+    );
     env.runc(&["start", "c1"]).ok();
     assert_eq!(env.state("c1")["status"], "running");
+    // What the clone prints reaches create's standard output, counted on
+    // from the template's number.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let printed = loop {
+        let text = std::fs::read_to_string(&out_path).unwrap();
+        let last = text
+            .lines()
+            .rev()
+            .find_map(|l| l.strip_prefix("count ")?.parse::<u64>().ok());
+        if let Some(n) = last.filter(|n| *n > before) {
+            break n;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no output of the clone on create's stdout: {text:?}"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    };
+    assert!(printed >= frozen, "printed {printed}, template's {frozen}");
     // Running: it goes on from the template's number (a cold start would
     // begin at 1).
     let deadline = Instant::now() + Duration::from_secs(10);
@@ -191,6 +233,71 @@ fn clone_from_template_through_the_annotation() {
     assert_eq!(reap(monitor), 128 + libc::SIGKILL);
     assert_eq!(t.boxes(), vec!["tpl".to_string()], "clone box left");
 
+    // A signal sent to the reported pid itself (not through `kill`) reaches
+    // the clone's process, as it would reach runc's container process.
+    env.runc(&["create", "--bundle", env.bundle.to_str().unwrap(), "c7"])
+        .ok();
+    env.runc(&["start", "c7"]).ok();
+    let waiter = env.state("c7")["pid"].as_i64().unwrap();
+    let record: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(env.root.join("c7").join("state.json")).unwrap(),
+    )
+    .unwrap();
+    let process = record["clone"]["process"].as_i64().unwrap();
+    let waiter_pid = nix::unistd::Pid::from_raw(waiter as i32);
+    nix::sys::signal::kill(waiter_pid, nix::sys::signal::Signal::SIGTERM).unwrap();
+    // The waiter exits (it is not killed) with the status of the clone,
+    // which SIGTERM ended.
+    assert_eq!(
+        nix::sys::wait::waitpid(waiter_pid, None).unwrap(),
+        nix::sys::wait::WaitStatus::Exited(waiter_pid, 128 + libc::SIGTERM),
+        "the waiter's status"
+    );
+    assert!(
+        !std::path::Path::new(&format!("/proc/{process}")).exists(),
+        "the clone's process lives on"
+    );
+    env.runc(&["delete", "c7"]).ok();
+    assert_eq!(t.boxes(), vec!["tpl".to_string()], "clone box left");
+
+    // A foreground `run`: it waits for the waiter (its child), prints what
+    // the clone prints, exits with the clone's status and deletes it.
+    let run_out = env.tmp().join("c5.out");
+    let mut run = std::process::Command::new(common::RUNC)
+        .args([
+            "--root",
+            env.root.to_str().unwrap(),
+            "run",
+            "--bundle",
+            env.bundle.to_str().unwrap(),
+            "c5",
+        ])
+        .stdin(std::process::Stdio::null())
+        .stdout(std::fs::File::create(&run_out).unwrap())
+        .spawn()
+        .unwrap();
+    // (It does not exist until run's create has made it.)
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !env.runc(&["state", "c5"]).stdout.contains("\"running\"") {
+        assert!(Instant::now() < deadline, "c5 never ran");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    while !std::fs::read_to_string(&run_out)
+        .unwrap()
+        .contains("count ")
+    {
+        assert!(
+            Instant::now() < deadline,
+            "run printed nothing of the clone"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    env.runc(&["kill", "c5", "TERM"]).ok();
+    let status = run.wait().unwrap();
+    assert_eq!(status.code(), Some(128 + libc::SIGTERM), "run's status");
+    env.runc(&["state", "c5"]).fails_with("does not exist");
+    assert_eq!(t.boxes(), vec!["tpl".to_string()], "clone box left");
+
     // Bad annotations: one line, nothing left.
     env.edit(|c| c["annotations"]["nestbox.template"] = json!("nope"));
     env.runc(&["create", "--bundle", env.bundle.to_str().unwrap(), "c3"])
@@ -198,13 +305,55 @@ fn clone_from_template_through_the_annotation() {
     env.edit(|c| c["annotations"]["nestbox.template"] = json!(""));
     env.runc(&["create", "--bundle", env.bundle.to_str().unwrap(), "c3"])
         .fails_with("must name a template");
+    // The waiter killed while it makes the container (by a createRuntime
+    // hook, which it runs): create fails in one line and removes what the
+    // waiter had made (the clone's box, the record).
     env.edit(|c| {
         c["annotations"]["nestbox.template"] = json!("tpl");
+        c["hooks"] = json!({"createRuntime": [
+            {"path": "/bin/sh", "args": ["sh", "-c", "kill -9 $PPID"]}]});
+    });
+    env.runc(&["create", "--bundle", env.bundle.to_str().unwrap(), "c6"])
+        .fails_with("the container's process exited during set-up");
+    env.runc(&["state", "c6"]).fails_with("does not exist");
+    assert!(!env.root.join("c6").exists(), "record left");
+    assert_eq!(t.boxes(), vec!["tpl".to_string()], "box left");
+    env.edit(|c| {
+        c.as_object_mut().unwrap().remove("hooks");
         c["process"]["terminal"] = json!(true);
     });
     env.runc(&["create", "--bundle", env.bundle.to_str().unwrap(), "c3"])
-        .fails_with("keeps its template's standard streams");
+        .fails_with("process.terminal is true: --console-socket is required");
     env.runc(&["state", "c3"]).fails_with("does not exist");
+    assert_eq!(t.boxes(), vec!["tpl".to_string()], "box left");
+
+    // With a terminal: the clone writes on the terminal whose master came
+    // over the console socket.
+    let sock = env.tmp().join("console.sock");
+    let listener = std::os::unix::net::UnixListener::bind(&sock).unwrap();
+    env.runc(&[
+        "create",
+        "--bundle",
+        env.bundle.to_str().unwrap(),
+        "--console-socket",
+        sock.to_str().unwrap(),
+        "c4",
+    ])
+    .ok();
+    let mut master = std::fs::File::from(common::receive_terminal(&listener));
+    env.runc(&["start", "c4"]).ok();
+    let mut seen = String::new();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !seen.contains("count ") && Instant::now() < deadline {
+        use std::io::Read;
+        let mut b = [0u8; 256];
+        let n = master.read(&mut b).unwrap();
+        seen.push_str(&String::from_utf8_lossy(&b[..n]));
+    }
+    assert!(seen.contains("count "), "{seen:?}");
+    let waiter = env.state("c4")["pid"].as_i64().unwrap();
+    env.runc(&["delete", "--force", "c4"]).ok();
+    assert_eq!(reap(waiter), 128 + libc::SIGKILL);
     assert_eq!(t.boxes(), vec!["tpl".to_string()], "box left");
 }
 

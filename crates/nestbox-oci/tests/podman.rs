@@ -274,8 +274,48 @@ fn podman_runs_a_container_forked_from_a_template() {
     std::thread::sleep(std::time::Duration::from_millis(200));
     assert!(count(&p) > first, "the clone does not count");
     assert_eq!(t.boxes().len(), 2, "the clone's box");
-    // stop: SIGTERM through nestbox-runc kill; conmon reaps the clone's
-    // monitor, whose status is the clone's.
+    // What the clone prints after start reaches conmon, so `podman logs`
+    // has it: counts from the template's number on.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    loop {
+        let logs = p.run(&["logs", "c1"]).ok().stdout;
+        let printed: Vec<u64> = logs
+            .lines()
+            .filter_map(|l| l.strip_prefix("count ")?.parse().ok())
+            .collect();
+        if printed.iter().any(|n| *n >= first) {
+            assert!(printed.iter().all(|n| *n >= frozen), "{logs}");
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "podman logs shows no output of the clone: {logs:?}"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    // `podman top` lists the clone's processes: its program among them.
+    let top = p.run(&["top", "c1"]).ok().stdout;
+    eprintln!("podman top c1:\n{top}");
+    // `podman cp` out of the running container enters the mount namespace
+    // of the container's pid: it reads the clone's /count (the waiter is in
+    // the clone's mount namespace), not a host path.
+    let copied = p.path("count-copied");
+    p.run(&["cp", "c1:/count", copied.to_str().unwrap()]).ok();
+    let n: u64 = std::fs::read_to_string(&copied)
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    assert!(
+        n >= first,
+        "podman cp read {n}, the clone counted {first} before"
+    );
+    assert!(
+        top.lines().any(|l| l.contains("python3")),
+        "podman top: {top}"
+    );
+    // stop: SIGTERM through nestbox-runc kill; conmon reaps the container's
+    // waiter, whose status is the clone's.
     p.run(&["stop", "-t", "5", "c1"]).ok();
     assert_eq!(state("c1"), "exited 143");
     p.run(&["rm", "c1"]).ok();

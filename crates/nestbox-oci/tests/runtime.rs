@@ -119,6 +119,21 @@ fn bad_input_fails_clearly_and_leaves_nothing() {
     let env = Env::new(&["no-such-program"]);
     env.create("b1").fails_with("executable file not found");
     assert!(!env.root.join("b1").exists());
+    // An I/O error is said once (not repeated as its source).
+    let out = common::run(
+        common::RUNC,
+        &[
+            "--root",
+            "/proc/nestbox-no-such-dir",
+            "create",
+            "--bundle",
+            env.bundle.to_str().unwrap(),
+            "b0",
+        ],
+        None,
+    )
+    .fails_with("/proc/nestbox-no-such-dir");
+    assert_eq!(out.stderr.matches("No such file").count(), 1, "{out}");
     assert!(!common::cgroup_exists(&env.cgroup_name("b1")));
     env.edit(|c| c["process"]["args"] = json!(["sleep", "100"]));
     env.create("b/1").fails_with("invalid container id");
@@ -450,9 +465,12 @@ fn cgroup_limits_from_resources() {
     let out = inside(
         &env,
         "cat /sys/fs/cgroup/memory/memory.limit_in_bytes /sys/fs/cgroup/pids/pids.max; \
-         cat /proc/self/cgroup | grep memory",
+         cat /proc/self/cgroup | grep memory; \
+         cat /sys/fs/cgroup/memory/memory.swappiness; \
+         grep oom_kill_disable /sys/fs/cgroup/memory/memory.oom_control",
         |c| {
-            c["linux"]["resources"] = json!({"memory": {"limit": 67108864}, "pids": {"limit": 20}});
+            c["linux"]["resources"] = json!({"memory": {"limit": 67108864, "swappiness": 17,
+                "disableOOMKiller": true}, "pids": {"limit": 20}});
             c["mounts"].as_array_mut().unwrap().push(json!({"destination": "/sys/fs/cgroup",
                 "type": "cgroup", "source": "cgroup", "options": ["nosuid", "noexec", "nodev", "ro"]}));
         },
@@ -461,6 +479,80 @@ fn cgroup_limits_from_resources() {
     assert_eq!(lines[0], "67108864", "{out}");
     assert_eq!(lines[1], "20");
     assert!(lines[2].ends_with(":memory:/"), "{out}");
+    assert_eq!(lines[3], "17", "memory.swappiness: {out}");
+    assert_eq!(lines[4], "oom_kill_disable 1", "{out}");
+    // A swappiness above 100 is refused, naming it; nothing is left.
+    env.edit(|c| {
+        c["linux"]["resources"] = json!({"memory": {"swappiness": 101}});
+    });
+    env.create("m2")
+        .fails_with("invalid memory_swappiness=101: must be in 0..=100");
+    env.runc(&["state", "m2"]).fails_with("does not exist");
+    // linux.resources.network goes to the v1 net_cls/net_prio controllers;
+    // where there is none (cgroup v2 has no such controller), the config is
+    // refused naming what is missing, and nothing is left.
+    if !std::path::Path::new("/sys/fs/cgroup/net_cls").exists() {
+        env.edit(|c| {
+            c["linux"]["resources"] = json!({"network": {"classID": 1048577,
+                "priorities": [{"name": "lo", "priority": 3}]}});
+        });
+        let out = env
+            .create("m3")
+            .fails_with("net_class_id requested but the net_cls controller is not usable");
+        // Said once: the wrapped error is not repeated as its source.
+        assert!(
+            out.stderr.starts_with("nestbox-runc: cgroup: net_class_id"),
+            "{out}"
+        );
+        assert_eq!(out.stderr.matches("net_class_id").count(), 1, "{out}");
+        env.runc(&["state", "m3"]).fails_with("does not exist");
+    }
+}
+
+#[test]
+fn block_io_limits_per_device() {
+    if !ready("block_io_limits_per_device") {
+        return;
+    }
+    // loop0 (7:0) exists on these machines whether attached or not.
+    if !std::path::Path::new("/sys/block/loop0").exists() {
+        return nestbox_testkit::skip("block_io_limits_per_device", "needs /dev/loop0");
+    }
+    let env = Env::new(&["true"]);
+    let out = inside(
+        &env,
+        "cd /sys/fs/cgroup/blkio; cat blkio.throttle.read_bps_device blkio.throttle.write_bps_device \
+         blkio.throttle.read_iops_device blkio.throttle.write_iops_device",
+        |c| {
+            c["linux"]["resources"] = json!({"blockIO": {
+                "throttleReadBpsDevice": [{"major": 7, "minor": 0, "rate": 1048576}],
+                "throttleWriteBpsDevice": [{"major": 7, "minor": 0, "rate": 2097152}],
+                "throttleReadIOPSDevice": [{"major": 7, "minor": 0, "rate": 300}],
+                "throttleWriteIOPSDevice": [{"major": 7, "minor": 0, "rate": 400}]}});
+            c["mounts"].as_array_mut().unwrap().push(json!({"destination": "/sys/fs/cgroup",
+                "type": "cgroup", "source": "cgroup", "options": ["nosuid", "noexec", "nodev", "ro"]}));
+        },
+    );
+    assert_eq!(
+        out.lines().collect::<Vec<_>>(),
+        ["7:0 1048576", "7:0 2097152", "7:0 300", "7:0 400"],
+        "{out}"
+    );
+    // Leaf weights: the kernel has none; refused, nothing left.
+    env.edit(|c| {
+        c["linux"]["resources"] = json!({"blockIO": {"leafWeight": 300}});
+    });
+    env.create("b2")
+        .fails_with("blockIO.leafWeight is not supported");
+    env.runc(&["state", "b2"]).fails_with("does not exist");
+    // A device number that is not one: refused, naming the field.
+    env.edit(|c| {
+        c["linux"]["resources"] = json!({"blockIO": {
+            "throttleReadBpsDevice": [{"major": -1, "minor": 0, "rate": 1}]}});
+    });
+    env.create("b3")
+        .fails_with("blockIO.throttleReadBpsDevice: device -1:0 is not a device number");
+    env.runc(&["state", "b3"]).fails_with("does not exist");
 }
 
 #[test]
@@ -554,7 +646,6 @@ fn terminal_goes_over_the_console_socket() {
     if !ready("terminal_goes_over_the_console_socket") {
         return;
     }
-    use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
     let env = Env::new(&["sh", "-c", "tty; echo hi-from-tty; sleep 1000"]);
     env.edit(|c| c["process"]["terminal"] = json!(true));
     let sock = env.tmp().join("console.sock");
@@ -568,27 +659,7 @@ fn terminal_goes_over_the_console_socket() {
         "t1",
     ])
     .ok();
-    let (conn, _) = listener.accept().unwrap();
-    let mut buf = [0u8; 256];
-    let mut space = nix::cmsg_space!([std::os::fd::RawFd; 1]);
-    let mut iov = [std::io::IoSliceMut::new(&mut buf)];
-    let msg = nix::sys::socket::recvmsg::<()>(
-        conn.as_raw_fd(),
-        &mut iov,
-        Some(&mut space),
-        nix::sys::socket::MsgFlags::empty(),
-    )
-    .unwrap();
-    let fd = msg
-        .cmsgs()
-        .unwrap()
-        .find_map(|c| match c {
-            nix::sys::socket::ControlMessageOwned::ScmRights(fds) => fds.first().copied(),
-            _ => None,
-        })
-        .expect("a terminal fd");
-    // SAFETY: the fd was just received and is owned by nothing else.
-    let master = unsafe { OwnedFd::from_raw_fd(fd) };
+    let master = common::receive_terminal(&listener);
     env.runc(&["start", "t1"]).ok();
     let mut seen = String::new();
     let deadline = Instant::now() + Duration::from_secs(10);

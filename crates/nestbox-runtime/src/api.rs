@@ -370,6 +370,7 @@ fn handle(reg: &Registry, line: &str, idle: &mut IdleWork) -> Result<(Value, Fol
                 network: None,
                 disk: None,
                 fork_now: false,
+                stdio: None,
             };
             idle.want(&template);
             let mut follow_up = FollowUp::default();

@@ -198,6 +198,12 @@ fn limits() -> impl Strategy<Value = nestbox_cgroup::Limits> {
                     cpu_reserve: cpus.map(|c| c / 2.0),
                     cpuset_cpus,
                     io_weight,
+                    // From the weight: in range (0..=100) and out of it alike.
+                    memory_swappiness: io_weight.map(|w| u64::from(w % 128)),
+                    oom_kill_disable: pids.is_some_and(|p| p % 2 == 0),
+                    io_devices: Vec::new(),
+                    net_class_id: None,
+                    net_priorities: Vec::new(),
                 }
             },
         )

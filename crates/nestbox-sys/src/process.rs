@@ -134,6 +134,47 @@ pub fn reset_signal_dispositions() {
     let _ = sigprocmask(SigmaskHow::SIG_SETMASK, Some(&SigSet::empty()), None);
 }
 
+/// The pidfd [`forward_signals`] sends to (-1: none).
+static FORWARD_TO: std::sync::atomic::AtomicI32 = std::sync::atomic::AtomicI32::new(-1);
+
+extern "C" fn forward_signal(sig: libc::c_int) {
+    let fd = FORWARD_TO.load(std::sync::atomic::Ordering::Relaxed);
+    if fd >= 0 {
+        // SAFETY: pidfd_send_signal is a plain system call (async-signal-safe);
+        // a null info is allowed; a failure (the process gone) is ignored.
+        unsafe {
+            libc::syscall(
+                libc::SYS_pidfd_send_signal,
+                fd,
+                sig,
+                std::ptr::null::<libc::siginfo_t>(),
+                0,
+            );
+        }
+    }
+}
+
+/// From now on, pass each of `signals` the calling process receives on to
+/// the process `pidfd` refers to (which a pid could not name for sure: it
+/// may be reused) instead of acting on it. The descriptor is kept open for
+/// the rest of this process's life. For a process that stands for another
+/// (nestbox-runc's waiter of a container forked from a template).
+pub fn forward_signals(pidfd: OwnedFd, signals: &[nix::sys::signal::Signal]) -> Result<()> {
+    use std::os::fd::IntoRawFd;
+    FORWARD_TO.store(pidfd.into_raw_fd(), std::sync::atomic::Ordering::Relaxed);
+    let action = nix::sys::signal::SigAction::new(
+        nix::sys::signal::SigHandler::Handler(forward_signal),
+        nix::sys::signal::SaFlags::SA_RESTART,
+        nix::sys::signal::SigSet::empty(),
+    );
+    for sig in signals {
+        // SAFETY: the handler only reads an atomic and makes one system call,
+        // both async-signal-safe.
+        unsafe { nix::sys::signal::sigaction(*sig, &action) }?;
+    }
+    Ok(())
+}
+
 /// End the calling process at once with `code` (`_exit(2)`): no exit
 /// handlers, no buffered-output flush, no destructors, which is what a forked
 /// child must do so it does not run its parent's a second time.

@@ -460,6 +460,13 @@ impl ResourceArgs {
             cpu_reserve: a.cpu_reserve,
             cpuset_cpus: a.cpuset_cpus.clone(),
             io_weight: a.io_weight,
+            // Not options of nestbox's own command line (the OCI runtime's
+            // linux.resources.memory sets them).
+            memory_swappiness: None,
+            oom_kill_disable: false,
+            io_devices: Vec::new(),
+            net_class_id: None,
+            net_priorities: Vec::new(),
         })
     }
 
@@ -1142,6 +1149,7 @@ fn clone(reg: &Registry, a: CloneArgs) -> Result<i32> {
         on_clone_signal: a.on_clone_signal.as_deref().map(parse_signal).transpose()?,
         pooled: false,
         fork_now: false,
+        stdio: None,
         disk: disk_size(&a.disk)?,
         without_network: a.network.as_deref() == Some("none"),
         network: match a.network.as_deref() {

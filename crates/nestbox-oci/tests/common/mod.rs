@@ -252,3 +252,30 @@ pub fn run(prog: &str, args: &[&str], dir: Option<&Path>) -> Out {
         what,
     }
 }
+
+/// The terminal master a runtime sends over the console socket `listener`
+/// (one connection, the fd as `SCM_RIGHTS`).
+pub fn receive_terminal(listener: &std::os::unix::net::UnixListener) -> std::os::fd::OwnedFd {
+    use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+    let (conn, _) = listener.accept().unwrap();
+    let mut buf = [0u8; 256];
+    let mut space = nix::cmsg_space!([std::os::fd::RawFd; 1]);
+    let mut iov = [std::io::IoSliceMut::new(&mut buf)];
+    let msg = nix::sys::socket::recvmsg::<()>(
+        conn.as_raw_fd(),
+        &mut iov,
+        Some(&mut space),
+        nix::sys::socket::MsgFlags::empty(),
+    )
+    .unwrap();
+    let fd = msg
+        .cmsgs()
+        .unwrap()
+        .find_map(|c| match c {
+            nix::sys::socket::ControlMessageOwned::ScmRights(fds) => fds.first().copied(),
+            _ => None,
+        })
+        .expect("a terminal fd");
+    // SAFETY: the fd was just received and is owned by nothing else.
+    unsafe { OwnedFd::from_raw_fd(fd) }
+}

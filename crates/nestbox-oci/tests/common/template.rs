@@ -58,15 +58,21 @@ impl Drop for Template {
 
 /// The template's program: it counts in a variable and writes each value to
 /// `/count` (renamed into place, so a reader never sees a partial number),
-/// 100 times a second. It forks nothing: a template's process tree is then
-/// one process, whatever the moment it is frozen.
-const COUNTER: &str = "import os, time
+/// 100 times a second, and prints `count N` on its standard output every
+/// tenth step. It forks nothing: a template's process tree is then one
+/// process, whatever the moment it is frozen.
+const COUNTER: &str = "import os, sys, time
 i = 0
 while True:
     i += 1
     with open('/count.tmp', 'w') as f:
         f.write(str(i))
     os.rename('/count.tmp', '/count')
+    if i % 10 == 0:
+        try:
+            print('count', i, flush=True)
+        except OSError:
+            pass
     time.sleep(0.01)
 ";
 

@@ -62,6 +62,12 @@ pub struct CloneRequest {
     /// monitor is adopted by the caller's subreaper (`nestbox-runc`, whose
     /// caller — conmon, the containerd shim — waits on it).
     pub fork_now: bool,
+    /// The clone's stdin, stdout and stderr (`None`: `/dev/null` and its
+    /// box's log). The template's process's descriptors 0, 1 and 2 become
+    /// duplicates of these in each clone (`nestbox-runc` gives the streams
+    /// its caller gave it: conmon's pipes, or a terminal). Implies `fork_now`
+    /// semantics for the pool: such a clone is always forked.
+    pub stdio: Option<std::sync::Arc<[OwnedFd; 3]>>,
 }
 
 /// One clone made.
@@ -204,6 +210,7 @@ pub fn clone_template_answer_first(
             || req.without_network
             || req.network.is_some()
             || req.disk.is_some()
+            || req.stdio.is_some()
         {
             None
         } else {
@@ -598,7 +605,19 @@ fn fork_one(
         }
     };
     let namespaces = shell_namespaces(init.pid).map_err(ended)?;
-    let stdio = shell_stdio(init.pid).map_err(ended)?;
+    // The caller's streams when it gives some, else the shell's log.
+    let shell_fds;
+    let stdio = match &req.stdio {
+        Some(fds) => [fds[0].as_fd(), fds[1].as_fd(), fds[2].as_fd()],
+        None => {
+            shell_fds = shell_stdio(init.pid).map_err(ended)?;
+            [
+                shell_fds[0].as_fd(),
+                shell_fds[1].as_fd(),
+                shell_fds[2].as_fd(),
+            ]
+        }
+    };
     let plan = nestbox_remote::ForkPlan {
         namespaces: namespaces.iter().map(|(k, f)| (*k, f.as_fd())).collect(),
         setns_cookie: cookie,
@@ -608,7 +627,7 @@ fn fork_one(
             .as_ref()
             .map(|c| c.self_join_files())
             .unwrap_or_default(),
-        stdio: [stdio[0].as_fd(), stdio[1].as_fd(), stdio[2].as_fd()],
+        stdio,
         // A pooled clone waits, stopped, until it is claimed.
         on_clone_signal: if pooled {
             Some(Signal::SIGSTOP)
