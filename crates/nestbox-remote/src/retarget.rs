@@ -13,6 +13,7 @@
 
 use serde::Serialize;
 
+use crate::batch::Batch;
 use crate::error::Result;
 use crate::fdinfo::{FdAction, FdEntry, FdKind, InotifyWatch, SocketInfo};
 use crate::memory::Scratch;
@@ -44,6 +45,12 @@ const REOPEN_FLAGS: i32 = libc::O_ACCMODE
 struct Ctx<'a> {
     tracee: &'a mut Tracee,
     scratch: &'a mut Scratch,
+    /// New objects made at a free number, to be moved onto their fd (`dup3`
+    /// with the template's close-on-exec flag, then `close`): all in one
+    /// batch ([`Ctx::flush_moves`]), each move a round trip less. The last
+    /// field says whether the source is closed after it (not the clone's
+    /// stdio fds, which serve 0, 1 and 2 and are closed by their owner).
+    moves: Vec<(u64, i32, u64, bool)>,
 }
 
 impl Ctx<'_> {
@@ -52,9 +59,32 @@ impl Ctx<'_> {
             .syscall(name, || format!("for fd {fd}"), nr, args)
     }
 
-    /// Move `tmp` onto `fd` (keeping the template's close-on-exec flag) and close it.
+    /// Move `tmp` onto `entry`'s fd (keeping the template's close-on-exec
+    /// flag) and close it, at the next [`Ctx::flush_moves`]; meanwhile the
+    /// fd still holds what the fork gave it.
     fn install(&mut self, tmp: u64, entry: &FdEntry) -> Result<()> {
-        move_onto(self.tracee, tmp, entry)
+        let cloexec = (entry.flags & libc::O_CLOEXEC) as u64;
+        self.moves.push((tmp, entry.fd, cloexec, true));
+        Ok(())
+    }
+
+    /// Make the moves of [`Ctx::install`], in one batch.
+    fn flush_moves(&mut self) -> Result<()> {
+        let mut batch = Batch::new();
+        for (tmp, fd, cloexec, close) in self.moves.drain(..) {
+            batch.push(
+                "dup3",
+                format!("for fd {fd}"),
+                libc::SYS_dup3,
+                &[tmp, fd as u64, cloexec],
+            );
+            if close {
+                batch.push("close", format!("for fd {fd}"), libc::SYS_close, &[tmp]);
+            }
+        }
+        self.scratch.reset();
+        batch.run(self.tracee, self.scratch)?;
+        Ok(())
     }
 
     fn nonblock(entry: &FdEntry) -> i32 {
@@ -360,21 +390,24 @@ impl Ctx<'_> {
         let FdKind::Epoll(watches) = &entry.kind else {
             return Ok(());
         };
+        // Every registration in one batch (the events in the scratch area
+        // first, the batch's table after them).
+        self.scratch.reset();
+        let mut batch = Batch::new();
         for watch in watches {
             // packed struct epoll_event on x86_64: u32 events, u64 data.
             let mut event = Vec::with_capacity(12);
             event.extend_from_slice(&watch.events.to_ne_bytes());
             event.extend_from_slice(&watch.data.to_ne_bytes());
-            self.scratch.reset();
             let addr = self.scratch.put(self.tracee, &event)?;
-            let epfd = entry.fd;
-            self.tracee.syscall(
+            batch.push(
                 "epoll_ctl(EPOLL_CTL_ADD)",
-                || format!("epoll fd {epfd} watching fd {}", watch.fd),
+                format!("epoll fd {} watching fd {}", entry.fd, watch.fd),
                 libc::SYS_epoll_ctl,
                 &[tmp, libc::EPOLL_CTL_ADD as u64, watch.fd as u64, addr],
-            )?;
+            );
         }
+        batch.run(self.tracee, self.scratch)?;
         self.install(tmp, entry)
     }
 }
@@ -423,7 +456,11 @@ pub(crate) fn retarget_with(
     if creator {
         objects.close_in_creator(tracee)?;
     }
-    let mut ctx = Ctx { tracee, scratch };
+    let mut ctx = Ctx {
+        tracee,
+        scratch,
+        moves: Vec::new(),
+    };
     let mut resets = None;
     // Clients of the box's Unix datagram servers connect once those exist.
     let mut clients = Vec::new();
@@ -462,23 +499,21 @@ pub(crate) fn retarget_with(
     for (entry, sock) in clients {
         ctx.socket(entry, sock)?;
     }
+    // Every object made so far onto its number, and the stdio, in one batch.
     for (entry, action) in entries.iter().zip(&actions) {
         if *action == FdAction::Stdio {
-            let from = stdio[entry.fd as usize];
             let cloexec = (entry.flags & libc::O_CLOEXEC) as u64;
-            ctx.call(
-                "dup3",
-                entry.fd,
-                libc::SYS_dup3,
-                &[from as u64, entry.fd as u64, cloexec],
-            )?;
+            ctx.moves
+                .push((stdio[entry.fd as usize] as u64, entry.fd, cloexec, false));
         }
     }
+    ctx.flush_moves()?;
     for (entry, action) in entries.iter().zip(&actions) {
         if let (FdAction::Recreate, FdKind::Epoll(_)) = (action, &entry.kind) {
             ctx.epoll(entry)?;
         }
     }
+    ctx.flush_moves()?;
     Ok(entries
         .iter()
         .zip(actions)
