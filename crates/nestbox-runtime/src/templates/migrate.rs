@@ -100,6 +100,9 @@ pub struct MigrateRequest {
     pub name: Option<String>,
     /// Pre-copy rounds at most (after the first, which sends everything).
     pub max_rounds: usize,
+    /// The target restores the box lazily (see `checkpoint::restore_with`):
+    /// its memory is filled after it runs, so the stop does not grow with it.
+    pub lazy: bool,
 }
 
 /// The first frame: who comes.
@@ -111,6 +114,9 @@ struct Hello {
     checkpoint: String,
     kernel: String,
     cpu_flags: Vec<String>,
+    /// Restore lazily on the target (`migrate --lazy`).
+    #[serde(default)]
+    lazy: bool,
 }
 
 /// The target's last answer.
@@ -346,6 +352,7 @@ pub fn migrate(reg: &Registry, box_name: &str, req: &MigrateRequest) -> Result<M
         checkpoint: checkpoint.clone(),
         kernel: kernel_release(),
         cpu_flags: cpu_flags(),
+        lazy: req.lazy,
     };
     let json = serde_json::to_vec(&hello).map_err(|e| fail(format!("encoding: {e}")))?;
     stream
@@ -775,16 +782,22 @@ fn receive_on(
         }
     };
     let mut unpack_ms = 0.0;
-    let restored = restore_incoming(reg, Some(&hello.name), Some(&received), &mut |staging| {
-        let at = Instant::now();
-        let archive = staging.with_extension("tar");
-        fs::write(&archive, &tar).map_err(RuntimeError::io("write", &archive))?;
-        let file = fs::File::open(&archive).map_err(RuntimeError::io("open", &archive));
-        let unpacked = file.and_then(|f| crate::checkpoint::untar(staging, Stdio::from(f)));
-        let _ = fs::remove_file(&archive);
-        unpack_ms = at.elapsed().as_secs_f64() * 1e3;
-        unpacked
-    });
+    let restored = restore_incoming(
+        reg,
+        Some(&hello.name),
+        Some(&received),
+        hello.lazy,
+        &mut |staging| {
+            let at = Instant::now();
+            let archive = staging.with_extension("tar");
+            fs::write(&archive, &tar).map_err(RuntimeError::io("write", &archive))?;
+            let file = fs::File::open(&archive).map_err(RuntimeError::io("open", &archive));
+            let unpacked = file.and_then(|f| crate::checkpoint::untar(staging, Stdio::from(f)));
+            let _ = fs::remove_file(&archive);
+            unpack_ms = at.elapsed().as_secs_f64() * 1e3;
+            unpacked
+        },
+    );
     let restored = match restored {
         Ok(r) => r,
         Err(e) => {
