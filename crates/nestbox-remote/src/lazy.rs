@@ -64,7 +64,7 @@ pub struct LazyPlan {
 }
 
 /// A page server started by a lazy restore.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct LazyServer {
     /// Its host pid (it forked its guardian).
     pub pid: i32,

@@ -131,6 +131,9 @@ pub struct Arrived {
     /// Of those, milliseconds to start the box there.
     #[serde(default)]
     pub shell_ms: f64,
+    /// The page server of a lazy restore there (`migrate --lazy`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub page_server: Option<nestbox_remote::LazyServer>,
     /// Milliseconds from the checkpoint's arrival to the restored box
     /// running (the last pages made durable, the files unpacked, the
     /// restore).
@@ -651,6 +654,7 @@ pub fn receive(reg: &Registry, reader: Box<dyn Read>, writer: Box<dyn Write>) ->
             pid: r.pid,
             restore_ms: r.restore_ms,
             shell_ms: r.shell_ms,
+            page_server: r.page_server,
             target_ms: *target_ms,
             unpack_ms: *unpack_ms,
             arrived_at: *arrived_at,
