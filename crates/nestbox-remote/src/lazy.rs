@@ -242,9 +242,11 @@ fn spawn_server(
             if n != Ok(1) {
                 let _ = nix::sys::signal::kill(server, nix::sys::signal::Signal::SIGKILL);
                 let _ = nestbox_sys::process::waitpid_raw(server.as_raw(), 0);
-                return Err(RemoteError::Plan(format!(
-                    "the page server of process {pid} did not start"
-                )));
+                return Err(RemoteError::Sys {
+                    op: "starting the page server (lazy restore)",
+                    pid,
+                    source: std::io::Error::other("it ended before it was ready"),
+                });
             }
             tracing::debug!(
                 pid,

@@ -527,6 +527,18 @@ fn read_all(fd: &OwnedFd) -> std::io::Result<Vec<u8>> {
 /// contents are saved and put in a new object).
 fn ensure_memory_restorable(pid: i32, vmas: &[Vma]) -> Result<()> {
     for v in vmas.iter().filter(|v| !is_special(v)) {
+        // Registered for missing pages: a lazy restore's page server still
+        // puts pages in (those not in yet would read as zeros).
+        if v.has_flag("um") {
+            return Err(RemoteError::UnsupportedMapping {
+                pid,
+                range: v.range_name(),
+                name: v.name.clone(),
+                reason:
+                    "a lazy restore's page server is still filling it: try again once it has ended"
+                        .into(),
+            });
+        }
         let reason = if v.shared && v.name.starts_with("/SYSV") {
             Some("a System V shared memory segment")
         } else if v.shared && !v.is_file() {

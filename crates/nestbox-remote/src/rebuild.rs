@@ -828,8 +828,8 @@ pub(crate) fn write_deferred(
     let mut stats = RebuildStats::default();
     for &(s, e) in ranges {
         let Some(t) = target.vmas.iter().find(|t| t.start <= s && e <= t.end) else {
-            return Err(RemoteError::Plan(format!(
-                "deferred range {s:#x}-{e:#x} is in no mapping of the image"
+            return Err(RemoteError::Unclonable(format!(
+                "pid {pid}: the deferred range {s:#x}-{e:#x} is in no mapping of the image"
             )));
         };
         let part = sub_vma(t, s, e);

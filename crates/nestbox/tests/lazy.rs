@@ -3,7 +3,8 @@
 //! and restored lazily; it answers at once, its memory's checksum is the
 //! original's (pages read while the page server fills them, pages read long
 //! after, pages moved by `mremap`, a child forked during the fill); the
-//! box killed -9 during the fill leaves nothing; the page server killed
+//! box killed -9 during the fill leaves nothing (a checkpoint of it during
+//! the fill is refused); the page server killed
 //! takes the box with it (no process left hung, none running on zeros).
 
 mod common;
@@ -186,6 +187,13 @@ fn a_lazily_restored_box_killed_during_the_fill_leaves_nothing() {
     let (_app, _, _) = checkpointed(&root, 256, "ck");
     let (pid, server) = restore_lazily(&root, "ck", "k");
     let guardian = children_of(server);
+    // Its memory is not all in: a checkpoint now is refused in one line.
+    let out = root.run(&["checkpoint", "k", "--as", "early", "--leave-running"]);
+    assert_error(
+        &out,
+        125,
+        "a lazy restore's page server is still filling it",
+    );
     assert!(
         pid_alive(server) && guardian.len() == 1,
         "the page server (and its guardian) still filling when the box is killed"
