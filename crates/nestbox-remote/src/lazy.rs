@@ -79,11 +79,13 @@ pub struct LazyServer {
 pub(crate) struct Remaining(BTreeMap<u64, u64>);
 
 impl Remaining {
-    /// Every page of `ranges` the image holds (`held`).
-    pub(crate) fn of(ranges: &[(u64, u64)], held: impl Fn(u64) -> bool) -> Remaining {
+    /// Every page of `ranges` the image holds (`held`: its addresses,
+    /// sorted).
+    pub(crate) fn of(ranges: &[(u64, u64)], held: &[u64]) -> Remaining {
         let mut map = BTreeMap::new();
         for &(s, e) in ranges {
-            for addr in (s..e).step_by(PAGE as usize).filter(|a| held(*a)) {
+            let from = held.partition_point(|a| *a < s);
+            for &addr in held[from..].iter().take_while(|a| **a < e) {
                 map.insert(addr, addr);
             }
         }
@@ -198,7 +200,7 @@ pub(crate) fn start(
             return Ok(None);
         }
     };
-    let remaining = Remaining::of(deferred, |a| store.id(a).is_some());
+    let remaining = Remaining::of(deferred, &store.held());
     let pages = remaining.len();
     let server = spawn_server(fd, remaining, store, plan.box_init, pid)?;
     Ok(Some(LazyServer { pid: server, pages }))
@@ -554,14 +556,16 @@ mod tests {
 
     #[test]
     fn remaining_holds_only_image_pages() {
-        let r = Remaining::of(&[(0x10000, 0x10000 + 4 * P)], |a| a != 0x10000 + P);
+        let held = [0x1000, 0x10000, 0x10000 + 2 * P, 0x10000 + 3 * P, 0x90000];
+        let r = Remaining::of(&[(0x10000, 0x10000 + 4 * P)], &held);
         assert_eq!(r.len(), 3);
         assert_eq!(r.first_run(64), vec![(0x10000, 0x10000)]);
     }
 
     #[test]
     fn runs_are_consecutive_and_bounded() {
-        let mut r = Remaining::of(&[(0, 10 * P)], |_| true);
+        let all: Vec<u64> = (0..16).map(|i| i * P).collect();
+        let mut r = Remaining::of(&[(0, 10 * P)], &all);
         assert_eq!(r.first_run(3).len(), 3);
         r.take(P);
         assert_eq!(r.first_run(64), vec![(0, 0)]);
@@ -572,7 +576,8 @@ mod tests {
 
     #[test]
     fn moved_pages_keep_their_image_address() {
-        let mut r = Remaining::of(&[(0x1000, 0x1000 + 4 * P)], |_| true);
+        let all: Vec<u64> = (0..4).map(|i| 0x1000 + i * P).collect();
+        let mut r = Remaining::of(&[(0x1000, 0x1000 + 4 * P)], &all);
         r.moved(0x1000 + P, 0x90000, 2 * P);
         let pages: Vec<(u64, u64)> = r.0.iter().map(|(k, v)| (*k, *v)).collect();
         assert_eq!(
@@ -588,7 +593,8 @@ mod tests {
 
     #[test]
     fn dropped_and_unmapped_pages_are_forgotten() {
-        let mut r = Remaining::of(&[(0, 8 * P)], |_| true);
+        let all: Vec<u64> = (0..8).map(|i| i * P).collect();
+        let mut r = Remaining::of(&[(0, 8 * P)], &all);
         r.forget(2 * P, 5 * P);
         assert_eq!(r.len(), 5);
         assert!(r.take(3 * P).is_none());

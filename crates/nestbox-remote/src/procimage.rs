@@ -167,6 +167,10 @@ pub trait PageStore {
     /// Read the page at `addr` into `buf` (one page), checked against its
     /// content hash.
     fn read_page(&self, addr: u64, buf: &mut [u8]) -> std::io::Result<()>;
+    /// Every address the image holds a page at, sorted (what a lazy restore
+    /// puts in: found without walking the mappings page by page, which may
+    /// reserve gigabytes they never touch).
+    fn held(&self) -> Vec<u64>;
 }
 
 /// A [`PageSource`] over a [`PageStore`], for the rebuild engine: the

@@ -1178,6 +1178,12 @@ impl PageStore for ProcessPages<'_> {
         self.pages.get(&addr).map(|d| d.0)
     }
 
+    fn held(&self) -> Vec<u64> {
+        let mut addrs: Vec<u64> = self.pages.keys().copied().collect();
+        addrs.sort_unstable();
+        addrs
+    }
+
     fn read_page(&self, addr: u64, buf: &mut [u8]) -> std::io::Result<()> {
         let digest = self.pages.get(&addr).ok_or_else(|| {
             std::io::Error::new(std::io::ErrorKind::NotFound, "no such page in the image")
