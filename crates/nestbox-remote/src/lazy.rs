@@ -46,8 +46,11 @@ use crate::procimage::PageStore;
 use crate::rebuild::{write_deferred, Layout, PageSource};
 use crate::tracee::Tracee;
 
-/// Pages copied in one `UFFDIO_COPY` of the background fill.
-const RUN: usize = 64;
+/// Pages copied in one `UFFDIO_COPY` of the background fill (the server
+/// looks for faults between two).
+const RUN: usize = 16;
+/// Pages put in at a fault: the faulting one and those after it.
+const FAULT_RUN: usize = 16;
 
 /// The events the server follows (see the module documentation).
 const FEATURES: u64 = uffd::UFFD_FEATURE_EVENT_FORK
@@ -130,8 +133,14 @@ impl Remaining {
 
     /// The first run of consecutive pages, at most `max`: (current, image's).
     fn first_run(&self, max: usize) -> Vec<(u64, u64)> {
+        self.run_from(0, max)
+    }
+
+    /// The run of consecutive pages left from the first at or after `at`,
+    /// at most `max`.
+    fn run_from(&self, at: u64, max: usize) -> Vec<(u64, u64)> {
         let mut run: Vec<(u64, u64)> = Vec::with_capacity(max);
-        for (k, v) in &self.0 {
+        for (k, v) in self.0.range(at..) {
             if run.len() == max || run.last().is_some_and(|(last, _)| last + PAGE != *k) {
                 break;
             }
@@ -399,7 +408,7 @@ fn guardian(done: OwnedFd, init: BorrowedFd<'_>, _uffd: &OwnedFd) -> i32 {
 /// has every page of its image.
 fn serve(mut spaces: Vec<Space>, store: &dyn PageStore) -> std::result::Result<Served, String> {
     let mut served = Served::default();
-    let mut buf = vec![0u8; RUN * PAGE as usize];
+    let mut buf = vec![0u8; RUN.max(FAULT_RUN) * PAGE as usize];
     let mut msgs = Vec::new();
     loop {
         spaces.retain(|s| !s.remaining.is_empty());
@@ -453,24 +462,14 @@ fn handle(
         UffdMsg::PageFault { address } => {
             let page = address & !(PAGE - 1);
             served.faults += 1;
-            let filled = match space.remaining.take(page) {
-                Some(from) => {
-                    let buf = &mut buf[..PAGE as usize];
-                    store
-                        .read_page(from, buf)
-                        .map_err(|e| format!("page {from:#x} of the image: {e}"))?;
-                    let got = uffd::copy(space.uffd.as_fd(), page, buf);
-                    if matches!(got, Filled::Failed(Errno::EAGAIN)) {
-                        // Put back: the background fill copies (and wakes) it
-                        // once the pending event is read.
-                        space.remaining.0.insert(page, from);
-                    }
-                    got
-                }
-                None => {
-                    served.zero_faults += 1;
-                    uffd::zeropage(space.uffd.as_fd(), page, PAGE)
-                }
+            let filled = if space.remaining.0.contains_key(&page) {
+                // The page and the ones after it the image holds (a program
+                // touches its memory in runs): fewer faults.
+                let run = space.remaining.run_from(page, FAULT_RUN);
+                copy_run(space, &run, store, buf, served)?
+            } else {
+                served.zero_faults += 1;
+                uffd::zeropage(space.uffd.as_fd(), page, PAGE)
             };
             match filled {
                 Filled::Bytes(_) => {}
@@ -516,21 +515,8 @@ fn fill_run(
     let Some(&(start, _)) = run.first() else {
         return Ok(true);
     };
-    for (k, (_, from)) in run.iter().enumerate() {
-        let page = &mut buf[k * PAGE as usize..(k + 1) * PAGE as usize];
-        store
-            .read_page(*from, page)
-            .map_err(|e| format!("page {from:#x} of the image: {e}"))?;
-    }
-    match uffd::copy(space.uffd.as_fd(), start, &buf[..run.len() * PAGE as usize]) {
-        Filled::Bytes(n) => {
-            let pages = (n / PAGE) as usize;
-            for (at, _) in &run[..pages.min(run.len())] {
-                space.remaining.take(*at);
-            }
-            served.copied += pages as u64;
-            Ok(true)
-        }
+    match copy_run(space, &run, store, buf, served)? {
+        Filled::Bytes(_) => Ok(true),
         Filled::Failed(Errno::EAGAIN) => Ok(false),
         // The page is there already (the process had it put by other
         // means), or its mapping went without an event we saw yet: nothing
@@ -546,6 +532,43 @@ fn fill_run(
         }
         Filled::Failed(e) => Err(format!("filling {start:#x}: {e}")),
     }
+}
+
+/// Read the image's pages of `run` (consecutive, from `space`'s remaining)
+/// and put them in with one `UFFDIO_COPY` (its first page alone when the
+/// run crosses from one mapping into the next); the pages put in are taken
+/// out of what remains.
+fn copy_run(
+    space: &mut Space,
+    run: &[(u64, u64)],
+    store: &dyn PageStore,
+    buf: &mut [u8],
+    served: &mut Served,
+) -> std::result::Result<Filled, String> {
+    let Some(&(start, _)) = run.first() else {
+        return Ok(Filled::Bytes(0));
+    };
+    for (k, (_, from)) in run.iter().enumerate() {
+        let page = &mut buf[k * PAGE as usize..(k + 1) * PAGE as usize];
+        store
+            .read_page(*from, page)
+            .map_err(|e| format!("page {from:#x} of the image: {e}"))?;
+    }
+    let mut got = uffd::copy(space.uffd.as_fd(), start, &buf[..run.len() * PAGE as usize]);
+    if run.len() > 1 && got == Filled::Failed(Errno::ENOENT) {
+        // A copy must lie in one mapping: the run crosses into another
+        // (the kernel refuses it whole). Its first page alone, then the
+        // next run starts in the next mapping.
+        got = uffd::copy(space.uffd.as_fd(), start, &buf[..PAGE as usize]);
+    }
+    if let Filled::Bytes(n) = got {
+        let pages = (n / PAGE) as usize;
+        for (at, _) in &run[..pages.min(run.len())] {
+            space.remaining.take(*at);
+        }
+        served.copied += pages as u64;
+    }
+    Ok(got)
 }
 
 #[cfg(test)]
@@ -572,6 +595,8 @@ mod tests {
         r.take(0);
         assert_eq!(r.first_run(64).len(), 8);
         assert_eq!(r.first_run(64)[0], (2 * P, 2 * P));
+        assert_eq!(r.run_from(5 * P, 2), vec![(5 * P, 5 * P), (6 * P, 6 * P)]);
+        assert_eq!(r.run_from(P, 1), vec![(2 * P, 2 * P)]);
     }
 
     #[test]

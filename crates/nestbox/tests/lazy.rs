@@ -16,7 +16,7 @@ use common::*;
 use serde_json::Value;
 
 /// MIB MiB of pages, page i filled with sha256(i); `/sum` the sha256 of it
-/// all, `/page/N` of page N, `/growsum` grows the buffer by a page (a
+/// all, `/page/N` of page N, `/two` of two adjacent mappings, `/growsum` grows the buffer by a page (a
 /// `realloc` that moves it with `mremap`), sums the original part and shrinks
 /// it back, `/forksum` sums it in a forked child, `/` counts requests.
 const SERVER: &str = r#"
@@ -27,6 +27,17 @@ buf = bytearray(MIB << 20)
 for i in range(len(buf) // PAGE):
     buf[i*PAGE:(i+1)*PAGE] = hashlib.sha256(str(i).encode()).digest() * (PAGE // 32)
 n = len(buf)
+# Two adjacent mappings holding data (one made read-only at a page no copy
+# run is aligned on): a copy must not cross from one into the other.
+import ctypes
+libc = ctypes.CDLL(None, use_errno=True)
+libc.mmap.restype = ctypes.c_void_p
+libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+TWO = 200 * PAGE
+two = libc.mmap(None, TWO, 3, 0x22, -1, 0)
+ctypes.memmove(two, bytes(buf[PAGE:PAGE + TWO]), TWO)
+assert libc.mprotect(two + 103 * PAGE, TWO - 103 * PAGE, 1) == 0
 count = 0
 class H(http.server.BaseHTTPRequestHandler):
     def do_GET(self):
@@ -37,6 +48,8 @@ class H(http.server.BaseHTTPRequestHandler):
             body = hashlib.sha256(bytes(buf[i*PAGE:(i+1)*PAGE])).hexdigest()
         elif self.path == '/sum':
             body = hashlib.sha256(buf).hexdigest()
+        elif self.path == '/two':
+            body = hashlib.sha256(ctypes.string_at(two, TWO)).hexdigest()
         elif self.path == '/growsum':
             buf.extend(b'x' * PAGE * 64)
             body = hashlib.sha256(memoryview(buf)[:n]).hexdigest()
@@ -66,8 +79,9 @@ http.server.HTTPServer(('127.0.0.1', 8080), H).serve_forever()
 
 /// Start the server as box `name` with `mib` MiB, checkpoint it as `ck`
 /// (the box stops) and remove the box. Returns the app (its directory) and
-/// the checksums of the whole memory and of its last page.
-fn checkpointed(root: &TestRoot, mib: u32, ck: &str) -> (App, String, String) {
+/// the checksums of the whole memory, of its last page and of the two
+/// adjacent mappings.
+fn checkpointed(root: &TestRoot, mib: u32, ck: &str) -> (App, String, String, String) {
     let app = App::new(&[("server.py", SERVER)], &["python3", "/app/server.py"], 1);
     let volume = app.volume();
     let env = format!("MIB={mib}");
@@ -87,10 +101,11 @@ fn checkpointed(root: &TestRoot, mib: u32, ck: &str) -> (App, String, String) {
     root.wait_logged("src", "ready", Duration::from_secs(120));
     let sum = one(root, "src", "/sum");
     let last = one(root, "src", &format!("/page/{}", mib * 256 - 1));
+    let two = one(root, "src", "/two");
     assert_eq!(sum.len(), 64, "a checksum: {sum}");
     root.ok(&["checkpoint", "src", "--as", ck]);
     root.ok(&["rm", "src"]);
-    (app, sum, last)
+    (app, sum, last, two)
 }
 
 /// The one field of the server's answer to `path`.
@@ -145,7 +160,7 @@ fn a_lazily_restored_server_answers_with_its_memory_intact() {
     else {
         return;
     };
-    let (_app, sum, last) = checkpointed(&root, 256, "ck");
+    let (_app, sum, last, two) = checkpointed(&root, 256, "ck");
     let last_page = format!("/page/{}", 256 * 256 - 1);
 
     // Asked at once, while the page server fills the memory: the last page
@@ -158,11 +173,12 @@ fn a_lazily_restored_server_answers_with_its_memory_intact() {
     assert_eq!(one(&root, "a", "/forksum"), sum, "in a child forked");
     assert_eq!(one(&root, "a", "/growsum"), sum, "after an mremap");
     assert_eq!(one(&root, "a", "/sum"), sum, "the whole memory");
+    assert_eq!(one(&root, "a", "/two"), two, "two adjacent mappings");
     wait_for("the page server to finish", Duration::from_secs(60), || {
         !pid_alive(server)
     });
     assert_eq!(one(&root, "a", "/sum"), sum, "once filled");
-    assert_eq!(one(&root, "a", "/"), "8", "the count continues");
+    assert_eq!(one(&root, "a", "/"), "10", "the count continues");
 
     // Touched only once the fill is over: pages the background pass put in.
     let (_, server) = restore_lazily(&root, "ck", "b");
@@ -171,7 +187,8 @@ fn a_lazily_restored_server_answers_with_its_memory_intact() {
     });
     assert_eq!(one(&root, "b", &last_page), last, "the last page, late");
     assert_eq!(one(&root, "b", "/sum"), sum, "the whole memory, late");
-    assert_eq!(one(&root, "b", "/"), "5", "the count continues");
+    assert_eq!(one(&root, "b", "/two"), two, "two adjacent mappings, late");
+    assert_eq!(one(&root, "b", "/"), "7", "the count continues");
 
     root.ok(&["rm", "-f", "a", "b"]);
     root.ok(&["checkpoint", "rm", "ck"]);
@@ -184,7 +201,7 @@ fn a_lazily_restored_box_killed_during_the_fill_leaves_nothing() {
     else {
         return;
     };
-    let (_app, _, _) = checkpointed(&root, 256, "ck");
+    let (_app, _, _, _) = checkpointed(&root, 256, "ck");
     let (pid, server) = restore_lazily(&root, "ck", "k");
     let guardian = children_of(server);
     // Its memory is not all in: a checkpoint now is refused in one line.
@@ -216,7 +233,7 @@ fn a_killed_page_server_takes_its_box_with_it() {
     let Some(root) = TestRoot::new("a_killed_page_server_takes_its_box_with_it") else {
         return;
     };
-    let (_app, _, _) = checkpointed(&root, 256, "ck");
+    let (_app, _, _, _) = checkpointed(&root, 256, "ck");
     let (pid, server) = restore_lazily(&root, "ck", "k");
     let guardian = children_of(server);
     assert!(
