@@ -411,8 +411,10 @@ fn serve(mut spaces: Vec<Space>, store: &dyn PageStore) -> std::result::Result<S
     let mut buf = vec![0u8; RUN.max(FAULT_RUN) * PAGE as usize];
     let mut msgs = Vec::new();
     loop {
-        spaces.retain(|s| !s.remaining.is_empty());
-        if spaces.is_empty() {
+        // A space whose pages are all in still gets zero pages at its
+        // faults until every space is done: its userfaultfd stays open (the
+        // guardian holds a copy of the first), so nobody else would answer.
+        if spaces.iter().all(|s| s.remaining.is_empty()) {
             return Ok(served);
         }
         let mut i = 0;
