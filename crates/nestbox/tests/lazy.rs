@@ -82,22 +82,23 @@ http.server.HTTPServer(('127.0.0.1', 8080), H).serve_forever()
 /// the checksums of the whole memory, of its last page and of the two
 /// adjacent mappings.
 fn checkpointed(root: &TestRoot, mib: u32, ck: &str) -> (App, String, String, String) {
+    checkpointed_with(root, mib, ck, &[])
+}
+
+/// [`checkpointed`], with more options of `run`.
+fn checkpointed_with(
+    root: &TestRoot,
+    mib: u32,
+    ck: &str,
+    opts: &[&str],
+) -> (App, String, String, String) {
     let app = App::new(&[("server.py", SERVER)], &["python3", "/app/server.py"], 1);
     let volume = app.volume();
     let env = format!("MIB={mib}");
-    root.ok(&[
-        "run",
-        "-d",
-        "--name",
-        "src",
-        "-e",
-        &env,
-        "-v",
-        &volume,
-        "--",
-        "python3",
-        "/app/server.py",
-    ]);
+    let mut args = vec!["run", "-d", "--name", "src", "-e", &env, "-v", &volume];
+    args.extend_from_slice(opts);
+    args.extend_from_slice(&["--", "python3", "/app/server.py"]);
+    root.ok(&args);
     root.wait_logged("src", "ready", Duration::from_secs(120));
     let sum = one(root, "src", "/sum");
     let last = one(root, "src", &format!("/page/{}", mib * 256 - 1));
@@ -256,4 +257,25 @@ fn a_killed_page_server_takes_its_box_with_it() {
     root.ok(&["checkpoint", "rm", "ck"]);
     root.assert_no_boxes();
     assert!(processes_of(&root).is_empty(), "{:?}", processes_of(&root));
+}
+
+/// A box in a user namespace of its own cannot have a userfaultfd that
+/// serves faults in system calls (its process lacks CAP_SYS_PTRACE of the
+/// host): `restore --lazy` restores it at once, correctly.
+#[test]
+fn a_box_in_a_user_namespace_is_restored_at_once_under_lazy() {
+    let Some(root) = TestRoot::new("a_box_in_a_user_namespace_is_restored_at_once_under_lazy")
+    else {
+        return;
+    };
+    let (_app, sum, _, two) = checkpointed_with(&root, 32, "ck", &["--userns"]);
+    let out = root.ok(&["restore", "ck", "--lazy", "--name", "u", "--json"]);
+    let v: Value = serde_json::from_str(&out).expect("restore --json");
+    assert!(v["page_server"].is_null(), "restored at once: {v}");
+    assert_eq!(one(&root, "u", "/sum"), sum, "the whole memory");
+    assert_eq!(one(&root, "u", "/two"), two, "two adjacent mappings");
+    assert_eq!(one(&root, "u", "/"), "6", "the count continues");
+    root.ok(&["rm", "-f", "u"]);
+    root.ok(&["checkpoint", "rm", "ck"]);
+    root.assert_no_boxes();
 }
