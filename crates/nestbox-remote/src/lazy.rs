@@ -29,7 +29,8 @@
 //! match its digest), the guardian kills the box's init (the whole box
 //! goes; a fault waiting meanwhile never returns to the process) and only
 //! then lets the userfaultfd go. A server that fails kills the box itself
-//! first. A process forked by the restored one while the server runs has a
+//! first. Both log with tracing (the runtime points it at the box's monitor
+//! log while it restores lazily). A process forked by the restored one while the server runs has a
 //! userfaultfd the server alone holds; if the server is killed, that child
 //! may read a zero page in the moment before the guardian's kill.
 

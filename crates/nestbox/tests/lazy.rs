@@ -248,6 +248,16 @@ fn a_killed_page_server_takes_its_box_with_it() {
     // not running on zero pages), then the guardian goes.
     let code = root.wait_exited("k", Duration::from_secs(30));
     assert_eq!(code, 137, "the box was killed");
+    // Said in the box's monitor log (the restore command is gone).
+    let log = std::fs::read_dir(root.path().join("lib/boxes"))
+        .unwrap()
+        .flatten()
+        .filter_map(|e| std::fs::read_to_string(e.path().join("monitor.log")).ok())
+        .collect::<String>();
+    assert!(
+        log.contains("the page server ended before every page was in"),
+        "monitor log: {log}"
+    );
     wait_for(
         "the box's process and the guardian to end",
         Duration::from_secs(30),

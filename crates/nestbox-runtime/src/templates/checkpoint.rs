@@ -1417,6 +1417,9 @@ fn restore_into(
         .map(|p| ProcessPages::new(p, pool, preloaded))
         .collect();
     let refs: Vec<&dyn PageStore> = stores.iter().map(|s| s as &dyn PageStore).collect();
+    // A lazy restore's page server (forked in there) logs to the box's
+    // monitor log: the restore command's stderr may be gone by then.
+    let _log = lazy.then(|| crate::diag::file_for_now(shell.monitor_log_path()));
     nestbox_remote::restore_box(&stubs, images, &refs, &plan).map_err(|e| {
         for (_, stub) in &stubs {
             // Killed with their tracer's handle already; make sure.
