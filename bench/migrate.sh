@@ -7,6 +7,8 @@
 # without a pause and the longest gap between answers is the downtime a
 # client sees (bench/lib/migbench.py). No request answered may be lost.
 #   sudo N=5 MIB=100 RATE=10 bench/migrate.sh   -> bench/results/migrate.json
+# MODES="migrate migrate-lazy stop-and-copy": which to run (default: migrate
+# stop-and-copy; migrate-lazy is `migrate --lazy`, the target restoring lazily).
 # CRIU, the usual tool for this, does not run on this kernel (Debian 12).
 set -euo pipefail
 source "$(dirname "$0")/lib/common.sh"

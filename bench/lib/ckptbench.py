@@ -101,7 +101,7 @@ def main() -> None:
     wait_answer(state_address(root, "tpl"))
     sh(nestbox, root, "freeze", "tpl")
 
-    restore_ms, shared_ms, cold_ms, clone_ms = [], [], [], []
+    restore_ms, lazy_ms, shared_ms, cold_ms, clone_ms = [], [], [], [], []
     # The checkpoint's template for `restore --shared`, made by a first one.
     pool = os.environ.get("POOL", "0")
     sh(nestbox, root, "restore", "ck0", "--shared", "--pool", pool, "--name", "first")
@@ -110,6 +110,10 @@ def main() -> None:
         def restore():
             sh(nestbox, root, "restore", "ck0", "--name", f"r{i}")
             wait_answer(state_address(root, f"r{i}"))
+
+        def lazy():
+            sh(nestbox, root, "restore", "ck0", "--lazy", "--name", f"l{i}")
+            wait_answer(state_address(root, f"l{i}"))
 
         def shared():
             sh(nestbox, root, "restore", "ck0", "--shared", "--name", f"s{i}")
@@ -127,10 +131,11 @@ def main() -> None:
             wait_answer(state_address(root, f"k{i}"))
 
         restore_ms.append(timed(restore))
+        lazy_ms.append(timed(lazy))
         shared_ms.append(timed(shared))
         cold_ms.append(timed(cold))
         clone_ms.append(timed(clone))
-        sh(nestbox, root, "rm", "-f", f"r{i}", f"s{i}", f"c{i}", f"k{i}")
+        sh(nestbox, root, "rm", "-f", f"r{i}", f"l{i}", f"s{i}", f"c{i}", f"k{i}")
 
     cold_cache_ms = []
     for i in range(cold_rounds):
@@ -170,6 +175,7 @@ def main() -> None:
         "checkpoint_again": {"wall": summary(walls), "frozen": summary(frozen)},
         "checkpoint_after_1mib": {"pages_written": grown["pages_written"], "bytes_written": grown_written},
         "restore_to_answer_warm": summary(restore_ms),
+        "restore_lazy_to_answer_warm": summary(lazy_ms),
         "restore_shared_to_answer": summary(shared_ms),
         "cold_start_to_answer": summary(cold_ms),
         "clone_to_answer": summary(clone_ms),

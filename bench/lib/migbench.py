@@ -15,6 +15,7 @@ migrate its figures (rounds, bytes, the stop as it measures it). Every
 request the client saw answered must be counted by the box on B.
 """
 import json
+import os
 import socket
 import statistics
 import subprocess
@@ -107,12 +108,13 @@ def one(mode, r):
     client.start()
     time.sleep(0.5)
     t0 = time.perf_counter()
-    if mode == "migrate":
+    if mode in ("migrate", "migrate-lazy"):
         recv = subprocess.Popen(b_cmd("receive", "--listen", f"{addr_b}:7171"),
                                 stdout=subprocess.PIPE, text=True)
         assert recv.stdout.readline().startswith("listening")
         t0 = time.perf_counter()
-        res = a("migrate", "web", "--to", f"tcp:{addr_b}:7171", "--json")
+        lazy = ["--lazy"] if mode == "migrate-lazy" else []
+        res = a("migrate", "web", "--to", f"tcp:{addr_b}:7171", "--json", *lazy)
         elapsed = time.perf_counter() - t0
         recv.wait(timeout=60)
         stats = json.loads(res.stdout)
@@ -144,9 +146,12 @@ def one(mode, r):
             "unpack_ms": stats.get("arrived", {}).get("unpack_ms")}
 
 
+# MODES: which, interleaved in each round (migrate-lazy: `migrate --lazy`,
+# the target restores lazily).
+MODES = os.environ.get("MODES", "migrate stop-and-copy").split()
 results = []
 for r in range(N):
-    for mode in ("migrate", "stop-and-copy"):
+    for mode in MODES:
         res = one(mode, r)
         print(json.dumps(res), file=sys.stderr, flush=True)
         results.append(res)
@@ -161,8 +166,9 @@ summary = {m: {k: med(m, k) for k in ("gap_ms", "command_ms", "downtime_ms", "sa
                                       "files_ms", "handover_ms", "answer_ms", "restore_ms", "shell_ms", "target_ms",
                                       "unpack_ms", "total_ms",
                                       "bytes", "rounds", "requests")}
-           for m in ("migrate", "stop-and-copy")}
-summary["gap_ratio"] = summary["migrate"]["gap_ms"] / summary["stop-and-copy"]["gap_ms"]
+           for m in MODES}
+if "migrate" in MODES and "stop-and-copy" in MODES:
+    summary["gap_ratio"] = summary["migrate"]["gap_ms"] / summary["stop-and-copy"]["gap_ms"]
 summary["mib"], summary["rate_mib_s"], summary["n"] = MIB, RATE, N
 json.dump({"summary": summary, "runs": results}, open(out, "w"), indent=1)
 print(json.dumps(summary, indent=1))

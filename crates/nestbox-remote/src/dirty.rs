@@ -77,7 +77,8 @@ impl DirtyTracker {
     pub fn start(pid: i32) -> Result<DirtyTracker> {
         let mut tracee = Tracee::seize_and_interrupt(pid)?;
         tracee.wait_stopped(Duration::from_secs(5))?;
-        let uffd = Self::inject_uffd(&mut tracee);
+        let flags = (libc::O_CLOEXEC | libc::O_NONBLOCK) as u64 | uffd::UFFD_USER_MODE_ONLY;
+        let uffd = inject_userfaultfd(&mut tracee, flags, TRACE_OPTIONS);
         let detached = tracee.detach();
         let uffd = uffd?;
         detached?;
@@ -104,29 +105,6 @@ impl DirtyTracker {
             ranges,
             started: false,
         })
-    }
-
-    /// Run `userfaultfd(2)` in the stopped tracee and take the descriptor.
-    fn inject_uffd(tracee: &mut Tracee) -> Result<OwnedFd> {
-        let pid = tracee.pid();
-        tracee.set_options(TRACE_OPTIONS | PTRACE_O_SUSPEND_SECCOMP)?;
-        tracee.find_syscall_insn()?;
-        let flags = (libc::O_CLOEXEC | libc::O_NONBLOCK) as u64 | uffd::UFFD_USER_MODE_ONLY;
-        let fd = tracee.syscall("userfaultfd", String::new, libc::SYS_userfaultfd, &[flags]);
-        let taken = fd.and_then(|fd| {
-            let pidfd = pidfd_open(pid)?;
-            let ours = pidfd_getfd(&pidfd, pid, fd as i32);
-            let closed = tracee.syscall("close", || format!("fd {fd}"), libc::SYS_close, &[fd]);
-            let ours = ours?;
-            closed?;
-            Ok(ours)
-        });
-        let options = tracee.set_options(TRACE_OPTIONS);
-        let regs = tracee.restore_regs();
-        let taken = taken?;
-        options?;
-        regs?;
-        Ok(taken)
     }
 
     /// Host pid of the process.
@@ -200,6 +178,36 @@ impl DirtyTracker {
     pub fn uffd(&self) -> &OwnedFd {
         &self.uffd
     }
+}
+
+/// Run `userfaultfd(2)` with `flags` in the stopped tracee (its seccomp
+/// filter suspended for the call), take the descriptor with
+/// `pidfd_getfd(2)`, close it in the tracee and put its registers and
+/// ptrace options (`options_after`) back. Shared by the dirty tracker and
+/// lazy restore (lazy.rs).
+pub(crate) fn inject_userfaultfd(
+    tracee: &mut Tracee,
+    flags: u64,
+    options_after: libc::c_int,
+) -> Result<OwnedFd> {
+    let pid = tracee.pid();
+    tracee.set_options(options_after | PTRACE_O_SUSPEND_SECCOMP)?;
+    tracee.find_syscall_insn()?;
+    let fd = tracee.syscall("userfaultfd", String::new, libc::SYS_userfaultfd, &[flags]);
+    let taken = fd.and_then(|fd| {
+        let pidfd = pidfd_open(pid)?;
+        let ours = pidfd_getfd(&pidfd, pid, fd as i32);
+        let closed = tracee.syscall("close", || format!("fd {fd}"), libc::SYS_close, &[fd]);
+        let ours = ours?;
+        closed?;
+        Ok(ours)
+    });
+    let options = tracee.set_options(options_after);
+    let regs = tracee.restore_regs();
+    let taken = taken?;
+    options?;
+    regs?;
+    Ok(taken)
 }
 
 /// Private writable mappings, which a tracker registers.

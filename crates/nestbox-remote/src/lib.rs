@@ -56,6 +56,7 @@ mod hugepages;
 mod inject;
 mod inotify;
 mod layout;
+mod lazy;
 pub mod maps;
 mod memory;
 mod objects;
@@ -82,6 +83,7 @@ pub use fdinfo::{
 pub use fdtransfer::{install_fds, MAX_FDS};
 pub use fork::{remote_fork, ForkPlan, Forked, NsKind};
 pub use hugepages::{collapse_anonymous, collapsible_ranges, Collapsed};
+pub use lazy::{LazyPlan, LazyServer};
 pub use objects::{object_of, CloneObjects, ObjectKey, TemplateEnd};
 pub use procimage::{
     capture_box, capture_box_incremental, restore_box, PageData, PageStore, ProcessImage,

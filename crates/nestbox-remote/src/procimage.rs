@@ -39,6 +39,7 @@ use crate::fdtransfer::install_fds_with;
 use crate::fork::{
     ensure_all_threads_held, fix_up, read_template, CloneTables, Made, TemplateState,
 };
+use crate::lazy::{LazyPlan, LazyServer};
 use crate::maps::{Pagemap, Vma, PAGE};
 use crate::memory::Scratch;
 use crate::objects::{object_of, CloneObjects};
@@ -166,6 +167,10 @@ pub trait PageStore {
     /// Read the page at `addr` into `buf` (one page), checked against its
     /// content hash.
     fn read_page(&self, addr: u64, buf: &mut [u8]) -> std::io::Result<()>;
+    /// Every address the image holds a page at, sorted (what a lazy restore
+    /// puts in: found without walking the mappings page by page, which may
+    /// reserve gigabytes they never touch).
+    fn held(&self) -> Vec<u64>;
 }
 
 /// A [`PageSource`] over a [`PageStore`], for the rebuild engine: the
@@ -175,6 +180,9 @@ pub trait PageStore {
 struct StoredPages<'a> {
     target: &'a dyn PageStore,
     base: Option<&'a dyn PageStore>,
+    /// New private anonymous mappings are left empty, for a lazy restore
+    /// (lazy.rs) to fill.
+    lazy: bool,
 }
 
 impl PageSource for StoredPages<'_> {
@@ -208,6 +216,10 @@ impl PageSource for StoredPages<'_> {
             }
         }
         Ok(())
+    }
+
+    fn defer(&self, _vma: &Vma) -> bool {
+        self.lazy
     }
 }
 
@@ -519,6 +531,18 @@ fn read_all(fd: &OwnedFd) -> std::io::Result<Vec<u8>> {
 /// contents are saved and put in a new object).
 fn ensure_memory_restorable(pid: i32, vmas: &[Vma]) -> Result<()> {
     for v in vmas.iter().filter(|v| !is_special(v)) {
+        // Registered for missing pages: a lazy restore's page server still
+        // puts pages in (those not in yet would read as zeros).
+        if v.has_flag("um") {
+            return Err(RemoteError::UnsupportedMapping {
+                pid,
+                range: v.range_name(),
+                name: v.name.clone(),
+                reason:
+                    "a lazy restore's page server is still filling it: try again once it has ended"
+                        .into(),
+            });
+        }
         let reason = if v.shared && v.name.starts_with("/SYSV") {
             Some("a System V shared memory segment")
         } else if v.shared && !v.is_file() {
@@ -637,6 +661,10 @@ pub struct RestorePlan<'a> {
     /// The box's seccomp filter (`struct sock_filter` array), installed when
     /// the image's process had one.
     pub seccomp: Option<Vec<u8>>,
+    /// Restore lazily (lazy.rs): the process runs before its private
+    /// anonymous memory is filled. Only a box of one process is restored so;
+    /// any other is filled at once.
+    pub lazy: Option<LazyPlan>,
 }
 
 /// Make a box's processes from their images (in the order
@@ -648,7 +676,7 @@ pub struct RestorePlan<'a> {
 /// made its image's from there, keeping what it shares with its parent.
 /// `pages[i]` are the pages of `images[i]`. Every process is held until the
 /// whole tree is made, then all are let go, children first. Returns the host
-/// pids, in the images' order.
+/// pids, in the images' order, and the page server of a lazy restore.
 ///
 /// # Errors
 /// A failed call, naming it; a page whose contents do not match their digest
@@ -658,7 +686,7 @@ pub fn restore_box(
     images: &[ProcessImage],
     pages: &[&dyn PageStore],
     plan: &RestorePlan<'_>,
-) -> Result<Vec<i32>> {
+) -> Result<(Vec<i32>, Option<LazyServer>)> {
     if images.is_empty() || images.len() != pages.len() {
         return Err(RemoteError::Plan(format!(
             "{} images with {} page sets",
@@ -685,6 +713,7 @@ pub fn restore_box(
         shared: SharedObjects::default(),
     };
     let mut made: Vec<Made> = Vec::with_capacity(images.len());
+    let mut server = None;
     for (i, image) in images.iter().enumerate() {
         let mut process = if image.parent == INIT_PID {
             let stub = stubs
@@ -694,7 +723,10 @@ pub fn restore_box(
                 .ok_or_else(|| {
                     RemoteError::Plan(format!("no stub for process {}", image.ns_pid))
                 })?;
-            restore_root(stub, image, pages[i], plan, &mut tables)?
+            let lazy = plan.lazy.filter(|_| images.len() == 1);
+            let (made, lazy) = restore_root(stub, image, pages[i], plan, lazy, &mut tables)?;
+            server = server.or(lazy);
+            made
         } else {
             let parent_at = images[..i]
                 .iter()
@@ -723,7 +755,7 @@ pub fn restore_box(
         pids.push(m.release(None)?);
     }
     pids.reverse();
-    Ok(pids)
+    Ok((pids, server))
 }
 
 /// A process whose parent is the box's init, made from its stub.
@@ -732,8 +764,9 @@ fn restore_root(
     image: &ProcessImage,
     pages: &dyn PageStore,
     plan: &RestorePlan<'_>,
+    lazy: Option<LazyPlan>,
     tables: &mut CloneTables,
-) -> Result<Made> {
+) -> Result<(Made, Option<LazyServer>)> {
     let mut x = Tracee::seize_and_interrupt(stub)?.owned();
     x.wait_stopped(std::time::Duration::from_secs(2))?;
     x.set_options(TRACE_OPTIONS | libc::PTRACE_O_EXITKILL)?;
@@ -753,17 +786,34 @@ fn restore_root(
         exe_object: (0, 0),
         rseq: None,
     };
-    rebuild(
+    let source = StoredPages {
+        target: pages,
+        base: None,
+        lazy: lazy.is_some(),
+    };
+    let stats = rebuild(
         &mut x,
         &mut tables.shared,
         &empty,
         &image.layout,
         0,
-        &StoredPages {
-            target: pages,
-            base: None,
-        },
+        &source,
     )?;
+    let mut server = None;
+    if let Some(lazy) = lazy.filter(|_| !stats.deferred.is_empty()) {
+        // Before anything else touches the deferred memory (an injected call
+        // returning to user space writes the rseq area): faults are served
+        // from here on.
+        server = crate::lazy::start(
+            &mut x,
+            &image.layout,
+            &stats.deferred,
+            pages,
+            &source,
+            &lazy,
+            TRACE_OPTIONS | libc::PTRACE_O_EXITKILL,
+        )?;
+    }
     let mut scratch = Scratch::map(&mut x)?;
     image.state.apply(&mut x, &mut scratch)?;
     set_credentials(&mut x, &mut scratch, &image.credentials)?;
@@ -803,7 +853,7 @@ fn restore_root(
         securebits: image.securebits,
         set_caps: true,
     };
-    held.with_threads(image, plan.setns_cookie)
+    Ok((held.with_threads(image, plan.setns_cookie)?, server))
 }
 
 /// A restored process whose memory, state and fds are made: what its
@@ -893,6 +943,7 @@ fn restore_child(
         &StoredPages {
             target: pages,
             base: Some(parent.pages),
+            lazy: false,
         },
     )?;
     let mut scratch = Scratch::map(&mut x)?;

@@ -220,6 +220,11 @@ pub trait PageSource {
     fn page_actions(&self, vma: &Vma, kept: bool) -> Result<Vec<PageAction>>;
     /// Read the target's memory at `addr`.
     fn read(&self, addr: u64, buf: &mut [u8]) -> Result<()>;
+    /// Whether the pages of `vma`, a new private anonymous mapping of X, are
+    /// left for the caller to fill later ([`RebuildStats::deferred`]).
+    fn defer(&self, _vma: &Vma) -> bool {
+        false
+    }
 }
 
 /// Pages from a live (stopped) template process B, compared with the base A by
@@ -374,6 +379,11 @@ pub struct RebuildStats {
     pub vdso_moved: bool,
     /// The exe link was changed.
     pub exe_changed: bool,
+    /// Ranges of new private anonymous mappings whose pages were left
+    /// unwritten because the page source defers them ([`PageSource::defer`]):
+    /// the caller fills them (lazy restore). Sorted.
+    #[serde(skip)]
+    pub deferred: Vec<(u64, u64)>,
 }
 
 /// Fork the stopped `parent` (an injected `fork`) and return the child, stopped,
@@ -700,6 +710,10 @@ pub fn rebuild(
         for (ranges, is_kept) in [(kept, true), (fresh, false)] {
             for (s, e) in ranges {
                 let part = sub_vma(t, s, e);
+                if !is_kept && deferrable(&part) && source.defer(&part) {
+                    stats.deferred.push((s, e));
+                    continue;
+                }
                 let actions = source.page_actions(&part, is_kept)?;
                 copy_pages(x, &mem, source, &part, &actions, !is_kept, &mut stats)?;
             }
@@ -783,6 +797,46 @@ pub fn rebuild(
         x.syscall_insn = hole;
     }
     Ok(stats)
+}
+
+/// A mapping whose pages may be put in later with `UFFDIO_COPY` (a
+/// userfaultfd in missing mode takes private anonymous memory; a locked
+/// mapping was populated at mmap, so its pages are written at once).
+fn deferrable(t: &Vma) -> bool {
+    !t.shared && !t.is_file() && !is_special(t) && !t.has_flag("lo")
+}
+
+/// Write the pages of X's new private mappings `ranges` (of the target's
+/// layout) from `source` now: what a rebuild deferred, when it cannot be
+/// filled later after all.
+pub(crate) fn write_deferred(
+    x: &mut Tracee,
+    target: &Layout,
+    ranges: &[(u64, u64)],
+    source: &dyn PageSource,
+) -> Result<()> {
+    let pid = x.pid();
+    let mem_path = proc_path(pid, "mem");
+    let mem = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(&mem_path)
+        .map_err(|source| RemoteError::Proc {
+            path: mem_path,
+            source,
+        })?;
+    let mut stats = RebuildStats::default();
+    for &(s, e) in ranges {
+        let Some(t) = target.vmas.iter().find(|t| t.start <= s && e <= t.end) else {
+            return Err(RemoteError::Unclonable(format!(
+                "pid {pid}: the deferred range {s:#x}-{e:#x} is in no mapping of the image"
+            )));
+        };
+        let part = sub_vma(t, s, e);
+        let actions = source.page_actions(&part, false)?;
+        copy_pages(x, &mem, source, &part, &actions, true, &mut stats)?;
+    }
+    Ok(())
 }
 
 /// `struct prctl_mm_map` as bytes.

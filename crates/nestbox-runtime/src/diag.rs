@@ -91,6 +91,38 @@ pub fn to_file(path: PathBuf, also_stderr: bool) {
     };
 }
 
+/// Warnings and errors go to the file `path` (and to stderr when they went
+/// there) until the returned guard is dropped, which puts the destination
+/// back. A process forked meanwhile keeps writing to `path`: a lazy
+/// restore's page server logs to the restored box's monitor log.
+pub fn file_for_now(path: PathBuf) -> FileForNow {
+    install();
+    let mut d = destination();
+    let before = FileForNow {
+        path: d.path.take(),
+        stderr: d.stderr,
+    };
+    d.file = None;
+    d.path = Some(path);
+    before
+}
+
+/// What [`file_for_now`] puts back when dropped.
+#[derive(Debug)]
+pub struct FileForNow {
+    path: Option<PathBuf>,
+    stderr: bool,
+}
+
+impl Drop for FileForNow {
+    fn drop(&mut self) {
+        let mut d = destination();
+        d.file = None;
+        d.path = self.path.take();
+        d.stderr = self.stderr;
+    }
+}
+
 /// Nothing is written any more: for a process that leaves nestbox's mount
 /// namespace or whose descriptors are not its own (a box's first process, an
 /// `exec` helper), where the log's path or descriptor would mean something else.

@@ -163,6 +163,11 @@ enum Command {
         /// clones of it forked ahead (as freeze --pool).
         #[arg(long, value_name = "N", default_value_t = 0, requires = "shared")]
         pool: usize,
+        /// Run before the memory is filled: a box of one process gets its
+        /// private memory from a page server of its own, each page when first
+        /// touched and the rest in the background (see docs/checkpoint.md).
+        #[arg(long, conflicts_with = "shared")]
+        lazy: bool,
         /// Checkpoint name, a checkpoint directory (a path with a '/'), or `-`:
         /// a checkpoint stream on standard input (from `checkpoint -o -`),
         /// kept as the checkpoint of its name.
@@ -189,6 +194,10 @@ enum Command {
         /// Print the migration's figures as JSON.
         #[arg(long)]
         json: bool,
+        /// The target restores the box lazily (see `restore --lazy`): its
+        /// memory is filled after it runs, so the stop does not grow with it.
+        #[arg(long)]
+        lazy: bool,
     },
     /// Take one box that `nestbox migrate` sends and run it here.
     Receive {
@@ -741,11 +750,13 @@ pub fn dispatch(cli: Cli) -> Result<i32> {
             new_name,
             rounds,
             json,
+            lazy,
         } => {
             let req = nestbox_runtime::migrate::MigrateRequest {
                 target: to.parse()?,
                 name: new_name,
                 max_rounds: rounds,
+                lazy,
             };
             // As a checkpoint: in a worker of its own process group, which a
             // signal to this command does not cut while it injects calls.
@@ -803,6 +814,7 @@ pub fn dispatch(cli: Cli) -> Result<i32> {
             json,
             shared,
             pool,
+            lazy,
             checkpoint,
         } => {
             let r = if checkpoint == "-" {
@@ -815,7 +827,7 @@ pub fn dispatch(cli: Cli) -> Result<i32> {
                     pool,
                 )?
             } else {
-                nestbox_runtime::checkpoint::restore(&reg, &checkpoint, name.as_deref())?
+                nestbox_runtime::checkpoint::restore_with(&reg, &checkpoint, name.as_deref(), lazy)?
             };
             if json {
                 println!("{}", serde_json::to_string(&r)?);

@@ -222,9 +222,24 @@ fn start_server(root: &TestRoot, port: Option<u16>) -> tempfile::TempDir {
 
 #[test]
 fn a_server_under_a_request_loop_migrates_to_another_host_without_losing_a_request() {
-    let Some((here, there)) = two_roots(
+    migrate_under_a_request_loop(
         "a_server_under_a_request_loop_migrates_to_another_host_without_losing_a_request",
-    ) else {
+        false,
+    );
+}
+
+/// The same with `migrate --lazy`: the target runs the box before its
+/// memory is filled (a page server fills it), and everything holds.
+#[test]
+fn a_server_migrated_lazily_loses_no_request_and_keeps_its_memory() {
+    migrate_under_a_request_loop(
+        "a_server_migrated_lazily_loses_no_request_and_keeps_its_memory",
+        true,
+    );
+}
+
+fn migrate_under_a_request_loop(test: &str, lazy: bool) {
+    let Some((here, there)) = two_roots(test) else {
         return;
     };
     let other = OtherHost::new(7);
@@ -275,13 +290,12 @@ fn a_server_under_a_request_loop_migrates_to_another_host_without_losing_a_reque
     };
     std::thread::sleep(Duration::from_millis(700));
     let mut receiver = other.receive(&there, 7070);
-    let out = here.ok(&[
-        "migrate",
-        "web",
-        "--to",
-        &format!("tcp:{}:7070", other.addr),
-        "--json",
-    ]);
+    let to = format!("tcp:{}:7070", other.addr);
+    let mut args = vec!["migrate", "web", "--to", &to, "--json"];
+    if lazy {
+        args.push("--lazy");
+    }
+    let out = here.ok(&args);
     moved.store(true, Ordering::SeqCst);
     assert!(receiver.wait().expect("receive").success(), "receive");
     std::thread::sleep(Duration::from_millis(700));
@@ -293,6 +307,15 @@ fn a_server_under_a_request_loop_migrates_to_another_host_without_losing_a_reque
     let stats: Value = serde_json::from_str(&out).expect("migrate --json");
     let rounds = stats["rounds"].as_array().expect("rounds");
     assert!(rounds.len() >= 2, "pre-copy ran in rounds: {stats}");
+    let server = &stats["arrived"]["page_server"];
+    if lazy {
+        assert!(
+            server["pages"].as_u64().unwrap_or(0) > 24 * 256,
+            "restored lazily there: {stats}"
+        );
+    } else {
+        assert!(server.is_null(), "restored at once there: {stats}");
+    }
     assert!(
         rounds[0]["sent"].as_u64().unwrap() > 24 * 256 / 2,
         "the first round sent the memory: {stats}"

@@ -762,7 +762,7 @@ pub(crate) fn remove_staging(box_name: &str, what: &str, dir: &Path) {
 /// again, removed with `checkpoint rm`), and restore it as box `name`. If the
 /// restore fails, the checkpoint goes too.
 pub fn restore_from_stdin(reg: &Registry, name: Option<&str>) -> Result<Restored> {
-    restore_incoming(reg, name, None, &mut |staging| {
+    restore_incoming(reg, name, None, false, &mut |staging| {
         untar(staging, std::process::Stdio::inherit())
     })
 }
@@ -788,6 +788,7 @@ pub(crate) fn restore_incoming(
     reg: &Registry,
     name: Option<&str>,
     preloaded: Option<&Preloaded>,
+    lazy: bool,
     unpack: &mut dyn FnMut(&Path) -> Result<()>,
 ) -> Result<Restored> {
     let staging = checkpoints_dir(reg).join(format!(".tmp-incoming-{}", std::process::id()));
@@ -809,7 +810,7 @@ pub(crate) fn restore_incoming(
             return Err(e);
         }
     };
-    restore_preloaded(reg, &checkpoint, name, preloaded).inspect_err(|_| {
+    restore_preloaded(reg, &checkpoint, name, preloaded, lazy).inspect_err(|_| {
         crate::diag::warn_on_err(
             None,
             "removing a checkpoint received for a failed restore",
@@ -947,6 +948,7 @@ pub fn restore_shared(
         pid,
         restore_ms: start.elapsed().as_secs_f64() * 1e3,
         shell_ms: 0.0,
+        page_server: None,
     })
 }
 
@@ -1176,6 +1178,12 @@ impl PageStore for ProcessPages<'_> {
         self.pages.get(&addr).map(|d| d.0)
     }
 
+    fn held(&self) -> Vec<u64> {
+        let mut addrs: Vec<u64> = self.pages.keys().copied().collect();
+        addrs.sort_unstable();
+        addrs
+    }
+
     fn read_page(&self, addr: u64, buf: &mut [u8]) -> std::io::Result<()> {
         let digest = self.pages.get(&addr).ok_or_else(|| {
             std::io::Error::new(std::io::ErrorKind::NotFound, "no such page in the image")
@@ -1211,6 +1219,10 @@ pub struct Restored {
     /// network) before its processes were rebuilt in it.
     #[serde(default)]
     pub shell_ms: f64,
+    /// A lazy restore's page server (host pid, pages it puts in), when the
+    /// box was restored lazily.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub page_server: Option<nestbox_remote::LazyServer>,
 }
 
 /// Restore checkpoint `source` (a name, or a directory) as box `name`
@@ -1221,7 +1233,24 @@ pub struct Restored {
 /// taken, a page whose contents do not match its digest: one line, and
 /// nothing of the new box is left.
 pub fn restore(reg: &Registry, source: &str, name: Option<&str>) -> Result<Restored> {
-    restore_preloaded(reg, source, name, None)
+    restore_preloaded(reg, source, name, None, false)
+}
+
+/// [`restore`], lazily when `lazy` (`restore --lazy`): a box of one process
+/// runs before its private anonymous memory is filled, a page server of its
+/// own filling it (faults first, the rest in the background;
+/// `nestbox_remote`'s lazy.rs). Its pages are then checked against their
+/// digests as they are read: a damaged one kills the box.
+///
+/// # Errors
+/// As [`restore`].
+pub fn restore_with(
+    reg: &Registry,
+    source: &str,
+    name: Option<&str>,
+    lazy: bool,
+) -> Result<Restored> {
+    restore_preloaded(reg, source, name, None, lazy)
 }
 
 /// [`restore`], with pages in memory already (checked) taken from there
@@ -1231,6 +1260,7 @@ pub(crate) fn restore_preloaded(
     source: &str,
     name: Option<&str>,
     preloaded: Option<&Preloaded>,
+    lazy: bool,
 ) -> Result<Restored> {
     let start = Instant::now();
     let (meta, dir) = load(reg, source)?;
@@ -1272,13 +1302,15 @@ pub(crate) fn restore_preloaded(
     let shell_ms = shell_at.elapsed().as_secs_f64() * 1e3;
     let result = started.and_then(|()| {
         let shell = reg.load(&name)?;
-        let pids = restore_into(&shell, &meta.processes, &pages, &pool, preloaded)?;
+        let (pids, page_server) =
+            restore_into(&shell, &meta.processes, &pages, &pool, preloaded, lazy)?;
         let pid = pids[0];
         Ok(Restored {
             name: name.clone(),
             pid,
             restore_ms: start.elapsed().as_secs_f64() * 1e3,
             shell_ms,
+            page_server,
         })
     });
     if result.is_err() && reg.load(&name).is_ok() {
@@ -1295,7 +1327,8 @@ fn restore_into(
     pages: &[HashMap<u64, Digest>],
     pool: &PagePool,
     preloaded: Option<&Preloaded>,
-) -> Result<Vec<i32>> {
+    lazy: bool,
+) -> Result<(Vec<i32>, Option<nestbox_remote::LazyServer>)> {
     let name = shell.name();
     let init = shell
         .state
@@ -1377,12 +1410,16 @@ fn restore_into(
         stdio: [stdio[0].as_fd(), stdio[1].as_fd(), stdio[2].as_fd()],
         setns_cookie: cookie,
         seccomp,
+        lazy: lazy.then_some(nestbox_remote::LazyPlan { box_init: init.pid }),
     };
     let stores: Vec<ProcessPages<'_>> = pages
         .iter()
         .map(|p| ProcessPages::new(p, pool, preloaded))
         .collect();
     let refs: Vec<&dyn PageStore> = stores.iter().map(|s| s as &dyn PageStore).collect();
+    // A lazy restore's page server (forked in there) logs to the box's
+    // monitor log: the restore command's stderr may be gone by then.
+    let _log = lazy.then(|| crate::diag::file_for_now(shell.monitor_log_path()));
     nestbox_remote::restore_box(&stubs, images, &refs, &plan).map_err(|e| {
         for (_, stub) in &stubs {
             // Killed with their tracer's handle already; make sure.

@@ -100,6 +100,9 @@ pub struct MigrateRequest {
     pub name: Option<String>,
     /// Pre-copy rounds at most (after the first, which sends everything).
     pub max_rounds: usize,
+    /// The target restores the box lazily (see `checkpoint::restore_with`):
+    /// its memory is filled after it runs, so the stop does not grow with it.
+    pub lazy: bool,
 }
 
 /// The first frame: who comes.
@@ -111,6 +114,9 @@ struct Hello {
     checkpoint: String,
     kernel: String,
     cpu_flags: Vec<String>,
+    /// Restore lazily on the target (`migrate --lazy`).
+    #[serde(default)]
+    lazy: bool,
 }
 
 /// The target's last answer.
@@ -125,6 +131,9 @@ pub struct Arrived {
     /// Of those, milliseconds to start the box there.
     #[serde(default)]
     pub shell_ms: f64,
+    /// The page server of a lazy restore there (`migrate --lazy`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub page_server: Option<nestbox_remote::LazyServer>,
     /// Milliseconds from the checkpoint's arrival to the restored box
     /// running (the last pages made durable, the files unpacked, the
     /// restore).
@@ -346,6 +355,7 @@ pub fn migrate(reg: &Registry, box_name: &str, req: &MigrateRequest) -> Result<M
         checkpoint: checkpoint.clone(),
         kernel: kernel_release(),
         cpu_flags: cpu_flags(),
+        lazy: req.lazy,
     };
     let json = serde_json::to_vec(&hello).map_err(|e| fail(format!("encoding: {e}")))?;
     stream
@@ -644,6 +654,7 @@ pub fn receive(reg: &Registry, reader: Box<dyn Read>, writer: Box<dyn Write>) ->
             pid: r.pid,
             restore_ms: r.restore_ms,
             shell_ms: r.shell_ms,
+            page_server: r.page_server,
             target_ms: *target_ms,
             unpack_ms: *unpack_ms,
             arrived_at: *arrived_at,
@@ -775,16 +786,22 @@ fn receive_on(
         }
     };
     let mut unpack_ms = 0.0;
-    let restored = restore_incoming(reg, Some(&hello.name), Some(&received), &mut |staging| {
-        let at = Instant::now();
-        let archive = staging.with_extension("tar");
-        fs::write(&archive, &tar).map_err(RuntimeError::io("write", &archive))?;
-        let file = fs::File::open(&archive).map_err(RuntimeError::io("open", &archive));
-        let unpacked = file.and_then(|f| crate::checkpoint::untar(staging, Stdio::from(f)));
-        let _ = fs::remove_file(&archive);
-        unpack_ms = at.elapsed().as_secs_f64() * 1e3;
-        unpacked
-    });
+    let restored = restore_incoming(
+        reg,
+        Some(&hello.name),
+        Some(&received),
+        hello.lazy,
+        &mut |staging| {
+            let at = Instant::now();
+            let archive = staging.with_extension("tar");
+            fs::write(&archive, &tar).map_err(RuntimeError::io("write", &archive))?;
+            let file = fs::File::open(&archive).map_err(RuntimeError::io("open", &archive));
+            let unpacked = file.and_then(|f| crate::checkpoint::untar(staging, Stdio::from(f)));
+            let _ = fs::remove_file(&archive);
+            unpack_ms = at.elapsed().as_secs_f64() * 1e3;
+            unpacked
+        },
+    );
     let restored = match restored {
         Ok(r) => r,
         Err(e) => {
