@@ -229,6 +229,12 @@ pub(crate) fn join_rel(base: &Path, rel: &str) -> PathBuf {
     }
 }
 
+/// The first of the files `names` that `dir` has (controllers name a file
+/// differently by kernel and scheduler: `io.weight` or `io.bfq.weight`).
+pub(crate) fn first_present(dir: &Path, names: &[&str]) -> Option<PathBuf> {
+    names.iter().map(|n| dir.join(n)).find(|f| f.exists())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -176,10 +176,7 @@ fn apply_blkio_devices(
     for d in devices {
         let dev = d.device();
         if let Some(w) = d.weight {
-            let file = ["blkio.weight_device", "blkio.bfq.weight_device"]
-                .iter()
-                .map(|n| dir.join(n))
-                .find(|f| f.exists())
+            let file = fsutil::first_present(dir, &["blkio.weight_device", "blkio.bfq.weight_device"])
                 .ok_or_else(|| CgroupError::Unsupported {
                     option: "io_devices",
                     reason: format!(

@@ -169,11 +169,8 @@ pub(crate) fn apply(
         for d in &limits.io_devices {
             let dev = d.device();
             if let Some(w) = d.weight {
-                let file = ["io.weight", "io.bfq.weight"]
-                    .iter()
-                    .map(|n| dir.join(n))
-                    .find(|f| f.exists())
-                    .ok_or_else(|| CgroupError::Unsupported {
+                let file = fsutil::first_present(dir, &["io.weight", "io.bfq.weight"])
+                .ok_or_else(|| CgroupError::Unsupported {
                         option: "io_devices",
                         reason: format!(
                             "the kernel's io controller offers no weight file (neither io.weight nor io.bfq.weight in {}); weight {w} of {dev} cannot be applied",

@@ -132,19 +132,6 @@ pub fn create(root: &Root, opts: &CreateOpts, plan: &Plan, template: &str) -> Re
             "annotation {TEMPLATE_ANNOTATION} must name a template"
         )));
     }
-    match (plan.process.terminal, &opts.console_socket) {
-        (true, None) => {
-            return Err(OciError::Usage(
-                "process.terminal is true: --console-socket is required".into(),
-            ))
-        }
-        (false, Some(_)) => {
-            return Err(OciError::Usage(
-                "--console-socket given but process.terminal is false".into(),
-            ))
-        }
-        _ => {}
-    }
     if opts.preserve_fds > 0 {
         return Err(OciError::Usage(format!(
             "--preserve-fds: a container forked from a template ({TEMPLATE_ANNOTATION}) keeps its template's descriptors"

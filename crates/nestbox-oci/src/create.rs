@@ -64,9 +64,6 @@ pub fn create(root: &Root, opts: &CreateOpts) -> Result<Record> {
         return Err(OciError::Exists(opts.id.clone()));
     }
     let plan = config::load(&opts.bundle)?;
-    if let Some(template) = crate::clone::template_of(&plan) {
-        return crate::clone::create(root, opts, &plan, template);
-    }
     match (plan.process.terminal, &opts.console_socket) {
         (true, None) => {
             return Err(OciError::Usage(
@@ -79,6 +76,9 @@ pub fn create(root: &Root, opts: &CreateOpts) -> Result<Record> {
             ))
         }
         _ => {}
+    }
+    if let Some(template) = crate::clone::template_of(&plan) {
+        return crate::clone::create(root, opts, &plan, template);
     }
     let dir = root.reserve(&opts.id)?;
     let mut made = Made {

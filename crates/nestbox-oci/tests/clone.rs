@@ -329,18 +329,7 @@ fn clone_from_template_through_the_annotation() {
 
     // With a terminal: the clone writes on the terminal whose master came
     // over the console socket.
-    let sock = env.tmp().join("console.sock");
-    let listener = std::os::unix::net::UnixListener::bind(&sock).unwrap();
-    env.runc(&[
-        "create",
-        "--bundle",
-        env.bundle.to_str().unwrap(),
-        "--console-socket",
-        sock.to_str().unwrap(),
-        "c4",
-    ])
-    .ok();
-    let mut master = std::fs::File::from(common::receive_terminal(&listener));
+    let mut master = std::fs::File::from(env.create_on_terminal("c4"));
     env.runc(&["start", "c4"]).ok();
     let mut seen = String::new();
     let deadline = Instant::now() + Duration::from_secs(10);

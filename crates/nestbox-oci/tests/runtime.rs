@@ -648,18 +648,7 @@ fn terminal_goes_over_the_console_socket() {
     }
     let env = Env::new(&["sh", "-c", "tty; echo hi-from-tty; sleep 1000"]);
     env.edit(|c| c["process"]["terminal"] = json!(true));
-    let sock = env.tmp().join("console.sock");
-    let listener = std::os::unix::net::UnixListener::bind(&sock).unwrap();
-    env.runc(&[
-        "create",
-        "--bundle",
-        env.bundle.to_str().unwrap(),
-        "--console-socket",
-        sock.to_str().unwrap(),
-        "t1",
-    ])
-    .ok();
-    let master = common::receive_terminal(&listener);
+    let master = env.create_on_terminal("t1");
     env.runc(&["start", "t1"]).ok();
     let mut seen = String::new();
     let deadline = Instant::now() + Duration::from_secs(10);

@@ -690,15 +690,7 @@ pub fn rebuild(
     }
 
     // 4. Contents.
-    let mem_path = proc_path(pid, "mem");
-    let mem = std::fs::OpenOptions::new()
-        .read(true)
-        .write(true)
-        .open(&mem_path)
-        .map_err(|source| RemoteError::Proc {
-            path: mem_path,
-            source,
-        })?;
+    let mem = open_mem(pid)?;
     let own_memory = |t: &Vma| !t.shared || (from_image && t.deleted());
     for t in target
         .vmas
@@ -816,15 +808,7 @@ pub(crate) fn write_deferred(
     source: &dyn PageSource,
 ) -> Result<()> {
     let pid = x.pid();
-    let mem_path = proc_path(pid, "mem");
-    let mem = std::fs::OpenOptions::new()
-        .read(true)
-        .write(true)
-        .open(&mem_path)
-        .map_err(|source| RemoteError::Proc {
-            path: mem_path,
-            source,
-        })?;
+    let mem = open_mem(pid)?;
     let mut stats = RebuildStats::default();
     for &(s, e) in ranges {
         let Some(t) = target.vmas.iter().find(|t| t.start <= s && e <= t.end) else {
@@ -1129,6 +1113,19 @@ fn copy_pages(
         i = j;
     }
     Ok(())
+}
+
+/// `/proc/PID/mem` of process `pid`, for reading and writing its memory.
+fn open_mem(pid: i32) -> Result<std::fs::File> {
+    let mem_path = proc_path(pid, "mem");
+    std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(&mem_path)
+        .map_err(|source| RemoteError::Proc {
+            path: mem_path,
+            source,
+        })
 }
 
 #[cfg(test)]

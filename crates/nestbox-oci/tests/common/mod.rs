@@ -121,6 +121,23 @@ impl Env {
         self.runc(&["run", "--bundle", self.bundle.to_str().unwrap(), id])
     }
 
+    /// `create` in the bundle with a console socket (its `process.terminal`
+    /// set), which must succeed: the terminal's master side it sent.
+    pub fn create_on_terminal(&self, id: &str) -> std::os::fd::OwnedFd {
+        let sock = self.tmp().join(format!("console-{id}.sock"));
+        let listener = std::os::unix::net::UnixListener::bind(&sock).unwrap();
+        self.runc(&[
+            "create",
+            "--bundle",
+            self.bundle.to_str().unwrap(),
+            "--console-socket",
+            sock.to_str().unwrap(),
+            id,
+        ])
+        .ok();
+        receive_terminal(&listener)
+    }
+
     /// `create` in the bundle.
     pub fn create(&self, id: &str) -> Out {
         self.runc(&["create", "--bundle", self.bundle.to_str().unwrap(), id])
