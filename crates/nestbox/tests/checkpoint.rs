@@ -891,3 +891,51 @@ fn checkpoint_and_restore_killed_midway_leave_nothing() {
     root.ok(&["gc"]);
     root.assert_no_boxes();
 }
+
+/// `checkpoint ls` running while checkpoints are removed sees each one whole
+/// or not at all (a removal takes the checkpoint out of the list in one
+/// step), and `gc` finishes a removal that was cut short.
+#[test]
+fn checkpoints_being_removed_are_never_listed_half_removed() {
+    let Some(root) = TestRoot::new("checkpoints_being_removed_are_never_listed_half_removed")
+    else {
+        return;
+    };
+    root.ok(&["run", "-d", "--name", "sl", "--", "sleep", "600"]);
+    let names: Vec<String> = (0..6).map(|i| format!("r{i}")).collect();
+    for n in &names {
+        root.ok(&["checkpoint", "sl", "--as", n, "--leave-running"]);
+    }
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    std::thread::scope(|s| {
+        let lister = s.spawn(|| {
+            let mut runs = 0;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                let out = root.run(&["checkpoint", "ls"]).ok();
+                assert!(
+                    out.stderr.trim().is_empty(),
+                    "checkpoint ls during removals said: {}",
+                    out.stderr
+                );
+                runs += 1;
+            }
+            runs
+        });
+        for n in &names[..5] {
+            root.ok(&["checkpoint", "rm", n]);
+        }
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        assert!(lister.join().unwrap() > 0, "ls ran during the removals");
+    });
+    // A removal cut short (its process gone) after the checkpoint left the
+    // list: gc finishes it.
+    let dir = root.path().join("lib/checkpoints");
+    std::fs::rename(dir.join("r5"), dir.join(".removing-r5-999999999")).unwrap();
+    assert!(!root.ok(&["checkpoint", "ls"]).contains("r5"));
+    root.ok(&["gc"]);
+    assert!(
+        !dir.join(".removing-r5-999999999").exists(),
+        "gc finished the removal"
+    );
+    root.ok(&["rm", "-f", "sl"]);
+}

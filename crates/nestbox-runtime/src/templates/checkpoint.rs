@@ -998,8 +998,32 @@ pub fn remove(reg: &Registry, name: &str) -> Result<()> {
             ),
         ));
     }
-    fs::remove_dir_all(&dir).map_err(RuntimeError::io("remove", &dir))
+    // Out of the list first, in one step (a `list` running meanwhile must
+    // not meet it half-removed), then removed; `gc` finishes a removal that
+    // was killed.
+    let listed = checkpoints_dir(reg);
+    if dir.parent() != Some(listed.as_path()) {
+        // A checkpoint given by its path, in a directory of its own.
+        return fs::remove_dir_all(&dir).map_err(RuntimeError::io("remove", &dir));
+    }
+    let doomed = listed.join(format!(
+        "{REMOVING_PREFIX}{}-{}",
+        meta.name,
+        std::process::id()
+    ));
+    match fs::rename(&dir, &doomed) {
+        Ok(()) => {}
+        // Removed meanwhile by another `checkpoint rm`.
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            return Err(RuntimeError::NoSuchCheckpoint(name.to_string()))
+        }
+        Err(e) => return Err(RuntimeError::io("rename", &dir)(e)),
+    }
+    fs::remove_dir_all(&doomed).map_err(RuntimeError::io("remove", &doomed))
 }
+
+/// The name a checkpoint's directory takes while it is removed.
+const REMOVING_PREFIX: &str = ".removing-";
 
 /// What `gc` does for checkpoints: remove directories left by checkpoints
 /// that did not finish, and the pages no checkpoint refers to (packs
@@ -1011,6 +1035,18 @@ pub fn gc(reg: &Registry) -> Result<(u64, u64, u64)> {
     if let Ok(entries) = fs::read_dir(&dir) {
         for entry in entries.flatten() {
             let name = entry.file_name().to_string_lossy().into_owned();
+            if let Some(rest) = name.strip_prefix(REMOVING_PREFIX) {
+                // A removal that was cut short: finished.
+                let remover = rest
+                    .rsplit_once('-')
+                    .and_then(|(_, pid)| pid.parse::<i32>().ok());
+                if !remover.is_some_and(|p| Path::new(&format!("/proc/{p}")).exists()) {
+                    fs::remove_dir_all(entry.path())
+                        .map_err(RuntimeError::io("remove", entry.path()))?;
+                    dirs += 1;
+                }
+                continue;
+            }
             let Some(rest) = name.strip_prefix(".tmp-") else {
                 continue;
             };
