@@ -235,11 +235,15 @@ fn spawn_server(
     let init = nestbox_sys::pidfd::pidfd_open(box_init).map_err(sys("pidfd_open (box init)"))?;
     let (ready_r, ready_w) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC)
         .map_err(sys("pipe2 (page server ready)"))?;
-    // SAFETY: the child runs only this module's server (plain syscalls,
-    // allocation through glibc's fork-safe malloc, our page store, which
-    // no other thread uses) and ends with exit_now; no flag shares memory.
-    let forked = unsafe { nestbox_sys::process::fork_into(nix::sched::CloneFlags::empty()) }
-        .map_err(sys("fork (page server)"))?;
+    // SAFETY: the child runs only this module's server: plain syscalls,
+    // allocation (glibc's fork makes the allocator usable in the child even
+    // when another thread of ours was allocating, as the migration
+    // receiver's pool thread may be), the page store, which only the
+    // forking thread uses, and the diagnostics' lock when it logs a failure
+    // (another thread holds that one only while it writes a line of its own
+    // failure); it takes no other lock and ends with exit_now.
+    let forked =
+        unsafe { nestbox_sys::process::fork_with_malloc() }.map_err(sys("fork (page server)"))?;
     match forked {
         nestbox_sys::process::Forked::Child => {
             drop(ready_r);

@@ -40,6 +40,25 @@ pub unsafe fn fork_into(flags: CloneFlags) -> Result<Forked> {
     }
 }
 
+/// Fork the calling process through glibc's `fork(3)`, whose fork handlers
+/// take malloc's locks in the parent around the fork and reset them in the
+/// child: unlike [`fork_into`] (a bare `clone`), the child may allocate even
+/// when other threads of the parent were allocating or freeing at that moment.
+///
+/// # Safety
+/// The child must not use any other lock another thread of the parent may
+/// have held at the fork (a `Mutex`, a channel, stdio's locks), and must end
+/// with `exec` or [`exit_now`].
+pub unsafe fn fork_with_malloc() -> Result<Forked> {
+    // SAFETY: the caller upholds the conditions above; glibc's fork keeps its
+    // allocator consistent in the child.
+    let ret = unsafe { libc::fork() };
+    match Errno::result(ret)? {
+        0 => Ok(Forked::Child),
+        pid => Ok(Forked::Parent(Pid::from_raw(pid))),
+    }
+}
+
 /// [`fork_into`], also returning (in the parent) a pidfd of the child
 /// (`CLONE_PIDFD`): the way to name a child born in a pid namespace other than
 /// the one the caller's `/proc` shows.
