@@ -640,6 +640,8 @@ pub fn list(reg: &Registry) -> Result<Vec<Checkpoint>> {
         }
         match load(reg, &name) {
             Ok((meta, _)) => out.push(meta),
+            // Removed since the directory was read (`checkpoint rm`).
+            Err(RuntimeError::NoSuchCheckpoint(_)) => {}
             Err(e) => tracing::warn!("checkpoint {name}: {e}"),
         }
     }
