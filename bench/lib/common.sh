@@ -63,6 +63,9 @@ nestbox_box_names() {
 nestbox_clean_root() {
     local root=$1 name
     [[ -d $root && -x $NESTBOX ]] || return 0
+    # Box shells a pool keeps ready are not listed by ps (a build without
+    # shells has no `pool`: that is fine).
+    "$NESTBOX" --root "$root" pool drain >/dev/null 2>&1 || true
     while read -r name; do
         [[ -z $name ]] || "$NESTBOX" --root "$root" rm -f "$name" >/dev/null 2>&1 || true
     done < <(nestbox_box_names "$root" 2>/dev/null || true)

@@ -4,7 +4,8 @@
 Phase 1 (stress): CLIENTS threads perform CYCLES operations in all (one
 operation = one cycle), each a random pick of run --rm, run -d, exec, stop,
 rm -f, freeze --as T [--pool N], clone T (CLI), clone T (through `nestbox
-serve`'s socket), template rm T, network pool N, on box and template names
+serve`'s socket), template rm T, network pool N, pool size N (the pool of box
+shells, which runs then claim from), on box and template names
 shared by all clients, so that they race on the same objects.
 
 Phase 2 (faults): KILLS cycles; each starts an operation and SIGKILLs, after a
@@ -366,6 +367,7 @@ OPS = [  # (name, weight)
     ("run_rm", 6), ("run_d", 14), ("exec", 10), ("stop", 3), ("rm", 10),
     ("freeze", 14), ("clone_cli", 12), ("clone_api", 12), ("template_rm", 3),
     ("network_pool", 3), ("checkpoint", 4), ("restore", 4), ("checkpoint_rm", 2),
+    ("shell_pool", 3),
 ]
 
 CHECKPOINTS = [f"c{i}" for i in range(3)]
@@ -466,6 +468,10 @@ class Client(threading.Thread):
 
     def op_network_pool(self) -> None:
         self.do("network_pool", ["network", "pool", str(self.rng.randint(0, 2))])
+
+    def op_shell_pool(self) -> None:
+        # The pool of box shells: run --rm and run -d then claim shells.
+        self.do("shell_pool", ["pool", "size", str(self.rng.randint(0, 2))])
 
 
 class Budget:
@@ -636,7 +642,7 @@ class Killer:
     def kill_cli(self) -> None:
         self.n += 1
         choice = self.rng.choice(["run_d", "run_rm", "rm", "stop", "freeze", "clone", "template_rm",
-                                  "network_pool", "exec", "checkpoint", "restore"])
+                                  "network_pool", "exec", "checkpoint", "restore", "shell_pool"])
         box, template = "", ""
         if choice in ("rm", "stop", "freeze", "exec", "checkpoint"):
             box = self.live_box()
@@ -653,6 +659,7 @@ class Killer:
             "clone": ["clone", template, "-d"],
             "template_rm": ["template", "rm", template],
             "network_pool": ["network", "pool", str(self.rng.randint(0, 2))],
+            "shell_pool": ["pool", "size", str(self.rng.randint(0, 2))],
             "exec": ["exec", box, "--", "/bin/true"],
             "checkpoint": ["checkpoint", box, "--as", f"kc{self.n}", "--leave-running"],
             "restore": ["restore", "kc", "--name", f"k{self.n}"],
@@ -757,6 +764,8 @@ def clean_root(nb: Nestbox, stats: Stats) -> None:
         rc, _, err, dur = nb.call(args)
         nb.judge("cleanup", args, rc, err, dur)
 
+    # Box shells of the pool are not listed by ps.
+    step(["pool", "drain"])
     rc, out, _, _ = nb.call(["template", "ls", "--json"])
     if rc == 0:
         names = [t["name"] for t in json.loads(out) if not t.get("removed")]

@@ -17,7 +17,7 @@
 //!     └ lifecycle   monitor, launch, init, exec, logs, residency, plain-box operations,
 //!                   time travel (snapshot, rollback, diff)
 //!        └ network     network glue of a box (leases, attach, release) and the network pool
-//!           └ records     error, diag, disk, paths, size, snapshots, spec, state, registry,
+//!           └ records     error, diag, disk, paths, phases, size, snapshots, spec, state, registry,
 //!                         liveness, process
 //! ```
 //!
@@ -34,6 +34,7 @@ pub mod lifecycle;
 pub mod liveness;
 pub mod network;
 pub mod paths;
+pub mod phases;
 pub mod process;
 pub mod registry;
 pub mod service;
@@ -49,7 +50,7 @@ pub use error::{Result, RuntimeError};
 
 // The modules' paths before they were grouped, kept so that callers (the CLI and
 // other crates) need not change.
-pub use lifecycle::{exec, init, ksm, launch, logs, monitor, residency, time_travel};
+pub use lifecycle::{exec, init, ksm, launch, logs, monitor, residency, shell, time_travel};
 pub use network::pool as network_pool;
 pub use templates::{checkpoint, clone, migrate, prepared_claim, template, working_set};
 

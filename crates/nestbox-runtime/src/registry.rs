@@ -52,10 +52,30 @@ impl BoxRecord {
     pub fn is_pooled(&self) -> bool {
         self.spec.clone_of.is_some() && self.name().starts_with(crate::spec::POOL_NAME_PREFIX)
     }
+    /// Whether this is a box shell waiting in the pool of shells (see
+    /// [`crate::lifecycle::shell`]), not a box of its own yet.
+    pub fn is_shell(&self) -> bool {
+        self.spec.name.starts_with("pool.shell.") || self.spec.name.starts_with("pool.mk.")
+    }
     /// The name prefix of the pooled clones of this box as a template
     /// (`pool.<template id>.`): its pool's records are named so.
     pub fn pool_prefix(&self) -> String {
         format!("{}{}.", crate::spec::POOL_NAME_PREFIX, self.state.id)
+    }
+    /// The record of this box once renamed to `spec.name` (same id and
+    /// data), with `spec` and `state`.
+    pub(crate) fn renamed(&self, spec: BoxSpec, state: BoxState) -> BoxRecord {
+        let run_dir = self
+            .run_dir
+            .parent()
+            .map(|p| p.join(&spec.name))
+            .unwrap_or_else(|| self.run_dir.clone());
+        BoxRecord {
+            spec,
+            state,
+            run_dir,
+            lib_dir: self.lib_dir.clone(),
+        }
     }
     /// Record directory.
     pub fn run_dir(&self) -> &Path {
@@ -85,6 +105,13 @@ impl BoxRecord {
             base.join(format!("work-{index}")),
         )
     }
+}
+
+/// Where [`Registry::bury`] put a box's record and data.
+#[derive(Debug)]
+pub struct Tombs {
+    record: PathBuf,
+    data: PathBuf,
 }
 
 /// An exclusive lock on one box record, released on drop.
@@ -329,6 +356,56 @@ impl Registry {
         }
     }
 
+    /// The first half of [`Registry::remove`], for a caller that answers
+    /// before it removes: the record and the data directory are renamed out
+    /// of the way (the name is free at once, nothing of the box is listed),
+    /// to the tombs `.rm-ID` that [`Registry::remove_buried`] removes. Until
+    /// then (and for 5 s: see [`Registry::young_tomb_ids`]) `gc` takes the
+    /// box's id for a live one and leaves the tombs alone; older ones, whose
+    /// remover died, it removes.
+    pub fn bury(&self, record: &BoxRecord) -> Result<Tombs> {
+        crate::disk::release(&record.lib_dir)?;
+        let tomb = self.roots.boxes().join(format!(".rm-{}", record.state.id));
+        fs::rename(&record.run_dir, &tomb).map_err(RuntimeError::io("rename", &record.run_dir))?;
+        let data = self
+            .roots
+            .lib
+            .join("boxes")
+            .join(format!(".rm-{}", record.state.id));
+        match fs::rename(&record.lib_dir, &data) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => return Err(RuntimeError::io("rename", &record.lib_dir)(e)),
+        }
+        Ok(Tombs { record: tomb, data })
+    }
+
+    /// The second half of [`Registry::remove`] after [`Registry::bury`].
+    pub fn remove_buried(&self, tombs: &Tombs) -> Result<()> {
+        remove_tree(&tombs.data)?;
+        remove_tree(&tombs.record)
+    }
+
+    /// The ids of boxes being removed right now: record directories renamed
+    /// to `.rm-ID` less than 5 s ago (an older one's remover died: `gc`
+    /// removes it).
+    pub fn young_tomb_ids(&self) -> Vec<String> {
+        let mut out = Vec::new();
+        if let Ok(entries) = fs::read_dir(self.roots.boxes()) {
+            for e in entries.flatten() {
+                let n = e.file_name().to_string_lossy().to_string();
+                let Some(id) = n.strip_prefix(".rm-") else {
+                    continue;
+                };
+                let young = age(&e.path()).is_some_and(|a| a < std::time::Duration::from_secs(5));
+                if young {
+                    out.push(id.to_string());
+                }
+            }
+        }
+        out
+    }
+
     /// Leftovers not belonging to any record: half-created or half-removed record
     /// directories and data directories of unknown ids. Used by garbage collection.
     pub fn orphans(&self, live_ids: &[String]) -> Vec<PathBuf> {
@@ -354,6 +431,16 @@ impl Registry {
         }
         out
     }
+}
+
+/// How long ago `path` was made or renamed (its inode's change time: a rename
+/// sets it, and a directory's contents changing do not).
+pub fn age(path: &Path) -> Option<std::time::Duration> {
+    use std::os::unix::fs::MetadataExt;
+    let m = fs::symlink_metadata(path).ok()?;
+    let changed = std::time::UNIX_EPOCH
+        + std::time::Duration::new(m.ctime().max(0) as u64, m.ctime_nsec().max(0) as u32);
+    changed.elapsed().ok()
 }
 
 /// A new random box id: 12 lowercase hex digits.

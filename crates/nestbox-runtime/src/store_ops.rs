@@ -271,6 +271,10 @@ pub fn select_dedup_layers(reg: &Registry) -> Result<DedupSelection> {
         locks: Vec::new(),
     };
     for listed in reg.list()? {
+        if listed.is_shell() {
+            // A box shell of the pool: an empty layer, and no box.
+            continue;
+        }
         let name = listed.name().to_string();
         let lock = match reg.lock(&name) {
             Ok(l) => l,

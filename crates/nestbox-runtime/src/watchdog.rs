@@ -93,6 +93,7 @@ fn candidates(reg: &Registry) -> Result<Vec<Candidate>> {
         if r.state.effective_status() != Status::Running
             || r.state.template.is_some()
             || r.is_pooled()
+            || r.is_shell()
         {
             continue;
         }

@@ -13,11 +13,14 @@ mod store_cmd;
 use std::process::ExitCode;
 
 use clap::error::ErrorKind;
-use clap::Parser;
 
 fn main() -> ExitCode {
-    let args = match cli::Cli::try_parse() {
-        Ok(args) => args,
+    nestbox_runtime::phases::init();
+    let args = match cli::Cli::parse_args() {
+        Ok(args) => {
+            nestbox_runtime::phases::mark("cli: arguments parsed");
+            args
+        }
         Err(e) if matches!(e.kind(), ErrorKind::DisplayHelp | ErrorKind::DisplayVersion) => {
             e.exit()
         }

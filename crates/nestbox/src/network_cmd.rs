@@ -103,6 +103,10 @@ pub fn network(reg: &Registry, cmd: NetworkCommand) -> Result<i32> {
             Ok(0)
         }
         NetworkCommand::Policy { policy } => {
+            if policy.is_some() {
+                // A shell's guard carries the policy it was made under.
+                nestbox_runtime::shell::drain_network(reg, None)?;
+            }
             let net = match policy.as_deref() {
                 None => nestbox_runtime::network::open(roots)?,
                 Some("open") => nestbox_runtime::network::set_isolated(roots, false)?,
@@ -137,6 +141,9 @@ pub fn network(reg: &Registry, cmd: NetworkCommand) -> Result<i32> {
             Ok(0)
         }
         NetworkCommand::Rm { name } => {
+            // Pooled box shells on the network hold addresses on it: they go
+            // first (and their shapes with them).
+            nestbox_runtime::shell::drain_network(reg, name.as_deref())?;
             if !nestbox_runtime::network::remove_named(reg.roots(), name.as_deref())? {
                 println!("no network to remove");
             }
@@ -196,11 +203,12 @@ fn refresh_pass(
 
 fn ls(reg: &Registry, root: &std::path::Path, as_json: bool) -> Result<i32> {
     let mut rows = Vec::new();
+    let shells = nestbox_runtime::shell::ids(reg);
     for cfg in list_networks(root)? {
         let boxes = Network::view(cfg.clone())
             .leases()?
             .iter()
-            .filter(|l| !pool::is_pool_id(&l.box_id))
+            .filter(|l| !pool::is_pool_id(&l.box_id) && !shells.contains(&l.box_id))
             .count();
         rows.push(json!({
             "name": cfg.name,
@@ -257,10 +265,11 @@ fn pool_json(reg: &Registry) -> Value {
 fn network_json(reg: &Registry, net: &Network) -> Result<Value> {
     let cfg: &NetworkConfig = net.config();
     let attachments = net.attachments()?;
+    let shells = nestbox_runtime::shell::ids(reg);
     let boxes: Vec<Value> = net
         .leases()?
         .into_iter()
-        .filter(|l| !pool::is_pool_id(&l.box_id))
+        .filter(|l| !pool::is_pool_id(&l.box_id) && !shells.contains(&l.box_id))
         .map(|lease| {
             match attachments.iter().find(|a| a.lease.box_id == lease.box_id) {
                 Some(a) => serde_json::to_value(a),

@@ -16,8 +16,9 @@ pub fn ps(reg: &Registry, all: bool, as_json: bool) -> Result<()> {
         if !all && !matches!(status, Status::Running | Status::Creating | Status::Frozen) {
             continue;
         }
-        if r.is_pooled() {
-            // Part of its template's pool (see `template ls`), not a box of its own yet.
+        if r.is_pooled() || r.is_shell() {
+            // Part of its template's pool (see `template ls`) or of the pool
+            // of box shells (see `pool ls`), not a box of its own yet.
             continue;
         }
         rows.push(json!({

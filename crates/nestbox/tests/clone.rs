@@ -942,12 +942,17 @@ fn a_reset_connection_held_by_the_template_is_a_reset_placeholder_in_clones() {
 }
 
 /// Pool records on disk (`pool.*` names), whether their clone has a process
-/// yet or not.
+/// yet or not (box shells of the root's pool, `pool.shell.*`, are not clones).
 fn pool_records(root: &TestRoot) -> usize {
     std::fs::read_dir(root.path().join("run/boxes"))
         .map(|d| {
             d.flatten()
-                .filter(|e| e.file_name().to_string_lossy().starts_with("pool."))
+                .map(|e| e.file_name().to_string_lossy().to_string())
+                .filter(|n| {
+                    n.starts_with("pool.")
+                        && !n.starts_with("pool.shell.")
+                        && !n.starts_with("pool.mk.")
+                })
                 .count()
         })
         .unwrap_or(0)

@@ -114,6 +114,9 @@ fn rm_leaves_no_veth_address_or_rule() {
     let Some(root) = TestRoot::new("rm_leaves_no_veth_address_or_rule") else {
         return;
     };
+    // The network's classes are counted below: no box shells (which hold
+    // classes of their own) in this root.
+    root.run(&["pool", "size", "0"]).ok();
     let port = 40000 + (std::process::id() % 20000) as u16;
     let publish = format!("{port}:80");
     root.run(&[
@@ -283,6 +286,9 @@ fn pooled_namespaces_serve_new_boxes_and_leave_nothing() {
     let Some(root) = TestRoot::new("pooled_namespaces_serve_new_boxes_and_leave_nothing") else {
         return;
     };
+    // The bridge's ports are counted below: no box shells (which hold veths
+    // of their own) in this root.
+    root.run(&["pool", "size", "0"]).ok();
     // Make the network, then a pool of two namespaces, attached ahead of time.
     root.run(&["run", "--rm", "--", "true"]).ok();
     wait_for(

@@ -31,6 +31,94 @@ pub fn adopt() -> ! {
     serve(Pid::from_raw(ADOPTED_PID))
 }
 
+/// Init of a pooled box shell (see [`crate::lifecycle::shell`]): its root is
+/// assembled and pivoted into, its cgroup joined, its network attached; wait
+/// on `channel` for the command of the box that claims it, then start the
+/// command as a cold box's first process does (hostname, then the command's
+/// own preparation and `execve`, failures on the report pipe that comes with
+/// the message) and serve it. The end of the channel (the monitor tore the
+/// shell down, or died) ends the shell.
+pub fn wait_for_command(channel: std::os::fd::RawFd) -> ! {
+    use std::os::fd::{AsRawFd, BorrowedFd};
+    // The shell was made at idle priority (a pool refill): the box it
+    // becomes must not be.
+    let param = libc::sched_param { sched_priority: 0 };
+    // SAFETY: sets this process's own policy; `param` is valid for SCHED_OTHER.
+    // Failing leaves the shell at idle priority: slower, not wrong.
+    unsafe { libc::sched_setscheduler(0, libc::SCHED_OTHER, &param) };
+    let _ = nix::sys::prctl::set_dumpable(false);
+    set_process_title(INIT_TITLE);
+    // SAFETY: `channel` is this process's own descriptor (placed by the
+    // launch), open for its whole life.
+    let sock = unsafe { BorrowedFd::borrow_raw(channel) };
+    // The shell keeps its pages while it waits (see `shell::serve`): init
+    // drops them once it serves the command, as a cold box's init does.
+    let received = crate::lifecycle::shell::wire::recv::<crate::lifecycle::shell::wire::Go>(sock);
+    let Ok(Some((go, mut fds))) = received else {
+        nestbox_sys::process::exit_now(crate::error::EXIT_NESTBOX_ERROR)
+    };
+    if fds.is_empty() {
+        nestbox_sys::process::exit_now(crate::error::EXIT_NESTBOX_ERROR)
+    }
+    let report = fds.remove(0);
+    let stdin = if go.stdin && !fds.is_empty() {
+        Some(fds.remove(0))
+    } else {
+        None
+    };
+    if go.phases && !fds.is_empty() {
+        // Closed by the command's execve (close-on-exec) and with init.
+        crate::phases::to_fd(std::os::fd::IntoRawFd::into_raw_fd(fds.remove(0)));
+    }
+    let hold = if go.hold && !fds.is_empty() {
+        Some(fds.remove(0))
+    } else {
+        None
+    };
+    crate::phases::mark("init: command received");
+    let fail = |code: i32, message: String| -> ! {
+        let line = format!("{code}\t{message}");
+        // A monitor gone cannot be told; the exit code still says it failed.
+        let _ = nix::unistd::write(&report, line.as_bytes());
+        nestbox_sys::process::exit_now(code)
+    };
+    if let Err(e) = nix::unistd::sethostname(&go.spec.hostname) {
+        fail(
+            crate::error::EXIT_NESTBOX_ERROR,
+            format!("sethostname: {e}"),
+        )
+    }
+    let mut plan = match crate::monitor::command_plan(&go.spec, go.cookie, None) {
+        Ok(p) => p,
+        Err(e) => fail(e.exit_code(), e.to_string()),
+    };
+    plan.hold = hold.as_ref().map(|h| h.as_raw_fd());
+    // What a cold box's first process inherits from its `run`: this one
+    // takes it from the `run` that claimed it.
+    go.inherited.apply();
+    crate::phases::mark("init: hostname set, command planned");
+    if let Some(stdin) = &stdin {
+        if let Err(e) = nix::unistd::dup2(stdin.as_raw_fd(), 0) {
+            fail(crate::error::EXIT_NESTBOX_ERROR, format!("stdin: {e}"))
+        }
+    }
+    // SAFETY: this process is single-threaded (a fork of the single-threaded
+    // monitor), so the child may run arbitrary code.
+    match unsafe { nix::unistd::fork() } {
+        Ok(nix::unistd::ForkResult::Child) => {
+            crate::launch::exec_command(&plan, report.as_raw_fd())
+        }
+        Ok(nix::unistd::ForkResult::Parent { child }) => {
+            crate::phases::mark("init: command forked");
+            drop((report, stdin, hold, fds));
+            // SAFETY: the channel is this process's own descriptor, not used again.
+            unsafe { libc::close(channel) };
+            run(child)
+        }
+        Err(e) => fail(crate::error::EXIT_NESTBOX_ERROR, format!("fork: {e}")),
+    }
+}
+
 fn serve(command: Pid) -> ! {
     // Init has nowhere to report (its stdio is /dev/null and no log path
     // applies in the box), so its ignored results carry their reason here.
@@ -63,7 +151,9 @@ fn serve(command: Pid) -> ! {
             match sig {
                 Some(Signal::SIGCHLD) => {
                     if let Some(code) = reap(command) {
+                        crate::phases::mark("init: command reaped");
                         linger_for_clones(&sfd);
+                        crate::phases::mark("init: exits");
                         exit_with(code);
                     }
                 }
@@ -129,7 +219,7 @@ pub const INIT_TITLE: &str = "nestbox-init";
 
 /// Replace the command line inherited from the nestbox CLI (which names host
 /// paths such as the state root) with `title`, in place, and set the thread name.
-fn set_process_title(title: &str) {
+pub(crate) fn set_process_title(title: &str) {
     // Cosmetic (the thread name in ps); the title fits, so it cannot fail.
     let _ = nix::sys::prctl::set_name(&std::ffi::CString::new(title).unwrap_or_default());
     let Ok(stat) = std::fs::read_to_string("/proc/self/stat") else {

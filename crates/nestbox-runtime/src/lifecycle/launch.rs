@@ -53,6 +53,10 @@ pub struct CommandPlan {
     /// after the box's own filter, its listener sent to the box's monitor on
     /// [`INTERPOSE_FD`] (see `nestbox_seccomp::monitor_profile`).
     pub monitor_filter: Option<(Program, [u64; 2])>,
+    /// A pipe to read one byte from before `execve` (a pooled shell's
+    /// command waits there until its monitor has named the box on its
+    /// network; end of file: the monitor gave up, the command fails).
+    pub hold: Option<RawFd>,
 }
 
 impl CommandPlan {
@@ -96,6 +100,7 @@ impl CommandPlan {
             new_session,
             memory_merge: false,
             monitor_filter: None,
+            hold: None,
         })
     }
 }
@@ -120,8 +125,12 @@ pub struct LaunchPlan {
     /// Whether `setgroups` is permitted in the box (see [`CommandPlan::setgroups`]).
     pub setgroups: bool,
     /// The command; `None` for a clone shell, whose init adopts the process that
-    /// nestbox forks into it from a template.
+    /// nestbox forks into it from a template, and for a pooled box shell.
     pub command: Option<CommandPlan>,
+    /// A pooled box shell (see [`crate::lifecycle::shell`]): once its root is
+    /// assembled, its init waits on [`ChildFds::shell`] for the command of the
+    /// box that claims it.
+    pub shell: bool,
 }
 
 /// File descriptors the box's first process is given.
@@ -139,14 +148,18 @@ pub struct ChildFds {
     pub report: OwnedFd,
     /// With monitors: where the command sends the monitor filter's listener.
     pub interpose: Option<OwnedFd>,
+    /// A pooled shell: where its init receives the claiming box's command
+    /// (never together with `interpose`: a box with monitors is not pooled).
+    pub shell: Option<OwnedFd>,
 }
 
 /// Body of the box's first process (pid 1 of the new pid namespace). Never returns.
 pub fn box_first_process(plan: &LaunchPlan, fds: ChildFds) -> ! {
     // The monitor's log path means nothing in the box's mount namespace.
     crate::diag::off();
+    crate::phases::mark("box: first process runs");
     match setup_box(plan, fds) {
-        Ok(Some(command)) => {
+        Ok(Ready::Command(command)) => {
             // The command holds its own copy until exec; init must not keep the pipe open.
             // SAFETY: REPORT_FD is this process's own descriptor, never used
             // again; so is INTERPOSE_FD, which the box has only with monitors.
@@ -162,16 +175,32 @@ pub fn box_first_process(plan: &LaunchPlan, fds: ChildFds) -> ! {
             }
             crate::init::run(command)
         }
-        Ok(None) => {
+        Ok(Ready::Adopt) => {
             // SAFETY: REPORT_FD is this process's own descriptor, never used again.
             unsafe { libc::close(REPORT_FD) };
             crate::init::adopt()
+        }
+        Ok(Ready::Shell) => {
+            // Closing the report pipe tells the monitor the shell is ready.
+            // SAFETY: REPORT_FD is this process's own descriptor, never used again.
+            unsafe { libc::close(REPORT_FD) };
+            crate::init::wait_for_command(SHELL_FD)
         }
         Err((code, message)) => fail(REPORT_FD, code, &message),
     }
 }
 
 type Failure = (i32, String);
+
+/// What the box's first process does once its root is in place.
+enum Ready {
+    /// Serve as init of the command it forked (this pid).
+    Command(Pid),
+    /// A clone shell: adopt the process forked into it.
+    Adopt,
+    /// A pooled box shell: wait for a command.
+    Shell,
+}
 
 /// A failure of nestbox itself (exit code 125): what failed, and why.
 fn e125(what: &str, e: &dyn std::fmt::Display) -> Failure {
@@ -183,6 +212,9 @@ const GO_FD: RawFd = 3;
 const REPORT_FD: RawFd = 4;
 /// Where the monitors' hand-over socket ends up (when the box has monitors).
 const INTERPOSE_FD: RawFd = 5;
+/// Where a pooled shell's channel to its monitor ends up (a shell has no
+/// monitors, so the descriptor is free).
+const SHELL_FD: RawFd = 5;
 
 /// Put stdio on 0-2, the go and report pipes on 3 and 4, and close every other
 /// descriptor: init never execs, so close-on-exec alone would let it keep the
@@ -196,6 +228,7 @@ fn keep_only_box_fds(fds: ChildFds) -> nix::Result<(RawFd, RawFd)> {
     let interpose = fds
         .interpose
         .as_ref()
+        .or(fds.shell.as_ref())
         .map(|f| fcntl(f.as_raw_fd(), FcntlArg::F_DUPFD_CLOEXEC(16)))
         .transpose()?;
     for (fd, target) in [(&fds.stdin, 0), (&fds.stdout, 1), (&fds.stderr, 2)] {
@@ -212,13 +245,13 @@ fn keep_only_box_fds(fds: ChildFds) -> nix::Result<(RawFd, RawFd)> {
     };
     std::mem::forget(fds);
     // SAFETY: everything this child still needs lives on 0-4, or 0-5 with
-    // monitors (the ChildFds were forgotten above); no object owning a higher
-    // descriptor is used again.
+    // monitors or as a shell (the ChildFds were forgotten above); no object
+    // owning a higher descriptor is used again.
     unsafe { nestbox_sys::fd::close_range(last as u32 + 1, u32::MAX) }?;
     Ok((GO_FD, REPORT_FD))
 }
 
-fn setup_box(plan: &LaunchPlan, fds: ChildFds) -> Result<Option<Pid>, Failure> {
+fn setup_box(plan: &LaunchPlan, fds: ChildFds) -> Result<Ready, Failure> {
     // Die with the monitor. Had it died before this took effect, the go pipe below
     // reads end-of-file and the child leaves.
     nix::sys::prctl::set_pdeathsig(Signal::SIGKILL).map_err(|e| e125("prctl(PDEATHSIG)", &e))?;
@@ -226,6 +259,7 @@ fn setup_box(plan: &LaunchPlan, fds: ChildFds) -> Result<Option<Pid>, Failure> {
     if plan.assemble_before_go {
         prepare_root(plan)?;
     }
+    crate::phases::mark("box: waiting for go");
     let mut byte = [0u8; 1];
     match nix::unistd::read(go, &mut byte) {
         Ok(1) => {}
@@ -234,6 +268,7 @@ fn setup_box(plan: &LaunchPlan, fds: ChildFds) -> Result<Option<Pid>, Failure> {
     }
     // SAFETY: `go` is this process's own descriptor and is not used again.
     unsafe { libc::close(go) };
+    crate::phases::mark("box: go received");
     // Join the box cgroup by moving ourselves (still host root, single-threaded):
     // the cheap path, see BoxCgroup::self_join_files.
     for file in &plan.cgroup_join {
@@ -244,22 +279,31 @@ fn setup_box(plan: &LaunchPlan, fds: ChildFds) -> Result<Option<Pid>, Failure> {
         become_namespace_root(plan.setgroups)
             .map_err(|e| e125("become root of the user namespace", &e))?;
     }
+    crate::phases::mark("box: joined cgroup");
     unshare(CloneFlags::CLONE_NEWCGROUP).map_err(|e| e125("unshare(cgroup namespace)", &e))?;
+    crate::phases::mark("box: cgroup namespace");
     if !plan.assemble_before_go {
         prepare_root(plan)?;
     }
     rootfs::pivot_into(&plan.rootfs.mountpoint).map_err(|e| e125("box root", &e))?;
+    crate::phases::mark("box: pivoted");
     // Block every signal before forking, so init sees each one through its signalfd.
     sigprocmask(SigmaskHow::SIG_SETMASK, Some(&SigSet::all()), None)
         .map_err(|e| e125("sigprocmask", &e))?;
+    if plan.shell {
+        return Ok(Ready::Shell);
+    }
     let Some(command) = &plan.command else {
-        return Ok(None);
+        return Ok(Ready::Adopt);
     };
     // SAFETY: this process is single-threaded (a fresh fork of the single-threaded
     // monitor), so the child may run arbitrary code.
     match unsafe { nix::unistd::fork() }.map_err(|e| e125("fork", &e))? {
         ForkResult::Child => exec_command(command, REPORT_FD),
-        ForkResult::Parent { child } => Ok(Some(child)),
+        ForkResult::Parent { child } => {
+            crate::phases::mark("box: command forked");
+            Ok(Ready::Command(child))
+        }
     }
 }
 
@@ -270,7 +314,10 @@ fn prepare_root(plan: &LaunchPlan) -> Result<(), Failure> {
     if plan.own_network {
         nestbox_isolation::net::loopback_up().map_err(|e| e125("network", &e))?;
     }
-    rootfs::assemble(&plan.rootfs).map_err(|e| e125("box root", &e))
+    crate::phases::mark("box: hostname, loopback");
+    let assembled = rootfs::assemble(&plan.rootfs).map_err(|e| e125("box root", &e));
+    crate::phases::mark("box: root assembled");
+    assembled
 }
 
 /// Take the ids of root in the (freshly mapped) user namespace, so files the box
@@ -288,8 +335,12 @@ fn become_namespace_root(setgroups: bool) -> nix::Result<()> {
 /// directory, credentials, capabilities, no_new_privs, seccomp, then execve.
 /// On failure reports `CODE\tMESSAGE` on `report` and exits with CODE.
 pub fn exec_command(plan: &CommandPlan, report: RawFd) -> ! {
-    let err = match prepare_credentials(plan) {
-        Ok(()) => exec_path_search(plan),
+    crate::phases::mark("command: forked");
+    let err = match prepare_credentials(plan).and_then(|()| wait_for_hold(plan)) {
+        Ok(()) => {
+            crate::phases::mark("command: credentials, seccomp; execve");
+            exec_path_search(plan)
+        }
         Err(e) => e,
     };
     fail(report, err.0, &err.1)
@@ -353,6 +404,29 @@ fn prepare_credentials(plan: &CommandPlan) -> Result<(), Failure> {
         filter.install().map_err(|e| e125("seccomp", &e))?;
     }
     Ok(())
+}
+
+/// Wait for the go-ahead on [`CommandPlan::hold`], if any.
+fn wait_for_hold(plan: &CommandPlan) -> Result<(), Failure> {
+    let Some(fd) = plan.hold else {
+        return Ok(());
+    };
+    // SAFETY: `fd` is this process's own descriptor (given by init), open
+    // until the exec closes it.
+    let fd = unsafe { BorrowedFd::borrow_raw(fd) };
+    let mut byte = [0u8; 1];
+    loop {
+        match nix::unistd::read(fd.as_raw_fd(), &mut byte) {
+            Ok(1) => return Ok(()),
+            Err(Errno::EINTR) => continue,
+            _ => {
+                return Err((
+                    EXIT_NESTBOX_ERROR,
+                    "the box's monitor gave up before its command ran".into(),
+                ))
+            }
+        }
+    }
 }
 
 /// execve argv\[0\], searching PATH when it has no slash; returns the failure.

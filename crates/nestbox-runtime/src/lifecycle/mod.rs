@@ -1,6 +1,6 @@
 //! The life of one box, whatever it is: the monitor that supervises it, the launch
 //! of its first process, its init, `exec` into it, its logs, the residency of its
-//! idle processes, same-page merging of its memory (ksm), and the operations on a
+//! idle processes, the pool of box shells made ahead (`shell`), same-page merging of its memory (ksm), and the operations on a
 //! plain box (run, stop, kill, rm, stats, inspect, gc), and time travel of its
 //! writable layer (snapshot, rollback, diff).
 //!
@@ -17,4 +17,5 @@ pub mod monitor;
 pub mod nested;
 pub mod ops;
 pub mod residency;
+pub mod shell;
 pub mod time_travel;

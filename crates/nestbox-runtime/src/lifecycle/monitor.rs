@@ -55,6 +55,9 @@ pub enum Mode {
     Foreground,
     /// The caller left: report "started" or the start error on this pipe, then go on alone.
     Detached(OwnedFd),
+    /// A pooled box shell (see [`crate::lifecycle::shell`]): report "ok" on
+    /// this pipe once the shell is ready, then wait to be claimed.
+    Shell(OwnedFd),
 }
 
 /// How a box ended.
@@ -67,16 +70,18 @@ pub struct Outcome {
 }
 
 /// A started box, as the monitor holds it.
-struct Running {
-    init: Pid,
-    pidfd: OwnedFd,
-    stdout: File,
-    stderr: File,
-    cgroup: Option<BoxCgroup>,
+pub(crate) struct Running {
+    pub(crate) init: Pid,
+    pub(crate) pidfd: OwnedFd,
+    pub(crate) stdout: File,
+    pub(crate) stderr: File,
+    pub(crate) cgroup: Option<BoxCgroup>,
     /// The box's mount namespace, held open so that tearing it down (and
     /// freeing the writable layer's directories) happens after the box is
     /// gone, off the foreground caller's path: see [`release_in_background`].
-    mount_ns: Option<OwnedFd>,
+    pub(crate) mount_ns: Option<OwnedFd>,
+    /// A pooled shell: the monitor's end of the channel to its init.
+    pub(crate) shell: Option<OwnedFd>,
 }
 
 /// Start the box of `record` and supervise it until it ends.
@@ -95,14 +100,17 @@ pub fn rerun_box(reg: &Registry, record: &BoxRecord, mode: Mode) -> Result<Outco
 }
 
 fn run_box_as(reg: &Registry, record: &BoxRecord, mode: Mode, again: bool) -> Result<Outcome> {
-    if matches!(mode, Mode::Detached(_)) {
+    if !matches!(mode, Mode::Foreground) {
         crate::residency::one_malloc_arena();
         crate::diag::to_file(record.monitor_log_path(), false);
     }
     let signals = block_forwarded_signals()?;
-    let started = start(reg, record, matches!(mode, Mode::Foreground), again);
+    if let Mode::Shell(ready) = mode {
+        return crate::lifecycle::shell::serve::run(reg, record, ready, signals);
+    }
+    let started = start(reg, record, matches!(mode, Mode::Foreground), again, false);
     let ready = match mode {
-        Mode::Foreground => None,
+        Mode::Foreground | Mode::Shell(_) => None,
         Mode::Detached(fd) => Some(File::from(fd)),
     };
     let running = match started {
@@ -121,14 +129,22 @@ fn run_box_as(reg: &Registry, record: &BoxRecord, mode: Mode, again: bool) -> Re
         // A caller that left (EPIPE) needs no answer: the box runs anyway.
         let _ = ready.write_all(b"ok");
     }
-    let exit_code = supervise(record, &running, signals, foreground);
+    let (exit_code, _, _) = supervise(record, &running, signals, foreground, None, None);
+    crate::phases::mark("monitor: output drained, exit code read");
     finish(reg, record, running, exit_code)
 }
 
-/// Prepare and start; on failure remove everything made for the box.
-fn start(reg: &Registry, record: &BoxRecord, hold_mount_ns: bool, again: bool) -> Result<Running> {
+/// Prepare and start; on failure remove everything made for the box. With
+/// `shell`, the box is a pooled shell: its init waits for a command.
+pub(crate) fn start(
+    reg: &Registry,
+    record: &BoxRecord,
+    hold_mount_ns: bool,
+    again: bool,
+    shell: bool,
+) -> Result<Running> {
     let mut cgroup = None;
-    let result = start_inner(reg, record, &mut cgroup, hold_mount_ns);
+    let result = start_inner(reg, record, &mut cgroup, hold_mount_ns, shell);
     if result.is_err() {
         // The start's error is the one returned; what its cleanup could not
         // undo is logged, and `gc` finds it by its id later.
@@ -161,8 +177,11 @@ fn start_inner(
     record: &BoxRecord,
     cgroup_slot: &mut Option<BoxCgroup>,
     hold_mount_ns: bool,
+    shell: bool,
 ) -> Result<Running> {
     let spec = &record.spec;
+    // A shell is named on its network only once claimed, by its box's names.
+    let host_names = if shell { Vec::new() } else { spec.host_names() };
     let template = match &spec.clone_of {
         Some(src) => Some(crate::lifecycle::nested::load_template(
             reg,
@@ -200,21 +219,22 @@ fn start_inner(
         (create_cgroup(spec, &cgroup_id)?, None)
     };
     *cgroup_slot = cgroup.clone();
+    crate::phases::mark("monitor: cgroup planned");
     // The cgroup is recorded with the Running state below; until then a crash
     // leaves it to `gc`, which finds it by this root's tag in its name.
     // A namespace from the pool when the box may have one. The pool being
     // empty or busy is no error, nor is a broken entry (claim removes it): the
     // box then makes its own namespace.
     let pooled = if crate::network_pool::eligible(spec) {
-        crate::network_pool::claim(reg.roots(), &record.state.id, &spec.host_names())
-            .unwrap_or(None)
+        crate::network_pool::claim(reg.roots(), &record.state.id, &host_names).unwrap_or(None)
     } else {
         None
     };
     let net = match pooled {
         Some(_) => None,
-        None => crate::network::Pending::lease(reg.roots(), &record.state.id, spec)?,
+        None => crate::network::Pending::lease(reg.roots(), &record.state.id, spec, &host_names)?,
     };
+    crate::phases::mark("monitor: network leased or claimed");
     let net_volumes = match (&pooled, &net) {
         (Some(_), _) => crate::network::view(reg.roots())?
             .map(|n| crate::network::volumes(&n))
@@ -231,12 +251,21 @@ fn start_inner(
         template.as_ref(),
         net_volumes,
     )?;
+    crate::phases::mark("monitor: launch plan built");
     let join_files = match (&cgroup, &pending_cgroup) {
         (Some(c), _) => c.self_join_files(),
         (None, Some(p)) => p.self_join_files(),
         (None, None) => Vec::new(),
     };
     plan.assemble_before_go = overlap;
+    plan.shell = shell;
+    let (shell_ours, shell_theirs) = if shell {
+        let (a, b) = crate::lifecycle::shell::wire::pair()
+            .map_err(|e| RuntimeError::Failed(format!("socketpair for the shell: {e}")))?;
+        (Some(a), Some(b))
+    } else {
+        (None, None)
+    };
     // A clone of a template with a user namespace starts as that namespace's root,
     // which may not write the host's cgroup files: the monitor moves it instead
     // (into `tasks`, the cheap path, as it is single-threaded).
@@ -294,6 +323,7 @@ fn start_inner(
             .into()
     };
 
+    crate::phases::mark("monitor: pipes opened, forking");
     let mut flags = BOX_NAMESPACES;
     if spec.network.mode == NetworkMode::Host {
         flags.remove(CloneFlags::CLONE_NEWNET);
@@ -346,12 +376,22 @@ fn start_inner(
                 go: go_r,
                 report: rep_w,
                 interpose: interpose_child,
+                shell: shell_theirs,
             };
             box_first_process(&plan, fds)
         }
         Forked::Parent(pid) => pid,
     };
-    drop((go_r, rep_w, out_w, err_w, stdin, interpose_child));
+    crate::phases::mark("monitor: forked");
+    drop((
+        go_r,
+        rep_w,
+        out_w,
+        err_w,
+        stdin,
+        interpose_child,
+        shell_theirs,
+    ));
     let abandon = |e: RuntimeError| {
         // As above: our own child; ESRCH only if it died already.
         let _ = kill(child, Signal::SIGKILL);
@@ -367,6 +407,7 @@ fn start_inner(
         let made = pending.create().map_err(|e| abandon(e.into()))?;
         *cgroup_slot = Some(made.clone());
         cgroup = Some(made);
+        crate::phases::mark("monitor: cgroup made");
     }
     if let (Some(map), false) = (idmap, maps_written) {
         map.apply(child).map_err(|e| abandon(e.into()))?;
@@ -382,6 +423,7 @@ fn start_inner(
         (None, Some(n)) => Some(n.attach(child, spec).map_err(abandon)?),
         (None, None) => None,
     };
+    crate::phases::mark("monitor: network attached");
     let pidfd = crate::process::pidfd_open(child.as_raw()).map_err(abandon)?;
     // Holding it is an optimisation only: if it cannot be opened, init's exit
     // tears the namespace down as it would anyway.
@@ -405,6 +447,7 @@ fn start_inner(
         })
     })?;
     drop(go_w);
+    crate::phases::mark("monitor: go sent");
     if let Some((stack, sock)) = interpose {
         // The command sends the listener before it execs (end of file: it
         // failed before; its report says why). From then on its subscribed
@@ -434,6 +477,7 @@ fn start_inner(
         let _ = waitpid(child, None);
         return Err(RuntimeError::Launch { code, message });
     }
+    crate::phases::mark("monitor: command exec'd (report closed)");
     let init = ProcRef::of(child.as_raw());
     reg.update(record.name(), |s| {
         s.status = Status::Running;
@@ -446,6 +490,7 @@ fn start_inner(
         s.network = network.clone();
     })
     .map_err(abandon)?;
+    crate::phases::mark("monitor: state running");
     if crate::network_pool::eligible(spec) {
         crate::network_pool::spawn_fill(reg.roots());
     }
@@ -456,6 +501,7 @@ fn start_inner(
         stderr: File::from(err_r),
         cgroup,
         mount_ns,
+        shell: shell_ours,
     })
 }
 
@@ -646,6 +692,7 @@ fn launch_plan(
     let spec = &record.spec;
     let image = nestbox_image::open_image(&spec.image, &reg.roots().images())?;
     let mut view = image.root_view(owner)?;
+    crate::phases::mark("monitor: image root view");
     // A restored box's root (and its clones'): the checkpoint's copies of
     // its layers, read-only, over those of the checkpoints it was made on
     // (`lowers`, top first).
@@ -718,6 +765,7 @@ fn launch_plan(
             work,
         });
     }
+    crate::phases::mark("monitor: layer dirs made");
     let mountpoint = reg.roots().root_mountpoint();
     std::fs::DirBuilder::new()
         .recursive(true)
@@ -741,6 +789,29 @@ fn launch_plan(
         read_only: spec.read_only,
         userns: idmap.is_some(),
     };
+    crate::phases::mark("monitor: machine id");
+    let command = command_plan(spec, cookie, idmap)?;
+    Ok(LaunchPlan {
+        rootfs,
+        hostname: spec.hostname.clone(),
+        cgroup_join: Vec::new(),
+        own_network: spec.network.mode != NetworkMode::Host,
+        assemble_before_go: false,
+        setgroups: idmap.is_none_or(|m| m.allows_setgroups()),
+        // A clone shell's init waits for the process forked into it from the template.
+        command: (template.is_none() && spec.restore_of.is_none()).then_some(command),
+        shell: false,
+    })
+}
+
+/// How the command of `spec` is started in its box (see
+/// [`crate::launch::exec_command`]): by the box's first process, or by a
+/// pooled shell's init once claimed.
+pub(crate) fn command_plan(
+    spec: &BoxSpec,
+    cookie: Option<[u64; 2]>,
+    idmap: Option<IdMap>,
+) -> Result<CommandPlan> {
     let mut command = CommandPlan::new(
         &spec.command,
         spec.environment(),
@@ -752,16 +823,7 @@ fn launch_plan(
         true,
     )?;
     command.memory_merge = spec.ksm;
-    Ok(LaunchPlan {
-        rootfs,
-        hostname: spec.hostname.clone(),
-        cgroup_join: Vec::new(),
-        own_network: spec.network.mode != NetworkMode::Host,
-        assemble_before_go: false,
-        setgroups: idmap.is_none_or(|m| m.allows_setgroups()),
-        // A clone shell's init waits for the process forked into it from the template.
-        command: (template.is_none() && spec.restore_of.is_none()).then_some(command),
-    })
+    Ok(command)
 }
 
 /// A fresh /etc/machine-id for a box (bound read-only over the image's), so no
@@ -823,7 +885,7 @@ fn default_opts(spec: &BoxSpec) -> nestbox_seccomp::DefaultOpts {
     nestbox_seccomp::DefaultOpts::from_capability_names(spec.capabilities.iter())
 }
 
-fn block_forwarded_signals() -> Result<SignalFd> {
+pub(crate) fn block_forwarded_signals() -> Result<SignalFd> {
     let mut set = SigSet::empty();
     for s in FORWARDED {
         set.add(*s);
@@ -834,8 +896,31 @@ fn block_forwarded_signals() -> Result<SignalFd> {
         .map_err(RuntimeError::sys("signalfd"))
 }
 
-/// Relay output and signals until init exits; returns its exit code.
-fn supervise(record: &BoxRecord, run: &Running, signals: SignalFd, foreground: bool) -> i32 {
+/// Work a monitor does once the box has run for a while, or once it has
+/// ended and its caller is answered, whichever comes first (a pooled shell's
+/// refill: forking it right at the start would delay the box's command).
+pub(crate) struct Later {
+    /// When it is due.
+    pub(crate) at: Instant,
+    /// What to do.
+    pub(crate) work: Box<dyn FnOnce()>,
+}
+
+/// Relay output and signals until init exits; returns its exit code, and
+/// whether the `claimer` went away first, and `later` if it was not due yet. `claimer`: the connection of the
+/// foreground `nestbox run` that claimed a pooled shell, which sends the
+/// signals it gets; when it closes (the caller was killed) the box is killed,
+/// as a cold box dies with its foreground monitor.
+pub(crate) fn supervise(
+    record: &BoxRecord,
+    run: &Running,
+    signals: SignalFd,
+    foreground: bool,
+    claimer: Option<std::os::fd::BorrowedFd<'_>>,
+    mut later: Option<Later>,
+) -> (i32, bool, Option<Later>) {
+    let mut claimer = claimer;
+    let mut abandoned = false;
     let mut log = match LogWriter::open(&record.log_path()) {
         Ok(l) => Some(l),
         Err(e) => {
@@ -891,17 +976,31 @@ fn supervise(record: &BoxRecord, run: &Running, signals: SignalFd, foreground: b
         if open[1] {
             fds.push(PollFd::new(run.stderr.as_fd(), PollFlags::POLLIN));
         }
-        let timeout = if dropped_file_pages {
-            PollTimeout::NONE
-        } else {
-            PollTimeout::from(crate::residency::IDLE_MS_BEFORE_DROP)
+        if let Some(c) = claimer {
+            fds.push(PollFd::new(c, PollFlags::POLLIN));
+        }
+        let idle = Duration::from_millis(crate::residency::IDLE_MS_BEFORE_DROP.into());
+        let wait = match (&later, dropped_file_pages) {
+            (Some(l), false) => Some(l.at.saturating_duration_since(Instant::now()).min(idle)),
+            (Some(l), true) => Some(l.at.saturating_duration_since(Instant::now())),
+            (None, false) => Some(idle),
+            (None, true) => None,
         };
+        let timeout = wait
+            .map(|w| PollTimeout::try_from(w).unwrap_or(PollTimeout::MAX))
+            .unwrap_or(PollTimeout::NONE);
         match poll(&mut fds, timeout) {
             Err(_) => continue,
             Ok(0) => {
                 drop(fds);
-                crate::residency::drop_idle_memory();
-                dropped_file_pages = true;
+                if later.as_ref().is_some_and(|l| l.at <= Instant::now()) {
+                    if let Some(l) = later.take() {
+                        (l.work)();
+                    }
+                } else if !dropped_file_pages {
+                    crate::residency::drop_idle_memory();
+                    dropped_file_pages = true;
+                }
                 continue;
             }
             Ok(_) => {}
@@ -920,6 +1019,28 @@ fn supervise(record: &BoxRecord, run: &Running, signals: SignalFd, foreground: b
                 idx += 1;
             }
         }
+        if let Some(c) = claimer {
+            if ready[idx] {
+                use crate::lifecycle::shell::wire::{recv, ToMonitor};
+                match recv::<ToMonitor>(c) {
+                    Ok(Some((ToMonitor::Signal { signo }, _))) => {
+                        if let Ok(sig) = Signal::try_from(signo) {
+                            // As below: ESRCH means init is exiting.
+                            let _ = kill(run.init, sig);
+                        }
+                    }
+                    // Nothing else is asked of a claimed box.
+                    Ok(Some(_)) => {}
+                    Ok(None) | Err(_) => {
+                        // The caller is gone: so is its box. ESRCH: init
+                        // is exiting anyway.
+                        let _ = kill(run.init, Signal::SIGKILL);
+                        abandoned = true;
+                        claimer = None;
+                    }
+                }
+            }
+        }
         if ready[1] {
             while let Ok(Some(info)) = signals.read_signal() {
                 if let Ok(sig) = Signal::try_from(info.ssi_signo as i32) {
@@ -932,6 +1053,7 @@ fn supervise(record: &BoxRecord, run: &Running, signals: SignalFd, foreground: b
             break;
         }
     }
+    crate::phases::mark("monitor: init exited");
     let code = crate::process::wait_exit_code(run.init);
     // The box's processes are gone with its init; drain what they wrote (bounded).
     let deadline = Instant::now() + Duration::from_secs(2);
@@ -949,11 +1071,16 @@ fn supervise(record: &BoxRecord, run: &Running, signals: SignalFd, foreground: b
         // As for the writes above: a terminal gone, the log has it.
         let _ = std::io::stdout().flush();
     }
-    code
+    (code, abandoned, later)
 }
 
 /// Record the end of the box and release its cgroup.
-fn finish(reg: &Registry, record: &BoxRecord, run: Running, exit_code: i32) -> Result<Outcome> {
+pub(crate) fn finish(
+    reg: &Registry,
+    record: &BoxRecord,
+    run: Running,
+    exit_code: i32,
+) -> Result<Outcome> {
     // A pooled clone is renamed when claimed: find the record by id. Other
     // boxes keep their name for life.
     let current;
@@ -991,11 +1118,13 @@ fn finish(reg: &Registry, record: &BoxRecord, run: Running, exit_code: i32) -> R
         crate::diag::warn_on_err(name, "killing the box's processes", cg.kill_all());
         crate::diag::warn_on_err(name, "removing the cgroup", cg.remove());
     }
+    crate::phases::mark("monitor: cgroup removed");
     // Only a bridged box holds anything on the network.
     if record.spec.network.mode == NetworkMode::Bridge {
         let released = crate::network::release_exited(reg.roots(), &record.state.id);
         crate::diag::warn_on_err(Some(record.name()), "releasing the network", released);
     }
+    crate::phases::mark("monitor: network released");
     let oom_killed = oom_kills > 0 && exit_code == 128 + Signal::SIGKILL as i32;
     // A template removed while clones depended on it goes once its init has.
     let removed_template = || {
@@ -1017,9 +1146,11 @@ fn finish(reg: &Registry, record: &BoxRecord, run: Running, exit_code: i32) -> R
             }
         })?;
     }
+    crate::phases::mark("monitor: record removed or updated");
     if let Some(ns) = run.mount_ns {
         release_in_background(ns);
     }
+    crate::phases::mark("monitor: mount namespace handed off");
     Ok(Outcome {
         exit_code,
         oom_killed,

@@ -26,7 +26,13 @@ pub fn run_foreground(reg: &Registry, spec: &BoxSpec) -> Result<Outcome> {
 
 fn run_foreground_inner(reg: &Registry, spec: &BoxSpec) -> Result<Outcome> {
     spec.validate()?;
+    crate::phases::mark("cli: validated");
+    if let Some(claimed) = crate::lifecycle::shell::claim(reg, spec, false)? {
+        return claimed.wait();
+    }
+    crate::phases::mark("cli: no shell, cold start");
     let record = reg.create(spec)?;
+    crate::phases::mark("cli: record created");
     run_box(reg, &record, Mode::Foreground)
 }
 
@@ -38,6 +44,9 @@ pub fn run_detached(reg: &Registry, spec: &BoxSpec) -> Result<()> {
 
 fn run_detached_inner(reg: &Registry, spec: &BoxSpec) -> Result<()> {
     spec.validate()?;
+    if crate::lifecycle::shell::claim(reg, spec, true)?.is_some() {
+        return Ok(());
+    }
     let record = reg.create(spec)?;
     start_detached(reg, record, false)
 }
@@ -63,7 +72,29 @@ pub fn restart_detached(reg: &Registry, record: &BoxRecord) -> Result<()> {
     start_detached(reg, record, true).map_err(|e| e.in_box(&name))
 }
 
+/// Start the pooled shell `record` under a detached monitor (see
+/// [`crate::lifecycle::shell`]); returns once it is ready to be claimed.
+pub(crate) fn start_shell(reg: &Registry, record: BoxRecord) -> Result<()> {
+    let name = record.name().to_string();
+    start_detached_as(reg, record, Start::Shell).map_err(|e| e.in_box(&name))
+}
+
+/// What a detached monitor starts.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Start {
+    /// A new box.
+    First,
+    /// A box that ran before.
+    Again,
+    /// A pooled shell.
+    Shell,
+}
+
 fn start_detached(reg: &Registry, record: BoxRecord, again: bool) -> Result<()> {
+    start_detached_as(reg, record, if again { Start::Again } else { Start::First })
+}
+
+fn start_detached_as(reg: &Registry, record: BoxRecord, kind: Start) -> Result<()> {
     let (ready_r, ready_w) = pipe2(OFlag::O_CLOEXEC).map_err(RuntimeError::sys("pipe2"))?;
     // SAFETY: the CLI is single-threaded, so the child may run arbitrary code.
     match unsafe { fork() } {
@@ -97,12 +128,12 @@ fn start_detached(reg: &Registry, record: BoxRecord, again: bool) -> Result<()> 
                 std::process::exit(crate::error::EXIT_NESTBOX_ERROR);
             }
             crate::process::become_daemon();
-            let run = if again {
-                crate::monitor::rerun_box
-            } else {
-                run_box
+            let started = match kind {
+                Start::First => run_box(reg, &record, Mode::Detached(ready_w)),
+                Start::Again => crate::monitor::rerun_box(reg, &record, Mode::Detached(ready_w)),
+                Start::Shell => run_box(reg, &record, Mode::Shell(ready_w)),
             };
-            let code = match run(reg, &record, Mode::Detached(ready_w)) {
+            let code = match started {
                 Ok(o) => o.exit_code,
                 Err(e) => {
                     // A start error was reported to the caller as well; one
@@ -501,13 +532,22 @@ pub fn gc(reg: &Registry) -> Result<GcReport> {
     }
     for record in reg.list()? {
         if record.state.effective_status() == Status::Dead {
-            cleanup_dead(reg, &record)?;
+            match cleanup_dead(reg, &record) {
+                Ok(()) => {}
+                // Renamed meanwhile (a shell made ready or claimed) or removed
+                // by another: not this listing's to collect.
+                Err(RuntimeError::NoSuchBox(_)) => continue,
+                Err(e) => return Err(e),
+            }
             reg.remove(&record)?;
             report.boxes.push(record.name().to_string());
         } else {
             live_ids.push(record.state.id.clone());
         }
     }
+    // A box whose monitor removes it right now (a claimed shell's, after
+    // answering its caller) still holds its cgroup, address and layer.
+    live_ids.extend(reg.young_tomb_ids());
     // A box's cgroup, address and layers are made after its record is visible
     // (created, or renamed by a claim); a box started while this runs is not in
     // the listing above. So before anything is released as no box's, its id is
@@ -569,10 +609,8 @@ pub fn gc(reg: &Registry) -> Result<GcReport> {
             .map(|n| n.to_string_lossy().to_string())
             .unwrap_or_default();
         if name.starts_with(".new-") || name.starts_with(".rm-") {
-            let age = std::fs::symlink_metadata(&dir)
-                .and_then(|m| m.modified())
-                .ok()
-                .and_then(|t| t.elapsed().ok());
+            // Made, or renamed into place by a removal, that long ago.
+            let age = crate::registry::age(&dir);
             if age.is_none_or(|a| a < Duration::from_secs(5)) {
                 continue;
             }

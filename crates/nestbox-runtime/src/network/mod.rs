@@ -160,6 +160,16 @@ pub fn view(roots: &Roots) -> Result<Option<Network>> {
     Ok(NetworkConfig::load(&state_dir(roots).join("default"))?.map(Network::view))
 }
 
+/// The existing network `name` of `roots` (the default one for `None`,
+/// `default` or `bridge`), for bookkeeping only; `None` if there is none.
+pub fn view_named(roots: &Roots, name: Option<&str>) -> Result<Option<Network>> {
+    let dir = match name {
+        None | Some(nestbox_net::config::DEFAULT_NETWORK) | Some("bridge") => "default",
+        Some(n) => n,
+    };
+    Ok(NetworkConfig::load(&state_dir(roots).join(dir))?.map(Network::view))
+}
+
 /// Bridge name of a private root's network.
 pub fn private_bridge(roots: &Roots) -> String {
     format!("nb{}", roots.tag())
@@ -216,14 +226,20 @@ pub struct Pending {
 }
 
 impl Pending {
-    /// Lease an address for bridge-mode box `box_id` (named by its name and
-    /// hostname in the hosts file); `None` for other modes.
-    pub fn lease(roots: &Roots, box_id: &str, spec: &BoxSpec) -> Result<Option<Pending>> {
+    /// Lease an address for bridge-mode box `box_id`, named `names` in the
+    /// hosts file (its name and hostname; none for a pooled shell, named when
+    /// claimed); `None` for other modes.
+    pub fn lease(
+        roots: &Roots,
+        box_id: &str,
+        spec: &BoxSpec,
+        names: &[&str],
+    ) -> Result<Option<Pending>> {
         if spec.network.mode != NetworkMode::Bridge {
             return Ok(None);
         }
         let network = open_named(roots, spec.network.name.as_deref())?;
-        let lease = network.allocate(box_id, &spec.host_names())?;
+        let lease = network.allocate(box_id, names)?;
         Ok(Some(Pending { network, lease }))
     }
 

@@ -304,7 +304,7 @@ impl TestRoot {
             std::os::unix::fs::chown(&path, Some(uid), Some(gid)).expect("chown test root");
             std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).unwrap();
         }
-        TestRoot {
+        let root = TestRoot {
             dir: Some(dir),
             path,
             user,
@@ -312,7 +312,17 @@ impl TestRoot {
             ids: Mutex::new(BTreeSet::new()),
             procs: Mutex::new(BTreeSet::new()),
             tags: Mutex::new(BTreeSet::new()),
+        };
+        // NESTBOX_TEST_SHELL_POOL=N: every root keeps N box shells of each
+        // shape ready, so that the suites run their boxes from the pool
+        // (what a pooled box does must be what a cold one does).
+        if let Some(n) = std::env::var("NESTBOX_TEST_SHELL_POOL")
+            .ok()
+            .filter(|n| n != "0" && user.is_none())
+        {
+            root.run(&["pool", "size", &n]).ok();
         }
+        root
     }
 
     /// The root directory (`--root`).
@@ -537,8 +547,21 @@ impl TestRoot {
     }
 
     /// Every existing cgroup directory of this root's boxes (those seen by
-    /// `inspect` and, through the root tag their names carry, all others).
+    /// `inspect` and, through the root tag their names carry, all others),
+    /// but the box shells' of the root's pool.
     pub fn cgroup_dirs(&self) -> Vec<PathBuf> {
+        let shells = self.shell_ids();
+        self.all_cgroup_dirs()
+            .into_iter()
+            .filter(|d| {
+                let n = d.file_name().unwrap_or_default().to_string_lossy();
+                !shells.iter().any(|id| is_box_cgroup_name(&n, id))
+            })
+            .collect()
+    }
+
+    /// Every existing cgroup directory of this root, the shells' included.
+    pub fn all_cgroup_dirs(&self) -> Vec<PathBuf> {
         let ids: Vec<String> = self.ids.lock().unwrap().iter().cloned().collect();
         let tags: Vec<String> = self.tags.lock().unwrap().iter().cloned().collect();
         cgroup_dirs_named(|n| {
@@ -551,8 +574,49 @@ impl TestRoot {
     }
 
     /// Entries of the root's box record and box data directories (should be empty
-    /// when no box exists).
+    /// when no box exists); the box shells of the root's pool (`pool size`),
+    /// which are no boxes, are not counted.
     pub fn state_entries(&self) -> Vec<PathBuf> {
+        let shells = self.shell_ids();
+        self.all_state_entries()
+            .into_iter()
+            .filter(|p| {
+                let name = p.file_name().unwrap_or_default().to_string_lossy();
+                !name.starts_with("pool.shell.")
+                    && !name.starts_with("pool.mk.")
+                    && !shells.contains(name.as_ref())
+            })
+            .collect()
+    }
+
+    /// The ids of the box shells in the root's pool.
+    pub fn shell_ids(&self) -> BTreeSet<String> {
+        std::fs::read_dir(self.path.join("run/boxes"))
+            .into_iter()
+            .flatten()
+            .flatten()
+            .filter(|e| {
+                let n = e.file_name().to_string_lossy().to_string();
+                n.starts_with("pool.shell.") || n.starts_with("pool.mk.")
+            })
+            .filter_map(|e| std::fs::read_to_string(e.path().join("state.json")).ok())
+            .filter_map(|s| serde_json::from_str::<Value>(&s).ok())
+            .filter_map(|v| v["id"].as_str().map(String::from))
+            .collect()
+    }
+
+    /// Every entry of the root's box record and box data directories. A box
+    /// being removed by its monitor after it answered (`run --rm` of a box
+    /// from the pool: record and data renamed to `.rm-ID`, removed a moment
+    /// later) is waited for (at most 5 s), then counted if still there.
+    pub fn all_state_entries(&self) -> Vec<PathBuf> {
+        let tombs = || {
+            [self.path.join("run/boxes"), self.path.join("lib/boxes")]
+                .iter()
+                .flat_map(|d| std::fs::read_dir(d).into_iter().flatten().flatten())
+                .any(|e| e.file_name().to_string_lossy().starts_with(".rm-"))
+        };
+        wait_until(Duration::from_secs(5), || !tombs());
         let mut out = Vec::new();
         for d in [self.path.join("run/boxes"), self.path.join("lib/boxes")] {
             if let Ok(entries) = std::fs::read_dir(&d) {
@@ -623,6 +687,11 @@ impl TestRoot {
 
     fn clean_up(&mut self) -> Vec<String> {
         let mut left = Vec::new();
+        // Box shells a test's pool keeps ready are not listed by ps.
+        let out = self.run_timeout(&["pool", "drain"], Duration::from_secs(60));
+        if out.code != 0 {
+            left.push(format!("pool drain failed: {out}"));
+        }
         let names: Vec<String> =
             match self.run_timeout(&["ps", "-a", "--json"], Duration::from_secs(30)) {
                 out if out.code == 0 => match serde_json::from_str::<Value>(&out.stdout) {
@@ -659,17 +728,17 @@ impl TestRoot {
         left.extend(self.remove_network());
         let procs: Vec<ProcId> = self.procs.lock().unwrap().iter().copied().collect();
         let gone = wait_until(Duration::from_secs(10), || {
-            self.cgroup_dirs().is_empty() && procs.iter().all(|p| !p.alive())
+            self.all_cgroup_dirs().is_empty() && procs.iter().all(|p| !p.alive())
         });
         if !gone {
-            for d in self.cgroup_dirs() {
+            for d in self.all_cgroup_dirs() {
                 left.push(format!("cgroup {}", d.display()));
             }
             for p in procs.iter().filter(|p| p.alive()) {
                 left.push(format!("process {} still runs", p.pid));
             }
         }
-        for e in self.state_entries() {
+        for e in self.all_state_entries() {
             left.push(format!("state {}", e.display()));
         }
         if let Some(dir) = self.dir.take() {
