@@ -750,6 +750,9 @@ pub fn restore_box(
     for (m, image) in made.iter_mut().zip(images) {
         box_pidfds(&mut m.process, &image.fds)?;
     }
+    // The tracer's duplicates of the new objects' ends go before anything
+    // runs (see treefork: an end no process holds must already be closed).
+    drop(tables);
     let mut pids = Vec::with_capacity(made.len());
     while let Some(m) = made.pop() {
         pids.push(m.release(None)?);

@@ -193,6 +193,12 @@ pub fn remote_fork_tree(
         phases.mark("other processes");
     }
     let fds = made.first().map(|(_, m)| m.fds.clone()).unwrap_or_default();
+    // The tracer's duplicates of the new pipes' and socket pairs' ends go
+    // before anything runs: an end that no process of the box holds (the
+    // reader of a pipe whose reader was outside the box) must be closed
+    // from the clone's first instruction on, or a write meanwhile would
+    // succeed into a pipe that nobody reads once the tracer is gone.
+    drop(tables);
     let mut processes = Vec::with_capacity(made.len());
     // Children first: a parent runs only once everything it may wait for is there.
     let mut released = Vec::with_capacity(made.len());
