@@ -90,9 +90,9 @@ pub const MAX_ID_LEN: usize = 128;
 const V1_USED: &[&str] = &[
     "cpu", "cpuacct", "cpuset", "memory", "devices", "freezer", "blkio", "pids",
 ];
-/// v1 controllers used only when a limit asks for them (cgroup v2 has no
-/// such controller).
-const V1_ON_REQUEST: &[&str] = &["net_cls", "net_prio"];
+/// v1 controllers used only when a limit asks for them (the network ones,
+/// which cgroup v2 has not; hugetlb, for a box with hugepage limits).
+const V1_ON_REQUEST: &[&str] = &["net_cls", "net_prio", "hugetlb"];
 /// v1 names of the controllers that v2 can provide.
 const V2_BACKED: &[&str] = &["cpu", "cpuset", "blkio", "memory", "pids"];
 
@@ -216,6 +216,10 @@ fn plan<'a>(h: &'a Hierarchies, limits: &Limits) -> Result<Plan<'a>, CgroupError
                     });
                 }
                 required_v2.insert(name);
+                // (hugetlb is wanted only by a box that asks for it.)
+                if !wanted.contains(&name) {
+                    wanted.push(name);
+                }
             }
             let core_needed = !v1_has("freezer") || !v1_has("cpuacct");
             if core_needed || !wanted.is_empty() {
@@ -272,6 +276,10 @@ pub struct PendingCgroup {
     chosen: bool,
     /// The v2 parent directory and the controllers wanted there.
     v2: Option<(PathBuf, Vec<&'static str>)>,
+    /// The v2 cgroup from which down to the parent the controllers are
+    /// enabled: the invoking cgroup, or for an absolute `cgroupsPath` the
+    /// hierarchy's root ([`v2::enable_along`]).
+    v2_top: Option<PathBuf>,
     /// Each v1 parent directory and the controllers used from it.
     v1: Vec<(PathBuf, Vec<String>)>,
     required_v2: BTreeSet<&'static str>,
@@ -349,7 +357,10 @@ impl BoxCgroup {
         limits: &Limits,
     ) -> Result<PendingCgroup, CgroupError> {
         Self::prepare_in(h, id, limits, dir_name(id), |hi| {
-            hi.invoking_dir().to_path_buf()
+            (
+                hi.invoking_dir().to_path_buf(),
+                hi.invoking_dir().to_path_buf(),
+            )
         })
     }
 
@@ -396,7 +407,7 @@ impl BoxCgroup {
             } else {
                 hi.invoking_dir()
             };
-            base.join(&rel)
+            (base.to_path_buf(), base.join(&rel))
         })?;
         pending.chosen = true;
         Ok(pending)
@@ -407,7 +418,8 @@ impl BoxCgroup {
         id: &str,
         limits: &Limits,
         name: String,
-        parent_of: impl Fn(&Hierarchy) -> PathBuf,
+        // (the cgroup the path is taken from, the parent of the box's)
+        parent_of: impl Fn(&Hierarchy) -> (PathBuf, PathBuf),
     ) -> Result<PendingCgroup, CgroupError> {
         validate_id(id)?;
         limits.validate()?;
@@ -417,11 +429,12 @@ impl BoxCgroup {
             id: id.to_string(),
             name,
             chosen: false,
-            v2: plan.v2.map(|(hi, wanted)| (parent_of(hi), wanted)),
+            v2_top: plan.v2.as_ref().map(|(hi, _)| parent_of(hi).0),
+            v2: plan.v2.map(|(hi, wanted)| (parent_of(hi).1, wanted)),
             v1: plan
                 .v1
                 .into_iter()
-                .map(|(hi, used)| (parent_of(hi), used))
+                .map(|(hi, used)| (parent_of(hi).1, used))
                 .collect(),
             required_v2: plan.required_v2,
             warnings: plan.warnings,
@@ -719,6 +732,12 @@ impl BoxCgroup {
             Some(d) if d.path.exists() => v2::kill(&d.path)?,
             _ => false,
         };
+        if by_kernel && matches!(self.locate("freezer", None), Some(Loc::V1(_))) {
+            // A hybrid layout (a v2 directory for hugetlb, the freezer in
+            // v1): a process frozen by the v1 freezer does not die of the
+            // SIGKILL queued until it is thawed.
+            self.thaw()?;
+        }
         if !by_kernel {
             // Usually the box's init has gone and the kernel killed the rest
             // of its pid namespace: nothing to do.
@@ -760,6 +779,18 @@ impl BoxCgroup {
     /// refuses (a memory limit below the current usage, say).
     pub fn update(&self, limits: &Limits) -> Result<(), CgroupError> {
         limits.validate()?;
+        let carries = |c: &str| {
+            self.dirs
+                .iter()
+                .any(|d| d.controllers.iter().any(|x| x == c))
+        };
+        if !limits.hugepage_limits.is_empty() && !carries("hugetlb") {
+            // (Its hugetlb cgroup is made only for a box created with them.)
+            return Err(CgroupError::Unsupported {
+                option: "hugepage_limits",
+                reason: "the box was created without hugepage limits: it has no hugetlb cgroup to change".into(),
+            });
+        }
         for d in &self.dirs {
             match d.version {
                 Version::V1 => {
@@ -846,7 +877,8 @@ fn build(
         let enabled = if wanted.is_empty() {
             Vec::new()
         } else {
-            v2::enable_controllers(parent, wanted, &pending.required_v2, warnings)?
+            let top = pending.v2_top.as_deref().unwrap_or(parent);
+            v2::enable_along(top, parent, wanted, &pending.required_v2, warnings)?
         };
         let dir = parent.join(name);
         fsutil::make_dir(&dir)?;

@@ -77,6 +77,53 @@ pub(crate) fn write_with_hint(
     })
 }
 
+/// Writes the hugetlb limit of page size `size` (the kernel's name, `2MB`)
+/// into cgroup `dir`: `hugetlb.<size>.<suffix>` (`limit_in_bytes` on v1,
+/// `max` on v2) and, where the kernel has it (Linux 5.7), the limit on
+/// reservations `hugetlb.<size>.rsvd.<suffix>`, as runc does. A size the
+/// kernel has no file for is refused, naming the sizes it has.
+pub(crate) fn write_hugetlb(
+    dir: &Path,
+    size: &str,
+    limit: u64,
+    suffix: &str,
+) -> Result<(), CgroupError> {
+    let file = dir.join(format!("hugetlb.{size}.{suffix}"));
+    if !file.exists() {
+        let mut sizes: Vec<String> = fs::read_dir(dir)
+            .into_iter()
+            .flatten()
+            .flatten()
+            .filter_map(|e| {
+                let name = e.file_name().into_string().ok()?;
+                let size = name
+                    .strip_prefix("hugetlb.")?
+                    .strip_suffix(&format!(".{suffix}"))?;
+                (!size.contains('.')).then(|| size.to_string())
+            })
+            .collect();
+        sizes.sort();
+        return Err(CgroupError::Unsupported {
+            option: "hugepage_limits",
+            reason: format!(
+                "the kernel has no {size} huge pages ({} is missing; it has: {})",
+                file.display(),
+                if sizes.is_empty() {
+                    "none".to_string()
+                } else {
+                    sizes.join(", ")
+                }
+            ),
+        });
+    }
+    write(&file, &limit.to_string())?;
+    let rsvd = dir.join(format!("hugetlb.{size}.rsvd.{suffix}"));
+    if rsvd.exists() {
+        write(&rsvd, &limit.to_string())?;
+    }
+    Ok(())
+}
+
 /// True when `path` is on a cgroup v1 or v2 filesystem.
 pub(crate) fn is_cgroupfs(path: &Path) -> bool {
     use nix::sys::statfs::{statfs, CGROUP2_SUPER_MAGIC, CGROUP_SUPER_MAGIC};

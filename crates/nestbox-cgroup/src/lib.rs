@@ -49,7 +49,8 @@ pub use detect::{Hierarchies, Hierarchy, Version};
 pub use error::{CgroupError, CgroupWarning, Op};
 pub use gc::find_stale;
 pub use limits::{
-    online_cpus, parse_cpu_list, shares_to_weight, IoDeviceLimit, Limits, NetPriority,
+    hugepage_size_name, kernel_hugepage_sizes, online_cpus, parse_cpu_list, shares_to_weight,
+    HugepageLimit, IoDeviceLimit, Limits, NetPriority,
 };
 pub use stats::Stats;
 pub use v1::DEFAULT_DEVICE_RULES;

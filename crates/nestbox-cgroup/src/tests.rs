@@ -26,6 +26,7 @@ fn full_limits() -> Limits {
         io_devices: Vec::new(),
         net_class_id: None,
         net_priorities: Vec::new(),
+        hugepage_limits: Vec::new(),
     }
 }
 
@@ -1115,4 +1116,201 @@ fn device_rules_on_pure_v2_go_to_a_device_program_not_to_files() {
         .collect();
     assert_eq!(before, after);
     cg.remove().unwrap();
+}
+
+fn hugepages(sizes: &[(&str, u64)]) -> Limits {
+    Limits {
+        hugepage_limits: sizes
+            .iter()
+            .map(|(size, limit)| HugepageLimit {
+                page_size: size.to_string(),
+                limit: *limit,
+            })
+            .collect(),
+        ..Limits::default()
+    }
+}
+
+#[test]
+fn hugepage_sizes_are_named_as_the_kernel_names_them() {
+    for (given, name) in [
+        ("2MB", "2MB"),
+        ("2048KB", "2MB"),
+        ("2048kb", "2MB"),
+        ("1GB", "1GB"),
+        ("1024MB", "1GB"),
+        ("64KB", "64KB"),
+        ("16GB", "16GB"),
+    ] {
+        assert_eq!(hugepage_size_name(given).unwrap(), name, "{given}");
+    }
+    for bad in ["", "2", "MB", "2M", "3XB", "0MB", "-2MB", "2.5MB"] {
+        assert!(hugepage_size_name(bad).is_err(), "{bad:?}");
+    }
+    // Limits hold the kernel's names, each once.
+    let e = hugepages(&[("2048KB", 1)])
+        .validate()
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("the kernel names it 2MB"), "{e}");
+    let e = hugepages(&[("2MB", 1), ("2MB", 2)])
+        .validate()
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("given twice"), "{e}");
+    hugepages(&[("2MB", 1), ("1GB", 2)]).validate().unwrap();
+    // The kernel's sizes, from its hugepages-<n>kB directories.
+    let tmp = tempfile::tempdir().unwrap();
+    for d in ["hugepages-2048kB", "hugepages-1048576kB", "hugepages-64kB"] {
+        fs::create_dir(tmp.path().join(d)).unwrap();
+    }
+    fs::write(tmp.path().join("README"), "").unwrap();
+    assert_eq!(kernel_hugepage_sizes(tmp.path()), ["1GB", "2MB", "64KB"]);
+    assert!(kernel_hugepage_sizes(&tmp.path().join("none")).is_empty());
+}
+
+#[test]
+fn hugepage_limits_on_v1_with_rsvd_only_for_a_box_that_asks() {
+    let tmp = tempfile::tempdir().unwrap();
+    let h = testfs::pure_v1_with_hugetlb(tmp.path());
+    // Without hugepage limits the box stays in the caller's hugetlb cgroup.
+    let plain = BoxCgroup::create(&h, "hp-0", &Limits::default()).unwrap();
+    assert!(!plain.paths().contains_key("hugetlb"));
+    plain.remove().unwrap();
+    let cg = BoxCgroup::create(
+        &h,
+        "hp-1",
+        &hugepages(&[("2MB", 4 << 20), ("1GB", 2 << 30)]),
+    )
+    .unwrap();
+    let dir = cg.paths()["hugetlb"].clone();
+    assert_eq!(
+        dir,
+        tmp.path()
+            .join("sys/fs/cgroup/hugetlb/docker/abc/nestbox-hp-1")
+    );
+    assert_eq!(read(dir.join("hugetlb.2MB.limit_in_bytes")), "4194304");
+    assert_eq!(read(dir.join("hugetlb.2MB.rsvd.limit_in_bytes")), "4194304");
+    assert_eq!(read(dir.join("hugetlb.1GB.limit_in_bytes")), "2147483648");
+    assert_eq!(
+        read(dir.join("hugetlb.1GB.rsvd.limit_in_bytes")),
+        "2147483648"
+    );
+    // update: rewritten.
+    cg.update(&hugepages(&[("2MB", 8 << 20)])).unwrap();
+    assert_eq!(read(dir.join("hugetlb.2MB.limit_in_bytes")), "8388608");
+    assert_eq!(read(dir.join("hugetlb.1GB.limit_in_bytes")), "2147483648");
+    cg.remove().unwrap();
+    // A size the kernel does not have: refused naming the ones it has,
+    // nothing left.
+    let e = BoxCgroup::create(&h, "hp-2", &hugepages(&[("64KB", 1 << 20)]))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("no 64KB huge pages"), "{e}");
+    assert!(e.contains("it has: 1GB, 2MB"), "{e}");
+    assert_no_box_dirs(&h, "hp-2");
+    // A v1 system without a hugetlb hierarchy (nor cgroup v2): refused.
+    let tmp = tempfile::tempdir().unwrap();
+    let h = testfs::pure_v1(tmp.path());
+    let e = BoxCgroup::create(&h, "hp-3", &hugepages(&[("2MB", 1 << 21)]))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("hugetlb"), "{e}");
+    assert_no_box_dirs(&h, "hp-3");
+}
+
+#[test]
+fn hugepage_limits_on_v2_enable_hugetlb_only_for_a_box_that_asks() {
+    let tmp = tempfile::tempdir().unwrap();
+    let h = testfs::pure_v2(tmp.path());
+    let parent = tmp.path().join(testfs::V2_REL);
+    let plain = BoxCgroup::create(&h, "hq-0", &Limits::default()).unwrap();
+    assert!(!plain.dirs()[0].controllers.iter().any(|c| c == "hugetlb"));
+    assert!(!read(parent.join("cgroup.subtree_control")).contains("hugetlb"));
+    plain.remove().unwrap();
+    let cg = BoxCgroup::create(&h, "hq-1", &hugepages(&[("1GB", 3 << 30)])).unwrap();
+    assert!(read(parent.join("cgroup.subtree_control")).contains("+hugetlb"));
+    let dir = parent.join("nestbox-hq-1");
+    assert!(cg.dirs()[0].controllers.iter().any(|c| c == "hugetlb"));
+    assert_eq!(read(dir.join("hugetlb.1GB.max")), "3221225472");
+    assert_eq!(read(dir.join("hugetlb.1GB.rsvd.max")), "3221225472");
+    assert_eq!(
+        read(dir.join("hugetlb.2MB.max")),
+        "",
+        "not asked: untouched"
+    );
+    cg.remove().unwrap();
+    let e = BoxCgroup::create(&h, "hq-2", &hugepages(&[("16GB", 1 << 34)]))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("no 16GB huge pages"), "{e}");
+    assert!(e.contains("it has: 1GB, 2MB"), "{e}");
+    assert!(!parent.join("nestbox-hq-2").exists());
+}
+
+#[test]
+fn hugepage_limits_on_this_hybrid_machine_go_to_its_v2_hierarchy() {
+    let tmp = tempfile::tempdir().unwrap();
+    let h = testfs::hybrid(tmp.path());
+    let unified = tmp.path().join("sys/fs/cgroup/unified");
+    let limits = Limits {
+        memory: Some(1 << 20),
+        ..hugepages(&[("2MB", 6 << 20)])
+    };
+    // The v1 controllers as always, and a v2 directory for hugetlb only,
+    // enabled in the v2 root's subtree_control (it had none).
+    let cg = BoxCgroup::create(&h, "hh-1", &limits).unwrap();
+    let p = cg.paths();
+    let v2 = cg
+        .dirs()
+        .iter()
+        .find(|d| d.version == Version::V2)
+        .expect("a v2 directory");
+    assert_eq!(v2.path, unified.join("nestbox-hh-1"));
+    assert_eq!(v2.controllers, ["hugetlb"]);
+    assert_eq!(read(unified.join("cgroup.subtree_control")), "+hugetlb");
+    assert_eq!(read(v2.path.join("hugetlb.2MB.max")), "6291456");
+    assert_eq!(read(p["memory"].join("memory.limit_in_bytes")), "1048576");
+    // Its processes join both.
+    assert!(cg
+        .self_join_files()
+        .contains(&unified.join("nestbox-hh-1/cgroup.procs")));
+    // update reaches it; a box made without hugepage limits has none to
+    // update.
+    cg.update(&hugepages(&[("2MB", 2 << 20)])).unwrap();
+    assert_eq!(read(v2.path.join("hugetlb.2MB.max")), "2097152");
+    let plain = BoxCgroup::create(&h, "hh-0", &Limits::default()).unwrap();
+    assert!(plain.dirs().iter().all(|d| d.version == Version::V1));
+    let e = plain
+        .update(&hugepages(&[("2MB", 1)]))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("created without hugepage limits"), "{e}");
+    plain.remove().unwrap();
+    cg.remove().unwrap();
+    assert!(!unified.join("nestbox-hh-1").exists());
+    // At an absolute cgroupsPath two levels down: enabled along the path
+    // (the root and the directory between), as runc does on v2.
+    // (Hugepage limits only: the fake v1 roots have no control files.)
+    fs::write(unified.join("cgroup.subtree_control"), "").unwrap();
+    let only = hugepages(&[("2MB", 6 << 20)]);
+    let cg = BoxCgroup::prepare_at(&h, "hh-2", Path::new("/testdir/ctr"), &only)
+        .unwrap()
+        .create()
+        .unwrap();
+    assert_eq!(read(unified.join("cgroup.subtree_control")), "+hugetlb");
+    assert_eq!(
+        read(unified.join("testdir/cgroup.subtree_control")),
+        "+hugetlb"
+    );
+    assert_eq!(read(unified.join("testdir/ctr/hugetlb.2MB.max")), "6291456");
+    cg.remove().unwrap();
+    assert!(!unified.join("testdir/ctr").exists());
+    // A size the kernel does not have.
+    let e = BoxCgroup::create(&h, "hh-3", &hugepages(&[("1MB", 1 << 20)]))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("no 1MB huge pages"), "{e}");
+    assert_no_box_dirs(&h, "hh-3");
+    assert!(!unified.join("nestbox-hh-3").exists());
 }

@@ -509,6 +509,126 @@ fn cgroup_limits_from_resources() {
     }
 }
 
+/// Huge pages of 2 MiB reserved on the host for a test (the per-size
+/// `nr_hugepages`, raised by `n`), given back on drop.
+struct HugePages {
+    file: std::path::PathBuf,
+    before: String,
+}
+
+impl HugePages {
+    fn reserve(n: u64) -> HugePages {
+        let file =
+            Path::new("/sys/kernel/mm/hugepages/hugepages-2048kB/nr_hugepages").to_path_buf();
+        let before = std::fs::read_to_string(&file).unwrap().trim().to_string();
+        let want = before.parse::<u64>().unwrap() + n;
+        std::fs::write(&file, want.to_string()).unwrap();
+        let free =
+            std::fs::read_to_string("/sys/kernel/mm/hugepages/hugepages-2048kB/free_hugepages")
+                .unwrap();
+        assert!(
+            free.trim().parse::<u64>().unwrap() >= n,
+            "the kernel could not reserve {n} huge pages of 2 MiB (free: {free})"
+        );
+        HugePages { file, before }
+    }
+}
+
+impl Drop for HugePages {
+    fn drop(&mut self) {
+        let _ = std::fs::write(&self.file, &self.before);
+    }
+}
+
+#[test]
+fn hugepage_limits_are_enforced_through_the_hugetlb_controller() {
+    let test = "hugepage_limits_are_enforced_through_the_hugetlb_controller";
+    if !ready(test) {
+        return;
+    }
+    if !Path::new("/sys/kernel/mm/hugepages/hugepages-2048kB").is_dir() {
+        return nestbox_testkit::skip(test, "needs 2 MiB huge pages");
+    }
+    let h = nestbox_cgroup::Hierarchies::detect().unwrap();
+    let Some(hugetlb) = h.find("hugetlb") else {
+        return nestbox_testkit::skip(test, "needs a hugetlb controller (v1 or v2)");
+    };
+    let _pages = HugePages::reserve(4);
+    // Two files of one 2 MiB page each on a hugetlbfs of the container's:
+    // fallocate takes the pages, charged to the container's hugetlb cgroup.
+    let script = "fallocate -l 2M /hp/a && echo a-ok; fallocate -l 2M /hp/b && echo b-ok; true";
+    let env = Env::new(&["sh", "-c", script]);
+    let rootfs = env.bundle.join("rootfs");
+    std::os::unix::fs::symlink("busybox", rootfs.join("bin/fallocate")).unwrap();
+    std::fs::create_dir(rootfs.join("hp")).unwrap();
+    env.edit(|c| {
+        c["mounts"]
+            .as_array_mut()
+            .unwrap()
+            .push(json!({"destination": "/hp",
+            "type": "hugetlbfs", "source": "none", "options": ["pagesize=2M"]}));
+    });
+    // Without a limit: both pages.
+    let out = env.run("h0").ok();
+    assert_eq!(out.stdout, "a-ok\nb-ok\n", "{out}");
+    // Limited to one page: the second is refused by the kernel.
+    env.edit(|c| {
+        c["linux"]["resources"] =
+            json!({"hugepageLimits": [{"pageSize": "2MB", "limit": 2097152}]});
+    });
+    let out = env.run("h1").ok();
+    assert_eq!(out.stdout, "a-ok\n", "{out}");
+    assert!(out.stderr.contains("No space left on device"), "{out}");
+    // The limit, read in the container's cgroup of the hierarchy that has
+    // hugetlb (on this hybrid machine, its cgroup v2 hierarchy, whose root
+    // nestbox had enable hugetlb for it).
+    env.edit(|c| c["process"]["args"] = json!(["sleep", "100"]));
+    env.runc(&["run", "-d", "--bundle", env.bundle.to_str().unwrap(), "h2"])
+        .ok();
+    let pid = env.state("h2")["pid"].as_i64().unwrap();
+    let cgroup = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).unwrap();
+    let rel = cgroup
+        .lines()
+        .find_map(|l| {
+            let (_, rest) = l.split_once(':')?;
+            let (controllers, path) = rest.split_once(':')?;
+            let here = match hugetlb.version() {
+                nestbox_cgroup::Version::V2 => controllers.is_empty(),
+                nestbox_cgroup::Version::V1 => controllers.split(',').any(|c| c == "hugetlb"),
+            };
+            here.then(|| path.trim_start_matches('/').to_string())
+        })
+        .expect("the container's hugetlb cgroup");
+    let dir = hugetlb.mount_point().join(&rel);
+    let (max, rsvd) = match hugetlb.version() {
+        nestbox_cgroup::Version::V2 => ("hugetlb.2MB.max", "hugetlb.2MB.rsvd.max"),
+        nestbox_cgroup::Version::V1 => (
+            "hugetlb.2MB.limit_in_bytes",
+            "hugetlb.2MB.rsvd.limit_in_bytes",
+        ),
+    };
+    assert_eq!(
+        std::fs::read_to_string(dir.join(max)).unwrap().trim(),
+        "2097152"
+    );
+    if dir.join(rsvd).exists() {
+        assert_eq!(
+            std::fs::read_to_string(dir.join(rsvd)).unwrap().trim(),
+            "2097152"
+        );
+    }
+    env.runc(&["delete", "--force", "h2"]).ok();
+    assert!(!dir.exists(), "{} left", dir.display());
+    // A page size the kernel does not have: one line, nothing left.
+    env.edit(|c| {
+        c["linux"]["resources"] =
+            json!({"hugepageLimits": [{"pageSize": "3MB", "limit": 3145728}]});
+    });
+    env.create("h3")
+        .fails_with("linux.resources.hugepageLimits: page size \"3MB\": the kernel has no huge pages of that size");
+    env.runc(&["state", "h3"]).fails_with("does not exist");
+}
+
 #[test]
 fn block_io_limits_per_device() {
     if !ready("block_io_limits_per_device") {

@@ -31,6 +31,11 @@ pub type Regs = libc::user_regs_struct;
 pub(crate) const TRACE_OPTIONS: libc::c_int =
     libc::PTRACE_O_TRACEFORK | libc::PTRACE_O_TRACECLONE | libc::PTRACE_O_TRACEVFORK;
 
+/// `PTRACE_O_SUSPEND_SECCOMP`: the tracee's seccomp filters do not apply to
+/// it while it is traced with this option (needs `CAP_SYS_ADMIN` in the
+/// initial user namespace).
+pub(crate) const PTRACE_O_SUSPEND_SECCOMP: libc::c_int = 1 << 21;
+
 /// What the tracee is to us: the template (detached on drop, registers restored)
 /// or a process we created (killed on drop).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -78,6 +83,8 @@ pub struct Tracee {
     /// The `MADV_DONTFORK` ranges of the template's memory, once read (they
     /// do not change while it is held either).
     pub(crate) dontfork: Option<crate::dontfork::DontFork>,
+    /// Options added to every `PTRACE_SETOPTIONS` of it ([`Tracee::keep_options`]).
+    pub(crate) sticky_options: libc::c_int,
     _not_send: PhantomData<*const ()>,
 }
 
@@ -287,6 +294,7 @@ impl Tracee {
             threads: Vec::new(),
             captured: None,
             dontfork: None,
+            sticky_options: 0,
             _not_send: PhantomData,
         }
     }
@@ -533,8 +541,14 @@ impl Tracee {
 
     /// Set ptrace options (`PTRACE_O_*`).
     pub(crate) fn set_options(&self, options: libc::c_int) -> Result<()> {
-        sys_ptrace::set_options(self.pid, options)
+        sys_ptrace::set_options(self.pid, options | self.sticky_options)
             .map_err(ptrace_err("PTRACE_SETOPTIONS", self.pid))
+    }
+
+    /// Add `options` to every later [`Tracee::set_options`] of this tracee
+    /// (until it is detached, which clears every option).
+    pub(crate) fn keep_options(&mut self, options: libc::c_int) {
+        self.sticky_options |= options;
     }
 
     /// Restore the original registers, re-send signals that arrived while we held

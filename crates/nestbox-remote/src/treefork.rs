@@ -339,7 +339,9 @@ fn fork_child(
 pub(crate) fn fork_held(parent: &mut Made, ns_pid: i32, cookie: [u64; 2]) -> Result<Tracee> {
     let insn = parent.process.syscall_insn;
     let (x_pid, with_pid) = fork_into(&mut parent.process, &mut parent.scratch, 0, ns_pid, cookie)?;
-    let x = Tracee::adopt(x_pid, insn)?;
+    let mut x = Tracee::adopt(x_pid, insn)?;
+    // (A restore with its seccomp filter suspended keeps it so in the child.)
+    x.keep_options(parent.process.sticky_options);
     x.set_options(TRACE_OPTIONS | libc::PTRACE_O_EXITKILL)?;
     if !with_pid {
         return Err(RemoteError::Unclonable(format!(

@@ -204,6 +204,7 @@ fn limits() -> impl Strategy<Value = nestbox_cgroup::Limits> {
                     io_devices: Vec::new(),
                     net_class_id: None,
                     net_priorities: Vec::new(),
+                    hugepage_limits: Vec::new(),
                 }
             },
         )
