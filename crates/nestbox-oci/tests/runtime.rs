@@ -540,6 +540,51 @@ impl Drop for HugePages {
     }
 }
 
+/// The v2 hierarchy's `hugetlb` controller as it was before a test: enabled
+/// along the containers' path by nestbox-runc (as runc does), it is disabled
+/// again on drop, deepest directory first, where the test enabled it.
+struct V2Hugetlb {
+    mount: std::path::PathBuf,
+    was_on: bool,
+}
+
+impl V2Hugetlb {
+    fn note(mount: &Path) -> V2Hugetlb {
+        let file = mount.join("cgroup.subtree_control");
+        let text = std::fs::read_to_string(file).unwrap_or_default();
+        V2Hugetlb {
+            mount: mount.to_path_buf(),
+            was_on: text.split_whitespace().any(|c| c == "hugetlb"),
+        }
+    }
+}
+
+impl Drop for V2Hugetlb {
+    fn drop(&mut self) {
+        if self.was_on {
+            return;
+        }
+        fn off(dir: &Path) {
+            for entry in std::fs::read_dir(dir).into_iter().flatten().flatten() {
+                if entry.file_type().is_ok_and(|t| t.is_dir()) {
+                    off(&entry.path());
+                }
+            }
+            let file = dir.join("cgroup.subtree_control");
+            let on = std::fs::read_to_string(&file)
+                .unwrap_or_default()
+                .split_whitespace()
+                .any(|c| c == "hugetlb");
+            if on {
+                if let Err(e) = std::fs::write(&file, "-hugetlb") {
+                    eprintln!("could not disable hugetlb in {}: {e}", file.display());
+                }
+            }
+        }
+        off(&self.mount);
+    }
+}
+
 #[test]
 fn hugepage_limits_are_enforced_through_the_hugetlb_controller() {
     let test = "hugepage_limits_are_enforced_through_the_hugetlb_controller";
@@ -554,6 +599,8 @@ fn hugepage_limits_are_enforced_through_the_hugetlb_controller() {
         return nestbox_testkit::skip(test, "needs a hugetlb controller (v1 or v2)");
     };
     let _pages = HugePages::reserve(4);
+    let _controller = (hugetlb.version() == nestbox_cgroup::Version::V2)
+        .then(|| V2Hugetlb::note(hugetlb.mount_point()));
     // Two files of one 2 MiB page each on a hugetlbfs of the container's:
     // fallocate takes the pages, charged to the container's hugetlb cgroup.
     let script = "fallocate -l 2M /hp/a && echo a-ok; fallocate -l 2M /hp/b && echo b-ok; true";
