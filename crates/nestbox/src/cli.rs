@@ -476,6 +476,7 @@ impl ResourceArgs {
             io_devices: Vec::new(),
             net_class_id: None,
             net_priorities: Vec::new(),
+            hugepage_limits: Vec::new(),
         })
     }
 
