@@ -349,8 +349,11 @@ pub fn gc_inside(
                 libc::dup2(w.as_raw_fd(), 2);
             }
             drop(w);
+            // As the box's root, whose nestbox owns the boxes inside (the
+            // box's own command may run as another user).
             let opts = crate::exec::ExecOptions {
                 command: vec![NESTED_BINARY.to_string(), "gc".to_string()],
+                user: Some(crate::spec::User::default()),
                 ..Default::default()
             };
             let code = match crate::exec::exec(reg, record.name(), &opts) {
