@@ -42,8 +42,8 @@ mod v1;
 mod v2;
 
 pub use boxcg::{
-    dir_name, validate_id, BoxCgroup, CgroupDir, DeviceRule, PendingCgroup, FREEZE_TIMEOUT,
-    KILL_TIMEOUT,
+    dir_name, validate_id, BoxCgroup, BoxMount, CgroupDir, Delegation, DeviceRule, PendingCgroup,
+    FREEZE_TIMEOUT, KILL_TIMEOUT, V2_LEAF,
 };
 pub use detect::{Hierarchies, Hierarchy, Version};
 pub use error::{CgroupError, CgroupWarning, Op};

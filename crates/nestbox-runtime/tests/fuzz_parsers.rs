@@ -260,6 +260,7 @@ fn spec() -> impl Strategy<Value = BoxSpec> {
                     ksm: false,
                     disk: None,
                     monitors: Vec::new(),
+                    nest: false,
                     clone_of: None,
                     restore_of: None,
                     network: NetSpec {
@@ -332,6 +333,7 @@ fn stored_spec_json() {
         ksm: false,
         disk: None,
         monitors: Vec::new(),
+        nest: false,
         clone_of: None,
         restore_of: None,
         network: NetSpec::default(),

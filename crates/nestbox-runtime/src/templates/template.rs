@@ -42,8 +42,16 @@ pub struct TemplateSummary {
 /// A box under monitors cannot be frozen, cloned, checkpointed or moved:
 /// its monitor filter's listener belongs to its monitor process, and a copy
 /// of its processes would stop at their first subscribed call with no one
-/// to answer.
+/// to answer. Nor can a box that runs boxes of its own (`--nest`), not yet.
 pub(crate) fn refuse_monitored(record: &crate::registry::BoxRecord, what: &str) -> Result<()> {
+    if record.spec.nest {
+        // Its boxes inside (their monitors, cgroups, layers in its state
+        // directory) would not come along: see docs/nesting.md.
+        return Err(RuntimeError::Unsupported {
+            name: record.name().to_string(),
+            problem: format!("runs boxes of its own (--nest): it cannot be {what} yet"),
+        });
+    }
     if record.spec.monitors.is_empty() {
         return Ok(());
     }
