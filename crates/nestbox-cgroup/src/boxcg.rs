@@ -773,19 +773,7 @@ impl BoxCgroup {
             std::iter::once(d.path.join("cgroup.procs")).chain(leaf)
         });
         for file in files {
-            // (A box whose last process ended may have its cgroup removed
-            // by its monitor while this reads it.)
-            let Some(text) = fsutil::read_if_alive(&file)? else {
-                continue;
-            };
-            for line in text.lines().map(str::trim).filter(|l| !l.is_empty()) {
-                let pid = line.parse::<i32>().map_err(|_| CgroupError::Parse {
-                    path: file.clone(),
-                    content: line.to_string(),
-                    reason: "expected a pid".into(),
-                })?;
-                all.insert(pid);
-            }
+            add_procs(&file, &mut all)?;
         }
         Ok(all.into_iter().collect())
     }
@@ -795,17 +783,8 @@ impl BoxCgroup {
     /// `cgroup.procs` of the subtree. Directories that are gone count as empty.
     pub fn procs_tree(&self) -> Result<Vec<i32>, CgroupError> {
         fn walk(dir: &Path, all: &mut BTreeSet<i32>) -> Result<(), CgroupError> {
-            let file = dir.join("cgroup.procs");
-            let Some(text) = fsutil::read_if_alive(&file)? else {
+            if !add_procs(&dir.join("cgroup.procs"), all)? {
                 return Ok(());
-            };
-            for line in text.lines().map(str::trim).filter(|l| !l.is_empty()) {
-                let pid = line.parse::<i32>().map_err(|_| CgroupError::Parse {
-                    path: file.clone(),
-                    content: line.to_string(),
-                    reason: "expected a pid".into(),
-                })?;
-                all.insert(pid);
             }
             if let Ok(entries) = std::fs::read_dir(dir) {
                 for e in entries.flatten() {
@@ -1187,4 +1166,22 @@ fn build(
         });
     }
     Ok(dirs)
+}
+
+/// Add the pids of `cgroup.procs` file `file` to `all`; false if the cgroup
+/// is gone (a box whose last process ended may have its cgroup removed by its
+/// monitor while this reads it).
+fn add_procs(file: &Path, all: &mut BTreeSet<i32>) -> Result<bool, CgroupError> {
+    let Some(text) = fsutil::read_if_alive(file)? else {
+        return Ok(false);
+    };
+    for line in text.lines().map(str::trim).filter(|l| !l.is_empty()) {
+        let pid = line.parse::<i32>().map_err(|_| CgroupError::Parse {
+            path: file.to_path_buf(),
+            content: line.to_string(),
+            reason: "expected a pid".into(),
+        })?;
+        all.insert(pid);
+    }
+    Ok(true)
 }

@@ -202,18 +202,33 @@ pub fn restore(root: &Root, opts: &CreateOpts, image: &Path) -> Result<Record> {
     }))
 }
 
-/// [`restore`] of the image of a container started cold.
-fn restore_cold(root: &Root, opts: &CreateOpts, image: &Path) -> Result<Record> {
+/// The config of a container to restore as `opts.id`, which must be a free
+/// id; refused with a terminal (`why_no_terminal`: what it gets instead).
+pub(crate) fn restore_plan(
+    root: &Root,
+    opts: &CreateOpts,
+    why_no_terminal: &str,
+) -> Result<crate::config::Plan> {
     state::validate_id(&opts.id)?;
     if root.container_dir(&opts.id).exists() {
         return Err(OciError::Exists(opts.id.clone()));
     }
     let plan = crate::config::load(&opts.bundle)?;
     if plan.process.terminal || opts.console_socket.is_some() {
-        return Err(OciError::Unsupported(
-            "process.terminal: a restored container has the caller's standard streams, not a terminal".into(),
-        ));
+        return Err(OciError::Unsupported(format!(
+            "process.terminal: {why_no_terminal}"
+        )));
     }
+    Ok(plan)
+}
+
+/// [`restore`] of the image of a container started cold.
+fn restore_cold(root: &Root, opts: &CreateOpts, image: &Path) -> Result<Record> {
+    let plan = restore_plan(
+        root,
+        opts,
+        "a restored container has the caller's standard streams, not a terminal",
+    )?;
     if !plan.new_namespace(Namespace::Pid) {
         return Err(OciError::Unsupported(
             "linux.namespaces: the image's pid 1 is restored as the pid 1 of a new pid namespace, which the config must ask for (a pid namespace without a path)".into(),

@@ -497,16 +497,11 @@ pub(crate) fn checkpoint(
 /// container that was a nestbox box), running; its record and hooks are
 /// those of the bundle's config, its box in the root the config names.
 pub(crate) fn restore(root: &Root, opts: &CreateOpts, image: &Path) -> Result<Record> {
-    state::validate_id(&opts.id)?;
-    if root.container_dir(&opts.id).exists() {
-        return Err(OciError::Exists(opts.id.clone()));
-    }
-    let plan = crate::config::load(&opts.bundle)?;
-    if plan.process.terminal || opts.console_socket.is_some() {
-        return Err(OciError::Unsupported(
-            "process.terminal: a restored container keeps its checkpoint's standard streams".into(),
-        ));
-    }
+    let plan = crate::checkpoint::restore_plan(
+        root,
+        opts,
+        "a restored container keeps its checkpoint's standard streams",
+    )?;
     let reg = registry_of(&plan);
     let dir = root.reserve(&opts.id)?;
     let name = crate::create::cgroup_id(root, &opts.id);
