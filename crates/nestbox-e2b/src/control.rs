@@ -518,7 +518,7 @@ fn connect(server: &Server, id: &str, timeout: Option<u64>) -> Result<(Arc<Sandb
 fn freeze_and_go_on(server: &Server, s: &Sandbox) -> Result<(String, f64)> {
     let mut live = s.live.lock().unwrap_or_else(|p| p.into_inner());
     // Refused before the freeze, so the sandbox goes on as it was.
-    nestbox_runtime::clone::refuse_too_deep(&server.reg.load(&live.box_name)?)?;
+    nestbox_runtime::lifecycle::nested::refuse_too_deep(&server.reg.load(&live.box_name)?)?;
     let frozen = freeze(server, s, &live)?;
     let name = next_box(server, s, &mut live)?;
     follow_commands(server, &s.procs, &name, true);

@@ -543,7 +543,7 @@ fn fork_nested_in(
         }
         _ => None,
     };
-    crate::clone::refuse_too_deep(t)?;
+    crate::lifecycle::nested::refuse_too_deep(t)?;
     let in_template = crate::lifecycle::nested::enter_pid_namespace_of(t)?;
     // SAFETY: the monitor is single-threaded, so the helper may run arbitrary
     // code; no clone flags.
