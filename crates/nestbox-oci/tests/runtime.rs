@@ -266,6 +266,17 @@ fn config_process_user_rlimits_caps_nnp_oom_sysctl() {
         return;
     }
     let env = Env::new(&["true"]);
+    // The container's sysctl is set to the opposite of the host's (which
+    // bridged boxes of other tests may have turned on), and the host's must
+    // stay as it was.
+    let host_forward = || {
+        std::fs::read_to_string("/proc/sys/net/ipv4/ip_forward")
+            .unwrap()
+            .trim()
+            .to_string()
+    };
+    let before = host_forward();
+    let wanted = if before == "1" { "0" } else { "1" };
     let out = inside(
         &env,
         "id -u; id -g; id -G; ulimit -n; ulimit -Hn; grep -E '^(CapBnd|CapEff|CapPrm|CapAmb|NoNewPrivs)' /proc/self/status; \
@@ -281,7 +292,7 @@ fn config_process_user_rlimits_caps_nnp_oom_sysctl() {
             c["process"]["oomScoreAdj"] = json!(500);
             c["process"]["cwd"] = json!("/tmp/work");
             c["process"]["env"] = json!(["PATH=/bin", "FOO=bar"]);
-            c["linux"]["sysctl"] = json!({"net.ipv4.ip_forward": "1"});
+            c["linux"]["sysctl"] = json!({"net.ipv4.ip_forward": wanted});
         },
     );
     let lines: Vec<&str> = out.lines().collect();
@@ -297,15 +308,10 @@ fn config_process_user_rlimits_caps_nnp_oom_sysctl() {
     assert_eq!(lines[8], "CapAmb:\t0000000000000020");
     assert_eq!(lines[9], "NoNewPrivs:\t1");
     assert_eq!(lines[10], "500");
-    assert_eq!(lines[11], "1");
+    assert_eq!(lines[11], wanted);
     assert_eq!(lines[12], "/tmp/work");
     assert_eq!(lines[13], "bar");
-    assert_eq!(
-        std::fs::read_to_string("/proc/sys/net/ipv4/ip_forward")
-            .unwrap()
-            .trim(),
-        "0"
-    );
+    assert_eq!(host_forward(), before, "the host's ip_forward is untouched");
 }
 
 #[test]
