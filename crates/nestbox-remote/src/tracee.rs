@@ -24,6 +24,9 @@ use crate::error::{RemoteError, Result};
 use crate::procfs::Status;
 use crate::threads::ThreadState;
 
+/// How long a seize waits for a template's exiting tracer to let it go.
+const TRACER_EXIT_WAIT: Duration = Duration::from_secs(2);
+
 /// The x86_64 general-purpose registers as `PTRACE_GETREGS` returns them.
 pub type Regs = libc::user_regs_struct;
 
@@ -192,10 +195,24 @@ impl Tracee {
     /// Seize and interrupt thread `tid` of process `tgid`; `None` when it has
     /// exited meanwhile (only for a thread that is not the leader).
     fn seize_thread(tgid: i32, tid: i32) -> Result<Option<Tracee>> {
-        if let Err(err) =
+        let deadline = Instant::now() + TRACER_EXIT_WAIT;
+        while let Err(err) =
             sys_ptrace::seize(tid, TRACE_OPTIONS).map_err(ptrace_err("PTRACE_SEIZE", tid))
         {
             return match err.errno() {
+                // Traced by a process that is exiting (a clone or checkpoint
+                // killed with SIGKILL): an exiting process closes its files,
+                // and so releases the template's clone lock, before the
+                // kernel detaches its tracees. Seize again once it has.
+                Some(libc::EPERM)
+                    if Status::read(tid)
+                        .and_then(|s| s.tracer_pid())
+                        .is_ok_and(|t| t != 0 && crate::procfs::exiting(t))
+                        && Instant::now() < deadline =>
+                {
+                    std::thread::sleep(Duration::from_millis(1));
+                    continue;
+                }
                 Some(libc::ESRCH) if tid == tgid => Err(RemoteError::NoSuchProcess { pid: tid }),
                 Some(libc::ESRCH) => Ok(None),
                 Some(libc::EPERM) => match Status::read(tid).and_then(|s| s.tracer_pid()) {

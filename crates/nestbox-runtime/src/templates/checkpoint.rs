@@ -176,6 +176,11 @@ pub(crate) fn cpu_flags() -> Vec<String> {
 pub fn checkpoint(reg: &Registry, box_name: &str, req: &CheckpointRequest) -> Result<Checkpoint> {
     let start = Instant::now();
     let record = reg.load(box_name)?;
+    // One at a time with clones, freezes and other checkpoints of the box,
+    // and the box read again under the lock (it may have been frozen, made a
+    // template or removed meanwhile).
+    let _lock = crate::clone::box_lock(&record)?;
+    let record = reg.load(box_name)?;
     crate::template::refuse_monitored(&record, "checkpointed")?;
     let name = req.name.clone().unwrap_or_else(|| box_name.to_string());
     nestbox_store::validate_name(&name)
@@ -301,7 +306,9 @@ pub fn checkpoint(reg: &Registry, box_name: &str, req: &CheckpointRequest) -> Re
     }
     match finish {
         Ok(meta) => {
-            if !req.leave_running {
+            // A template stays as it was, frozen, whatever `--leave-running`
+            // says: it answers no request, and its clones and pool go on.
+            if !req.leave_running && !template {
                 // Killed while frozen: a killed process thawed dies before it
                 // runs again.
                 cgroup.kill_all()?;

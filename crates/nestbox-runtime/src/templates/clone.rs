@@ -715,6 +715,20 @@ pub(crate) fn clone_lock(t: &BoxRecord) -> Result<nix::fcntl::Flock<File>> {
     template_lock(t, "clone.lock")
 }
 
+/// Box `record`'s clone lock, for what else stops or freezes its processes
+/// (a checkpoint, a migration, a freeze): one at a time with its clones, so
+/// a clone never finds the template traced by a checkpoint of it, nor a
+/// checkpoint that thaws its box at the end a box frozen meanwhile. A box
+/// removed meanwhile is said not to run.
+pub(crate) fn box_lock(record: &BoxRecord) -> Result<nix::fcntl::Flock<File>> {
+    clone_lock(record).map_err(|e| match e {
+        RuntimeError::TemplateRemoved(_) if record.state.template.is_none() => {
+            RuntimeError::NotRunning(record.name().to_string())
+        }
+        e => e,
+    })
+}
+
 /// The template's refill lock: one refill of its pool at a time, so that two
 /// refills started by two claims do not both fork the whole deficit (the
 /// clones one is forking are not counted until they have a process).

@@ -92,6 +92,10 @@ fn freeze_inner(
         });
     }
     let record = reg.load(name)?;
+    // One at a time with checkpoints and migrations of the box (see
+    // `checkpoint`), the box read again under the lock.
+    let _lock = crate::clone::box_lock(&record)?;
+    let record = reg.load(name)?;
     crate::snapshots::refuse_rolled_back(&record, "freeze")?;
     refuse_monitored(&record, "frozen or cloned")?;
     match record.state.effective_status() {
