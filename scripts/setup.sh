@@ -34,6 +34,9 @@ python3 -c 'import ensurepip, venv' 2>/dev/null || need+=(python3-venv)
 # podman drives nestbox-runc in crates/nestbox-oci/tests/podman.rs (netavark: its
 # network backend, which it looks for at start even with --network none).
 command -v podman >/dev/null 2>&1 || need+=(podman netavark)
+# podman's `container checkpoint/restore` asks criu for its version before it
+# calls the runtime (nestbox-runc never runs criu; docs/oci.md).
+[ -x /usr/sbin/criu ] || command -v criu >/dev/null 2>&1 || need+=(criu)
 # containerd (with its runc shim) drives nestbox-runc in crates/nestbox-oci/tests/containerd.rs.
 command -v containerd-shim-runc-v2 >/dev/null 2>&1 || need+=(containerd)
 if [ "${#need[@]}" -gt 0 ]; then

@@ -194,9 +194,9 @@ class Checker(threading.Thread):
             self.stats.fail(f"corrupt record {path}: {e}: {text[:200]!r}")
 
 
-def listdir(path: str) -> list[str]:
+def listdir(path: str, hidden: bool = False) -> list[str]:
     try:
-        return [n for n in os.listdir(path) if not n.startswith(".")]
+        return [n for n in os.listdir(path) if hidden or not n.startswith(".")]
     except OSError:
         return []
 
@@ -589,28 +589,32 @@ class Killer:
             for b in json.loads(text):
                 if b.get("status") == "dead":
                     out.add(f"dead box {b['name']}")
-        pool_ids = set()
-        netpool = os.path.join(self.nb.root, "run", "netpool")
-        for d in listdir(netpool):
-            if d.startswith("box-"):
-                if d[4:] not in ids:
-                    out.add(f"pooled namespace {d} of no box")
-            else:
-                try:
-                    with open(os.path.join(netpool, d, "pool-id")) as f:
-                        pool_ids.add(f.read().strip())
-                except OSError:
-                    pass
-        for i in listdir(os.path.join(self.nb.root, "lib", "boxes")):
-            if i not in ids:
-                out.add(f"layer dir lib/boxes/{i} of no box")
+        # The leases first, then the pool's entries: a refill started by gc
+        # may be making an entry meanwhile (its address is leased before its
+        # directory is renamed into place), and read in this order its
+        # address is always found with its entry.
         netdir = os.path.join(self.nb.root, "lib", "network")
+        leases: dict[str, list[str]] = {}
         for d in listdir(netdir):
             try:
                 with open(os.path.join(netdir, d, "state.json")) as f:
-                    leased = json.load(f).get("boxes", {})
+                    leases[d] = list(json.load(f).get("boxes", {}))
             except (OSError, ValueError):
                 continue
+        pool_ids = set()
+        netpool = os.path.join(self.nb.root, "run", "netpool")
+        for d in listdir(netpool, hidden=True):
+            if d.startswith("box-") and d[4:] not in ids:
+                out.add(f"pooled namespace {d} of no box")
+            try:
+                with open(os.path.join(netpool, d, "pool-id")) as f:
+                    pool_ids.add(f.read().strip())
+            except OSError:
+                pass
+        for i in listdir(os.path.join(self.nb.root, "lib", "boxes")):
+            if i not in ids:
+                out.add(f"layer dir lib/boxes/{i} of no box")
+        for d, leased in leases.items():
             for i in leased:
                 if i not in ids and i not in pool_ids:
                     out.add(f"address lease {d}/{i} of no box")

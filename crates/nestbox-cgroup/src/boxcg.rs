@@ -90,9 +90,9 @@ pub const MAX_ID_LEN: usize = 128;
 const V1_USED: &[&str] = &[
     "cpu", "cpuacct", "cpuset", "memory", "devices", "freezer", "blkio", "pids",
 ];
-/// v1 controllers used only when a limit asks for them (cgroup v2 has no
-/// such controller).
-const V1_ON_REQUEST: &[&str] = &["net_cls", "net_prio"];
+/// v1 controllers used only when a limit asks for them (the network ones,
+/// which cgroup v2 has not; hugetlb, for a box with hugepage limits).
+const V1_ON_REQUEST: &[&str] = &["net_cls", "net_prio", "hugetlb"];
 /// v1 names of the controllers that v2 can provide.
 const V2_BACKED: &[&str] = &["cpu", "cpuset", "blkio", "memory", "pids"];
 
@@ -146,6 +146,68 @@ pub struct BoxCgroup {
     /// ([`BoxCgroup::prepare_at`]); `None`: `nestbox-<id>`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     name: Option<String>,
+    /// Set when the box's cgroups are delegated to it
+    /// ([`BoxCgroup::prepare_delegated`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    delegation: Option<Delegation>,
+}
+
+/// What a box whose cgroups are delegated to it (a box that runs boxes of
+/// its own) was given: see [`BoxCgroup::prepare_delegated`].
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
+pub struct Delegation {
+    /// The (uid, gid) the directories and their membership files belong to.
+    pub owner: (u32, u32),
+    /// The hierarchies to mount in the box, with the box's cgroup as their root.
+    pub mounts: Vec<BoxMount>,
+}
+
+/// One cgroup hierarchy a delegated box mounts at `/sys/fs/cgroup`.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
+pub struct BoxMount {
+    /// The directory under `/sys/fs/cgroup`: the hierarchy's own mount
+    /// point's name (`memory`, `cpu,cpuacct`, `unified`), or empty for a
+    /// cgroup2 hierarchy mounted at `/sys/fs/cgroup` itself (pure v2).
+    pub dir: String,
+    /// `cgroup` or `cgroup2`.
+    pub fstype: String,
+    /// The v1 hierarchy's controllers, as mount options (`cpu,cpuacct`).
+    pub options: Option<String>,
+}
+
+/// The leaf a delegated box's own processes live in on cgroup v2: v2 lets a
+/// cgroup enable controllers for its children only while it has no
+/// processes of its own, so the box's processes sit in `B/nestbox.init` and
+/// the boxes it starts beside them in `B/nestbox-*`. (Its name does not start
+/// with `nestbox-`, so `gc` never takes it for a box.)
+pub const V2_LEAF: &str = "nestbox.init";
+
+/// The files of a new cgroup directory whose owner decides who may move
+/// processes in and make child cgroups (the kernel's delegation rule: the
+/// directory, and `cgroup.procs`, `cgroup.threads`, `cgroup.subtree_control`
+/// on v2, `tasks` and `cgroup.procs` on v1). Limit files stay root's, so the
+/// box cannot raise its own limits.
+const DELEGATED_FILES: &[&str] = &[
+    "cgroup.procs",
+    "cgroup.threads",
+    "cgroup.subtree_control",
+    "tasks",
+];
+
+/// Gives `dir` and its delegation files (those that exist) to `owner`.
+fn delegate_dir(dir: &Path, owner: (u32, u32)) -> Result<(), CgroupError> {
+    let chown = |p: &Path| {
+        std::os::unix::fs::chown(p, Some(owner.0), Some(owner.1))
+            .map_err(|e| CgroupError::io(crate::error::Op::Chown, p, e))
+    };
+    chown(dir)?;
+    for f in DELEGATED_FILES {
+        let file = dir.join(f);
+        if file.exists() {
+            chown(&file)?;
+        }
+    }
+    Ok(())
 }
 
 /// Where a controller's files of the box are.
@@ -164,8 +226,30 @@ struct Plan<'a> {
     warnings: Vec<CgroupWarning>,
 }
 
-fn plan<'a>(h: &'a Hierarchies, limits: &Limits) -> Result<Plan<'a>, CgroupError> {
+/// The name of the directory a hierarchy is mounted on, for the box's own
+/// `/sys/fs/cgroup` (empty: the hierarchy is `/sys/fs/cgroup` itself).
+fn mount_dir_name(hi: &Hierarchy) -> String {
+    let mp = hi.mount_point();
+    if mp.ends_with("sys/fs/cgroup") {
+        return String::new();
+    }
+    mp.file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default()
+}
+
+/// The hierarchies and controllers a box's cgroup uses. `every_hierarchy`
+/// (a delegated box): the v1 cpuset too, without a CPU list. Inside a user
+/// namespace the v1 devices controller is left out: only the host's root
+/// may write its rules, and a box stays in its caller's devices cgroup,
+/// which allows no more than the caller has.
+fn plan_for<'a>(
+    h: &'a Hierarchies,
+    limits: &Limits,
+    every_hierarchy: bool,
+) -> Result<Plan<'a>, CgroupError> {
     let requested = limits.requested();
+    let skip_devices = fsutil::in_user_namespace();
     // The network controllers (v1 only) only for a box whose limits ask for
     // them: every other box stays in the caller's net_cls/net_prio cgroups.
     let asked = |c: &str| V1_ON_REQUEST.contains(&c) && requested.iter().any(|(_, r)| *r == c);
@@ -176,6 +260,7 @@ fn plan<'a>(h: &'a Hierarchies, limits: &Limits) -> Result<Plan<'a>, CgroupError
                 .controllers()
                 .iter()
                 .filter(|c| V1_USED.contains(&c.as_str()) || asked(c))
+                .filter(|c| !(skip_devices && c.as_str() == "devices"))
                 .cloned()
                 .collect();
             (!used.is_empty()).then_some((hi, used))
@@ -216,6 +301,10 @@ fn plan<'a>(h: &'a Hierarchies, limits: &Limits) -> Result<Plan<'a>, CgroupError
                     });
                 }
                 required_v2.insert(name);
+                // (hugetlb is wanted only by a box that asks for it.)
+                if !wanted.contains(&name) {
+                    wanted.push(name);
+                }
             }
             let core_needed = !v1_has("freezer") || !v1_has("cpuacct");
             if core_needed || !wanted.is_empty() {
@@ -243,7 +332,9 @@ fn plan<'a>(h: &'a Hierarchies, limits: &Limits) -> Result<Plan<'a>, CgroupError
     // it costs every box start about 0.15 ms here.)
     let v1 = v1
         .into_iter()
-        .filter(|(_, used)| limits.cpuset_cpus.is_some() || used.as_slice() != ["cpuset"])
+        .filter(|(_, used)| {
+            every_hierarchy || limits.cpuset_cpus.is_some() || used.as_slice() != ["cpuset"]
+        })
         .collect();
     Ok(Plan {
         v1,
@@ -263,6 +354,15 @@ fn join_file(dir: &Path, version: Version) -> PathBuf {
     }
 }
 
+/// [`join_file`] of where the box's own processes live: on v2, in the
+/// [`V2_LEAF`] of a delegated box.
+fn leaf_join_file(dir: &Path, version: Version, delegated: bool) -> PathBuf {
+    match (version, delegated) {
+        (Version::V2, true) => dir.join(V2_LEAF).join("cgroup.procs"),
+        _ => join_file(dir, version),
+    }
+}
+
 /// A box cgroup decided but not made yet: see [`BoxCgroup::prepare`].
 #[derive(Debug, Clone)]
 pub struct PendingCgroup {
@@ -272,11 +372,17 @@ pub struct PendingCgroup {
     chosen: bool,
     /// The v2 parent directory and the controllers wanted there.
     v2: Option<(PathBuf, Vec<&'static str>)>,
+    /// The v2 cgroup from which down to the parent the controllers are
+    /// enabled: the invoking cgroup, or for an absolute `cgroupsPath` the
+    /// hierarchy's root ([`v2::enable_along`]).
+    v2_top: Option<PathBuf>,
     /// Each v1 parent directory and the controllers used from it.
     v1: Vec<(PathBuf, Vec<String>)>,
     required_v2: BTreeSet<&'static str>,
     warnings: Vec<CgroupWarning>,
     limits: Limits,
+    /// Delegated to its box ([`BoxCgroup::prepare_delegated`]).
+    delegation: Option<Delegation>,
 }
 
 impl PendingCgroup {
@@ -292,8 +398,9 @@ impl PendingCgroup {
     /// The files a process writes `0` to in order to move itself into the
     /// cgroup once made, as [`BoxCgroup::self_join_files`] lists them.
     pub fn self_join_files(&self) -> Vec<PathBuf> {
+        let delegated = self.delegation.is_some();
         self.dirs()
-            .map(|(dir, version)| join_file(&dir, version))
+            .map(|(dir, version)| leaf_join_file(&dir, version, delegated))
             .collect()
     }
 
@@ -308,6 +415,7 @@ impl PendingCgroup {
                 id: self.id,
                 dirs,
                 warnings,
+                delegation: self.delegation,
             }),
             Err(e) => {
                 // The first error is reported; a directory that cannot be
@@ -349,7 +457,10 @@ impl BoxCgroup {
         limits: &Limits,
     ) -> Result<PendingCgroup, CgroupError> {
         Self::prepare_in(h, id, limits, dir_name(id), |hi| {
-            hi.invoking_dir().to_path_buf()
+            (
+                hi.invoking_dir().to_path_buf(),
+                hi.invoking_dir().to_path_buf(),
+            )
         })
     }
 
@@ -396,9 +507,55 @@ impl BoxCgroup {
             } else {
                 hi.invoking_dir()
             };
-            base.join(&rel)
+            (base.to_path_buf(), base.join(&rel))
         })?;
         pending.chosen = true;
+        Ok(pending)
+    }
+
+    /// Like [`Self::prepare`], for a box that runs boxes of its own (`run
+    /// --nest`): the cgroup is made in every hierarchy carrying a controller
+    /// boxes use (the v1 cpuset too, its CPUs copied from the parent), and on
+    /// creation delegated to `owner`, the host (uid, gid) of the box's root:
+    /// each directory, and the files that move processes and make children
+    /// (`tasks`, `cgroup.procs`, `cgroup.threads`, `cgroup.subtree_control`),
+    /// belong to it; limit files stay root's. On v2 the box's own processes
+    /// belong in the leaf [`V2_LEAF`] (see [`Self::ns_root_join_files`]).
+    /// [`Delegation::mounts`] lists the hierarchies to mount in the box (not
+    /// the v1 devices controller, which only the host's root may write: the
+    /// box's children stay in its devices cgroup).
+    pub fn prepare_delegated(
+        h: &Hierarchies,
+        id: &str,
+        limits: &Limits,
+        owner: (u32, u32),
+    ) -> Result<PendingCgroup, CgroupError> {
+        let mut pending = Self::prepare_with(h, id, limits, dir_name(id), true, |hi| {
+            (
+                hi.invoking_dir().to_path_buf(),
+                hi.invoking_dir().to_path_buf(),
+            )
+        })?;
+        let mut mounts = Vec::new();
+        let plan = plan_for(h, limits, true)?;
+        for (hi, _) in &plan.v1 {
+            if hi.carries("devices") {
+                continue;
+            }
+            mounts.push(BoxMount {
+                dir: mount_dir_name(hi),
+                fstype: "cgroup".into(),
+                options: Some(hi.controllers().join(",")),
+            });
+        }
+        if let Some((hi, _)) = &plan.v2 {
+            mounts.push(BoxMount {
+                dir: mount_dir_name(hi),
+                fstype: "cgroup2".into(),
+                options: None,
+            });
+        }
+        pending.delegation = Some(Delegation { owner, mounts });
         Ok(pending)
     }
 
@@ -407,25 +564,40 @@ impl BoxCgroup {
         id: &str,
         limits: &Limits,
         name: String,
-        parent_of: impl Fn(&Hierarchy) -> PathBuf,
+        // (the cgroup the path is taken from, the parent of the box's)
+        parent_of: impl Fn(&Hierarchy) -> (PathBuf, PathBuf),
+    ) -> Result<PendingCgroup, CgroupError> {
+        Self::prepare_with(h, id, limits, name, false, parent_of)
+    }
+
+    fn prepare_with(
+        h: &Hierarchies,
+        id: &str,
+        limits: &Limits,
+        name: String,
+        every_hierarchy: bool,
+        // (the cgroup the path is taken from, the parent of the box's)
+        parent_of: impl Fn(&Hierarchy) -> (PathBuf, PathBuf),
     ) -> Result<PendingCgroup, CgroupError> {
         validate_id(id)?;
         limits.validate()?;
         limits.validate_cpuset_against(h)?;
-        let plan = plan(h, limits)?;
+        let plan = plan_for(h, limits, every_hierarchy)?;
         let pending = PendingCgroup {
             id: id.to_string(),
             name,
             chosen: false,
-            v2: plan.v2.map(|(hi, wanted)| (parent_of(hi), wanted)),
+            v2_top: plan.v2.as_ref().map(|(hi, _)| parent_of(hi).0),
+            v2: plan.v2.map(|(hi, wanted)| (parent_of(hi).1, wanted)),
             v1: plan
                 .v1
                 .into_iter()
-                .map(|(hi, used)| (parent_of(hi), used))
+                .map(|(hi, used)| (parent_of(hi).1, used))
                 .collect(),
             required_v2: plan.required_v2,
             warnings: plan.warnings,
             limits: limits.clone(),
+            delegation: None,
         };
         for (t, _) in pending.dirs() {
             if t.symlink_metadata().is_ok() {
@@ -443,7 +615,13 @@ impl BoxCgroup {
             dirs,
             warnings: Vec::new(),
             name: None,
+            delegation: None,
         })
+    }
+
+    /// The delegation of a box that runs boxes of its own, if any.
+    pub fn delegation(&self) -> Option<&Delegation> {
+        self.delegation.as_ref()
     }
 
     /// The box id.
@@ -536,7 +714,38 @@ impl BoxCgroup {
     /// Moving *oneself* through a v1 `tasks` file skips the kernel's global
     /// thread-group rwsem, whose write side waits for an RCU grace period (about
     /// 10 ms per move on this machine); [`BoxCgroup::add_process`] always pays it.
+    ///
+    /// For a delegated box these are where its processes live: on v2 its
+    /// [`V2_LEAF`].
     pub fn self_join_files(&self) -> Vec<PathBuf> {
+        let delegated = self.delegation.is_some();
+        self.dirs
+            .iter()
+            .map(|d| leaf_join_file(&d.path, d.version, delegated))
+            .collect()
+    }
+
+    /// The files a delegated box's first process writes `0` to once it has
+    /// made its cgroup namespace (after [`Self::ns_root_join_files`]): its
+    /// v2 leaf's `cgroup.procs`. Empty for a box that is not delegated or has
+    /// no v2 cgroup.
+    pub fn leaf_join_files(&self) -> Vec<PathBuf> {
+        if self.delegation.is_none() {
+            return Vec::new();
+        }
+        self.dirs
+            .iter()
+            .filter(|d| d.version == Version::V2)
+            .map(|d| d.path.join(V2_LEAF).join("cgroup.procs"))
+            .collect()
+    }
+
+    /// The files a delegated box's first process writes `0` to before it
+    /// makes its cgroup namespace, so that the namespace's root is the box's
+    /// cgroup itself (its children's parent) rather than the v2 leaf it then
+    /// moves to ([`Self::self_join_files`]). The same as those for a box that
+    /// is not delegated.
+    pub fn ns_root_join_files(&self) -> Vec<PathBuf> {
         self.dirs
             .iter()
             .map(|d| join_file(&d.path, d.version))
@@ -557,21 +766,38 @@ impl BoxCgroup {
     /// Directories that are gone count as empty.
     pub fn procs(&self) -> Result<Vec<i32>, CgroupError> {
         let mut all = BTreeSet::new();
-        for d in &self.dirs {
-            let file = d.path.join("cgroup.procs");
-            // (A box whose last process ended may have its cgroup removed
-            // by its monitor while this reads it.)
-            let Some(text) = fsutil::read_if_alive(&file)? else {
-                continue;
-            };
-            for line in text.lines().map(str::trim).filter(|l| !l.is_empty()) {
-                let pid = line.parse::<i32>().map_err(|_| CgroupError::Parse {
-                    path: file.clone(),
-                    content: line.to_string(),
-                    reason: "expected a pid".into(),
-                })?;
-                all.insert(pid);
+        let delegated = self.delegation.is_some();
+        let files = self.dirs.iter().flat_map(|d| {
+            let leaf = (delegated && d.version == Version::V2)
+                .then(|| d.path.join(V2_LEAF).join("cgroup.procs"));
+            std::iter::once(d.path.join("cgroup.procs")).chain(leaf)
+        });
+        for file in files {
+            add_procs(&file, &mut all)?;
+        }
+        Ok(all.into_iter().collect())
+    }
+
+    /// The processes of the box and of every cgroup below it (the boxes a
+    /// delegated box started, to any depth): the sorted union of every
+    /// `cgroup.procs` of the subtree. Directories that are gone count as empty.
+    pub fn procs_tree(&self) -> Result<Vec<i32>, CgroupError> {
+        fn walk(dir: &Path, all: &mut BTreeSet<i32>) -> Result<(), CgroupError> {
+            if !add_procs(&dir.join("cgroup.procs"), all)? {
+                return Ok(());
             }
+            if let Ok(entries) = std::fs::read_dir(dir) {
+                for e in entries.flatten() {
+                    if e.file_type().is_ok_and(|t| t.is_dir()) {
+                        walk(&e.path(), all)?;
+                    }
+                }
+            }
+            Ok(())
+        }
+        let mut all = BTreeSet::new();
+        for d in &self.dirs {
+            walk(&d.path, &mut all)?;
         }
         Ok(all.into_iter().collect())
     }
@@ -676,6 +902,33 @@ impl BoxCgroup {
         }
     }
 
+    /// Thaw every cgroup below the box's freezer (v1 `freezer.state`, v2
+    /// `cgroup.freeze`): the boxes a delegated box runs, some perhaps frozen
+    /// by the nestbox inside. Best effort: a cgroup that went meanwhile is
+    /// fine, and a write that fails leaves `kill_all` to report what
+    /// survives.
+    fn thaw_below(&self) {
+        let (dir, file, value) = match self.locate("freezer", None) {
+            Some(Loc::V1(d)) => (d, "freezer.state", "THAWED"),
+            Some(Loc::V2(d)) => (d, "cgroup.freeze", "0"),
+            None => return,
+        };
+        let mut todo = vec![dir.to_path_buf()];
+        while let Some(d) = todo.pop() {
+            for e in std::fs::read_dir(&d).into_iter().flatten().flatten() {
+                if e.file_type().is_ok_and(|t| t.is_dir()) {
+                    let f = e.path().join(file);
+                    if f.exists() {
+                        if let Err(err) = fsutil::write(&f, value) {
+                            tracing::warn!("thawing a box inside a box: {err}");
+                        }
+                    }
+                    todo.push(e.path());
+                }
+            }
+        }
+    }
+
     /// Refuses to act on directories not named `nestbox-<id>` (a tampered or
     /// corrupt saved state must not make us kill or remove anything else).
     fn check_dirs(&self) -> Result<(), CgroupError> {
@@ -697,7 +950,7 @@ impl BoxCgroup {
     /// calling process). A vanished process is fine.
     fn signal_all(&self) -> Result<(), CgroupError> {
         let me = std::process::id() as i32;
-        for pid in self.procs()? {
+        for pid in self.procs_tree()? {
             if pid <= 1 || pid == me {
                 continue;
             }
@@ -719,10 +972,16 @@ impl BoxCgroup {
             Some(d) if d.path.exists() => v2::kill(&d.path)?,
             _ => false,
         };
+        if by_kernel && matches!(self.locate("freezer", None), Some(Loc::V1(_))) {
+            // A hybrid layout (a v2 directory for hugetlb, the freezer in
+            // v1): a process frozen by the v1 freezer does not die of the
+            // SIGKILL queued until it is thawed.
+            self.thaw()?;
+        }
         if !by_kernel {
             // Usually the box's init has gone and the kernel killed the rest
             // of its pid namespace: nothing to do.
-            if self.procs()?.is_empty() {
+            if self.procs_tree()?.is_empty() {
                 return Ok(());
             }
             let frozen = self.freeze().is_ok();
@@ -730,11 +989,15 @@ impl BoxCgroup {
             if frozen {
                 self.thaw()?;
             }
+            // A box inside (a delegated box's) frozen by its own nestbox —
+            // a template — stays frozen when its parent thaws, and a frozen
+            // process does not die: thaw them all.
+            self.thaw_below();
             sent?;
         }
         let mut left = Vec::new();
         let done = fsutil::poll_until(KILL_TIMEOUT, Duration::from_millis(10), |round| {
-            left = self.procs()?;
+            left = self.procs_tree()?;
             if !left.is_empty() && round % 10 == 9 {
                 self.signal_all()?;
             }
@@ -760,6 +1023,18 @@ impl BoxCgroup {
     /// refuses (a memory limit below the current usage, say).
     pub fn update(&self, limits: &Limits) -> Result<(), CgroupError> {
         limits.validate()?;
+        let carries = |c: &str| {
+            self.dirs
+                .iter()
+                .any(|d| d.controllers.iter().any(|x| x == c))
+        };
+        if !limits.hugepage_limits.is_empty() && !carries("hugetlb") {
+            // (Its hugetlb cgroup is made only for a box created with them.)
+            return Err(CgroupError::Unsupported {
+                option: "hugepage_limits",
+                reason: "the box was created without hugepage limits: it has no hugetlb cgroup to change".into(),
+            });
+        }
         for d in &self.dirs {
             match d.version {
                 Version::V1 => {
@@ -846,7 +1121,8 @@ fn build(
         let enabled = if wanted.is_empty() {
             Vec::new()
         } else {
-            v2::enable_controllers(parent, wanted, &pending.required_v2, warnings)?
+            let top = pending.v2_top.as_deref().unwrap_or(parent);
+            v2::enable_along(top, parent, wanted, &pending.required_v2, warnings)?
         };
         let dir = parent.join(name);
         fsutil::make_dir(&dir)?;
@@ -854,6 +1130,12 @@ fn build(
         v2::apply(&dir, &enabled, limits)?;
         if enabled.iter().any(|c| c == "cpu") {
             reserved(&dir, Version::V2, limits)?;
+        }
+        if let Some(d) = &pending.delegation {
+            let leaf = dir.join(V2_LEAF);
+            fsutil::make_dir(&leaf)?;
+            delegate_dir(&dir, d.owner)?;
+            delegate_dir(&leaf, d.owner)?;
         }
         dirs.push(CgroupDir {
             version: Version::V2,
@@ -870,6 +1152,13 @@ fn build(
         if used.iter().any(|c| c == "cpu") {
             reserved(&dir, Version::V1, limits)?;
         }
+        if let Some(d) = &pending.delegation {
+            // The devices controller is not the box's to write (see
+            // `BoxCgroup::prepare_delegated`).
+            if !used.iter().any(|c| c == "devices") {
+                delegate_dir(&dir, d.owner)?;
+            }
+        }
         dirs.push(CgroupDir {
             version: Version::V1,
             controllers: used.clone(),
@@ -877,4 +1166,22 @@ fn build(
         });
     }
     Ok(dirs)
+}
+
+/// Add the pids of `cgroup.procs` file `file` to `all`; false if the cgroup
+/// is gone (a box whose last process ended may have its cgroup removed by its
+/// monitor while this reads it).
+fn add_procs(file: &Path, all: &mut BTreeSet<i32>) -> Result<bool, CgroupError> {
+    let Some(text) = fsutil::read_if_alive(file)? else {
+        return Ok(false);
+    };
+    for line in text.lines().map(str::trim).filter(|l| !l.is_empty()) {
+        let pid = line.parse::<i32>().map_err(|_| CgroupError::Parse {
+            path: file.to_path_buf(),
+            content: line.to_string(),
+            reason: "expected a pid".into(),
+        })?;
+        all.insert(pid);
+    }
+    Ok(true)
 }

@@ -179,6 +179,23 @@ fn relative_to_root(cgroup_path: &str, root: &str) -> Option<String> {
         .map(str::to_string)
 }
 
+/// The cgroup v2 path `rel` without a trailing [`crate::V2_LEAF`]: the
+/// process runs in a box whose cgroup is delegated to it, and the box's
+/// cgroup (the leaf's parent) is where its boxes go.
+fn strip_v2_leaf(rel: &str) -> String {
+    match rel.strip_suffix(crate::V2_LEAF) {
+        Some(parent) if parent.ends_with('/') => {
+            let p = parent.trim_end_matches('/');
+            if p.is_empty() {
+                "/".to_string()
+            } else {
+                p.to_string()
+            }
+        }
+        _ => rel.to_string(),
+    }
+}
+
 /// Re-roots an absolute mount point under `prefix`.
 fn reroot(prefix: &Path, mount_point: &str) -> PathBuf {
     join_rel(prefix, mount_point)
@@ -290,6 +307,9 @@ impl Hierarchies {
                     ));
                     continue;
                 };
+                // A delegated box's processes sit in its v2 leaf: the boxes it
+                // starts go beside it, under the box's own cgroup.
+                let rel = strip_v2_leaf(&rel);
                 let mount_point = reroot(fs_prefix, &m.mount_point);
                 let controllers = fs::read_to_string(mount_point.join("cgroup.controllers"))
                     .map(|s| s.split_whitespace().map(str::to_string).collect())

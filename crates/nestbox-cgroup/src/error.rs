@@ -36,6 +36,8 @@ pub enum Op {
     Xattr,
     /// Taking the lock of a cgroup directory.
     Lock,
+    /// Giving a cgroup directory or file to a delegated box's root.
+    Chown,
 }
 
 impl fmt::Display for Op {
@@ -48,6 +50,7 @@ impl fmt::Display for Op {
             Op::ReadDir => "readdir",
             Op::Xattr => "xattr",
             Op::Lock => "lock",
+            Op::Chown => "chown",
         })
     }
 }

@@ -77,6 +77,53 @@ pub(crate) fn write_with_hint(
     })
 }
 
+/// Writes the hugetlb limit of page size `size` (the kernel's name, `2MB`)
+/// into cgroup `dir`: `hugetlb.<size>.<suffix>` (`limit_in_bytes` on v1,
+/// `max` on v2) and, where the kernel has it (Linux 5.7), the limit on
+/// reservations `hugetlb.<size>.rsvd.<suffix>`, as runc does. A size the
+/// kernel has no file for is refused, naming the sizes it has.
+pub(crate) fn write_hugetlb(
+    dir: &Path,
+    size: &str,
+    limit: u64,
+    suffix: &str,
+) -> Result<(), CgroupError> {
+    let file = dir.join(format!("hugetlb.{size}.{suffix}"));
+    if !file.exists() {
+        let mut sizes: Vec<String> = fs::read_dir(dir)
+            .into_iter()
+            .flatten()
+            .flatten()
+            .filter_map(|e| {
+                let name = e.file_name().into_string().ok()?;
+                let size = name
+                    .strip_prefix("hugetlb.")?
+                    .strip_suffix(&format!(".{suffix}"))?;
+                (!size.contains('.')).then(|| size.to_string())
+            })
+            .collect();
+        sizes.sort();
+        return Err(CgroupError::Unsupported {
+            option: "hugepage_limits",
+            reason: format!(
+                "the kernel has no {size} huge pages ({} is missing; it has: {})",
+                file.display(),
+                if sizes.is_empty() {
+                    "none".to_string()
+                } else {
+                    sizes.join(", ")
+                }
+            ),
+        });
+    }
+    write(&file, &limit.to_string())?;
+    let rsvd = dir.join(format!("hugetlb.{size}.rsvd.{suffix}"));
+    if rsvd.exists() {
+        write(&rsvd, &limit.to_string())?;
+    }
+    Ok(())
+}
+
 /// True when `path` is on a cgroup v1 or v2 filesystem.
 pub(crate) fn is_cgroupfs(path: &Path) -> bool {
     use nix::sys::statfs::{statfs, CGROUP2_SUPER_MAGIC, CGROUP_SUPER_MAGIC};
@@ -174,8 +221,8 @@ pub(crate) fn remove_dir(dir: &Path) -> Result<(), CgroupError> {
     }
 }
 
-/// Removes a directory of a fake (non-cgroup) tree: its plain files, then
-/// the directory. Deliberately not recursive.
+/// Removes a directory of a fake (non-cgroup) tree: its plain files and its
+/// child directories (child cgroups, depth first), then the directory.
 fn remove_plain_dir(dir: &Path) -> Result<(), CgroupError> {
     let entries = match fs::read_dir(dir) {
         Ok(e) => e,
@@ -183,17 +230,36 @@ fn remove_plain_dir(dir: &Path) -> Result<(), CgroupError> {
         Err(e) => return Err(CgroupError::io(Op::ReadDir, dir, e)),
     };
     for entry in entries.flatten() {
-        if entry.file_type().map(|t| t.is_file()).unwrap_or(false) {
+        let kind = entry.file_type().ok();
+        if kind.is_some_and(|t| t.is_file()) {
             // Files only exist in fake trees (cgroupfs files cannot be
             // removed, and need not be); one left makes remove_dir below fail,
             // which reports it.
             let _ = fs::remove_file(entry.path());
+        } else if kind.is_some_and(|t| t.is_dir()) {
+            // A child cgroup (a delegated box's leaf or its own boxes), as
+            // the kernel's tree is removed: depth first.
+            remove_plain_dir(&entry.path())?;
         }
     }
     match fs::remove_dir(dir) {
         Ok(()) => Ok(()),
         Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
         Err(e) => Err(CgroupError::io(Op::Rmdir, dir, e)),
+    }
+}
+
+/// Whether the calling process runs in a user namespace other than the
+/// initial one (its `/proc/self/uid_map` maps anything but every id to
+/// itself): inside a box, the host's root privileges over cgroups (the v1
+/// devices controller's rules) are out of reach.
+pub(crate) fn in_user_namespace() -> bool {
+    match fs::read_to_string("/proc/self/uid_map") {
+        Ok(text) => {
+            let fields: Vec<&str> = text.split_whitespace().collect();
+            fields != ["0", "0", "4294967295"]
+        }
+        Err(_) => false,
     }
 }
 

@@ -42,14 +42,15 @@ mod v1;
 mod v2;
 
 pub use boxcg::{
-    dir_name, validate_id, BoxCgroup, CgroupDir, DeviceRule, PendingCgroup, FREEZE_TIMEOUT,
-    KILL_TIMEOUT,
+    dir_name, validate_id, BoxCgroup, BoxMount, CgroupDir, Delegation, DeviceRule, PendingCgroup,
+    FREEZE_TIMEOUT, KILL_TIMEOUT, V2_LEAF,
 };
 pub use detect::{Hierarchies, Hierarchy, Version};
 pub use error::{CgroupError, CgroupWarning, Op};
 pub use gc::find_stale;
 pub use limits::{
-    online_cpus, parse_cpu_list, shares_to_weight, IoDeviceLimit, Limits, NetPriority,
+    hugepage_size_name, kernel_hugepage_sizes, online_cpus, parse_cpu_list, shares_to_weight,
+    HugepageLimit, IoDeviceLimit, Limits, NetPriority,
 };
 pub use stats::Stats;
 pub use v1::DEFAULT_DEVICE_RULES;

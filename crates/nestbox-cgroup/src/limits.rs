@@ -87,6 +87,88 @@ pub struct Limits {
     /// (cgroup v2 has no net_prio: refused there).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub net_priorities: Vec<NetPriority>,
+    /// Huge pages the box may use, per page size (the OCI config's
+    /// `hugepageLimits`): v1 `hugetlb.<size>.limit_in_bytes`, v2
+    /// `hugetlb.<size>.max`, and their `rsvd` variants where the kernel has
+    /// them. The hugetlb controller is used only for a box that asks.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub hugepage_limits: Vec<HugepageLimit>,
+}
+
+/// A limit on the huge pages of one size.
+#[derive(Serialize, Deserialize, Default, Clone, Debug, PartialEq, Eq)]
+pub struct HugepageLimit {
+    /// The page size as the kernel names it in its hugetlb files (`64KB`,
+    /// `2MB`, `1GB`: see [`hugepage_size_name`]).
+    pub page_size: String,
+    /// Bytes of huge pages of that size.
+    pub limit: u64,
+}
+
+/// Where the kernel lists its huge page sizes (`hugepages-2048kB`, …).
+pub const HUGEPAGES_SYSFS: &str = "/sys/kernel/mm/hugepages";
+
+/// The kernel's name of a huge page size (as its hugetlb cgroup files spell
+/// it: `2MB`, `1GB`, `64KB`; mm/hugetlb_cgroup.c) given as `<n>KB`, `<n>MB`,
+/// `<n>GB` or `<n>TB` (case of the unit ignored; `2048KB` is `2MB`).
+///
+/// # Errors
+/// Not of that form, zero, or not a whole number of KiB.
+pub fn hugepage_size_name(given: &str) -> Result<String, CgroupError> {
+    let bad = |reason: &str| invalid("hugepage_limits", format!("page size {given:?}"), reason);
+    let upper = given.trim().to_ascii_uppercase();
+    let digits = upper.trim_end_matches(|c: char| c.is_ascii_alphabetic());
+    let unit = &upper[digits.len()..];
+    let scale: u64 = match unit {
+        "KB" => 1 << 10,
+        "MB" => 1 << 20,
+        "GB" => 1 << 30,
+        "TB" => 1 << 40,
+        _ => return Err(bad("is not <number>KB, MB or GB (as 2MB, 1GB)")),
+    };
+    let n: u64 = digits
+        .parse()
+        .map_err(|_| bad("is not <number>KB, MB or GB (as 2MB, 1GB)"))?;
+    let bytes = n
+        .checked_mul(scale)
+        .filter(|b| *b > 0)
+        .ok_or_else(|| bad("is zero or too large"))?;
+    Ok(hugepage_name_of_bytes(bytes))
+}
+
+/// The kernel's name of a huge page of `bytes` (mem_fmt of
+/// mm/hugetlb_cgroup.c).
+fn hugepage_name_of_bytes(bytes: u64) -> String {
+    if bytes >= 1 << 30 {
+        format!("{}GB", bytes >> 30)
+    } else if bytes >= 1 << 20 {
+        format!("{}MB", bytes >> 20)
+    } else {
+        format!("{}KB", bytes >> 10)
+    }
+}
+
+/// The huge page sizes the kernel has, by the kernel's names, from
+/// `sysfs` ([`HUGEPAGES_SYSFS`]: one `hugepages-<n>kB` directory each),
+/// largest first. Empty when the kernel has none (or no such directory).
+pub fn kernel_hugepage_sizes(sysfs: &Path) -> Vec<String> {
+    let mut sizes: Vec<u64> = std::fs::read_dir(sysfs)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|e| {
+            let name = e.file_name();
+            let kb: u64 = name
+                .to_str()?
+                .strip_prefix("hugepages-")?
+                .strip_suffix("kB")?
+                .parse()
+                .ok()?;
+            Some(kb << 10)
+        })
+        .collect();
+    sizes.sort_unstable_by(|a, b| b.cmp(a));
+    sizes.into_iter().map(hugepage_name_of_bytes).collect()
 }
 
 /// The priority of a box's traffic on one network interface.
@@ -352,6 +434,26 @@ impl Limits {
                 return Err(invalid("memory_swappiness", s, "must be in 0..=100"));
             }
         }
+        for (i, h) in self.hugepage_limits.iter().enumerate() {
+            let name = hugepage_size_name(&h.page_size)?;
+            if name != h.page_size {
+                return Err(invalid(
+                    "hugepage_limits",
+                    format!("page size {:?}", h.page_size),
+                    format!("the kernel names it {name}"),
+                ));
+            }
+            if self.hugepage_limits[..i]
+                .iter()
+                .any(|o| o.page_size == h.page_size)
+            {
+                return Err(invalid(
+                    "hugepage_limits",
+                    format!("page size {:?}", h.page_size),
+                    "is given twice",
+                ));
+            }
+        }
         Ok(())
     }
 
@@ -445,6 +547,9 @@ impl Limits {
         }
         if !self.net_priorities.is_empty() {
             v.push(("net_priorities", "net_prio"));
+        }
+        if !self.hugepage_limits.is_empty() {
+            v.push(("hugepage_limits", "hugetlb"));
         }
         v
     }

@@ -143,6 +143,14 @@ fn v1_files(ctrl: &str) -> Vec<(&'static str, &'static str)> {
         ],
         "pids" => vec![("pids.max", "max\n"), ("pids.current", "2\n")],
         "net_cls" => vec![("net_cls.classid", "0\n")],
+        "hugetlb" => vec![
+            ("hugetlb.2MB.limit_in_bytes", "9223372036854771712\n"),
+            ("hugetlb.2MB.rsvd.limit_in_bytes", "9223372036854771712\n"),
+            ("hugetlb.2MB.usage_in_bytes", "0\n"),
+            ("hugetlb.1GB.limit_in_bytes", "9223372036854771712\n"),
+            ("hugetlb.1GB.rsvd.limit_in_bytes", "9223372036854771712\n"),
+            ("hugetlb.1GB.usage_in_bytes", "0\n"),
+        ],
         "net_prio" => vec![("net_prio.ifpriomap", "lo 0\n")],
         _ => vec![],
     });
@@ -160,6 +168,17 @@ pub(crate) fn hybrid(root: &Path) -> Hierarchies {
     );
     file(root, "sys/fs/cgroup/unified/cgroup.subtree_control", "");
     file(root, "sys/fs/cgroup/unified/cgroup.procs", "");
+    // (The kernel gives a child cgroup the hugetlb files once the root
+    // enables the controller; the fake seeds a child with its parent's
+    // files, so the root holds them here. No rsvd files: as a kernel
+    // before 5.7.)
+    for size in ["2MB", "1GB"] {
+        file(
+            root,
+            &format!("sys/fs/cgroup/unified/hugetlb.{size}.max"),
+            "max\n",
+        );
+    }
     for h in h0.v1() {
         for c in h.controllers() {
             for (name, content) in v1_files(c) {
@@ -174,6 +193,25 @@ pub(crate) fn hybrid(root: &Path) -> Hierarchies {
 /// Builds a fake pure v1 tree (co-mounted cpu,cpuacct) under `root`.
 pub(crate) fn pure_v1(root: &Path) -> Hierarchies {
     let h = Hierarchies::from_proc_text(V1_MOUNTINFO, V1_CGROUP, root).unwrap();
+    for h in h.v1() {
+        fs::create_dir_all(h.invoking_dir()).unwrap();
+        for c in h.controllers() {
+            for (name, content) in v1_files(c) {
+                fs::write(h.invoking_dir().join(name), content).unwrap();
+            }
+        }
+    }
+    h
+}
+
+/// [`pure_v1`] with a v1 hugetlb hierarchy too (2MB and 1GB pages, with
+/// their `rsvd` files).
+pub(crate) fn pure_v1_with_hugetlb(root: &Path) -> Hierarchies {
+    let mountinfo = format!(
+        "{V1_MOUNTINFO}35 25 0:33 / /sys/fs/cgroup/hugetlb rw,nosuid,nodev,noexec,relatime shared:18 - cgroup cgroup rw,hugetlb\n"
+    );
+    let cgroup = format!("11:hugetlb:/docker/abc\n{V1_CGROUP}");
+    let h = Hierarchies::from_proc_text(&mountinfo, &cgroup, root).unwrap();
     for h in h.v1() {
         fs::create_dir_all(h.invoking_dir()).unwrap();
         for c in h.controllers() {
@@ -221,6 +259,10 @@ pub(crate) fn pure_v2(root: &Path) -> Hierarchies {
         ),
         ("pids.max", "max\n"),
         ("pids.current", "1\n"),
+        ("hugetlb.2MB.max", "max\n"),
+        ("hugetlb.2MB.rsvd.max", "max\n"),
+        ("hugetlb.1GB.max", "max\n"),
+        ("hugetlb.1GB.rsvd.max", "max\n"),
     ] {
         fs::write(d.join(name), content).unwrap();
     }

@@ -26,6 +26,7 @@ fn full_limits() -> Limits {
         io_devices: Vec::new(),
         net_class_id: None,
         net_priorities: Vec::new(),
+        hugepage_limits: Vec::new(),
     }
 }
 
@@ -1115,4 +1116,451 @@ fn device_rules_on_pure_v2_go_to_a_device_program_not_to_files() {
         .collect();
     assert_eq!(before, after);
     cg.remove().unwrap();
+}
+
+fn hugepages(sizes: &[(&str, u64)]) -> Limits {
+    Limits {
+        hugepage_limits: sizes
+            .iter()
+            .map(|(size, limit)| HugepageLimit {
+                page_size: size.to_string(),
+                limit: *limit,
+            })
+            .collect(),
+        ..Limits::default()
+    }
+}
+
+#[test]
+fn hugepage_sizes_are_named_as_the_kernel_names_them() {
+    for (given, name) in [
+        ("2MB", "2MB"),
+        ("2048KB", "2MB"),
+        ("2048kb", "2MB"),
+        ("1GB", "1GB"),
+        ("1024MB", "1GB"),
+        ("64KB", "64KB"),
+        ("16GB", "16GB"),
+    ] {
+        assert_eq!(hugepage_size_name(given).unwrap(), name, "{given}");
+    }
+    for bad in ["", "2", "MB", "2M", "3XB", "0MB", "-2MB", "2.5MB"] {
+        assert!(hugepage_size_name(bad).is_err(), "{bad:?}");
+    }
+    // Limits hold the kernel's names, each once.
+    let e = hugepages(&[("2048KB", 1)])
+        .validate()
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("the kernel names it 2MB"), "{e}");
+    let e = hugepages(&[("2MB", 1), ("2MB", 2)])
+        .validate()
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("given twice"), "{e}");
+    hugepages(&[("2MB", 1), ("1GB", 2)]).validate().unwrap();
+    // The kernel's sizes, from its hugepages-<n>kB directories.
+    let tmp = tempfile::tempdir().unwrap();
+    for d in ["hugepages-2048kB", "hugepages-1048576kB", "hugepages-64kB"] {
+        fs::create_dir(tmp.path().join(d)).unwrap();
+    }
+    fs::write(tmp.path().join("README"), "").unwrap();
+    assert_eq!(kernel_hugepage_sizes(tmp.path()), ["1GB", "2MB", "64KB"]);
+    assert!(kernel_hugepage_sizes(&tmp.path().join("none")).is_empty());
+}
+
+#[test]
+fn hugepage_limits_on_v1_with_rsvd_only_for_a_box_that_asks() {
+    let tmp = tempfile::tempdir().unwrap();
+    let h = testfs::pure_v1_with_hugetlb(tmp.path());
+    // Without hugepage limits the box stays in the caller's hugetlb cgroup.
+    let plain = BoxCgroup::create(&h, "hp-0", &Limits::default()).unwrap();
+    assert!(!plain.paths().contains_key("hugetlb"));
+    plain.remove().unwrap();
+    let cg = BoxCgroup::create(
+        &h,
+        "hp-1",
+        &hugepages(&[("2MB", 4 << 20), ("1GB", 2 << 30)]),
+    )
+    .unwrap();
+    let dir = cg.paths()["hugetlb"].clone();
+    assert_eq!(
+        dir,
+        tmp.path()
+            .join("sys/fs/cgroup/hugetlb/docker/abc/nestbox-hp-1")
+    );
+    assert_eq!(read(dir.join("hugetlb.2MB.limit_in_bytes")), "4194304");
+    assert_eq!(read(dir.join("hugetlb.2MB.rsvd.limit_in_bytes")), "4194304");
+    assert_eq!(read(dir.join("hugetlb.1GB.limit_in_bytes")), "2147483648");
+    assert_eq!(
+        read(dir.join("hugetlb.1GB.rsvd.limit_in_bytes")),
+        "2147483648"
+    );
+    // update: rewritten.
+    cg.update(&hugepages(&[("2MB", 8 << 20)])).unwrap();
+    assert_eq!(read(dir.join("hugetlb.2MB.limit_in_bytes")), "8388608");
+    assert_eq!(read(dir.join("hugetlb.1GB.limit_in_bytes")), "2147483648");
+    cg.remove().unwrap();
+    // A size the kernel does not have: refused naming the ones it has,
+    // nothing left.
+    let e = BoxCgroup::create(&h, "hp-2", &hugepages(&[("64KB", 1 << 20)]))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("no 64KB huge pages"), "{e}");
+    assert!(e.contains("it has: 1GB, 2MB"), "{e}");
+    assert_no_box_dirs(&h, "hp-2");
+    // A v1 system without a hugetlb hierarchy (nor cgroup v2): refused.
+    let tmp = tempfile::tempdir().unwrap();
+    let h = testfs::pure_v1(tmp.path());
+    let e = BoxCgroup::create(&h, "hp-3", &hugepages(&[("2MB", 1 << 21)]))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("hugetlb"), "{e}");
+    assert_no_box_dirs(&h, "hp-3");
+}
+
+#[test]
+fn hugepage_limits_on_v2_enable_hugetlb_only_for_a_box_that_asks() {
+    let tmp = tempfile::tempdir().unwrap();
+    let h = testfs::pure_v2(tmp.path());
+    let parent = tmp.path().join(testfs::V2_REL);
+    let plain = BoxCgroup::create(&h, "hq-0", &Limits::default()).unwrap();
+    assert!(!plain.dirs()[0].controllers.iter().any(|c| c == "hugetlb"));
+    assert!(!read(parent.join("cgroup.subtree_control")).contains("hugetlb"));
+    plain.remove().unwrap();
+    let cg = BoxCgroup::create(&h, "hq-1", &hugepages(&[("1GB", 3 << 30)])).unwrap();
+    assert!(read(parent.join("cgroup.subtree_control")).contains("+hugetlb"));
+    let dir = parent.join("nestbox-hq-1");
+    assert!(cg.dirs()[0].controllers.iter().any(|c| c == "hugetlb"));
+    assert_eq!(read(dir.join("hugetlb.1GB.max")), "3221225472");
+    assert_eq!(read(dir.join("hugetlb.1GB.rsvd.max")), "3221225472");
+    assert_eq!(
+        read(dir.join("hugetlb.2MB.max")),
+        "",
+        "not asked: untouched"
+    );
+    cg.remove().unwrap();
+    let e = BoxCgroup::create(&h, "hq-2", &hugepages(&[("16GB", 1 << 34)]))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("no 16GB huge pages"), "{e}");
+    assert!(e.contains("it has: 1GB, 2MB"), "{e}");
+    assert!(!parent.join("nestbox-hq-2").exists());
+}
+
+#[test]
+fn hugepage_limits_on_this_hybrid_machine_go_to_its_v2_hierarchy() {
+    let tmp = tempfile::tempdir().unwrap();
+    let h = testfs::hybrid(tmp.path());
+    let unified = tmp.path().join("sys/fs/cgroup/unified");
+    let limits = Limits {
+        memory: Some(1 << 20),
+        ..hugepages(&[("2MB", 6 << 20)])
+    };
+    // The v1 controllers as always, and a v2 directory for hugetlb only,
+    // enabled in the v2 root's subtree_control (it had none).
+    let cg = BoxCgroup::create(&h, "hh-1", &limits).unwrap();
+    let p = cg.paths();
+    let v2 = cg
+        .dirs()
+        .iter()
+        .find(|d| d.version == Version::V2)
+        .expect("a v2 directory");
+    assert_eq!(v2.path, unified.join("nestbox-hh-1"));
+    assert_eq!(v2.controllers, ["hugetlb"]);
+    assert_eq!(read(unified.join("cgroup.subtree_control")), "+hugetlb");
+    assert_eq!(read(v2.path.join("hugetlb.2MB.max")), "6291456");
+    assert_eq!(read(p["memory"].join("memory.limit_in_bytes")), "1048576");
+    // Its processes join both.
+    assert!(cg
+        .self_join_files()
+        .contains(&unified.join("nestbox-hh-1/cgroup.procs")));
+    // update reaches it; a box made without hugepage limits has none to
+    // update.
+    cg.update(&hugepages(&[("2MB", 2 << 20)])).unwrap();
+    assert_eq!(read(v2.path.join("hugetlb.2MB.max")), "2097152");
+    let plain = BoxCgroup::create(&h, "hh-0", &Limits::default()).unwrap();
+    assert!(plain.dirs().iter().all(|d| d.version == Version::V1));
+    let e = plain
+        .update(&hugepages(&[("2MB", 1)]))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("created without hugepage limits"), "{e}");
+    plain.remove().unwrap();
+    cg.remove().unwrap();
+    assert!(!unified.join("nestbox-hh-1").exists());
+    // At an absolute cgroupsPath two levels down: enabled along the path
+    // (the root and the directory between), as runc does on v2.
+    // (Hugepage limits only: the fake v1 roots have no control files.)
+    fs::write(unified.join("cgroup.subtree_control"), "").unwrap();
+    let only = hugepages(&[("2MB", 6 << 20)]);
+    let cg = BoxCgroup::prepare_at(&h, "hh-2", Path::new("/testdir/ctr"), &only)
+        .unwrap()
+        .create()
+        .unwrap();
+    assert_eq!(read(unified.join("cgroup.subtree_control")), "+hugetlb");
+    assert_eq!(
+        read(unified.join("testdir/cgroup.subtree_control")),
+        "+hugetlb"
+    );
+    assert_eq!(read(unified.join("testdir/ctr/hugetlb.2MB.max")), "6291456");
+    cg.remove().unwrap();
+    assert!(!unified.join("testdir/ctr").exists());
+    // A size the kernel does not have.
+    let e = BoxCgroup::create(&h, "hh-3", &hugepages(&[("1MB", 1 << 20)]))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("no 1MB huge pages"), "{e}");
+    assert_no_box_dirs(&h, "hh-3");
+    assert!(!unified.join("nestbox-hh-3").exists());
+}
+
+/// The (uid, gid) delegation tests give cgroups to: a box root's as root,
+/// else the caller's own (the only owner a non-root caller may chown to).
+fn delegate_owner() -> (u32, u32) {
+    if nix::unistd::geteuid().is_root() {
+        (1_000_000_000, 1_000_000_000)
+    } else {
+        (
+            nix::unistd::geteuid().as_raw(),
+            nix::unistd::getegid().as_raw(),
+        )
+    }
+}
+
+fn owner_of(p: &Path) -> (u32, u32) {
+    use std::os::unix::fs::MetadataExt;
+    let m = fs::metadata(p).unwrap_or_else(|e| panic!("stat {}: {e}", p.display()));
+    (m.uid(), m.gid())
+}
+
+#[test]
+fn delegated_v2_box_owns_its_membership_files_and_keeps_its_processes_in_a_leaf() {
+    let tmp = tempfile::tempdir().unwrap();
+    let h = testfs::pure_v2(tmp.path());
+    let owner = delegate_owner();
+    let limits = Limits {
+        memory: Some(64 << 20),
+        pids: Some(50),
+        ..Limits::default()
+    };
+    let pending = BoxCgroup::prepare_delegated(&h, "nest-1", &limits, owner).unwrap();
+    let parent = tmp.path().join(testfs::V2_REL);
+    let dir = parent.join("nestbox-nest-1");
+    let leaf = dir.join(V2_LEAF);
+    // The box's processes belong in the leaf; its first process joins the
+    // box's cgroup first (the root of its cgroup namespace), then the leaf.
+    assert_eq!(pending.self_join_files(), vec![leaf.join("cgroup.procs")]);
+    let cg = pending.create().unwrap();
+    assert_eq!(cg.self_join_files(), vec![leaf.join("cgroup.procs")]);
+    assert_eq!(cg.ns_root_join_files(), vec![dir.join("cgroup.procs")]);
+    assert_eq!(cg.leaf_join_files(), vec![leaf.join("cgroup.procs")]);
+    assert!(leaf.is_dir());
+    // The limits are the parent's to set: written, and root's.
+    assert_eq!(read(dir.join("memory.max")), (64u64 << 20).to_string());
+    assert_eq!(read(dir.join("pids.max")), "50");
+    assert_eq!(
+        read(parent.join("cgroup.subtree_control")),
+        "+cpu +cpuset +io +memory +pids"
+    );
+    let me = (
+        nix::unistd::geteuid().as_raw(),
+        nix::unistd::getegid().as_raw(),
+    );
+    assert_eq!(owner_of(&dir.join("memory.max")), me);
+    assert_eq!(owner_of(&dir.join("pids.max")), me);
+    // What moves processes and makes children is the box's.
+    for p in [
+        dir.clone(),
+        dir.join("cgroup.procs"),
+        dir.join("cgroup.subtree_control"),
+        leaf.clone(),
+        leaf.join("cgroup.procs"),
+    ] {
+        assert_eq!(owner_of(&p), owner, "{}", p.display());
+    }
+    let d = cg.delegation().unwrap();
+    assert_eq!(d.owner, owner);
+    assert_eq!(
+        d.mounts,
+        vec![BoxMount {
+            dir: String::new(),
+            fstype: "cgroup2".into(),
+            options: None,
+        }]
+    );
+    // The state round-trips with the delegation.
+    let back: BoxCgroup = serde_json::from_str(&serde_json::to_string(&cg).unwrap()).unwrap();
+    assert_eq!(back, cg);
+
+    // Inside the box: its cgroup namespace's root is the box's cgroup and
+    // its processes are in the leaf. A nestbox there makes its boxes beside
+    // the leaf, enabling the controllers in the box's own (process-free)
+    // cgroup.
+    let inner = tempfile::tempdir().unwrap();
+    let root = inner.path().join("sys/fs/cgroup");
+    fs::create_dir_all(&root).unwrap();
+    for e in fs::read_dir(&dir).unwrap().flatten() {
+        if e.file_type().unwrap().is_file() {
+            fs::copy(e.path(), root.join(e.file_name())).unwrap();
+        }
+    }
+    fs::write(
+        root.join("cgroup.controllers"),
+        "cpuset cpu io memory pids\n",
+    )
+    .unwrap();
+    fs::write(root.join("cgroup.subtree_control"), "").unwrap();
+    let inside_mountinfo =
+        "30 24 0:26 / /sys/fs/cgroup rw,nosuid,nodev,noexec,relatime - cgroup2 cgroup2 rw\n";
+    let inside =
+        Hierarchies::from_proc_text(inside_mountinfo, &format!("0::/{V2_LEAF}\n"), inner.path())
+            .unwrap();
+    assert_eq!(inside.v2().unwrap().invoking_dir(), root);
+    let child = BoxCgroup::create(
+        &inside,
+        "child-1",
+        &Limits {
+            memory: Some(1 << 30),
+            ..Limits::default()
+        },
+    )
+    .unwrap();
+    assert_eq!(
+        child.paths()["memory"],
+        root.join("nestbox-child-1"),
+        "a nested box's cgroup is the box's cgroup's child"
+    );
+    assert_eq!(
+        read(root.join("cgroup.subtree_control")),
+        "+cpu +cpuset +io +memory +pids"
+    );
+    child.remove().unwrap();
+
+    // Processes of the leaf are the box's; those of the cgroups below (its
+    // own boxes) are in its tree, which removal takes with it.
+    fs::write(leaf.join("cgroup.procs"), "41\n").unwrap();
+    let nested = dir.join("nestbox-ab-c1");
+    fs::create_dir(&nested).unwrap();
+    fs::write(nested.join("cgroup.procs"), "42\n").unwrap();
+    fs::create_dir(nested.join(V2_LEAF)).unwrap();
+    fs::write(nested.join(V2_LEAF).join("cgroup.procs"), "43\n").unwrap();
+    assert_eq!(cg.procs().unwrap(), vec![41]);
+    assert_eq!(cg.procs_tree().unwrap(), vec![41, 42, 43]);
+    for f in [
+        leaf.join("cgroup.procs"),
+        nested.join("cgroup.procs"),
+        nested.join(V2_LEAF).join("cgroup.procs"),
+    ] {
+        fs::write(f, "").unwrap();
+    }
+    cg.kill_all().unwrap();
+    cg.remove().unwrap();
+    assert!(!dir.exists());
+}
+
+#[test]
+fn delegated_v1_box_gets_every_hierarchy_and_mounts_all_but_devices() {
+    let tmp = tempfile::tempdir().unwrap();
+    let h = testfs::pure_v1(tmp.path());
+    let owner = delegate_owner();
+    let cg = BoxCgroup::prepare_delegated(&h, "nest-2", &Limits::default(), owner)
+        .unwrap()
+        .create()
+        .unwrap();
+    let p = cg.paths();
+    // A cpuset of its own even without a CPU list, initialised from the parent.
+    assert_eq!(read(p["cpuset"].join("cpuset.cpus")), "0-3");
+    assert_eq!(read(p["cpuset"].join("cpuset.mems")), "0");
+    // The devices cgroup restricts the box as any box's does, and stays root's.
+    assert_eq!(read(p["devices"].join("devices.deny")), "a");
+    let me = (
+        nix::unistd::geteuid().as_raw(),
+        nix::unistd::getegid().as_raw(),
+    );
+    assert_eq!(owner_of(&p["devices"]), me);
+    for c in ["cpu", "cpuset", "memory", "freezer", "blkio", "pids"] {
+        let d = &p[c];
+        assert_eq!(owner_of(d), owner, "{}", d.display());
+        assert_eq!(owner_of(&d.join("tasks")), owner, "{}", d.display());
+        assert_eq!(owner_of(&d.join("cgroup.procs")), owner, "{}", d.display());
+    }
+    assert_eq!(owner_of(&p["memory"].join("memory.limit_in_bytes")), me);
+    // v1 has no leaf: the box's processes are in its cgroup.
+    assert_eq!(cg.self_join_files(), cg.ns_root_join_files());
+    assert!(cg.leaf_join_files().is_empty());
+    let mounts: Vec<(String, Option<String>)> = cg
+        .delegation()
+        .unwrap()
+        .mounts
+        .iter()
+        .map(|m| {
+            assert_eq!(m.fstype, "cgroup");
+            (m.dir.clone(), m.options.clone())
+        })
+        .collect();
+    let want = |d: &str, o: &str| (d.to_string(), Some(o.to_string()));
+    assert_eq!(
+        mounts,
+        vec![
+            want("cpu,cpuacct", "cpu,cpuacct"),
+            want("cpuset", "cpuset"),
+            want("memory", "memory"),
+            want("freezer", "freezer"),
+            want("blkio", "blkio"),
+            want("pids", "pids"),
+        ]
+    );
+    // A box below it (made by a nestbox inside) goes with it.
+    let nested = p["memory"].join("nestbox-ab-c2");
+    fs::create_dir(&nested).unwrap();
+    fs::write(nested.join("cgroup.procs"), "").unwrap();
+    cg.remove().unwrap();
+    assert!(!p["memory"].exists() && !nested.exists());
+    assert_no_box_dirs(&h, "nest-2");
+}
+
+#[test]
+fn delegated_box_on_this_machines_hybrid_layout_mounts_its_v1_hierarchies() {
+    let tmp = tempfile::tempdir().unwrap();
+    let h = testfs::hybrid(tmp.path());
+    let cg = BoxCgroup::prepare_delegated(&h, "nest-3", &Limits::default(), delegate_owner())
+        .unwrap()
+        .create()
+        .unwrap();
+    let dirs: Vec<String> = cg
+        .delegation()
+        .unwrap()
+        .mounts
+        .iter()
+        .map(|m| m.dir.clone())
+        .collect();
+    // The v2 hierarchy here carries only hugetlb, which boxes do not use:
+    // the box has no v2 cgroup and mounts none.
+    assert_eq!(
+        dirs,
+        ["cpu", "cpuacct", "cpuset", "memory", "freezer", "blkio", "pids"]
+    );
+    cg.remove().unwrap();
+}
+
+#[test]
+fn the_v2_leaf_is_not_where_boxes_go() {
+    let mi = "30 24 0:26 / /sys/fs/cgroup rw - cgroup2 cgroup2 rw\n";
+    let root = Path::new("/x");
+    let at = |cgroup: &str| {
+        Hierarchies::from_proc_text(mi, cgroup, root)
+            .unwrap()
+            .v2()
+            .unwrap()
+            .invoking_dir()
+            .to_path_buf()
+    };
+    assert_eq!(at("0::/nestbox.init\n"), root.join("sys/fs/cgroup"));
+    assert_eq!(at("0::/a/b/nestbox.init\n"), root.join("sys/fs/cgroup/a/b"));
+    assert_eq!(
+        at("0::/a/xnestbox.init\n"),
+        root.join("sys/fs/cgroup/a/xnestbox.init")
+    );
+    assert_eq!(at("0::/a\n"), root.join("sys/fs/cgroup/a"));
 }

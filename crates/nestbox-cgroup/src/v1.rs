@@ -88,6 +88,11 @@ pub(crate) fn apply(
             )?;
         }
     }
+    if has("hugetlb") {
+        for h in &limits.hugepage_limits {
+            crate::fsutil::write_hugetlb(dir, &h.page_size, h.limit, "limit_in_bytes")?;
+        }
+    }
     if has("devices") && new {
         apply_devices(dir)?;
     }

@@ -9,8 +9,9 @@ use crate::error::{CgroupError, CgroupWarning};
 use crate::fsutil;
 use crate::limits::{shares_to_weight, Limits};
 
-/// The v2 controllers a box uses, in the order they are enabled.
-pub(crate) const CONTROLLERS: &[&str] = &["cpu", "cpuset", "io", "memory", "pids"];
+/// The v2 controllers a box uses, in the order they are enabled (hugetlb
+/// only for a box with hugepage limits).
+pub(crate) const CONTROLLERS: &[&str] = &["cpu", "cpuset", "io", "memory", "pids", "hugetlb"];
 
 /// Maps a v1 controller name to its v2 name (`blkio` is `io`).
 pub(crate) fn v2_name(v1: &str) -> &str {
@@ -25,6 +26,50 @@ pub(crate) fn available(dir: &Path) -> Result<Option<BTreeSet<String>>, CgroupEr
     Ok(fsutil::read_opt(&dir.join("cgroup.controllers"))?
         .map(|s| s.split_whitespace().map(str::to_string).collect()))
 }
+
+/// Makes sure every controller in `wanted` is enabled in the
+/// `cgroup.subtree_control` of every cgroup from `top` down to `parent`
+/// (both included; `parent` must be `top` or below it), so that `parent`'s
+/// children get them, as runc does on its cgroup's path: each ancestor must
+/// enable a controller for the cgroup below it to have it. Returns what
+/// [`enable_controllers`] returns for `parent`. An ancestor that cannot
+/// enable a controller (one with processes of its own, or that is not
+/// delegated it) fails the call when the controller is `required`; an
+/// optional one is left to `parent`'s step (then a warning).
+pub(crate) fn enable_along(
+    top: &Path,
+    parent: &Path,
+    wanted: &[&str],
+    required: &BTreeSet<&str>,
+    warnings: &mut Vec<CgroupWarning>,
+) -> Result<Vec<String>, CgroupError> {
+    let mut above: Vec<&Path> = parent
+        .ancestors()
+        .skip(1)
+        .take_while(|a| a.starts_with(top))
+        .collect();
+    above.reverse();
+    for dir in above {
+        let file = dir.join("cgroup.subtree_control");
+        let current: BTreeSet<String> = fsutil::read(&file)?
+            .split_whitespace()
+            .map(|c| c.trim_start_matches('+').to_string())
+            .collect();
+        for c in wanted.iter().filter(|c| !current.contains(**c)) {
+            if let Err(e) = fsutil::write_with_hint(&file, &format!("+{c}"), Some(HINT)) {
+                if required.contains(c) {
+                    return Err(e);
+                }
+            }
+        }
+    }
+    enable_controllers(parent, wanted, required, warnings)
+}
+
+/// Why a controller may not be enabled in a v2 cgroup.
+const HINT: &str = "cgroup v2 allows enabling controllers only in a cgroup without processes of its own \
+                    (the 'no internal processes' rule) and only if the parent delegates them; run from a \
+                    delegated cgroup";
 
 /// Makes sure every controller in `wanted` is enabled in
 /// `parent/cgroup.subtree_control`. Returns the controllers that are
@@ -53,9 +98,7 @@ pub(crate) fn enable_controllers(
     if missing.is_empty() {
         return Ok(enabled);
     }
-    let hint = "cgroup v2 allows enabling controllers only in a cgroup without processes of its own \
-                (the 'no internal processes' rule) and only if the parent delegates them; run from a \
-                delegated cgroup";
+    let hint = HINT;
     let all: Vec<String> = missing.iter().map(|c| format!("+{c}")).collect();
     if fsutil::write(&file, &all.join(" ")).is_ok() {
         enabled.extend(missing.iter().map(|c| c.to_string()));
@@ -146,6 +189,11 @@ pub(crate) fn apply(
     if has("pids") {
         if let Some(p) = limits.pids {
             fsutil::write(&dir.join("pids.max"), &p.to_string())?;
+        }
+    }
+    if has("hugetlb") {
+        for h in &limits.hugepage_limits {
+            fsutil::write_hugetlb(dir, &h.page_size, h.limit, "max")?;
         }
     }
     if has("io") {

@@ -269,6 +269,7 @@ pub fn create(server: &Arc<Server>, body: &Value) -> Result<Arc<Sandbox>> {
     if template == base::BASE && !base::is_template(server, base::BASE) {
         server.base.wait(BASE_WAIT)?;
     }
+    let from_snapshot = server.all_snapshots().iter().any(|s| s.id == template);
     if base::is_template(server, &template) {
         server.nestbox.clone_box(&template, &id)?;
     } else {
@@ -296,6 +297,10 @@ pub fn create(server: &Arc<Server>, body: &Value) -> Result<Arc<Sandbox>> {
         watchers: Default::default(),
         init: Default::default(),
     });
+    if from_snapshot {
+        // Its commands were frozen with it: they go on here.
+        follow_commands(server, &sandbox.procs, &id, true);
+    }
     server.insert(sandbox.clone());
     Ok(sandbox)
 }
@@ -411,15 +416,15 @@ pub fn kill(server: &Server, id: &str) -> Result<()> {
 }
 
 /// Freeze the box of sandbox `s` into a template, for a fork or a snapshot;
-/// the frozen box's name. The commands started through envd are ended first
-/// (their streams see them end): a clone would copy them, but a line a
-/// command writes at the moment of the freeze was seen lost in a copy (see
-/// docs/e2b.md). A paused sandbox is thawed first.
+/// the frozen box's name. Commands started through envd with pipes are
+/// frozen with it and go on in every clone of it ([`Table::follow`]);
+/// those on a terminal or run by `nestbox exec` are ended first
+/// ([`Table::end_unfollowed`]). A paused sandbox is thawed first.
 fn freeze(server: &Server, s: &Sandbox, live: &Live) -> Result<String> {
     if live.phase == Phase::Paused {
         set_frozen(server, &live.box_name, false)?;
     }
-    s.procs.end_all(KILL_WAIT);
+    s.procs.end_unfollowed(KILL_WAIT);
     server.nestbox.run(
         &format!("freeze sandbox {:?}", s.id),
         &["freeze", &live.box_name],
@@ -436,12 +441,14 @@ fn init_pid(server: &Server, name: &str) -> Result<i32> {
     }
 }
 
-/// Take up in `procs` the commands the agent of box `name` runs that this
-/// server does not know: those a server before this one started (the
-/// sandbox found at start, or resumed). A command that cannot is logged
-/// (the sandbox goes on without its stream).
-pub(crate) fn follow_commands(server: &Server, procs: &Arc<Table>, name: &str) {
-    let followed = init_pid(server, name).and_then(|pid| procs.follow(pid));
+/// Take up in `procs` the commands the agent of box `name` runs: with
+/// `retake_known`, a new box that is a clone of the box they ran in (they go
+/// on there); without, the sandbox's own box, whose commands a server
+/// before this one started. A command that cannot is logged (the sandbox
+/// goes on; the stream of a command in a clone ends when the frozen box it
+/// came from is removed).
+pub(crate) fn follow_commands(server: &Server, procs: &Arc<Table>, name: &str, retake_known: bool) {
+    let followed = init_pid(server, name).and_then(|pid| procs.follow(pid, retake_known));
     if let Err(e) = followed {
         tracing::error!("e2b: the commands of box {name} cannot be taken up: {e}");
     }
@@ -492,7 +499,7 @@ fn connect(server: &Server, id: &str, timeout: Option<u64>) -> Result<(Arc<Sandb
         live.phase = Phase::Running;
         // Its commands started by a server before this one (paused across
         // a restart of the server) are taken up.
-        follow_commands(server, &s.procs, &live.box_name);
+        follow_commands(server, &s.procs, &live.box_name, false);
     }
     // A resume sets the new end of life; a connect to a running sandbox
     // only extends it, never shortens it (as E2B does).
@@ -510,8 +517,11 @@ fn connect(server: &Server, id: &str, timeout: Option<u64>) -> Result<(Arc<Sandb
 /// frozen box's name, and the sandbox's end of life.
 fn freeze_and_go_on(server: &Server, s: &Sandbox) -> Result<(String, f64)> {
     let mut live = s.live.lock().unwrap_or_else(|p| p.into_inner());
+    // Refused before the freeze, so the sandbox goes on as it was.
+    nestbox_runtime::lifecycle::nested::refuse_too_deep(&server.reg.load(&live.box_name)?)?;
     let frozen = freeze(server, s, &live)?;
     let name = next_box(server, s, &mut live)?;
+    follow_commands(server, &s.procs, &name, true);
     live.box_name = name;
     live.previous.push(frozen.clone());
     if live.phase == Phase::Paused {
@@ -548,6 +558,7 @@ fn fork(server: &Arc<Server>, id: &str, count: u32, timeout: Option<u64>) -> Res
                     watchers: Default::default(),
                     init: Default::default(),
                 });
+                follow_commands(server, &forked.procs, &forked.id, true);
                 server.insert(forked.clone());
                 results.push(json!({"sandbox": sandbox_json(&forked)}));
             }

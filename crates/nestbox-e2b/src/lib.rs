@@ -142,7 +142,7 @@ impl Server {
                 if live.phase == sandbox::Phase::Running {
                     // Its commands go on, their output to this server now
                     // (a paused one's are taken up when it resumes).
-                    control::follow_commands(self, &s.procs, &live.box_name);
+                    control::follow_commands(self, &s.procs, &live.box_name, false);
                 }
                 self.lock().insert(s.id.clone(), Arc::new(s));
             } else {

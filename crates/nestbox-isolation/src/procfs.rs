@@ -62,6 +62,62 @@ pub fn mount_sys(root: &Path) -> Result<()> {
     }
 }
 
+/// Where a box that may run boxes of its own (`--nest`) keeps its hidden,
+/// unmasked procfs and sysfs: in its `/dev` tmpfs, under an empty read-only
+/// tmpfs that covers the directory.
+pub const HIDDEN_DIR: &str = "dev/.nestbox";
+
+/// Mount a fresh, unmasked procfs and (where the kernel allows one) sysfs
+/// below [`HIDDEN_DIR`] of `root`, then cover that directory with an empty
+/// read-only tmpfs, so no path reaches them.
+///
+/// Why: in a user namespace the kernel mounts a new procfs or sysfs only if
+/// the mount namespace already holds one of the same kind that is *fully
+/// visible* (`mnt_already_visible`: no locked mount on top of anything in it
+/// but an empty directory). A box's own `/proc` and `/sys` carry the masks
+/// above, which are locked mounts in the namespaces of the boxes it starts, so
+/// a nested box could mount neither. These two, without masks, satisfy the
+/// rule; being covered, they show nothing to the box (and a box cannot
+/// uncover them: unmounting needs `CAP_SYS_ADMIN` over this mount namespace,
+/// which the box's command lacks, and in a nested namespace the cover is a
+/// locked mount).
+pub fn mount_hidden_for_nesting(root: &Path) -> Result<()> {
+    use std::os::unix::fs::DirBuilderExt;
+    let dir = root.join(HIDDEN_DIR);
+    for sub in ["proc", "sys"] {
+        let d = dir.join(sub);
+        std::fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(&d)
+            .map_err(|e| crate::IsolationError::io("mkdir", &d, e))?;
+    }
+    // Read-write, as the procfs of a nested box is: a locked read-only flag
+    // would refuse it.
+    mounts::mount_fs("proc", &dir.join("proc"), "proc", KERNEL_FS_FLAGS, None)?;
+    match mounts::mount_fs(
+        "sysfs",
+        &dir.join("sys"),
+        "sysfs",
+        KERNEL_FS_FLAGS | MsFlags::MS_RDONLY,
+        None,
+    ) {
+        // Without a network namespace of its own (`--network host`) the box
+        // has no sysfs of its own either; its nested boxes then bind its
+        // `/sys` (see `mount_sys`).
+        Ok(()) => {}
+        Err(e) if e.errno == nix::errno::Errno::EPERM => {}
+        Err(e) => return Err(e),
+    }
+    mounts::mount_fs(
+        "tmpfs",
+        &dir,
+        "tmpfs",
+        KERNEL_FS_FLAGS | MsFlags::MS_RDONLY,
+        Some("size=0,mode=000"),
+    )
+}
+
 /// Apply [`MASKED_PATHS`] and [`READ_ONLY_PATHS`] under `root` (needs `root/dev/null`).
 pub fn apply_masks(root: &Path) -> Result<()> {
     let null = root.join("dev/null");

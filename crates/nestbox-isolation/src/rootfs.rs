@@ -59,6 +59,32 @@ pub struct RootfsPlan {
     pub read_only: bool,
     /// Running in a user namespace (overlay uses user xattrs, no devpts gid).
     pub userns: bool,
+    /// What a box that may run boxes of its own needs (`--nest`): its
+    /// cgroups at `/sys/fs/cgroup` and a hidden unmasked procfs and sysfs.
+    pub nest: Option<NestMounts>,
+}
+
+/// The mounts of a box that may run boxes of its own (`--nest`, see
+/// `docs/nesting.md`).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct NestMounts {
+    /// Cgroup hierarchies mounted (from the box's cgroup namespace, so each
+    /// shows the box's own cgroup as its root) on a tmpfs at `/sys/fs/cgroup`.
+    pub cgroups: Vec<CgroupMount>,
+}
+
+/// One cgroup hierarchy mounted in a box.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CgroupMount {
+    /// Directory under `/sys/fs/cgroup` (as on the host: `memory`,
+    /// `cpu,cpuacct`, `unified`...); empty for a lone cgroup2 hierarchy
+    /// mounted at `/sys/fs/cgroup` itself (pure v2).
+    pub dir: String,
+    /// `cgroup` (v1) or `cgroup2`.
+    pub fstype: String,
+    /// The mount options: the v1 hierarchy's controllers (`cpu,cpuacct`);
+    /// none for `cgroup2`.
+    pub options: Option<String>,
 }
 
 /// Assemble the root described by `plan` at `plan.mountpoint`.
@@ -76,14 +102,24 @@ pub fn assemble(plan: &RootfsPlan) -> Result<()> {
     }
     for (source, target) in &plan.read_only_binds {
         let target = secure_join(root, target)?;
-        mounts::bind(source, &target, false)?;
-        mounts::remount_read_only(&target)?;
+        match mounts::bind(source, &target, false) {
+            Ok(()) => mounts::remount_read_only(&target)?,
+            // Inside a box (a box nested in a box), a system directory of
+            // the outer box has mounts of its own on it (its machine-id,
+            // hosts file), locked in this namespace: the kernel binds it only
+            // with them (a bind without them would uncover what they hide).
+            Err(e) if e.errno == nix::errno::Errno::EINVAL && plan.userns => {
+                mounts::bind(source, &target, true)?;
+                mounts::restrict_tree(&target, MsFlags::MS_RDONLY)?;
+            }
+            Err(e) => return Err(e),
+        }
     }
     dev::populate(&root.join("dev"), plan.userns)?;
     procfs::mount_proc(root)?;
     procfs::mount_sys(root)?;
     for (i, (path, content)) in plan.files.iter().enumerate() {
-        place_file(root, i, path, content)?;
+        place_file(root, i, path, content, plan.nest.is_some())?;
     }
     for vol in &plan.volumes {
         let target = secure_join(root, &vol.target)?;
@@ -114,7 +150,51 @@ pub fn assemble(plan: &RootfsPlan) -> Result<()> {
         }
     }
     procfs::apply_masks(root)?;
+    if let Some(nest) = &plan.nest {
+        mount_cgroups(root, &nest.cgroups)?;
+        procfs::mount_hidden_for_nesting(root)?;
+    }
     Ok(())
+}
+
+/// Mount `cgroups` at `root/sys/fs/cgroup`, on a tmpfs made read-only once
+/// they are mounted. Must run in the box's cgroup namespace, so each
+/// hierarchy's root is the box's own cgroup.
+fn mount_cgroups(root: &Path, cgroups: &[CgroupMount]) -> Result<()> {
+    if cgroups.is_empty() {
+        return Ok(());
+    }
+    let base = root.join("sys/fs/cgroup");
+    let flags = MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC;
+    // Pure cgroup v2: the one hierarchy is `/sys/fs/cgroup` itself.
+    if let [only] = cgroups {
+        if only.dir.is_empty() {
+            return mounts::mount_fs(
+                "cgroup",
+                &base,
+                &only.fstype,
+                flags,
+                only.options.as_deref(),
+            );
+        }
+    }
+    mounts::mount_fs("tmpfs", &base, "tmpfs", flags, Some("mode=755,size=64k"))?;
+    for cg in cgroups {
+        if cg.dir.is_empty() || cg.dir.contains('/') || cg.dir.starts_with('.') {
+            return Err(IsolationError::at(
+                "cgroup mount directory",
+                base.join(&cg.dir),
+                nix::errno::Errno::EINVAL,
+            ));
+        }
+        let target = base.join(&cg.dir);
+        fs::DirBuilder::new()
+            .mode(0o755)
+            .create(&target)
+            .map_err(|e| IsolationError::io("mkdir", &target, e))?;
+        mounts::mount_fs("cgroup", &target, &cg.fstype, flags, cg.options.as_deref())?;
+    }
+    mounts::remount_read_only(&base)
 }
 
 /// Make `root` the root of the calling process's mount namespace and detach the
@@ -133,10 +213,25 @@ pub fn pivot_into(root: &Path) -> Result<()> {
 /// Bind a read-only file holding `content` at `path` in the box. The file is
 /// made in the box's `/dev` tmpfs under a temporary name and unlinked once
 /// bound: the mount keeps it, and nothing else in the box can reach it.
-fn place_file(root: &Path, index: usize, path: &Path, content: &[u8]) -> Result<()> {
+///
+/// In a box that runs boxes of its own (`nest`) the file is kept, in the
+/// directory [`procfs::HIDDEN_DIR`] that is covered at the end of the
+/// assembly: a nested box binds its own file over this mount, which the
+/// kernel refuses on a mount of an unlinked file.
+fn place_file(root: &Path, index: usize, path: &Path, content: &[u8], nest: bool) -> Result<()> {
     use std::io::Write;
     use std::os::unix::fs::OpenOptionsExt;
-    let staging = root.join("dev").join(format!(".nestbox-file-{index}"));
+    let staging = if nest {
+        let dir = root.join(procfs::HIDDEN_DIR).join("files");
+        fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(&dir)
+            .map_err(|e| IsolationError::io("mkdir", &dir, e))?;
+        dir.join(index.to_string())
+    } else {
+        root.join("dev").join(format!(".nestbox-file-{index}"))
+    };
     let mut file = fs::OpenOptions::new()
         .write(true)
         .create_new(true)
@@ -150,9 +245,11 @@ fn place_file(root: &Path, index: usize, path: &Path, content: &[u8]) -> Result<
     let bound = make_mountpoint(&target, false)
         .and_then(|()| mounts::bind(&staging, &target, false))
         .and_then(|()| mounts::remount_read_only(&target));
-    // The staging file is in the box's own /dev tmpfs: one that could not be
-    // unlinked is invisible under its bind and goes with the box.
-    let _ = fs::remove_file(&staging);
+    if !nest {
+        // The staging file is in the box's own /dev tmpfs: one that could
+        // not be unlinked is invisible under its bind and goes with the box.
+        let _ = fs::remove_file(&staging);
+    }
     bound
 }
 

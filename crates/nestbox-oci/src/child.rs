@@ -40,6 +40,13 @@ pub struct ChildFds {
     pub fifo: Option<OwnedFd>,
     /// `--preserve-fds N`: descriptors 3 to 3 + N - 1 reach the program.
     pub preserve_fds: u32,
+    /// `restore` of a container started cold: the process is the *stub*
+    /// that nestbox's checkpoint engine makes the image's pid 1. Set up as
+    /// for `create` (namespaces, root, mounts, sysctls, rlimits, OOM score
+    /// adjustment) but for what the image brings (session, credentials,
+    /// capabilities, `no_new_privs`, seccomp: set by the engine), it reports
+    /// ready and waits, blocked, for the runtime to take it over.
+    pub restore_stub: bool,
 }
 
 /// The namespaces made at `clone` time: the pid namespace (the process must
@@ -60,6 +67,13 @@ pub fn clone_flags(plan: &Plan) -> CloneFlags {
 /// Body of the container's process. Never returns.
 pub fn run(plan: &Plan, fds: ChildFds) -> ! {
     let report = fds.report.as_raw_fd();
+    if fds.restore_stub {
+        let err = match setup(plan, &fds).and_then(|_| stub_ready(plan, &fds)) {
+            Ok(never) => match never {},
+            Err(e) => e,
+        };
+        report_failure(report, &err)
+    }
     if plan.process.is_none() {
         // No process: ready as it is, and nothing to start (`start` refuses
         // and kills this process).
@@ -92,6 +106,20 @@ pub fn run(plan: &Plan, fds: ChildFds) -> ! {
         Err(e) => e,
     };
     report_failure(report, &err)
+}
+
+/// The restore stub, set up: its OOM score adjustment (which the image does
+/// not hold), then ready, then blocked until the runtime seizes it (ptrace)
+/// and makes it the image's pid 1, or kills it.
+fn stub_ready(plan: &Plan, fds: &ChildFds) -> Result<std::convert::Infallible> {
+    if let Some(adj) = plan.process.oom_score_adj {
+        let path = "/proc/self/oom_score_adj";
+        std::fs::write(path, adj.to_string()).map_err(|e| OciError::io("write", path, e))?;
+    }
+    nix::unistd::write(&fds.report, b"0").map_err(|e| OciError::sys("write report pipe", e))?;
+    loop {
+        nix::unistd::pause();
+    }
 }
 
 /// Report `err` on the report pipe and exit.
@@ -190,6 +218,10 @@ fn setup(plan: &Plan, fds: &ChildFds) -> Result<(CString, String)> {
     for &(res, soft, hard) in &plan.process.rlimits {
         nestbox_sys::process::set_rlimit(0, res, soft, hard)
             .map_err(|e| OciError::sys(format!("setrlimit({res}, {soft}, {hard})"), e))?;
+    }
+    if fds.restore_stub {
+        // The session, terminal, program and credentials are the image's.
+        return Ok((CString::default(), state));
     }
     nix::unistd::setsid().map_err(|e| OciError::sys("setsid", e))?;
     if plan.process.terminal {

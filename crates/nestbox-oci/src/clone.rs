@@ -40,8 +40,8 @@
 //! **Checkpoint and restore.** Such a container is a nestbox box, so
 //! `checkpoint` saves it with nestbox's own engine (`nestbox checkpoint -o`)
 //! and `restore` makes a new box from the image (`nestbox restore`), whose
-//! monitor (a child of `nestbox-runc`) is reported and reaped. A cold container is a bare
-//! process tree, which the engine does not save: refused.
+//! monitor (a child of `nestbox-runc`) is reported and reaped. (A container
+//! started cold is saved as a whole pid namespace: [`crate::checkpoint`].)
 
 use std::path::{Path, PathBuf};
 
@@ -475,79 +475,33 @@ pub fn remove(link: &CloneLink) -> Result<()> {
     }
 }
 
-/// A checkpoint image directory as the OCI caller gives it, made absolute
-/// (nestbox's engine resolves a relative one against its own idea of the
-/// current directory otherwise).
-fn image_dir(path: &Path) -> Result<PathBuf> {
-    std::path::absolute(path).map_err(|e| OciError::io("resolve", path, e))
-}
-
-/// `checkpoint ID`: save the container (a nestbox box: forked from a
-/// template or restored) to `image` with nestbox's checkpoint engine; it is
-/// stopped afterwards unless `leave_running`.
-pub fn checkpoint(root: &Root, id: &str, image: &Path, leave_running: bool) -> Result<()> {
-    let rec = root.load(id)?;
-    let link = rec.clone.as_ref().ok_or_else(|| {
-        OciError::Usage(format!(
-            "checkpoint: container {id:?} was started cold; nestbox-runc checkpoints containers that are nestbox boxes (forked from a template with {TEMPLATE_ANNOTATION}, or restored)"
-        ))
-    })?;
-    let status = root.status(&rec);
-    if status != Status::Running {
-        return Err(crate::create::wrong(
-            id,
-            status,
-            "only a running container can be checkpointed",
-        ));
-    }
-    let image = image_dir(image)?;
-    // An empty directory (podman makes one) is taken as not there yet: the
-    // engine writes the image under a temporary name and renames it into
-    // place, so the directory is removed first (and put back on failure).
-    let emptied = match std::fs::read_dir(&image) {
-        Ok(mut entries) => {
-            if entries.next().is_some() {
-                return Err(OciError::Usage(format!(
-                    "checkpoint --image-path {}: the directory is not empty",
-                    image.display()
-                )));
-            }
-            std::fs::remove_dir(&image).map_err(|e| OciError::io("remove", &image, e))?;
-            true
-        }
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => false,
-        Err(e) => return Err(OciError::io("read", &image, e)),
-    };
+/// `checkpoint` of a container that is a nestbox box (forked from a
+/// template, or restored from a box's checkpoint): saved to `image` (which
+/// must not exist) with nestbox's checkpoint engine as a self-contained
+/// checkpoint (`nestbox checkpoint -o`); its box is stopped afterwards
+/// unless `leave_running`.
+pub(crate) fn checkpoint(
+    link: &CloneLink,
+    image: &Path,
+    leave_running: bool,
+) -> nestbox_runtime::Result<()> {
     let req = nestbox_runtime::checkpoint::CheckpointRequest {
         name: None,
         leave_running,
-        output: Some(image.clone()),
+        output: Some(image.to_path_buf()),
     };
-    let saved = nestbox_runtime::checkpoint::checkpoint(&link.registry(), &link.name, &req);
-    if saved.is_err() && emptied {
-        // Put back the directory the caller made.
-        let _ = std::fs::create_dir(&image);
-    }
-    saved
-        .map(|_| ())
-        .map_err(nestbox_error(format!("checkpoint of container {id:?}")))
+    nestbox_runtime::checkpoint::checkpoint(&link.registry(), &link.name, &req).map(|_| ())
 }
 
 /// `restore ID`: a new container made from the checkpoint in `image` (of a
 /// container that was a nestbox box), running; its record and hooks are
 /// those of the bundle's config, its box in the root the config names.
-pub fn restore(root: &Root, opts: &CreateOpts, image: &Path) -> Result<Record> {
-    state::validate_id(&opts.id)?;
-    if root.container_dir(&opts.id).exists() {
-        return Err(OciError::Exists(opts.id.clone()));
-    }
-    let plan = crate::config::load(&opts.bundle)?;
-    if plan.process.terminal || opts.console_socket.is_some() {
-        return Err(OciError::Unsupported(
-            "process.terminal: a restored container keeps its checkpoint's standard streams".into(),
-        ));
-    }
-    let image = image_dir(image)?;
+pub(crate) fn restore(root: &Root, opts: &CreateOpts, image: &Path) -> Result<Record> {
+    let plan = crate::checkpoint::restore_plan(
+        root,
+        opts,
+        "a restored container keeps its checkpoint's standard streams",
+    )?;
     let reg = registry_of(&plan);
     let dir = root.reserve(&opts.id)?;
     let name = crate::create::cgroup_id(root, &opts.id);

@@ -86,8 +86,35 @@ pub fn create(root: &Root, opts: &CreateOpts) -> Result<Record> {
         cgroup: None,
         pid: None,
     };
-    let rec = build(root, opts, &plan, &mut made)?;
+    let rec = build(root, opts, &plan, &mut made, None)?;
     made.forget();
+    Ok(rec)
+}
+
+/// `restore` of a container started cold: container `opts.id` made from
+/// the bundle's config as `create` makes it (cgroup, namespaces, root,
+/// mounts, hooks of the create stage), its process the stub that `image`'s
+/// pid 1 is restored into (its children forked by it), running; the
+/// `poststart` hooks run. On failure nothing of it is left.
+pub fn restore(
+    root: &Root,
+    opts: &CreateOpts,
+    plan: &Plan,
+    image: &nestbox_runtime::nscheckpoint::NamespaceImage,
+) -> Result<Record> {
+    let dir = root.reserve(&opts.id)?;
+    let mut made = Made {
+        dir: Some(dir),
+        cgroup: None,
+        pid: None,
+    };
+    let rec = build(root, opts, plan, &mut made, Some(image))?;
+    made.forget();
+    hooks::run_warning(
+        "poststart",
+        &rec.hooks.poststart,
+        &state_text(&rec, "running"),
+    );
     Ok(rec)
 }
 
@@ -130,7 +157,15 @@ fn pipe() -> Result<(OwnedFd, OwnedFd)> {
     nix::unistd::pipe2(OFlag::O_CLOEXEC).map_err(|e| OciError::sys("pipe2", e))
 }
 
-fn build(root: &Root, opts: &CreateOpts, plan: &Plan, made: &mut Made) -> Result<Record> {
+/// Make the container: its process waits for `start` on the fifo, or, with
+/// `restore`, is made that image's pid 1 (then running).
+fn build(
+    root: &Root,
+    opts: &CreateOpts,
+    plan: &Plan,
+    made: &mut Made,
+    restore: Option<&nestbox_runtime::nscheckpoint::NamespaceImage>,
+) -> Result<Record> {
     let h = Hierarchies::detect()?;
     let cg_id = cgroup_id(root, &opts.id);
     let pending = match &plan.cgroups_path {
@@ -143,23 +178,11 @@ fn build(root: &Root, opts: &CreateOpts, plan: &Plan, made: &mut Made) -> Result
         // Before the process joins the cgroup: it opens no device unchecked.
         cg.set_device_rules(&crate::resources::full_device_rules(rules, &plan.devices))?;
     }
-    let fifo_path = root.fifo(&opts.id);
-    nestbox_sys::node::make_node(&fifo_path, nestbox_sys::node::NodeKind::Fifo, 0o622, 0, 0)
-        .map_err(|e| OciError::sys(format!("mkfifo {}", fifo_path.display()), e))?;
-    {
-        use std::os::unix::fs::PermissionsExt;
-        std::fs::set_permissions(&fifo_path, std::fs::Permissions::from_mode(0o622))
-            .map_err(|e| OciError::io("chmod", &fifo_path, e))?;
-    }
-    // Read-write: the open does not wait for a writer, and the process's
-    // read then waits for `start`.
-    let fifo: OwnedFd = std::fs::OpenOptions::new()
-        .read(true)
-        .write(true)
-        .custom_flags(libc::O_CLOEXEC)
-        .open(&fifo_path)
-        .map_err(|e| OciError::io("open", &fifo_path, e))?
-        .into();
+    // A restored container is running when made: it has no fifo.
+    let fifo = match restore {
+        None => Some(exec_fifo(root, &opts.id)?),
+        Some(_) => None,
+    };
     let console = match &opts.console_socket {
         Some(p) => Some(crate::console::connect(p)?),
         None => None,
@@ -191,8 +214,9 @@ fn build(root: &Root, opts: &CreateOpts, plan: &Plan, made: &mut Made) -> Result
                     go: go_r,
                     report: rep_w,
                     console,
-                    fifo: Some(fifo),
+                    fifo,
                     preserve_fds: opts.preserve_fds,
+                    restore_stub: restore.is_some(),
                 },
             )
         }
@@ -242,11 +266,46 @@ fn build(root: &Root, opts: &CreateOpts, plan: &Plan, made: &mut Made) -> Result
         .map_err(|e| OciError::sys("write go pipe", e))?;
     drop(go_w);
     wait_ready(&rep_r, &opts.id)?;
+    if let Some(image) = restore {
+        // The stub, set up and blocked, becomes the image's pid 1; its
+        // standard streams are ours (the caller's: conmon's pipes, the
+        // shim's fifos), as a created container's are.
+        // SAFETY: 0, 1 and 2 stay open in this process for the call.
+        let stdio = unsafe {
+            [0, 1, 2].map(|fd| std::os::fd::BorrowedFd::borrow_raw(fd as std::os::fd::RawFd))
+        };
+        image
+            .restore(pid.as_raw(), stdio, plan.seccomp.as_ref())
+            .map_err(|e| OciError::Nestbox {
+                what: format!("restore of container {:?}", opts.id),
+                error: Box::new(e),
+            })?;
+    }
     root.save(&rec)?;
     if let Some(p) = &opts.pid_file {
         write_pid_file(p, pid.as_raw())?;
     }
     Ok(rec)
+}
+
+/// Make container `id`'s `exec.fifo` and open it read-write (the open does
+/// not wait for a writer, and the process's read then waits for `start`).
+fn exec_fifo(root: &Root, id: &str) -> Result<OwnedFd> {
+    let fifo_path = root.fifo(id);
+    nestbox_sys::node::make_node(&fifo_path, nestbox_sys::node::NodeKind::Fifo, 0o622, 0, 0)
+        .map_err(|e| OciError::sys(format!("mkfifo {}", fifo_path.display()), e))?;
+    {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&fifo_path, std::fs::Permissions::from_mode(0o622))
+            .map_err(|e| OciError::io("chmod", &fifo_path, e))?;
+    }
+    Ok(std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .custom_flags(libc::O_CLOEXEC)
+        .open(&fifo_path)
+        .map_err(|e| OciError::io("open", &fifo_path, e))?
+        .into())
 }
 
 /// The state JSON with `status` overridden, for hooks.

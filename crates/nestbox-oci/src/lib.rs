@@ -16,9 +16,10 @@
 //! runs the hooks and records the container in [`state`]. `start` opens the
 //! fifo and the process execs the program. A config annotated
 //! `nestbox.template=NAME` is forked from a nestbox template instead
-//! ([`clone`], which also checkpoints and restores such containers with
-//! nestbox's own engine).
+//! ([`clone`]). [`checkpoint`] saves and restores both kinds with nestbox's
+//! own checkpoint engine.
 
+pub mod checkpoint;
 pub mod child;
 pub mod clone;
 pub mod config;

@@ -15,7 +15,10 @@ use nestbox_oci::state::{Root, DEFAULT_ROOT};
 #[command(
     name = "nestbox-runc",
     version,
-    about = "nestbox as an OCI runtime (runc-compatible)"
+    about = "nestbox as an OCI runtime (runc-compatible)",
+    // A flag given twice is taken once, as runc takes it (podman passes
+    // `checkpoint --leave-running --leave-running`).
+    args_override_self = true
 )]
 struct Cli {
     /// Directory of the runtime's container records.
@@ -203,8 +206,8 @@ enum Cmd {
         #[arg(long = "blkio-weight")]
         blkio_weight: Option<u16>,
     },
-    /// Save a container (one that is a nestbox box: forked from a template
-    /// or restored) with nestbox's checkpoint engine.
+    /// Save a running container with nestbox's checkpoint engine (then stop
+    /// and delete it, unless --leave-running).
     Checkpoint {
         id: String,
         /// Where the image goes (made; an empty directory is accepted).
@@ -213,7 +216,7 @@ enum Cmd {
         /// Accepted: nestbox writes no CRIU work files.
         #[arg(long = "work-path")]
         work_path: Option<PathBuf>,
-        /// Leave the container running (default: stopped once saved).
+        /// Leave the container running (default: stopped and deleted once saved).
         #[arg(long = "leave-running")]
         leave_running: bool,
         #[command(flatten)]
@@ -609,7 +612,7 @@ fn run(cli: Cli) -> anyhow::Result<i32> {
                     ("--status-fd", status_fd.is_some()),
                 ],
             )?;
-            nestbox_oci::clone::checkpoint(&root, &id, &image_path, leave_running)?;
+            nestbox_oci::checkpoint::checkpoint(&root, &id, &image_path, leave_running)?;
             Ok(0)
         }
         Cmd::Restore {
@@ -632,7 +635,7 @@ fn run(cli: Cli) -> anyhow::Result<i32> {
                 console_socket,
                 preserve_fds: 0,
             };
-            let rec = nestbox_oci::clone::restore(&root, &opts, &image_path)?;
+            let rec = nestbox_oci::checkpoint::restore(&root, &opts, &image_path)?;
             if detach {
                 return Ok(0);
             }

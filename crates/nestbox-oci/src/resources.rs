@@ -1,5 +1,6 @@
 //! `linux.resources` onto nestbox-cgroup's [`Limits`]: memory, swap, pids,
-//! CPU shares, quota and cpuset, block I/O weight. Other controls are refused
+//! CPU shares, quota and cpuset, block I/O weight and per-device limits,
+//! network class and priorities, hugepage limits. Other controls are refused
 //! with the field named, never silently dropped (except the kernel-memory
 //! limits, which the kernel no longer has), and `linux.resources.devices`
 //! onto the device cgroup's rules.
@@ -58,8 +59,13 @@ pub fn limits(resources: Option<&LinuxResources>) -> Result<Limits> {
         l.io_weight = b.weight();
         l.io_devices = io_devices(b)?;
     }
-    if r.hugepage_limits().as_ref().is_some_and(|v| !v.is_empty()) {
-        return Err(refuse("hugepageLimits"));
+    if let Some(list) = r.hugepage_limits() {
+        l.hugepage_limits = hugepage_limits(
+            list,
+            &nestbox_cgroup::kernel_hugepage_sizes(std::path::Path::new(
+                nestbox_cgroup::limits::HUGEPAGES_SYSFS,
+            )),
+        )?;
     }
     if let Some(n) = r.network() {
         l.net_class_id = n.class_id();
@@ -78,6 +84,44 @@ pub fn limits(resources: Option<&LinuxResources>) -> Result<Limits> {
     }
     l.validate()?;
     Ok(l)
+}
+
+/// `hugepageLimits` with the page sizes by the kernel's names, each one the
+/// kernel has (`have`, from [`nestbox_cgroup::kernel_hugepage_sizes`]):
+/// checked before anything is made, so a size the kernel lacks is one line
+/// and leaves nothing (not even hugetlb enabled in a v2 parent).
+fn hugepage_limits(
+    list: &[oci_spec::runtime::LinuxHugepageLimit],
+    have: &[String],
+) -> Result<Vec<nestbox_cgroup::HugepageLimit>> {
+    list.iter()
+        .map(|h| {
+            let given = h.page_size();
+            let bad = |why: String| {
+                OciError::Unsupported(format!(
+                    "linux.resources.hugepageLimits: page size {given:?}: {why}"
+                ))
+            };
+            let name = nestbox_cgroup::hugepage_size_name(given)
+                .map_err(|_| bad("is not <number>KB, MB or GB (as 2MB, 1GB)".into()))?;
+            if !have.contains(&name) {
+                return Err(bad(format!(
+                    "the kernel has no huge pages of that size (it has {})",
+                    if have.is_empty() {
+                        "none".to_string()
+                    } else {
+                        have.join(", ")
+                    }
+                )));
+            }
+            let limit = u64::try_from(h.limit())
+                .map_err(|_| bad(format!("limit {} is negative", h.limit())))?;
+            Ok(nestbox_cgroup::HugepageLimit {
+                page_size: name,
+                limit,
+            })
+        })
+        .collect()
 }
 
 /// The per-device limits of `blockIO`: one entry per device, its weight and
@@ -241,6 +285,45 @@ mod tests {
 
     fn resources(json: serde_json::Value) -> LinuxResources {
         serde_json::from_value(json).unwrap()
+    }
+
+    #[test]
+    fn hugepage_limits_are_named_as_the_kernel_does_and_checked_against_its_sizes() {
+        let have = ["1GB".to_string(), "2MB".to_string()];
+        let r = resources(serde_json::json!({"hugepageLimits": [
+            {"pageSize": "2048KB", "limit": 4194304},
+            {"pageSize": "1GB", "limit": 2147483648u64},
+        ]}));
+        let got = hugepage_limits(r.hugepage_limits().as_ref().unwrap(), &have).unwrap();
+        assert_eq!(
+            got.iter()
+                .map(|h| (h.page_size.as_str(), h.limit))
+                .collect::<Vec<_>>(),
+            [("2MB", 4 << 20), ("1GB", 2 << 30)]
+        );
+        for (bad, why) in [
+            (
+                "3MB",
+                "the kernel has no huge pages of that size (it has 1GB, 2MB)",
+            ),
+            ("2M", "is not <number>KB, MB or GB"),
+        ] {
+            let r = resources(serde_json::json!({"hugepageLimits": [
+                {"pageSize": bad, "limit": 1}
+            ]}));
+            let e = hugepage_limits(r.hugepage_limits().as_ref().unwrap(), &have)
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains("linux.resources.hugepageLimits"), "{e}");
+            assert!(e.contains(why), "{e}");
+        }
+        let r = resources(serde_json::json!({"hugepageLimits": [
+            {"pageSize": "2MB", "limit": -1}
+        ]}));
+        let e = hugepage_limits(r.hugepage_limits().as_ref().unwrap(), &have).unwrap_err();
+        assert!(e.to_string().contains("negative"), "{e}");
+        let e = hugepage_limits(r.hugepage_limits().as_ref().unwrap(), &[]).unwrap_err();
+        assert!(e.to_string().contains("(it has none)"), "{e}");
     }
 
     #[test]

@@ -128,6 +128,21 @@ impl Drop for Podman {
     }
 }
 
+/// Wait (10 s at most) until `state()` is `want`; the last state. podman
+/// 4.3 may still say `stopping` right after `podman stop` returned, under
+/// load: it takes the container's pid being gone as stopped, and reads the
+/// exit status conmon writes a moment later.
+fn settled(state: &dyn Fn() -> String, want: &str) -> String {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    loop {
+        let now = state();
+        if now == want || std::time::Instant::now() >= deadline {
+            return now;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+}
+
 fn podman_present(test: &str) -> bool {
     let found = std::process::Command::new("podman")
         .arg("--version")
@@ -317,11 +332,145 @@ fn podman_runs_a_container_forked_from_a_template() {
     // stop: SIGTERM through nestbox-runc kill; conmon reaps the container's
     // waiter, whose status is the clone's.
     p.run(&["stop", "-t", "5", "c1"]).ok();
-    assert_eq!(state("c1"), "exited 143");
+    assert_eq!(settled(&|| state("c1"), "exited 143"), "exited 143");
     p.run(&["rm", "c1"]).ok();
     assert_eq!(
         t.boxes(),
         vec!["tpl".to_string()],
         "the clone's box is left"
     );
+}
+
+/// The `count N` lines of `podman logs NAME`, as numbers.
+fn logged_counts(p: &Podman, name: &str) -> Vec<u64> {
+    p.run(&["logs", name])
+        .ok()
+        .stdout
+        .lines()
+        .filter_map(|l| l.strip_prefix("count ")?.trim().parse().ok())
+        .collect()
+}
+
+/// Wait until `podman logs NAME` has a count above `above`; the counts.
+#[track_caller]
+fn wait_logged(p: &Podman, name: &str, above: u64) -> Vec<u64> {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    loop {
+        let counts = logged_counts(p, name);
+        if counts.last().is_some_and(|n| *n > above) {
+            return counts;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{name} never logged a count above {above}: {counts:?}"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+}
+
+#[test]
+fn podman_checkpoints_and_restores_a_container_started_cold() {
+    let test = "podman_checkpoints_and_restores_a_container_started_cold";
+    if !ready(test) || !podman_present(test) {
+        return;
+    }
+    let p = Podman::new();
+    p.import_busybox();
+    // A shell counting in a variable, printing each count; its TERM trap
+    // (a signal disposition, part of the saved state) exits 7.
+    let counter =
+        "trap 'exit 7' TERM; i=0; while true; do i=$((i+1)); echo count $i; sleep 0.05; done";
+    p.run_container(
+        &["-d", "--name", "c1"],
+        "localhost/nb-busybox:1",
+        &["sh", "-c", counter],
+    )
+    .ok();
+    let state = |name: &str| {
+        p.run(&[
+            "inspect",
+            "--format",
+            "{{.State.Status}} {{.State.ExitCode}}",
+            name,
+        ])
+        .ok()
+        .stdout
+        .trim()
+        .to_string()
+    };
+    wait_logged(&p, "c1", 10);
+
+    // --leave-running: it goes on. (podman passes --leave-running twice.)
+    p.run(&["container", "checkpoint", "--leave-running", "c1"])
+        .ok();
+    assert_eq!(state("c1"), "running 0");
+    let n = *logged_counts(&p, "c1").last().unwrap();
+    wait_logged(&p, "c1", n + 3);
+
+    // Checkpointed (into the directory of the first image: replaced) and
+    // stopped; restored: running again, counting on from its memory.
+    p.run(&["container", "checkpoint", "c1"]).ok();
+    assert!(state("c1").starts_with("exited"), "{}", state("c1"));
+    let before = *logged_counts(&p, "c1").last().unwrap();
+    p.run(&["container", "restore", "c1"]).ok();
+    assert_eq!(state("c1"), "running 0");
+    let counts = wait_logged(&p, "c1", before + 10);
+    assert!(
+        counts.windows(2).all(|w| w[1] == w[0] + 1),
+        "the count did not go on from where it was saved ({before}): {counts:?}"
+    );
+    // Its pid 1 is the restored shell, in the container's pid namespace.
+    let comm = p.run(&["exec", "c1", "cat", "/proc/1/comm"]).ok().stdout;
+    assert_eq!(comm.trim(), "sh");
+    let top = p.run(&["top", "c1"]).ok().stdout;
+    assert!(
+        top.lines().any(|l| l.contains("sh -c")),
+        "podman top: {top}"
+    );
+    // stop: SIGTERM through nestbox-runc kill reaches the restored trap;
+    // conmon reaps the restored pid 1 and reports its status.
+    p.run(&["stop", "-t", "10", "c1"]).ok();
+    assert_eq!(settled(&|| state("c1"), "exited 7"), "exited 7");
+
+    // Another container, exported with a checkpoint (--leave-running) and
+    // restored from the archive as a new container c2: c2's log is c3's
+    // until the export, then its own counts, going on from the image's
+    // (c3 ran on meanwhile, so the count at the junction may repeat).
+    p.run_container(
+        &["-d", "--name", "c3"],
+        "localhost/nb-busybox:1",
+        &["sh", "-c", counter],
+    )
+    .ok();
+    wait_logged(&p, "c3", 5);
+    let archive = p.path("c3.tar");
+    p.run(&[
+        "container",
+        "checkpoint",
+        "--leave-running",
+        "--export",
+        archive.to_str().unwrap(),
+        "c3",
+    ])
+    .ok();
+    p.run(&[
+        "container",
+        "restore",
+        "--import",
+        archive.to_str().unwrap(),
+        "--name",
+        "c2",
+    ])
+    .ok();
+    assert_eq!(state("c2"), "running 0");
+    let exported = *logged_counts(&p, "c2").last().unwrap();
+    let counts = wait_logged(&p, "c2", exported + 10);
+    assert!(
+        counts.first() == Some(&1) && counts.windows(2).all(|w| w[1] == w[0] + 1 || w[1] == w[0]),
+        "c2 did not go on from the exported state: {counts:?}"
+    );
+    p.run(&["stop", "-t", "10", "c2"]).ok();
+    assert_eq!(settled(&|| state("c2"), "exited 7"), "exited 7");
+    p.run(&["rm", "-f", "c1", "c2", "c3"]).ok();
+    assert_eq!(p.run(&["ps", "-aq"]).ok().stdout.trim(), "");
 }

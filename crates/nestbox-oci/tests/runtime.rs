@@ -266,6 +266,17 @@ fn config_process_user_rlimits_caps_nnp_oom_sysctl() {
         return;
     }
     let env = Env::new(&["true"]);
+    // The container's sysctl is set to the opposite of the host's (which
+    // bridged boxes of other tests may have turned on), and the host's must
+    // stay as it was.
+    let host_forward = || {
+        std::fs::read_to_string("/proc/sys/net/ipv4/ip_forward")
+            .unwrap()
+            .trim()
+            .to_string()
+    };
+    let before = host_forward();
+    let wanted = if before == "1" { "0" } else { "1" };
     let out = inside(
         &env,
         "id -u; id -g; id -G; ulimit -n; ulimit -Hn; grep -E '^(CapBnd|CapEff|CapPrm|CapAmb|NoNewPrivs)' /proc/self/status; \
@@ -281,7 +292,7 @@ fn config_process_user_rlimits_caps_nnp_oom_sysctl() {
             c["process"]["oomScoreAdj"] = json!(500);
             c["process"]["cwd"] = json!("/tmp/work");
             c["process"]["env"] = json!(["PATH=/bin", "FOO=bar"]);
-            c["linux"]["sysctl"] = json!({"net.ipv4.ip_forward": "1"});
+            c["linux"]["sysctl"] = json!({"net.ipv4.ip_forward": wanted});
         },
     );
     let lines: Vec<&str> = out.lines().collect();
@@ -297,15 +308,10 @@ fn config_process_user_rlimits_caps_nnp_oom_sysctl() {
     assert_eq!(lines[8], "CapAmb:\t0000000000000020");
     assert_eq!(lines[9], "NoNewPrivs:\t1");
     assert_eq!(lines[10], "500");
-    assert_eq!(lines[11], "1");
+    assert_eq!(lines[11], wanted);
     assert_eq!(lines[12], "/tmp/work");
     assert_eq!(lines[13], "bar");
-    assert_eq!(
-        std::fs::read_to_string("/proc/sys/net/ipv4/ip_forward")
-            .unwrap()
-            .trim(),
-        "0"
-    );
+    assert_eq!(host_forward(), before, "the host's ip_forward is untouched");
 }
 
 #[test]
@@ -507,6 +513,173 @@ fn cgroup_limits_from_resources() {
         assert_eq!(out.stderr.matches("net_class_id").count(), 1, "{out}");
         env.runc(&["state", "m3"]).fails_with("does not exist");
     }
+}
+
+/// Huge pages of 2 MiB reserved on the host for a test (the per-size
+/// `nr_hugepages`, raised by `n`), given back on drop.
+struct HugePages {
+    file: std::path::PathBuf,
+    before: String,
+}
+
+impl HugePages {
+    fn reserve(n: u64) -> HugePages {
+        let file =
+            Path::new("/sys/kernel/mm/hugepages/hugepages-2048kB/nr_hugepages").to_path_buf();
+        let before = std::fs::read_to_string(&file).unwrap().trim().to_string();
+        let want = before.parse::<u64>().unwrap() + n;
+        std::fs::write(&file, want.to_string()).unwrap();
+        let free =
+            std::fs::read_to_string("/sys/kernel/mm/hugepages/hugepages-2048kB/free_hugepages")
+                .unwrap();
+        assert!(
+            free.trim().parse::<u64>().unwrap() >= n,
+            "the kernel could not reserve {n} huge pages of 2 MiB (free: {free})"
+        );
+        HugePages { file, before }
+    }
+}
+
+impl Drop for HugePages {
+    fn drop(&mut self) {
+        let _ = std::fs::write(&self.file, &self.before);
+    }
+}
+
+/// The v2 hierarchy's `hugetlb` controller as it was before a test: enabled
+/// along the containers' path by nestbox-runc (as runc does), it is disabled
+/// again on drop, deepest directory first, where the test enabled it.
+struct V2Hugetlb {
+    mount: std::path::PathBuf,
+    was_on: bool,
+}
+
+impl V2Hugetlb {
+    fn note(mount: &Path) -> V2Hugetlb {
+        let file = mount.join("cgroup.subtree_control");
+        let text = std::fs::read_to_string(file).unwrap_or_default();
+        V2Hugetlb {
+            mount: mount.to_path_buf(),
+            was_on: text.split_whitespace().any(|c| c == "hugetlb"),
+        }
+    }
+}
+
+impl Drop for V2Hugetlb {
+    fn drop(&mut self) {
+        if self.was_on {
+            return;
+        }
+        fn off(dir: &Path) {
+            for entry in std::fs::read_dir(dir).into_iter().flatten().flatten() {
+                if entry.file_type().is_ok_and(|t| t.is_dir()) {
+                    off(&entry.path());
+                }
+            }
+            let file = dir.join("cgroup.subtree_control");
+            let on = std::fs::read_to_string(&file)
+                .unwrap_or_default()
+                .split_whitespace()
+                .any(|c| c == "hugetlb");
+            if on {
+                if let Err(e) = std::fs::write(&file, "-hugetlb") {
+                    eprintln!("could not disable hugetlb in {}: {e}", file.display());
+                }
+            }
+        }
+        off(&self.mount);
+    }
+}
+
+#[test]
+fn hugepage_limits_are_enforced_through_the_hugetlb_controller() {
+    let test = "hugepage_limits_are_enforced_through_the_hugetlb_controller";
+    if !ready(test) {
+        return;
+    }
+    if !Path::new("/sys/kernel/mm/hugepages/hugepages-2048kB").is_dir() {
+        return nestbox_testkit::skip(test, "needs 2 MiB huge pages");
+    }
+    let h = nestbox_cgroup::Hierarchies::detect().unwrap();
+    let Some(hugetlb) = h.find("hugetlb") else {
+        return nestbox_testkit::skip(test, "needs a hugetlb controller (v1 or v2)");
+    };
+    let _pages = HugePages::reserve(4);
+    let _controller = (hugetlb.version() == nestbox_cgroup::Version::V2)
+        .then(|| V2Hugetlb::note(hugetlb.mount_point()));
+    // Two files of one 2 MiB page each on a hugetlbfs of the container's:
+    // fallocate takes the pages, charged to the container's hugetlb cgroup.
+    let script = "fallocate -l 2M /hp/a && echo a-ok; fallocate -l 2M /hp/b && echo b-ok; true";
+    let env = Env::new(&["sh", "-c", script]);
+    let rootfs = env.bundle.join("rootfs");
+    std::os::unix::fs::symlink("busybox", rootfs.join("bin/fallocate")).unwrap();
+    std::fs::create_dir(rootfs.join("hp")).unwrap();
+    env.edit(|c| {
+        c["mounts"]
+            .as_array_mut()
+            .unwrap()
+            .push(json!({"destination": "/hp",
+            "type": "hugetlbfs", "source": "none", "options": ["pagesize=2M"]}));
+    });
+    // Without a limit: both pages.
+    let out = env.run("h0").ok();
+    assert_eq!(out.stdout, "a-ok\nb-ok\n", "{out}");
+    // Limited to one page: the second is refused by the kernel.
+    env.edit(|c| {
+        c["linux"]["resources"] =
+            json!({"hugepageLimits": [{"pageSize": "2MB", "limit": 2097152}]});
+    });
+    let out = env.run("h1").ok();
+    assert_eq!(out.stdout, "a-ok\n", "{out}");
+    assert!(out.stderr.contains("No space left on device"), "{out}");
+    // The limit, read in the container's cgroup of the hierarchy that has
+    // hugetlb (on this hybrid machine, its cgroup v2 hierarchy, whose root
+    // nestbox had enable hugetlb for it).
+    env.edit(|c| c["process"]["args"] = json!(["sleep", "100"]));
+    env.runc(&["run", "-d", "--bundle", env.bundle.to_str().unwrap(), "h2"])
+        .ok();
+    let pid = env.state("h2")["pid"].as_i64().unwrap();
+    let cgroup = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).unwrap();
+    let rel = cgroup
+        .lines()
+        .find_map(|l| {
+            let (_, rest) = l.split_once(':')?;
+            let (controllers, path) = rest.split_once(':')?;
+            let here = match hugetlb.version() {
+                nestbox_cgroup::Version::V2 => controllers.is_empty(),
+                nestbox_cgroup::Version::V1 => controllers.split(',').any(|c| c == "hugetlb"),
+            };
+            here.then(|| path.trim_start_matches('/').to_string())
+        })
+        .expect("the container's hugetlb cgroup");
+    let dir = hugetlb.mount_point().join(&rel);
+    let (max, rsvd) = match hugetlb.version() {
+        nestbox_cgroup::Version::V2 => ("hugetlb.2MB.max", "hugetlb.2MB.rsvd.max"),
+        nestbox_cgroup::Version::V1 => (
+            "hugetlb.2MB.limit_in_bytes",
+            "hugetlb.2MB.rsvd.limit_in_bytes",
+        ),
+    };
+    assert_eq!(
+        std::fs::read_to_string(dir.join(max)).unwrap().trim(),
+        "2097152"
+    );
+    if dir.join(rsvd).exists() {
+        assert_eq!(
+            std::fs::read_to_string(dir.join(rsvd)).unwrap().trim(),
+            "2097152"
+        );
+    }
+    env.runc(&["delete", "--force", "h2"]).ok();
+    assert!(!dir.exists(), "{} left", dir.display());
+    // A page size the kernel does not have: one line, nothing left.
+    env.edit(|c| {
+        c["linux"]["resources"] =
+            json!({"hugepageLimits": [{"pageSize": "3MB", "limit": 3145728}]});
+    });
+    env.create("h3")
+        .fails_with("linux.resources.hugepageLimits: page size \"3MB\": the kernel has no huge pages of that size");
+    env.runc(&["state", "h3"]).fails_with("does not exist");
 }
 
 #[test]

@@ -31,11 +31,8 @@ use crate::maps::{read_maps, Vma, PAGE};
 use crate::procfs::proc_path;
 use crate::procimage::{read_own_pages, PageData, Select};
 use crate::rebuild::is_special;
-use crate::tracee::{Tracee, TRACE_OPTIONS};
+use crate::tracee::{Tracee, PTRACE_O_SUSPEND_SECCOMP, TRACE_OPTIONS};
 
-/// `PTRACE_O_SUSPEND_SECCOMP`: the tracee's seccomp filters do not apply
-/// while it is traced with it (needs `CAP_SYS_ADMIN`).
-const PTRACE_O_SUSPEND_SECCOMP: libc::c_int = 1 << 21;
 /// The top of a user address space on x86_64.
 const USER_END: u64 = 0x7fff_ffff_f000;
 

@@ -19,6 +19,8 @@
 //! of a pipe held by a process outside the box, a socket whose peer was
 //! closed) is closed in the clone: the clone's fds then see what they would
 //! see if that end went away (end of file after the buffered data, `EPIPE`).
+//! The tracer's duplicates (`made`) must be dropped before any process of the
+//! clone runs, or such an end stays open meanwhile.
 
 use std::collections::BTreeMap;
 use std::io;

@@ -19,6 +19,30 @@ pub(crate) fn read_to_string(path: &Path) -> Result<String> {
     })
 }
 
+/// `PF_EXITING` of `include/linux/sched.h`: the task has begun to exit.
+const PF_EXITING: u64 = 0x4;
+
+/// Whether process `pid` is exiting or gone: its main thread has begun to
+/// exit (`PF_EXITING` in the flags of `/proc/PID/stat`) or is a zombie, or
+/// there is no such process.
+pub(crate) fn exiting(pid: i32) -> bool {
+    let Ok(stat) = std::fs::read_to_string(proc_path(pid, "stat")) else {
+        return true;
+    };
+    // After the command name, which may hold anything but ends at the last ')':
+    // state (field 3), then ppid, pgrp, session, tty, tpgid, flags (field 9).
+    let Some(rest) = stat.rsplit_once(')').map(|(_, r)| r) else {
+        return false;
+    };
+    let mut fields = rest.split_whitespace();
+    let state = fields.next().unwrap_or("");
+    let flags = fields
+        .nth(5)
+        .and_then(|f| f.parse::<u64>().ok())
+        .unwrap_or(0);
+    matches!(state, "Z" | "X" | "x") || flags & PF_EXITING != 0
+}
+
 /// `/proc/PID/status` as key/value pairs (values trimmed).
 #[derive(Debug, Clone)]
 pub struct Status {
@@ -100,4 +124,37 @@ impl Status {
 pub fn cwd(pid: i32) -> Result<PathBuf> {
     let path = proc_path(pid, "cwd");
     std::fs::read_link(&path).map_err(|source| RemoteError::Proc { path, source })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::exiting;
+
+    #[test]
+    fn a_running_process_is_not_exiting() {
+        assert!(!exiting(std::process::id() as i32));
+    }
+
+    #[test]
+    fn a_zombie_and_a_reaped_process_are_exiting() {
+        let mut child = std::process::Command::new("true")
+            .spawn()
+            .expect("spawn true");
+        let pid = child.id() as i32;
+        let zombie = (0..5000).any(|_| {
+            let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+            if stat
+                .rsplit_once(')')
+                .is_some_and(|(_, r)| r.trim_start().starts_with('Z'))
+            {
+                return true;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(1));
+            false
+        });
+        assert!(zombie, "child {pid} did not become a zombie");
+        assert!(exiting(pid), "a zombie is exiting");
+        child.wait().expect("reap");
+        assert!(exiting(pid), "a reaped process is gone");
+    }
 }

@@ -50,7 +50,7 @@ use crate::retarget::{box_pidfds, move_onto, own_pidfds, retarget_with};
 use crate::shmem::SharedObjects;
 use crate::threads::ThreadState;
 use crate::tracee::{Tracee, TRACE_OPTIONS};
-use crate::tree::{Membership, Origin, Step, INIT_PID};
+use crate::tree::{Membership, Origin, Step, INIT_PID, OUTSIDE_PID};
 use crate::treefork::{fork_held, mark_box, set_membership};
 
 /// Bump when the image's layout changes: an image of another version is refused.
@@ -65,7 +65,8 @@ const SECCOMP_SET_MODE_FILTER: u64 = 1;
 pub struct ProcessImage {
     /// Its pid in the box's pid namespace.
     pub ns_pid: i32,
-    /// Its parent's pid in the box (1: the box's init).
+    /// Its parent's pid in the box (1: the box's init; 0, `OUTSIDE_PID`:
+    /// outside its pid namespace, for the pid 1 of a namespace saved whole).
     pub parent: i32,
     /// What it does about its session and group once made.
     pub membership: Membership,
@@ -303,8 +304,10 @@ pub fn capture_box_incremental(
     let mut images: Vec<ProcessImage> = Vec::with_capacity(steps.len());
     for ((tracee, step), fds) in tracees.iter_mut().zip(steps).zip(inventories) {
         let pid = tracee.pid();
+        // A process made from outside keeps its parent's pid as its tree
+        // has it: INIT_PID in a box, OUTSIDE_PID for a pid namespace's pid 1.
         let parent = match step.origin {
-            Origin::RemoteFork => INIT_PID,
+            Origin::RemoteFork => step.process.ppid,
             Origin::ForkedBy(p) => p,
         };
         let inherited_fds: Vec<i32> = match step.origin {
@@ -665,13 +668,23 @@ pub struct RestorePlan<'a> {
     /// anonymous memory is filled. Only a box of one process is restored so;
     /// any other is filled at once.
     pub lazy: Option<LazyPlan>,
+    /// Suspend the restored processes' seccomp filter while they are made
+    /// (`PTRACE_O_SUSPEND_SECCOMP` on every tracee, cleared at release): for
+    /// a filter that does not let the restore's injected calls through
+    /// (an OCI config's, which knows no setns/clone3 cookie and may refuse
+    /// `clone3`, `mmap` of a kind, `prctl`…). nestbox's own box filter
+    /// needs no suspension.
+    pub suspend_seccomp: bool,
 }
 
 /// Make a box's processes from their images (in the order
 /// [`capture_box`] gave them: every parent before its children) and let
-/// them run. A process whose parent is the box's init is made from its
-/// stub in `stubs` ((pid in the box, host pid): born in the restored box's
-/// namespaces and cgroup with that pid, by `nestbox_sys::process::spawn_stub`);
+/// them run. A process whose parent is the box's init (or, for a pid
+/// namespace saved whole, its pid 1, whose parent is outside) is made from
+/// its stub in `stubs` ((pid in the box, host pid): born in the restored
+/// box's namespaces and cgroup with that pid, by
+/// `nestbox_sys::process::spawn_stub`, or the pid 1 of a new pid namespace
+/// set up by the caller);
 /// any other is forked by its restored parent (`clone3` with `set_tid`) and
 /// made its image's from there, keeping what it shares with its parent.
 /// `pages[i]` are the pages of `images[i]`. Every process is held until the
@@ -715,7 +728,10 @@ pub fn restore_box(
     let mut made: Vec<Made> = Vec::with_capacity(images.len());
     let mut server = None;
     for (i, image) in images.iter().enumerate() {
-        let mut process = if image.parent == INIT_PID {
+        // The parent made before it, if it is one of the images (a pid
+        // namespace's pid 1 is; a box's init never is).
+        let parent_at = images[..i].iter().position(|p| p.ns_pid == image.parent);
+        let mut process = if parent_at.is_none() && is_made_outside(image.parent) {
             let stub = stubs
                 .iter()
                 .find(|(ns, _)| *ns == image.ns_pid)
@@ -728,15 +744,12 @@ pub fn restore_box(
             server = server.or(lazy);
             made
         } else {
-            let parent_at = images[..i]
-                .iter()
-                .position(|p| p.ns_pid == image.parent)
-                .ok_or_else(|| {
-                    RemoteError::Plan(format!(
-                        "the parent {} of {} comes after it",
-                        image.parent, image.ns_pid
-                    ))
-                })?;
+            let parent_at = parent_at.ok_or_else(|| {
+                RemoteError::Plan(format!(
+                    "the parent {} of {} comes after it",
+                    image.parent, image.ns_pid
+                ))
+            })?;
             let parent = Parent {
                 made: &mut made[parent_at],
                 image: &images[parent_at],
@@ -750,6 +763,9 @@ pub fn restore_box(
     for (m, image) in made.iter_mut().zip(images) {
         box_pidfds(&mut m.process, &image.fds)?;
     }
+    // The tracer's duplicates of the new objects' ends go before anything
+    // runs (see treefork: an end no process holds must already be closed).
+    drop(tables);
     let mut pids = Vec::with_capacity(made.len());
     while let Some(m) = made.pop() {
         pids.push(m.release(None)?);
@@ -758,7 +774,14 @@ pub fn restore_box(
     Ok((pids, server))
 }
 
-/// A process whose parent is the box's init, made from its stub.
+/// Whether a process whose parent is `parent` (and not one of the images)
+/// is made from a stub: a child of a box's init, or a pid namespace's pid 1.
+fn is_made_outside(parent: i32) -> bool {
+    parent == INIT_PID || parent == OUTSIDE_PID
+}
+
+/// A process whose parent is the box's init (or the pid 1 of a pid
+/// namespace of its own), made from its stub.
 fn restore_root(
     stub: i32,
     image: &ProcessImage,
@@ -769,6 +792,12 @@ fn restore_root(
 ) -> Result<(Made, Option<LazyServer>)> {
     let mut x = Tracee::seize_and_interrupt(stub)?.owned();
     x.wait_stopped(std::time::Duration::from_secs(2))?;
+    if plan.suspend_seccomp {
+        // Kept by every later change of options, and by the threads and
+        // children it makes (auto-attached with its options, or given them
+        // by fork_held).
+        x.keep_options(crate::tracee::PTRACE_O_SUSPEND_SECCOMP);
+    }
     x.set_options(TRACE_OPTIONS | libc::PTRACE_O_EXITKILL)?;
     let status = Status::read(stub)?;
     if status.innermost_pid()? != image.ns_pid {

@@ -24,12 +24,20 @@ use crate::error::{RemoteError, Result};
 use crate::procfs::Status;
 use crate::threads::ThreadState;
 
+/// How long a seize waits for a template's exiting tracer to let it go.
+const TRACER_EXIT_WAIT: Duration = Duration::from_secs(2);
+
 /// The x86_64 general-purpose registers as `PTRACE_GETREGS` returns them.
 pub type Regs = libc::user_regs_struct;
 
 /// `PTRACE_O_*` options set on every tracee: auto-attach forked and cloned children.
 pub(crate) const TRACE_OPTIONS: libc::c_int =
     libc::PTRACE_O_TRACEFORK | libc::PTRACE_O_TRACECLONE | libc::PTRACE_O_TRACEVFORK;
+
+/// `PTRACE_O_SUSPEND_SECCOMP`: the tracee's seccomp filters do not apply to
+/// it while it is traced with this option (needs `CAP_SYS_ADMIN` in the
+/// initial user namespace).
+pub(crate) const PTRACE_O_SUSPEND_SECCOMP: libc::c_int = 1 << 21;
 
 /// What the tracee is to us: the template (detached on drop, registers restored)
 /// or a process we created (killed on drop).
@@ -78,6 +86,8 @@ pub struct Tracee {
     /// The `MADV_DONTFORK` ranges of the template's memory, once read (they
     /// do not change while it is held either).
     pub(crate) dontfork: Option<crate::dontfork::DontFork>,
+    /// Options added to every `PTRACE_SETOPTIONS` of it ([`Tracee::keep_options`]).
+    pub(crate) sticky_options: libc::c_int,
     _not_send: PhantomData<*const ()>,
 }
 
@@ -185,10 +195,24 @@ impl Tracee {
     /// Seize and interrupt thread `tid` of process `tgid`; `None` when it has
     /// exited meanwhile (only for a thread that is not the leader).
     fn seize_thread(tgid: i32, tid: i32) -> Result<Option<Tracee>> {
-        if let Err(err) =
+        let deadline = Instant::now() + TRACER_EXIT_WAIT;
+        while let Err(err) =
             sys_ptrace::seize(tid, TRACE_OPTIONS).map_err(ptrace_err("PTRACE_SEIZE", tid))
         {
             return match err.errno() {
+                // Traced by a process that is exiting (a clone or checkpoint
+                // killed with SIGKILL): an exiting process closes its files,
+                // and so releases the template's clone lock, before the
+                // kernel detaches its tracees. Seize again once it has.
+                Some(libc::EPERM)
+                    if Status::read(tid)
+                        .and_then(|s| s.tracer_pid())
+                        .is_ok_and(|t| t != 0 && crate::procfs::exiting(t))
+                        && Instant::now() < deadline =>
+                {
+                    std::thread::sleep(Duration::from_millis(1));
+                    continue;
+                }
                 Some(libc::ESRCH) if tid == tgid => Err(RemoteError::NoSuchProcess { pid: tid }),
                 Some(libc::ESRCH) => Ok(None),
                 Some(libc::EPERM) => match Status::read(tid).and_then(|s| s.tracer_pid()) {
@@ -287,6 +311,7 @@ impl Tracee {
             threads: Vec::new(),
             captured: None,
             dontfork: None,
+            sticky_options: 0,
             _not_send: PhantomData,
         }
     }
@@ -533,8 +558,14 @@ impl Tracee {
 
     /// Set ptrace options (`PTRACE_O_*`).
     pub(crate) fn set_options(&self, options: libc::c_int) -> Result<()> {
-        sys_ptrace::set_options(self.pid, options)
+        sys_ptrace::set_options(self.pid, options | self.sticky_options)
             .map_err(ptrace_err("PTRACE_SETOPTIONS", self.pid))
+    }
+
+    /// Add `options` to every later [`Tracee::set_options`] of this tracee
+    /// (until it is detached, which clears every option).
+    pub(crate) fn keep_options(&mut self, options: libc::c_int) {
+        self.sticky_options |= options;
     }
 
     /// Restore the original registers, re-send signals that arrived while we held

@@ -15,6 +15,15 @@
 //! Refused, each with one line naming the process: a process whose session is
 //! neither its own nor its parent's (its parent changed session after the
 //! fork), and a process group whose leader is not in the box.
+//!
+//! Two roots are read: a box's ([`read_box`]: its processes are the
+//! descendants of nestbox's init, pid [`INIT_PID`], which is not one of
+//! them), and a pid namespace's own ([`read_pid_namespace`]: a tree whose
+//! pid 1 is one of its processes, the program of an OCI container started
+//! cold, whose parent is outside the namespace, [`OUTSIDE_PID`]). A process
+//! whose parent is the root's parent ([`INIT_PID`] in a box, [`OUTSIDE_PID`]
+//! for a namespace) is made from outside (a remote fork, or a restore stub);
+//! any other by its parent.
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -23,6 +32,11 @@ use crate::procfs::Status;
 
 /// The pid of a box's init in its own pid namespace.
 pub const INIT_PID: i32 = 1;
+
+/// The parent of a pid namespace's pid 1 as the namespace sees it (0: not in
+/// the namespace). A tree read by [`read_pid_namespace`] has its pid 1 as a
+/// child of this.
+pub const OUTSIDE_PID: i32 = 0;
 
 /// One process of a template box, as its own pid namespace sees it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -76,9 +90,28 @@ pub struct Step {
 /// A process that went, or whose `status` cannot be read or parsed; a parent
 /// outside the box.
 pub fn read_box(init: i32, host_pids: &[i32]) -> Result<Vec<BoxProcess>> {
+    read_tree(Some(init), host_pids)
+}
+
+/// Read the processes `host_pids` of a pid namespace whose pid 1 is one of
+/// them (an OCI container started cold): its pid 1's parent, outside the
+/// namespace, is read as [`OUTSIDE_PID`].
+///
+/// # Errors
+/// As [`read_box`]; no process with pid 1 in its namespace among them; two
+/// processes in different pid namespaces.
+pub fn read_pid_namespace(host_pids: &[i32]) -> Result<Vec<BoxProcess>> {
+    read_tree(None, host_pids)
+}
+
+/// [`read_box`] (`init`: the box's init) or [`read_pid_namespace`] (`None`).
+fn read_tree(init: Option<i32>, host_pids: &[i32]) -> Result<Vec<BoxProcess>> {
     let mut raw = Vec::with_capacity(host_pids.len());
     let mut ns_pid_of = BTreeMap::new();
-    ns_pid_of.insert(init, INIT_PID);
+    if let Some(init) = init {
+        ns_pid_of.insert(init, INIT_PID);
+    }
+    let mut namespace = None;
     for &host_pid in host_pids {
         let status = Status::read(host_pid)?;
         let pid = status.innermost_pid()?;
@@ -93,14 +126,36 @@ pub fn read_box(init: i32, host_pids: &[i32]) -> Result<Vec<BoxProcess>> {
         };
         let host_ppid: i32 = status.decimal("PPid")?;
         ns_pid_of.insert(host_pid, pid);
+        if init.is_none() {
+            // Every process must be of the one namespace (a process of a
+            // namespace nested in it would be read with the wrong pids).
+            let depth = status.get("NSpid")?.split_whitespace().count();
+            if *namespace.get_or_insert(depth) != depth {
+                return Err(RemoteError::Unclonable(format!(
+                    "process {host_pid} (pid {pid} in its namespace) is in a pid namespace nested in the container's"
+                )));
+            }
+        }
         raw.push((host_pid, pid, host_ppid, last("NSsid")?, last("NSpgid")?));
+    }
+    if init.is_none() {
+        let root = raw.iter().find(|r| r.1 == INIT_PID).ok_or_else(|| {
+            RemoteError::Unclonable("no process of the tree is pid 1 of its pid namespace".into())
+        })?;
+        ns_pid_of.entry(root.2).or_insert(OUTSIDE_PID);
     }
     raw.into_iter()
         .map(|(host_pid, pid, host_ppid, sid, pgid)| {
             let ppid = *ns_pid_of.get(&host_ppid).ok_or_else(|| {
-                RemoteError::Unclonable(format!(
-                    "process {host_pid} (pid {pid} in its box) has a parent outside the box (host pid {host_ppid})"
-                ))
+                RemoteError::Unclonable(if init.is_some() {
+                    format!(
+                        "process {host_pid} (pid {pid} in its box) has a parent outside the box (host pid {host_ppid})"
+                    )
+                } else {
+                    format!(
+                        "process {host_pid} (pid {pid} in its pid namespace) has a parent outside the tree of pid 1 (host pid {host_ppid}): a process that joined the namespace from outside (an exec) cannot be saved"
+                    )
+                })
             })?;
             Ok(BoxProcess {
                 host_pid,
@@ -133,10 +188,11 @@ pub fn plan(processes: &[BoxProcess]) -> Result<Vec<Step>> {
         let mut i = 0;
         while i < left.len() {
             let p = left[i];
-            let origin = if p.ppid == INIT_PID {
-                Origin::RemoteFork
-            } else if by_pid.contains_key(&p.ppid) {
+            // (A box's init is never in `processes`; a namespace's pid 1 is.)
+            let origin = if by_pid.contains_key(&p.ppid) {
                 Origin::ForkedBy(p.ppid)
+            } else if p.ppid == INIT_PID || p.ppid == OUTSIDE_PID {
+                Origin::RemoteFork
             } else {
                 return Err(RemoteError::Unclonable(format!(
                     "process {} (pid {} in its box) has a parent (pid {}) that is not in the box",
@@ -278,6 +334,34 @@ mod tests {
     fn a_parent_outside_the_box_is_refused() {
         let err = plan(&[proc(3, 8, 3, 3)]).unwrap_err();
         assert!(err.to_string().contains("not in the box"), "{err}");
+    }
+
+    #[test]
+    fn a_pid_namespaces_pid_1_is_made_from_outside_and_its_children_by_it() {
+        // An OCI container started cold: sh (1, its own session after
+        // setsid) with a child (7) in its group and a job (9) leading one.
+        let steps = plan(&[
+            proc(7, 1, 1, 1),
+            proc(1, OUTSIDE_PID, 1, 1),
+            proc(9, 1, 1, 9),
+        ])
+        .unwrap();
+        let order: Vec<i32> = steps.iter().map(|s| s.process.pid).collect();
+        assert_eq!(order, [1, 7, 9]);
+        assert_eq!(steps[0].origin, Origin::RemoteFork);
+        assert_eq!(steps[0].membership, Membership::NewSession);
+        assert_eq!(steps[1].origin, Origin::ForkedBy(1));
+        assert_eq!(steps[1].membership, Membership::Inherit);
+        assert_eq!(steps[2].membership, Membership::OwnGroup);
+    }
+
+    #[test]
+    fn the_pid_namespace_of_this_process_reads_with_pid_1_outside() {
+        // This test's own process tree is in the initial pid namespace,
+        // whose pid 1 is not one of its processes: refused, saying so.
+        let me = std::process::id() as i32;
+        let err = read_pid_namespace(&[me]).unwrap_err();
+        assert!(err.to_string().contains("pid 1"), "{err}");
     }
 
     #[test]

@@ -193,6 +193,12 @@ pub fn remote_fork_tree(
         phases.mark("other processes");
     }
     let fds = made.first().map(|(_, m)| m.fds.clone()).unwrap_or_default();
+    // The tracer's duplicates of the new pipes' and socket pairs' ends go
+    // before anything runs: an end that no process of the box holds (the
+    // reader of a pipe whose reader was outside the box) must be closed
+    // from the clone's first instruction on, or a write meanwhile would
+    // succeed into a pipe that nobody reads once the tracer is gone.
+    drop(tables);
     let mut processes = Vec::with_capacity(made.len());
     // Children first: a parent runs only once everything it may wait for is there.
     let mut released = Vec::with_capacity(made.len());
@@ -333,7 +339,9 @@ fn fork_child(
 pub(crate) fn fork_held(parent: &mut Made, ns_pid: i32, cookie: [u64; 2]) -> Result<Tracee> {
     let insn = parent.process.syscall_insn;
     let (x_pid, with_pid) = fork_into(&mut parent.process, &mut parent.scratch, 0, ns_pid, cookie)?;
-    let x = Tracee::adopt(x_pid, insn)?;
+    let mut x = Tracee::adopt(x_pid, insn)?;
+    // (A restore with its seccomp filter suspended keeps it so in the child.)
+    x.keep_options(parent.process.sticky_options);
     x.set_options(TRACE_OPTIONS | libc::PTRACE_O_EXITKILL)?;
     if !with_pid {
         return Err(RemoteError::Unclonable(format!(

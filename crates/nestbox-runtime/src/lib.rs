@@ -50,9 +50,13 @@ pub use error::{Result, RuntimeError};
 
 // The modules' paths before they were grouped, kept so that callers (the CLI and
 // other crates) need not change.
-pub use lifecycle::{exec, init, ksm, launch, logs, monitor, residency, shell, time_travel};
+pub use lifecycle::{
+    exec, init, ksm, launch, logs, monitor, nest, residency, shell, time_travel,
+};
 pub use network::pool as network_pool;
-pub use templates::{checkpoint, clone, migrate, prepared_claim, template, working_set};
+pub use templates::{
+    checkpoint, clone, migrate, nscheckpoint, prepared_claim, template, working_set,
+};
 
 /// The operations the CLI offers on boxes, templates and clones included: the
 /// plain-box operations of [`lifecycle::ops`], with `stop`, `rm` and `inspect`

@@ -100,7 +100,20 @@ pub struct BoxSpec {
     /// subscribe to stop and are answered by them.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub monitors: Vec<String>,
+    /// The box may run boxes of its own (`--nest`, see `docs/nesting.md`):
+    /// it gets a user namespace, its cgroups delegated and mounted at
+    /// `/sys/fs/cgroup`, a state directory of its own at `/var/lib/nestbox`,
+    /// the nestbox binary at [`NESTED_BINARY`], and a seccomp filter that lets
+    /// it make namespaces and mount in them.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub nest: bool,
 }
+
+/// Where a box that may run boxes of its own (`--nest`) finds the nestbox
+/// binary (bound read-only; its directory is on the box's PATH).
+pub const NESTED_BINARY: &str = "/opt/nestbox/bin/nestbox";
+/// The directory of [`NESTED_BINARY`].
+pub const NESTED_BIN_DIR: &str = "/opt/nestbox/bin";
 
 /// How a box is connected.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
@@ -261,6 +274,27 @@ impl BoxSpec {
                 "-p, --allow-host-port, --egress, --net-rate, --net-reserve, --net-share and --net-ingress-rate need --network bridge",
             ));
         }
+        if self.network.mode == NetworkMode::Bridge && nestbox_isolation::idmap::in_user_namespace()
+        {
+            return Err(invalid(
+                "--network bridge is not available in a box inside a box (its bridge, NAT and guard need the host's root): nested boxes get --network none",
+            ));
+        }
+        if self.nest {
+            if !self.userns {
+                return Err(invalid("--nest needs a user namespace (--userns)"));
+            }
+            if self.read_only {
+                return Err(invalid(
+                    "--nest and --read-only do not go together: the boxes inside keep their state in the box's /run",
+                ));
+            }
+            if self.clone_of.is_none() && self.disk.is_some() {
+                return Err(invalid(
+                    "--nest and --disk do not go together yet: the box's boxes keep their layers in its state directory, outside its disk",
+                ));
+            }
+        }
         if self.network.mode == NetworkMode::Bridge
             && self.userns
             && !nix::unistd::geteuid().is_root()
@@ -299,8 +333,13 @@ impl BoxSpec {
     /// The environment the command gets: defaults, then the spec's `env` on top.
     pub fn environment(&self) -> Vec<String> {
         let home = if self.user.uid == 0 { "/root" } else { "/" };
+        let path = if self.nest {
+            format!("{DEFAULT_PATH}:{NESTED_BIN_DIR}")
+        } else {
+            DEFAULT_PATH.to_string()
+        };
         let mut env = vec![
-            format!("PATH={DEFAULT_PATH}"),
+            format!("PATH={path}"),
             format!("HOSTNAME={}", self.hostname),
             format!("HOME={home}"),
         ];
@@ -443,6 +482,7 @@ pub(crate) mod tests_support {
             ksm: false,
             disk: None,
             monitors: Vec::new(),
+            nest: false,
             clone_of: None,
             restore_of: None,
             network: NetSpec::default(),

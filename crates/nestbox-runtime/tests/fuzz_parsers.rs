@@ -204,6 +204,7 @@ fn limits() -> impl Strategy<Value = nestbox_cgroup::Limits> {
                     io_devices: Vec::new(),
                     net_class_id: None,
                     net_priorities: Vec::new(),
+                    hugepage_limits: Vec::new(),
                 }
             },
         )
@@ -259,6 +260,7 @@ fn spec() -> impl Strategy<Value = BoxSpec> {
                     ksm: false,
                     disk: None,
                     monitors: Vec::new(),
+                    nest: false,
                     clone_of: None,
                     restore_of: None,
                     network: NetSpec {
@@ -331,6 +333,7 @@ fn stored_spec_json() {
         ksm: false,
         disk: None,
         monitors: Vec::new(),
+        nest: false,
         clone_of: None,
         restore_of: None,
         network: NetSpec::default(),

@@ -142,6 +142,11 @@ pub struct DefaultOpts {
     pub bpf: bool,
     /// `CAP_PERFMON`.
     pub perfmon: bool,
+    /// The box runs boxes of its own (`run --nest`, in a user namespace):
+    /// the calls in [`NEST_ALLOWED`] and namespace-creating `clone`/`clone3`
+    /// are let through, for the kernel to check against the box's user
+    /// namespace (see `docs/nesting.md`).
+    pub nest: bool,
 }
 
 impl DefaultOpts {
@@ -208,6 +213,35 @@ impl DefaultOpts {
         }
     }
 }
+
+/// What a box that runs boxes of its own (`DefaultOpts::nest`) may call
+/// although the default profile blocks it: making namespaces and mounting
+/// in them (the kernel allows either only in namespaces owned by a user
+/// namespace the caller made or holds, so a box can mount nothing of its
+/// parent's), `pivot_root` into a nested box's root, and the cross-process
+/// calls `freeze`/`clone` use on the nested boxes' processes (limited by
+/// the kernel to processes of the caller's own user namespaces).
+pub const NEST_ALLOWED: &[&str] = &[
+    "mount",
+    "umount2",
+    "mount_setattr",
+    "move_mount",
+    "open_tree",
+    "fsopen",
+    "fsconfig",
+    "fsmount",
+    "fspick",
+    "setns",
+    "unshare",
+    "sethostname",
+    "setdomainname",
+    "pivot_root",
+    "ptrace",
+    "process_vm_readv",
+    "process_vm_writev",
+    "kcmp",
+    "pidfd_getfd",
+];
 
 /// One group of unconditionally blocked syscalls.
 #[derive(Debug, Clone, Copy)]
@@ -384,7 +418,7 @@ pub fn default_profile(opts: DefaultOpts) -> Profile {
     // All four are in the x86_64 table; `if let` keeps the "unknown names are
     // skipped" rule uniform anyway.
     if let (false, Some(clone), Some(clone3)) = (
-        opts.sys_admin,
+        opts.sys_admin || opts.nest,
         syscall_number("clone"),
         syscall_number("clone3"),
     ) {
@@ -412,7 +446,12 @@ pub fn default_profile(opts: DefaultOpts) -> Profile {
         if group.unless.iter().any(|&cap| opts.has(cap)) {
             continue;
         }
-        for nr in group.names.iter().filter_map(|name| syscall_number(name)) {
+        for nr in group
+            .names
+            .iter()
+            .filter(|name| !(opts.nest && NEST_ALLOWED.contains(name)))
+            .filter_map(|name| syscall_number(name))
+        {
             p.push(Rule::new(nr, Action::Errno(group.errno)));
         }
     }
@@ -593,6 +632,39 @@ mod tests {
             run(&p, &Data::x86_64(x32_read, [0; 6])),
             Action::Errno(EPERM)
         );
+    }
+
+    #[test]
+    fn a_nest_box_may_make_namespaces_and_mount_but_nothing_more() {
+        let nest = prog(DefaultOpts {
+            nest: true,
+            ..Default::default()
+        });
+        for name in NEST_ALLOWED {
+            assert_eq!(call(&nest, name, [0; 6]), Action::Allow, "{name}");
+        }
+        assert_eq!(
+            call(&nest, "clone", arg0(CLONE_NEWUSER | CLONE_NEWNS)),
+            Action::Allow
+        );
+        assert_eq!(call(&nest, "clone3", [0; 6]), Action::Allow);
+        for name in [
+            "bpf",
+            "keyctl",
+            "userfaultfd",
+            "init_module",
+            "kexec_load",
+            "open_by_handle_at",
+            "io_uring_setup",
+            "perf_event_open",
+        ] {
+            assert_eq!(call(&nest, name, [0; 6]), Action::Errno(EPERM), "{name}");
+        }
+        // Without it, all of them stay blocked.
+        let plain = prog(DefaultOpts::default());
+        for name in NEST_ALLOWED {
+            assert_ne!(call(&plain, name, [0; 6]), Action::Allow, "{name}");
+        }
     }
 
     #[test]

@@ -78,6 +78,10 @@ enum Command {
         /// Print JSON.
         #[arg(long)]
         json: bool,
+        /// Show the boxes inside running nest boxes too (`run --nest`), as
+        /// `parent/child`, to any depth.
+        #[arg(long)]
+        tree: bool,
     },
     /// Show everything known about a box, as JSON.
     Inspect {
@@ -520,6 +524,7 @@ impl ResourceArgs {
             io_devices: Vec::new(),
             net_class_id: None,
             net_priorities: Vec::new(),
+            hugepage_limits: Vec::new(),
         })
     }
 
@@ -640,9 +645,15 @@ struct RunArgs {
     /// Security options: seccomp=unconfined or seccomp=PROFILE.json.
     #[arg(long, value_name = "OPT")]
     security_opt: Vec<String>,
-    /// Give the box a user namespace (always on without root).
+    /// Give the box a user namespace (always on without root, and inside a
+    /// box).
     #[arg(long)]
     userns: bool,
+    /// Let the box run boxes of its own (nestbox inside, without host root):
+    /// a user namespace, its cgroups delegated, a state directory, the
+    /// nestbox binary on its PATH (docs/nesting.md).
+    #[arg(long)]
+    nest: bool,
     /// The command and its arguments (after --).
     #[arg(
         trailing_var_arg = true,
@@ -683,7 +694,7 @@ pub fn dispatch(cli: Cli) -> Result<i32> {
     let root = cli.root;
     match cli.command {
         Command::Run(args) => run(&reg, *args),
-        Command::Ps { all, json } => output::ps(&reg, all, json).map(|_| 0),
+        Command::Ps { all, json, tree } => output::ps(&reg, all, json, tree).map(|_| 0),
         Command::Inspect { name } => {
             println!(
                 "{}",
@@ -1023,6 +1034,9 @@ fn build_spec(a: RunArgs) -> Result<BoxSpec> {
     if !root {
         check_userns_available()?;
     }
+    // Inside a box (a user namespace), every box gets a user namespace of
+    // its own, and the network defaults to none (docs/nesting.md).
+    let nested = nestbox_runtime::nest::in_user_namespace();
     let name = a.name.unwrap_or_else(generated_name);
     let limits = a.resources.limits()?;
     let mut seccomp = SeccompChoice::Default;
@@ -1040,10 +1054,17 @@ fn build_spec(a: RunArgs) -> Result<BoxSpec> {
             ))),
         }
     }
-    let capabilities = nestbox_runtime::spec::resolve_capabilities(&a.cap_add, &a.cap_drop)?;
+    // A box for boxes needs CAP_SYS_PTRACE in its user namespace to reach
+    // its boxes' first processes, which are not dumpable and whose memory
+    // belongs to its namespace (`exec`, `freeze`, `clone` inside).
+    let mut cap_add = a.cap_add.clone();
+    if a.nest && !a.cap_drop.iter().any(|c| c.eq_ignore_ascii_case("ALL")) {
+        cap_add.push("SYS_PTRACE".into());
+    }
+    let capabilities = nestbox_runtime::spec::resolve_capabilities(&cap_add, &a.cap_drop)?;
     let (mode, network_name) = match a.network.as_deref() {
         Some(m) => NetworkMode::parse_with_name(m)?,
-        None if root => (NetworkMode::Bridge, None),
+        None if root && !nested => (NetworkMode::Bridge, None),
         None => (NetworkMode::None, None),
     };
     let mut network = NetSpec {
@@ -1096,7 +1117,7 @@ fn build_spec(a: RunArgs) -> Result<BoxSpec> {
         tmpfs: a.tmpfs,
         capabilities,
         seccomp,
-        userns: a.userns || !root,
+        userns: a.userns || !root || a.nest || nested,
         limits,
         interactive: a.interactive,
         remove_on_exit: a.rm,
@@ -1106,6 +1127,7 @@ fn build_spec(a: RunArgs) -> Result<BoxSpec> {
         restore_of: None,
         network,
         monitors: a.monitors,
+        nest: a.nest,
     };
     // Validated by the runtime (ops::run_*) before anything is created.
     Ok(spec)

@@ -9,7 +9,7 @@ use serde_json::json;
 use std::io::Write as _;
 
 /// `ps`: a table, or JSON with `--json`.
-pub fn ps(reg: &Registry, all: bool, as_json: bool) -> Result<()> {
+pub fn ps(reg: &Registry, all: bool, as_json: bool, tree: bool) -> Result<()> {
     let mut rows = Vec::new();
     for r in reg.list()? {
         let status = r.state.effective_status();
@@ -31,6 +31,29 @@ pub fn ps(reg: &Registry, all: bool, as_json: bool) -> Result<()> {
             "command": r.spec.command.join(" "),
             "stopped_by_watchdog": r.state.watchdog.is_some(),
         }));
+        if tree {
+            // The boxes inside a running nest box, as `parent/child`.
+            for b in nestbox_runtime::nest::tree(&r) {
+                if !all
+                    && !matches!(
+                        b.status,
+                        Status::Running | Status::Creating | Status::Frozen
+                    )
+                {
+                    continue;
+                }
+                rows.push(json!({
+                    "name": b.path,
+                    "id": b.id,
+                    "status": b.status.as_str(),
+                    "exit_code": b.exit_code,
+                    "pid": b.pid,
+                    "created": b.created,
+                    "command": b.command,
+                    "stopped_by_watchdog": false,
+                }));
+            }
+        }
     }
     if as_json {
         println!("{}", serde_json::to_string_pretty(&rows)?);
@@ -290,10 +313,14 @@ pub fn gc(reg: &Registry, root: &Option<std::path::PathBuf>) -> Result<()> {
     for n in &r.network {
         println!("released the network of box id {n}");
     }
+    for line in &r.nested {
+        println!("{line}");
+    }
     if r.boxes.is_empty()
         && r.cgroups.is_empty()
         && r.dirs.is_empty()
         && r.network.is_empty()
+        && r.nested.is_empty()
         && dirs == 0
         && packs == 0
         && revived.is_empty()

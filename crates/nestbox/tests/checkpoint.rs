@@ -178,6 +178,79 @@ fn a_saved_template_is_revived_by_clone_when_its_box_is_gone() {
     assert_error(&out, 125, "no template named \"web\"");
 }
 
+/// Checkpoints of a template while it is being cloned: each waits for the
+/// clone under way and the clone for the checkpoint, so all of them succeed
+/// and every clone continues the template. Before, a checkpoint seized the
+/// template's processes without the template's clone lock, and a clone then
+/// failed with "already being traced" (met by the stress suite).
+#[test]
+fn checkpoints_and_clones_of_one_template_at_once_all_succeed() {
+    let Some(root) = TestRoot::new("checkpoints_and_clones_of_one_template_at_once_all_succeed")
+    else {
+        return;
+    };
+    let app = App::python_pool();
+    let volume = app.volume();
+    root.ok(&[
+        "run",
+        "-d",
+        "--name",
+        "tpl",
+        "-v",
+        &volume,
+        "--",
+        "python3",
+        "/app/server.py",
+    ]);
+    root.wait_logged("tpl", "ready", Duration::from_secs(30));
+    assert_eq!(get(&root, "tpl").0, 1);
+    root.ok(&["freeze", "tpl", "--as", "web"]);
+    const CLONES: usize = 8;
+    const CHECKPOINTS: usize = 4;
+    std::thread::scope(|s| {
+        let cloner = s.spawn(|| {
+            for i in 0..CLONES {
+                root.ok(&["clone", "web", "-d", "--name", &format!("c{i}")]);
+            }
+        });
+        for i in 0..CHECKPOINTS {
+            root.ok(&["checkpoint", "tpl", "--as", &format!("k{i}")]);
+        }
+        cloner.join().expect("the clones");
+    });
+    for i in 0..CLONES {
+        let name = format!("c{i}");
+        assert_eq!(get(&root, &name), (2, name.clone()), "{name} continues");
+    }
+    let listed = root.ok(&["checkpoint", "ls"]);
+    for i in 0..CHECKPOINTS {
+        assert!(listed.contains(&format!("k{i}")), "k{i} in {listed}");
+    }
+    // The last checkpoint restores the template's state.
+    root.ok(&[
+        "restore",
+        &format!("k{}", CHECKPOINTS - 1),
+        "--name",
+        "r",
+        "-d",
+    ]);
+    // Its process keeps the template box's hostname, as any restored box.
+    assert_eq!(get(&root, "r"), (2, "tpl".to_string()));
+    // The template stayed frozen through its checkpoints: it still clones.
+    root.ok(&["clone", "web", "-d", "--name", "after"]);
+    assert_eq!(get(&root, "after"), (2, "after".to_string()));
+    let boxes: Vec<String> = (0..CLONES).map(|i| format!("c{i}")).collect();
+    root.rm_all(
+        boxes
+            .iter()
+            .map(String::as_str)
+            .chain(["r", "after", "tpl"]),
+    );
+    for i in 0..CHECKPOINTS {
+        root.ok(&["checkpoint", "rm", &format!("k{i}")]);
+    }
+}
+
 /// A clone (a sandbox of a service) is checkpointed like any box: restored
 /// after its template and the clone are removed, it continues from the
 /// clone's state, with the files of the template's layer and its own.

@@ -1020,3 +1020,47 @@ fn a_clone_of_a_frozen_clone_sees_every_layer_below() {
         box_names(&root).is_empty()
     });
 }
+
+/// A clone's pid namespace is made below its template's, and Linux nests pid
+/// namespaces at most 32 deep: a line of clones of clones (each frozen and
+/// cloned in turn, as repeated E2B forks of one sandbox do) ends at 31
+/// generations with a refusal that names the limit and makes nothing, while
+/// the templates before it still clone.
+#[test]
+fn a_line_of_clones_of_clones_ends_at_the_kernels_pid_namespace_depth() {
+    let Some(root) =
+        TestRoot::new("a_line_of_clones_of_clones_ends_at_the_kernels_pid_namespace_depth")
+    else {
+        return;
+    };
+    root.detached_sh("g0", &["--network", "none"], "exec sleep infinity");
+    let mut made = 0;
+    loop {
+        root.ok(&["freeze", &format!("g{made}")]);
+        let next = format!("g{}", made + 1);
+        let out = root.run(&["clone", &format!("g{made}"), "-d", "--name", &next]);
+        if out.code != 0 {
+            assert_error(
+                &out,
+                125,
+                "pid namespaces deep, and Linux nests them at most 32 deep: it cannot be cloned again",
+            );
+            assert!(!box_names(&root).contains(&next), "{next} was not made");
+            break;
+        }
+        made += 1;
+        assert!(made <= 40, "no limit met after {made} generations");
+    }
+    // The first box's namespace is one below the host's.
+    assert_eq!(made, 31, "generations of clones");
+    root.ok(&["clone", "g30", "-d", "--name", "side"]);
+    assert_eq!(root.ok(&["exec", "side", "--", "echo", "ok"]), "ok\n");
+    let mut all: Vec<String> = (0..=made).rev().map(|g| format!("g{g}")).collect();
+    all.insert(0, "side".into());
+    let mut args = vec!["rm", "-f"];
+    args.extend(all.iter().map(String::as_str));
+    root.ok(&args);
+    wait_for("the templates to go", Duration::from_secs(60), || {
+        box_names(&root).is_empty()
+    });
+}

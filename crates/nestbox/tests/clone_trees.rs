@@ -315,3 +315,80 @@ fn a_pipeline_in_the_box_keeps_its_pipe_in_clones() {
     }
     root.rm_all(["c0", "c1", "c2", "tpl"]);
 }
+
+/// A process of a multi-process box writes to a FIFO whose reader is on the
+/// host, outside the box. In a clone that end is closed (docs/clone-fds.md):
+/// from the clone's first instruction on, every write fails with `EPIPE`.
+/// None may succeed into the clone's new pipe while the clone is still being
+/// finished (the tracer held a duplicate of its read end until then, so the
+/// first writes of a clone went into a pipe nobody would ever read: E2B's
+/// relay lost the line written at the fork).
+#[test]
+fn a_pipe_whose_reader_is_outside_the_box_is_closed_from_the_clones_start() {
+    let test = "a_pipe_whose_reader_is_outside_the_box_is_closed_from_the_clones_start";
+    let Some(root) = TestRoot::new(test) else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let fifo = dir.path().join("fifo");
+    nix::unistd::mkfifo(&fifo, nix::sys::stat::Mode::from_bits_truncate(0o600)).unwrap();
+    std::fs::write(
+        dir.path().join("w.py"),
+        "import os, signal, time\n\
+         signal.signal(signal.SIGPIPE, signal.SIG_IGN)\n\
+         w = os.open('/g/fifo', os.O_WRONLY)\n\
+         log = open('/tmp/writes', 'a', buffering=1)\n\
+         while True:\n\
+         \x20   try:\n\
+         \x20       os.write(w, b'x\\n')\n\
+         \x20       r = 'ok'\n\
+         \x20   except OSError as e:\n\
+         \x20       r = 'err%d' % e.errno\n\
+         \x20   log.write('%s %s\\n' % (os.uname().nodename, r))\n\
+         \x20   time.sleep(0.001)\n",
+    )
+    .unwrap();
+    // The host's reader: it drains the FIFO until every writer is gone.
+    let reader_path = fifo.clone();
+    let reader = std::thread::spawn(move || {
+        let mut f = std::fs::File::open(reader_path).unwrap();
+        std::io::copy(&mut f, &mut std::io::sink()).unwrap()
+    });
+    let volume = format!("{}:/g", dir.path().display());
+    root.detached_sh(
+        "tpl",
+        &["-v", &volume],
+        "python3 /g/w.py & echo ready\nwait\n",
+    );
+    root.wait_logged("tpl", "ready", Duration::from_secs(20));
+    // Lines of `name`'s log that its own processes wrote (the clone's
+    // hostname is its name), with the outcome of each write.
+    let own_writes = |name: &str| -> Vec<String> {
+        let out = root.run(&["exec", name, "--", "cat", "/tmp/writes"]);
+        out.stdout
+            .lines()
+            .filter_map(|l| l.strip_prefix(&format!("{name} ")))
+            .map(str::to_string)
+            .collect()
+    };
+    wait_for("the template's writes", Duration::from_secs(20), || {
+        own_writes("tpl").len() > 50
+    });
+    assert!(own_writes("tpl").iter().all(|r| r == "ok"));
+    root.ok(&["freeze", "tpl"]);
+    for i in 0..3 {
+        let name = format!("c{i}");
+        root.ok(&["clone", "tpl", "-d", "--name", &name]);
+        wait_for(&format!("{name}'s writes"), Duration::from_secs(20), || {
+            own_writes(&name).len() > 20
+        });
+        let writes = own_writes(&name);
+        let errno = format!("err{}", libc::EPIPE);
+        assert!(
+            writes.iter().all(|r| *r == errno),
+            "every write of {name} to the pipe whose reader is outside fails with EPIPE: {writes:?}"
+        );
+    }
+    root.rm_all(["c0", "c1", "c2", "tpl"]);
+    reader.join().unwrap();
+}

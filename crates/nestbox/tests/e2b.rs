@@ -480,19 +480,81 @@ assert later.exit_code == 0 and later.stdout.endswith("finished\n"), later
 whole = h.wait()
 assert whole.stdout == "".join(f"{i}\n" for i in range(1, 21)) + "finished\n", whole.stdout
 assert h.pid not in [p.pid for p in again.commands.list()]
-# A fork ends the commands of the sandbox forked (docs/e2b.md: a line in
-# flight at the freeze was seen lost in a copy); both go on without them.
-h2 = again.commands.run("sleep 300", background=True)
+# A fork: the commands go on in the sandbox forked and in the fork, each
+# copy with its own output and stdin (the agent relays them through pipes
+# of the box, which a clone copies with the bytes in them).
+h2 = again.commands.run(
+    "for i in $(seq 1 25); do echo $i; sleep 0.1; done; echo finished", background=True)
+c = again.commands.run("cat", background=True, stdin=True)
+again.commands.send_stdin(c.pid, "one\n")
+time.sleep(0.5)
 (twin,) = again.fork()
-try:
-    h2.wait()
-    raise SystemExit("a command outlived the fork of its sandbox")
-except CommandExitException as e:
-    assert e.exit_code == 137, e.exit_code
+assert sorted(p.pid for p in twin.commands.list()) == sorted([h2.pid, c.pid]), twin.commands.list()
+twin_h2 = twin.commands.connect(h2.pid)
+twin_c = twin.commands.connect(c.pid)
+again.commands.send_stdin(c.pid, "two\n")
+twin.commands.send_stdin(c.pid, "deux\n")
+# The original's stream opened before the fork gets every line, in order.
+whole = h2.wait()
+assert whole.exit_code == 0, whole
+assert whole.stdout == "".join(f"{i}\n" for i in range(1, 26)) + "finished\n", whole.stdout
+# The fork's copy goes on to its own end.
+later = twin_h2.wait()
+assert later.exit_code == 0 and later.stdout.endswith("24\n25\nfinished\n"), later.stdout
+again.commands.close_stdin(c.pid)
+twin.commands.close_stdin(c.pid)
+assert c.wait().stdout == "one\ntwo\n", "the original's cat"
+assert twin_c.wait().stdout == "deux\n", "the fork's cat"
 assert again.commands.list() == [] and twin.commands.list() == []
-assert twin.commands.run("pgrep -x sleep || echo none").stdout == "none\n"
+# A snapshot keeps running commands too: a sandbox made from it has them.
+h3 = again.commands.run("read x; echo got $x", background=True, stdin=True)
+snap = again.create_snapshot()
+again.commands.send_stdin(h3.pid, "orig\n")
+assert h3.wait().stdout == "got orig\n"
+made = Sandbox.create(snap.snapshot_id)
+assert [p.pid for p in made.commands.list()] == [h3.pid], made.commands.list()
+mh = made.commands.connect(h3.pid)
+made.commands.send_stdin(h3.pid, "copy\n")
+assert mh.wait().stdout == "got copy\n"
+made.kill()
+Sandbox.delete_snapshot(snap.snapshot_id)
 twin.kill()
 again.kill()
+print("done")
+"#,
+    );
+}
+
+/// Each fork makes the sandbox that goes on a clone of a clone, one pid
+/// namespace deeper, and Linux nests them at most 32 deep: forks of one
+/// sandbox end with a 400 naming the limit, refused before anything is
+/// frozen, so the sandbox and its running command go on.
+#[test]
+fn e2b_sdk_forks_of_one_sandbox_end_at_the_kernels_depth_and_it_goes_on() {
+    sdk_test(
+        "e2b_sdk_forks_of_one_sandbox_end_at_the_kernels_depth_and_it_goes_on",
+        r#"
+from e2b import Sandbox
+from e2b.exceptions import SandboxException
+sb = Sandbox.create(timeout=300)
+h = sb.commands.run("for i in $(seq 1 600); do echo $i > n; sleep 0.1; done", background=True)
+forks = 0
+while True:
+    try:
+        (twin,) = sb.fork()
+    except SandboxException as e:
+        assert "400" in str(e) and "Linux nests them at most 32 deep" in str(e), str(e)
+        break
+    twin.kill()
+    forks += 1
+    assert forks <= 40, forks
+# The base template's box is one below the host's, a sandbox one below it.
+assert forks == 30, forks
+assert h.pid in [p.pid for p in sb.commands.list()], sb.commands.list()
+a = int(sb.commands.run("cat n").stdout)
+b = int(sb.commands.run("sleep 0.5; cat n").stdout)
+assert b > a, (a, b)
+sb.kill()
 print("done")
 "#,
     );

@@ -243,7 +243,8 @@ fn migrate_under_a_request_loop(test: &str, lazy: bool) {
         return;
     };
     let other = OtherHost::new(7);
-    let port = 18600 + (std::process::id() % 200) as u16;
+    // (Both tests of this loop run at once in this process: each its port.)
+    let port = 18600 + 2 * (std::process::id() % 100) as u16 + u16::from(lazy);
     let _app = start_server(&here, Some(port));
     let source: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
     let target: SocketAddr = format!("{}:{port}", other.addr).parse().unwrap();

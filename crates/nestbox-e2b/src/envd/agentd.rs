@@ -555,6 +555,10 @@ fn relay(job: &Job, sources: [File; 2], pidfd: File, mut wake: File, first: Sink
     let mut exit: Option<i32> = None;
     let mut drain_until = Instant::now();
     let mut buf = vec![0u8; 64 << 10];
+    // Closed once the command is reaped: a pidfd of an ended process is one
+    // a clone of the box cannot copy, so holding it on (through the drain,
+    // past the exit told) would make a fork right after the command fail.
+    let mut pidfd = Some(pidfd);
     loop {
         if let Some(new) = job
             .next
@@ -599,8 +603,8 @@ fn relay(job: &Job, sources: [File; 2], pidfd: File, mut wake: File, first: Sink
                     .map(|s| PollFd::new(s.as_fd(), PollFlags::POLLIN)),
             );
         }
-        if exit.is_none() {
-            fds.push(PollFd::new(pidfd.as_fd(), PollFlags::POLLIN));
+        if let (None, Some(p)) = (exit, &pidfd) {
+            fds.push(PollFd::new(p.as_fd(), PollFlags::POLLIN));
         }
         let timeout = if attached && exit.is_some() {
             let left = drain_until.saturating_duration_since(Instant::now());
@@ -641,6 +645,7 @@ fn relay(job: &Job, sources: [File; 2], pidfd: File, mut wake: File, first: Sink
         }
         if exit.is_none() && ready.next() == Some(true) {
             exit = Some(child_exit(job.pid));
+            pidfd = None;
             drain_until = Instant::now() + DRAIN_AFTER_EXIT;
         }
     }

@@ -8,10 +8,13 @@
 //! command (the pid is that of the `nestbox exec` process on the host, which
 //! the server maps to the command itself when it signals it). A command's
 //! output comes to this server through pipes, read by a thread per process
-//! (its pump). A pause freezes the commands with the box; a fork or a
-//! snapshot ends them ([`Table::end_all`]). The agent relays each command's
-//! output through pipes of the box, so its commands outlive this server: the
-//! next one takes them up ([`Table::follow`]).
+//! (its pump). A pause freezes the commands with the box. A fork or a
+//! snapshot clones them with it: the agent relays each command's output
+//! through pipes of the box, so in every clone of the box the command goes
+//! on, and [`Table::follow`] attaches new pipes to the clone's copy (the
+//! sandbox that goes on in a clone keeps its streams, a fork gets its own).
+//! Commands on a terminal or run by `nestbox exec` are ended before a fork or
+//! snapshot instead ([`Table::end_unfollowed`]).
 
 use std::collections::HashMap;
 use std::fs::File;
@@ -228,11 +231,19 @@ impl Table {
         self.kill_all();
     }
 
-    /// Kill every process and wait, at most `limit` in all, until each has
-    /// been reaped and its end reported (the box is about to be frozen into
-    /// a template for a fork or a snapshot): their streams see them end.
-    pub fn end_all(&self, limit: Duration) {
-        let procs: Vec<Arc<Proc>> = self.lock().values().cloned().collect();
+    /// Kill every process that cannot follow its sandbox into a clone of
+    /// its box (one on a terminal, which is a device of the box a clone
+    /// would share; one run by `nestbox exec`, whose pipes end on this
+    /// server), and wait, at most `limit` in all, until each has been
+    /// reaped and its end reported: their streams see them end. Commands
+    /// the agent started with pipes stay ([`Table::follow`]).
+    pub fn end_unfollowed(&self, limit: Duration) {
+        let procs: Vec<Arc<Proc>> = self
+            .lock()
+            .values()
+            .filter(|p| p.kind != Kind::Agent)
+            .cloned()
+            .collect();
         for p in &procs {
             p.kill();
         }
@@ -251,14 +262,18 @@ impl Table {
     }
 
     /// Take up the commands that the agent of the box of init `root_pid`
-    /// runs with pipes and this table does not have: those a server before
-    /// this one started (the agent relays their output through pipes of the
-    /// box, so they outlive the server's). Each gets new pipes (`attach`)
-    /// and an entry as its meta describes it; a command the agent no longer
-    /// has ended meanwhile.
-    pub fn follow(self: &Arc<Self>, root_pid: i32) -> Result<()> {
+    /// runs with pipes: the copies, in a clone of a box, of the commands
+    /// started there. A command this table has (the sandbox went on in a
+    /// clone of its box) keeps its listeners, and its output now comes from
+    /// the clone, after what its old pipes still held; any other (a fork, a
+    /// sandbox made from a snapshot) is added, as its meta describes it. A
+    /// command the agent no longer has ended before the clone was made.
+    /// With `retake_known` false, a command this table has is left as it is
+    /// (the box is the one it runs in: only commands this server does not
+    /// know, those of a server before it, are taken up).
+    pub fn follow(self: &Arc<Self>, root_pid: i32, retake_known: bool) -> Result<()> {
         for (pid, meta) in agent::jobs(root_pid)? {
-            if self.lock().contains_key(&pid) {
+            if !retake_known && self.lock().contains_key(&pid) {
                 continue;
             }
             let (out_r, out_w) = agent::pipe()?;
@@ -272,8 +287,18 @@ impl Table {
                 err: File::from(err_r),
                 exit,
             };
-            let p = Arc::new(Proc::of_agent(pid, root_pid, &meta));
-            self.insert(p.clone());
+            let known = self.lock().get(&pid).cloned();
+            let p = match known {
+                Some(p) => {
+                    p.root_pid.store(root_pid, Ordering::Release);
+                    p
+                }
+                None => {
+                    let p = Arc::new(Proc::of_agent(pid, root_pid, &meta));
+                    self.insert(p.clone());
+                    p
+                }
+            };
             pump_in_thread(self, &p, runner)?;
         }
         Ok(())

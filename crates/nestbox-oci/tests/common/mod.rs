@@ -116,6 +116,13 @@ impl Env {
         run(RUNC, &full, Some(&self.bundle))
     }
 
+    /// [`Env::runc`] with its standard output appended to `stdout`.
+    pub fn runc_to(&self, stdout: &Path, args: &[&str]) -> Out {
+        let mut full = vec!["--root", self.root.to_str().unwrap()];
+        full.extend_from_slice(args);
+        run_to(RUNC, &full, Some(&self.bundle), Some(stdout))
+    }
+
     /// `run` in the bundle.
     pub fn run(&self, id: &str) -> Out {
         self.runc(&["run", "--bundle", self.bundle.to_str().unwrap(), id])
@@ -227,8 +234,47 @@ pub fn cgroup_exists(name: &str) -> bool {
 /// not pipes: a container made by `create` keeps the caller's stdio open
 /// after the command returned.
 pub fn run(prog: &str, args: &[&str], dir: Option<&Path>) -> Out {
+    run_to(prog, args, dir, None)
+}
+
+/// Reap `pid` (a child of this process, or re-parented to it as a
+/// subreaper) and give its exit code (128 + N when killed by signal N).
+pub fn reap(pid: i64) -> i32 {
+    use nix::sys::wait::{waitpid, WaitStatus};
+    let deadline = Instant::now() + TIMEOUT;
+    loop {
+        match waitpid(
+            nix::unistd::Pid::from_raw(pid as i32),
+            Some(nix::sys::wait::WaitPidFlag::WNOHANG),
+        ) {
+            Ok(WaitStatus::Exited(_, code)) => return code,
+            Ok(WaitStatus::Signaled(_, sig, _)) => return 128 + sig as i32,
+            Ok(_) => {}
+            Err(e) => panic!("waitpid({pid}): {e} (not re-parented to the test's subreaper?)"),
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{pid} never exited: {}",
+            std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default()
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+/// [`run`], its standard output going to `stdout` when given (the file a
+/// container made by the command keeps writing to) instead of a temporary
+/// file read back.
+pub fn run_to(prog: &str, args: &[&str], dir: Option<&Path>, stdout: Option<&Path>) -> Out {
     let what = format!("{prog} {}", args.join(" "));
-    let mut out_f = tempfile::tempfile().unwrap();
+    let mut out_f = match stdout {
+        Some(p) => std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .read(true)
+            .open(p)
+            .unwrap(),
+        None => tempfile::tempfile().unwrap(),
+    };
     let mut err_f = tempfile::tempfile().unwrap();
     let mut cmd = Command::new(prog);
     cmd.args(args)

@@ -115,6 +115,11 @@ pub struct LaunchPlan {
     /// Files to write `0` to, moving the process into the box cgroup (see
     /// `BoxCgroup::self_join_files`); empty when the box has no cgroup.
     pub cgroup_join: Vec<PathBuf>,
+    /// Files to write `0` to once the box's cgroup namespace is made, moving
+    /// the process on into the cgroup its processes live in: the cgroup v2
+    /// leaf of a box whose cgroups are delegated to it (`--nest`; see
+    /// `BoxCgroup::ns_root_join_files`). Empty otherwise.
+    pub cgroup_leaf: Vec<PathBuf>,
     /// The box has its own network namespace (bring its loopback up).
     pub own_network: bool,
     /// Set the hostname, bring loopback up and assemble the root before
@@ -278,9 +283,23 @@ fn setup_box(plan: &LaunchPlan, fds: ChildFds) -> Result<Ready, Failure> {
     if plan.rootfs.userns {
         become_namespace_root(plan.setgroups)
             .map_err(|e| e125("become root of the user namespace", &e))?;
+        // Changing credentials cleared the parent-death signal: arm it again,
+        // then make sure the monitor did not die in between (it holds the
+        // report pipe's read end until the command runs).
+        nix::sys::prctl::set_pdeathsig(Signal::SIGKILL)
+            .map_err(|e| e125("prctl(PDEATHSIG)", &e))?;
+        if monitor_gone(REPORT_FD) {
+            nestbox_sys::process::exit_now(EXIT_NESTBOX_ERROR);
+        }
     }
     crate::phases::mark("box: joined cgroup");
     unshare(CloneFlags::CLONE_NEWCGROUP).map_err(|e| e125("unshare(cgroup namespace)", &e))?;
+    // A delegated box's cgroup namespace is rooted at its cgroup (the parent
+    // of the boxes it starts); its processes live in the leaf below.
+    for file in &plan.cgroup_leaf {
+        std::fs::write(file, "0")
+            .map_err(|e| e125(&format!("join cgroup {}", file.display()), &e))?;
+    }
     crate::phases::mark("box: cgroup namespace");
     if !plan.assemble_before_go {
         prepare_root(plan)?;
@@ -305,6 +324,19 @@ fn setup_box(plan: &LaunchPlan, fds: ChildFds) -> Result<Ready, Failure> {
             Ok(Ready::Command(child))
         }
     }
+}
+
+/// Whether the reader of the pipe whose write end is `fd` is gone (the
+/// monitor died): `poll` reports an error on the write end then.
+fn monitor_gone(fd: RawFd) -> bool {
+    use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
+    // SAFETY: `fd` is this process's own open descriptor for the call.
+    let fd = unsafe { BorrowedFd::borrow_raw(fd) };
+    let mut fds = [PollFd::new(fd, PollFlags::empty())];
+    matches!(poll(&mut fds, PollTimeout::ZERO), Ok(n) if n > 0)
+        && fds[0]
+            .revents()
+            .is_some_and(|r| r.intersects(PollFlags::POLLERR | PollFlags::POLLHUP))
 }
 
 /// Hostname, loopback and the box root, assembled in the box's own mount

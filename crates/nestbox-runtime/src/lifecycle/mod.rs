@@ -1,8 +1,9 @@
 //! The life of one box, whatever it is: the monitor that supervises it, the launch
 //! of its first process, its init, `exec` into it, its logs, the residency of its
-//! idle processes, the pool of box shells made ahead (`shell`), same-page merging of its memory (ksm), and the operations on a
-//! plain box (run, stop, kill, rm, stats, inspect, gc), and time travel of its
-//! writable layer (snapshot, rollback, diff).
+//! idle processes, the pool of box shells made ahead (`shell`), same-page
+//! merging of its memory (ksm), and the operations on a plain box (run, stop,
+//! kill, rm, stats, inspect, gc), time travel of its writable layer (snapshot,
+//! rollback, diff), and boxes in boxes (`nest`).
 //!
 //! This layer imports the records (spec, state, registry, …) and the network glue,
 //! never the templates layer or the API: what it needs to know about templates and
@@ -14,6 +15,7 @@ pub mod ksm;
 pub mod launch;
 pub mod logs;
 pub mod monitor;
+pub mod nest;
 pub mod nested;
 pub mod ops;
 pub mod residency;

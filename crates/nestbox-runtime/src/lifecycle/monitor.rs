@@ -216,7 +216,7 @@ fn start_inner(
             Some(BoxCgroup::prepare(&h, &cgroup_id, &spec.limits)?),
         )
     } else {
-        (create_cgroup(spec, &cgroup_id)?, None)
+        (create_cgroup(spec, &cgroup_id, owner)?, None)
     };
     *cgroup_slot = cgroup.clone();
     crate::phases::mark("monitor: cgroup planned");
@@ -242,6 +242,16 @@ fn start_inner(
         (None, Some(n)) => n.volumes(),
         (None, None) => Vec::new(),
     };
+    // A box for boxes (`--nest`): its state directory and the nestbox
+    // binary bound in, its delegated cgroups mounted.
+    let mut volumes = net_volumes;
+    let nest = match (spec.nest, &cgroup) {
+        (true, Some(cg)) => {
+            volumes.extend(crate::lifecycle::nest::volumes(record, owner)?);
+            Some(crate::lifecycle::nest::mounts(cg))
+        }
+        _ => None,
+    };
     let mut plan = launch_plan(
         reg,
         record,
@@ -249,14 +259,19 @@ fn start_inner(
         owner,
         cookie,
         template.as_ref(),
-        net_volumes,
+        volumes,
     )?;
     crate::phases::mark("monitor: launch plan built");
+    plan.rootfs.nest = nest;
     let join_files = match (&cgroup, &pending_cgroup) {
-        (Some(c), _) => c.self_join_files(),
+        (Some(c), _) => c.ns_root_join_files(),
         (None, Some(p)) => p.self_join_files(),
         (None, None) => Vec::new(),
     };
+    plan.cgroup_leaf = cgroup
+        .as_ref()
+        .map(|c| c.leaf_join_files())
+        .unwrap_or_default();
     plan.assemble_before_go = overlap;
     plan.shell = shell;
     let (shell_ours, shell_theirs) = if shell {
@@ -574,6 +589,7 @@ fn fork_nested_in(
         }
         _ => None,
     };
+    crate::lifecycle::nested::refuse_too_deep(t)?;
     let in_template = crate::lifecycle::nested::enter_pid_namespace_of(t)?;
     // SAFETY: the monitor is single-threaded, so the helper may run arbitrary
     // code; no clone flags.
@@ -662,7 +678,22 @@ fn nested_helper(
 }
 
 /// Create the box cgroup. Without root, a box with no limits may run without one.
-fn create_cgroup(spec: &BoxSpec, id: &str) -> Result<Option<BoxCgroup>> {
+/// A box for boxes (`--nest`) gets its cgroup delegated to `owner`, its root.
+fn create_cgroup(spec: &BoxSpec, id: &str, owner: Option<(u32, u32)>) -> Result<Option<BoxCgroup>> {
+    if spec.nest {
+        let owner = owner.ok_or_else(|| {
+            RuntimeError::InvalidInput("--nest needs a user namespace (--userns)".into())
+        })?;
+        let made = Hierarchies::detect()
+            .and_then(|h| BoxCgroup::prepare_delegated(&h, id, &spec.limits, owner)?.create());
+        return match made {
+            Ok(cg) => Ok(Some(cg)),
+            Err(e) if !nix::unistd::geteuid().is_root() => Err(RuntimeError::InvalidInput(format!(
+                "--nest needs a cgroup this user can write and delegate (run as root or in a delegated cgroup): {e}"
+            ))),
+            Err(e) => Err(e.into()),
+        };
+    }
     let wants_limits = spec.limits != nestbox_cgroup::Limits::default();
     let attempt = Hierarchies::detect().and_then(|h| BoxCgroup::create(&h, id, &spec.limits));
     match attempt {
@@ -788,6 +819,7 @@ fn launch_plan(
         tmpfs: spec.tmpfs.clone(),
         read_only: spec.read_only,
         userns: idmap.is_some(),
+        nest: None,
     };
     crate::phases::mark("monitor: machine id");
     let command = command_plan(spec, cookie, idmap)?;
@@ -795,6 +827,7 @@ fn launch_plan(
         rootfs,
         hostname: spec.hostname.clone(),
         cgroup_join: Vec::new(),
+        cgroup_leaf: Vec::new(),
         own_network: spec.network.mode != NetworkMode::Host,
         assemble_before_go: false,
         setgroups: idmap.is_none_or(|m| m.allows_setgroups()),
@@ -882,7 +915,9 @@ pub fn new_setns_cookie() -> Result<[u64; 2]> {
 }
 
 fn default_opts(spec: &BoxSpec) -> nestbox_seccomp::DefaultOpts {
-    nestbox_seccomp::DefaultOpts::from_capability_names(spec.capabilities.iter())
+    let mut opts = nestbox_seccomp::DefaultOpts::from_capability_names(spec.capabilities.iter());
+    opts.nest = spec.nest;
+    opts
 }
 
 pub(crate) fn block_forwarded_signals() -> Result<SignalFd> {
@@ -1159,11 +1194,22 @@ pub(crate) fn finish(
 
 /// The one line that reports an OOM kill.
 pub fn oom_message(spec: &BoxSpec) -> String {
+    // Inside a box, the limit of the box this one runs in (or of one above
+    // it) bounds it too, and may be the one that was reached.
+    let outer = if nestbox_isolation::idmap::in_user_namespace() {
+        " (or that of the box it runs in)"
+    } else {
+        ""
+    };
     match spec.limits.memory {
         Some(m) => format!(
-            "box {:?} was killed by the kernel's OOM killer: its memory limit of {} was reached",
+            "box {:?} was killed by the kernel's OOM killer: its memory limit of {}{outer} was reached",
             spec.name,
             crate::size::format_size(m)
+        ),
+        None if !outer.is_empty() => format!(
+            "box {:?} was killed by the kernel's OOM killer: the memory limit of the box it runs in was reached",
+            spec.name
         ),
         None => format!("box {:?} was killed by the kernel's OOM killer", spec.name),
     }

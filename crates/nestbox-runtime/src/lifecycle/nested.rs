@@ -69,3 +69,29 @@ pub fn enter_pid_namespace_of(t: &BoxRecord) -> Result<nestbox_sys::ns::NsGuard>
     nestbox_sys::ns::NsGuard::enter(ns.as_fd(), nestbox_sys::ns::Namespace::Pid)
         .map_err(RuntimeError::sys(format!("setns({path})")))
 }
+
+/// How deep Linux nests pid namespaces (`MAX_PID_NS_LEVEL`).
+const MAX_PID_NS_LEVEL: usize = 32;
+
+/// Refuse a box (a template, or one about to be frozen into one) whose pid
+/// namespace is as deep as Linux nests them: a clone's is made below its
+/// template's, so a line of clones of clones (an E2B sandbox forked again
+/// and again) ends there. Counted from this
+/// process's `/proc` (the host's, unless nestbox itself runs in a box, where
+/// the limit comes sooner and the fork fails as the kernel says).
+pub fn refuse_too_deep(t: &BoxRecord) -> Result<()> {
+    let Some(init) = t.state.init else {
+        return Ok(());
+    };
+    let dir = std::path::PathBuf::from(format!("/proc/{}", init.pid));
+    let levels = crate::process::ns_pids(&dir).map_or(0, |p| p.len().saturating_sub(1));
+    if levels < MAX_PID_NS_LEVEL {
+        return Ok(());
+    }
+    Err(RuntimeError::Unsupported {
+        name: t.name().to_string(),
+        problem: format!(
+            "is a clone {levels} pid namespaces deep, and Linux nests them at most {MAX_PID_NS_LEVEL} deep: it cannot be cloned again (clone the template it came from instead)"
+        ),
+    })
+}

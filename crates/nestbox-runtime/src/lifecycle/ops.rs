@@ -501,6 +501,9 @@ pub struct GcReport {
     pub dirs: Vec<String>,
     /// Boxes whose network leftovers (veth, address, rules, classes) were released.
     pub network: Vec<String>,
+    /// What `gc` inside each running nest box collected (`BOX: line`), for
+    /// its boxes that died (see [`crate::lifecycle::nest::gc_inside`]).
+    pub nested: Vec<String>,
 }
 
 /// Remove every box whose monitor died, and every leftover no live box owns:
@@ -624,5 +627,16 @@ pub fn gc(reg: &Registry) -> Result<GcReport> {
     }
     report.cgroups.sort();
     report.cgroups.dedup();
+    // The boxes inside the running nest boxes: their own gc, in each.
+    let records = reg.list()?;
+    for record in crate::lifecycle::nest::running_nest_boxes(&records).values() {
+        match crate::lifecycle::nest::gc_inside(reg, record, NESTED_GC_TIMEOUT) {
+            Ok(lines) => report.nested.extend(lines),
+            Err(e) => report.nested.push(format!("{}: {e}", record.name())),
+        }
+    }
     Ok(report)
 }
+
+/// How long `gc` waits for the `gc` inside one nest box.
+const NESTED_GC_TIMEOUT: Duration = Duration::from_secs(60);

@@ -302,11 +302,19 @@ pub fn gc(roots: &Roots, live_now: &[String], live: &dyn Fn(&str) -> bool) -> Re
     if !state_dir(roots).exists() {
         return Ok(Vec::new());
     }
-    crate::network_pool::clear(roots, live_now)?;
-    // Namespaces waiting in the pool are no leftovers.
-    let mut dead = Vec::new();
-    for net in views(roots)? {
-        dead.extend(net.gc_with(&|id| crate::network_pool::is_pool_id(id) || live(id))?);
-    }
-    Ok(dead)
+    // Namespaces waiting in the pool are no leftovers; a pool id's address
+    // that no entry of the pool holds is.
+    crate::network_pool::clear_then(roots, live_now, |pooled| {
+        let mut dead = Vec::new();
+        for net in views(roots)? {
+            dead.extend(net.gc_with(&|id| {
+                if crate::network_pool::is_pool_id(id) {
+                    pooled(id)
+                } else {
+                    live(id)
+                }
+            })?);
+        }
+        Ok(dead)
+    })
 }

@@ -230,7 +230,10 @@ pub fn claim(roots: &Roots, box_id: &str, names: &[&str]) -> Result<Option<Claim
 pub fn release(roots: &Roots, box_id: &str) {
     let dir = pool_dir(roots).join(format!("{CLAIMED}{box_id}"));
     if dir.exists() {
-        // Best effort, as in `remove_entry`: `gc` clears what is left.
+        // Best effort, as in `remove_entry`: `gc` clears what is left. The
+        // address is the box's (a claim cut short before it moved the address
+        // over leaves it under the pool id: `gc` releases a pool id no entry
+        // names, see `clear_then`).
         let target = dir.join(MOUNT_FILE);
         let _ = nestbox_sys::mount::detach(&target);
         let _ = fs::remove_file(&target);
@@ -242,21 +245,44 @@ pub fn release(roots: &Roots, box_id: &str) {
 /// Remove every leftover of the pool: half-made entries (their maker died:
 /// a live maker would hold the lock), entries held by a box not in `live`,
 /// and ready entries whose namespace mount is gone. Ready entries that are
-/// intact stay: they are the pool, not leftovers. If a ready entry was
-/// removed, a refill is started. Returns how many entries were removed.
-pub fn clear(roots: &Roots, live: &[String]) -> Result<usize> {
+/// intact stay: they are the pool, not leftovers. Then, still under the
+/// pool's lock (no entry is made or claimed meanwhile), run `then` with the
+/// test of whether a pool id's address is held by an entry: a pool id's lease
+/// that no entry names is a leftover (an entry whose removal failed to
+/// release it). If a ready entry was removed, a refill is started.
+pub fn clear_then<T>(
+    roots: &Roots,
+    live: &[String],
+    then: impl FnOnce(&dyn Fn(&str) -> bool) -> Result<T>,
+) -> Result<T> {
     if !pool_dir(roots).exists() {
-        return Ok(0);
+        // No pool was ever made here (or its network was removed with it):
+        // a pool id leased now belongs to a refill just starting.
+        return then(&is_pool_id);
     }
     let lock = lock(roots, true)?;
     let before = ready(roots).len();
-    let removed = clear_locked(roots, Some(live));
+    clear_locked(roots, Some(live));
     let broken = before - ready(roots).len();
+    let held = held_pool_ids(roots);
+    let result = then(&|id: &str| held.iter().any(|h| h == id));
     drop(lock);
     if broken > 0 {
         spawn_fill(roots);
     }
-    Ok(removed)
+    result
+}
+
+/// The pool ids named by the entries of the pool (ready, being made, or
+/// claimed by a box that may not have moved the address over yet).
+fn held_pool_ids(roots: &Roots) -> Vec<String> {
+    fs::read_dir(pool_dir(roots))
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|e| fs::read_to_string(e.path().join(ID_FILE)).ok())
+        .map(|id| id.trim().to_string())
+        .collect()
 }
 
 /// Whether the ready entry `dir` still holds its namespace.

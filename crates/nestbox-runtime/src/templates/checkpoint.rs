@@ -176,6 +176,11 @@ pub(crate) fn cpu_flags() -> Vec<String> {
 pub fn checkpoint(reg: &Registry, box_name: &str, req: &CheckpointRequest) -> Result<Checkpoint> {
     let start = Instant::now();
     let record = reg.load(box_name)?;
+    // One at a time with clones, freezes and other checkpoints of the box,
+    // and the box read again under the lock (it may have been frozen, made a
+    // template or removed meanwhile).
+    let _lock = crate::clone::box_lock(&record)?;
+    let record = reg.load(box_name)?;
     crate::template::refuse_monitored(&record, "checkpointed")?;
     let name = req.name.clone().unwrap_or_else(|| box_name.to_string());
     nestbox_store::validate_name(&name)
@@ -301,7 +306,9 @@ pub fn checkpoint(reg: &Registry, box_name: &str, req: &CheckpointRequest) -> Re
     }
     match finish {
         Ok(meta) => {
-            if !req.leave_running {
+            // A template stays as it was, frozen, whatever `--leave-running`
+            // says: it answers no request, and its clones and pool go on.
+            if !req.leave_running && !template {
                 // Killed while frozen: a killed process thawed dies before it
                 // runs again.
                 cgroup.kill_all()?;
@@ -389,8 +396,21 @@ pub(crate) fn save_processes(
         },
     }
     };
+    save_tree(&steps, cgroup, &remote, save)
+}
+
+/// Stop the processes of `steps` (all of frozen `cgroup`) under ptrace (the
+/// cgroup thawed only to let the stop requests through), save them with
+/// `save`, let them go again frozen. `remote` says what an engine error
+/// means.
+pub(crate) fn save_tree(
+    steps: &[nestbox_remote::tree::Step],
+    cgroup: &nestbox_cgroup::BoxCgroup,
+    remote: &dyn Fn(nestbox_remote::RemoteError) -> RuntimeError,
+    save: &mut SaveFn<'_>,
+) -> Result<(Vec<ProcessImage>, CheckpointStats)> {
     let mut tracees = Vec::with_capacity(steps.len());
-    for step in &steps {
+    for step in steps {
         tracees.push(Tracee::seize_and_interrupt(step.process.host_pid).map_err(remote)?);
     }
     let saved = cgroup
@@ -402,7 +422,7 @@ pub(crate) fn save_processes(
                     .wait_stopped(Duration::from_secs(5))
                     .map_err(remote)?;
             }
-            save(&mut tracees, &steps).map_err(|e| match e {
+            save(&mut tracees, steps).map_err(|e| match e {
                 SaveError::Remote(e) => remote(e),
                 SaveError::Runtime(e) => e,
             })
@@ -1152,7 +1172,7 @@ pub fn pool_usage(reg: &Registry) -> Result<nestbox_store::PoolUsage> {
         .map_err(|e| problem("page pool", e.to_string()))
 }
 
-fn read_page_records(path: &Path) -> Result<Vec<(u64, Digest)>> {
+pub(crate) fn read_page_records(path: &Path) -> Result<Vec<(u64, Digest)>> {
     let data = fs::read(path).map_err(RuntimeError::io("read", path))?;
     if data.len() % PAGE_RECORD != 0 {
         return Err(RuntimeError::Checkpoint {
@@ -1181,7 +1201,7 @@ pub(crate) type Preloaded = HashMap<Digest, Box<[u8]>>;
 /// A restored process's pages: its records, read from the pool.
 /// A page whose contents occur at more than one address is read from the
 /// pool (and checked) once, then copied from memory.
-struct ProcessPages<'a> {
+pub(crate) struct ProcessPages<'a> {
     pages: &'a HashMap<u64, Digest>,
     pool: &'a PagePool,
     preloaded: Option<&'a Preloaded>,
@@ -1190,7 +1210,7 @@ struct ProcessPages<'a> {
 }
 
 impl<'a> ProcessPages<'a> {
-    fn new(
+    pub(crate) fn new(
         pages: &'a HashMap<u64, Digest>,
         pool: &'a PagePool,
         preloaded: Option<&'a Preloaded>,
@@ -1358,6 +1378,22 @@ pub(crate) fn restore_preloaded(
     result
 }
 
+/// A seccomp program as the kernel reads it (`struct sock_filter` array),
+/// for [`nestbox_remote::RestorePlan::seccomp`].
+pub(crate) fn program_bytes(p: &nestbox_seccomp::Program) -> Vec<u8> {
+    p.instructions()
+        .iter()
+        .flat_map(|i| {
+            let mut b = Vec::with_capacity(8);
+            b.extend_from_slice(&i.code.to_ne_bytes());
+            b.push(i.jt);
+            b.push(i.jf);
+            b.extend_from_slice(&i.k.to_ne_bytes());
+            b
+        })
+        .collect()
+}
+
 /// Make the images' processes in the started box `shell`.
 fn restore_into(
     shell: &BoxRecord,
@@ -1431,24 +1467,15 @@ fn restore_into(
     drop(cgroup_files);
     let stdio = crate::clone::shell_stdio(init.pid)?;
     let cookie = shell.state.setns_cookie.unwrap_or_default();
-    let seccomp = crate::monitor::seccomp_program(&shell.spec, Some(cookie))?.map(|p| {
-        p.instructions()
-            .iter()
-            .flat_map(|i| {
-                let mut b = Vec::with_capacity(8);
-                b.extend_from_slice(&i.code.to_ne_bytes());
-                b.push(i.jt);
-                b.push(i.jf);
-                b.extend_from_slice(&i.k.to_ne_bytes());
-                b
-            })
-            .collect::<Vec<u8>>()
-    });
+    let seccomp =
+        crate::monitor::seccomp_program(&shell.spec, Some(cookie))?.map(|p| program_bytes(&p));
     let plan = nestbox_remote::RestorePlan {
         stdio: [stdio[0].as_fd(), stdio[1].as_fd(), stdio[2].as_fd()],
         setns_cookie: cookie,
         seccomp,
         lazy: lazy.then_some(nestbox_remote::LazyPlan { box_init: init.pid }),
+        // The box's filter lets the injected calls through (its cookie).
+        suspend_seccomp: false,
     };
     let stores: Vec<ProcessPages<'_>> = pages
         .iter()

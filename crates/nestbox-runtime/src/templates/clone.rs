@@ -176,6 +176,7 @@ pub fn clone_template_answer_first(
     template: &str,
     req: &CloneRequest,
 ) -> Result<(Vec<Cloned>, FollowUp)> {
+    refuse_inside_a_box(template)?;
     let t = match crate::template::load_frozen(reg, template) {
         Ok(t) => t,
         // Gone (a reboot, its box removed): started again from its saved
@@ -395,6 +396,20 @@ fn meminfo_available() -> Option<u64> {
     Some(kib * 1024)
 }
 
+/// Clones are not made inside a box (nestbox nested in a box, see
+/// `docs/nesting.md`): the helper that forks a clone's first process in its
+/// template's pid namespace needs `CAP_SYS_ADMIN` in the caller's user
+/// namespace, which a box's root does not hold.
+fn refuse_inside_a_box(template: &str) -> Result<()> {
+    if nestbox_isolation::idmap::in_user_namespace() {
+        return Err(RuntimeError::Unsupported {
+            name: template.to_string(),
+            problem: "is a template inside a box: clones cannot be made in a box yet (freeze works; see docs/nesting.md)".into(),
+        });
+    }
+    Ok(())
+}
+
 /// The spec of a clone: its template's, with its own name, hostname and limits.
 fn clone_spec(t: &BoxRecord, name: &str, req: &CloneRequest) -> BoxSpec {
     let mut spec = t.spec.clone();
@@ -402,6 +417,9 @@ fn clone_spec(t: &BoxRecord, name: &str, req: &CloneRequest) -> BoxSpec {
     spec.hostname = name.to_string();
     spec.interactive = false;
     spec.remove_on_exit = false;
+    // A clone is no box for boxes: it is forked in its template's user
+    // namespace, whose cgroups and state directory are not its own.
+    spec.nest = false;
     // A host port can be published by one box only.
     spec.network.publish.clear();
     if req.without_network {
@@ -697,6 +715,20 @@ pub(crate) fn clone_lock(t: &BoxRecord) -> Result<nix::fcntl::Flock<File>> {
     template_lock(t, "clone.lock")
 }
 
+/// Box `record`'s clone lock, for what else stops or freezes its processes
+/// (a checkpoint, a migration, a freeze): one at a time with its clones, so
+/// a clone never finds the template traced by a checkpoint of it, nor a
+/// checkpoint that thaws its box at the end a box frozen meanwhile. A box
+/// removed meanwhile is said not to run.
+pub(crate) fn box_lock(record: &BoxRecord) -> Result<nix::fcntl::Flock<File>> {
+    clone_lock(record).map_err(|e| match e {
+        RuntimeError::TemplateRemoved(_) if record.state.template.is_none() => {
+            RuntimeError::NotRunning(record.name().to_string())
+        }
+        e => e,
+    })
+}
+
 /// The template's refill lock: one refill of its pool at a time, so that two
 /// refills started by two claims do not both fork the whole deficit (the
 /// clones one is forking are not counted until they have a process).
@@ -884,6 +916,7 @@ fn set_hostname_in(pid: i32, name: &str) -> Result<()> {
 
 /// Bring template `template`'s pool up to its size (synchronously).
 pub fn fill_pool(reg: &Registry, template: &str) -> Result<usize> {
+    refuse_inside_a_box(template)?;
     let t = crate::template::load_frozen(reg, template)?;
     let want = t.state.template.as_ref().map(|i| i.pool).unwrap_or(0);
     let _refill = refill_lock(&t)?;

@@ -329,6 +329,10 @@ impl Outgoing {
 pub fn migrate(reg: &Registry, box_name: &str, req: &MigrateRequest) -> Result<MigrateStats> {
     let start = Instant::now();
     let record = reg.load(box_name)?;
+    // One at a time with freezes and checkpoints of the box (see
+    // `checkpoint`), the box read again under the lock.
+    let _lock = crate::clone::box_lock(&record)?;
+    let record = reg.load(box_name)?;
     crate::snapshots::refuse_rolled_back(&record, "migrate")?;
     crate::template::refuse_monitored(&record, "migrated")?;
     let fail = |problem: String| RuntimeError::Migrate {

@@ -11,6 +11,7 @@
 pub mod checkpoint;
 pub mod clone;
 pub mod migrate;
+pub mod nscheckpoint;
 pub mod ops;
 pub mod prepared_claim;
 pub mod template;

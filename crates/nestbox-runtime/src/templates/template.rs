@@ -42,8 +42,16 @@ pub struct TemplateSummary {
 /// A box under monitors cannot be frozen, cloned, checkpointed or moved:
 /// its monitor filter's listener belongs to its monitor process, and a copy
 /// of its processes would stop at their first subscribed call with no one
-/// to answer.
+/// to answer. Nor can a box that runs boxes of its own (`--nest`), not yet.
 pub(crate) fn refuse_monitored(record: &crate::registry::BoxRecord, what: &str) -> Result<()> {
+    if record.spec.nest {
+        // Its boxes inside (their monitors, cgroups, layers in its state
+        // directory) would not come along: see docs/nesting.md.
+        return Err(RuntimeError::Unsupported {
+            name: record.name().to_string(),
+            problem: format!("runs boxes of its own (--nest): it cannot be {what} yet"),
+        });
+    }
     if record.spec.monitors.is_empty() {
         return Ok(());
     }
@@ -54,7 +62,8 @@ pub(crate) fn refuse_monitored(record: &crate::registry::BoxRecord, what: &str) 
 }
 
 /// Freeze the running box `name` into a template called `as_name` (default: the
-/// box name). Refuses boxes it could not clone from, before freezing anything.
+/// box name). Refuses boxes it could not clone from, checked once frozen (so
+/// that no process comes or goes meanwhile), and thaws them as they were.
 /// `pool` clones are forked ahead of time (see [`crate::clone::fill_pool`]).
 pub fn freeze(
     reg: &Registry,
@@ -82,6 +91,10 @@ fn freeze_inner(
             box_name: other.name().to_string(),
         });
     }
+    let record = reg.load(name)?;
+    // One at a time with checkpoints and migrations of the box (see
+    // `checkpoint`), the box read again under the lock.
+    let _lock = crate::clone::box_lock(&record)?;
     let record = reg.load(name)?;
     crate::snapshots::refuse_rolled_back(&record, "freeze")?;
     refuse_monitored(&record, "frozen or cloned")?;
@@ -115,30 +128,27 @@ fn freeze_inner(
             name: name.to_string(),
             problem: "has no cgroup, so it cannot be frozen (run nestbox as root)".into(),
         })?;
-    let steps = template_tree(&record)?;
-    for step in &steps {
-        // A process forked by its parent's clone gets its own ids set; one
-        // forked from its template process directly (a child of the box's
-        // init) must run as the box's root, which the remote fork needs.
-        let root_uid = record.state.idmap.map(|m| m.uid.outside).unwrap_or(0);
-        let must_be_root = matches!(step.origin, nestbox_remote::tree::Origin::RemoteFork);
-        check_cloneable(
-            name,
-            Pid::from_raw(step.process.host_pid),
-            must_be_root.then_some(root_uid),
-        )?;
-    }
-    let host_pids: Vec<i32> = steps.iter().map(|s| s.process.host_pid).collect();
-    crate::clone::check_fds(name, &host_pids)?;
-    let process = Pid::from_raw(steps[0].process.host_pid);
     let started = Instant::now();
     cgroup.set_frozen(true, FREEZER_TIMEOUT)?;
     let freeze_ms = started.elapsed().as_secs_f64() * 1e3;
-    let Some(process) = ProcRef::of(process.as_raw()) else {
-        // Not a template: left as it was, running.
+    // What is frozen is read and checked: no process of it can come or go
+    // meanwhile (a command's short-lived child, which a read of the running
+    // box could list and then not find). A box refused goes on as it was.
+    let thaw = || {
         if let Err(e) = cgroup.set_frozen(false, FREEZER_TIMEOUT) {
             tracing::warn!(box_name = name, "thawing after a failed freeze: {e}");
         }
+    };
+    let steps = match checked_tree(name, &record) {
+        Ok(steps) => steps,
+        Err(e) => {
+            thaw();
+            return Err(e);
+        }
+    };
+    let Some(process) = ProcRef::of(steps[0].process.host_pid) else {
+        // Not a template: left as it was, running.
+        thaw();
         return Err(RuntimeError::WrongState {
             name: name.to_string(),
             problem: "exited while freezing".into(),
@@ -216,6 +226,27 @@ pub(crate) fn template_tree(record: &BoxRecord) -> Result<Vec<nestbox_remote::tr
     let refused = |e| crate::clone::refused_at_freeze(name, e);
     let processes = nestbox_remote::tree::read_box(init, &others).map_err(refused)?;
     nestbox_remote::tree::plan(&processes).map_err(refused)
+}
+
+/// The processes of box `name` (`record`) as clones fork them, each checked
+/// against what a clone can copy (its ids, its fds).
+fn checked_tree(name: &str, record: &BoxRecord) -> Result<Vec<nestbox_remote::tree::Step>> {
+    let steps = template_tree(record)?;
+    for step in &steps {
+        // A process forked by its parent's clone gets its own ids set; one
+        // forked from its template process directly (a child of the box's
+        // init) must run as the box's root, which the remote fork needs.
+        let root_uid = record.state.idmap.map(|m| m.uid.outside).unwrap_or(0);
+        let must_be_root = matches!(step.origin, nestbox_remote::tree::Origin::RemoteFork);
+        check_cloneable(
+            name,
+            Pid::from_raw(step.process.host_pid),
+            must_be_root.then_some(root_uid),
+        )?;
+    }
+    let host_pids: Vec<i32> = steps.iter().map(|s| s.process.host_pid).collect();
+    crate::clone::check_fds(name, &host_pids)?;
+    Ok(steps)
 }
 
 /// Refuse processes nestbox cannot fork remotely, naming the reason.

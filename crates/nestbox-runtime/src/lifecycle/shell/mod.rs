@@ -118,6 +118,7 @@ impl Shape {
             && spec.volumes.is_empty()
             && !spec.network.has_bridge_options()
             && spec.limits.cpu_reserve.is_none()
+            && !spec.nest
             && nix::unistd::geteuid().is_root();
         plain.then(|| Shape {
             image: spec.image.clone(),
@@ -171,6 +172,7 @@ impl Shape {
             ksm: false,
             disk: None,
             monitors: Vec::new(),
+            nest: false,
         }
     }
 }
