@@ -52,8 +52,8 @@ impl BoxRecord {
     pub fn is_pooled(&self) -> bool {
         self.spec.clone_of.is_some() && self.name().starts_with(crate::spec::POOL_NAME_PREFIX)
     }
-    /// Whether this is a box shell waiting in the pool of shells (see
-    /// [`crate::lifecycle::shell`]), not a box of its own yet.
+    /// Whether this is a box shell waiting in the pool of shells (the
+    /// lifecycle layer's `shell` module), not a box of its own yet.
     pub fn is_shell(&self) -> bool {
         self.spec.name.starts_with("pool.shell.") || self.spec.name.starts_with("pool.mk.")
     }
