@@ -53,21 +53,24 @@ pub fn shell_identity(
 /// Make the calling (single-threaded) process create its next children in the pid
 /// namespace of template `t`'s init, until the guard is left or dropped.
 pub fn enter_pid_namespace_of(t: &BoxRecord) -> Result<nestbox_sys::ns::NsGuard> {
+    let (ns, path) = open_pid_namespace_of(t)?;
+    nestbox_sys::ns::NsGuard::enter(ns.as_fd(), nestbox_sys::ns::Namespace::Pid)
+        .map_err(RuntimeError::sys(format!("setns({path})")))
+}
+
+/// The pid namespace of template `t`'s init, open, with its path.
+pub fn open_pid_namespace_of(t: &BoxRecord) -> Result<(std::fs::File, String)> {
     let init = t
         .state
         .init
         .ok_or_else(|| RuntimeError::NotRunning(t.name().to_string()))?;
     let path = format!("/proc/{}/ns/pid", init.pid);
-    let ns = std::fs::File::open(&path).map_err(|e| {
-        if init.alive() {
-            RuntimeError::io("open", &path)(e)
-        } else {
-            // Removed since it was loaded: its last clone has gone.
-            RuntimeError::TemplateRemoved(t.template_name().to_string())
-        }
-    })?;
-    nestbox_sys::ns::NsGuard::enter(ns.as_fd(), nestbox_sys::ns::Namespace::Pid)
-        .map_err(RuntimeError::sys(format!("setns({path})")))
+    match std::fs::File::open(&path) {
+        Ok(ns) => Ok((ns, path)),
+        Err(e) if init.alive() => Err(RuntimeError::io("open", &path)(e)),
+        // Removed since it was loaded: its last clone has gone.
+        Err(_) => Err(RuntimeError::TemplateRemoved(t.template_name().to_string())),
+    }
 }
 
 /// How deep Linux nests pid namespaces (`MAX_PID_NS_LEVEL`).
