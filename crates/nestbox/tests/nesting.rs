@@ -663,7 +663,8 @@ fn rm_leaves_nothing(root: &TestRoot, top: &str) {
 /// goes its own way, under its own hostname, while the template stays as it
 /// was; its processes and files are the template's root's; the nestbox
 /// inside lists and removes the clones, the host sees them as `nest/clone`;
-/// `rm -f` of the nest box from the host leaves nothing.
+/// a clone frozen in turn is cloned; `rm -f` of the nest box from the host
+/// leaves nothing.
 #[test]
 fn clones_inside_a_nest_box_continue_the_template_and_diverge() {
     let Some(root) = TestRoot::new("clones_inside_a_nest_box_continue_the_template_and_diverge")
@@ -779,6 +780,16 @@ fn clones_inside_a_nest_box_continue_the_template_and_diverge() {
     assert!(row(&tree(&root, true), &format!("k1/{gone}")).is_none());
     assert!(!pid_alive(gone_init));
     assert_eq!(get_inside(&root, &k1, &clones[0]).0, 6);
+
+    // A clone frozen in turn is a template like any other inside too (its
+    // root is its template's: the uid its processes run as).
+    root.run(&inside(&k1, &["freeze", &clones[0], "--as", "again"]))
+        .ok();
+    root.run(&inside(&k1, &["clone", "again", "-d", "--name", "grand"]))
+        .ok();
+    assert_eq!(get_inside(&root, &k1, "grand"), (7, "grand".into()));
+    assert_eq!(get_inside(&root, &k1, "grand").0, 8);
+    assert_eq!(get_inside(&root, &k1, "named").0, 9);
 
     rm_leaves_nothing(&root, "k1");
 }

@@ -46,8 +46,34 @@ pub fn shell_identity(
         uid: identity(t.state.idmap.map(|m| m.uid)),
         gid: identity(t.state.idmap.map(|m| m.gid)),
     };
-    let owner = t.state.idmap.map(|m| m.host_root());
-    Ok((Some(map), owner, t.state.setns_cookie))
+    Ok((Some(map), root_ids(t), t.state.setns_cookie))
+}
+
+/// The (uid, gid) that live box `r`'s root is in this nestbox's user
+/// namespace (the host's, or the box's that nestbox runs in): its id map's
+/// outside ids. A clone's map is the identity over its template's ids, in
+/// its template's user namespace, so its root is its template's root: read
+/// from its init's credentials (its init runs as its root), and from its map
+/// should its init be gone.
+pub fn root_ids(r: &BoxRecord) -> Option<(u32, u32)> {
+    let mapped = r.state.idmap.map(|m| m.host_root());
+    let (Some(_), Some(init)) = (&r.spec.clone_of, r.state.init) else {
+        return mapped;
+    };
+    let status = std::fs::read_to_string(format!("/proc/{}/status", init.pid)).ok()?;
+    let real = |key: &str| -> Option<u32> {
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix(key))?
+            .split_whitespace()
+            .next()?
+            .parse()
+            .ok()
+    };
+    match (real("Uid:"), real("Gid:")) {
+        (Some(uid), Some(gid)) if init.alive() => Some((uid, gid)),
+        _ => mapped,
+    }
 }
 
 /// Make the calling (single-threaded) process create its next children in the pid

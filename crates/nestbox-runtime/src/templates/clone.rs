@@ -479,7 +479,7 @@ fn fork_into_shells(
     // opened as its uid, the template's root's, who the shell's monitor gave
     // them to (`give_tasks_files_to`).
     let tasks_files_opener = nestbox_isolation::idmap::in_user_namespace()
-        .then(|| t.state.idmap.map(|m| m.host_root().0))
+        .then(|| crate::template::root_ids(t).map(|(uid, _)| uid))
         .flatten();
     // The template's process tree (frozen, so it cannot change), each process
     // stopped under ptrace with all its threads.
