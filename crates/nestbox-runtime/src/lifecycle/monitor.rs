@@ -579,13 +579,12 @@ fn fork_nested_in(
         _ => None,
     };
     crate::lifecycle::nested::refuse_too_deep(t)?;
-    if let Some(userns) = template_userns {
-        if nestbox_isolation::idmap::in_user_namespace() {
-            return fork_nested_from_a_box(t, userns, flags, idmap);
+    match template_userns {
+        Some(userns) if nestbox_isolation::idmap::in_user_namespace() => {
+            fork_nested_from_a_box(t, userns, flags, idmap)
         }
-        return fork_nested_on_the_host(t, Some(userns), flags, idmap);
+        userns => fork_nested_on_the_host(t, userns, flags, idmap),
     }
-    fork_nested_on_the_host(t, None, flags, idmap)
 }
 
 /// [`fork_nested_in`] by a monitor that holds `CAP_SYS_ADMIN` in its user
@@ -669,18 +668,17 @@ fn fork_nested_from_a_box(
         .read_exact(&mut word)
         .ok()
         .map(|()| Pid::from_raw(i32::from_ne_bytes(word)));
-    let Some(second) = second.filter(|p| p.as_raw() > 0) else {
-        // No second helper was made (the first reports it before it exits).
-        return Err(if first_ok {
-            no_namespaces_under(t)
-        } else {
-            template_ended(t, no_namespaces_under(t))
-        });
-    };
-    if crate::process::wait_exit_code(second) != 0 {
-        return Err(template_ended(t, no_namespaces_under(t)));
+    match second.filter(|p| p.as_raw() > 0) {
+        // It made the box process and wrote its id maps (reaped in any case).
+        Some(second) if crate::process::wait_exit_code(second) == 0 && first_ok => {
+            Ok((Forked::Parent(newest_child()?), true))
+        }
+        Some(_) => Err(no_namespaces_under(t)),
+        // No second helper: the first could not join the template's
+        // namespaces or fork there (a pid namespace whose init is exiting,
+        // the template being removed, takes no new process).
+        None => Err(template_ended(t, no_namespaces_under(t))),
     }
-    Ok((Forked::Parent(newest_child()?), true))
 }
 
 /// The first helper of [`fork_nested_from_a_box`], a child of the monitor.

@@ -60,7 +60,9 @@ pub fn root_ids(r: &BoxRecord) -> Option<(u32, u32)> {
     let (Some(_), Some(init)) = (&r.spec.clone_of, r.state.init) else {
         return mapped;
     };
-    let status = std::fs::read_to_string(format!("/proc/{}/status", init.pid)).ok()?;
+    let Ok(status) = std::fs::read_to_string(format!("/proc/{}/status", init.pid)) else {
+        return mapped;
+    };
     let real = |key: &str| -> Option<u32> {
         status
             .lines()
