@@ -25,7 +25,9 @@ use crate::Result;
 /// `open` only; the thread's uid is set back right after, before this returns.
 /// The file is checked against `euid` (its owner must let `euid` write; the
 /// effective capabilities are dropped while the uid is not 0) and keeps
-/// `euid` as its opener's.
+/// `euid` as its opener's. When the effective uid was 0, the kernel gives the
+/// thread its permitted capabilities as effective ones again on the way
+/// back (a caller whose effective set was smaller gets the permitted one).
 ///
 /// Needs `CAP_SETUID` in the caller's user namespace (or `euid` equal to its
 /// real or saved uid), and `euid` mapped there. Refused with `EPERM` when the
