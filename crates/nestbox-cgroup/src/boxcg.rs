@@ -619,6 +619,22 @@ impl BoxCgroup {
         })
     }
 
+    /// Give the v1 `tasks` files of the box's directories to `owner` (a
+    /// host (uid, gid)), so that a process of `owner`'s may open them to move
+    /// its own processes in: cgroup v1 lets a writer that is not the initial
+    /// namespace's root move only processes of its own uid, by the
+    /// credentials the file was opened with. For the clones of a template
+    /// inside a box, whose processes are the template's root's. Nothing else
+    /// changes hands (directories, limits, v2 files).
+    pub fn give_tasks_files_to(&self, owner: (u32, u32)) -> Result<(), CgroupError> {
+        for d in self.dirs.iter().filter(|d| d.version == Version::V1) {
+            let file = d.path.join("tasks");
+            std::os::unix::fs::chown(&file, Some(owner.0), Some(owner.1))
+                .map_err(|e| CgroupError::io(crate::error::Op::Chown, &file, e))?;
+        }
+        Ok(())
+    }
+
     /// The delegation of a box that runs boxes of its own, if any.
     pub fn delegation(&self) -> Option<&Delegation> {
         self.delegation.as_ref()

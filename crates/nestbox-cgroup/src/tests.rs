@@ -1520,6 +1520,40 @@ fn delegated_v1_box_gets_every_hierarchy_and_mounts_all_but_devices() {
     assert_no_box_dirs(&h, "nest-2");
 }
 
+/// A clone's cgroup inside a box: its v1 `tasks` files (and nothing else)
+/// belong to the template's root, who moves the clone's processes in.
+#[test]
+fn giving_the_tasks_files_changes_only_their_owner() {
+    let tmp = tempfile::tempdir().unwrap();
+    let h = testfs::hybrid(tmp.path());
+    let cg = BoxCgroup::create(&h, "clone-1", &Limits::default()).unwrap();
+    let owner = delegate_owner();
+    cg.give_tasks_files_to(owner).unwrap();
+    let me = (
+        nix::unistd::geteuid().as_raw(),
+        nix::unistd::getegid().as_raw(),
+    );
+    let mut v1 = 0;
+    for d in cg.dirs() {
+        match d.version {
+            Version::V1 => {
+                v1 += 1;
+                assert_eq!(
+                    owner_of(&d.path.join("tasks")),
+                    owner,
+                    "{}",
+                    d.path.display()
+                );
+                assert_eq!(owner_of(&d.path.join("cgroup.procs")), me);
+            }
+            Version::V2 => assert_eq!(owner_of(&d.path.join("cgroup.procs")), me),
+        }
+        assert_eq!(owner_of(&d.path), me, "{}", d.path.display());
+    }
+    assert!(v1 > 0);
+    cg.remove().unwrap();
+}
+
 #[test]
 fn delegated_box_on_this_machines_hybrid_layout_mounts_its_v1_hierarchies() {
     let tmp = tempfile::tempdir().unwrap();

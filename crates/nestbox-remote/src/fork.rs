@@ -127,6 +127,13 @@ pub struct ForkPlan<'a> {
     /// Files the new process's tid is written to: cgroup v1 `tasks` files (or v2
     /// `cgroup.procs`).
     pub cgroup_task_files: Vec<PathBuf>,
+    /// The effective uid the `tasks` files are opened as (`None`: the
+    /// caller's own). cgroup v1 lets a writer that is not the initial
+    /// namespace's root move only processes of its uid, judged by the
+    /// credentials the file was opened with: a tracer that is root of a user
+    /// namespace only (nestbox inside a box) opens them as the template's
+    /// process's uid, which the files must let write.
+    pub tasks_files_opener: Option<u32>,
     /// The clone's stdin, stdout, stderr (replace the template's fds 0, 1, 2).
     pub stdio: [BorrowedFd<'a>; 3],
     /// A signal sent to the clone once it runs (`--on-clone-signal`).
@@ -454,14 +461,17 @@ impl Session {
         let tasks_files = self_moved
             .iter()
             .map(|path| {
-                std::fs::OpenOptions::new()
-                    .write(true)
-                    .open(path)
-                    .map_err(|source| RemoteError::Cgroup {
-                        pid: c1.pid(),
-                        path: path.to_path_buf(),
-                        source,
-                    })
+                let opened = match plan.tasks_files_opener {
+                    Some(uid) => nestbox_sys::creds::open_for_writing_as(path, uid)
+                        .map(std::fs::File::from)
+                        .map_err(std::io::Error::from),
+                    None => std::fs::OpenOptions::new().write(true).open(path),
+                };
+                opened.map_err(|source| RemoteError::Cgroup {
+                    pid: c1.pid(),
+                    path: path.to_path_buf(),
+                    source,
+                })
             })
             .collect::<Result<Vec<_>>>()?;
 

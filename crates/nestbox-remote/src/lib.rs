@@ -33,6 +33,7 @@
 //!     namespaces: ns.iter().map(|(k, f)| (*k, f.as_fd())).collect(),
 //!     setns_cookie: cookie,
 //!     cgroup_task_files: vec!["/sys/fs/cgroup/pids/clone-1/tasks".into()],
+//!     tasks_files_opener: None,
 //!     stdio: [null.as_fd(), log.as_fd(), log.as_fd()],
 //!     on_clone_signal: None,
 //!     inventory: None,

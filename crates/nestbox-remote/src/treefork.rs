@@ -142,6 +142,7 @@ pub fn remote_fork_tree(
                     namespaces: plan.namespaces.clone(),
                     setns_cookie: plan.setns_cookie,
                     cgroup_task_files: plan.cgroup_task_files.clone(),
+                    tasks_files_opener: plan.tasks_files_opener,
                     stdio: plan.stdio,
                     on_clone_signal: None,
                     inventory: Some(inventories[i].clone()),

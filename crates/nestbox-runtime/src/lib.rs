@@ -50,9 +50,7 @@ pub use error::{Result, RuntimeError};
 
 // The modules' paths before they were grouped, kept so that callers (the CLI and
 // other crates) need not change.
-pub use lifecycle::{
-    exec, init, ksm, launch, logs, monitor, nest, residency, shell, time_travel,
-};
+pub use lifecycle::{exec, init, ksm, launch, logs, monitor, nest, residency, shell, time_travel};
 pub use network::pool as network_pool;
 pub use templates::{
     checkpoint, clone, migrate, nscheckpoint, prepared_claim, template, working_set,

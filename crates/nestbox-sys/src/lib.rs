@@ -11,6 +11,7 @@
 //! callers; this crate only makes the calls.
 
 pub mod bpf;
+pub mod creds;
 pub mod fd;
 pub mod link;
 pub mod loopdev;

@@ -82,6 +82,47 @@ pub fn enter(ns: BorrowedFd<'_>, kind: Namespace) -> Result<()> {
     nix::sched::setns(ns, kind.flag())
 }
 
+/// Set the hostname of uts namespace `uts` from a short-lived child process
+/// that joins user namespace `userns` (the one owning `uts`, or an ancestor
+/// of it), then `uts`, and calls `sethostname`; waits for it. For a caller
+/// without `CAP_SYS_ADMIN` in its own user namespace (root of a box's user
+/// namespace only), which `setns` of a uts namespace needs as well as the
+/// capability over the namespace's owner: the owner of `userns` gets every
+/// capability in it by joining it, and a user namespace cannot be left
+/// again, hence the child. The calling process does not move.
+///
+/// The child makes system calls only (no allocation, no lock), so the caller
+/// may have other threads. The child's error comes back as its exit status.
+pub fn set_hostname_from_child(
+    userns: BorrowedFd<'_>,
+    uts: BorrowedFd<'_>,
+    name: &str,
+) -> Result<()> {
+    // SAFETY: the child below only calls setns, sethostname and _exit (raw
+    // system calls through libc, no allocation and no lock), which is safe
+    // after a fork of any process; no clone flags.
+    match unsafe { crate::process::fork_into(CloneFlags::empty()) }? {
+        crate::process::Forked::Child => {
+            let set = enter(userns, Namespace::User)
+                .and_then(|()| enter(uts, Namespace::Uts))
+                .and_then(|()| nix::unistd::sethostname(name));
+            crate::process::exit_now(match set {
+                Ok(()) => 0,
+                Err(e) => e as i32,
+            })
+        }
+        crate::process::Forked::Parent(child) => {
+            let status = crate::process::waitpid_raw(child.as_raw(), 0)?.unwrap_or(-1);
+            match (libc::WIFEXITED(status), libc::WEXITSTATUS(status)) {
+                (true, 0) => Ok(()),
+                (true, code) => Err(Errno::from_raw(code)),
+                // Killed: nothing says what it did.
+                (false, _) => Err(Errno::ECHILD),
+            }
+        }
+    }
+}
+
 /// A thread's stay in another namespace: [`NsGuard::enter`] joins it and
 /// keeps a handle on the namespace the thread was in; [`NsGuard::leave`] (or
 /// dropping the guard) returns there.

@@ -2,7 +2,8 @@
 //! rm three levels deep without host root inside; the parent's memory and
 //! pids limits bound its boxes through the cgroup hierarchy; removing,
 //! stopping or SIGKILLing any level leaves nothing (processes, cgroups,
-//! mounts, veth) once `gc` has run; networking and freeze inside.
+//! mounts, veth) once `gc` has run; networking, freeze, clone and pools of
+//! clones inside, one and two levels deep.
 
 mod common;
 
@@ -529,10 +530,375 @@ fn inside_a_box_the_network_defaults_to_none_and_freeze_works() {
     assert_eq!(out.stdout.trim(), "t2", "{out}");
     let out = root.run(&inside(&["w1"], &["ps", "--json"])).ok();
     assert!(out.stdout.contains("\"frozen\""), "{out}");
-    // Clones inside are not made yet: one clear line.
-    let out = root.run(&inside(&["w1"], &["clone", "t2", "-d"]));
-    assert_error(&out, 125, "clones cannot be made in a box yet");
+    // A clone inside (see the clone tests below for more).
+    let out = root.run(&inside(&["w1"], &["clone", "t2", "-d", "--name", "c2"]));
+    assert_eq!(out.ok().stdout.trim(), "c2");
+    assert_eq!(
+        row(&tree(&root, false), "w1/c2").map(|r| r["status"].clone()),
+        Some(Value::from("running"))
+    );
     // A box with boxes inside cannot be frozen itself (yet).
     let out = root.run(&["freeze", "w1"]);
     assert_error(&out, 125, "runs boxes of its own");
+}
+
+/// GET / from the counter server of box `name`, a box of the nestbox inside
+/// the box at `path`: (count, hostname).
+#[track_caller]
+fn get_inside(root: &TestRoot, path: &[&str], name: &str) -> (u64, String) {
+    let code = "import urllib.request; \
+                print(urllib.request.urlopen('http://127.0.0.1:8080/', timeout=10).read().decode().strip())";
+    let out = root
+        .run(&inside(path, &["exec", name, "--", "python3", "-c", code]))
+        .ok();
+    let fields: Vec<&str> = out.stdout.split_whitespace().collect();
+    assert_eq!(fields.len(), 2, "answer of {path:?}/{name}\n{out}");
+    (fields[0].parse().unwrap(), fields[1].to_string())
+}
+
+/// Start the counter server (`COUNT HOSTNAME` on 127.0.0.1:8080, counted by
+/// a pool of 4 threads, which each clone must have too) as box `name` inside
+/// the box at `path`, wait until it listens and warm it with `warm` requests.
+fn warmed_server_inside(root: &TestRoot, path: &[&str], name: &str, warm: u64) {
+    let args = [
+        "run",
+        "-d",
+        "--name",
+        name,
+        "--",
+        "python3",
+        "-c",
+        common::apps::PYTHON_POOL_SERVER,
+    ];
+    let out = root.run_timeout(&inside(path, &args), START).ok();
+    assert_eq!(out.stdout.trim(), name, "{out}");
+    wait_for(
+        &format!("{name} to listen"),
+        Duration::from_secs(30),
+        || {
+            root.run(&inside(path, &["logs", name]))
+                .ok()
+                .stdout
+                .contains("ready")
+        },
+    );
+    for i in 1..=warm {
+        assert_eq!(get_inside(root, path, name), (i, name.to_string()));
+    }
+}
+
+/// The names of the boxes the nestbox inside the box at `path` lists
+/// (`ps --json`; `-a` with `all`).
+fn names_inside(root: &TestRoot, path: &[&str], all: bool) -> Vec<String> {
+    let mut args = vec!["ps", "--json"];
+    if all {
+        args.push("-a");
+    }
+    let out = root.run(&inside(path, &args)).ok();
+    let rows: Value = serde_json::from_str(&out.stdout).unwrap_or_else(|e| panic!("{e}\n{out}"));
+    rows.as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["name"].as_str().unwrap().to_string())
+        .collect()
+}
+
+/// `template ls --json` of the nestbox inside the box at `path`: the row of
+/// template `name`.
+fn template_inside(root: &TestRoot, path: &[&str], name: &str) -> Value {
+    let out = root.run(&inside(path, &["template", "ls", "--json"])).ok();
+    let rows: Value = serde_json::from_str(&out.stdout).unwrap_or_else(|e| panic!("{e}\n{out}"));
+    rows.as_array()
+        .unwrap()
+        .iter()
+        .find(|r| r["name"] == name)
+        .unwrap_or_else(|| panic!("no template {name}\n{out}"))
+        .clone()
+}
+
+/// The pids in the `cgroup.procs` files of cgroup directories `dirs`.
+fn procs_in(dirs: &[PathBuf]) -> Vec<i32> {
+    let mut pids: Vec<i32> = dirs
+        .iter()
+        .filter_map(|d| std::fs::read_to_string(d.join("cgroup.procs")).ok())
+        .flat_map(|t| {
+            t.split_whitespace()
+                .filter_map(|p| p.parse().ok())
+                .collect::<Vec<i32>>()
+        })
+        .collect();
+    pids.sort_unstable();
+    pids.dedup();
+    pids
+}
+
+/// `rm -f` the (top-level) nest box `top` from the host, and check that
+/// nothing of it is left: no process that ran in it (its boxes', clones' and
+/// pooled clones' processes, their monitors and inits, and its own monitor),
+/// no cgroup of its subtree, no mount, no row of `ps --tree -a`.
+#[track_caller]
+fn rm_leaves_nothing(root: &TestRoot, top: &str) {
+    let dirs = subtree(&box_dirs(root, top));
+    let mut pids = procs_in(&dirs);
+    pids.push(parent_of(host_pid(root, top)));
+    assert!(pids.len() > 3, "{pids:?}");
+    root.run(&["rm", "-f", top]).ok();
+    wait_for(
+        "every process of the box to end",
+        Duration::from_secs(10),
+        || pids.iter().all(|p| !pid_alive(*p)),
+    );
+    let left: Vec<&PathBuf> = dirs.iter().filter(|d| d.exists()).collect();
+    assert!(left.is_empty(), "cgroups left: {left:?}");
+    assert!(
+        mounts_under(root.path()).is_empty(),
+        "{:?}",
+        mounts_under(root.path())
+    );
+    assert!(tree(root, true).is_empty());
+}
+
+/// Inside a nest box, as on a host: a warmed server is frozen and cloned
+/// (`-n 3` and by name); every clone continues the template's state and then
+/// goes its own way, under its own hostname, while the template stays as it
+/// was; its processes and files are the template's root's; the nestbox
+/// inside lists and removes the clones, the host sees them as `nest/clone`;
+/// a clone frozen in turn is cloned; `rm -f` of the nest box from the host
+/// leaves nothing.
+#[test]
+fn clones_inside_a_nest_box_continue_the_template_and_diverge() {
+    let Some(root) = TestRoot::new("clones_inside_a_nest_box_continue_the_template_and_diverge")
+    else {
+        return;
+    };
+    start(&root, &[], "k1", &["--nest", "--network", "none"]);
+    let k1 = ["k1"];
+    warmed_server_inside(&root, &k1, "srv", 3);
+    let out = root
+        .run(&inside(&k1, &["freeze", "srv", "--as", "tpl"]))
+        .ok();
+    assert_eq!(out.stdout.trim(), "tpl", "{out}");
+    let out = root
+        .run(&inside(&k1, &["clone", "tpl", "-n", "3", "-d"]))
+        .ok();
+    let mut clones: Vec<String> = out.stdout.lines().map(str::to_string).collect();
+    assert_eq!(clones.len(), 3, "{out}");
+    let out = root
+        .run(&inside(&k1, &["clone", "tpl", "-d", "--name", "named"]))
+        .ok();
+    assert_eq!(out.stdout.trim(), "named", "{out}");
+    clones.push("named".into());
+
+    // Each continues the template's counter (3 requests before the freeze)
+    // under its own name, then counts on its own.
+    for c in &clones {
+        assert_eq!(get_inside(&root, &k1, c), (4, c.clone()));
+    }
+    for want in 5..=7 {
+        assert_eq!(get_inside(&root, &k1, "named"), (want, "named".into()));
+    }
+    assert_eq!(get_inside(&root, &k1, &clones[0]), (5, clones[0].clone()));
+    assert_eq!(get_inside(&root, &k1, &clones[1]), (5, clones[1].clone()));
+    assert_eq!(get_inside(&root, &k1, "named").0, 8);
+
+    // The template is untouched: still frozen, and a clone made now starts
+    // from its state again.
+    let rows = root.run(&inside(&k1, &["ps", "--json"])).ok().stdout;
+    let rows: Value = serde_json::from_str(&rows).unwrap();
+    let srv = rows
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|r| r["name"] == "srv")
+        .unwrap();
+    assert_eq!(srv["status"], "frozen", "{rows}");
+    assert_eq!(template_inside(&root, &k1, "tpl")["clones"], 4);
+    root.run(&inside(&k1, &["clone", "tpl", "-d", "--name", "late"]))
+        .ok();
+    assert_eq!(get_inside(&root, &k1, "late"), (4, "late".into()));
+    clones.push("late".into());
+
+    // ps inside lists them; the host shows them below the nest box.
+    let names = names_inside(&root, &k1, false);
+    for c in &clones {
+        assert!(names.contains(c), "{c} in {names:?}");
+    }
+    let rows = tree(&root, false);
+    for c in &clones {
+        let r = row(&rows, &format!("k1/{c}")).unwrap_or_else(|| panic!("k1/{c} in {rows:?}"));
+        assert_eq!(r["status"], "running", "{r}");
+    }
+
+    // The clone's processes and files are the template's root's: an identity
+    // map over the template's ids inside, host uid 1000032768 (the upper half
+    // of the nest box's range) outside.
+    let out = root
+        .run(&inside(
+            &k1,
+            &[
+                "exec",
+                "named",
+                "--",
+                "sh",
+                "-c",
+                "cat /proc/self/uid_map; touch /tmp/marker; stat -c %u /tmp/marker",
+            ],
+        ))
+        .ok();
+    let lines: Vec<String> = out.stdout.lines().map(squeeze).collect();
+    assert_eq!(lines, ["0 0 32768", "0"], "{out}");
+    let init = host_pid(&root, "k1/named");
+    let children = std::fs::read_to_string(format!("/proc/{init}/task/{init}/children")).unwrap();
+    let process: i32 = children.split_whitespace().next().unwrap().parse().unwrap();
+    assert_eq!(
+        status_of(process, "Uid").map(|u| squeeze(&u)).as_deref(),
+        Some("1000032768 1000032768 1000032768 1000032768")
+    );
+    let id = root.run(&inside(&k1, &["inspect", "named"])).ok().stdout;
+    let id: Value = serde_json::from_str(&id).unwrap();
+    let id = id["state"]["id"].as_str().unwrap().to_string();
+    let out = root
+        .run(&inside(
+            &[],
+            &[
+                "exec",
+                "k1",
+                "--",
+                "sh",
+                "-c",
+                &format!("stat -c %u $(find /var/lib/nestbox/boxes/{id} -name marker)"),
+            ],
+        ))
+        .ok();
+    assert_eq!(out.stdout.trim(), "32768", "{out}");
+
+    // rm inside removes a clone, and only it.
+    let gone = clones.remove(2);
+    let gone_init = host_pid(&root, &format!("k1/{gone}"));
+    root.run(&inside(&k1, &["rm", "-f", &gone])).ok();
+    assert!(!names_inside(&root, &k1, true).contains(&gone));
+    assert!(row(&tree(&root, true), &format!("k1/{gone}")).is_none());
+    assert!(!pid_alive(gone_init));
+    assert_eq!(get_inside(&root, &k1, &clones[0]).0, 6);
+
+    // A clone frozen in turn is a template like any other inside too (its
+    // root is its template's: the uid its processes run as).
+    root.run(&inside(&k1, &["freeze", &clones[0], "--as", "again"]))
+        .ok();
+    root.run(&inside(&k1, &["clone", "again", "-d", "--name", "grand"]))
+        .ok();
+    assert_eq!(get_inside(&root, &k1, "grand"), (7, "grand".into()));
+    assert_eq!(get_inside(&root, &k1, "grand").0, 8);
+    assert_eq!(get_inside(&root, &k1, "named").0, 9);
+
+    rm_leaves_nothing(&root, "k1");
+}
+
+/// A pool inside a nest box: `freeze --pool 2` forks two clones ahead, a
+/// `clone` claims one of them (its box is one of the pool's), which
+/// continues the template under its name, and the pool is refilled.
+#[test]
+fn a_pool_of_clones_inside_a_nest_box_is_claimed_and_refilled() {
+    let Some(root) = TestRoot::new("a_pool_of_clones_inside_a_nest_box_is_claimed_and_refilled")
+    else {
+        return;
+    };
+    start(&root, &[], "p1", &["--nest", "--network", "none"]);
+    let p1 = ["p1"];
+    warmed_server_inside(&root, &p1, "srv", 1);
+    root.run(&inside(
+        &p1,
+        &["freeze", "srv", "--as", "tpl", "--pool", "2"],
+    ))
+    .ok();
+    assert_eq!(template_inside(&root, &p1, "tpl")["pooled"], 2);
+    // Pooled clones are not boxes yet.
+    assert_eq!(names_inside(&root, &p1, true), ["srv"]);
+    // The ids of the pool's clones, from their records.
+    let pool_ids = || -> Vec<String> {
+        let code = "import glob, json\n\
+                    for f in sorted(glob.glob('/run/nestbox/boxes/pool.*/state.json')):\n    \
+                    print(json.load(open(f))['id'])";
+        let out = root
+            .run(&inside(&[], &["exec", "p1", "--", "python3", "-c", code]))
+            .ok();
+        out.stdout.lines().map(str::to_string).collect()
+    };
+    let pooled = pool_ids();
+    assert_eq!(pooled.len(), 2, "{pooled:?}");
+    root.run(&inside(&p1, &["clone", "tpl", "-d", "--name", "first"]))
+        .ok();
+    let first: Value =
+        serde_json::from_str(&root.run(&inside(&p1, &["inspect", "first"])).ok().stdout).unwrap();
+    let first_id = first["state"]["id"].as_str().unwrap().to_string();
+    assert!(
+        pooled.contains(&first_id),
+        "first ({first_id}) was claimed from the pool {pooled:?}"
+    );
+    assert_eq!(get_inside(&root, &p1, "first"), (2, "first".into()));
+    wait_for("the pool to refill", Duration::from_secs(30), || {
+        template_inside(&root, &p1, "tpl")["pooled"] == 2
+    });
+    root.run(&inside(&p1, &["clone", "tpl", "-d", "--name", "second"]))
+        .ok();
+    assert_eq!(get_inside(&root, &p1, "second"), (2, "second".into()));
+    assert_eq!(get_inside(&root, &p1, "first"), (3, "first".into()));
+    let rows = tree(&root, false);
+    for c in ["p1/first", "p1/second"] {
+        assert_eq!(
+            row(&rows, c).map(|r| r["status"].clone()),
+            Some(Value::from("running"))
+        );
+    }
+    wait_for("the pool to refill", Duration::from_secs(30), || {
+        template_inside(&root, &p1, "tpl")["pooled"] == 2
+    });
+    rm_leaves_nothing(&root, "p1");
+}
+
+/// Two levels: a template and its clones in a nest box inside a nest box.
+#[test]
+fn clones_inside_a_nest_box_inside_a_nest_box() {
+    let Some(root) = TestRoot::new("clones_inside_a_nest_box_inside_a_nest_box") else {
+        return;
+    };
+    start(&root, &[], "d1", &["--nest", "--network", "none"]);
+    start(&root, &["d1"], "d2", &["--nest"]);
+    let d2 = ["d1", "d2"];
+    warmed_server_inside(&root, &d2, "srv", 2);
+    root.run(&inside(&d2, &["freeze", "srv", "--as", "tpl"]))
+        .ok();
+    let out = root
+        .run(&inside(
+            &d2,
+            &["clone", "tpl", "-n", "2", "-d", "--name", "c"],
+        ))
+        .ok();
+    assert_eq!(
+        out.stdout.lines().collect::<Vec<_>>(),
+        ["c-1", "c-2"],
+        "{out}"
+    );
+    assert_eq!(get_inside(&root, &d2, "c-1"), (3, "c-1".into()));
+    assert_eq!(get_inside(&root, &d2, "c-1"), (4, "c-1".into()));
+    assert_eq!(get_inside(&root, &d2, "c-2"), (3, "c-2".into()));
+    let rows = tree(&root, false);
+    for c in ["d1/d2/c-1", "d1/d2/c-2"] {
+        assert_eq!(
+            row(&rows, c).map(|r| r["status"].clone()),
+            Some(Value::from("running"))
+        );
+    }
+    // Level 2's template root is host uid 1000049152 (the upper half of
+    // level 2's range), and so are its clones'.
+    let init = host_pid(&root, "d1/d2/c-2");
+    let children = std::fs::read_to_string(format!("/proc/{init}/task/{init}/children")).unwrap();
+    let process: i32 = children.split_whitespace().next().unwrap().parse().unwrap();
+    assert_eq!(
+        status_of(process, "Uid").map(|u| squeeze(&u)).as_deref(),
+        Some("1000049152 1000049152 1000049152 1000049152")
+    );
+    root.run(&inside(&d2, &["rm", "-f", "c-1"])).ok();
+    assert!(row(&tree(&root, true), "d1/d2/c-1").is_none());
+    rm_leaves_nothing(&root, "d1");
 }

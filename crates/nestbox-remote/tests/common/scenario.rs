@@ -223,6 +223,7 @@ impl Scenario {
             namespaces: files.iter().map(|(k, f)| (*k, f.as_fd())).collect(),
             setns_cookie: self.cookie,
             cgroup_task_files: self.task_files(),
+            tasks_files_opener: None,
             stdio: [stdio[0].as_fd(), stdio[1].as_fd(), stdio[2].as_fd()],
             on_clone_signal: signal,
             inventory,

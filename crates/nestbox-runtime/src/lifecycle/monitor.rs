@@ -220,6 +220,23 @@ fn start_inner(
     };
     *cgroup_slot = cgroup.clone();
     crate::phases::mark("monitor: cgroup planned");
+    // A clone shell of a template with a user namespace, started by nestbox
+    // inside a box (root of the box's user namespace only): cgroup v1 lets it
+    // move only processes of its own uid into the shell's cgroup, by the
+    // credentials a `tasks` file was opened with. The shell's first process
+    // and the clone's process are the template's root's: the shell's `tasks`
+    // files become that uid's, and are opened as it (here, and by the clone).
+    let join_as = match (&template, owner) {
+        (Some(t), Some(owner))
+            if t.state.idmap.is_some() && nestbox_isolation::idmap::in_user_namespace() =>
+        {
+            if let Some(cg) = &cgroup {
+                cg.give_tasks_files_to(owner)?;
+            }
+            Some(owner.0)
+        }
+        _ => None,
+    };
     // The cgroup is recorded with the Running state below; until then a crash
     // leaves it to `gc`, which finds it by this root's tag in its name.
     // A namespace from the pool when the box may have one. The pool being
@@ -429,8 +446,7 @@ fn start_inner(
     }
     if monitor_joins {
         for file in &join_files {
-            std::fs::write(file, child.as_raw().to_string())
-                .map_err(|e| abandon(RuntimeError::io("write", file)(e)))?;
+            move_into_cgroup(file, child, join_as).map_err(abandon)?;
         }
     }
     let network = match (&pooled, &net) {
@@ -520,6 +536,23 @@ fn start_inner(
     })
 }
 
+/// Write `pid` into the cgroup membership file `file`: a v1 `tasks` file
+/// opened as uid `opener` if given (see where `join_as` is set).
+fn move_into_cgroup(file: &std::path::Path, pid: Pid, opener: Option<u32>) -> Result<()> {
+    let text = pid.as_raw().to_string();
+    match opener {
+        Some(uid) if file.file_name().is_some_and(|n| n == "tasks") => {
+            let fd = nestbox_sys::creds::open_for_writing_as(file, uid).map_err(
+                RuntimeError::sys(format!("open {} as uid {uid}", file.display())),
+            )?;
+            File::from(fd)
+                .write_all(text.as_bytes())
+                .map_err(RuntimeError::io("write", file))
+        }
+        _ => std::fs::write(file, text).map_err(RuntimeError::io("write", file)),
+    }
+}
+
 /// Drop the last reference to a finished box's mount namespace in a child
 /// process that nobody waits for. Tearing the namespace down unmounts the
 /// box's root, which makes the kernel wait for an RCU grace period and frees
@@ -576,7 +609,9 @@ fn release_in_background(ns: OwnedFd) {
 /// the helper joins it first, as its root, so the clone's user namespace is a
 /// child of the template's owned by the template's root, and writes the new
 /// namespace's id maps itself (only a process in the parent namespace may); the
-/// second value says so.
+/// second value says so. A monitor in a user namespace of its own (nestbox in a
+/// box) cannot enter the template's pid namespace itself: see
+/// [`fork_nested_from_a_box`].
 fn fork_nested_in(
     t: &BoxRecord,
     flags: CloneFlags,
@@ -590,17 +625,27 @@ fn fork_nested_in(
         _ => None,
     };
     crate::lifecycle::nested::refuse_too_deep(t)?;
+    match template_userns {
+        Some(userns) if nestbox_isolation::idmap::in_user_namespace() => {
+            fork_nested_from_a_box(t, userns, flags, idmap)
+        }
+        userns => fork_nested_on_the_host(t, userns, flags, idmap),
+    }
+}
+
+/// [`fork_nested_in`] by a monitor that holds `CAP_SYS_ADMIN` in its user
+/// namespace (the host's root): it enters the template's pid namespace itself
+/// for the fork of the helper, and returns to its own at once.
+fn fork_nested_on_the_host(
+    t: &BoxRecord,
+    template_userns: Option<std::fs::File>,
+    flags: CloneFlags,
+    idmap: Option<IdMap>,
+) -> Result<(Forked, bool)> {
     let in_template = crate::lifecycle::nested::enter_pid_namespace_of(t)?;
     // SAFETY: the monitor is single-threaded, so the helper may run arbitrary
     // code; no clone flags.
-    let forked = unsafe { fork_into(CloneFlags::empty()) }.map_err(|e| match t.state.init {
-        // The template's init is exiting (the template was removed, or stopped):
-        // its pid namespace takes no new process (ENOMEM).
-        Some(init) if init.ends_within(std::time::Duration::from_secs(5)) => {
-            RuntimeError::TemplateRemoved(t.template_name().to_string())
-        }
-        _ => RuntimeError::from(e),
-    });
+    let forked = unsafe { fork_into(CloneFlags::empty()) }.map_err(|e| template_ended(t, e.into()));
     if let Ok(Forked::Child) = &forked {
         // The helper is in the template's pid namespace and stays there.
         in_template.stay();
@@ -619,27 +664,100 @@ fn fork_nested_in(
             Err(_) => nestbox_sys::process::exit_now(crate::error::EXIT_NESTBOX_ERROR),
         },
         Forked::Parent(helper) => {
-            let code = crate::process::wait_exit_code(helper);
-            if code != 0 {
-                return Err(RuntimeError::Failed(format!(
-                    "could not create the clone's namespaces under template {:?}",
-                    t.name()
-                )));
+            if crate::process::wait_exit_code(helper) != 0 {
+                return Err(no_namespaces_under(t));
             }
-            let me = nix::unistd::getpid();
-            let path = format!("/proc/{me}/task/{me}/children");
-            let text = std::fs::read_to_string(&path).map_err(RuntimeError::io("read", &path))?;
-            let pid = text
-                .split_whitespace()
-                .filter_map(|p| p.parse::<i32>().ok())
-                .next_back()
-                .ok_or_else(|| RuntimeError::Failed("the clone's first process vanished".into()))?;
-            Ok((Forked::Parent(Pid::from_raw(pid)), maps_written))
+            Ok((Forked::Parent(newest_child()?), maps_written))
         }
     }
 }
 
-/// The helper of [`fork_nested_in`], already in the template's pid namespace.
+/// [`fork_nested_in`] by a monitor in a user namespace of its own, without
+/// `CAP_SYS_ADMIN` there (nestbox inside a `--nest` box, as the box's root):
+/// `setns` into the template's pid namespace needs that capability in the
+/// caller's user namespace as well as in the namespace's owner. So the first
+/// helper, a plain child, joins the template's user namespace first (the
+/// monitor's root owns it, so it gets every capability there, and a process
+/// cannot come back from a user namespace: hence a helper), then its pid
+/// namespace, and forks a second helper as the monitor's child
+/// (`CLONE_PARENT`), born in the template's pid namespace. That one creates
+/// the box process as the monitor's child too, writes its id maps and leaves.
+/// The monitor itself never changes namespace. The first helper tells the
+/// monitor the second's pid (on a pipe), so that it can wait for it.
+fn fork_nested_from_a_box(
+    t: &BoxRecord,
+    template_userns: std::fs::File,
+    flags: CloneFlags,
+    idmap: Option<IdMap>,
+) -> Result<(Forked, bool)> {
+    let (pid_ns, _) = crate::lifecycle::nested::open_pid_namespace_of(t)?;
+    let (report_r, report_w) = pipe2(OFlag::O_CLOEXEC).map_err(RuntimeError::sys("pipe2"))?;
+    // SAFETY: the monitor is single-threaded, so the helper may run arbitrary
+    // code; no clone flags.
+    let forked = unsafe { fork_into(CloneFlags::empty()) }.map_err(RuntimeError::from)?;
+    let first = match forked {
+        Forked::Child => {
+            drop(report_r);
+            return match first_helper_in_a_box(&template_userns, &pid_ns, report_w, flags, idmap) {
+                // The box's first process: its maps are written.
+                Ok(Forked::Child) => Ok((Forked::Child, true)),
+                Ok(Forked::Parent(_)) => nestbox_sys::process::exit_now(0),
+                Err(_) => nestbox_sys::process::exit_now(crate::error::EXIT_NESTBOX_ERROR),
+            };
+        }
+        Forked::Parent(pid) => pid,
+    };
+    drop(report_w);
+    let first_ok = crate::process::wait_exit_code(first) == 0;
+    let mut word = [0u8; 4];
+    let second = (&File::from(report_r))
+        .read_exact(&mut word)
+        .ok()
+        .map(|()| Pid::from_raw(i32::from_ne_bytes(word)));
+    match second.filter(|p| p.as_raw() > 0) {
+        // It made the box process and wrote its id maps (reaped in any case).
+        Some(second) if crate::process::wait_exit_code(second) == 0 && first_ok => {
+            Ok((Forked::Parent(newest_child()?), true))
+        }
+        Some(_) => Err(no_namespaces_under(t)),
+        // No second helper: the first could not join the template's
+        // namespaces or fork there (a pid namespace whose init is exiting,
+        // the template being removed, takes no new process).
+        None => Err(template_ended(t, no_namespaces_under(t))),
+    }
+}
+
+/// The first helper of [`fork_nested_from_a_box`], a child of the monitor.
+/// Returns `Forked::Child` in the box's first process, `Forked::Parent` in
+/// the helpers (which then exit).
+fn first_helper_in_a_box(
+    template_userns: &std::fs::File,
+    pid_ns: &std::fs::File,
+    report: OwnedFd,
+    flags: CloneFlags,
+    idmap: Option<IdMap>,
+) -> Result<Forked> {
+    become_template_root(template_userns)?;
+    nestbox_sys::ns::enter(pid_ns.as_fd(), nestbox_sys::ns::Namespace::Pid)
+        .map_err(RuntimeError::sys("setns(template pid namespace)"))?;
+    // SAFETY: this helper is a fork of the single-threaded monitor; the flag is
+    // CLONE_PARENT only (the second helper is the monitor's child).
+    match unsafe { fork_into(CloneFlags::CLONE_PARENT) }? {
+        Forked::Parent(second) => {
+            // Its pid as the monitor sees it: this helper's own pid namespace
+            // is the monitor's. A pipe of 4 bytes is written whole.
+            nix::unistd::write(&report, &second.as_raw().to_ne_bytes())
+                .map_err(RuntimeError::sys("write the helper's pid"))?;
+            Ok(Forked::Parent(second))
+        }
+        Forked::Child => {
+            drop(report);
+            fork_box_as_template_root(flags, idmap)
+        }
+    }
+}
+
+/// The helper of [`fork_nested_on_the_host`], already in the template's pid namespace.
 fn nested_helper(
     template_userns: Option<std::fs::File>,
     flags: CloneFlags,
@@ -650,11 +768,14 @@ fn nested_helper(
         // are CLONE_NEW* and CLONE_PARENT only.
         return Ok(unsafe { fork_into(flags | CloneFlags::CLONE_PARENT) }?);
     };
-    nestbox_sys::ns::enter(
-        std::os::fd::AsFd::as_fd(&userns),
-        nestbox_sys::ns::Namespace::User,
-    )
-    .map_err(RuntimeError::sys("setns(template user namespace)"))?;
+    become_template_root(&userns)?;
+    fork_box_as_template_root(flags, idmap)
+}
+
+/// Join the template's user namespace `userns` for good, as its root.
+fn become_template_root(userns: &std::fs::File) -> Result<()> {
+    nestbox_sys::ns::enter(userns.as_fd(), nestbox_sys::ns::Namespace::User)
+        .map_err(RuntimeError::sys("setns(template user namespace)"))?;
     let root_gid = nix::unistd::Gid::from_raw(0);
     let root_uid = nix::unistd::Uid::from_raw(0);
     nix::unistd::setresgid(root_gid, root_gid, root_gid)
@@ -663,18 +784,54 @@ fn nested_helper(
         .map_err(RuntimeError::sys("setresuid(0)"))?;
     // Changing uids made this process (and so its child) non-dumpable, which
     // would leave the child's /proc files, uid_map included, to host root.
-    nix::sys::prctl::set_dumpable(true).map_err(RuntimeError::sys("prctl(PR_SET_DUMPABLE)"))?;
-    // SAFETY: as above (single-threaded helper; CLONE_NEW* and CLONE_PARENT).
+    nix::sys::prctl::set_dumpable(true).map_err(RuntimeError::sys("prctl(PR_SET_DUMPABLE)"))
+}
+
+/// Fork the box's first process as the monitor's child (`CLONE_PARENT`), from a
+/// helper in the template's pid and user namespaces, and write its id maps.
+fn fork_box_as_template_root(flags: CloneFlags, idmap: Option<IdMap>) -> Result<Forked> {
+    // SAFETY: the caller is a single-threaded helper forked from the monitor;
+    // the flags are CLONE_NEW* and CLONE_PARENT only.
     let (forked, pidfd) = unsafe {
         nestbox_isolation::namespaces::fork_into_with_pidfd(flags | CloneFlags::CLONE_PARENT)
     }?;
     if let (Forked::Parent(_), Some(pidfd), Some(map)) = (&forked, pidfd, idmap) {
         // The pid clone returned is the one in the template's namespace; /proc
-        // here is the host's, so take the host pid from the pidfd.
-        let host_pid = crate::process::pid_of_pidfd(&pidfd)?;
-        map.apply(Pid::from_raw(host_pid))?;
+        // here is the monitor's, so take the pid there from the pidfd.
+        let pid = crate::process::pid_of_pidfd(&pidfd)?;
+        map.apply(Pid::from_raw(pid))?;
     }
     Ok(forked)
+}
+
+/// The monitor's newest child: the box process its helpers made.
+fn newest_child() -> Result<Pid> {
+    let me = nix::unistd::getpid();
+    let path = format!("/proc/{me}/task/{me}/children");
+    let text = std::fs::read_to_string(&path).map_err(RuntimeError::io("read", &path))?;
+    text.split_whitespace()
+        .filter_map(|p| p.parse::<i32>().ok())
+        .next_back()
+        .map(Pid::from_raw)
+        .ok_or_else(|| RuntimeError::Failed("the clone's first process vanished".into()))
+}
+
+fn no_namespaces_under(t: &BoxRecord) -> RuntimeError {
+    RuntimeError::Failed(format!(
+        "could not create the clone's namespaces under template {:?}",
+        t.name()
+    ))
+}
+
+/// `e`, or that the template went if its init is exiting (the template was
+/// removed, or stopped): its pid namespace takes no new process (`ENOMEM`).
+fn template_ended(t: &BoxRecord, e: RuntimeError) -> RuntimeError {
+    match t.state.init {
+        Some(init) if init.ends_within(std::time::Duration::from_secs(5)) => {
+            RuntimeError::TemplateRemoved(t.template_name().to_string())
+        }
+        _ => e,
+    }
 }
 
 /// Create the box cgroup. Without root, a box with no limits may run without one.

@@ -46,28 +46,59 @@ pub fn shell_identity(
         uid: identity(t.state.idmap.map(|m| m.uid)),
         gid: identity(t.state.idmap.map(|m| m.gid)),
     };
-    let owner = t.state.idmap.map(|m| m.host_root());
-    Ok((Some(map), owner, t.state.setns_cookie))
+    Ok((Some(map), root_ids(t), t.state.setns_cookie))
+}
+
+/// The (uid, gid) that live box `r`'s root is in this nestbox's user
+/// namespace (the host's, or the box's that nestbox runs in): its id map's
+/// outside ids. A clone's map is the identity over its template's ids, in
+/// its template's user namespace, so its root is its template's root: read
+/// from its init's credentials (its init runs as its root), and from its map
+/// should its init be gone.
+pub fn root_ids(r: &BoxRecord) -> Option<(u32, u32)> {
+    let mapped = r.state.idmap.map(|m| m.host_root());
+    let (Some(_), Some(init)) = (&r.spec.clone_of, r.state.init) else {
+        return mapped;
+    };
+    let Ok(status) = std::fs::read_to_string(format!("/proc/{}/status", init.pid)) else {
+        return mapped;
+    };
+    let real = |key: &str| -> Option<u32> {
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix(key))?
+            .split_whitespace()
+            .next()?
+            .parse()
+            .ok()
+    };
+    match (real("Uid:"), real("Gid:")) {
+        (Some(uid), Some(gid)) if init.alive() => Some((uid, gid)),
+        _ => mapped,
+    }
 }
 
 /// Make the calling (single-threaded) process create its next children in the pid
 /// namespace of template `t`'s init, until the guard is left or dropped.
 pub fn enter_pid_namespace_of(t: &BoxRecord) -> Result<nestbox_sys::ns::NsGuard> {
+    let (ns, path) = open_pid_namespace_of(t)?;
+    nestbox_sys::ns::NsGuard::enter(ns.as_fd(), nestbox_sys::ns::Namespace::Pid)
+        .map_err(RuntimeError::sys(format!("setns({path})")))
+}
+
+/// The pid namespace of template `t`'s init, open, with its path.
+pub fn open_pid_namespace_of(t: &BoxRecord) -> Result<(std::fs::File, String)> {
     let init = t
         .state
         .init
         .ok_or_else(|| RuntimeError::NotRunning(t.name().to_string()))?;
     let path = format!("/proc/{}/ns/pid", init.pid);
-    let ns = std::fs::File::open(&path).map_err(|e| {
-        if init.alive() {
-            RuntimeError::io("open", &path)(e)
-        } else {
-            // Removed since it was loaded: its last clone has gone.
-            RuntimeError::TemplateRemoved(t.template_name().to_string())
-        }
-    })?;
-    nestbox_sys::ns::NsGuard::enter(ns.as_fd(), nestbox_sys::ns::Namespace::Pid)
-        .map_err(RuntimeError::sys(format!("setns({path})")))
+    match std::fs::File::open(&path) {
+        Ok(ns) => Ok((ns, path)),
+        Err(e) if init.alive() => Err(RuntimeError::io("open", &path)(e)),
+        // Removed since it was loaded: its last clone has gone.
+        Err(_) => Err(RuntimeError::TemplateRemoved(t.template_name().to_string())),
+    }
 }
 
 /// How deep Linux nests pid namespaces (`MAX_PID_NS_LEVEL`).

@@ -176,7 +176,6 @@ pub fn clone_template_answer_first(
     template: &str,
     req: &CloneRequest,
 ) -> Result<(Vec<Cloned>, FollowUp)> {
-    refuse_inside_a_box(template)?;
     let t = match crate::template::load_frozen(reg, template) {
         Ok(t) => t,
         // Gone (a reboot, its box removed): started again from its saved
@@ -396,20 +395,6 @@ fn meminfo_available() -> Option<u64> {
     Some(kib * 1024)
 }
 
-/// Clones are not made inside a box (nestbox nested in a box, see
-/// `docs/nesting.md`): the helper that forks a clone's first process in its
-/// template's pid namespace needs `CAP_SYS_ADMIN` in the caller's user
-/// namespace, which a box's root does not hold.
-fn refuse_inside_a_box(template: &str) -> Result<()> {
-    if nestbox_isolation::idmap::in_user_namespace() {
-        return Err(RuntimeError::Unsupported {
-            name: template.to_string(),
-            problem: "is a template inside a box: clones cannot be made in a box yet (freeze works; see docs/nesting.md)".into(),
-        });
-    }
-    Ok(())
-}
-
 /// The spec of a clone: its template's, with its own name, hostname and limits.
 fn clone_spec(t: &BoxRecord, name: &str, req: &CloneRequest) -> BoxSpec {
     let mut spec = t.spec.clone();
@@ -489,6 +474,13 @@ fn fork_into_shells(
         .clone()
         .ok_or_else(|| RuntimeError::NotRunning(t.name().to_string()))?;
     let cookie = t.state.setns_cookie.unwrap_or_default();
+    // Inside a box (nestbox is root of the box's user namespace only) the
+    // clone's process moves itself into its shell's v1 cgroups through files
+    // opened as its uid, the template's root's, who the shell's monitor gave
+    // them to (`give_tasks_files_to`).
+    let tasks_files_opener = nestbox_isolation::idmap::in_user_namespace()
+        .then(|| crate::template::root_ids(t).map(|(uid, _)| uid))
+        .flatten();
     // The template's process tree (frozen, so it cannot change), each process
     // stopped under ptrace with all its threads.
     let steps = crate::template::template_tree(t)?;
@@ -518,6 +510,7 @@ fn fork_into_shells(
                 &steps,
                 name,
                 cookie,
+                tasks_files_opener,
                 &inventory,
                 req,
             )?);
@@ -597,12 +590,14 @@ fn remote_error(template: &str, e: nestbox_remote::RemoteError) -> RuntimeError 
 }
 
 /// Fork one clone into the shell box `name`.
+#[allow(clippy::too_many_arguments)]
 fn fork_one(
     reg: &Registry,
     tracees: &mut [nestbox_remote::Tracee],
     steps: &[nestbox_remote::tree::Step],
     name: &str,
     cookie: [u64; 2],
+    tasks_files_opener: Option<u32>,
     inventory: &[nestbox_remote::FdEntry],
     req: &CloneRequest,
 ) -> Result<Cloned> {
@@ -645,6 +640,7 @@ fn fork_one(
             .as_ref()
             .map(|c| c.self_join_files())
             .unwrap_or_default(),
+        tasks_files_opener,
         stdio,
         // A pooled clone waits, stopped, until it is claimed.
         on_clone_signal: if pooled {
@@ -900,11 +896,20 @@ fn wake_claimed(c: &BoxRecord, name: &str, req: &CloneRequest) -> Result<i32> {
 }
 
 /// Set the hostname in the uts namespace of `pid`, coming back to our own.
+/// Inside a box (nestbox is root of the box's user namespace only) a child
+/// process joins the clone's user namespace first to do it (see
+/// [`nestbox_sys::ns::set_hostname_from_child`]).
 fn set_hostname_in(pid: i32, name: &str) -> Result<()> {
     use nestbox_sys::ns::{Namespace, NsGuard};
     use std::os::fd::AsFd;
     let path = format!("/proc/{pid}/ns/uts");
     let theirs = File::open(&path).map_err(RuntimeError::io("open", &path))?;
+    if nestbox_isolation::idmap::in_user_namespace() {
+        let userns_path = format!("/proc/{pid}/ns/user");
+        let userns = File::open(&userns_path).map_err(RuntimeError::io("open", &userns_path))?;
+        return nestbox_sys::ns::set_hostname_from_child(userns.as_fd(), theirs.as_fd(), name)
+            .map_err(RuntimeError::sys(format!("sethostname in {path}")));
+    }
     let guard = NsGuard::enter(theirs.as_fd(), Namespace::Uts)
         .map_err(RuntimeError::sys(format!("setns({path})")))?;
     let set = nix::unistd::sethostname(name).map_err(RuntimeError::sys("sethostname"));
@@ -916,7 +921,6 @@ fn set_hostname_in(pid: i32, name: &str) -> Result<()> {
 
 /// Bring template `template`'s pool up to its size (synchronously).
 pub fn fill_pool(reg: &Registry, template: &str) -> Result<usize> {
-    refuse_inside_a_box(template)?;
     let t = crate::template::load_frozen(reg, template)?;
     let want = t.state.template.as_ref().map(|i| i.pool).unwrap_or(0);
     let _refill = refill_lock(&t)?;

@@ -13,7 +13,9 @@ use std::time::{Duration, Instant};
 use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
 
-pub use crate::lifecycle::nested::{enter_pid_namespace_of, load_template, shell_identity};
+pub use crate::lifecycle::nested::{
+    enter_pid_namespace_of, load_template, root_ids, shell_identity,
+};
 use crate::liveness::ProcRef;
 use crate::registry::{BoxRecord, Registry};
 use crate::state::{now, Status, TemplateInfo};
@@ -236,7 +238,7 @@ fn checked_tree(name: &str, record: &BoxRecord) -> Result<Vec<nestbox_remote::tr
         // A process forked by its parent's clone gets its own ids set; one
         // forked from its template process directly (a child of the box's
         // init) must run as the box's root, which the remote fork needs.
-        let root_uid = record.state.idmap.map(|m| m.uid.outside).unwrap_or(0);
+        let root_uid = root_ids(record).map_or(0, |(uid, _)| uid);
         let must_be_root = matches!(step.origin, nestbox_remote::tree::Origin::RemoteFork);
         check_cloneable(
             name,
