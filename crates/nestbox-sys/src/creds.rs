@@ -72,10 +72,11 @@ fn thread_resuid() -> Result<(u32, u32, u32)> {
 
 /// Set the calling thread's effective uid only (real and saved unchanged).
 fn set_thread_euid(euid: u32) -> Result<()> {
-    let keep = libc::uid_t::MAX; // -1: unchanged
-                                 // SAFETY: the raw setresuid changes the calling thread's credentials only
-                                 // and touches no memory; glibc's wrapper is avoided on purpose, as it
-                                 // would change every thread of the process.
+    // -1: unchanged.
+    let keep = libc::uid_t::MAX;
+    // SAFETY: the raw setresuid changes the calling thread's credentials only
+    // and touches no memory; glibc's wrapper is avoided on purpose, as it
+    // would change every thread of the process.
     let ret = unsafe {
         libc::syscall(
             libc::SYS_setresuid,
@@ -97,8 +98,7 @@ mod tests {
     /// refused), and the thread is root again afterwards.
     #[test]
     fn opens_as_another_uid_and_comes_back() {
-        if !nix::unistd::geteuid().is_root() {
-            eprintln!("skipped: needs root");
+        if !nestbox_testkit::require_root("opens_as_another_uid_and_comes_back") {
             return;
         }
         let dir = tempfile_dir();
