@@ -368,9 +368,12 @@ fn become_namespace_root(setgroups: bool) -> nix::Result<()> {
 /// On failure reports `CODE\tMESSAGE` on `report` and exits with CODE.
 pub fn exec_command(plan: &CommandPlan, report: RawFd) -> ! {
     crate::phases::mark("command: forked");
-    let err = match prepare_credentials(plan).and_then(|()| wait_for_hold(plan)) {
+    let err = match prepare_credentials(plan)
+        .inspect(|()| crate::phases::mark("command: credentials, seccomp"))
+        .and_then(|()| wait_for_hold(plan))
+    {
         Ok(()) => {
-            crate::phases::mark("command: credentials, seccomp; execve");
+            crate::phases::mark("command: let go; execve");
             exec_path_search(plan)
         }
         Err(e) => e,
