@@ -546,7 +546,20 @@ fn start_command(
         if let Some(net) = crate::network::view_named(reg.roots(), spec.network.name.as_deref())? {
             net.rename(&shell.state.id, &spec.host_names())?;
         }
-        nix::unistd::write(&w, b"g").map_err(RuntimeError::sys("let the command go"))?;
+        match nix::unistd::write(&w, b"g") {
+            Ok(_) => {}
+            // The command is gone: the box was killed meanwhile (an `rm -f`
+            // or `stop` of its name racing with its start). Its end is
+            // recorded below, as a cold start's box killed right after it
+            // started.
+            Err(nix::errno::Errno::EPIPE) => {
+                tracing::debug!(
+                    box_name = name.as_str(),
+                    "the command ended before its go-ahead"
+                );
+            }
+            Err(e) => return Err(RuntimeError::sys("let the command go")(e)),
+        }
         marks.mark("named in the hosts file, command let go");
     }
     // Meanwhile: the record becomes the box's.
