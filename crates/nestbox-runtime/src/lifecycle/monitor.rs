@@ -1267,6 +1267,49 @@ pub(crate) fn supervise(
 }
 
 /// Record the end of the box and release its cgroup.
+/// Release what ended box `record` holds outside its record: its processes
+/// and `cgroup` (killed, removed), its address on a bridge network. What
+/// cannot be removed now is logged, and `gc` removes it later.
+pub(crate) fn release_ended(reg: &Registry, record: &BoxRecord, cgroup: Option<&BoxCgroup>) {
+    let name = Some(record.name());
+    if let Some(cg) = cgroup {
+        crate::diag::warn_on_err(name, "killing the box's processes", cg.kill_all());
+        crate::diag::warn_on_err(name, "removing the cgroup", cg.remove());
+    }
+    crate::phases::mark("monitor: cgroup removed");
+    // Only a bridged box holds anything on the network.
+    if record.spec.network.mode == NetworkMode::Bridge {
+        let released = crate::network::release_exited(reg.roots(), &record.state.id);
+        crate::diag::warn_on_err(name, "releasing the network", released);
+    }
+    crate::phases::mark("monitor: network released");
+}
+
+/// Record box `record`'s end: exited with `exit_code`, its final `stats`,
+/// whether the OOM killer ended it; its cgroup no longer its (removed by
+/// [`release_ended`]; should the monitor die first, `gc` removes it once the
+/// box is removed).
+pub(crate) fn record_exited(
+    reg: &Registry,
+    record: &BoxRecord,
+    exit_code: i32,
+    oom_killed: bool,
+    stats: Option<nestbox_cgroup::Stats>,
+) -> Result<()> {
+    reg.update(record.name(), |s| {
+        s.status = Status::Exited;
+        s.exit_code = Some(exit_code);
+        s.finished_at = Some(now());
+        s.oom_killed = oom_killed;
+        s.final_stats = stats;
+        s.cgroup = None;
+        if oom_killed {
+            s.error = Some(oom_message(&record.spec));
+        }
+    })
+    .map(drop)
+}
+
 pub(crate) fn finish(
     reg: &Registry,
     record: &BoxRecord,
@@ -1305,18 +1348,8 @@ pub(crate) fn finish(
                 }
             };
         }
-        // What cannot be removed now is logged, and `gc` removes it later.
-        let name = Some(record.name());
-        crate::diag::warn_on_err(name, "killing the box's processes", cg.kill_all());
-        crate::diag::warn_on_err(name, "removing the cgroup", cg.remove());
     }
-    crate::phases::mark("monitor: cgroup removed");
-    // Only a bridged box holds anything on the network.
-    if record.spec.network.mode == NetworkMode::Bridge {
-        let released = crate::network::release_exited(reg.roots(), &record.state.id);
-        crate::diag::warn_on_err(Some(record.name()), "releasing the network", released);
-    }
-    crate::phases::mark("monitor: network released");
+    release_ended(reg, record, run.cgroup.as_ref());
     let oom_killed = oom_kills > 0 && exit_code == 128 + Signal::SIGKILL as i32;
     // A template removed while clones depended on it goes once its init has.
     let removed_template = || {
@@ -1326,17 +1359,7 @@ pub(crate) fn finish(
     if record.spec.remove_on_exit || removed_template() {
         reg.remove(record)?;
     } else {
-        reg.update(record.name(), |s| {
-            s.status = Status::Exited;
-            s.exit_code = Some(exit_code);
-            s.finished_at = Some(now());
-            s.oom_killed = oom_killed;
-            s.final_stats = stats;
-            s.cgroup = None;
-            if oom_killed {
-                s.error = Some(oom_message(&record.spec));
-            }
-        })?;
+        record_exited(reg, record, exit_code, oom_killed, stats)?;
     }
     crate::phases::mark("monitor: record removed or updated");
     if let Some(ns) = run.mount_ns {

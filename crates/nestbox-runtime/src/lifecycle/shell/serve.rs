@@ -618,16 +618,7 @@ fn end_claimed(
         exit_code,
         oom_killed,
     };
-    let release = |record: &BoxRecord| {
-        if let Some(cg) = &cgroup {
-            crate::diag::warn_on_err(Some(name), "killing the box's processes", cg.kill_all());
-            crate::diag::warn_on_err(Some(name), "removing the cgroup", cg.remove());
-        }
-        if record.spec.network.mode == NetworkMode::Bridge {
-            let released = crate::network::release_exited(reg.roots(), &record.state.id);
-            crate::diag::warn_on_err(Some(name), "releasing the network", released);
-        }
-    };
+    let release = |record: &BoxRecord| crate::monitor::release_ended(reg, record, cgroup.as_ref());
     if abandoned {
         // Its foreground `run` was killed, and the box with it: as a cold
         // box whose `run` dies, it is dead (gc collects it), or gone (--rm).
@@ -684,19 +675,7 @@ fn end_claimed(
             None
         }
     });
-    let recorded = reg.update(name, |s| {
-        s.status = Status::Exited;
-        s.exit_code = Some(exit_code);
-        s.finished_at = Some(now());
-        s.oom_killed = oom_killed;
-        s.final_stats = stats;
-        // Removed right below; should this monitor die first, `gc` removes
-        // it once the box is removed (its id no longer live).
-        s.cgroup = None;
-        if oom_killed {
-            s.error = Some(crate::monitor::oom_message(&record.spec));
-        }
-    });
+    let recorded = crate::monitor::record_exited(reg, record, exit_code, oom_killed, stats);
     answer(claimer, &mut marks);
     release(record);
     drop(running);
