@@ -139,21 +139,8 @@ fn a_saved_template_is_revived_by_clone_when_its_box_is_gone() {
     else {
         return;
     };
-    let app = App::python_pool();
-    let volume = app.volume();
-    root.ok(&[
-        "run",
-        "-d",
-        "--name",
-        "tpl",
-        "-v",
-        &volume,
-        "--",
-        "python3",
-        "/app/server.py",
-    ]);
-    root.wait_logged("tpl", "ready", Duration::from_secs(30));
-    for i in 1..=3 {
+    let _app = started_pool_server(&root);
+    for i in 2..=3 {
         assert_eq!(get(&root, "tpl").0, i);
     }
     root.ok(&["freeze", "tpl", "--as", "web", "--persist"]);
@@ -189,21 +176,7 @@ fn checkpoints_and_clones_of_one_template_at_once_all_succeed() {
     else {
         return;
     };
-    let app = App::python_pool();
-    let volume = app.volume();
-    root.ok(&[
-        "run",
-        "-d",
-        "--name",
-        "tpl",
-        "-v",
-        &volume,
-        "--",
-        "python3",
-        "/app/server.py",
-    ]);
-    root.wait_logged("tpl", "ready", Duration::from_secs(30));
-    assert_eq!(get(&root, "tpl").0, 1);
+    let _app = started_pool_server(&root);
     root.ok(&["freeze", "tpl", "--as", "web"]);
     const CLONES: usize = 8;
     const CHECKPOINTS: usize = 4;

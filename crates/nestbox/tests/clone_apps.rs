@@ -131,27 +131,6 @@ fn python_thread_pool_server_clones_continue() {
     );
 }
 
-/// The Python thread-pool server started as box `tpl` of `root`, warmed with
-/// one request; the returned app (its files) must live as long as the box.
-fn started_pool_server(root: &TestRoot) -> App {
-    let app = App::python_pool();
-    let volume = app.volume();
-    root.ok(&[
-        "run",
-        "-d",
-        "--name",
-        "tpl",
-        "-v",
-        &volume,
-        "--",
-        "python3",
-        "/app/server.py",
-    ]);
-    root.wait_logged("tpl", "ready", Duration::from_secs(30));
-    assert_eq!(get(root, "tpl").0, 1);
-    app
-}
-
 /// Clones of the template's pool (forked ahead, stopped with SIGSTOP, a
 /// signal for the whole thread group) are claimed with every thread going on,
 /// and the pool refills. Timing-sensitive (`serial_`): a refill runs at idle

@@ -207,6 +207,27 @@ pub fn go_binary() -> PathBuf {
 }
 
 /// Ask the server in box `name`: (count, hostname).
+/// The Python thread-pool server started as box `tpl` of `root`, warmed with
+/// one request; the returned app (its files) must live as long as the box.
+pub fn started_pool_server(root: &TestRoot) -> App {
+    let app = App::python_pool();
+    let volume = app.volume();
+    root.ok(&[
+        "run",
+        "-d",
+        "--name",
+        "tpl",
+        "-v",
+        &volume,
+        "--",
+        "python3",
+        "/app/server.py",
+    ]);
+    root.wait_logged("tpl", "ready", std::time::Duration::from_secs(30));
+    assert_eq!(get(root, "tpl").0, 1);
+    app
+}
+
 pub fn get(root: &TestRoot, name: &str) -> (u64, String) {
     let fields = box_http_get(root, name, "/");
     assert_eq!(fields.len(), 2, "answer of {name}: {fields:?}");
