@@ -4,7 +4,6 @@
 
 mod common;
 
-use std::io::{BufRead, BufReader};
 use std::time::{Duration, Instant};
 
 use common::*;
@@ -415,27 +414,7 @@ fn sigterm_to_a_foreground_run_reaches_the_command() {
     let Some(root) = TestRoot::new("sigterm_to_a_foreground_run_reaches_the_command") else {
         return;
     };
-    let mut child = root.spawn(&[
-        "run",
-        "--name",
-        "lc-fg-term",
-        "--",
-        "sh",
-        "-c",
-        "trap 'exit 9' TERM; echo ready; while :; do sleep 0.1; done",
-    ]);
-    let mut stdout = BufReader::new(child.stdout.take().unwrap());
-    let mut line = String::new();
-    stdout.read_line(&mut line).unwrap();
-    assert_eq!(line, "ready\n");
-    // SAFETY: kill has no memory-safety preconditions; the pid is our own child.
-    assert_eq!(unsafe { libc::kill(child.id() as i32, libc::SIGTERM) }, 0);
-    let out = finish(
-        child,
-        None,
-        START,
-        "nestbox run (foreground, sent SIGTERM)".into(),
-    );
+    let out = sigterm_to_a_foreground_run(&root, &["--name", "lc-fg-term"]);
     assert_eq!(
         out.code, 9,
         "SIGTERM to nestbox run must reach the command\n{out}"

@@ -8,7 +8,6 @@
 mod common;
 
 use std::collections::BTreeSet;
-use std::io::{BufRead, BufReader};
 use std::time::Duration;
 
 use common::*;
@@ -16,8 +15,8 @@ use serde_json::Value;
 
 const START: Duration = Duration::from_secs(20);
 
-/// The ids of the shells ready in `root`'s pool (read from their records).
-fn shell_ids(root: &TestRoot) -> BTreeSet<String> {
+/// The state records of the shells ready in `root`'s pool.
+fn shell_states(root: &TestRoot) -> Vec<Value> {
     std::fs::read_dir(root.path().join("run/boxes"))
         .into_iter()
         .flatten()
@@ -25,19 +24,21 @@ fn shell_ids(root: &TestRoot) -> BTreeSet<String> {
         .filter(|e| e.file_name().to_string_lossy().starts_with("pool.shell."))
         .filter_map(|e| std::fs::read_to_string(e.path().join("state.json")).ok())
         .filter_map(|s| serde_json::from_str::<Value>(&s).ok())
+        .collect()
+}
+
+/// The ids of the shells ready in `root`'s pool (read from their records).
+fn shell_ids(root: &TestRoot) -> BTreeSet<String> {
+    shell_states(root)
+        .iter()
         .filter_map(|v| v["id"].as_str().map(String::from))
         .collect()
 }
 
 /// The monitor pids of the ready shells of `root`.
 fn shell_monitors(root: &TestRoot) -> Vec<i32> {
-    std::fs::read_dir(root.path().join("run/boxes"))
-        .into_iter()
-        .flatten()
-        .flatten()
-        .filter(|e| e.file_name().to_string_lossy().starts_with("pool.shell."))
-        .filter_map(|e| std::fs::read_to_string(e.path().join("state.json")).ok())
-        .filter_map(|s| serde_json::from_str::<Value>(&s).ok())
+    shell_states(root)
+        .iter()
         .filter_map(|v| v["monitor"]["pid"].as_i64().map(|p| p as i32))
         .collect()
 }
@@ -248,23 +249,7 @@ fn a_pooled_run_is_from_inside_and_outside_what_a_cold_run_is() {
     );
     // Signals reach the command; --rm leaves nothing.
     wait_ready(&root, "bridge", 1);
-    let mut child = root.spawn(&[
-        "run",
-        "--rm",
-        "--name",
-        "sp-term",
-        "--",
-        "sh",
-        "-c",
-        "trap 'exit 9' TERM; echo ready; while :; do sleep 0.1; done",
-    ]);
-    let mut stdout = BufReader::new(child.stdout.take().unwrap());
-    let mut line = String::new();
-    stdout.read_line(&mut line).unwrap();
-    assert_eq!(line, "ready\n");
-    // SAFETY: kill has no memory-safety preconditions; the pid is our own child.
-    assert_eq!(unsafe { libc::kill(child.id() as i32, libc::SIGTERM) }, 0);
-    let out = finish(child, None, START, "nestbox run (pooled, SIGTERM)".into());
+    let out = sigterm_to_a_foreground_run(&root, &["--rm", "--name", "sp-term"]);
     assert_eq!(out.code, 9, "SIGTERM must reach the command\n{out}");
     assert!(root.row("sp-term").is_none(), "--rm left the box");
     root.run(&["rm", "-f", "sp-taken"]).ok();

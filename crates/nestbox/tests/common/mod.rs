@@ -773,6 +773,34 @@ impl Drop for TestRoot {
 
 /// Wait for a started nestbox process, bounded by `limit` (killed after it), feeding
 /// `input` to its stdin if given.
+/// `nestbox run OPTS -- sh -c …` in the foreground, whose command traps
+/// SIGTERM to exit 9: once it runs, SIGTERM is sent to `nestbox run`; its
+/// outcome (the command's status when the signal was passed on).
+pub fn sigterm_to_a_foreground_run(root: &TestRoot, opts: &[&str]) -> Out {
+    use std::io::BufRead;
+    let mut args = vec!["run"];
+    args.extend_from_slice(opts);
+    args.extend([
+        "--",
+        "sh",
+        "-c",
+        "trap 'exit 9' TERM; echo ready; while :; do sleep 0.1; done",
+    ]);
+    let mut child = root.spawn(&args);
+    let mut stdout = std::io::BufReader::new(child.stdout.take().unwrap());
+    let mut line = String::new();
+    stdout.read_line(&mut line).unwrap();
+    assert_eq!(line, "ready\n");
+    // SAFETY: kill has no memory-safety preconditions; the pid is our own child.
+    assert_eq!(unsafe { libc::kill(child.id() as i32, libc::SIGTERM) }, 0);
+    finish(
+        child,
+        None,
+        Duration::from_secs(20),
+        format!("nestbox run {} (sent SIGTERM)", opts.join(" ")),
+    )
+}
+
 pub fn finish(mut child: Child, input: Option<&[u8]>, limit: Duration, what: String) -> Out {
     if let Some(data) = input {
         let mut stdin = child.stdin.take().expect("stdin is piped");
