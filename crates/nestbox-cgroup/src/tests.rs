@@ -1598,3 +1598,29 @@ fn the_v2_leaf_is_not_where_boxes_go() {
     );
     assert_eq!(at("0::/a\n"), root.join("sys/fs/cgroup/a"));
 }
+
+/// v1 refuses a CPU cap above an enclosing cgroup's (EINVAL): a box asking
+/// for more than its parent (a box inside a box with `--cpus`) gets its
+/// parent's share, as v2 would bound it; below it, what it asked.
+#[test]
+fn v1_cpu_cap_above_an_enclosing_cgroups_is_capped_at_it() {
+    let tmp = tempfile::tempdir().unwrap();
+    let h = testfs::pure_v1(tmp.path());
+    let parent = tmp.path().join("sys/fs/cgroup/cpu,cpuacct/docker/abc");
+    // The parent allows half a CPU (with another period); its parent a whole one.
+    testfs::file(&parent, "cpu.cfs_period_us", "200000\n");
+    testfs::file(&parent, "cpu.cfs_quota_us", "100000\n");
+    testfs::file(parent.parent().unwrap(), "cpu.cfs_period_us", "100000\n");
+    testfs::file(parent.parent().unwrap(), "cpu.cfs_quota_us", "100000\n");
+    let asked = |cpus: f64| Limits {
+        cpus: Some(cpus),
+        ..Limits::default()
+    };
+    let cg = BoxCgroup::create(&h, "cap-1", &asked(2.0)).unwrap();
+    assert_eq!(read(cg.paths()["cpu"].join("cpu.cfs_quota_us")), "50000");
+    assert_eq!(read(cg.paths()["cpu"].join("cpu.cfs_period_us")), "100000");
+    let cg = BoxCgroup::create(&h, "cap-2", &asked(0.25)).unwrap();
+    assert_eq!(read(cg.paths()["cpu"].join("cpu.cfs_quota_us")), "25000");
+    assert_eq!(v1::cfs_ceiling(&parent, 100_000), Some(50_000));
+    assert_eq!(v1::cfs_ceiling(tmp.path(), 100_000), None);
+}

@@ -29,6 +29,37 @@ pub const DEFAULT_DEVICE_RULES: &[&str] = &[
     "b *:* m",
 ];
 
+/// The largest CFS quota per `period` microseconds that v1 lets a cgroup
+/// below `parent` have: the smallest share (quota / period) that `parent` or
+/// an ancestor of it in the same hierarchy is capped at; `None` when none is
+/// capped (quota -1) or the files cannot be read.
+pub(crate) fn cfs_ceiling(parent: &Path, period: u64) -> Option<u64> {
+    let mut share: Option<f64> = None;
+    let mut at = Some(parent);
+    while let Some(dir) = at {
+        let quota = fsutil::read_opt(&dir.join("cpu.cfs_quota_us"))
+            .ok()
+            .flatten();
+        let Some(quota) = quota else {
+            // Above the hierarchy's root directory (or not a cpu hierarchy).
+            break;
+        };
+        let their_period = fsutil::read_opt(&dir.join("cpu.cfs_period_us"))
+            .ok()
+            .flatten()
+            .and_then(|p| p.trim().parse::<u64>().ok())
+            .filter(|p| *p > 0);
+        if let (Ok(q), Some(p)) = (quota.trim().parse::<i64>(), their_period) {
+            if q > 0 {
+                let s = q as f64 / p as f64;
+                share = Some(share.map_or(s, |m: f64| m.min(s)));
+            }
+        }
+        at = dir.parent();
+    }
+    share.map(|s| (s * period as f64).floor() as u64)
+}
+
 /// Writes `limits` (and, for a new directory, the cpuset/devices set-up
 /// every box needs) into the box directory `dir` of a hierarchy carrying
 /// `controllers`; `parent` is its parent cgroup. Without `new` (an update of
@@ -53,11 +84,22 @@ pub(crate) fn apply(
         apply_memory(dir, limits)?;
     }
     if has("cpu") {
-        if let Some(quota) = limits.cfs_quota_us() {
-            fsutil::write(
-                &dir.join("cpu.cfs_period_us"),
-                &limits.cfs_period_us().to_string(),
-            )?;
+        if let Some(asked) = limits.cfs_quota_us() {
+            let period = limits.cfs_period_us();
+            // v1 refuses a quota above what an ancestor allows (EINVAL); v2
+            // takes it and bounds the box by the ancestor anyway. Both ways
+            // the box gets at most its parent's share: written as that here.
+            let quota = match cfs_ceiling(parent, period) {
+                Some(ceiling) if asked > ceiling => {
+                    tracing::warn!(
+                        cgroup = %dir.display(),
+                        "a CPU cap of {asked} us per {period} us is more than an enclosing cgroup allows: capped at {ceiling} us"
+                    );
+                    ceiling
+                }
+                _ => asked,
+            };
+            fsutil::write(&dir.join("cpu.cfs_period_us"), &period.to_string())?;
             fsutil::write(&dir.join("cpu.cfs_quota_us"), &quota.to_string())?;
         }
         if let Some(shares) = limits.cpu_shares {

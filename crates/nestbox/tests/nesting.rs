@@ -371,6 +371,78 @@ for k in kids:
     assert_eq!(read_trimmed(&dir.join("pids.max")), "64");
 }
 
+/// CPU time the cgroup (subtree) `dir` of the v1 cpuacct hierarchy has used, in ns.
+fn cpuacct_usage(dir: &Path) -> u64 {
+    read_trimmed(&dir.join("cpuacct.usage")).parse().unwrap()
+}
+
+/// A box inside a nest box capped at half a CPU asks for two CPUs and keeps
+/// two busy loops running: the parent's cap bounds what the whole subtree
+/// uses (measured from the host), and the child's own cap is written as the
+/// parent's (cgroup v1 refuses a larger one).
+#[test]
+fn a_childs_cpu_is_bounded_by_its_parents_cap() {
+    let Some(root) = TestRoot::new("a_childs_cpu_is_bounded_by_its_parents_cap") else {
+        return;
+    };
+    start(
+        &root,
+        &[],
+        "half",
+        &["--nest", "--network", "none", "--cpus", "0.5"],
+    );
+    root.ok(&inside(
+        &["half"],
+        &[
+            "run",
+            "-d",
+            "--name",
+            "hog",
+            "--cpus",
+            "2",
+            "--",
+            "sh",
+            "-c",
+            "while :; do :; done & while :; do :; done",
+        ],
+    ));
+    let acct = box_dirs(&root, "half")
+        .into_iter()
+        .find(|d| d.join("cpuacct.usage").exists())
+        .expect("the nest box's cpuacct cgroup");
+    // The child's cgroup, below the parent's: its cap is the parent's share.
+    let quota_dirs: Vec<PathBuf> = subtree(&box_dirs(&root, "half"))
+        .into_iter()
+        .filter(|d| d.join("cpu.cfs_quota_us").exists())
+        .collect();
+    let child_quotas: Vec<String> = quota_dirs
+        .iter()
+        .filter(|d| !box_dirs(&root, "half").contains(d))
+        .map(|d| read_trimmed(&d.join("cpu.cfs_quota_us")))
+        .filter(|q| q != "-1")
+        .collect();
+    assert_eq!(
+        child_quotas,
+        ["50000"],
+        "the child's cap, capped at the parent's"
+    );
+    // Let the loops run, then measure 3 s of wall time.
+    std::thread::sleep(Duration::from_millis(500));
+    let (t0, u0) = (std::time::Instant::now(), cpuacct_usage(&acct));
+    std::thread::sleep(Duration::from_secs(3));
+    let (wall, used) = (
+        t0.elapsed().as_nanos() as f64,
+        (cpuacct_usage(&acct) - u0) as f64,
+    );
+    let cpus = used / wall;
+    assert!(
+        cpus <= 0.5 * 1.1,
+        "the subtree used {cpus:.2} CPUs; its parent is capped at 0.5"
+    );
+    assert!(cpus >= 0.3, "the busy loops ran: {cpus:.2} CPUs");
+    root.ok(&["rm", "-f", "half"]);
+}
+
 #[test]
 fn gc_after_kill_9_at_any_level_leaves_nothing() {
     let Some(root) = TestRoot::new("gc_after_kill_9_at_any_level_leaves_nothing") else {
