@@ -87,8 +87,8 @@ pub use hugepages::{collapse_anonymous, collapsible_ranges, Collapsed};
 pub use lazy::{LazyPlan, LazyServer};
 pub use objects::{object_of, CloneObjects, ObjectKey, TemplateEnd};
 pub use procimage::{
-    capture_box, capture_box_incremental, restore_box, PageData, PageStore, ProcessImage,
-    RestorePlan, IMAGE_VERSION,
+    capture_box, capture_box_incremental, ensure_not_lazily_filled, restore_box, PageData,
+    PageStore, ProcessImage, RestorePlan, IMAGE_VERSION,
 };
 pub use procstate::ProcessState;
 pub use retarget::FdOutcome;

@@ -528,24 +528,42 @@ fn read_all(fd: &OwnedFd) -> std::io::Result<Vec<u8>> {
     }
 }
 
+/// Refuse process `pid` while a lazy restore's page server still fills it:
+/// a mapping of `vmas` (from smaps) registered for missing pages (`um`) would
+/// read as zeros where a page is not in yet.
+fn refuse_lazy_fill(pid: i32, vmas: &[Vma]) -> Result<()> {
+    match vmas.iter().find(|v| !is_special(v) && v.has_flag("um")) {
+        Some(v) => Err(RemoteError::UnsupportedMapping {
+            pid,
+            range: v.range_name(),
+            name: v.name.clone(),
+            reason: "a lazy restore's page server is still filling it: try again once it has ended"
+                .into(),
+        }),
+        None => Ok(()),
+    }
+}
+
+/// [`refuse_lazy_fill`] for a running process, before it is frozen or
+/// stopped: a checkpoint of a box still being filled is refused at once
+/// (frozen, a process waiting in a fault for a slow page server could hold
+/// the freeze up). Advisory: the fill may end meanwhile (the check made
+/// once the process is stopped is the one that counts).
+pub fn ensure_not_lazily_filled(pid: i32) -> Result<()> {
+    match crate::maps::read_smaps(pid) {
+        Ok(vmas) => refuse_lazy_fill(pid, &vmas),
+        // Gone meanwhile: the checkpoint finds out and says so.
+        Err(_) => Ok(()),
+    }
+}
+
 /// The mappings a restore can make: private ones of files that exist,
 /// shared ones of files that exist (mapped again by path), and shared memory
 /// of the box's own (shared anonymous memory, memfds, deleted files: its
 /// contents are saved and put in a new object).
 fn ensure_memory_restorable(pid: i32, vmas: &[Vma]) -> Result<()> {
+    refuse_lazy_fill(pid, vmas)?;
     for v in vmas.iter().filter(|v| !is_special(v)) {
-        // Registered for missing pages: a lazy restore's page server still
-        // puts pages in (those not in yet would read as zeros).
-        if v.has_flag("um") {
-            return Err(RemoteError::UnsupportedMapping {
-                pid,
-                range: v.range_name(),
-                name: v.name.clone(),
-                reason:
-                    "a lazy restore's page server is still filling it: try again once it has ended"
-                        .into(),
-            });
-        }
         let reason = if v.shared && v.name.starts_with("/SYSV") {
             Some("a System V shared memory segment")
         } else if v.shared && !v.is_file() {

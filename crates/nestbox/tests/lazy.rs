@@ -205,8 +205,20 @@ fn a_lazily_restored_box_killed_during_the_fill_leaves_nothing() {
     let (_app, _, _, _) = checkpointed(&root, 256, "ck");
     let (pid, server) = restore_lazily(&root, "ck", "k");
     let guardian = children_of(server);
-    // Its memory is not all in: a checkpoint now is refused in one line.
+    // The page server is held (SIGSTOP) so that the fill cannot end before
+    // the checkpoint looks (on a loaded machine it could, and the checkpoint
+    // then rightly succeeds): its memory is not all in, so a checkpoint now
+    // is refused in one line, before it reads any page.
+    let signal = |sig: &str, pid: i32| {
+        let status = std::process::Command::new("kill")
+            .args([sig, &pid.to_string()])
+            .status()
+            .unwrap();
+        assert!(status.success(), "kill {sig} {pid}");
+    };
+    signal("-STOP", server);
     let out = root.run(&["checkpoint", "k", "--as", "early", "--leave-running"]);
+    signal("-CONT", server);
     assert_error(
         &out,
         125,

@@ -212,6 +212,15 @@ pub fn checkpoint(reg: &Registry, box_name: &str, req: &CheckpointRequest) -> Re
     crate::snapshots::refuse_rolled_back(&record, "checkpoint")?;
     let cgroup = running_cgroup(&record)?;
     let template = record.state.template.is_some();
+    // A box a lazy restore still fills is refused before it is frozen.
+    let init = record.state.init.map(|i| i.pid);
+    for pid in cgroup.procs()?.into_iter().filter(|p| Some(*p) != init) {
+        nestbox_remote::ensure_not_lazily_filled(pid).map_err(|source| RuntimeError::Remote {
+            what: "checkpointing box",
+            name: box_name.to_string(),
+            source,
+        })?;
+    }
     private_dir(&parent)?;
     let tmp = parent.join(format!(".tmp-{name}-{}", std::process::id()));
     // A self-contained checkpoint has its own page pool.
