@@ -443,6 +443,78 @@ fn a_childs_cpu_is_bounded_by_its_parents_cap() {
     root.ok(&["rm", "-f", "half"]);
 }
 
+/// A box inside a nest box capped at 8 Mbit/s out (`--net-rate`) sends to a
+/// box outside through its parent's network (`--network host` inside: a box
+/// inside has no network of its own to exceed it with): what arrives, timed
+/// by the receiver, stays within the parent's rate.
+#[test]
+fn a_childs_traffic_is_bounded_by_its_parents_rate() {
+    let Some(root) = TestRoot::new("a_childs_traffic_is_bounded_by_its_parents_rate") else {
+        return;
+    };
+    // The receiver: counts the bytes of one connection and the seconds from
+    // its first byte to its end.
+    root.ok(&[
+        "run",
+        "-d",
+        "--name",
+        "sink",
+        "--",
+        "python3",
+        "-c",
+        "import socket, time
+s = socket.socket(); s.bind(('0.0.0.0', 7100)); s.listen(1)
+c, _ = s.accept(); b = c.recv(65536); t0 = time.time(); n = len(b)
+while b:
+    b = c.recv(65536); n += len(b)
+print('got', n, time.time() - t0, flush=True)",
+    ]);
+    let sink = root.inspect("sink")["state"]["network"]["address"]
+        .as_str()
+        .expect("the receiver's address")
+        .to_string();
+    start(&root, &[], "capped", &["--nest", "--net-rate", "8mbit"]);
+    let send = format!(
+        "import socket, time
+c = socket.create_connection(('{sink}', 7100)); t0 = time.time(); b = b'x' * 65536
+while time.time() - t0 < 3:
+    c.sendall(b)
+c.close()"
+    );
+    let out = root
+        .run(&inside(
+            &["capped"],
+            &[
+                "run",
+                "--rm",
+                "--network",
+                "host",
+                "--",
+                "python3",
+                "-c",
+                &send,
+            ],
+        ))
+        .ok();
+    assert!(out.stderr.is_empty(), "{out}");
+    wait_for("the receiver's count", Duration::from_secs(60), || {
+        root.run(&["logs", "sink"]).stdout.contains("got")
+    });
+    let logged = root.run(&["logs", "sink"]).stdout;
+    let f: Vec<&str> = logged.split_whitespace().collect();
+    let (bytes, secs): (f64, f64) = (f[1].parse().unwrap(), f[2].parse().unwrap());
+    let mbit = bytes * 8.0 / secs / 1e6;
+    assert!(
+        mbit <= 8.0 * 1.15,
+        "{mbit:.2} Mbit/s arrived from a box inside a parent capped at 8 ({logged})"
+    );
+    assert!(
+        mbit >= 4.0,
+        "the box inside sent: {mbit:.2} Mbit/s ({logged})"
+    );
+    root.ok(&["rm", "-f", "capped", "sink"]);
+}
+
 #[test]
 fn gc_after_kill_9_at_any_level_leaves_nothing() {
     let Some(root) = TestRoot::new("gc_after_kill_9_at_any_level_leaves_nothing") else {
