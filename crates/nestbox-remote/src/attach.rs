@@ -35,7 +35,12 @@ pub fn check_attachable(pid: i32) -> Result<()> {
     }
     let tracer = status.tracer_pid()?;
     if tracer != 0 {
-        return Err(RemoteError::AlreadyTraced { pid, tracer });
+        return Err(RemoteError::NotAttachable {
+            pid,
+            why: format!(
+                "is already traced by pid {tracer} (a debugger, or a freeze or checkpoint of the box)"
+            ),
+        });
     }
     Ok(())
 }

@@ -884,6 +884,41 @@ fn attach_refusals_fail_in_one_line_and_leave_the_box_as_it_was() {
         125,
         "box \"rm0\" runs under monitors from its start (--monitor)",
     );
+    // A process already traced (a debugger): refused before anything is done.
+    let sleeper = pids
+        .iter()
+        .copied()
+        .find(|p| {
+            std::fs::read_to_string(format!("/proc/{p}/comm")).is_ok_and(|c| c.trim() == "sleep")
+        })
+        .expect("the box's sleep");
+    let mut gdb = std::process::Command::new("gdb")
+        .args([
+            "-q",
+            "-batch",
+            "-p",
+            &sleeper.to_string(),
+            "-ex",
+            "shell sleep 30",
+        ])
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("gdb (scripts/setup.sh installs it)");
+    let traced = || {
+        let s = std::fs::read_to_string(format!("/proc/{sleeper}/status")).unwrap_or_default();
+        status_field(&s, "TracerPid").is_some_and(|t| t != "0")
+    };
+    wait_for("gdb to attach", Duration::from_secs(20), traced);
+    assert_error(
+        &attach("rb", "trace:openat"),
+        125,
+        &format!("attaching monitors to box \"rb\": process {sleeper}: is already traced by pid"),
+    );
+    let _ = gdb.kill();
+    let _ = gdb.wait();
+    wait_for("gdb to let go", Duration::from_secs(20), || !traced());
     // A frozen box (a template).
     root.detached_sh("fz", &["--network", "none"], "sleep 60");
     root.run(&["freeze", "fz"]).ok();

@@ -346,7 +346,7 @@ fn server(
         let _ = write_state(record, &state);
         drop(lock);
         let msg = format!(
-            "{e} (after the monitor filter was attached to {} of the box's processes: a filter cannot be removed, those are served pass-through until the box ends)",
+            "monitors attached to {} of the box's processes only (a filter cannot be removed: those are served pass-through until the box ends): {e}",
             state.processes.len()
         );
         tracing::error!(box_name = %name, "monitor attach: {msg}");
