@@ -122,3 +122,45 @@ fn install_in(
     }
     Ok(rax as u64)
 }
+
+/// Let go of the processes among `pids` (and their threads) that are traced
+/// by this process without being held: a child that a process forked while
+/// it was being seized is attached to its tracer automatically, and would
+/// stay stopped once its parent is let go. Each is waited for (its first
+/// stop) and detached; it runs on without the filter, which the next listing
+/// of the box gives it. Returns how many were let go.
+pub fn let_go_of_strays(pids: &[i32]) -> usize {
+    let me = std::process::id() as i32;
+    let mut n = 0;
+    for &pid in pids {
+        for tid in crate::tracee::task_ids(pid).unwrap_or_default() {
+            let ours = Status::read(tid)
+                .and_then(|s| s.tracer_pid())
+                .is_ok_and(|t| t == me);
+            if !ours {
+                continue;
+            }
+            // Its first stop is on its way (PTRACE_EVENT_STOP of an
+            // auto-attached child): wait for it, at most a second.
+            let flags = nix::sys::wait::WaitPidFlag::__WALL | nix::sys::wait::WaitPidFlag::WNOHANG;
+            let deadline = std::time::Instant::now() + Duration::from_secs(1);
+            loop {
+                match nix::sys::wait::waitpid(nix::unistd::Pid::from_raw(tid), Some(flags)) {
+                    Ok(nix::sys::wait::WaitStatus::StillAlive)
+                        if std::time::Instant::now() < deadline =>
+                    {
+                        std::thread::sleep(Duration::from_millis(1));
+                    }
+                    _ => break,
+                }
+            }
+            match nestbox_sys::ptrace::detach(tid, 0) {
+                Ok(()) => n += 1,
+                Err(e) => {
+                    tracing::warn!("monitor attach: letting go of {tid} (forked meanwhile): {e}")
+                }
+            }
+        }
+    }
+    n
+}

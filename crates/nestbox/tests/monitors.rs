@@ -4,7 +4,10 @@
 //! fails with the chosen errno while an allowed one connects; three monitors
 //! apply in order; a monitor written in Python with the repo's client library
 //! answers the box's calls; bad input and boxes that cannot carry monitors
-//! fail in one line and leave nothing.
+//! fail in one line and leave nothing. Monitors attached to a running box
+//! (`monitor attach`) act from then on, on every process and thread and on
+//! later children; `monitor detach` lets every call through while the filter
+//! stays; refusals and a failure halfway say so in one line.
 
 mod common;
 
@@ -963,4 +966,99 @@ fn rm_f_of_a_box_with_monitors_attached_ends_its_server() {
     );
     assert!(!root.path().join("run/boxes/rf").exists());
     assert!(root.names().is_empty());
+}
+
+#[test]
+fn attach_failing_halfway_serves_the_processes_done_pass_through() {
+    let Some(root) = TestRoot::new("attach_failing_halfway_serves_the_processes_done_pass_through")
+    else {
+        return;
+    };
+    let v = files(&root);
+    // The parent loops on /v/secret; its child (a higher pid, attached to
+    // after it) has a thread with a seccomp filter of its own, so the
+    // kernel refuses a filter for all its threads (TSYNC: ESRCH).
+    let code = "import ctypes, errno, os, struct, threading, time\n\
+def own_filter():\n\
+\x20   libc = ctypes.CDLL(None, use_errno=True)\n\
+\x20   insn = ctypes.create_string_buffer(struct.pack('HBBI', 6, 0, 0, 0x7fff0000))\n\
+\x20   class Prog(ctypes.Structure):\n\
+\x20       _fields_ = [('len', ctypes.c_ushort), ('filter', ctypes.c_void_p)]\n\
+\x20   prog = Prog(1, ctypes.addressof(insn))\n\
+\x20   assert libc.prctl(22, 2, ctypes.byref(prog)) == 0, ctypes.get_errno()\n\
+\x20   print('own filter', flush=True)\n\
+\x20   time.sleep(600)\n\
+if os.fork() == 0:\n\
+\x20   threading.Thread(target=own_filter).start()\n\
+\x20   time.sleep(600)\n\
+while True:\n\
+\x20   try:\n\
+\x20       open('/v/secret').read(); r = 'read'\n\
+\x20   except OSError as e:\n\
+\x20       r = errno.errorcode[e.errno]\n\
+\x20   print(r, flush=True); time.sleep(0.1)\n";
+    root.run(&[
+        "run",
+        "-d",
+        "--name",
+        "hw",
+        "-v",
+        &v,
+        "--network",
+        "none",
+        "--",
+        "python3",
+        "-c",
+        code,
+    ])
+    .ok();
+    root.wait_logged("hw", "own filter", Duration::from_secs(20));
+    root.wait_logged("hw", "read", Duration::from_secs(20));
+    let out = root.run(&[
+        "monitor",
+        "attach",
+        "hw",
+        "--monitor",
+        "files:deny=/v/secret,errno=EPERM",
+    ]);
+    assert_error(
+        &out,
+        125,
+        "monitors attached to 1 of the box's processes only (a filter cannot be removed: those are served pass-through until the box ends): attaching monitors to box \"hw\": process",
+    );
+    assert!(
+        out.stderr
+            .contains("its threads have different seccomp filters"),
+        "{out}"
+    );
+    let a = attached(&root, "hw");
+    assert_eq!(a["state"], "detached", "{a}");
+    assert_eq!(a["complete"], false, "{a}");
+    assert_eq!(a["processes"].as_array().map(Vec::len), Some(1), "{a}");
+    // The process done is served pass-through: its opens go on.
+    let from = log_lines(&root, "hw").len();
+    let after = lines_after(&root, "hw", from, 5);
+    assert!(
+        after.iter().all(|l| l == "read" || l == "own filter"),
+        "{after:?}"
+    );
+    assert_eq!(root.status("hw").as_deref(), Some("running"));
+    // Such a filter is never switched on again.
+    assert_error(
+        &root.run(&[
+            "monitor",
+            "attach",
+            "hw",
+            "--monitor",
+            "files:deny=/v/secret",
+        ]),
+        125,
+        "box \"hw\" keeps a monitor filter attached to only some of its processes",
+    );
+    root.rm_all(["hw"]);
+    wait_for(
+        "the attached server to end",
+        Duration::from_secs(20),
+        || servers_of(&root).is_empty(),
+    );
 }

@@ -372,7 +372,8 @@ fn server(
 
 type Listeners = Vec<(i32, OwnedFd)>;
 
-/// Attach the filter to every process of the box but its init, until a
+/// Attach the filter to every process of the box but its init (the oldest
+/// first), until a
 /// listing of its cgroup finds none left; on an error, the listeners got so
 /// far with it (the listeners got, and the error that stopped it).
 fn attach_all(
@@ -399,10 +400,14 @@ fn attach_all(
             Some(c) => c.procs()?,
             None => Vec::new(),
         };
-        Ok(all
+        // Oldest first: a parent before the children it forked.
+        let mut left: Vec<(u64, i32)> = all
             .into_iter()
             .filter(|&p| p != init && !done.iter().any(|(d, _)| *d == p))
-            .collect())
+            .map(|p| (crate::liveness::start_time(p).unwrap_or(u64::MAX), p))
+            .collect();
+        left.sort_unstable();
+        Ok(left.into_iter().map(|(_, p)| p).collect())
     };
     let mut done: Listeners = Vec::new();
     // Checked before anything is done: a refusal leaves the box as it was.
@@ -437,6 +442,14 @@ fn attach_all(
                 // Gone meanwhile: nothing to monitor.
                 Err(nestbox_remote::RemoteError::NoSuchProcess { .. }) => {}
                 Err(e) => return (done, Some(remote(e))),
+            }
+        }
+        // A child forked while its parent was being seized is traced by
+        // us: let it go, so the next listing attaches to it.
+        if let Ok(all) = procs(&Vec::new()) {
+            let strays = nestbox_remote::let_go_of_strays(&all);
+            if strays > 0 {
+                tracing::info!(box_name = %name, "let go of {strays} process(es) forked during the attach");
             }
         }
         todo = match procs(&done) {
