@@ -510,6 +510,12 @@ fn attach_traces_the_opens_of_a_running_box_from_then_on() {
     assert_eq!(a["monitors"], serde_json::json!(["trace:openat"]), "{a}");
     let server = a["server_pid"].as_i64().unwrap() as i32;
     assert!(pid_alive(server), "{a}");
+    let v = root.inspect("at");
+    assert_eq!(
+        v["attached_monitors"], a,
+        "inspect shows the attached stack"
+    );
+    assert_eq!(v["trace_log"].as_str(), log.to_str(), "{v}");
     let mut text = String::new();
     wait_for("opens in the trace log", Duration::from_secs(20), || {
         text = std::fs::read_to_string(&log).unwrap_or_default();
