@@ -1068,3 +1068,33 @@ while True:\n\
         || servers_of(&root).is_empty(),
     );
 }
+
+#[test]
+fn two_attaches_at_once_one_serves_the_other_is_refused() {
+    let Some(root) = TestRoot::new("two_attaches_at_once_one_serves_the_other_is_refused") else {
+        return;
+    };
+    root.detached_sh(
+        "tw",
+        &["--network", "none"],
+        "while :; do cat /etc/hostname >/dev/null; sleep 0.1; done",
+    );
+    let spawn = |spec: &str| root.spawn(&["monitor", "attach", "tw", "--monitor", spec]);
+    let (a, b) = (spawn("trace:openat"), spawn("null:openat"));
+    let outs = [
+        finish(a, None, Duration::from_secs(60), "attach a".into()),
+        finish(b, None, Duration::from_secs(60), "attach b".into()),
+    ];
+    let ok: Vec<&Out> = outs.iter().filter(|o| o.code == 0).collect();
+    assert_eq!(ok.len(), 1, "exactly one attach serves: {outs:?}");
+    let refused = outs.iter().find(|o| o.code != 0).unwrap();
+    assert_error(refused, 125, "box \"tw\" already has monitors attached");
+    assert_eq!(servers_of(&root).len(), 1, "one server");
+    assert_eq!(root.status("tw").as_deref(), Some("running"));
+    root.rm_all(["tw"]);
+    wait_for(
+        "the attached server to end",
+        Duration::from_secs(20),
+        || servers_of(&root).is_empty(),
+    );
+}

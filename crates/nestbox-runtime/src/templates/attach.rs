@@ -311,6 +311,18 @@ fn server(
         Ok(l) => l,
         Err(e) => return fail(&mut ready, &e),
     };
+    // Another attach may have served the box while this one waited for
+    // the lock.
+    if let Some(a) = attached(record) {
+        let e = RuntimeError::WrongState {
+            name: name.clone(),
+            problem: format!(
+                "already has monitors attached ({}): detach them first",
+                a.monitors.join(" ")
+            ),
+        };
+        return fail(&mut ready, &e);
+    }
     let stack = match nestbox_interpose::Stack::open(specs, &crate::monitor::trace_log(record)) {
         Ok(s) => s,
         Err(e) => return fail(&mut ready, &RuntimeError::InvalidInput(e.to_string())),
