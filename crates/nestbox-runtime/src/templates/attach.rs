@@ -126,7 +126,8 @@ fn parse_specs(specs: &[String]) -> Result<Vec<u32>> {
 }
 
 /// Attach the stack `specs` (`--monitor` texts) to the running box `name`.
-/// Returns what is attached.
+/// Returns what is attached. Forks the server: call it from a
+/// single-threaded process (the CLI).
 pub fn attach(reg: &Registry, name: &str, specs: &[String]) -> Result<Attached> {
     let subscribed = parse_specs(specs)?;
     let record = reg.load(name).map_err(|e| e.in_box(name))?;
@@ -333,16 +334,6 @@ fn server(
         drop(lock);
         return fail(&mut ready, e);
     }
-    let control = match bind_control(record) {
-        Ok(c) => c,
-        Err(e) => {
-            // The listeners must live: pass-through for the box's life.
-            shared.pass_through();
-            let _ = write!(ready, "{}\t{e}", e.exit_code());
-            serve_until_end(&shared, listeners, None, &init_pidfd, record);
-            return 1;
-        }
-    };
     let mut state = Attached {
         monitors: specs.to_vec(),
         state: "attached".into(),
@@ -351,6 +342,26 @@ fn server(
         complete: error.is_none(),
         server_pid: std::process::id() as i32,
         log: log_path(record),
+    };
+    let control = match bind_control(record) {
+        Ok(c) => c,
+        Err(e) => {
+            // The listeners must live: pass-through for the box's life,
+            // recorded as a stack that cannot be switched on again (no
+            // socket to ask it).
+            shared.pass_through();
+            state.state = "detached".into();
+            state.complete = false;
+            if let Err(w) = write_state(record, &state) {
+                tracing::warn!(box_name = %name, "monitor attach: {w}");
+            }
+            tracing::error!(box_name = %name, "monitor attach: {e}: the box is served pass-through");
+            let _ = write!(ready, "{}\t{e}", e.exit_code());
+            drop(ready);
+            drop(lock);
+            serve_until_end(&shared, listeners, None, &init_pidfd, record);
+            return 1;
+        }
     };
     if let Some(e) = &error {
         shared.pass_through();
