@@ -12,6 +12,8 @@
 use std::ffi::CString;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::path::Path;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 
 use nestbox_sys::seccomp_notify as notify;
 use nix::errno::Errno;
@@ -58,15 +60,65 @@ impl Stack {
 
 /// Answer the calls stopped by the filter whose listener is `listener`, with
 /// `stack`, until no process uses the filter any more.
-pub fn serve(listener: OwnedFd, mut stack: Stack) {
-    let listener = std::sync::Arc::new(listener);
+pub fn serve(listener: OwnedFd, stack: Stack) {
     let box_pid = stack.wants_box_pid();
+    let shared = Shared {
+        stack: Arc::new(Mutex::new(stack)),
+        box_pid,
+        pass_through: Arc::new(AtomicBool::new(false)),
+    };
+    serve_shared(listener, &shared);
+}
+
+/// A stack shared by the loops of several listeners (`nestbox monitor
+/// attach`: one listener per process of the box), and its switch to
+/// pass-through (`nestbox monitor detach`).
+#[derive(Debug, Clone)]
+pub struct Shared {
+    stack: Arc<Mutex<Stack>>,
+    box_pid: bool,
+    pass_through: Arc<AtomicBool>,
+}
+
+impl Shared {
+    /// `stack`, shared, interposing.
+    pub fn new(stack: Stack) -> Shared {
+        Shared {
+            box_pid: stack.wants_box_pid(),
+            stack: Arc::new(Mutex::new(stack)),
+            pass_through: Arc::new(AtomicBool::new(false)),
+        }
+    }
+
+    /// From now on every call is let through unasked and unlogged (the
+    /// filter stays: each subscribed call still costs a round trip).
+    pub fn pass_through(&self) {
+        self.pass_through.store(true, Ordering::SeqCst);
+    }
+
+    /// Interpose again, with `stack` (a new attach on the same filter).
+    pub fn replace(&self, stack: Stack) {
+        let mut s = self.stack.lock().unwrap_or_else(|p| p.into_inner());
+        *s = stack;
+        self.pass_through.store(false, Ordering::SeqCst);
+    }
+
+    /// Whether calls are let through unasked.
+    pub fn is_pass_through(&self) -> bool {
+        self.pass_through.load(Ordering::SeqCst)
+    }
+}
+
+/// [`serve`] with a shared stack: answer the calls of `listener` with it
+/// (or "continue" to all of them once it is switched to pass-through).
+pub fn serve_shared(listener: OwnedFd, shared: &Shared) {
+    let listener = std::sync::Arc::new(listener);
     if let Err(e) = notify::sync_wake_up(listener.as_fd()) {
         tracing::debug!("monitors: no synchronous wake-ups ({e}): each call costs more");
     }
     loop {
-        // Blocks until a call stops. This thread ends with the box's monitor
-        // process (it is not joined).
+        // Blocks until a call stops. This thread ends with the process
+        // that serves the box (it is not joined).
         let n = match notify::receive(listener.as_fd()) {
             Ok(n) => n,
             // The caller went away (a signal, its death) before we read it.
@@ -76,14 +128,30 @@ pub fn serve(listener: OwnedFd, mut stack: Stack) {
                 return;
             }
         };
-        let event = Event::decode(&n, box_pid);
+        if shared.is_pass_through() {
+            if let Err(e) = notify::respond_continue(listener.as_fd(), n.id) {
+                if e != Errno::ENOENT {
+                    tracing::warn!(
+                        "monitors: letting call {} of {} through: {e}",
+                        n.data.nr,
+                        n.pid
+                    );
+                }
+            }
+            continue;
+        }
+        let event = Event::decode(&n, shared.box_pid);
         // What was read from the caller's memory belongs to this call of
         // this process (not to a reused pid).
         let read_memory = event.path.is_some() || event.addr.is_some();
         if read_memory && !notify::id_valid(listener.as_fd(), n.id) {
             continue;
         }
-        let verdict = stack.decide(&event);
+        let verdict = shared
+            .stack
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .decide(&event);
         if let Verdict::Connect(_) = verdict {
             // A blocking connect may take minutes (a destination that drops
             // the SYN): made in a thread of its own, so that the box's other

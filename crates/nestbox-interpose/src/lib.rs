@@ -18,7 +18,7 @@ pub mod event;
 pub mod monitors;
 pub mod spec;
 
-pub use engine::{serve, Stack};
+pub use engine::{serve, serve_shared, Shared, Stack};
 pub use spec::{subscribed, MonitorSpec};
 
 /// What can go wrong setting up monitors.

@@ -181,6 +181,16 @@ pub enum RemoteError {
         /// Why.
         reason: String,
     },
+    /// A monitor filter cannot be attached to the process (no
+    /// `no_new_privs`, its filters at the kernel's limit, a listener
+    /// already there), said in one line naming it.
+    #[error("process {pid}: {why}")]
+    NotAttachable {
+        /// Host pid of the process.
+        pid: i32,
+        /// Why.
+        why: String,
+    },
 }
 
 fn context_suffix(context: &str) -> String {

@@ -44,6 +44,7 @@
 //! # Ok(()) }
 //! ```
 
+mod attach;
 mod batch;
 mod buffered;
 mod caps;
@@ -74,6 +75,7 @@ pub mod tree;
 mod treefork;
 mod unixdiag;
 
+pub use attach::{check_attachable, install_listener, let_go_of_strays};
 pub use caps::CapState;
 pub use dirty::{in_ranges, unwritten_ranges, DirtyTracker};
 pub use error::{RemoteError, Result};

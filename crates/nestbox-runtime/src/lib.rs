@@ -53,7 +53,7 @@ pub use error::{Result, RuntimeError};
 pub use lifecycle::{exec, init, ksm, launch, logs, monitor, nest, residency, shell, time_travel};
 pub use network::pool as network_pool;
 pub use templates::{
-    checkpoint, clone, migrate, nscheckpoint, prepared_claim, template, working_set,
+    attach, checkpoint, clone, migrate, nscheckpoint, prepared_claim, template, working_set,
 };
 
 /// The operations the CLI offers on boxes, templates and clones included: the

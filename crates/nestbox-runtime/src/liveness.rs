@@ -70,7 +70,8 @@ fn read_stat(pid: i32) -> Option<String> {
     String::from_utf8(buf[..len].to_vec()).ok()
 }
 
-fn start_time(pid: i32) -> Option<u64> {
+/// The start time of process `pid` (clock ticks since boot), if it lives.
+pub(crate) fn start_time(pid: i32) -> Option<u64> {
     let stat = read_stat(pid)?;
     parse_stat(&stat).map(|(_, st)| st)
 }

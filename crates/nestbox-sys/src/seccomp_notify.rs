@@ -261,3 +261,64 @@ pub fn receive_listener(sock: BorrowedFd<'_>) -> Result<Option<OwnedFd>> {
         Ok(Some(OwnedFd::from_raw_fd(fd)))
     }
 }
+
+/// `SECCOMP_SET_MODE_FILTER`, the first argument of `seccomp(2)`.
+pub const SET_MODE_FILTER: u64 = 1;
+
+/// The flags of a monitor filter attached to a running process
+/// (`nestbox monitor attach`): a listener is returned
+/// (`SECCOMP_FILTER_FLAG_NEW_LISTENER`, 1 << 3), every thread of the process
+/// gets the filter (`SECCOMP_FILTER_FLAG_TSYNC`, 1 << 0), and a thread whose
+/// filters differ makes the call fail with `ESRCH`
+/// (`SECCOMP_FILTER_FLAG_TSYNC_ESRCH`, 1 << 4) instead of returning its tid
+/// (which the kernel requires when a listener is asked for with TSYNC).
+pub const ATTACH_FLAGS: u64 = (1 << 3) | (1 << 0) | (1 << 4);
+
+/// The bytes of `struct sock_fprog` for a program of `len` instructions at
+/// `filter` in another process (x86-64 layout: a 16-bit length, padding, a
+/// 64-bit pointer), to be written there for an injected `seccomp(2)`.
+pub fn fprog_bytes(len: u16, filter: u64) -> [u8; 16] {
+    let mut b = [0u8; 16];
+    b[..2].copy_from_slice(&len.to_ne_bytes());
+    b[8..].copy_from_slice(&filter.to_ne_bytes());
+    b
+}
+
+/// The bytes of the instructions `insns` (`struct sock_filter`: a 16-bit
+/// code, two 8-bit jumps, a 32-bit constant), to be written into another
+/// process.
+pub fn filter_bytes(insns: &[libc::sock_filter]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(insns.len() * 8);
+    for i in insns {
+        out.extend_from_slice(&i.code.to_ne_bytes());
+        out.push(i.jt);
+        out.push(i.jf);
+        out.extend_from_slice(&i.k.to_ne_bytes());
+    }
+    out
+}
+
+#[cfg(test)]
+mod attach_tests {
+    use super::*;
+
+    #[test]
+    fn fprog_and_filter_bytes_have_the_kernel_layout() {
+        assert_eq!(std::mem::size_of::<libc::sock_fprog>(), 16);
+        let b = fprog_bytes(3, 0x1122_3344_5566_7788);
+        assert_eq!(&b[..2], &3u16.to_ne_bytes());
+        assert_eq!(&b[8..], &0x1122_3344_5566_7788u64.to_ne_bytes());
+        let insn = libc::sock_filter {
+            code: 0x15,
+            jt: 1,
+            jf: 2,
+            k: 0xdead_beef,
+        };
+        let bytes = filter_bytes(&[insn, insn]);
+        assert_eq!(bytes.len(), 2 * std::mem::size_of::<libc::sock_filter>());
+        // SAFETY: sock_filter is plain old data of 8 bytes; reading it as
+        // bytes is how the kernel reads it.
+        let raw: [u8; 8] = unsafe { std::mem::transmute(insn) };
+        assert_eq!(&bytes[..8], &raw);
+    }
+}

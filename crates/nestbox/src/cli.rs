@@ -135,6 +135,12 @@ enum Command {
         /// Box name.
         name: String,
     },
+    /// Attach a stack of monitors to a running box, detach it, or show it
+    /// (docs/monitors.md, "Attaching to a running box").
+    Monitor {
+        #[command(subcommand)]
+        cmd: MonitorCommand,
+    },
     /// Attach gdb from outside to a process of a running box (its command by
     /// default): the box gets no capability and keeps its filter; gdb runs on
     /// the host as root and reads the program and its libraries from the
@@ -542,6 +548,34 @@ impl ResourceArgs {
 }
 
 #[derive(Debug, Subcommand)]
+enum MonitorCommand {
+    /// Attach a stack of monitors (`--monitor` as `run` takes them) to every
+    /// process of a running box but its init; processes it forks later are
+    /// monitored too.
+    Attach {
+        /// A monitor, as `run --monitor` takes it; repeat for a stack.
+        #[arg(long = "monitor", value_name = "SPEC", required = true)]
+        monitors: Vec<String>,
+        /// Box name.
+        name: String,
+    },
+    /// Switch the attached stack off: every call is let through unasked
+    /// (the filter stays until the box ends: a filter cannot be removed).
+    Detach {
+        /// Box name.
+        name: String,
+    },
+    /// Show the stack attached to a box.
+    Ls {
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+        /// Box name.
+        name: String,
+    },
+}
+
+#[derive(Debug, Subcommand)]
 enum PoolCommand {
     /// Show the pool's size and, per shape of box, the shells ready.
     Ls {
@@ -738,6 +772,7 @@ pub fn dispatch(cli: Cli) -> Result<i32> {
         Command::Stats { json, name } => output::stats(&reg, &name, json).map(|_| 0),
         Command::Gc => output::gc(&reg, &root).map(|_| 0),
         Command::Pool { cmd } => pool(&reg, cmd.unwrap_or(PoolCommand::Ls { json: false })),
+        Command::Monitor { cmd } => monitor_cmd(&reg, cmd),
         Command::Debug {
             pid,
             name,
@@ -1345,4 +1380,33 @@ fn check_userns_available() -> Result<()> {
 
 fn parse_signal(s: &str) -> Result<nix::sys::signal::Signal> {
     Ok(nestbox_runtime::spec::parse_signal(s)?)
+}
+
+/// `nestbox monitor attach|detach|ls`.
+fn monitor_cmd(reg: &Registry, cmd: MonitorCommand) -> Result<i32> {
+    use nestbox_runtime::attach;
+    let show = |a: &attach::Attached| {
+        println!(
+            "{}\t{}\tprocesses {:?}\tserver {}",
+            a.state,
+            a.monitors.join(" "),
+            a.processes,
+            a.server_pid
+        )
+    };
+    match cmd {
+        MonitorCommand::Attach { monitors, name } => {
+            show(&attach::attach(reg, &name, &monitors)?);
+        }
+        MonitorCommand::Detach { name } => show(&attach::detach(reg, &name)?),
+        MonitorCommand::Ls { json, name } => {
+            let a = attach::list(reg, &name)?;
+            if json {
+                println!("{}", serde_json::to_string(&a)?);
+            } else if let Some(a) = a {
+                show(&a);
+            }
+        }
+    }
+    Ok(0)
 }

@@ -4,7 +4,10 @@
 //! fails with the chosen errno while an allowed one connects; three monitors
 //! apply in order; a monitor written in Python with the repo's client library
 //! answers the box's calls; bad input and boxes that cannot carry monitors
-//! fail in one line and leave nothing.
+//! fail in one line and leave nothing. Monitors attached to a running box
+//! (`monitor attach`) act from then on, on every process and thread and on
+//! later children; `monitor detach` lets every call through while the filter
+//! stays; refusals and a failure halfway say so in one line.
 
 mod common;
 
@@ -452,4 +455,646 @@ fn debug_attaches_gdb_from_outside_without_weakening_the_box() {
         "no box named \"nobox\"",
     );
     root.rm_all(["dbg"]);
+}
+
+/// `monitor ls --json NAME`: the attached stack (null when none).
+fn attached(root: &TestRoot, name: &str) -> serde_json::Value {
+    let out = root.run(&["monitor", "ls", "--json", name]).ok();
+    serde_json::from_str(&out.stdout).unwrap_or_else(|e| panic!("ls is not JSON: {e}\n{out}"))
+}
+
+/// The host pids of the processes of box `name` (its cgroup's).
+fn box_pids(root: &TestRoot, name: &str) -> Vec<i32> {
+    let v = root.inspect(name);
+    v["pids"]
+        .as_array()
+        .map(|a| {
+            a.iter()
+                .filter_map(|p| p.as_i64())
+                .map(|p| p as i32)
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// `Seccomp_filters` of `/proc/PID/status` (or of one of its threads).
+fn seccomp_filters(path: &str) -> u32 {
+    let status = std::fs::read_to_string(format!("{path}/status")).unwrap_or_default();
+    status_field(&status, "Seccomp_filters")
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0)
+}
+
+#[test]
+fn attach_traces_the_opens_of_a_running_box_from_then_on() {
+    let Some(root) = TestRoot::new("attach_traces_the_opens_of_a_running_box_from_then_on") else {
+        return;
+    };
+    let v = files(&root);
+    root.detached_sh(
+        "at",
+        &["-v", &v, "--network", "none"],
+        "cat /v/other >/dev/null; echo started; \
+         while :; do cat /v/public >/dev/null; echo tick; sleep 0.1; done",
+    );
+    root.wait_logged("at", "tick", Duration::from_secs(20));
+    let log = root.path().join("run/boxes/at/trace.log");
+    assert!(!log.exists(), "no trace before the attach");
+    assert_eq!(attached(&root, "at"), serde_json::Value::Null);
+    let out = root
+        .run(&["monitor", "attach", "at", "--monitor", "trace:openat"])
+        .ok();
+    assert!(out.stdout.starts_with("attached\ttrace:openat"), "{out}");
+    let a = attached(&root, "at");
+    assert_eq!(a["state"], "attached", "{a}");
+    assert_eq!(a["monitors"], serde_json::json!(["trace:openat"]), "{a}");
+    let server = a["server_pid"].as_i64().unwrap() as i32;
+    assert!(pid_alive(server), "{a}");
+    let v = root.inspect("at");
+    assert_eq!(
+        v["attached_monitors"], a,
+        "inspect shows the attached stack"
+    );
+    assert_eq!(v["trace_log"].as_str(), log.to_str(), "{v}");
+    let mut text = String::new();
+    wait_for("opens in the trace log", Duration::from_secs(20), || {
+        text = std::fs::read_to_string(&log).unwrap_or_default();
+        text.lines()
+            .filter(|l| l.ends_with(" path=/v/public"))
+            .count()
+            >= 3
+    });
+    assert!(
+        !text.contains("/v/other"),
+        "an open before the attach is not logged: {text}"
+    );
+    for l in text.lines() {
+        let call = l.split_whitespace().nth(2).unwrap_or("");
+        assert!(call.starts_with("openat("), "only openat: {l}");
+    }
+    // The box keeps running and looping.
+    let ticks = root.ok(&["logs", "at"]).matches("tick").count();
+    wait_for("the box to go on", Duration::from_secs(20), || {
+        root.ok(&["logs", "at"]).matches("tick").count() > ticks + 3
+    });
+    assert_eq!(root.status("at").as_deref(), Some("running"));
+    // A second attach while one is on is refused in one line.
+    assert_error(
+        &root.run(&["monitor", "attach", "at", "--monitor", "null:getppid"]),
+        125,
+        "box \"at\" already has monitors attached (trace:openat): detach them first",
+    );
+    // An attached box cannot be frozen (its copies would share the filter).
+    assert_error(
+        &root.run(&["freeze", "at"]),
+        125,
+        "box \"at\" has monitors attached (nestbox monitor attach): it cannot be frozen or cloned",
+    );
+    assert_eq!(root.status("at").as_deref(), Some("running"));
+    root.rm_all(["at"]);
+    wait_for(
+        "the attached server to end",
+        Duration::from_secs(20),
+        || !pid_alive(server),
+    );
+}
+
+/// A Python loop that reads /v/secret every 0.1 s and prints `read` or the
+/// errno's name.
+const SECRET_LOOP: &str = "import errno, time\n\
+while True:\n\
+\x20   try:\n\
+\x20       open('/v/secret').read(); r = 'read'\n\
+\x20   except OSError as e:\n\
+\x20       r = errno.errorcode[e.errno]\n\
+\x20   print(r, flush=True); time.sleep(0.1)\n";
+
+/// The lines of box `name`'s log.
+fn log_lines(root: &TestRoot, name: &str) -> Vec<String> {
+    root.ok(&["logs", name])
+        .lines()
+        .map(str::to_string)
+        .collect()
+}
+
+/// Wait until box `name` printed `count` lines after its first `from`, and
+/// return those (the one in flight at `from` skipped).
+fn lines_after(root: &TestRoot, name: &str, from: usize, count: usize) -> Vec<String> {
+    let mut lines = Vec::new();
+    wait_for("new lines in the log", Duration::from_secs(20), || {
+        lines = log_lines(root, name);
+        lines.len() >= from + 1 + count
+    });
+    lines[from + 1..].to_vec()
+}
+
+#[test]
+fn attach_files_deny_fails_opens_of_a_running_box_with_the_errno() {
+    let Some(root) = TestRoot::new("attach_files_deny_fails_opens_of_a_running_box_with_the_errno")
+    else {
+        return;
+    };
+    let v = files(&root);
+    root.run(&[
+        "run",
+        "-d",
+        "--name",
+        "fd",
+        "-v",
+        &v,
+        "--network",
+        "none",
+        "--",
+        "python3",
+        "-c",
+        SECRET_LOOP,
+    ])
+    .ok();
+    root.wait_logged("fd", "read", Duration::from_secs(20));
+    assert!(log_lines(&root, "fd").iter().all(|l| l == "read"));
+    root.run(&[
+        "monitor",
+        "attach",
+        "fd",
+        "--monitor",
+        "files:deny=/v/secret,errno=EPERM",
+    ])
+    .ok();
+    let from = log_lines(&root, "fd").len();
+    let after = lines_after(&root, "fd", from, 5);
+    assert!(after.iter().all(|l| l == "EPERM"), "{after:?}");
+    assert_eq!(root.status("fd").as_deref(), Some("running"));
+    root.rm_all(["fd"]);
+}
+
+#[test]
+fn detach_lets_every_call_through_and_the_filter_stays() {
+    let Some(root) = TestRoot::new("detach_lets_every_call_through_and_the_filter_stays") else {
+        return;
+    };
+    let v = files(&root);
+    root.run(&[
+        "run",
+        "-d",
+        "--name",
+        "dt",
+        "-v",
+        &v,
+        "--network",
+        "none",
+        "--",
+        "python3",
+        "-c",
+        SECRET_LOOP,
+    ])
+    .ok();
+    root.wait_logged("dt", "read", Duration::from_secs(20));
+    let py = box_pids(&root, "dt")
+        .into_iter()
+        .find(|p| {
+            std::fs::read_to_string(format!("/proc/{p}/comm"))
+                .is_ok_and(|c| c.starts_with("python"))
+        })
+        .expect("the box's python");
+    let before = seccomp_filters(&format!("/proc/{py}"));
+    assert_error(
+        &root.run(&["monitor", "detach", "dt"]),
+        125,
+        "box \"dt\" has no monitors attached",
+    );
+    root.run(&[
+        "monitor",
+        "attach",
+        "dt",
+        "--monitor",
+        "trace:openat",
+        "--monitor",
+        "files:deny=/v/secret,errno=EACCES",
+    ])
+    .ok();
+    let from = log_lines(&root, "dt").len();
+    let after = lines_after(&root, "dt", from, 3);
+    assert!(after.iter().all(|l| l == "EACCES"), "{after:?}");
+    let log = root.path().join("run/boxes/dt/trace.log");
+    assert!(std::fs::read_to_string(&log)
+        .unwrap()
+        .contains("path=/v/secret"));
+    let out = root.run(&["monitor", "detach", "dt"]).ok();
+    assert!(out.stdout.starts_with("detached\t"), "{out}");
+    assert_eq!(attached(&root, "dt")["state"], "detached");
+    let from = log_lines(&root, "dt").len();
+    let after = lines_after(&root, "dt", from, 5);
+    assert!(after.iter().all(|l| l == "read"), "{after:?}");
+    // The trace log grows no more.
+    let size = std::fs::metadata(&log).unwrap().len();
+    let from = log_lines(&root, "dt").len();
+    lines_after(&root, "dt", from, 5);
+    assert_eq!(
+        std::fs::metadata(&log).unwrap().len(),
+        size,
+        "nothing logged after detach"
+    );
+    assert_eq!(root.status("dt").as_deref(), Some("running"));
+    // The filter stays (it cannot be removed): one more than before.
+    assert_eq!(seccomp_filters(&format!("/proc/{py}")), before + 1);
+    // A new stack on the same filter: only the calls it stops.
+    assert_error(
+        &root.run(&["monitor", "attach", "dt", "--monitor", "trace:connect"]),
+        125,
+        "box \"dt\" keeps the monitor filter of an earlier attach, which does not stop connect",
+    );
+    root.run(&[
+        "monitor",
+        "attach",
+        "dt",
+        "--monitor",
+        "files:deny=/v/secret,errno=ENOENT",
+    ])
+    .ok();
+    let from = log_lines(&root, "dt").len();
+    let after = lines_after(&root, "dt", from, 3);
+    assert!(after.iter().all(|l| l == "ENOENT"), "{after:?}");
+    assert_eq!(seccomp_filters(&format!("/proc/{py}")), before + 1);
+    root.rm_all(["dt"]);
+}
+
+#[test]
+fn attach_covers_every_process_and_thread_and_later_children() {
+    let Some(root) = TestRoot::new("attach_covers_every_process_and_thread_and_later_children")
+    else {
+        return;
+    };
+    let v = files(&root);
+    // A parent with two threads and a child process; once /v/fork exists the
+    // parent forks one more child. Each loop prints its tag and what the
+    // open of /v/secret gave.
+    let code = "import errno, os, threading, time\n\
+def loop(tag):\n\
+\x20   while True:\n\
+\x20       try:\n\
+\x20           open('/v/secret').read(); r = 'read'\n\
+\x20       except OSError as e:\n\
+\x20           r = errno.errorcode[e.errno]\n\
+\x20       print(tag, r, flush=True); time.sleep(0.1)\n\
+if os.fork() == 0:\n\
+\x20   loop('child')\n\
+for t in ('t1', 't2'):\n\
+\x20   threading.Thread(target=loop, args=(t,), daemon=True).start()\n\
+def forker():\n\
+\x20   while not os.path.exists('/v/fork'):\n\
+\x20       time.sleep(0.05)\n\
+\x20   if os.fork() == 0:\n\
+\x20       loop('late')\n\
+threading.Thread(target=forker, daemon=True).start()\n\
+loop('main')\n";
+    root.run(&[
+        "run",
+        "-d",
+        "--name",
+        "mp",
+        "-v",
+        &v,
+        "--network",
+        "none",
+        "--",
+        "python3",
+        "-c",
+        code,
+    ])
+    .ok();
+    for tag in ["main", "t1", "t2", "child"] {
+        root.wait_logged("mp", &format!("{tag} read"), Duration::from_secs(20));
+    }
+    let init = root.inspect("mp")["state"]["init_pid"].as_i64().unwrap() as i32;
+    root.run(&[
+        "monitor",
+        "attach",
+        "mp",
+        "--monitor",
+        "files:deny=/v/secret,errno=EPERM",
+    ])
+    .ok();
+    let a = attached(&root, "mp");
+    assert_eq!(a["processes"].as_array().map(Vec::len), Some(2), "{a}");
+    std::fs::write(root.path().join("v/fork"), "").unwrap();
+    let from = log_lines(&root, "mp").len();
+    let mut after = Vec::new();
+    wait_for("every loop denied", Duration::from_secs(20), || {
+        after = log_lines(&root, "mp")[from..].to_vec();
+        ["main", "t1", "t2", "child", "late"]
+            .iter()
+            .all(|t| after.iter().filter(|l| **l == format!("{t} EPERM")).count() >= 2)
+    });
+    // Once a loop is denied it is never let through again.
+    for tag in ["main", "t1", "t2", "child", "late"] {
+        let mine: Vec<&String> = after
+            .iter()
+            .filter(|l| l.starts_with(&format!("{tag} ")))
+            .collect();
+        let first = mine.iter().position(|l| l.ends_with(" EPERM")).unwrap();
+        assert!(
+            mine[first..].iter().all(|l| l.ends_with(" EPERM")),
+            "{tag}: {mine:?}"
+        );
+    }
+    // Every thread of every process but the init carries the filter.
+    let pids = box_pids(&root, "mp");
+    assert!(pids.len() >= 4, "{pids:?}");
+    for p in pids.iter().filter(|p| **p != init) {
+        for t in std::fs::read_dir(format!("/proc/{p}/task")).unwrap() {
+            let t = t.unwrap().path();
+            assert_eq!(
+                seccomp_filters(t.to_str().unwrap()),
+                2,
+                "{}: the box's filter and the monitor filter",
+                t.display()
+            );
+        }
+    }
+    assert_eq!(
+        seccomp_filters(&format!("/proc/{init}")),
+        0,
+        "the init is not monitored"
+    );
+    root.rm_all(["mp"]);
+}
+
+/// The attached servers of `root` still running (found by their command
+/// line, which names the root).
+fn servers_of(root: &TestRoot) -> Vec<i32> {
+    let want = root.path().to_string_lossy().to_string();
+    std::fs::read_dir("/proc")
+        .unwrap()
+        .filter_map(|e| e.ok()?.file_name().to_str()?.parse::<i32>().ok())
+        .filter(|p| {
+            std::fs::read_to_string(format!("/proc/{p}/comm"))
+                .is_ok_and(|c| c.trim() == "nb-mon-attached")
+                && std::fs::read(format!("/proc/{p}/cmdline"))
+                    .is_ok_and(|c| String::from_utf8_lossy(&c).contains(&want))
+        })
+        .collect()
+}
+
+#[test]
+fn attach_refusals_fail_in_one_line_and_leave_the_box_as_it_was() {
+    let Some(root) = TestRoot::new("attach_refusals_fail_in_one_line_and_leave_the_box_as_it_was")
+    else {
+        return;
+    };
+    let attach = |name: &str, spec: &str| root.run(&["monitor", "attach", name, "--monitor", spec]);
+    root.run(&["run", "--name", "ex", "--network", "none", "--", "true"])
+        .ok();
+    assert_error(
+        &attach("ex", "trace:openat"),
+        125,
+        "box \"ex\" is not running",
+    );
+    assert_error(
+        &attach("nobox", "trace:openat"),
+        125,
+        "no box named \"nobox\"",
+    );
+    root.detached_sh("rb", &["--network", "none"], "exec sleep 60");
+    let pids = box_pids(&root, "rb");
+    let filters: Vec<u32> = pids
+        .iter()
+        .map(|p| seccomp_filters(&format!("/proc/{p}")))
+        .collect();
+    for (spec, message) in [
+        ("bogus", "--monitor bogus: unknown monitor \"bogus\""),
+        (
+            "trace:nosuchcall",
+            "\"nosuchcall\" is not an x86_64 system call",
+        ),
+        (
+            "files:deny=rel",
+            "\"rel\" is not an absolute path in the box",
+        ),
+    ] {
+        assert_error(&attach("rb", spec), 125, message);
+    }
+    // A box under monitors from its start: the kernel allows one listener.
+    root.run(&[
+        "run",
+        "-d",
+        "--name",
+        "rm0",
+        "--network",
+        "none",
+        "--monitor",
+        "null:getppid",
+        "--",
+        "sleep",
+        "60",
+    ])
+    .ok();
+    assert_error(
+        &attach("rm0", "trace:openat"),
+        125,
+        "box \"rm0\" runs under monitors from its start (--monitor)",
+    );
+    // A process already traced (a debugger): refused before anything is done.
+    let sleeper = pids
+        .iter()
+        .copied()
+        .find(|p| {
+            std::fs::read_to_string(format!("/proc/{p}/comm")).is_ok_and(|c| c.trim() == "sleep")
+        })
+        .expect("the box's sleep");
+    let mut gdb = std::process::Command::new("gdb")
+        .args([
+            "-q",
+            "-batch",
+            "-p",
+            &sleeper.to_string(),
+            "-ex",
+            "shell sleep 30",
+        ])
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("gdb (scripts/setup.sh installs it)");
+    let traced = || {
+        let s = std::fs::read_to_string(format!("/proc/{sleeper}/status")).unwrap_or_default();
+        status_field(&s, "TracerPid").is_some_and(|t| t != "0")
+    };
+    wait_for("gdb to attach", Duration::from_secs(20), traced);
+    assert_error(
+        &attach("rb", "trace:openat"),
+        125,
+        &format!("attaching monitors to box \"rb\": process {sleeper}: is already traced by pid"),
+    );
+    let _ = gdb.kill();
+    let _ = gdb.wait();
+    wait_for("gdb to let go", Duration::from_secs(20), || !traced());
+    // A frozen box (a template).
+    root.detached_sh("fz", &["--network", "none"], "sleep 60");
+    root.run(&["freeze", "fz"]).ok();
+    assert_error(
+        &attach("fz", "trace:openat"),
+        125,
+        "box \"fz\" is frozen (a template): monitors cannot be attached to its processes",
+    );
+    // Nothing was done: no server, no state, no extra filter, still running.
+    assert!(servers_of(&root).is_empty(), "no attached server is left");
+    for name in ["rb", "rm0"] {
+        assert_eq!(attached(&root, name), serde_json::Value::Null);
+        assert_eq!(root.status(name).as_deref(), Some("running"));
+    }
+    let now: Vec<u32> = pids
+        .iter()
+        .map(|p| seccomp_filters(&format!("/proc/{p}")))
+        .collect();
+    assert_eq!(now, filters, "no filter was added");
+    root.rm_all(["ex", "rb", "rm0", "fz"]);
+}
+
+#[test]
+fn rm_f_of_a_box_with_monitors_attached_ends_its_server() {
+    let Some(root) = TestRoot::new("rm_f_of_a_box_with_monitors_attached_ends_its_server") else {
+        return;
+    };
+    root.detached_sh(
+        "rf",
+        &["--network", "none"],
+        "while :; do cat /etc/hostname >/dev/null; sleep 0.1; done",
+    );
+    root.run(&["monitor", "attach", "rf", "--monitor", "trace:openat"])
+        .ok();
+    let server = attached(&root, "rf")["server_pid"].as_i64().unwrap() as i32;
+    assert_eq!(servers_of(&root), vec![server]);
+    root.rm_all(["rf"]);
+    wait_for(
+        "the attached server to end",
+        Duration::from_secs(20),
+        || servers_of(&root).is_empty(),
+    );
+    assert!(!root.path().join("run/boxes/rf").exists());
+    assert!(root.names().is_empty());
+}
+
+#[test]
+fn attach_failing_halfway_serves_the_processes_done_pass_through() {
+    let Some(root) = TestRoot::new("attach_failing_halfway_serves_the_processes_done_pass_through")
+    else {
+        return;
+    };
+    let v = files(&root);
+    // The parent loops on /v/secret; its child (a higher pid, attached to
+    // after it) has a thread with a seccomp filter of its own, so the
+    // kernel refuses a filter for all its threads (TSYNC: ESRCH).
+    let code = "import ctypes, errno, os, struct, threading, time\n\
+def own_filter():\n\
+\x20   libc = ctypes.CDLL(None, use_errno=True)\n\
+\x20   insn = ctypes.create_string_buffer(struct.pack('HBBI', 6, 0, 0, 0x7fff0000))\n\
+\x20   class Prog(ctypes.Structure):\n\
+\x20       _fields_ = [('len', ctypes.c_ushort), ('filter', ctypes.c_void_p)]\n\
+\x20   prog = Prog(1, ctypes.addressof(insn))\n\
+\x20   assert libc.prctl(22, 2, ctypes.byref(prog)) == 0, ctypes.get_errno()\n\
+\x20   print('own filter', flush=True)\n\
+\x20   time.sleep(600)\n\
+if os.fork() == 0:\n\
+\x20   threading.Thread(target=own_filter).start()\n\
+\x20   time.sleep(600)\n\
+while True:\n\
+\x20   try:\n\
+\x20       open('/v/secret').read(); r = 'read'\n\
+\x20   except OSError as e:\n\
+\x20       r = errno.errorcode[e.errno]\n\
+\x20   print(r, flush=True); time.sleep(0.1)\n";
+    root.run(&[
+        "run",
+        "-d",
+        "--name",
+        "hw",
+        "-v",
+        &v,
+        "--network",
+        "none",
+        "--",
+        "python3",
+        "-c",
+        code,
+    ])
+    .ok();
+    root.wait_logged("hw", "own filter", Duration::from_secs(20));
+    root.wait_logged("hw", "read", Duration::from_secs(20));
+    let out = root.run(&[
+        "monitor",
+        "attach",
+        "hw",
+        "--monitor",
+        "files:deny=/v/secret,errno=EPERM",
+    ]);
+    assert_error(
+        &out,
+        125,
+        "monitors attached to 1 of the box's processes only (a filter cannot be removed: those are served pass-through until the box ends): attaching monitors to box \"hw\": process",
+    );
+    assert!(
+        out.stderr
+            .contains("its threads have different seccomp filters"),
+        "{out}"
+    );
+    let a = attached(&root, "hw");
+    assert_eq!(a["state"], "detached", "{a}");
+    assert_eq!(a["complete"], false, "{a}");
+    assert_eq!(a["processes"].as_array().map(Vec::len), Some(1), "{a}");
+    // The process done is served pass-through: its opens go on.
+    let from = log_lines(&root, "hw").len();
+    let after = lines_after(&root, "hw", from, 5);
+    assert!(
+        after.iter().all(|l| l == "read" || l == "own filter"),
+        "{after:?}"
+    );
+    assert_eq!(root.status("hw").as_deref(), Some("running"));
+    // Such a filter is never switched on again.
+    assert_error(
+        &root.run(&[
+            "monitor",
+            "attach",
+            "hw",
+            "--monitor",
+            "files:deny=/v/secret",
+        ]),
+        125,
+        "box \"hw\" keeps a monitor filter attached to only some of its processes",
+    );
+    root.rm_all(["hw"]);
+    wait_for(
+        "the attached server to end",
+        Duration::from_secs(20),
+        || servers_of(&root).is_empty(),
+    );
+}
+
+#[test]
+fn two_attaches_at_once_one_serves_the_other_is_refused() {
+    let Some(root) = TestRoot::new("two_attaches_at_once_one_serves_the_other_is_refused") else {
+        return;
+    };
+    root.detached_sh(
+        "tw",
+        &["--network", "none"],
+        "while :; do cat /etc/hostname >/dev/null; sleep 0.1; done",
+    );
+    let spawn = |spec: &str| root.spawn(&["monitor", "attach", "tw", "--monitor", spec]);
+    let (a, b) = (spawn("trace:openat"), spawn("null:openat"));
+    let outs = [
+        finish(a, None, Duration::from_secs(60), "attach a".into()),
+        finish(b, None, Duration::from_secs(60), "attach b".into()),
+    ];
+    let ok: Vec<&Out> = outs.iter().filter(|o| o.code == 0).collect();
+    assert_eq!(ok.len(), 1, "exactly one attach serves: {outs:?}");
+    let refused = outs.iter().find(|o| o.code != 0).unwrap();
+    assert_error(refused, 125, "box \"tw\" already has monitors attached");
+    assert_eq!(servers_of(&root).len(), 1, "one server");
+    assert_eq!(root.status("tw").as_deref(), Some("running"));
+    root.rm_all(["tw"]);
+    wait_for(
+        "the attached server to end",
+        Duration::from_secs(20),
+        || servers_of(&root).is_empty(),
+    );
 }

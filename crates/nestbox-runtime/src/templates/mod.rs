@@ -8,6 +8,7 @@
 //! glue; neither imports it. [`ops`] holds the box operations that must know
 //! about templates and clones (stop, rm, inspect).
 
+pub mod attach;
 pub mod checkpoint;
 pub mod clone;
 pub mod migrate;

@@ -52,7 +52,21 @@ pub fn remove(reg: &Registry, name: &str, force: bool) -> Result<()> {
 
 /// Everything known about a box, as JSON (see [`plain::inspect`]).
 pub fn inspect(reg: &Registry, name: &str) -> Result<serde_json::Value> {
-    plain::inspect_with(reg, &TemplateRelations, name)
+    let mut v = plain::inspect_with(reg, &TemplateRelations, name)?;
+    // The stack attached to the running box (`nestbox monitor attach`), if
+    // one is; its `trace` monitors write to the box's trace log.
+    if let Some(a) = reg
+        .load(name)
+        .ok()
+        .and_then(|r| crate::attach::attached(&r).map(|a| (r, a)))
+    {
+        let (record, a) = a;
+        if v["trace_log"].is_null() && a.monitors.iter().any(|m| m.starts_with("trace:")) {
+            v["trace_log"] = serde_json::json!(crate::monitor::trace_log(&record));
+        }
+        v["attached_monitors"] = serde_json::to_value(&a).unwrap_or_default();
+    }
+    Ok(v)
 }
 
 /// If template box `name` was removed while it had clones and none is left,

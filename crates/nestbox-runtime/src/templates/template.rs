@@ -54,6 +54,12 @@ pub(crate) fn refuse_monitored(record: &crate::registry::BoxRecord, what: &str) 
             problem: format!("runs boxes of its own (--nest): it cannot be {what} yet"),
         });
     }
+    if crate::templates::attach::has_attached(record) {
+        return Err(RuntimeError::Unsupported {
+            name: record.name().to_string(),
+            problem: format!("has monitors attached (nestbox monitor attach): it cannot be {what}"),
+        });
+    }
     if record.spec.monitors.is_empty() {
         return Ok(());
     }
