@@ -828,7 +828,7 @@ fn servers_of(root: &TestRoot) -> Vec<i32> {
         .filter_map(|e| e.ok()?.file_name().to_str()?.parse::<i32>().ok())
         .filter(|p| {
             std::fs::read_to_string(format!("/proc/{p}/comm"))
-                .is_ok_and(|c| c.trim() == "nb-mon-attached")
+                .is_ok_and(|c| c.trim() == "nestbox-attach")
                 && std::fs::read(format!("/proc/{p}/cmdline"))
                     .is_ok_and(|c| String::from_utf8_lossy(&c).contains(&want))
         })

@@ -1,7 +1,7 @@
 //! Monitors attached to and detached from a running box (`nestbox monitor
 //! attach|detach|ls`).
 //!
-//! `attach` forks a detached server process (named `nb-mon-attached`,
+//! `attach` forks a detached server process (named `nestbox-attach`,
 //! logging to `monitors-attached.log` in the box's run directory). Under the
 //! box's clone lock, the server gives every process of the box but its init
 //! the monitor filter (`nestbox_remote::install_listener`: seized, the
@@ -84,7 +84,7 @@ fn alive(pid: i32) -> bool {
 }
 
 /// The server's process name (15 bytes at most: the kernel's limit).
-const SERVER_NAME: &str = "nb-mon-attached";
+const SERVER_NAME: &str = "nestbox-attach";
 
 fn write_state(record: &BoxRecord, a: &Attached) -> Result<()> {
     let path = state_path(record);
@@ -258,7 +258,7 @@ fn spawn_server(
             crate::diag::descriptors_closed();
             crate::process::become_daemon();
             crate::diag::to_file(log_path(record), false);
-            let _ = nix::sys::prctl::set_name(c"nb-mon-attached");
+            let _ = nix::sys::prctl::set_name(c"nestbox-attach");
             let mut ready = std::fs::File::from(ready_w);
             if let Err(e) = closed {
                 let _ = write!(ready, "{}\t{e}", e.exit_code());
