@@ -119,8 +119,24 @@ impl Meta {
     /// chown clears set-id bits, and every change but the last would move mtime).
     /// Without root, a chown to another owner is skipped (the file keeps the caller's).
     pub fn apply_fd(&self, file: &std::fs::File, path: &Path) -> Result<()> {
+        self.apply_fd_owned(file, path, None)
+    }
+
+    /// [`Meta::apply_fd`] on a file known to be owned by `owner` (user, group)
+    /// already: no chown when that is the owner wanted.
+    pub(crate) fn apply_fd_owned(
+        &self,
+        file: &std::fs::File,
+        path: &Path,
+        owner: Option<(u32, u32)>,
+    ) -> Result<()> {
         let fd = file.as_fd();
-        match nix::unistd::fchown(fd.as_raw_fd(), Some(self.uid.into()), Some(self.gid.into())) {
+        let chown = if owner == Some((self.uid, self.gid)) {
+            Ok(())
+        } else {
+            nix::unistd::fchown(fd.as_raw_fd(), Some(self.uid.into()), Some(self.gid.into()))
+        };
+        match chown {
             Ok(()) => {}
             Err(nix::errno::Errno::EPERM) if !nix::unistd::geteuid().is_root() => {}
             Err(e) => return Err(StoreError::sys("fchown", path)(e)),
@@ -159,6 +175,10 @@ impl Meta {
         // The kernel clamps a time the filesystem cannot hold (ext4 keeps up to
         // 2446) without an error; an object whose inode differs from its key
         // would be reported corrupt by `store verify` ever after.
+        // Every filesystem holds the times of 1970–2038: those need no check.
+        if (0..=i64::from(i32::MAX)).contains(&self.mtime) {
+            return Ok(());
+        }
         let kept = nix::sys::stat::fstat(fd.as_raw_fd())
             .map_err(StoreError::sys("fstat", path))?
             .st_mtime;
