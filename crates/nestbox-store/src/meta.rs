@@ -119,17 +119,38 @@ impl Meta {
     /// chown clears set-id bits, and every change but the last would move mtime).
     /// Without root, a chown to another owner is skipped (the file keeps the caller's).
     pub fn apply_fd(&self, file: &std::fs::File, path: &Path) -> Result<()> {
+        self.apply_fd_owned(file, path, None, false)
+    }
+
+    /// [`Meta::apply_fd`] on a file known to be owned by `owner` (user, group)
+    /// already: no chown when that is the owner wanted; no chmod with
+    /// `mode_set` (the file was made with this mode, which has no set-ID or
+    /// sticky bit for a chown to clear).
+    pub(crate) fn apply_fd_owned(
+        &self,
+        file: &std::fs::File,
+        path: &Path,
+        owner: Option<(u32, u32)>,
+        mode_set: bool,
+    ) -> Result<()> {
         let fd = file.as_fd();
-        match nix::unistd::fchown(fd.as_raw_fd(), Some(self.uid.into()), Some(self.gid.into())) {
+        let chown = if owner == Some((self.uid, self.gid)) {
+            Ok(())
+        } else {
+            nix::unistd::fchown(fd.as_raw_fd(), Some(self.uid.into()), Some(self.gid.into()))
+        };
+        match chown {
             Ok(()) => {}
             Err(nix::errno::Errno::EPERM) if !nix::unistd::geteuid().is_root() => {}
             Err(e) => return Err(StoreError::sys("fchown", path)(e)),
         }
-        nix::sys::stat::fchmod(
-            fd.as_raw_fd(),
-            nix::sys::stat::Mode::from_bits_truncate(self.mode),
-        )
-        .map_err(StoreError::sys("fchmod", path))?;
+        if !(mode_set && self.mode & 0o7000 == 0) {
+            nix::sys::stat::fchmod(
+                fd.as_raw_fd(),
+                nix::sys::stat::Mode::from_bits_truncate(self.mode),
+            )
+            .map_err(StoreError::sys("fchmod", path))?;
+        }
         for (name, value) in &self.xattrs {
             let cname = CString::new(name.as_str())
                 .map_err(|_| StoreError::refused(path, name.clone(), "xattr name contains NUL"))?;
@@ -159,6 +180,10 @@ impl Meta {
         // The kernel clamps a time the filesystem cannot hold (ext4 keeps up to
         // 2446) without an error; an object whose inode differs from its key
         // would be reported corrupt by `store verify` ever after.
+        // Every filesystem holds the times of 1970–2038: those need no check.
+        if (0..=i64::from(i32::MAX)).contains(&self.mtime) {
+            return Ok(());
+        }
         let kept = nix::sys::stat::fstat(fd.as_raw_fd())
             .map_err(StoreError::sys("fstat", path))?
             .st_mtime;

@@ -16,8 +16,9 @@
 //! directory onto the lower layer it was mounted over, and [`diff`] lists what
 //! a box sees differently between two layers over the same image.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::fs;
+use std::os::fd::AsRawFd;
 use std::os::unix::fs::{DirBuilderExt, FileTypeExt, MetadataExt};
 use std::path::{Path, PathBuf};
 
@@ -271,8 +272,28 @@ fn read_files(
     jobs: &[(String, PathBuf, Meta, Stamp)],
     contents: Contents<'_>,
 ) -> Result<Vec<(Digest, u64)>> {
-    let one = |path: &Path, meta: &Meta| -> Result<(Digest, u64)> {
-        let mut f = fs::File::open(path).map_err(StoreError::io("open", path))?;
+    // Each thread opens every directory it reads from once, and each file
+    // relative to it.
+    type Dirs = HashMap<PathBuf, fs::File>;
+    let open = |dirs: &mut Dirs, path: &Path| -> Result<fs::File> {
+        let (Some(dir), Some(name)) = (path.parent(), path.file_name()) else {
+            return fs::File::open(path).map_err(StoreError::io("open", path));
+        };
+        if !dirs.contains_key(dir) {
+            let d = fs::File::open(dir).map_err(StoreError::io("open", dir))?;
+            dirs.insert(dir.to_path_buf(), d);
+        }
+        nestbox_sys::at::open_at(
+            &dirs[dir],
+            Path::new(name),
+            nix::fcntl::OFlag::O_RDONLY,
+            nix::sys::stat::Mode::empty(),
+        )
+        .map(fs::File::from)
+        .map_err(StoreError::sys("open", path))
+    };
+    let one = |dirs: &mut Dirs, path: &Path, meta: &Meta| -> Result<(Digest, u64)> {
+        let mut f = open(dirs, path)?;
         match contents {
             Contents::Store(txn) => {
                 let read_err = |e| StoreError::io("read", path)(e);
@@ -285,21 +306,20 @@ fn read_files(
             }
         }
     };
+    let all = |jobs: &[(String, PathBuf, Meta, Stamp)]| -> Result<Vec<(Digest, u64)>> {
+        let mut dirs = Dirs::new();
+        jobs.iter()
+            .map(|(_, p, m, _)| one(&mut dirs, p, m))
+            .collect()
+    };
     if jobs.len() < 64 {
-        return jobs.iter().map(|(_, p, m, _)| one(p, m)).collect();
+        return all(jobs);
     }
     let half = jobs.len() / 2;
     let (a, b) = jobs.split_at(half);
     let (ra, rb) = std::thread::scope(|s| {
-        let t = s.spawn(|| {
-            b.iter()
-                .map(|(_, p, m, _)| one(p, m))
-                .collect::<Result<Vec<_>>>()
-        });
-        let ra = a
-            .iter()
-            .map(|(_, p, m, _)| one(p, m))
-            .collect::<Result<Vec<_>>>();
+        let t = s.spawn(|| all(b));
+        let ra = all(a);
         (ra, t.join().expect("hashing thread does not panic"))
     });
     let mut out = ra?;
@@ -327,9 +347,17 @@ pub fn materialise(
     let mut dirs = fs::DirBuilder::new();
     dirs.mode(0o700);
     dirs.create(root).map_err(StoreError::io("mkdir", root))?;
+    // Directories (parents first), whiteouts, symlinks and special files by
+    // path; then the regular files, hardlinked relative to open directories.
+    let mut files: Vec<(&str, &Entry)> = Vec::new();
     for (path, e) in &layer.entries {
-        crate::tree::make_entry(store, &dirs, path, &e.entry, &root.join(path))?;
+        if matches!(e.entry.kind, Kind::File { .. }) {
+            files.push((path, &e.entry));
+        } else {
+            crate::tree::make_entry(store, &dirs, path, &e.entry, &root.join(path))?;
+        }
     }
+    link_files(store, &files, root)?;
     // Directory metadata last, children first, so nothing moves an mtime once set.
     for (path, e) in layer.entries.iter().rev() {
         if e.entry.is_dir() {
@@ -344,6 +372,66 @@ pub fn materialise(
     fs::set_permissions(root, std::os::unix::fs::PermissionsExt::from_mode(0o755))
         .map_err(StoreError::io("chmod", root))?;
     Ok(())
+}
+
+/// Hardlink each regular file of `files` (layer path, entry) under `root` to
+/// its object in `store`. Every directory linked into, and every fan-out
+/// directory of `objects/` linked from, is opened once: a link is one
+/// `linkat` of two names, not two path walks.
+fn link_files(store: &Store, files: &[(&str, &Entry)], root: &Path) -> Result<()> {
+    let part = |files: &[(&str, &Entry)]| -> Result<()> {
+        let mut targets: HashMap<&str, fs::File> = HashMap::new();
+        let mut sources: HashMap<PathBuf, fs::File> = HashMap::new();
+        for &(path, entry) in files {
+            let Kind::File { object, .. } = &entry.kind else {
+                continue;
+            };
+            let (dir, name) = match path.rsplit_once('/') {
+                Some((d, n)) => (d, n),
+                None => ("", path),
+            };
+            let target = root.join(path);
+            if !targets.contains_key(dir) {
+                let d = root.join(dir);
+                let f = fs::File::open(&d).map_err(StoreError::io("open", &d))?;
+                targets.insert(dir, f);
+            }
+            let src = store.object_path(object, &entry.meta.key());
+            let (sdir, sname) = (
+                src.parent().expect("objects have a parent"),
+                src.file_name().expect("objects have a name"),
+            );
+            if !sources.contains_key(sdir) {
+                match fs::File::open(sdir) {
+                    Ok(f) => {
+                        sources.insert(sdir.to_path_buf(), f);
+                    }
+                    Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                        return Err(StoreError::MissingObject(format!("{object} ({path})")));
+                    }
+                    Err(e) => return Err(StoreError::io("open", sdir)(e)),
+                }
+            }
+            nix::unistd::linkat(
+                Some(sources[sdir].as_raw_fd()),
+                Path::new(sname),
+                Some(targets[dir].as_raw_fd()),
+                Path::new(name),
+                nix::fcntl::AtFlags::empty(),
+            )
+            .map_err(|e| {
+                if e == nix::errno::Errno::ENOENT && !src.exists() {
+                    StoreError::MissingObject(format!("{object} ({path})"))
+                } else {
+                    StoreError::sys("link", &target)(e)
+                }
+            })?;
+        }
+        Ok(())
+    };
+    // One thread: links into one directory take its lock in turn, and a
+    // second thread measured slower (contention, its start).
+    part(files)
 }
 
 /// How a path differs between two layers.
@@ -686,5 +774,60 @@ mod tests {
                 .collect::<Vec<_>>()
         };
         assert_eq!(strip(&again), strip(&first));
+    }
+
+    /// Many files in several directories, each a
+    /// hardlink to its object; a missing object is named in the error.
+    #[test]
+    fn materialise_links_many_files_relative_to_directories() {
+        if !nestbox_testkit::require_root("materialise_links_many_files_relative_to_directories") {
+            return;
+        }
+        let tmp = tempfile::tempdir().unwrap();
+        let store = Store::open(&tmp.path().join("store")).unwrap();
+        let upper = tmp.path().join("upper");
+        for d in ["a", "b/c"] {
+            fs::create_dir_all(upper.join(d)).unwrap();
+        }
+        for i in 0..600 {
+            let dir = ["", "a/", "b/c/"][i % 3];
+            fs::write(upper.join(format!("{dir}f{i}")), format!("file {i}")).unwrap();
+        }
+        let txn = Txn::begin(&store).unwrap();
+        let (layer, stats) = scan_upper(&upper, None, Contents::Store(&txn)).unwrap();
+        txn.publish().unwrap();
+        drop(txn);
+        assert_eq!(stats.files_read, 600);
+        let out = tmp.path().join("out");
+        materialise(&store, &layer, &out, false).unwrap();
+        for i in 0..600 {
+            let dir = ["", "a/", "b/c/"][i % 3];
+            let p = out.join(format!("{dir}f{i}"));
+            assert_eq!(fs::read_to_string(&p).unwrap(), format!("file {i}"));
+            let Kind::File { object, .. } = &layer.entries[&format!("{dir}f{i}")].entry.kind else {
+                panic!("a file");
+            };
+            let key = layer.entries[&format!("{dir}f{i}")].entry.meta.key();
+            assert_eq!(
+                fs::metadata(&p).unwrap().ino(),
+                fs::metadata(store.object_path(object, &key)).unwrap().ino()
+            );
+        }
+        let (again, _) = scan_upper(&out, None, Contents::HashOnly).unwrap();
+        let strip = |l: &LayerManifest| {
+            l.entries
+                .iter()
+                .map(|(p, e)| (p.clone(), e.entry.clone()))
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(strip(&again), strip(&layer));
+        // An object gone from the store: the error names it.
+        let mut broken = layer.clone();
+        broken.entries.insert("a/f3".into(), file(b"never stored"));
+        let err = materialise(&store, &broken, &tmp.path().join("out2"), false).unwrap_err();
+        assert!(
+            matches!(err, StoreError::MissingObject(ref m) if m.contains("a/f3")),
+            "{err}"
+        );
     }
 }

@@ -10,9 +10,11 @@
 //! Policy (what to mount where, which namespaces a box gets) stays with the
 //! callers; this crate only makes the calls.
 
+pub mod at;
 pub mod bpf;
 pub mod creds;
 pub mod fd;
+pub mod inode_flags;
 pub mod link;
 pub mod loopdev;
 pub mod mount;
