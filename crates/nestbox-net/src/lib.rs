@@ -47,6 +47,7 @@ pub mod network;
 pub use network::hosts;
 pub mod nft;
 pub mod port;
+pub mod queue;
 pub mod rate;
 pub mod route;
 mod state;
