@@ -1314,7 +1314,7 @@ fn packets_refusals_fail_in_one_line_and_leave_nothing() {
     assert_error(
         &root.run(&["monitor", "attach", "p", "--monitor", "packets:drop=x"]),
         125,
-        "the packet inspector is given to `run` only",
+        "the packet inspector is given to nestbox run only",
     );
     root.rm_all(["p"]);
 }

@@ -124,7 +124,7 @@ fn parse_specs(specs: &[String]) -> Result<Vec<u32>> {
         .map_err(|e| RuntimeError::InvalidInput(e.to_string()))?;
     if let Some(i) = parsed.iter().position(|m| m.is_packets()) {
         return Err(RuntimeError::InvalidInput(format!(
-            "monitor attach --monitor {}: the packet inspector is given to `run` only (its queue rules go in when the box's network is made)",
+            "monitor attach --monitor {}: the packet inspector is given to nestbox run only (its queue rules go in when the box's network is made)",
             specs[i]
         )));
     }
