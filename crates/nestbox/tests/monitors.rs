@@ -1142,7 +1142,21 @@ def tcp():\n\
 \x20   while True: threading.Thread(target=conn, args=(t.accept()[0],)).start()\n\
 threading.Thread(target=udp).start(); threading.Thread(target=tcp).start()\n\
 say('listening')\n";
-    root.ok(&["run", "-d", "--name", "rx", "--", "python3", "-c", receiver]);
+    // The receiver logs what it receives holding HELLO (dir=in).
+    root.ok(&[
+        "run",
+        "-d",
+        "--name",
+        "rx",
+        "--monitor",
+        "packets:log=HELLO,dir=in",
+        "--",
+        "python3",
+        "-c",
+        receiver,
+    ]);
+    // A box without the inspector.
+    root.ok(&["run", "-d", "--name", "plain", "--", "sleep", "600"]);
     root.wait_logged("rx", "listening", Duration::from_secs(30));
     let rx = root.inspect("rx")["state"]["network"]["address"]
         .as_str()
@@ -1252,19 +1266,50 @@ time.sleep(600)\n"
         dropped.len() >= 3 && dropped.iter().all(|l| l.ends_with("pattern=\"SECRET\"")),
         "u3, u5 and the SECRET segment (and its retransmissions) are dropped: {log}"
     );
-    // The queue rules are in the sender's namespace only.
+    // The receiver (dir=in) logged the two HELLO packets as it got them.
+    let rx_log = std::fs::read_to_string(
+        root.inspect("rx")["trace_log"]
+            .as_str()
+            .expect("rx has a trace log"),
+    )
+    .expect("read rx's trace log");
+    let rx_lines: Vec<&str> = rx_log.lines().collect();
+    assert_eq!(rx_lines.len(), 2, "{rx_log}");
+    assert!(
+        rx_lines.iter().all(|l| l.contains(" packet log dir=in ")
+            && l.contains(&format!("dst={rx}:"))
+            && l.ends_with("pattern=\"HELLO\"")),
+        "{rx_log}"
+    );
+    // The queue rules are where they were asked for: both ways in the
+    // sender's namespace (the default), inbound in the receiver's, none in
+    // the plain box.
     let tx_rules = box_ruleset(&root, "tx");
-    assert!(tx_rules.contains("queue num 0"), "{tx_rules}");
+    assert!(
+        tx_rules.contains("chain OUTPUT")
+            && tx_rules.contains("chain INPUT")
+            && tx_rules.contains("oifname != \"lo\" counter")
+            && tx_rules.contains("queue num 0"),
+        "{tx_rules}"
+    );
     assert!(!tx_rules.contains("bypass"), "fail closed: {tx_rules}");
     let rx_rules = box_ruleset(&root, "rx");
-    assert!(!rx_rules.contains("queue"), "{rx_rules}");
+    assert!(
+        rx_rules.contains("chain INPUT") && !rx_rules.contains("chain OUTPUT"),
+        "{rx_rules}"
+    );
+    let plain_rules = box_ruleset(&root, "plain");
+    assert!(!plain_rules.contains("queue"), "{plain_rules}");
     // rm -f ends the monitor process (and its queue thread with it); the
     // rules go with the namespace.
-    let monitor = v["state"]["monitor"]["pid"].as_i64().unwrap() as i32;
-    root.rm_all(["tx", "rx"]);
+    let monitors =
+        [&v, &root.inspect("rx")].map(|b| b["state"]["monitor"]["pid"].as_i64().unwrap() as i32);
+    root.rm_all(["tx", "rx", "plain"]);
     assert!(
-        wait_until(Duration::from_secs(10), || !pid_alive(monitor)),
-        "the sender's monitor (the queue's reader) is gone"
+        wait_until(Duration::from_secs(10), || !monitors
+            .iter()
+            .any(|m| pid_alive(*m))),
+        "the boxes' monitors (the queues' readers) are gone"
     );
     assert!(root.names().is_empty());
 }
