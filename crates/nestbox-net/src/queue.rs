@@ -162,15 +162,21 @@ impl PacketQueue {
         // SAFETY: a fresh descriptor nothing else owns.
         let sock = unsafe { OwnedFd::from_raw_fd(fd) };
         let big: libc::c_int = 4 << 20;
-        // SAFETY: setsockopt with a pointer to a live c_int and its size;
-        // a smaller buffer than asked for is no error (best effort).
-        unsafe {
+        // SAFETY: setsockopt with a pointer to a live c_int and its size.
+        let set = unsafe {
             libc::setsockopt(
                 sock.as_raw_fd(),
                 libc::SOL_SOCKET,
                 libc::SO_RCVBUF,
                 (&big as *const libc::c_int).cast(),
                 std::mem::size_of::<libc::c_int>() as u32,
+            )
+        };
+        if set != 0 {
+            // The default buffer works; bursts overflow it sooner.
+            tracing::warn!(
+                "packet queue: SO_RCVBUF not set: {}",
+                io::Error::last_os_error()
             );
         }
         let mut q = PacketQueue {
@@ -267,8 +273,19 @@ impl PacketQueue {
                 Err(nix::errno::Errno::EINTR) => continue,
                 Err(e) => return Err(sys("receive a queued packet")(io::Error::from(e))),
             };
-            if let Some(p) = parse_packet(&self.buf[..n]) {
+            let b = &self.buf[..n];
+            if let Some(p) = parse_packet(b) {
                 return Ok(p);
+            }
+            // A verdict the kernel refused comes back as an error message.
+            if n >= 20 && u16::from_ne_bytes([b[4], b[5]]) == NLMSG_ERROR {
+                let err = i32::from_ne_bytes([b[16], b[17], b[18], b[19]]);
+                if err != 0 {
+                    tracing::warn!(
+                        "packet queue: the kernel refused a verdict: {}",
+                        io::Error::from_raw_os_error(-err)
+                    );
+                }
             }
         }
     }
