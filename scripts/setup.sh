@@ -18,7 +18,7 @@ fi
 # e2fsprogs formats the image of a box's `--disk` layer (mkfs.ext4); gdb is what
 # `nestbox debug` runs.
 need=()
-for pkg in python3 procps util-linux iproute2 ca-certificates busybox-static nftables e2fsprogs gdb; do
+for pkg in python3 procps util-linux iproute2 ca-certificates busybox-static nftables iptables e2fsprogs gdb; do
   dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || need+=("$pkg")
 done
 # Programs the clone tests of real multi-threaded servers run (crates/nestbox/tests/

@@ -5,7 +5,9 @@
 //! * [`spec`]: the `--monitor` forms, parsed and checked;
 //! * [`event`]: a stopped call as monitors see it;
 //! * [`monitors`]: the built-in monitors and the Unix-socket protocol;
-//! * [`engine`]: the loop that answers the kernel.
+//! * [`engine`]: the loop that answers the kernel;
+//! * [`packets`]: the packet inspector (`packets:`), which judges the box's
+//!   packets rather than its calls.
 //!
 //! The filter itself is `nestbox_seccomp::monitor_profile`; the box's first
 //! process installs it after the box's own filter and hands its listener to
@@ -16,10 +18,11 @@
 pub mod engine;
 pub mod event;
 pub mod monitors;
+pub mod packets;
 pub mod spec;
 
 pub use engine::{serve, serve_shared, Shared, Stack};
-pub use spec::{subscribed, MonitorSpec};
+pub use spec::{split_packets, subscribed, MonitorSpec};
 
 /// What can go wrong setting up monitors.
 #[derive(Debug, thiserror::Error)]

@@ -81,7 +81,7 @@ fn in_network(ip: IpAddr, net: IpAddr, bits: u8) -> bool {
     }
 }
 
-fn now() -> f64 {
+pub(crate) fn now() -> f64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map_or(0.0, |d| d.as_secs_f64())

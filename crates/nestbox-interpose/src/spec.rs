@@ -8,6 +8,7 @@
 //! | `net:allow=CIDR[:PORT],…,errno=E` | `connect` | lets IPv4/IPv6 connects to allowed destinations through (made by the monitor with the address it checked), fails the others with E (default `ECONNREFUSED`) |
 //! | `null:CALL,…` | the calls named | lets them through (for measuring) |
 //! | `socket:PATH:CALL,…` | the calls named | asks the program listening on Unix socket PATH (see `docs/monitors.md`) |
+//! | `packets:drop=TEXT,log=TEXT,hex=HEX,dir=out\|in\|both` | no call: the box's packets (an NFQUEUE queue) | drops the packets whose payload holds a `drop` pattern, logs those holding a `log` pattern |
 //!
 //! Monitors stack in the order given: each sees the calls the ones before it
 //! let through.
@@ -50,6 +51,17 @@ pub enum MonitorSpec {
     Null {
         /// Subscribed calls.
         calls: Vec<String>,
+    },
+    /// The packet inspector: no system call, the box's IP packets.
+    Packets {
+        /// Patterns whose packets are dropped.
+        drop: Vec<Vec<u8>>,
+        /// Patterns whose packets pass and are logged.
+        log: Vec<Vec<u8>>,
+        /// Inspect what the box sends.
+        outbound: bool,
+        /// Inspect what the box receives.
+        inbound: bool,
     },
     /// A monitor program on a Unix socket.
     Socket {
@@ -213,9 +225,10 @@ impl MonitorSpec {
                 }
                 Ok(MonitorSpec::Net { allow, errno })
             }
+            "packets" => packets(spec, args),
             _ => Err(bad(
                 spec,
-                format!("unknown monitor {name:?} (trace, files, net, null, socket)"),
+                format!("unknown monitor {name:?} (trace, files, net, null, socket, packets)"),
             )),
         }
     }
@@ -228,8 +241,91 @@ impl MonitorSpec {
             | MonitorSpec::Socket { calls, .. } => calls.clone(),
             MonitorSpec::Files { .. } => OPEN_CALLS.iter().map(|s| s.to_string()).collect(),
             MonitorSpec::Net { .. } => vec!["connect".into()],
+            MonitorSpec::Packets { .. } => Vec::new(),
         }
     }
+
+    /// Whether this is the packet inspector (no system call; see
+    /// `docs/monitors.md`).
+    pub fn is_packets(&self) -> bool {
+        matches!(self, MonitorSpec::Packets { .. })
+    }
+}
+
+/// Bytes from hexadecimal digits (`hex=534543`).
+fn unhex(spec: &str, text: &str) -> Result<Vec<u8>, InterposeError> {
+    let not = || {
+        bad(
+            spec,
+            format!("{text:?} is not an even number of hex digits"),
+        )
+    };
+    if text.is_empty() || !text.len().is_multiple_of(2) {
+        return Err(not());
+    }
+    (0..text.len())
+        .step_by(2)
+        .map(|i| {
+            text.get(i..i + 2)
+                .and_then(|d| u8::from_str_radix(d, 16).ok())
+                .ok_or_else(not)
+        })
+        .collect()
+}
+
+/// `packets:drop=TEXT,log=TEXT,hex=HEX,loghex=HEX,dir=out|in|both`.
+fn packets(spec: &str, args: &str) -> Result<MonitorSpec, InterposeError> {
+    let (mut drop, mut log) = (Vec::new(), Vec::new());
+    let (mut outbound, mut inbound) = (true, true);
+    for item in args.split(',').filter(|s| !s.is_empty()) {
+        match item.split_once('=') {
+            Some(("drop", t)) | Some(("log", t)) if t.is_empty() => {
+                return Err(bad(
+                    spec,
+                    format!("{item:?}: an empty pattern matches everything"),
+                ))
+            }
+            Some(("drop", t)) => drop.push(t.as_bytes().to_vec()),
+            Some(("log", t)) => log.push(t.as_bytes().to_vec()),
+            Some(("hex", h)) => drop.push(unhex(spec, h)?),
+            Some(("loghex", h)) => log.push(unhex(spec, h)?),
+            Some(("dir", d)) => {
+                (outbound, inbound) = match d {
+                    "out" => (true, false),
+                    "in" => (false, true),
+                    "both" => (true, true),
+                    _ => return Err(bad(spec, format!("dir={d:?}: expected out, in or both"))),
+                }
+            }
+            _ => return Err(bad(spec, format!("unknown item {item:?}"))),
+        }
+    }
+    if drop.is_empty() && log.is_empty() {
+        return Err(bad(
+            spec,
+            "expected drop=TEXT, log=TEXT, hex=HEX or loghex=HEX",
+        ));
+    }
+    Ok(MonitorSpec::Packets {
+        drop,
+        log,
+        outbound,
+        inbound,
+    })
+}
+
+/// The packet inspector of a stack, if it has one (the last one given wins;
+/// see `docs/monitors.md`), and the stack's other monitors' texts.
+pub fn split_packets(texts: &[String]) -> (Option<MonitorSpec>, Vec<String>) {
+    let mut packets = None;
+    let mut rest = Vec::new();
+    for t in texts {
+        match MonitorSpec::parse(t) {
+            Ok(m) if m.is_packets() => packets = Some(m),
+            _ => rest.push(t.clone()),
+        }
+    }
+    (packets, rest)
 }
 
 /// The x86_64 numbers of every call a stack subscribes to.
@@ -310,11 +406,35 @@ mod tests {
             ("net:allow=10.0.0.0/40", "/40 is not a prefix length"),
             ("net:allow=nothere", "\"nothere\" is not an IP address"),
             ("socket:rel:openat", "\"rel\" is not an absolute path"),
+            ("packets:", "expected drop=TEXT"),
+            ("packets:drop=", "an empty pattern"),
+            ("packets:hex=5", "not an even number of hex digits"),
+            ("packets:hex=zz", "not an even number of hex digits"),
+            ("packets:drop=x,dir=up", "expected out, in or both"),
         ] {
             let e = MonitorSpec::parse(spec).unwrap_err().to_string();
             assert!(e.contains(why), "{spec}: {e}");
             assert!(e.starts_with(&format!("--monitor {spec}: ")), "{e}");
         }
+    }
+
+    #[test]
+    fn packets_form() {
+        let p = MonitorSpec::parse("packets:drop=SECRET,log=HELLO,hex=00ff,dir=out").unwrap();
+        assert_eq!(
+            p,
+            MonitorSpec::Packets {
+                drop: vec![b"SECRET".to_vec(), vec![0, 255]],
+                log: vec![b"HELLO".to_vec()],
+                outbound: true,
+                inbound: false
+            }
+        );
+        assert!(p.calls().is_empty());
+        let (found, rest) =
+            split_packets(&["trace:openat".to_string(), "packets:log=x".to_string()]);
+        assert!(found.is_some_and(|f| f.is_packets()));
+        assert_eq!(rest, vec!["trace:openat".to_string()]);
     }
 
     #[test]

@@ -21,6 +21,11 @@
 //! the NAT table through the `nft` binary ([`nft`]). See
 //! `docs/network.md`.
 //!
+//! A box run with the packet inspector (`--monitor packets:…`) has its IP
+//! packets sent to an NFQUEUE queue in its own namespace and judged by its
+//! monitor ([`queue`]: the rules through `iptables-nft`, the queue socket
+//! through nfnetlink).
+//!
 //! ```no_run
 //! # fn main() -> nestbox_net::Result<()> {
 //! use nestbox_net::{AttachOptions, Network, NetworkConfig, PortMapping};
@@ -47,6 +52,7 @@ pub mod network;
 pub use network::hosts;
 pub mod nft;
 pub mod port;
+pub mod queue;
 pub mod rate;
 pub mod route;
 mod state;

@@ -255,7 +255,17 @@ impl BoxSpec {
             crate::disk::validate(size)?;
         }
         for m in &self.monitors {
-            nestbox_interpose::MonitorSpec::parse(m).map_err(|e| invalid(e.to_string()))?;
+            let parsed =
+                nestbox_interpose::MonitorSpec::parse(m).map_err(|e| invalid(e.to_string()))?;
+            if parsed.is_packets() && self.network.mode != NetworkMode::Bridge {
+                return Err(invalid(format!(
+                    "--monitor {m}: the packet inspector needs --network bridge (a box with --network {} has no network namespace of its own with a bridge to inspect)",
+                    match self.network.mode {
+                        NetworkMode::Host => "host",
+                        _ => "none",
+                    }
+                )));
+            }
         }
         for kv in &self.env {
             if !kv.contains('=') || kv.starts_with('=') {

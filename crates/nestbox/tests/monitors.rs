@@ -1098,3 +1098,268 @@ fn two_attaches_at_once_one_serves_the_other_is_refused() {
         || servers_of(&root).is_empty(),
     );
 }
+
+/// `nft list ruleset` in the network namespace of box `name`, from the host.
+fn box_ruleset(root: &TestRoot, name: &str) -> String {
+    let pid = root.inspect(name)["state"]["init"]["pid"]
+        .as_i64()
+        .unwrap_or_else(|| panic!("box {name} has an init pid"));
+    let out = std::process::Command::new("nsenter")
+        .args(["-t", &pid.to_string(), "-n", "nft", "list", "ruleset"])
+        .output()
+        .expect("nsenter nft");
+    assert!(out.status.success(), "nft list ruleset in {name}: {out:?}");
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+#[test]
+fn packets_drops_and_logs_by_pattern_between_two_bridged_boxes() {
+    let Some(root) = TestRoot::new("packets_drops_and_logs_by_pattern_between_two_bridged_boxes")
+    else {
+        return;
+    };
+    // The receiver prints every datagram, and every TCP connection's data
+    // once it ends (or after 4 s of silence), in arrival order.
+    let receiver = "import socket, sys, threading\n\
+u = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); u.bind(('0.0.0.0', 9000))\n\
+t = socket.socket(); t.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)\n\
+t.bind(('0.0.0.0', 9001)); t.listen()\n\
+lock = threading.Lock()\n\
+def say(s):\n\
+\x20   with lock: print(s, flush=True)\n\
+def udp():\n\
+\x20   while True: say('udp ' + u.recv(100).decode())\n\
+def conn(c):\n\
+\x20   c.settimeout(4); data = b''\n\
+\x20   try:\n\
+\x20       while True:\n\
+\x20           d = c.recv(100)\n\
+\x20           if not d: break\n\
+\x20           data += d\n\
+\x20   except OSError: pass\n\
+\x20   say('tcp ' + repr(data.decode()))\n\
+def tcp():\n\
+\x20   while True: threading.Thread(target=conn, args=(t.accept()[0],)).start()\n\
+threading.Thread(target=udp).start(); threading.Thread(target=tcp).start()\n\
+say('listening')\n";
+    // The receiver logs what it receives holding HELLO (dir=in).
+    root.ok(&[
+        "run",
+        "-d",
+        "--name",
+        "rx",
+        "--monitor",
+        "packets:log=HELLO,dir=in",
+        "--",
+        "python3",
+        "-c",
+        receiver,
+    ]);
+    // A box without the inspector.
+    root.ok(&["run", "-d", "--name", "plain", "--", "sleep", "600"]);
+    root.wait_logged("rx", "listening", Duration::from_secs(30));
+    let rx = root.inspect("rx")["state"]["network"]["address"]
+        .as_str()
+        .expect("rx has an address")
+        .to_string();
+    // The sender: datagrams, one TCP stream of three writes (the middle one
+    // logged), and a second stream whose only data holds SECRET.
+    let sender = format!(
+        "import socket, time\n\
+u = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)\n\
+for m in ['u1 plain', 'u2 HELLO', 'u3 SECRET', 'u4 plain', 'u5 a SECRET and a HELLO']:\n\
+\x20   u.sendto(m.encode(), ('{rx}', 9000)); time.sleep(0.2)\n\
+c = socket.create_connection(('{rx}', 9001)); c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)\n\
+for m in ['t1 plain;', 't2 HELLO;', 't3 plain;']:\n\
+\x20   c.sendall(m.encode()); time.sleep(0.3)\n\
+c.close()\n\
+s = socket.create_connection(('{rx}', 9001)); s.sendall(b't4 SECRET;'); time.sleep(0.5); s.close()\n\
+u.sendto(b'u6 plain', ('{rx}', 9000))\n\
+print('done', flush=True)\n\
+time.sleep(600)\n"
+    );
+    root.ok(&[
+        "run",
+        "-d",
+        "--name",
+        "tx",
+        "--monitor",
+        "packets:drop=SECRET,log=HELLO",
+        "--",
+        "python3",
+        "-c",
+        &sender,
+    ]);
+    root.wait_logged("tx", "done", Duration::from_secs(30));
+    root.wait_logged("rx", "udp u6 plain", Duration::from_secs(10));
+    // The receiver's TCP connections end (the second by its timeout).
+    root.wait_logged("rx", "tcp ''", Duration::from_secs(15));
+    let got: Vec<String> = root
+        .ok(&["logs", "rx"])
+        .lines()
+        .filter(|l| *l != "listening")
+        .map(String::from)
+        .collect();
+    // Datagrams in order; the streams in the order they ended (the second,
+    // whose data never came, by the receiver's timeout).
+    let of = |kind: &str| -> Vec<&str> {
+        got.iter()
+            .map(String::as_str)
+            .filter(|l| l.starts_with(kind))
+            .collect()
+    };
+    assert_eq!(
+        of("udp "),
+        [
+            "udp u1 plain",
+            "udp u2 HELLO",
+            "udp u4 plain",
+            "udp u6 plain"
+        ],
+        "SECRET never arrives, the rest does, in order: {got:?}"
+    );
+    assert_eq!(
+        of("tcp "),
+        ["tcp 't1 plain;t2 HELLO;t3 plain;'", "tcp ''"],
+        "{got:?}"
+    );
+    assert_eq!(got.len(), 6, "{got:?}");
+    // The log names the HELLO packets (a datagram, a segment) and the drops,
+    // and nothing else.
+    let v = root.inspect("tx");
+    let log = std::fs::read_to_string(v["trace_log"].as_str().expect("tx has a trace log"))
+        .expect("read the trace log");
+    let logged: Vec<&str> = log.lines().filter(|l| l.contains(" packet log ")).collect();
+    let dropped: Vec<&str> = log
+        .lines()
+        .filter(|l| l.contains(" packet drop "))
+        .collect();
+    assert_eq!(
+        logged.len() + dropped.len(),
+        log.lines().count(),
+        "only packet lines: {log}"
+    );
+    assert!(
+        logged
+            .iter()
+            .all(|l| l.contains("dir=out") && l.ends_with("pattern=\"HELLO\"")),
+        "{log}"
+    );
+    assert!(
+        logged.iter().any(|l| l.contains("proto=udp")
+            && l.contains(&format!("dst={rx}:9000"))
+            && l.contains("len=8 ")),
+        "the HELLO datagram is logged: {log}"
+    );
+    assert!(
+        logged.iter().any(|l| l.contains("proto=tcp")
+            && l.contains(&format!("dst={rx}:9001"))
+            && l.contains("len=9 ")),
+        "the HELLO segment is logged: {log}"
+    );
+    assert_eq!(
+        logged.len(),
+        2,
+        "one line per HELLO packet (u5 holds SECRET too: dropped, not logged): {log}"
+    );
+    assert!(
+        dropped.len() >= 3 && dropped.iter().all(|l| l.ends_with("pattern=\"SECRET\"")),
+        "u3, u5 and the SECRET segment (and its retransmissions) are dropped: {log}"
+    );
+    // The receiver (dir=in) logged the two HELLO packets as it got them.
+    let rx_log = std::fs::read_to_string(
+        root.inspect("rx")["trace_log"]
+            .as_str()
+            .expect("rx has a trace log"),
+    )
+    .expect("read rx's trace log");
+    let rx_lines: Vec<&str> = rx_log.lines().collect();
+    assert_eq!(rx_lines.len(), 2, "{rx_log}");
+    assert!(
+        rx_lines.iter().all(|l| l.contains(" packet log dir=in ")
+            && l.contains(&format!("dst={rx}:"))
+            && l.ends_with("pattern=\"HELLO\"")),
+        "{rx_log}"
+    );
+    // The queue rules are where they were asked for: both ways in the
+    // sender's namespace (the default), inbound in the receiver's, none in
+    // the plain box.
+    let tx_rules = box_ruleset(&root, "tx");
+    assert!(
+        tx_rules.contains("chain OUTPUT")
+            && tx_rules.contains("chain INPUT")
+            && tx_rules.contains("oifname != \"lo\" counter")
+            && tx_rules.contains("queue num 0"),
+        "{tx_rules}"
+    );
+    assert!(!tx_rules.contains("bypass"), "fail closed: {tx_rules}");
+    let rx_rules = box_ruleset(&root, "rx");
+    assert!(
+        rx_rules.contains("chain INPUT") && !rx_rules.contains("chain OUTPUT"),
+        "{rx_rules}"
+    );
+    let plain_rules = box_ruleset(&root, "plain");
+    assert!(!plain_rules.contains("queue"), "{plain_rules}");
+    // rm -f ends the monitor process (and its queue thread with it); the
+    // rules go with the namespace.
+    let monitors =
+        [&v, &root.inspect("rx")].map(|b| b["state"]["monitor"]["pid"].as_i64().unwrap() as i32);
+    root.rm_all(["tx", "rx", "plain"]);
+    assert!(
+        wait_until(Duration::from_secs(10), || !monitors
+            .iter()
+            .any(|m| pid_alive(*m))),
+        "the boxes' monitors (the queues' readers) are gone"
+    );
+    assert!(root.names().is_empty());
+}
+
+#[test]
+fn packets_refusals_fail_in_one_line_and_leave_nothing() {
+    let Some(root) = TestRoot::new("packets_refusals_fail_in_one_line_and_leave_nothing") else {
+        return;
+    };
+    for (opts, message) in [
+        (
+            &["--network", "none", "--monitor", "packets:drop=SECRET"][..],
+            "--monitor packets:drop=SECRET: the packet inspector needs --network bridge",
+        ),
+        (
+            &["--network", "host", "--monitor", "packets:log=x"][..],
+            "--monitor packets:log=x: the packet inspector needs --network bridge",
+        ),
+        (
+            &["--monitor", "packets:hex=zz"][..],
+            "--monitor packets:hex=zz: \"zz\" is not an even number of hex digits",
+        ),
+        (
+            &["--monitor", "packets:drop="][..],
+            "an empty pattern matches everything",
+        ),
+        (&["--monitor", "packets:dir=out"][..], "expected drop=TEXT"),
+    ] {
+        let mut args = vec!["run", "--rm"];
+        args.extend_from_slice(opts);
+        args.extend_from_slice(&["--", "true"]);
+        assert_error(&root.run(&args), 125, message);
+    }
+    assert!(root.names().is_empty(), "no box is left");
+    // Attaching it to a running box is refused too.
+    root.ok(&[
+        "run",
+        "-d",
+        "--name",
+        "p",
+        "--network",
+        "none",
+        "--",
+        "sleep",
+        "60",
+    ]);
+    assert_error(
+        &root.run(&["monitor", "attach", "p", "--monitor", "packets:drop=x"]),
+        125,
+        "the packet inspector is given to nestbox run only",
+    );
+    root.rm_all(["p"]);
+}

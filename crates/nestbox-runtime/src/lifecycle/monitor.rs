@@ -308,13 +308,23 @@ fn start_inner(
 
     // Monitors (`--monitor`): made now, so that a socket monitor not
     // listening or a trace log that cannot be written fails the start.
+    // The packet inspector (`packets:`) subscribes to no call: it is set up
+    // with the box's network below.
+    let (packets, call_monitors) = nestbox_interpose::split_packets(&spec.monitors);
+    let packets = match &packets {
+        Some(p) => Some((
+            p.clone(),
+            nestbox_interpose::packets::Inspector::open(p, &trace_log(record))
+                .map_err(|e| RuntimeError::InvalidInput(e.to_string()))?,
+        )),
+        None => None,
+    };
     let interpose = match plan.command.as_mut() {
-        Some(command) if !spec.monitors.is_empty() => {
-            let stack = nestbox_interpose::Stack::open(&spec.monitors, &trace_log(record))
+        Some(command) if !call_monitors.is_empty() => {
+            let stack = nestbox_interpose::Stack::open(&call_monitors, &trace_log(record))
                 .map_err(|e| RuntimeError::InvalidInput(e.to_string()))?;
             let cookie = new_setns_cookie()?;
-            let specs: Vec<nestbox_interpose::MonitorSpec> = spec
-                .monitors
+            let specs: Vec<nestbox_interpose::MonitorSpec> = call_monitors
                 .iter()
                 .map(|m| nestbox_interpose::MonitorSpec::parse(m))
                 .collect::<std::result::Result<_, _>>()
@@ -455,6 +465,10 @@ fn start_inner(
         (None, None) => None,
     };
     crate::phases::mark("monitor: network attached");
+    if let Some((p, inspector)) = packets {
+        crate::network::packets::start(child, &p, inspector).map_err(abandon)?;
+        crate::phases::mark("monitor: packet inspector bound");
+    }
     let pidfd = crate::process::pidfd_open(child.as_raw()).map_err(abandon)?;
     // Holding it is an optimisation only: if it cannot be opened, init's exit
     // tears the namespace down as it would anyway.

@@ -484,7 +484,7 @@ pub fn inspect_with(reg: &Registry, rel: &dyn Relations, name: &str) -> Result<s
             .spec
             .monitors
             .iter()
-            .any(|m| m.starts_with("trace:"))
+            .any(|m| m.starts_with("trace:") || m.starts_with("packets:"))
             .then(|| crate::monitor::trace_log(&record)),
         "memory_sharing": rel.inspect_extra(reg, &record),
     }))

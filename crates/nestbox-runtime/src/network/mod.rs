@@ -13,6 +13,7 @@
 //! This layer imports only the records (spec, paths, registry, process): the
 //! life of a box and the templates build on it.
 
+pub mod packets;
 pub mod pool;
 
 use std::os::fd::AsFd;

@@ -122,6 +122,12 @@ fn parse_specs(specs: &[String]) -> Result<Vec<u32>> {
         .map(|m| nestbox_interpose::MonitorSpec::parse(m))
         .collect::<std::result::Result<_, _>>()
         .map_err(|e| RuntimeError::InvalidInput(e.to_string()))?;
+    if let Some(i) = parsed.iter().position(|m| m.is_packets()) {
+        return Err(RuntimeError::InvalidInput(format!(
+            "monitor attach --monitor {}: the packet inspector is given to nestbox run only (its queue rules go in when the box's network is made)",
+            specs[i]
+        )));
+    }
     Ok(nestbox_interpose::subscribed(&parsed))
 }
 
