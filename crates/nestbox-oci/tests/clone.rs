@@ -380,10 +380,16 @@ fn checkpoint_and_restore_through_the_oci_command_line() {
     let img2 = env.tmp().join("img2");
     env.runc(&["checkpoint", "--image-path", img2.to_str().unwrap(), "c1"])
         .ok();
-    let saved = read_count(process);
     assert_eq!(reap(monitor), 128 + libc::SIGKILL);
     env.runc(&["state", "c1"]).fails_with("does not exist");
-    let saved = saved.unwrap_or(0);
+    // The count saved is the one in the image's copy of the container's
+    // writable layer (the process, killed once saved, is gone).
+    let saved: u64 = std::fs::read_to_string(img2.join("layer-0").join("count"))
+        .expect("the count file in the image's writable layer")
+        .trim()
+        .parse()
+        .unwrap();
+    assert!(saved >= n + 3, "saved {saved}, counted {n} before");
 
     // Restored (detached) under a new id: running, counting on from the
     // checkpoint's number.

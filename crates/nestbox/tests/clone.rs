@@ -1064,3 +1064,62 @@ fn a_line_of_clones_of_clones_ends_at_the_kernels_pid_namespace_depth() {
         box_names(&root).is_empty()
     });
 }
+
+/// Each clone's fork leaves intermediate processes to its template's init,
+/// one of them with a pid in the clone's pid namespace. The init reaps them
+/// before the template is frozen again: a zombie left there would keep the
+/// clone's pid namespace alive, and the clone could not end (`rm -f` would
+/// wait for it) until the template ran again.
+#[test]
+fn a_clone_leaves_no_unreaped_process_to_its_frozen_template() {
+    let Some(root) = TestRoot::new("a_clone_leaves_no_unreaped_process_to_its_frozen_template")
+    else {
+        return;
+    };
+    frozen_server(&root, "tpl", 1);
+    let init = root.inspect("tpl")["state"]["init"]["pid"]
+        .as_i64()
+        .expect("the template's init pid");
+    let zombies = || -> Vec<String> {
+        std::fs::read_to_string(format!("/proc/{init}/task/{init}/children"))
+            .unwrap_or_default()
+            .split_whitespace()
+            .filter_map(|p| {
+                let stat = std::fs::read_to_string(format!("/proc/{p}/stat")).ok()?;
+                let state = &stat[stat.rfind(')')? + 2..];
+                state.starts_with('Z').then(|| stat.trim().to_string())
+            })
+            .collect()
+    };
+    // Busy threads on every CPU: the template's init competes for one while
+    // the clone is made (the window in which it must reap).
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let cpus = std::thread::available_parallelism().map_or(2, |n| n.get());
+    let spinners: Vec<_> = (0..cpus + 1)
+        .map(|_| {
+            let stop = stop.clone();
+            std::thread::spawn(move || {
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    std::hint::spin_loop();
+                }
+            })
+        })
+        .collect();
+    for i in 0..20 {
+        let name = format!("c{i}");
+        root.ok(&["clone", "tpl", "-d", "--name", &name]);
+        assert_eq!(
+            zombies(),
+            Vec::<String>::new(),
+            "unreaped children of the frozen template's init after clone {name}"
+        );
+        // The clone ends at once while its template stays frozen.
+        root.ok(&["rm", "-f", &name]);
+        assert_eq!(box_names(&root), vec!["tpl".to_string()]);
+    }
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    for s in spinners {
+        s.join().unwrap();
+    }
+    root.ok(&["rm", "-f", "tpl"]);
+}

@@ -28,6 +28,8 @@ use crate::{Result, RuntimeError};
 
 /// How long the template's freezer may take to thaw or freeze again.
 const FREEZER_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long the template's init may take to reap what the forks left it.
+const INTERMEDIATES_REAPED_TIMEOUT: Duration = Duration::from_secs(2);
 /// Processes each clone adds (monitor, init, the clone's process).
 const PIDS_PER_CLONE: u64 = 3;
 /// Memory each clone adds before it writes (monitor, init, page tables, layer), a
@@ -517,6 +519,11 @@ fn fork_into_shells(
         }
         Ok(out)
     });
+    if forked.is_ok() {
+        if let Some(init) = t.state.init {
+            wait_reaped_by(init.pid, INTERMEDIATES_REAPED_TIMEOUT);
+        }
+    }
     let refrozen = cgroup.set_frozen(true, FREEZER_TIMEOUT);
     let mut detached = Ok(());
     for tracee in tracees {
@@ -556,6 +563,46 @@ fn fork_into_shells(
         })?;
     }
     Ok(forked)
+}
+
+/// Wait until process `init` (a template's init) has no child left that
+/// has exited and is not reaped, for `limit` at most (then warn and go on).
+///
+/// Each remote fork leaves its intermediate processes (C1, G1: see
+/// `nestbox_remote`'s fork) to the template's init, which reaps them. G1 has
+/// a pid in the clone's pid namespace: left a zombie when the template is
+/// frozen again, it would keep that namespace alive, and the clone's end
+/// (its init waits for every pid of its namespace to be freed) would wait
+/// until the template thawed.
+fn wait_reaped_by(init: i32, limit: Duration) {
+    let zombies = || -> Vec<i32> {
+        std::fs::read_to_string(format!("/proc/{init}/task/{init}/children"))
+            .unwrap_or_default()
+            .split_whitespace()
+            .filter_map(|p| p.parse::<i32>().ok())
+            .filter(|p| {
+                let stat = std::fs::read_to_string(format!("/proc/{p}/stat")).unwrap_or_default();
+                stat.rfind(')')
+                    .and_then(|i| stat.get(i + 2..i + 3))
+                    .is_some_and(|state| state == "Z")
+            })
+            .collect()
+    };
+    let deadline = std::time::Instant::now() + limit;
+    loop {
+        let left = zombies();
+        if left.is_empty() {
+            return;
+        }
+        if std::time::Instant::now() >= deadline {
+            tracing::warn!(
+                "the template's init (pid {init}) has not reaped the clone's intermediate processes {left:?}: \
+                 the clone's end will wait for the template to run again"
+            );
+            return;
+        }
+        std::thread::sleep(Duration::from_micros(200));
+    }
 }
 
 /// Copy a pooled clone's recorded working set once it has stopped (best
