@@ -61,5 +61,5 @@ pub use templates::{
 /// aware of templates and clones ([`templates::ops`]).
 pub mod ops {
     pub use crate::lifecycle::ops::*;
-    pub use crate::templates::ops::{inspect, remove, stop};
+    pub use crate::templates::ops::{inspect, remove, remove_many, stop};
 }

@@ -761,11 +761,12 @@ pub fn dispatch(cli: Cli) -> Result<i32> {
         }
         Command::Rm { force, names } => {
             let mut failed = None;
-            for name in names {
-                if let Err(e) = ops::remove(&reg, &name, force) {
-                    eprintln!("nestbox: error: {e}");
-                    failed = Some(e.exit_code());
-                }
+            for e in ops::remove_many(&reg, &names, force)
+                .into_iter()
+                .filter_map(|r| r.err())
+            {
+                eprintln!("nestbox: error: {e}");
+                failed = Some(e.exit_code());
             }
             Ok(failed.unwrap_or(0))
         }

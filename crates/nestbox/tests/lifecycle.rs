@@ -461,6 +461,65 @@ fn rm_force_removes_a_running_box_with_its_processes_and_cgroups() {
     });
 }
 
+/// `rm -f` of several running boxes kills them all first, then removes each:
+/// every box goes with its processes, cgroups and veth, and a name that is
+/// not a box is reported (exit code, one line naming it) without stopping
+/// the removal of the others.
+#[test]
+fn rm_force_of_several_boxes_removes_each_and_reports_a_missing_one() {
+    let Some(root) =
+        TestRoot::new("rm_force_of_several_boxes_removes_each_and_reports_a_missing_one")
+    else {
+        return;
+    };
+    let names = ["lc-many-1", "lc-many-2", "lc-many-3"];
+    let mut inits = Vec::new();
+    let mut cgroups = Vec::new();
+    let mut veths = Vec::new();
+    for name in names {
+        root.detached_sh(name, &[], "sleep 60");
+        let v = root.inspect(name);
+        inits.push(v["state"]["init_pid"].as_i64().unwrap() as i32);
+        cgroups.extend(cgroup_paths(&v).into_values());
+        veths.push(
+            v["state"]["network"]["host_veth"]
+                .as_str()
+                .unwrap()
+                .to_string(),
+        );
+    }
+    assert!(veths
+        .iter()
+        .all(|v| std::path::Path::new("/sys/class/net").join(v).exists()));
+    let out = root.run(&["rm", "-f", names[0], "lc-many-nope", names[1], names[2]]);
+    assert_error(&out, 125, "lc-many-nope");
+    assert_eq!(
+        out.stderr.lines().count(),
+        1,
+        "one line, for the missing name: {}",
+        out.stderr
+    );
+    root.assert_no_boxes();
+    for dir in &cgroups {
+        assert!(
+            !dir.exists(),
+            "cgroup {} is left after rm -f",
+            dir.display()
+        );
+    }
+    for veth in &veths {
+        assert!(
+            !std::path::Path::new("/sys/class/net").join(veth).exists(),
+            "veth {veth} is left after rm -f"
+        );
+    }
+    wait_for(
+        "the boxes' inits to be gone",
+        Duration::from_secs(5),
+        || inits.iter().all(|p| !pid_alive(*p)),
+    );
+}
+
 #[test]
 fn rm_option_removes_the_box_when_it_exits() {
     let Some(root) = TestRoot::new("rm_option_removes_the_box_when_it_exits") else {

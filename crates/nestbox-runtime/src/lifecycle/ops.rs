@@ -326,13 +326,56 @@ pub fn remove_with(reg: &Registry, rel: &dyn Relations, name: &str, force: bool)
 }
 
 fn remove_inner(reg: &Registry, rel: &dyn Relations, name: &str, force: bool) -> Result<()> {
+    match begin_removal(reg, rel, name, force)? {
+        Removal::Done => Ok(()),
+        Removal::Ending => finish_removal(reg, rel, name),
+    }
+}
+
+/// Remove boxes `names`, each as [`remove_with`] removes it, but the running
+/// ones (with `force`) are all killed first and then removed one by one:
+/// their ends (each monitor recording its box's end, the kernel tearing down
+/// each box's namespaces and veth pair) overlap instead of following one
+/// another. One result per name, in order; a failure leaves the other names
+/// to be removed.
+pub fn remove_many_with(
+    reg: &Registry,
+    rel: &dyn Relations,
+    names: &[String],
+    force: bool,
+) -> Vec<Result<()>> {
+    let begun: Vec<Result<Removal>> = names
+        .iter()
+        .map(|name| begin_removal(reg, rel, name, force).map_err(|e| e.in_box(name)))
+        .collect();
+    names
+        .iter()
+        .zip(begun)
+        .map(|(name, begun)| match begun? {
+            Removal::Done => Ok(()),
+            Removal::Ending => finish_removal(reg, rel, name).map_err(|e| e.in_box(name)),
+        })
+        .collect()
+}
+
+/// Where a removal stands after its first step.
+enum Removal {
+    /// Removed already (a template, removed by its relations).
+    Done,
+    /// Its processes are killed (or were gone): [`finish_removal`] is left.
+    Ending,
+}
+
+/// The first step of a removal: refuse a running box without `force`, thaw a
+/// frozen one, and kill the box's init.
+fn begin_removal(reg: &Registry, rel: &dyn Relations, name: &str, force: bool) -> Result<Removal> {
     let record = reg.load(name)?;
     if record.state.effective_status() == Status::Frozen {
         if !force {
             return Err(RuntimeError::StillRunning(name.to_string()));
         }
         if let Some(done) = rel.remove_frozen(reg, &record) {
-            return done;
+            return done.map(|()| Removal::Done);
         }
         if let Some(cg) = &record.state.cgroup {
             let thawed = cg.set_frozen(false, Duration::from_secs(5));
@@ -349,6 +392,13 @@ fn remove_inner(reg: &Registry, rel: &dyn Relations, name: &str, force: bool) ->
     } else if record.state.effective_status() == Status::Creating && !force {
         return Err(RuntimeError::StillRunning(name.to_string()));
     }
+    Ok(Removal::Ending)
+}
+
+/// The rest of a removal once the box's init is killed: wait for its
+/// monitor, then remove its cgroup, network lease and record.
+fn finish_removal(reg: &Registry, rel: &dyn Relations, name: &str) -> Result<()> {
+    let record = reg.load(name)?;
     settle(reg, &record)?;
     let record = reg.load(name)?;
     if let Some(cg) = &record.state.cgroup {

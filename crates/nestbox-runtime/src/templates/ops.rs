@@ -50,6 +50,12 @@ pub fn remove(reg: &Registry, name: &str, force: bool) -> Result<()> {
     plain::remove_with(reg, &TemplateRelations, name, force)
 }
 
+/// Remove boxes (see [`plain::remove_many_with`]): the running ones are
+/// killed together first. One result per name.
+pub fn remove_many(reg: &Registry, names: &[String], force: bool) -> Vec<Result<()>> {
+    plain::remove_many_with(reg, &TemplateRelations, names, force)
+}
+
 /// Everything known about a box, as JSON (see [`plain::inspect`]).
 pub fn inspect(reg: &Registry, name: &str) -> Result<serde_json::Value> {
     let mut v = plain::inspect_with(reg, &TemplateRelations, name)?;
