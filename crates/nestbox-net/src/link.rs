@@ -164,6 +164,27 @@ pub fn create_veth(
     must_index(nl, host)
 }
 
+/// Turn IPv6 off on interface `name` of this process's network namespace
+/// (`net.ipv6.conf.NAME.disable_ipv6`, a file write: netlink cannot set it).
+/// A box's host veth is a bridge port of an IPv4 network and needs no IPv6:
+/// without this each one gets a link-local address and two routes in the
+/// host's IPv6 table, which the kernel walks on every link change (the cost
+/// of each box start and removal then grows with the number of boxes). A
+/// kernel without IPv6 has nothing to turn off.
+pub fn disable_ipv6(name: &str) -> Result<()> {
+    let path = format!("/proc/sys/net/ipv6/conf/{name}/disable_ipv6");
+    match std::fs::write(&path, b"1") {
+        Ok(()) => Ok(()),
+        Err(e)
+            if e.kind() == std::io::ErrorKind::NotFound
+                && !std::path::Path::new("/proc/sys/net/ipv6").exists() =>
+        {
+            Ok(())
+        }
+        Err(e) => Err(crate::error::NetError::io("write", path, e)),
+    }
+}
+
 /// Delete interface `name`; `Ok(false)` if there was none.
 pub fn delete(nl: &mut Netlink, name: &str) -> Result<bool> {
     match nl.request(RouteNetlinkMessage::DelLink(by_name(name)), 0, &|| {

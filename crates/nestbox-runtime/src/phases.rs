@@ -1,7 +1,7 @@
 //! Where the time of a box start goes: timestamps of the start path's phases,
 //! taken only when `NESTBOX_PHASES` is set (measurement, not a feature).
 //!
-//! `NESTBOX_PHASES=1 nestbox run --rm -- /bin/true` prints, once the run is
+//! `NESTBOX_PHASES=1 nestbox run --rm -- /bin/true` (or `nestbox clone`) prints, once the run is
 //! over, one line per phase on stderr: the process that reached it (the CLI
 //! or monitor, the box's first process, the command before its `execve`), its
 //! name, the time since the first mark and since the previous one, in ms.

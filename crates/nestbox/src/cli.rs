@@ -1351,6 +1351,8 @@ fn clone(reg: &Registry, a: CloneArgs) -> Result<i32> {
         },
     };
     let made = nestbox_runtime::clone::clone_template(reg, &a.template, &req)?;
+    nestbox_runtime::phases::mark("cli: clone made");
+    nestbox_runtime::phases::report();
     if a.detach || made.len() != 1 {
         for c in &made {
             println!("{}", c.name);

@@ -136,6 +136,15 @@ fn rm_leaves_no_veth_address_or_rule() {
     let veth = host_veth(&root, "gone");
     let addr = address(&root, "gone");
     assert!(std::path::Path::new("/sys/class/net").join(&veth).exists());
+    // The host's end is a bridge port of an IPv4 network: no IPv6 address
+    // (nor the routes that come with one) in the host's tables.
+    let inet6 = std::fs::read_to_string("/proc/net/if_inet6").unwrap_or_default();
+    assert!(
+        !inet6
+            .lines()
+            .any(|l| l.split_whitespace().last() == Some(veth.as_str())),
+        "{veth} has an IPv6 address:\n{inet6}"
+    );
     root.ok(&["rm", "-f", "gone"]);
     assert!(
         !std::path::Path::new("/sys/class/net").join(&veth).exists(),

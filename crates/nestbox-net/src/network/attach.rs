@@ -240,6 +240,9 @@ impl Network {
         link::delete(nl, veth)?;
         let vidx = link::create_veth(nl, veth, Some(bridge), BOX_IFNAME, netns)?;
         made.veth = Some(veth.to_string());
+        // Before the box's end is up (the pair has no carrier until then, so
+        // no link-local address has been made yet).
+        link::disable_ipv6(veth)?;
 
         let (address, prefix, gateway) = (lease.address, lease.prefix, lease.gateway);
         let box_mac = netns::run_in(netns, || {
