@@ -95,6 +95,36 @@ fn start_detached(reg: &Registry, record: BoxRecord, again: bool) -> Result<()> 
 }
 
 fn start_detached_as(reg: &Registry, record: BoxRecord, kind: Start) -> Result<()> {
+    spawn_monitor(reg, record, kind)?.wait(reg)
+}
+
+/// A box whose detached monitor is starting it: [`PendingStart::wait`] tells
+/// whether it runs.
+pub(crate) struct PendingStart {
+    record: BoxRecord,
+    ready: OwnedFd,
+}
+
+impl PendingStart {
+    /// Wait for the monitor's word: the box runs, or its start failed (what
+    /// the monitor left is cleaned up then, as [`run_detached`] does).
+    pub(crate) fn wait(self, reg: &Registry) -> Result<()> {
+        wait_ready(reg, &self.record, self.ready)
+    }
+}
+
+/// [`run_detached`] in two steps, for a box no shell of the pool can serve (a
+/// clone's shell): its record is made and its monitor started, and this
+/// returns at once; the caller waits for the start later, so that several
+/// boxes start at the same time.
+pub(crate) fn begin_detached(reg: &Registry, spec: &BoxSpec) -> Result<PendingStart> {
+    spec.validate().map_err(|e| e.in_box(&spec.name))?;
+    let record = reg.create(spec).map_err(|e| e.in_box(&spec.name))?;
+    spawn_monitor(reg, record, Start::First).map_err(|e| e.in_box(&spec.name))
+}
+
+/// Fork the detached monitor of `record`, which starts it as `kind` says.
+fn spawn_monitor(reg: &Registry, record: BoxRecord, kind: Start) -> Result<PendingStart> {
     let (ready_r, ready_w) = pipe2(OFlag::O_CLOEXEC).map_err(RuntimeError::sys("pipe2"))?;
     // SAFETY: the CLI is single-threaded, so the child may run arbitrary code.
     match unsafe { fork() } {
@@ -146,7 +176,10 @@ fn start_detached_as(reg: &Registry, record: BoxRecord, kind: Start) -> Result<(
         }
         Ok(ForkResult::Parent { .. }) => {
             drop(ready_w);
-            wait_ready(reg, &record, ready_r)
+            Ok(PendingStart {
+                record,
+                ready: ready_r,
+            })
         }
     }
 }

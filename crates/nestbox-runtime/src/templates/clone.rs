@@ -28,6 +28,9 @@ use crate::{Result, RuntimeError};
 
 /// How long the template's freezer may take to thaw or freeze again.
 const FREEZER_TIMEOUT: Duration = Duration::from_secs(5);
+/// How many clone shells start at the same time (each is started by a
+/// monitor process of its own).
+const SHELLS_AT_ONCE: usize = 3;
 /// How long the template's init may take to reap what the forks left it.
 const INTERMEDIATES_REAPED_TIMEOUT: Duration = Duration::from_secs(2);
 /// Processes each clone adds (monitor, init, the clone's process).
@@ -446,13 +449,42 @@ fn start_shells(
     req: &CloneRequest,
     made: &mut Vec<String>,
 ) -> Result<()> {
+    // Up to SHELLS_AT_ONCE shells start at the same time (each is its own
+    // monitor process): their starts overlap on the host's CPUs. The first
+    // failure stops new starts; those under way are waited for (the caller
+    // removes every shell of `made`).
+    let mut starting: std::collections::VecDeque<(crate::lifecycle::ops::PendingStart, String)> =
+        std::collections::VecDeque::new();
+    let mut failed = None;
+    let wait = |p: crate::lifecycle::ops::PendingStart, name: &str| {
+        p.wait(reg).map_err(|e| e.in_box(name))
+    };
     for name in names {
+        if starting.len() >= SHELLS_AT_ONCE {
+            if let Some((p, n)) = starting.pop_front() {
+                if let Err(e) = wait(p, &n) {
+                    failed = Some(e);
+                    break;
+                }
+            }
+        }
         let spec = clone_spec(t, name, req);
         // Recorded first, so a shell whose start fails midway is removed too.
         made.push(name.clone());
-        crate::lifecycle::ops::run_detached(reg, &spec)?;
+        match crate::lifecycle::ops::begin_detached(reg, &spec) {
+            Ok(p) => starting.push_back((p, name.clone())),
+            Err(e) => {
+                failed = Some(e);
+                break;
+            }
+        }
     }
-    Ok(())
+    for (p, n) in starting {
+        if let Err(e) = wait(p, &n) {
+            failed.get_or_insert(e);
+        }
+    }
+    failed.map_or(Ok(()), Err)
 }
 
 /// Stop the template's process, fork one clone into each shell, let it go again.
