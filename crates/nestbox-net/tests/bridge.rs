@@ -195,7 +195,7 @@ fn published_port_reaches_the_box() {
     let (ns_a, ns_b) = (new_ns(), new_ns());
     let a = net.allocate("box-a", &["a"]).unwrap();
     let b = net.allocate("box-b", &["b"]).unwrap();
-    let host_port = 20000 + (std::process::id() % 20000) as u16;
+    let host_port = nestbox_testkit::unused_port(20000, 500);
     let opts = AttachOptions {
         publish: vec![PortMapping::parse(&format!("{host_port}:80/tcp")).unwrap()],
         ..Default::default()
@@ -267,7 +267,7 @@ fn detach_leaves_no_veth_address_rule_or_class() {
     let net = t.net();
     let ns = new_ns();
     let a = net.allocate("box-a", &["a"]).unwrap();
-    let host_port = 20000 + (std::process::id() % 20000) as u16 + 1;
+    let host_port = nestbox_testkit::unused_port(20500, 500);
     let opts = AttachOptions {
         publish: vec![PortMapping::parse(&format!("{host_port}:80/udp")).unwrap()],
         rate: Some(parse_rate("100mbit").unwrap()),
@@ -318,7 +318,7 @@ fn gc_removes_dead_boxes_and_orphans() {
     let b = net.allocate("box-b", &["b"]).unwrap();
     net.attach(&a, ns_a.as_fd(), &AttachOptions::default())
         .unwrap();
-    let hp = 20000 + (std::process::id() % 20000) as u16 + 2;
+    let hp = nestbox_testkit::unused_port(21000, 500);
     let opts = AttachOptions {
         publish: vec![PortMapping::parse(&format!("{hp}:1")).unwrap()],
         ..Default::default()
@@ -705,7 +705,7 @@ fn boxes_of_different_networks_reach_each_other_only_through_published_ports() {
         .attach(&a, ns_a.as_fd(), &AttachOptions::default())
         .unwrap();
     let b = t2.net().allocate("box-b", &[]).unwrap();
-    let host_port = 20000 + (std::process::id() % 20000) as u16 + 7;
+    let host_port = nestbox_testkit::unused_port(21500, 500);
     let opts = AttachOptions {
         publish: vec![PortMapping::parse(&format!("{host_port}:7200/tcp")).unwrap()],
         ..Default::default()
@@ -746,7 +746,7 @@ fn on_an_isolated_network_boxes_reach_only_the_gateway_and_published_ports() {
     let t = TestNet::with(30, "10.231.30.0/24", |c| c.isolated = true);
     let net = t.net();
     let (ns_a, ns_b, ns_c) = (new_ns(), new_ns(), new_ns());
-    let host_port = 20000 + (std::process::id() % 20000) as u16 + 9;
+    let host_port = nestbox_testkit::unused_port(22000, 500);
     let a = net.allocate("box-a", &[]).unwrap();
     net.attach(
         &a,

@@ -80,6 +80,37 @@ pub fn run_root_cases(cases: &[(&'static str, fn())]) -> ! {
     libtest_mimic::run(&args, trials).exit()
 }
 
+/// A port of the host that no TCP or UDP socket holds now, from
+/// `lo..lo + span` (starting at an offset given by this test process's pid),
+/// below the kernel's ephemeral range: a port in that range may be taken at
+/// any moment as the local port of a connection (another test's), and
+/// publishing it then fails with "already in use". Callers give each test a
+/// range of its own.
+pub fn unused_port(lo: u16, span: u16) -> u16 {
+    let ephemeral_lo: u32 = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|r| r.split_whitespace().next()?.parse().ok())
+        .unwrap_or(32768);
+    assert!(
+        u32::from(lo) + u32::from(span) <= ephemeral_lo,
+        "ports {lo}..{} reach into the ephemeral range (from {ephemeral_lo})",
+        u32::from(lo) + u32::from(span)
+    );
+    let start = (std::process::id() % u32::from(span)) as u16;
+    (0..span)
+        .map(|i| lo + (start + i) % span)
+        .find(|p| {
+            std::net::TcpListener::bind(("0.0.0.0", *p)).is_ok()
+                && std::net::UdpSocket::bind(("0.0.0.0", *p)).is_ok()
+        })
+        .unwrap_or_else(|| {
+            panic!(
+                "no unused port in {lo}..{}",
+                u32::from(lo) + u32::from(span)
+            )
+        })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

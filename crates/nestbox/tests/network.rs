@@ -94,7 +94,7 @@ fn published_port_reaches_the_box() {
     let Some(root) = TestRoot::new("published_port_reaches_the_box") else {
         return;
     };
-    let port = 20000 + (std::process::id() % 20000) as u16;
+    let port = nestbox_testkit::unused_port(20000, 1000);
     let publish = format!("{port}:7001");
     server(&root, "pub", &["-p", &publish], 7001);
     assert_eq!(host_connect("127.0.0.1", port), "hello from pub");
@@ -117,7 +117,7 @@ fn rm_leaves_no_veth_address_or_rule() {
     // The network's classes are counted below: no box shells (which hold
     // classes of their own) in this root.
     root.run(&["pool", "size", "0"]).ok();
-    let port = 40000 + (std::process::id() % 20000) as u16;
+    let port = nestbox_testkit::unused_port(21000, 1000);
     let publish = format!("{port}:80");
     root.run(&[
         "run",
@@ -602,9 +602,9 @@ fn the_host_is_not_a_destination_unless_a_port_is_allowed() {
     let Some(root) = TestRoot::new("the_host_is_not_a_destination_unless_a_port_is_allowed") else {
         return;
     };
-    let tcp_port = 31000 + (std::process::id() % 2000) as u16;
-    let udp_port = tcp_port + 2000;
-    let pub_port = tcp_port + 4000;
+    let tcp_port = nestbox_testkit::unused_port(22000, 1000);
+    let udp_port = nestbox_testkit::unused_port(23000, 1000);
+    let pub_port = nestbox_testkit::unused_port(24000, 1000);
     let allow_tcp = tcp_port.to_string();
     let allow_udp = format!("{udp_port}/udp");
     let publish = format!("{pub_port}:7005");
@@ -1006,7 +1006,7 @@ fn isolated_policy_keeps_boxes_apart() {
         root.ok(&["network", "policy", "isolated"]).trim(),
         "policy isolated"
     );
-    let port = 36000 + (std::process::id() % 2000) as u16;
+    let port = nestbox_testkit::unused_port(25000, 1000);
     let publish = format!("{port}:7010");
     server(&root, "b", &["-p", &publish], 7010);
     server(&root, "a", &[], 7011);
@@ -1140,7 +1140,7 @@ fn user_defined_networks_keep_their_boxes_apart_and_leave_nothing() {
     assert_eq!(host_connect(&b1, 7022), "hello from b1");
 
     // Isolated: only the gateway, and what is published there.
-    let port = 38000 + (std::process::id() % 2000) as u16;
+    let port = nestbox_testkit::unused_port(26000, 1000);
     let publish = format!("{port}:7024");
     server(&root, "j1", &["--network", "jail", "-p", &publish], 7024);
     server(&root, "j2", &["--network", "jail"], 7025);

@@ -69,11 +69,6 @@ impl Drop for ServiceGuard<'_> {
     }
 }
 
-fn free_port() -> u16 {
-    let l = std::net::TcpListener::bind("0.0.0.0:0").unwrap();
-    l.local_addr().unwrap().port()
-}
-
 fn service_json(root: &TestRoot, name: &str) -> serde_json::Value {
     serde_json::from_str(&root.ok(&["service", "inspect", name])).unwrap()
 }
@@ -110,7 +105,7 @@ fn serial_service_rejuvenates_replicas_without_failing_a_request() {
     .ok();
     root.wait_log("svc-t", "ready", START);
     root.ok(&["freeze", "svc-t", "--as", "svc"]);
-    let port = free_port();
+    let port = nestbox_testkit::unused_port(27000, 1000);
     let publish = format!("{port}:8080");
     let out = root
         .run_timeout(
@@ -242,7 +237,7 @@ fn service_bad_input_fails_clearly_and_leaves_nothing() {
     let Some(root) = TestRoot::new("service_bad_input_fails_clearly_and_leaves_nothing") else {
         return;
     };
-    let port = free_port().to_string();
+    let port = nestbox_testkit::unused_port(28000, 1000).to_string();
     let publish = format!("{port}:8080");
     let out = root.run(&[
         "service",
@@ -307,7 +302,7 @@ fn gc_restarts_a_service_whose_supervisor_was_killed() {
     .ok();
     root.wait_log("svc2-t", "ready", START);
     root.ok(&["freeze", "svc2-t", "--as", "svc2"]);
-    let port = free_port();
+    let port = nestbox_testkit::unused_port(29000, 1000);
     let publish = format!("{port}:8080");
     root.run_timeout(
         &[
