@@ -442,6 +442,34 @@ fn clones_of_clones() {
     let (_, host, _) = get(&root, "grandchild-2", "/");
     assert_eq!(host, "grandchild-2");
     root.ok(&["rm", "-f", "grandchild-1", "grandchild-2", "first", "tpl"]);
+    assert_eq!(
+        box_names(&root),
+        Vec::<String>::new(),
+        "boxes left after rm"
+    );
+}
+
+/// A chain of templates and clones removed in one `rm -f`, the templates
+/// named first: the templates stay while their clones live, and all of the
+/// chain is gone once `rm` returns.
+#[test]
+fn a_chain_of_clones_removed_templates_first_is_gone_when_rm_returns() {
+    let Some(root) =
+        TestRoot::new("a_chain_of_clones_removed_templates_first_is_gone_when_rm_returns")
+    else {
+        return;
+    };
+    frozen_server(&root, "tpl", 1);
+    root.ok(&["clone", "tpl", "-d", "--name", "first"]);
+    root.ok(&["freeze", "first", "--as", "second-tpl"]);
+    root.ok(&["clone", "second-tpl", "-d", "--name", "grandchild"]);
+    assert_eq!(get(&root, "grandchild", "/").0, 2);
+    root.ok(&["rm", "-f", "tpl", "first", "grandchild"]);
+    assert_eq!(
+        box_names(&root),
+        Vec::<String>::new(),
+        "boxes left after rm"
+    );
 }
 
 #[test]

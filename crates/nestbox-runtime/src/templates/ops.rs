@@ -96,4 +96,13 @@ fn settle_removed_template(reg: &Registry, name: &str) {
             }
         }
     }
+    // A template that was itself a clone (of a template removed meanwhile,
+    // kept for it) was that template's last clone perhaps: it goes too, and
+    // is waited for the same way (`rm -f` of a whole chain returns once all
+    // of it is gone, in whatever order it was named).
+    if let Some(src) = &t.spec.clone_of {
+        if gone() {
+            settle_removed_template(reg, &src.template_box);
+        }
+    }
 }
