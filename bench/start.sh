@@ -23,8 +23,9 @@
 #      ratios are relative to; every one's median is also given relative to
 #      bwrap's), SHELLS (default 2), NESTBOX_RUN_FLAGS (default "--rm"),
 #      NESTBOX_BIN, RESULTS_DIR; NESTBOX_BASE_BIN (another build, e.g. the
-#      previous head: benches base-none and base-pool run it interleaved with
-#      the others, in a root of its own).
+#      previous head: benches base-none, base-pool, base-shells and
+#      base-shells-none run it interleaved with the others, in roots of its
+#      own).
 # Writes: $RESULTS_DIR/start-samples.csv, start-summary.json, start.md
 set -euo pipefail
 # shellcheck source-path=SCRIPTDIR
@@ -51,6 +52,7 @@ nb_pool_root=$work/nestbox-pool-root
 nb_shells_root=$work/nestbox-shells-root
 base_root=$work/base-root
 base_pool_root=$work/base-pool-root
+base_shells_root=$work/base-shells-root
 runc_root=$work/runc-state
 bundle=$work/bundle
 
@@ -62,6 +64,7 @@ cleanup() {
     if [[ -n ${NESTBOX_BASE_BIN:-} ]]; then
         NESTBOX=$NESTBOX_BASE_BIN nestbox_clean_root "$base_root"
         NESTBOX=$NESTBOX_BASE_BIN nestbox_clean_root "$base_pool_root"
+        NESTBOX=$NESTBOX_BASE_BIN nestbox_clean_root "$base_shells_root"
     fi
     if [[ -d $runc_root ]]; then
         while read -r id; do
@@ -110,6 +113,16 @@ for b in "${benches[@]}"; do
         "$NESTBOX_BASE_BIN" --root "$base_pool_root" network pool "$POOL" >/dev/null
         args+=(--bench base-pool "$NESTBOX_BASE_BIN --root $base_pool_root run $NESTBOX_RUN_FLAGS -- /bin/true")
         ;;
+    base-shells | base-shells-none)
+        [[ -x ${NESTBOX_BASE_BIN:-} ]] || die "$b needs NESTBOX_BASE_BIN"
+        if [[ ! -d $base_shells_root ]]; then
+            NESTBOX=$NESTBOX_BASE_BIN require_nestbox "$base_shells_root"
+            "$NESTBOX_BASE_BIN" --root "$base_shells_root" pool size "$SHELLS" >/dev/null
+        fi
+        net=""
+        [[ $b == base-shells-none ]] && net="--network none "
+        args+=(--bench "$b" "$NESTBOX_BASE_BIN --root $base_shells_root run $net$NESTBOX_RUN_FLAGS -- /bin/true")
+        ;;
     runc)
         command -v runc >/dev/null || die "runc missing (run bench/setup.sh)"
         make_runc_bundle "$bundle"
@@ -128,7 +141,7 @@ for b in "${benches[@]}"; do
         bw+=(--proc /proc --dev /dev /bin/true)
         args+=(--bench bwrap "${bw[*]}")
         ;;
-    *) die "unknown benchmark '$b' in BENCHES (nestbox, nestbox-pool, nestbox-none, nestbox-shells, nestbox-shells-none, base-none, base-pool, runc, bwrap)" ;;
+    *) die "unknown benchmark '$b' in BENCHES (nestbox, nestbox-pool, nestbox-none, nestbox-shells, nestbox-shells-none, base-none, base-pool, base-shells, base-shells-none, runc, bwrap)" ;;
     esac
 done
 ((${#args[@]})) || die "BENCHES is empty"

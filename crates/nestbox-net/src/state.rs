@@ -4,7 +4,6 @@
 
 use std::collections::BTreeMap;
 use std::fs::{self, File, OpenOptions};
-use std::io::Write;
 use std::net::Ipv4Addr;
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
@@ -212,11 +211,14 @@ impl Locked {
 /// Write `data` to `path` through a temporary file and a rename.
 pub(crate) fn write_atomic(path: &Path, data: &[u8]) -> Result<()> {
     let tmp = path.with_extension(format!("tmp.{}", std::process::id()));
-    let mut f = File::create(&tmp).map_err(|e| NetError::io("create", &tmp, e))?;
-    f.write_all(data)
-        .map_err(|e| NetError::io("write", &tmp, e))?;
-    drop(f);
-    fs::rename(&tmp, path).map_err(|e| NetError::io("rename into place", path, e))
+    nestbox_sys::replace::replace_file(path, &tmp, data).map_err(|e| {
+        let what = if e.what == "rename" {
+            "rename into place"
+        } else {
+            e.what
+        };
+        NetError::io(what, &e.path, e.source)
+    })
 }
 
 #[cfg(test)]

@@ -182,10 +182,8 @@ pub(crate) fn spawn_refill(work: impl FnOnce() -> crate::Result<()>) {
     }
     crate::diag::descriptors_closed();
     become_daemon();
-    let param = libc::sched_param { sched_priority: 0 };
-    // SAFETY: sets this (new, single-threaded) process's own scheduling
-    // policy; `param` is a valid sched_param for SCHED_IDLE.
-    unsafe { libc::sched_setscheduler(0, libc::SCHED_IDLE, &param) };
+    // Failing leaves the work at normal priority: it still runs, sooner.
+    let _ = nestbox_sys::process::set_scheduling(nestbox_sys::process::Scheduling::Idle);
     std::thread::sleep(REFILL_DELAY);
     std::process::exit(i32::from(work().is_err()))
 }

@@ -4,7 +4,6 @@
 //! under the box's lock.
 
 use std::fs;
-use std::io::Write;
 use std::path::Path;
 
 use nestbox_cgroup::{BoxCgroup, Stats};
@@ -184,25 +183,17 @@ pub fn now() -> f64 {
         .unwrap_or(0.0)
 }
 
-/// Write `value` as JSON to `path` atomically (temporary file + rename).
-/// No fsync: runtime state lives on a per-boot filesystem and only has to survive
-/// the death of a process, not of the machine.
+/// Write `value` as JSON to `path` atomically (temporary file + rename,
+/// see [`nestbox_sys::replace`]). No fsync: runtime state only has to
+/// survive the death of a process, not of the machine.
 pub fn write_json<T: Serialize>(path: &Path, value: &T) -> Result<()> {
     let tmp = path.with_extension(format!("tmp{}", std::process::id()));
     let data = serde_json::to_vec_pretty(value).map_err(|source| RuntimeError::State {
         path: path.into(),
         source,
     })?;
-    let mut f = fs::File::create(&tmp).map_err(RuntimeError::io("create", &tmp))?;
-    f.write_all(&data)
-        .map_err(RuntimeError::io("write", &tmp))?;
-    drop(f);
-    fs::rename(&tmp, path).map_err(|e| {
-        // The rename's error is the one to report; a temporary file left
-        // behind is replaced by the next write of the same file.
-        let _ = fs::remove_file(&tmp);
-        RuntimeError::io("rename", path)(e)
-    })
+    nestbox_sys::replace::replace_file(path, &tmp, &data)
+        .map_err(|e| RuntimeError::io(e.what, &e.path)(e.source))
 }
 
 /// An exclusive `flock` on `path` (created if missing): waiting for it with

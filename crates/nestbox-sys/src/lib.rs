@@ -23,6 +23,7 @@ pub mod ns;
 pub mod pidfd;
 pub mod process;
 pub mod ptrace;
+pub mod replace;
 pub mod seccomp_notify;
 pub mod tty;
 pub mod uffd;

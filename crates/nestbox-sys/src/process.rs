@@ -461,3 +461,37 @@ pub unsafe fn spawn_stub(
         }
     }
 }
+
+/// A scheduling class for the calling process (see [`set_scheduling`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Scheduling {
+    /// The ordinary class (`SCHED_OTHER`) at nice `n` (-20..=19).
+    Normal(i32),
+    /// `SCHED_IDLE`: runs only when nothing of the ordinary class wants the
+    /// CPU, and any such process it wakes preempts it at once.
+    Idle,
+}
+
+/// Put the calling process (its calling thread: nestbox's processes that
+/// call this are single-threaded) in `class`. Nothing else is affected; an
+/// error means the class was left as it was.
+pub fn set_scheduling(class: Scheduling) -> Result<()> {
+    let param = libc::sched_param { sched_priority: 0 };
+    let policy = match class {
+        Scheduling::Normal(_) => libc::SCHED_OTHER,
+        Scheduling::Idle => libc::SCHED_IDLE,
+    };
+    // SAFETY: sched_setscheduler of pid 0 changes only the calling thread;
+    // `param` is a valid sched_param (priority 0 is the only one allowed for
+    // both policies) that lives for the call.
+    if unsafe { libc::sched_setscheduler(0, policy, &param) } != 0 {
+        return Err(Errno::last());
+    }
+    if let Scheduling::Normal(nice) = class {
+        // SAFETY: setpriority of PRIO_PROCESS 0 changes only the caller's nice value.
+        if unsafe { libc::setpriority(libc::PRIO_PROCESS, 0, nice) } != 0 {
+            return Err(Errno::last());
+        }
+    }
+    Ok(())
+}

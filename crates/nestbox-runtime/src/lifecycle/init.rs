@@ -31,28 +31,32 @@ pub fn adopt() -> ! {
     serve(Pid::from_raw(ADOPTED_PID))
 }
 
-/// Init of a pooled box shell (see [`crate::lifecycle::shell`]): its root is
-/// assembled and pivoted into, its cgroup joined, its network attached; wait
-/// on `channel` for the command of the box that claims it, then start the
-/// command as a cold box's first process does (hostname, then the command's
-/// own preparation and `execve`, failures on the report pipe that comes with
-/// the message) and serve it. The end of the channel (the monitor tore the
-/// shell down, or died) ends the shell.
+/// Leave the idle priority a pooled shell is made at (a pool refill): the
+/// box it becomes must not keep it. Called by a shell's first process before
+/// it forks the command's process, so both leave it.
+pub fn leave_idle_priority() {
+    // Failing leaves the shell at idle priority: slower, not wrong.
+    let _ = nestbox_sys::process::set_scheduling(nestbox_sys::process::Scheduling::Normal(0));
+}
+
+/// The command's process of a pooled box shell (see
+/// [`crate::lifecycle::shell`]), forked by the shell's init as soon as the
+/// shell is ready, so that a claim waits for no fork: wait on `channel` for
+/// the command of the box that claims the shell, then start it as a cold
+/// box's command starts (hostname, then the command's own preparation and
+/// `execve`, failures on the report pipe that comes with the message). The
+/// end of the channel (the monitor tore the shell down, or died) ends this
+/// process, and with it the shell (its init serves this process as the
+/// box's command).
 pub fn wait_for_command(channel: std::os::fd::RawFd) -> ! {
     use std::os::fd::{AsRawFd, BorrowedFd};
-    // The shell was made at idle priority (a pool refill): the box it
-    // becomes must not be.
-    let param = libc::sched_param { sched_priority: 0 };
-    // SAFETY: sets this process's own policy; `param` is valid for SCHED_OTHER.
-    // Failing leaves the shell at idle priority: slower, not wrong.
-    unsafe { libc::sched_setscheduler(0, libc::SCHED_OTHER, &param) };
     let _ = nix::sys::prctl::set_dumpable(false);
-    set_process_title(INIT_TITLE);
+    set_process_title(SHELL_COMMAND_TITLE);
     // SAFETY: `channel` is this process's own descriptor (placed by the
-    // launch), open for its whole life.
+    // launch), open until the command's execve closes it.
     let sock = unsafe { BorrowedFd::borrow_raw(channel) };
-    // The shell keeps its pages while it waits (see `shell::serve`): init
-    // drops them once it serves the command, as a cold box's init does.
+    // This process keeps its pages while it waits (see `shell::serve`):
+    // faulting them back in would be paid by the claim.
     let received = crate::lifecycle::shell::wire::recv::<crate::lifecycle::shell::wire::Go>(sock);
     let Ok(Some((go, mut fds))) = received else {
         nestbox_sys::process::exit_now(crate::error::EXIT_NESTBOX_ERROR)
@@ -67,7 +71,7 @@ pub fn wait_for_command(channel: std::os::fd::RawFd) -> ! {
         None
     };
     if go.phases && !fds.is_empty() {
-        // Closed by the command's execve (close-on-exec) and with init.
+        // Closed by the command's execve (close-on-exec).
         crate::phases::to_fd(std::os::fd::IntoRawFd::into_raw_fd(fds.remove(0)));
     }
     let hold = if go.hold && !fds.is_empty() {
@@ -75,7 +79,7 @@ pub fn wait_for_command(channel: std::os::fd::RawFd) -> ! {
     } else {
         None
     };
-    crate::phases::mark("init: command received");
+    crate::phases::mark("shell command: go received");
     let fail = |code: i32, message: String| -> ! {
         let line = format!("{code}\t{message}");
         // A monitor gone cannot be told; the exit code still says it failed.
@@ -96,27 +100,15 @@ pub fn wait_for_command(channel: std::os::fd::RawFd) -> ! {
     // What a cold box's first process inherits from its `run`: this one
     // takes it from the `run` that claimed it.
     go.inherited.apply();
-    crate::phases::mark("init: hostname set, command planned");
+    crate::phases::mark("shell command: hostname set, command planned");
     if let Some(stdin) = &stdin {
         if let Err(e) = nix::unistd::dup2(stdin.as_raw_fd(), 0) {
             fail(crate::error::EXIT_NESTBOX_ERROR, format!("stdin: {e}"))
         }
     }
-    // SAFETY: this process is single-threaded (a fork of the single-threaded
-    // monitor), so the child may run arbitrary code.
-    match unsafe { nix::unistd::fork() } {
-        Ok(nix::unistd::ForkResult::Child) => {
-            crate::launch::exec_command(&plan, report.as_raw_fd())
-        }
-        Ok(nix::unistd::ForkResult::Parent { child }) => {
-            crate::phases::mark("init: command forked");
-            drop((report, stdin, hold, fds));
-            // SAFETY: the channel is this process's own descriptor, not used again.
-            unsafe { libc::close(channel) };
-            run(child)
-        }
-        Err(e) => fail(crate::error::EXIT_NESTBOX_ERROR, format!("fork: {e}")),
-    }
+    // The descriptors left (`report`, `hold`, `stdin`'s original, the
+    // channel) are close-on-exec, or made so by the command's preparation.
+    crate::launch::exec_command(&plan, report.as_raw_fd())
 }
 
 fn serve(command: Pid) -> ! {
@@ -216,6 +208,9 @@ fn exit_with(code: i32) -> ! {
 
 /// How init shows up in the box's `ps`.
 pub const INIT_TITLE: &str = "nestbox-init";
+/// How a pooled shell's command process shows up until its command runs
+/// (the shell's monitor shows up as `nestbox-shell`).
+pub const SHELL_COMMAND_TITLE: &str = "nestbox-command";
 
 /// Replace the command line inherited from the nestbox CLI (which names host
 /// paths such as the state root) with `title`, in place, and set the thread name.

@@ -186,10 +186,30 @@ pub fn box_first_process(plan: &LaunchPlan, fds: ChildFds) -> ! {
             crate::init::adopt()
         }
         Ok(Ready::Shell) => {
-            // Closing the report pipe tells the monitor the shell is ready.
-            // SAFETY: REPORT_FD is this process's own descriptor, never used again.
-            unsafe { libc::close(REPORT_FD) };
-            crate::init::wait_for_command(SHELL_FD)
+            crate::init::leave_idle_priority();
+            // The command's process is forked now, not when the shell is
+            // claimed: it waits on the channel, init serves it from now on.
+            // SAFETY: this process is single-threaded (a fork of the
+            // single-threaded monitor), so the child may run arbitrary code.
+            match unsafe { nix::unistd::fork() } {
+                Err(e) => fail(REPORT_FD, EXIT_NESTBOX_ERROR, &format!("fork: {e}")),
+                Ok(ForkResult::Child) => {
+                    // Closing the report pipe in both processes tells the
+                    // monitor the shell is ready.
+                    // SAFETY: REPORT_FD is this process's own descriptor, never used again.
+                    unsafe { libc::close(REPORT_FD) };
+                    crate::init::wait_for_command(SHELL_FD)
+                }
+                Ok(ForkResult::Parent { child }) => {
+                    // SAFETY: both are this process's own descriptors, never
+                    // used again (the channel is the command process's now).
+                    unsafe {
+                        libc::close(REPORT_FD);
+                        libc::close(SHELL_FD);
+                    }
+                    crate::init::run(child)
+                }
+            }
         }
         Err((code, message)) => fail(REPORT_FD, code, &message),
     }

@@ -87,12 +87,7 @@ fn alive(pid: i32) -> bool {
 const SERVER_NAME: &str = "nestbox-attach";
 
 fn write_state(record: &BoxRecord, a: &Attached) -> Result<()> {
-    let path = state_path(record);
-    let tmp = path.with_extension("json.tmp");
-    let text = serde_json::to_string_pretty(a)
-        .map_err(|e| RuntimeError::Failed(format!("monitors-attached.json: {e}")))?;
-    std::fs::write(&tmp, text).map_err(RuntimeError::io("write", &tmp))?;
-    std::fs::rename(&tmp, &path).map_err(RuntimeError::io("rename", &path))
+    crate::state::write_json(&state_path(record), a)
 }
 
 /// The host pid of the box's init, if the box runs (and is not frozen).

@@ -148,8 +148,8 @@ impl WorkingSet {
             text.push_str(&format!("r {p:x}\n"));
         }
         let tmp = file.with_extension(format!("tmp{}", std::process::id()));
-        fs::write(&tmp, text).map_err(RuntimeError::io("write", &tmp))?;
-        fs::rename(&tmp, file).map_err(RuntimeError::io("rename", &tmp))
+        nestbox_sys::replace::replace_file(file, &tmp, text.as_bytes())
+            .map_err(|e| RuntimeError::io(e.what, &e.path)(e.source))
     }
 }
 

@@ -10,6 +10,7 @@ use std::io::Write;
 use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd};
 use std::time::{Duration, Instant};
 
+use nestbox_sys::process::{set_scheduling, Scheduling};
 use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
 use nix::sys::signal::{kill, Signal};
 use nix::sys::signalfd::SignalFd;
@@ -176,10 +177,8 @@ pub(crate) fn run(
 }
 
 fn normal_priority() {
-    let param = libc::sched_param { sched_priority: 0 };
-    // SAFETY: sets this process's own policy; `param` is valid for SCHED_OTHER.
     // Failing leaves the monitor at idle priority: slower, not wrong.
-    unsafe { libc::sched_setscheduler(0, libc::SCHED_OTHER, &param) };
+    let _ = set_scheduling(Scheduling::Normal(0));
 }
 
 /// Remove an unclaimed shell: its init, cgroup, address, record.
@@ -639,6 +638,11 @@ fn end_claimed(
     let answer = |claimer: Option<OwnedFd>, marks: &mut Marks| {
         marks.mark("end recorded, answering");
         marks.collect();
+        // The caller woken by the answer runs at once, even on this CPU:
+        // this monitor is in the idle class while it answers (a caller
+        // woken by a monitor of its own class waits for the monitor's
+        // time slice). Failing only makes the caller wait.
+        let _ = set_scheduling(Scheduling::Idle);
         if let Some(c) = claimer {
             // A caller gone needs no answer.
             let _ = wire::send(
@@ -652,9 +656,9 @@ fn end_claimed(
             );
         }
         // What follows is cleanup nobody waits for: it yields to the caller
-        // (and whatever it runs next) on a busy machine.
-        // SAFETY: setpriority of this process only.
-        unsafe { libc::setpriority(libc::PRIO_PROCESS, 0, 10) };
+        // (and whatever it runs next) on a busy machine, but is not starved
+        // there as the idle class could be.
+        let _ = set_scheduling(Scheduling::Normal(10));
     };
     marks.mark("oom read");
     if rm {
