@@ -134,15 +134,21 @@ fn a_pooled_run_is_from_inside_and_outside_what_a_cold_run_is() {
     .ok();
     root.run(&["pool", "size", "2"]).ok();
     // The shape of --pids 50 is learned from that request on: asked for once
-    // more, it is made; the next request takes a shell.
+    // more, it is made; the next request takes a shell. (Both of its shells
+    // ready and none being made: a shell made after the list below was
+    // taken could be the one claimed.)
     root.run(&["run", "--rm", "--pids", "50", "--", "true"])
         .ok();
-    wait_for("a --pids 50 shell", Duration::from_secs(30), || {
+    wait_for("the --pids 50 shells", Duration::from_secs(30), || {
         pool(&root)["shapes"]
             .as_array()
             .into_iter()
             .flatten()
-            .any(|s| s["shape"]["limits"]["pids"] == 50 && s["ready"].as_u64() >= Some(1))
+            .any(|s| {
+                s["shape"]["limits"]["pids"] == 50
+                    && s["ready"].as_u64() == Some(2)
+                    && s["making"].as_u64() == Some(0)
+            })
     });
     let shells = shell_ids(&root);
     let warm = sh_inheriting(
@@ -421,4 +427,97 @@ fn the_pool_is_drained_with_the_network_and_by_pool_drain() {
         "{:?}",
         root.all_cgroup_dirs()
     );
+}
+
+/// Host pids of the live processes whose command line is `argv`.
+fn host_processes_running(argv: &[&str]) -> Vec<i32> {
+    let want = argv.join("\0") + "\0";
+    std::fs::read_dir("/proc")
+        .unwrap()
+        .flatten()
+        .filter_map(|e| e.file_name().to_string_lossy().parse::<i32>().ok())
+        .filter(|p| std::fs::read(format!("/proc/{p}/cmdline")).is_ok_and(|c| c == want.as_bytes()))
+        .collect()
+}
+
+/// The parent of host process `pid`.
+fn parent_of(pid: i32) -> i32 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
+    let rest = &stat[stat.rfind(')').unwrap() + 2..];
+    rest.split_whitespace().nth(1).unwrap().parse().unwrap()
+}
+
+#[test]
+fn when_run_returns_no_process_of_its_box_is_left() {
+    let Some(root) = TestRoot::new("when_run_returns_no_process_of_its_box_is_left") else {
+        return;
+    };
+    let background = ["sleep", "31337"];
+    let entered = ["sleep", "31338"];
+    for pooled in [true, false] {
+        root.run(&["pool", "size", if pooled { "2" } else { "0" }])
+            .ok();
+        if pooled {
+            wait_ready(&root, "bridge", 2);
+        }
+        let shells = shell_ids(&root);
+        // The command leaves a process in the background, and a process is
+        // entered into the box from outside (`exec`) while it runs: both
+        // are killed when the box ends, and `run` returns only once they
+        // are gone. The entered one's parent is outside (the `exec`
+        // helper, which reaps it): stopped, it cannot reap it, and `run`
+        // must wait.
+        let mut run = root.spawn(&[
+            "run",
+            "--rm",
+            "--name",
+            "sp-end",
+            "--",
+            "sh",
+            "-c",
+            "sleep 31337 & while [ ! -e /tmp/go ]; do sleep 0.02; done; exit 3",
+        ]);
+        wait_for("the box to run", START, || {
+            root.status("sp-end").as_deref() == Some("running")
+        });
+        let mut exec = root.spawn(&["exec", "sp-end", "--", "sleep", "31338"]);
+        let mut pid = None;
+        wait_for("the entered process", START, || {
+            pid = host_processes_running(&entered).first().copied();
+            pid.is_some()
+        });
+        let pid = pid.unwrap();
+        let helper = nix::unistd::Pid::from_raw(parent_of(pid));
+        nix::sys::signal::kill(helper, nix::sys::signal::Signal::SIGSTOP).unwrap();
+        root.ok(&["exec", "sp-end", "--", "touch", "/tmp/go"]);
+        std::thread::sleep(Duration::from_millis(500));
+        let early = run.try_wait().unwrap();
+        nix::sys::signal::kill(helper, nix::sys::signal::Signal::SIGCONT).unwrap();
+        assert!(
+            early.is_none(),
+            "pooled {pooled}: run returned ({early:?}) while a process of its box was not reaped"
+        );
+        let status = run.wait().unwrap();
+        let left_background = host_processes_running(&background);
+        assert_eq!(status.code(), Some(3), "pooled {pooled}");
+        assert!(
+            left_background.is_empty() && !std::path::Path::new(&format!("/proc/{pid}")).exists(),
+            "pooled {pooled}: run returned while processes of its box were left: \
+             background {left_background:?}, entered {pid}"
+        );
+        let _ = exec.wait();
+        if pooled {
+            let now = shell_ids(&root);
+            assert!(
+                !now.is_superset(&shells),
+                "pooled run: no shell was claimed ({shells:?} before, {now:?} after)"
+            );
+        }
+        // `--rm`: gone from the listing when `run` returns.
+        assert!(
+            root.names().is_empty(),
+            "pooled {pooled}: {:?}",
+            root.names()
+        );
+    }
 }

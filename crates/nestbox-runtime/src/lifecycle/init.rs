@@ -3,20 +3,31 @@
 //! was killed by signal N). When it exits, the kernel kills whatever else is left
 //! in the box's pid namespace.
 //!
+//! Before it exits, init kills and waits out every other process of the box
+//! itself and then tells the monitor the box has ended, with the code, on the
+//! end pipe: the monitor answers a waiting `run` on that, without waiting for
+//! init's own exit (the kernel's teardown of its address space and
+//! namespaces, and the wake-up that follows), and reaps init before it
+//! releases the box.
+//!
 //! It keeps only CAP_KILL (to signal a command running as another user) and marks
 //! itself non-dumpable, so processes in the box can neither ptrace it nor read its
 //! memory.
 
+use std::os::fd::{BorrowedFd, RawFd};
+
+use nix::errno::Errno;
 use nix::sys::signal::{kill, SigSet, Signal};
 use nix::sys::signalfd::{SfdFlags, SignalFd};
 use nix::sys::wait::{waitpid, WaitPidFlag, WaitStatus};
 use nix::unistd::Pid;
 
-/// Run as init until `command` exits, then exit with its status.
+/// Run as init until `command` exits, then exit with its status, said first
+/// on `end` (the monitor's end pipe).
 /// All signals must already be blocked (they are read through a signalfd).
-pub fn run(command: Pid) -> ! {
+pub fn run(command: Pid, end: RawFd) -> ! {
     crate::process::stdio_to_dev_null();
-    serve(command)
+    serve(command, end)
 }
 
 /// The pid a clone's process has in its clone shell: the first process created in
@@ -27,8 +38,8 @@ pub const ADOPTED_PID: i32 = 2;
 /// template (re-parented here as pid [`ADOPTED_PID`]), then serve it as its command.
 /// Standard output and error stay open: they are the clone's log pipes, which
 /// nestbox hands to the clone's process.
-pub fn adopt() -> ! {
-    serve(Pid::from_raw(ADOPTED_PID))
+pub fn adopt(end: RawFd) -> ! {
+    serve(Pid::from_raw(ADOPTED_PID), end)
 }
 
 /// Leave the idle priority a pooled shell is made at (a pool refill): the
@@ -111,7 +122,7 @@ pub fn wait_for_command(channel: std::os::fd::RawFd) -> ! {
     crate::launch::exec_command(&plan, report.as_raw_fd())
 }
 
-fn serve(command: Pid) -> ! {
+fn serve(command: Pid, end: RawFd) -> ! {
     // Init has nowhere to report (its stdio is /dev/null and no log path
     // applies in the box), so its ignored results carry their reason here.
     // PR_SET_DUMPABLE with 0 fails only for an invalid argument, never here.
@@ -120,7 +131,7 @@ fn serve(command: Pid) -> ! {
     keep_only_kill_capability();
     let Ok(sfd) = SignalFd::with_flags(&SigSet::all(), SfdFlags::SFD_CLOEXEC) else {
         // Without a signalfd init cannot see signals: just wait for the command.
-        exit_with(crate::process::wait_exit_code(command))
+        end_box(crate::process::wait_exit_code(command), end)
     };
     let mut dropped_file_pages = false;
     loop {
@@ -145,8 +156,7 @@ fn serve(command: Pid) -> ! {
                     if let Some(code) = reap(command) {
                         crate::phases::mark("init: command reaped");
                         linger_for_clones(&sfd);
-                        crate::phases::mark("init: exits");
-                        exit_with(code);
+                        end_box(code, end);
                     }
                 }
                 Some(s) => {
@@ -202,9 +212,44 @@ fn reap(command: Pid) -> Option<i32> {
     }
 }
 
-fn exit_with(code: i32) -> ! {
+/// End the box with `code`: kill and reap every other process of it (as
+/// the kernel would at init's exit), tell the monitor on `end` once none is
+/// left, and exit.
+fn end_box(code: i32, end: RawFd) -> ! {
+    if nix::unistd::getpid().as_raw() != 1 {
+        // Never so (a box has its own pid namespace); were it, -1 would
+        // reach far beyond the box.
+        nestbox_sys::process::exit_now(code)
+    }
+    // Every process of the pid namespace but init (pid 1 is spared by -1).
+    let _ = kill(Pid::from_raw(-1), Signal::SIGKILL);
+    // Until ECHILD: no child left.
+    while let Ok(_) | Err(Errno::EINTR) = waitpid(None, None) {}
+    // A process entered from outside (`nestbox exec`) is not init's child:
+    // its parent reaps it. Said only once the box's /proc lists init alone;
+    // else init's exit, on the monitor's pidfd, says it (the kernel waits
+    // for every process of the namespace before init is gone).
+    let deadline = std::time::Instant::now() + END_WAIT;
+    while crate::process::proc_pid_dirs().nth(1).is_some() {
+        if std::time::Instant::now() >= deadline {
+            crate::phases::mark("init: exits");
+            nestbox_sys::process::exit_now(code)
+        }
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
+    crate::phases::mark("init: box ended, exits");
+    // SAFETY: `end` is this process's own descriptor (placed by the launch),
+    // open for its whole life.
+    let end = unsafe { BorrowedFd::borrow_raw(end) };
+    // A monitor gone reads nothing; init's exit says the same.
+    let _ = nix::unistd::write(end, &code.to_le_bytes());
     nestbox_sys::process::exit_now(code)
 }
+
+/// How long init waits for processes of the box that are not its children
+/// (killed, and reaped by their parents outside) before it exits without
+/// telling the monitor first.
+const END_WAIT: std::time::Duration = std::time::Duration::from_millis(100);
 
 /// How init shows up in the box's `ps`.
 pub const INIT_TITLE: &str = "nestbox-init";

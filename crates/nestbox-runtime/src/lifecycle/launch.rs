@@ -156,6 +156,8 @@ pub struct ChildFds {
     /// A pooled shell: where its init receives the claiming box's command
     /// (never together with `interpose`: a box with monitors is not pooled).
     pub shell: Option<OwnedFd>,
+    /// Where init says the box has ended (see [`crate::init`]).
+    pub ended: OwnedFd,
 }
 
 /// Body of the box's first process (pid 1 of the new pid namespace). Never returns.
@@ -178,12 +180,12 @@ pub fn box_first_process(plan: &LaunchPlan, fds: ChildFds) -> ! {
                     libc::close(INTERPOSE_FD);
                 }
             }
-            crate::init::run(command)
+            crate::init::run(command, END_FD)
         }
         Ok(Ready::Adopt) => {
             // SAFETY: REPORT_FD is this process's own descriptor, never used again.
             unsafe { libc::close(REPORT_FD) };
-            crate::init::adopt()
+            crate::init::adopt(END_FD)
         }
         Ok(Ready::Shell) => {
             crate::init::leave_idle_priority();
@@ -196,8 +198,12 @@ pub fn box_first_process(plan: &LaunchPlan, fds: ChildFds) -> ! {
                 Ok(ForkResult::Child) => {
                     // Closing the report pipe in both processes tells the
                     // monitor the shell is ready.
-                    // SAFETY: REPORT_FD is this process's own descriptor, never used again.
-                    unsafe { libc::close(REPORT_FD) };
+                    // SAFETY: REPORT_FD and END_FD are this process's own
+                    // descriptors, never used again (END_FD is init's).
+                    unsafe {
+                        libc::close(REPORT_FD);
+                        libc::close(END_FD);
+                    }
                     crate::init::wait_for_command(SHELL_FD)
                 }
                 Ok(ForkResult::Parent { child }) => {
@@ -207,7 +213,7 @@ pub fn box_first_process(plan: &LaunchPlan, fds: ChildFds) -> ! {
                         libc::close(REPORT_FD);
                         libc::close(SHELL_FD);
                     }
-                    crate::init::run(child)
+                    crate::init::run(child, END_FD)
                 }
             }
         }
@@ -240,8 +246,11 @@ const INTERPOSE_FD: RawFd = 5;
 /// Where a pooled shell's channel to its monitor ends up (a shell has no
 /// monitors, so the descriptor is free).
 const SHELL_FD: RawFd = 5;
+/// Where init's pipe to the monitor for the box's end ends up.
+const END_FD: RawFd = 6;
 
-/// Put stdio on 0-2, the go and report pipes on 3 and 4, and close every other
+/// Put stdio on 0-2, the go and report pipes on 3 and 4, the monitors' or
+/// the shell's socket on 5, the end pipe on 6, and close every other
 /// descriptor: init never execs, so close-on-exec alone would let it keep the
 /// caller's descriptors (a detached CLI's ready pipe, a test harness's pipes...)
 /// open for the whole life of the box.
@@ -256,23 +265,26 @@ fn keep_only_box_fds(fds: ChildFds) -> nix::Result<(RawFd, RawFd)> {
         .or(fds.shell.as_ref())
         .map(|f| fcntl(f.as_raw_fd(), FcntlArg::F_DUPFD_CLOEXEC(16)))
         .transpose()?;
+    let ended = fcntl(fds.ended.as_raw_fd(), FcntlArg::F_DUPFD_CLOEXEC(16))?;
     for (fd, target) in [(&fds.stdin, 0), (&fds.stdout, 1), (&fds.stderr, 2)] {
         nix::unistd::dup2(fd.as_raw_fd(), target)?;
     }
     nix::unistd::dup3(go, GO_FD, nix::fcntl::OFlag::O_CLOEXEC)?;
     nix::unistd::dup3(report, REPORT_FD, nix::fcntl::OFlag::O_CLOEXEC)?;
-    let last = match interpose {
+    nix::unistd::dup3(ended, END_FD, nix::fcntl::OFlag::O_CLOEXEC)?;
+    std::mem::forget(fds);
+    match interpose {
         Some(i) => {
             nix::unistd::dup3(i, INTERPOSE_FD, nix::fcntl::OFlag::O_CLOEXEC)?;
-            INTERPOSE_FD
         }
-        None => REPORT_FD,
-    };
-    std::mem::forget(fds);
-    // SAFETY: everything this child still needs lives on 0-4, or 0-5 with
-    // monitors or as a shell (the ChildFds were forgotten above); no object
-    // owning a higher descriptor is used again.
-    unsafe { nestbox_sys::fd::close_range(last as u32 + 1, u32::MAX) }?;
+        // SAFETY: whatever was inherited on 5 (the pipes kept were moved
+        // above 16 first) is owned by no object used again.
+        None => unsafe { nestbox_sys::fd::close_range(INTERPOSE_FD as u32, INTERPOSE_FD as u32) }?,
+    }
+    // SAFETY: everything this child still needs lives on 0-6 (the ChildFds
+    // were forgotten above); no object owning a higher descriptor is used
+    // again.
+    unsafe { nestbox_sys::fd::close_range(END_FD as u32 + 1, u32::MAX) }?;
     Ok((GO_FD, REPORT_FD))
 }
 

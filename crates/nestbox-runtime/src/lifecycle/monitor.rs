@@ -75,6 +75,13 @@ pub(crate) struct Running {
     pub(crate) pidfd: OwnedFd,
     pub(crate) stdout: File,
     pub(crate) stderr: File,
+    /// Where init says the box has ended, just before its own exit (see
+    /// [`crate::init`]): its exit code, once every other process of the box
+    /// is gone. The monitor answers on it rather than waiting for init's
+    /// exit, and reaps init before it releases the box ([`Running::reap`]).
+    pub(crate) ended: File,
+    /// Whether init was reaped.
+    pub(crate) reaped: std::cell::Cell<bool>,
     pub(crate) cgroup: Option<BoxCgroup>,
     /// The box's mount namespace, held open so that tearing it down (and
     /// freeing the writable layer's directories) happens after the box is
@@ -352,6 +359,7 @@ fn start_inner(
     let (rep_r, rep_w) = pipe2(OFlag::O_CLOEXEC).map_err(RuntimeError::sys("pipe2"))?;
     let (out_r, out_w) = pipe2(OFlag::O_CLOEXEC).map_err(RuntimeError::sys("pipe2"))?;
     let (err_r, err_w) = pipe2(OFlag::O_CLOEXEC).map_err(RuntimeError::sys("pipe2"))?;
+    let (end_r, end_w) = pipe2(OFlag::O_CLOEXEC).map_err(RuntimeError::sys("pipe2"))?;
     let stdin: OwnedFd = if spec.interactive {
         nix::unistd::dup(0)
             .map(|fd| {
@@ -410,7 +418,7 @@ fn start_inner(
     let (forked, maps_written) = forked?;
     let child = match forked {
         Forked::Child => {
-            drop((go_w, rep_r, out_r, err_r));
+            drop((go_w, rep_r, out_r, err_r, end_r));
             let fds = ChildFds {
                 stdin,
                 stdout: out_w,
@@ -419,6 +427,7 @@ fn start_inner(
                 report: rep_w,
                 interpose: interpose_child,
                 shell: shell_theirs,
+                ended: end_w,
             };
             box_first_process(&plan, fds)
         }
@@ -430,6 +439,7 @@ fn start_inner(
         rep_w,
         out_w,
         err_w,
+        end_w,
         stdin,
         interpose_child,
         shell_theirs,
@@ -544,6 +554,8 @@ fn start_inner(
         pidfd,
         stdout: File::from(out_r),
         stderr: File::from(err_r),
+        ended: File::from(end_r),
+        reaped: std::cell::Cell::new(false),
         cgroup,
         mount_ns,
         shell: shell_ours,
@@ -1112,11 +1124,15 @@ pub(crate) struct Later {
     pub(crate) work: Box<dyn FnOnce()>,
 }
 
-/// Relay output and signals until init exits; returns its exit code, and
-/// whether the `claimer` went away first, and `later` if it was not due yet. `claimer`: the connection of the
-/// foreground `nestbox run` that claimed a pooled shell, which sends the
-/// signals it gets; when it closes (the caller was killed) the box is killed,
-/// as a cold box dies with its foreground monitor.
+/// Relay output and signals until the box ends: init says so on
+/// [`Running::ended`] (every other process of the box gone; init exits
+/// next: the caller reaps it with [`Running::reap`] before it releases the
+/// box), or exits without saying it (it was killed). Returns the box's exit
+/// code, and whether the `claimer` went away first, and `later` if it was
+/// not due yet. `claimer`: the connection of the foreground `nestbox run`
+/// that claimed a pooled shell, which sends the signals it gets; when it
+/// closes (the caller was killed) the box is killed, as a cold box dies with
+/// its foreground monitor.
 pub(crate) fn supervise(
     record: &BoxRecord,
     run: &Running,
@@ -1141,6 +1157,10 @@ pub(crate) fn supervise(
     let mut open = [true, true];
     let mut buf = vec![0u8; 64 * 1024];
     let mut dropped_file_pages = false;
+    // Open until init said the box ended, or the pipe's end showed that init
+    // is gone without saying it.
+    let mut end_open = true;
+    let mut said_ended: Option<i32> = None;
     let mut relay = |which: usize, file: &File, log: &mut Option<LogWriter>| -> bool {
         let stream = if which == 0 {
             Stream::Stdout
@@ -1185,6 +1205,9 @@ pub(crate) fn supervise(
         if let Some(c) = claimer {
             fds.push(PollFd::new(c, PollFlags::POLLIN));
         }
+        if end_open {
+            fds.push(PollFd::new(run.ended.as_fd(), PollFlags::POLLIN));
+        }
         let idle = Duration::from_millis(crate::residency::IDLE_MS_BEFORE_DROP.into());
         let wait = match (&later, dropped_file_pages) {
             (Some(l), false) => Some(l.at.saturating_duration_since(Instant::now()).min(idle)),
@@ -1225,6 +1248,7 @@ pub(crate) fn supervise(
                 idx += 1;
             }
         }
+        let end_idx = idx + usize::from(claimer.is_some());
         if let Some(c) = claimer {
             if ready[idx] {
                 use crate::lifecycle::shell::wire::{recv, ToMonitor};
@@ -1255,12 +1279,27 @@ pub(crate) fn supervise(
                 }
             }
         }
+        if end_open && ready[end_idx] {
+            let mut word = [0u8; 4];
+            match (&run.ended).read(&mut word) {
+                Ok(4) => said_ended = Some(i32::from_le_bytes(word)),
+                // End of file (init is gone without saying it, or a read
+                // error): its exit, on the pidfd, ends the box.
+                _ => end_open = false,
+            }
+            if said_ended.is_some() {
+                break;
+            }
+        }
         if ready[0] {
             break;
         }
     }
-    crate::phases::mark("monitor: init exited");
-    let code = crate::process::wait_exit_code(run.init);
+    crate::phases::mark("monitor: box ended");
+    let code = match said_ended {
+        Some(code) => code,
+        None => run.reap().unwrap_or(crate::error::EXIT_NESTBOX_ERROR),
+    };
     // The box's processes are gone with its init; drain what they wrote (bounded).
     let deadline = Instant::now() + Duration::from_secs(2);
     for (which, file) in [(0, &run.stdout), (1, &run.stderr)] {
@@ -1347,6 +1386,8 @@ pub(crate) fn finish(
             },
         }
     };
+    // Init said the box ended and exits: gone from the cgroup before it is removed.
+    run.reap();
     let mut oom_kills = 0;
     let mut stats = None;
     if let Some(cg) = &run.cgroup {
@@ -1406,5 +1447,17 @@ pub fn oom_message(spec: &BoxSpec) -> String {
             spec.name
         ),
         None => format!("box {:?} was killed by the kernel's OOM killer", spec.name),
+    }
+}
+
+impl Running {
+    /// Wait for init to exit and reap it (once): before the box's cgroup is
+    /// removed, which its exiting init may still be in. Its exit code when
+    /// this call reaped it.
+    pub(crate) fn reap(&self) -> Option<i32> {
+        if self.reaped.replace(true) {
+            return None;
+        }
+        Some(crate::process::wait_exit_code(self.init))
     }
 }

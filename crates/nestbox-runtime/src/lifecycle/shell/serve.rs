@@ -617,7 +617,12 @@ fn end_claimed(
         exit_code,
         oom_killed,
     };
-    let release = |record: &BoxRecord| crate::monitor::release_ended(reg, record, cgroup.as_ref());
+    // Init said the box ended and exits: gone from the cgroup before it is
+    // removed (after the answer: the caller does not wait for it).
+    let release = |record: &BoxRecord| {
+        running.reap();
+        crate::monitor::release_ended(reg, record, cgroup.as_ref())
+    };
     if abandoned {
         // Its foreground `run` was killed, and the box with it: as a cold
         // box whose `run` dies, it is dead (gc collects it), or gone (--rm).
