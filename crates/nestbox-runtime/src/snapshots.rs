@@ -303,8 +303,8 @@ pub fn staging_dir(lib: &Path) -> PathBuf {
 /// The order makes every crash recoverable: the old upper and work
 /// directories are renamed away first (from then on [`recover`] completes the
 /// swap), then the layers are exchanged, then the empty ones made. The
-/// replaced directories are left for [`remove_replaced`] (after the box has
-/// started again).
+/// replaced directories are left for [`set_aside_replaced`] (after the box
+/// has started again).
 pub fn swap_in(lib: &Path, upper: &Path, work: &Path, owner: (u32, u32)) -> Result<()> {
     let rename = |a: &Path, b: &Path| fs::rename(a, b).map_err(RuntimeError::io("rename", b));
     let base = upper.parent().unwrap_or(lib);
@@ -325,9 +325,79 @@ pub fn swap_in(lib: &Path, upper: &Path, work: &Path, owner: (u32, u32)) -> Resu
     Ok(())
 }
 
-/// Remove what [`swap_in`] replaced (the box's old layers).
-pub fn remove_replaced(lib: &Path, upper: &Path) {
-    remove_leftovers(lib, upper.parent().unwrap_or(lib));
+/// Where the layers one rollback replaced wait for their removal: a
+/// directory `.replaced-<pid>-<n>` beside them (one per filesystem: a box's
+/// layers may be on its own disk), flocked by whoever removes it.
+const REPLACED: &str = ".replaced-";
+
+/// The layers a [`swap_in`] replaced, moved out of the way under names no
+/// later rollback uses, each trash directory open and flocked (the lock goes
+/// with a process that inherits the descriptors: see
+/// [`crate::process::discard_in_background`]).
+#[derive(Debug)]
+pub struct Replaced {
+    /// The trash directories and their locks.
+    pub dirs: Vec<(PathBuf, Flock<fs::File>)>,
+}
+
+/// Move what [`swap_in`] replaced into locked trash directories (renames
+/// only: the box's next snapshot, rollback or start need not wait for the
+/// removal, and [`recover`] leaves a locked trash directory to its remover).
+/// What cannot be moved is removed here.
+pub fn set_aside_replaced(lib: &Path, upper: &Path) -> Replaced {
+    static SEQ: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let base = upper.parent().unwrap_or(lib);
+    let mut dirs: Vec<(PathBuf, Flock<fs::File>)> = Vec::new();
+    let mut left = Vec::new();
+    for d in [
+        lib.join(OLD_LAYER),
+        base.join(OLD_UPPER),
+        base.join(OLD_WORK),
+    ] {
+        if !d.exists() {
+            continue;
+        }
+        let parent = d.parent().unwrap_or(lib).to_path_buf();
+        let trash = match dirs.iter().position(|(t, _)| t.parent() == Some(&parent)) {
+            Some(i) => Some(i),
+            None => {
+                let n = SEQ.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                let t = parent.join(format!("{REPLACED}{}-{n}", std::process::id()));
+                let made = fs::DirBuilder::new()
+                    .mode(0o700)
+                    .create(&t)
+                    .and_then(|()| fs::File::open(&t))
+                    .ok()
+                    .and_then(|f| Flock::lock(f, nix::fcntl::FlockArg::LockExclusiveNonblock).ok());
+                match made {
+                    Some(lock) => {
+                        dirs.push((t, lock));
+                        Some(dirs.len() - 1)
+                    }
+                    None => {
+                        // Empty if made: removed with the leftovers below.
+                        let _ = fs::remove_dir(&t);
+                        None
+                    }
+                }
+            }
+        };
+        let moved = trash.is_some_and(|i| {
+            let name = d.file_name().expect("a named directory");
+            fs::rename(&d, dirs[i].0.join(name)).is_ok()
+        });
+        if !moved {
+            left.push(d);
+        }
+    }
+    for d in left {
+        crate::diag::warn_on_err(
+            None,
+            "removing a replaced layer",
+            crate::registry::remove_tree(&d),
+        );
+    }
+    Replaced { dirs }
 }
 
 /// After the old upper was moved away: exchange the rollback layers.
@@ -344,6 +414,31 @@ fn complete(lib: &Path, base: &Path) -> Result<()> {
 }
 
 fn remove_leftovers(lib: &Path, base: &Path) {
+    // Trash of rollbacks whose remover is gone (its lock can be taken).
+    for dir in [lib, base] {
+        let Ok(entries) = fs::read_dir(dir) else {
+            continue;
+        };
+        for e in entries.flatten() {
+            if !e.file_name().to_string_lossy().starts_with(REPLACED) {
+                continue;
+            }
+            let t = e.path();
+            let free = fs::File::open(&t)
+                .ok()
+                .and_then(|f| Flock::lock(f, nix::fcntl::FlockArg::LockExclusiveNonblock).ok());
+            if free.is_some() {
+                crate::diag::warn_on_err(
+                    None,
+                    "removing a replaced layer",
+                    crate::registry::remove_tree(&t),
+                );
+            }
+        }
+        if base == lib {
+            break;
+        }
+    }
     for d in [
         lib.join(NEW),
         lib.join(OLD_LAYER),
@@ -360,12 +455,22 @@ fn remove_leftovers(lib: &Path, base: &Path) {
     }
 }
 
+/// Finish a swap a crash interrupted, if one did, for the box whose data
+/// directory is `lib` and layer-0 upper directory is `upper`, without
+/// removing anything: what a box's start needs (the box then sees the layers
+/// the swap put in place). [`recover`] removes the rest later.
+pub fn finish_swap(lib: &Path, upper: &Path) -> Result<()> {
+    complete(lib, upper.parent().unwrap_or(lib))
+}
+
 /// Finish a rollback a crash interrupted (or drop one that had not begun to
 /// swap) for the box whose data directory is `lib` and layer-0 upper
 /// directory is `upper`.
 pub fn recover(lib: &Path, upper: &Path) -> Result<()> {
     let base = upper.parent().unwrap_or(lib);
-    if !lib.join(NEW).exists()
+    if !has_trash(lib)
+        && !has_trash(base)
+        && !lib.join(NEW).exists()
         && !lib.join(OLD_LAYER).exists()
         && !base.join(OLD_UPPER).exists()
         && !base.join(OLD_WORK).exists()
@@ -375,4 +480,13 @@ pub fn recover(lib: &Path, upper: &Path) -> Result<()> {
     complete(lib, base)?;
     remove_leftovers(lib, base);
     Ok(())
+}
+
+/// Whether directory `dir` holds a trash directory of replaced layers.
+fn has_trash(dir: &Path) -> bool {
+    fs::read_dir(dir).is_ok_and(|entries| {
+        entries
+            .flatten()
+            .any(|e| e.file_name().to_string_lossy().starts_with(REPLACED))
+    })
 }

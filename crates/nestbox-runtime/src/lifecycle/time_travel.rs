@@ -262,9 +262,35 @@ pub fn rollback(
         return Err(e);
     }
     let materialise_ms = started.elapsed().as_secs_f64() * 1000.0;
+    crate::phases::mark("rollback: layer materialised");
     let down = Instant::now();
+    // The box's mount namespace, held while it stops: its root overlay is
+    // then not unmounted in its last process's exit (where overlayfs syncs
+    // the whole filesystem under its upper layer, the old layer's dirty
+    // files included, and the stop waits for it), but once the box runs
+    // again, in the background (see `docs/snapshots.md`).
+    let held_ns = if running {
+        record
+            .state
+            .init
+            .as_ref()
+            .and_then(crate::process::hold_mount_ns)
+    } else {
+        None
+    };
     if running {
-        crate::lifecycle::ops::stop(reg, box_name, stop_timeout)?;
+        if let Err(e) = crate::lifecycle::ops::stop(reg, box_name, stop_timeout) {
+            // Nothing changed but the layer staged: removed (what cannot be
+            // is dropped by the next `recover`); the box's files are as they
+            // were, whatever state the stop left it in.
+            crate::diag::warn_on_err(
+                Some(box_name),
+                "removing the staged rollback layer",
+                crate::registry::remove_tree(&staging),
+            );
+            return Err(e);
+        }
+        crate::phases::mark("rollback: box stopped");
     }
     let owner = std::fs::symlink_metadata(&upper)
         .map(|m| (m.uid(), m.gid()))
@@ -272,13 +298,18 @@ pub fn rollback(
     let swap_start = Instant::now();
     snapshots::swap_in(&lib, &upper, &work, owner)?;
     let swap_ms = swap_start.elapsed().as_secs_f64() * 1000.0;
+    crate::phases::mark("rollback: layers swapped");
     let restarted = if running {
         crate::lifecycle::ops::restart_detached(reg, &reg.load(box_name)?)
     } else {
         Ok(())
     };
     let downtime_ms = down.elapsed().as_secs_f64() * 1000.0;
-    snapshots::remove_replaced(&lib, &upper);
+    crate::phases::mark("rollback: box started again");
+    // The old layers (and the old root, still mounted in the held
+    // namespace) go in the background: the box runs on its new ones.
+    crate::process::discard_in_background(snapshots::set_aside_replaced(&lib, &upper), held_ns);
+    crate::phases::mark("rollback: replaced layers handed off");
     restarted?;
     Ok(RollbackReport {
         box_name: box_name.to_string(),
