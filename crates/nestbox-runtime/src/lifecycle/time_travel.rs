@@ -208,6 +208,7 @@ pub fn rollback(
     let record = reg.load(box_name)?;
     let _lock = snapshots::lock(&record)?;
     let snap = snapshots::load(reg, &record, name)?;
+    crate::phases::mark("rollback: snapshot record read");
     let status = record.state.effective_status();
     let wrong = |problem: &str| RuntimeError::WrongState {
         name: box_name.to_string(),
@@ -252,7 +253,10 @@ pub fn rollback(
                 ),
             )
         })
-        .and_then(|()| crate::state::write_json(&staging.join("layer.json"), &snap.layer));
+        .and_then(|()| {
+            crate::phases::mark("rollback: tree made");
+            crate::state::write_json(&staging.join("layer.json"), &snap.layer)
+        });
     if let Err(e) = made {
         crate::diag::warn_on_err(
             Some(box_name),
