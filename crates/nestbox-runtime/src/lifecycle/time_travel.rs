@@ -283,7 +283,18 @@ pub fn rollback(
         None
     };
     if running {
-        if let Err(e) = crate::lifecycle::ops::stop(reg, box_name, stop_timeout) {
+        let stopped = crate::lifecycle::ops::stop(reg, box_name, stop_timeout).and_then(|()| {
+            // A stop returns once the monitor recorded the end or gave up
+            // waiting for it: a box whose init outlived even SIGKILL (stuck
+            // in the kernel) still uses its layer, which is not swapped then.
+            match record.state.init {
+                Some(init) if init.alive() => Err(wrong(
+                    "did not end (its init outlived SIGKILL): its files were not rolled back",
+                )),
+                _ => Ok(()),
+            }
+        });
+        if let Err(e) = stopped {
             // Nothing changed but the layer staged: removed (what cannot be
             // is dropped by the next `recover`); the box's files are as they
             // were, whatever state the stop left it in.
