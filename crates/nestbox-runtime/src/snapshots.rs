@@ -490,3 +490,96 @@ fn has_trash(dir: &Path) -> bool {
             .any(|e| e.file_name().to_string_lossy().starts_with(REPLACED))
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A box data directory with a layer 0 (`upper-0/f`, `work-0`), a
+    /// rollback layer (`rollback/tree/old`) and a staged one.
+    fn layout() -> (tempfile::TempDir, PathBuf, PathBuf, PathBuf) {
+        let t = tempfile::tempdir().unwrap();
+        let lib = t.path().to_path_buf();
+        let (upper, work) = (lib.join("upper-0"), lib.join("work-0"));
+        fs::create_dir_all(&upper).unwrap();
+        fs::write(upper.join("f"), "written by the box").unwrap();
+        fs::create_dir_all(work.join("work")).unwrap();
+        fs::create_dir_all(rollback_dir(&lib).join("tree")).unwrap();
+        fs::write(rollback_dir(&lib).join("tree/old"), "old layer").unwrap();
+        fs::create_dir_all(staging_dir(&lib).join("tree")).unwrap();
+        fs::write(staging_dir(&lib).join("tree/new"), "new layer").unwrap();
+        (t, lib, upper, work)
+    }
+
+    fn owner() -> (u32, u32) {
+        (
+            nix::unistd::geteuid().as_raw(),
+            nix::unistd::getegid().as_raw(),
+        )
+    }
+
+    fn names(dir: &Path) -> Vec<String> {
+        let mut n: Vec<String> = fs::read_dir(dir)
+            .unwrap()
+            .flatten()
+            .map(|e| e.file_name().to_string_lossy().to_string())
+            .collect();
+        n.sort();
+        n
+    }
+
+    /// What a swap replaced goes into one locked trash directory; `recover`
+    /// leaves it while its lock is held and removes it once it is free.
+    #[test]
+    fn replaced_layers_wait_in_locked_trash() {
+        let (_t, lib, upper, work) = layout();
+        swap_in(&lib, &upper, &work, owner()).unwrap();
+        assert!(lib.join("rollback/tree/new").exists());
+        assert_eq!(fs::read_dir(&upper).unwrap().count(), 0, "a fresh upper");
+        let replaced = set_aside_replaced(&lib, &upper);
+        assert_eq!(replaced.dirs.len(), 1);
+        let trash = replaced.dirs[0].0.clone();
+        assert_eq!(names(&trash), [".rollback-old", ".upper-old", ".work-old"]);
+        assert_eq!(
+            fs::read_to_string(trash.join(".upper-old/f")).unwrap(),
+            "written by the box"
+        );
+        assert_eq!(
+            names(&lib),
+            [
+                trash.file_name().unwrap().to_string_lossy().to_string(),
+                "rollback".into(),
+                "upper-0".into(),
+                "work-0".into()
+            ]
+        );
+        // Its remover lives: left to it.
+        recover(&lib, &upper).unwrap();
+        assert!(trash.exists());
+        // Its remover is gone: removed by the next recover, and nothing else.
+        drop(replaced);
+        recover(&lib, &upper).unwrap();
+        assert!(!trash.exists());
+        assert_eq!(names(&lib), ["rollback", "upper-0", "work-0"]);
+        assert!(lib.join("rollback/tree/new").exists());
+    }
+
+    /// A swap interrupted after the old upper was moved away is finished
+    /// by a box's start (`finish_swap`), which removes nothing; `recover`
+    /// removes the rest.
+    #[test]
+    fn an_interrupted_swap_is_finished_by_a_start_without_removals() {
+        let (_t, lib, upper, work) = layout();
+        fs::rename(&work, lib.join(OLD_WORK)).unwrap();
+        fs::rename(&upper, lib.join(OLD_UPPER)).unwrap();
+        finish_swap(&lib, &upper).unwrap();
+        assert!(lib.join("rollback/tree/new").exists(), "the new layer in");
+        assert!(lib.join(OLD_LAYER).join("tree/old").exists());
+        assert!(lib.join(OLD_UPPER).join("f").exists());
+        // Again: nothing more to do.
+        finish_swap(&lib, &upper).unwrap();
+        recover(&lib, &upper).unwrap();
+        assert_eq!(names(&lib), ["rollback"]);
+        assert!(lib.join("rollback/tree/new").exists());
+    }
+}
