@@ -206,8 +206,8 @@ pub(crate) fn release_in_background(ns: OwnedFd) {
 
 /// Remove the layers a rollback replaced (`replaced`: nothing uses them any
 /// more) and then drop `ns`, the mount namespace of the box as it was before
-/// (if it was held: [`hold_mount_ns`]), in a detached process, and return at
-/// once: the box already runs on its new layers, and neither the removal
+/// (if it was held: [`hold_mount_ns`]), in a detached process at the lowest
+/// priority (nice 19), and return at once: the box already runs on its new layers, and neither the removal
 /// (tens of milliseconds for a layer of a thousand files) nor the unmount of
 /// the old root and its sync concern the caller. The process is nobody's
 /// child (forked twice), keeps only the trash directories' locks (so
@@ -267,6 +267,11 @@ pub(crate) fn discard_in_background(replaced: crate::snapshots::Replaced, ns: Op
     }
     crate::diag::descriptors_closed();
     become_daemon();
+    // The lowest priority: on a busy machine the box's next operations (a
+    // snapshot, another rollback) go first; the removal takes what is left.
+    // SAFETY: sets this (new, single-threaded) process's own nice value;
+    // integer arguments only, no memory is passed.
+    unsafe { libc::setpriority(libc::PRIO_PROCESS, 0, 19) };
     remove_trash(&replaced);
     // The caller's copy of the namespace is closed once the pipe ends.
     let mut byte = [0u8; 1];
