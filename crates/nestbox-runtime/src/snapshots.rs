@@ -17,7 +17,10 @@
 //! place under its name (`RENAME_NOREPLACE`): killed at any instant, a snapshot
 //! either exists whole or not at all. A rollback swaps directories with
 //! renames; [`recover`] finishes (or undoes) a swap a crash interrupted, and runs
-//! before anything reads the layers.
+//! before anything reads the layers (a box's start only finishes it:
+//! [`finish_swap`]). The layers a swap replaced wait in a locked trash
+//! directory ([`set_aside_replaced`]) for a detached remover; `recover`
+//! removes trash whose remover is gone.
 
 use std::fs;
 use std::io::Write;
