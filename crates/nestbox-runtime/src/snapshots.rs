@@ -17,7 +17,10 @@
 //! place under its name (`RENAME_NOREPLACE`): killed at any instant, a snapshot
 //! either exists whole or not at all. A rollback swaps directories with
 //! renames; [`recover`] finishes (or undoes) a swap a crash interrupted, and runs
-//! before anything reads the layers.
+//! before anything reads the layers (a box's start only finishes it:
+//! [`finish_swap`]). The layers a swap replaced wait in a locked trash
+//! directory ([`set_aside_replaced`]) for a detached remover; `recover`
+//! removes trash whose remover is gone.
 
 use std::fs;
 use std::io::Write;
@@ -303,8 +306,8 @@ pub fn staging_dir(lib: &Path) -> PathBuf {
 /// The order makes every crash recoverable: the old upper and work
 /// directories are renamed away first (from then on [`recover`] completes the
 /// swap), then the layers are exchanged, then the empty ones made. The
-/// replaced directories are left for [`remove_replaced`] (after the box has
-/// started again).
+/// replaced directories are left for [`set_aside_replaced`] (after the box
+/// has started again).
 pub fn swap_in(lib: &Path, upper: &Path, work: &Path, owner: (u32, u32)) -> Result<()> {
     let rename = |a: &Path, b: &Path| fs::rename(a, b).map_err(RuntimeError::io("rename", b));
     let base = upper.parent().unwrap_or(lib);
@@ -325,9 +328,79 @@ pub fn swap_in(lib: &Path, upper: &Path, work: &Path, owner: (u32, u32)) -> Resu
     Ok(())
 }
 
-/// Remove what [`swap_in`] replaced (the box's old layers).
-pub fn remove_replaced(lib: &Path, upper: &Path) {
-    remove_leftovers(lib, upper.parent().unwrap_or(lib));
+/// Where the layers one rollback replaced wait for their removal: a
+/// directory `.replaced-<pid>-<n>` beside them (one per filesystem: a box's
+/// layers may be on its own disk), flocked by whoever removes it.
+const REPLACED: &str = ".replaced-";
+
+/// The layers a [`swap_in`] replaced, moved out of the way under names no
+/// later rollback uses, each trash directory open and flocked (the lock goes
+/// with a process that inherits the descriptors: see
+/// [`crate::process::discard_in_background`]).
+#[derive(Debug)]
+pub struct Replaced {
+    /// The trash directories and their locks.
+    pub dirs: Vec<(PathBuf, Flock<fs::File>)>,
+}
+
+/// Move what [`swap_in`] replaced into locked trash directories (renames
+/// only: the box's next snapshot, rollback or start need not wait for the
+/// removal, and [`recover`] leaves a locked trash directory to its remover).
+/// What cannot be moved is removed here.
+pub fn set_aside_replaced(lib: &Path, upper: &Path) -> Replaced {
+    static SEQ: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let base = upper.parent().unwrap_or(lib);
+    let mut dirs: Vec<(PathBuf, Flock<fs::File>)> = Vec::new();
+    let mut left = Vec::new();
+    for d in [
+        lib.join(OLD_LAYER),
+        base.join(OLD_UPPER),
+        base.join(OLD_WORK),
+    ] {
+        if !d.exists() {
+            continue;
+        }
+        let parent = d.parent().unwrap_or(lib).to_path_buf();
+        let trash = match dirs.iter().position(|(t, _)| t.parent() == Some(&parent)) {
+            Some(i) => Some(i),
+            None => {
+                let n = SEQ.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                let t = parent.join(format!("{REPLACED}{}-{n}", std::process::id()));
+                let made = fs::DirBuilder::new()
+                    .mode(0o700)
+                    .create(&t)
+                    .and_then(|()| fs::File::open(&t))
+                    .ok()
+                    .and_then(|f| Flock::lock(f, nix::fcntl::FlockArg::LockExclusiveNonblock).ok());
+                match made {
+                    Some(lock) => {
+                        dirs.push((t, lock));
+                        Some(dirs.len() - 1)
+                    }
+                    None => {
+                        // Empty if made: removed with the leftovers below.
+                        let _ = fs::remove_dir(&t);
+                        None
+                    }
+                }
+            }
+        };
+        let moved = trash.is_some_and(|i| {
+            let name = d.file_name().expect("a named directory");
+            fs::rename(&d, dirs[i].0.join(name)).is_ok()
+        });
+        if !moved {
+            left.push(d);
+        }
+    }
+    for d in left {
+        crate::diag::warn_on_err(
+            None,
+            "removing a replaced layer",
+            crate::registry::remove_tree(&d),
+        );
+    }
+    Replaced { dirs }
 }
 
 /// After the old upper was moved away: exchange the rollback layers.
@@ -344,6 +417,31 @@ fn complete(lib: &Path, base: &Path) -> Result<()> {
 }
 
 fn remove_leftovers(lib: &Path, base: &Path) {
+    // Trash of rollbacks whose remover is gone (its lock can be taken).
+    for dir in [lib, base] {
+        let Ok(entries) = fs::read_dir(dir) else {
+            continue;
+        };
+        for e in entries.flatten() {
+            if !e.file_name().to_string_lossy().starts_with(REPLACED) {
+                continue;
+            }
+            let t = e.path();
+            let free = fs::File::open(&t)
+                .ok()
+                .and_then(|f| Flock::lock(f, nix::fcntl::FlockArg::LockExclusiveNonblock).ok());
+            if free.is_some() {
+                crate::diag::warn_on_err(
+                    None,
+                    "removing a replaced layer",
+                    crate::registry::remove_tree(&t),
+                );
+            }
+        }
+        if base == lib {
+            break;
+        }
+    }
     for d in [
         lib.join(NEW),
         lib.join(OLD_LAYER),
@@ -360,12 +458,22 @@ fn remove_leftovers(lib: &Path, base: &Path) {
     }
 }
 
+/// Finish a swap a crash interrupted, if one did, for the box whose data
+/// directory is `lib` and layer-0 upper directory is `upper`, without
+/// removing anything: what a box's start needs (the box then sees the layers
+/// the swap put in place). [`recover`] removes the rest later.
+pub fn finish_swap(lib: &Path, upper: &Path) -> Result<()> {
+    complete(lib, upper.parent().unwrap_or(lib))
+}
+
 /// Finish a rollback a crash interrupted (or drop one that had not begun to
 /// swap) for the box whose data directory is `lib` and layer-0 upper
 /// directory is `upper`.
 pub fn recover(lib: &Path, upper: &Path) -> Result<()> {
     let base = upper.parent().unwrap_or(lib);
-    if !lib.join(NEW).exists()
+    if !has_trash(lib)
+        && !has_trash(base)
+        && !lib.join(NEW).exists()
         && !lib.join(OLD_LAYER).exists()
         && !base.join(OLD_UPPER).exists()
         && !base.join(OLD_WORK).exists()
@@ -375,4 +483,106 @@ pub fn recover(lib: &Path, upper: &Path) -> Result<()> {
     complete(lib, base)?;
     remove_leftovers(lib, base);
     Ok(())
+}
+
+/// Whether directory `dir` holds a trash directory of replaced layers.
+fn has_trash(dir: &Path) -> bool {
+    fs::read_dir(dir).is_ok_and(|entries| {
+        entries
+            .flatten()
+            .any(|e| e.file_name().to_string_lossy().starts_with(REPLACED))
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A box data directory with a layer 0 (`upper-0/f`, `work-0`), a
+    /// rollback layer (`rollback/tree/old`) and a staged one.
+    fn layout() -> (tempfile::TempDir, PathBuf, PathBuf, PathBuf) {
+        let t = tempfile::tempdir().unwrap();
+        let lib = t.path().to_path_buf();
+        let (upper, work) = (lib.join("upper-0"), lib.join("work-0"));
+        fs::create_dir_all(&upper).unwrap();
+        fs::write(upper.join("f"), "written by the box").unwrap();
+        fs::create_dir_all(work.join("work")).unwrap();
+        fs::create_dir_all(rollback_dir(&lib).join("tree")).unwrap();
+        fs::write(rollback_dir(&lib).join("tree/old"), "old layer").unwrap();
+        fs::create_dir_all(staging_dir(&lib).join("tree")).unwrap();
+        fs::write(staging_dir(&lib).join("tree/new"), "new layer").unwrap();
+        (t, lib, upper, work)
+    }
+
+    fn owner() -> (u32, u32) {
+        (
+            nix::unistd::geteuid().as_raw(),
+            nix::unistd::getegid().as_raw(),
+        )
+    }
+
+    fn names(dir: &Path) -> Vec<String> {
+        let mut n: Vec<String> = fs::read_dir(dir)
+            .unwrap()
+            .flatten()
+            .map(|e| e.file_name().to_string_lossy().to_string())
+            .collect();
+        n.sort();
+        n
+    }
+
+    /// What a swap replaced goes into one locked trash directory; `recover`
+    /// leaves it while its lock is held and removes it once it is free.
+    #[test]
+    fn replaced_layers_wait_in_locked_trash() {
+        let (_t, lib, upper, work) = layout();
+        swap_in(&lib, &upper, &work, owner()).unwrap();
+        assert!(lib.join("rollback/tree/new").exists());
+        assert_eq!(fs::read_dir(&upper).unwrap().count(), 0, "a fresh upper");
+        let replaced = set_aside_replaced(&lib, &upper);
+        assert_eq!(replaced.dirs.len(), 1);
+        let trash = replaced.dirs[0].0.clone();
+        assert_eq!(names(&trash), [".rollback-old", ".upper-old", ".work-old"]);
+        assert_eq!(
+            fs::read_to_string(trash.join(".upper-old/f")).unwrap(),
+            "written by the box"
+        );
+        assert_eq!(
+            names(&lib),
+            [
+                trash.file_name().unwrap().to_string_lossy().to_string(),
+                "rollback".into(),
+                "upper-0".into(),
+                "work-0".into()
+            ]
+        );
+        // Its remover lives: left to it.
+        recover(&lib, &upper).unwrap();
+        assert!(trash.exists());
+        // Its remover is gone: removed by the next recover, and nothing else.
+        drop(replaced);
+        recover(&lib, &upper).unwrap();
+        assert!(!trash.exists());
+        assert_eq!(names(&lib), ["rollback", "upper-0", "work-0"]);
+        assert!(lib.join("rollback/tree/new").exists());
+    }
+
+    /// A swap interrupted after the old upper was moved away is finished
+    /// by a box's start (`finish_swap`), which removes nothing; `recover`
+    /// removes the rest.
+    #[test]
+    fn an_interrupted_swap_is_finished_by_a_start_without_removals() {
+        let (_t, lib, upper, work) = layout();
+        fs::rename(&work, lib.join(OLD_WORK)).unwrap();
+        fs::rename(&upper, lib.join(OLD_UPPER)).unwrap();
+        finish_swap(&lib, &upper).unwrap();
+        assert!(lib.join("rollback/tree/new").exists(), "the new layer in");
+        assert!(lib.join(OLD_LAYER).join("tree/old").exists());
+        assert!(lib.join(OLD_UPPER).join("f").exists());
+        // Again: nothing more to do.
+        finish_swap(&lib, &upper).unwrap();
+        recover(&lib, &upper).unwrap();
+        assert_eq!(names(&lib), ["rollback"]);
+        assert!(lib.join("rollback/tree/new").exists());
+    }
 }

@@ -148,6 +148,7 @@ pub fn snapshot(reg: &Registry, a: SnapshotArgs) -> Result<i32> {
 /// Run `rollback`.
 pub fn rollback(reg: &Registry, a: RollbackArgs) -> Result<i32> {
     let r = time_travel::rollback(reg, &a.r#box, &a.snapshot, Duration::from_secs(a.time))?;
+    nestbox_runtime::phases::report();
     if a.json {
         println!("{}", serde_json::to_string(&r)?);
     } else {

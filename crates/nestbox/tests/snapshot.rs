@@ -489,3 +489,179 @@ fn a_killed_snapshot_leaves_a_whole_one_or_none() {
     root.ok(&["store", "gc"]);
     assert!(objects(&root).is_empty());
 }
+
+/// The box's data directory.
+fn box_dir(root: &TestRoot, name: &str) -> std::path::PathBuf {
+    let id = root.inspect(name)["state"]["id"]
+        .as_str()
+        .expect("a box id")
+        .to_string();
+    root.path().join("lib/boxes").join(id)
+}
+
+/// What a rollback moves aside and removes once the box runs again, as
+/// left in the box's data directory.
+fn replaced_left(dir: &Path) -> Vec<String> {
+    fs::read_dir(dir)
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().to_string())
+        .filter(|n| {
+            n.starts_with(".replaced-")
+                || [".upper-old", ".work-old", ".rollback-old", ".rollback-new"]
+                    .contains(&n.as_str())
+        })
+        .collect()
+}
+
+/// The mount namespaces (of any process) in which an overlay whose upper
+/// directory is `upper` is mounted.
+fn namespaces_mounting(upper: &Path) -> BTreeSet<String> {
+    let needle = format!("upperdir={}", upper.display());
+    let mut out = BTreeSet::new();
+    for p in fs::read_dir("/proc").unwrap().flatten() {
+        let dir = p.path();
+        if !p
+            .file_name()
+            .to_string_lossy()
+            .bytes()
+            .all(|b| b.is_ascii_digit())
+        {
+            continue;
+        }
+        // A process that ended meanwhile has nothing to read.
+        let Ok(info) = fs::read_to_string(dir.join("mountinfo")) else {
+            continue;
+        };
+        if info.contains(&needle) {
+            if let Ok(ns) = fs::read_link(dir.join("ns/mnt")) {
+                out.insert(ns.to_string_lossy().to_string());
+            }
+        }
+    }
+    out
+}
+
+/// Whether `done` holds within `limit` (checked every 50 ms): for work a
+/// command leaves to a background process, whose end is what is checked.
+fn eventually(limit: Duration, mut done: impl FnMut() -> bool) -> bool {
+    let end = std::time::Instant::now() + limit;
+    while std::time::Instant::now() < end {
+        if done() {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    done()
+}
+
+#[test]
+fn rollback_of_a_running_box_leaves_nothing_of_its_old_layer() {
+    let test = "rollback_of_a_running_box_leaves_nothing_of_its_old_layer";
+    let Some(root) = TestRoot::new(test) else {
+        return;
+    };
+    if !busybox_present(test) {
+        return;
+    }
+    import_image(&root);
+    root.ok(&[
+        "run",
+        "-d",
+        "--name",
+        "w",
+        "--network",
+        "none",
+        "--image",
+        "bb",
+        "--",
+        "sleep",
+        "100000",
+    ]);
+    root.ok(&[
+        "exec",
+        "w",
+        "--",
+        "sh",
+        "-c",
+        "mkdir /w; for i in $(seq 1 300); do echo $i > /w/f$i; done; echo keep > /w/keep",
+    ]);
+    root.ok(&["snapshot", "w", "s1"]);
+    let listing = "ls /w | wc -l; cat /w/keep /w/f7 /w/f300; ls /w/new 2>&1 || true";
+    let at_s1 = root.ok(&["exec", "w", "--", "sh", "-c", listing]);
+    // The box changes every file (dirty, unwritten data in its layer when
+    // it is stopped), adds one and deletes one.
+    root.ok(&[
+        "exec",
+        "w",
+        "--",
+        "sh",
+        "-c",
+        "for i in $(seq 1 300); do echo more >> /w/f$i; done; echo new > /w/new; rm /w/keep",
+    ]);
+    let dir = box_dir(&root, "w");
+    let upper = dir.join("upper-0");
+    assert_eq!(namespaces_mounting(&upper).len(), 1, "the box's root, once");
+    let pid_before = init_pid(&root, "w");
+    let rb = json(&root.ok(&["rollback", "--json", "w", "s1"]));
+    assert_eq!(rb["restarted"], true, "{rb}");
+    assert_eq!(root.status("w").as_deref(), Some("running"));
+    assert_ne!(init_pid(&root, "w"), pid_before, "a new init");
+    assert_eq!(root.ok(&["exec", "w", "--", "sh", "-c", listing]), at_s1);
+    // The replaced layers and the old root (kept mounted in the old mount
+    // namespace while the box stopped) go in a background process: once it
+    // is done, nothing of them is left, and only the new root is mounted.
+    assert!(
+        eventually(Duration::from_secs(30), || replaced_left(&dir).is_empty()
+            && namespaces_mounting(&upper).len() == 1),
+        "left: {:?}, overlays of the layer mounted in {:?}",
+        replaced_left(&dir),
+        namespaces_mounting(&upper)
+    );
+    assert!(diff(&root, &["w", "s1"]).is_empty());
+
+    // Two rollbacks in a row (the first one's removal may still run) and
+    // one of the box stopped.
+    root.ok(&["exec", "w", "--", "sh", "-c", "echo two > /w/keep"]);
+    root.ok(&["snapshot", "w", "s2"]);
+    root.ok(&["rollback", "w", "s1"]);
+    root.ok(&["rollback", "w", "s2"]);
+    assert_eq!(
+        root.ok(&["exec", "w", "--", "cat", "/w/keep"]).trim(),
+        "two"
+    );
+    root.ok(&["stop", "-t", "1", "w"]);
+    root.ok(&["rollback", "w", "s1"]);
+    assert_eq!(root.status("w").as_deref(), Some("exited"));
+    assert!(
+        eventually(Duration::from_secs(30), || replaced_left(&dir).is_empty()
+            && namespaces_mounting(&upper).is_empty()),
+        "left: {:?}, overlays of the layer mounted in {:?}",
+        replaced_left(&dir),
+        namespaces_mounting(&upper)
+    );
+    assert!(diff(&root, &["w", "s1"]).is_empty());
+
+    // Trash of replaced layers whose remover died goes at the next snapshot
+    // operation; trash whose remover lives (holds its lock) is left to it.
+    let dead = dir.join(".replaced-1-0");
+    fs::create_dir_all(dead.join("upper/d")).unwrap();
+    fs::write(dead.join("upper/d/f"), "x").unwrap();
+    let live = dir.join(".replaced-2-0");
+    fs::create_dir(&live).unwrap();
+    let lock = nix::fcntl::Flock::lock(
+        fs::File::open(&live).unwrap(),
+        nix::fcntl::FlockArg::LockExclusiveNonblock,
+    )
+    .unwrap();
+    diff(&root, &["w"]);
+    assert!(!dead.exists(), "dead remover's trash removed");
+    assert!(live.exists(), "a live remover's trash left to it");
+    drop(lock);
+    root.ok(&["snapshot", "w", "s3"]);
+    assert!(!live.exists());
+    root.rm_all(["w"]);
+    root.ok(&["image", "rm", "bb"]);
+    root.ok(&["store", "gc"]);
+    assert!(objects(&root).is_empty());
+}

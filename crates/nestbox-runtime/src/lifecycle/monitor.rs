@@ -13,7 +13,7 @@
 
 use std::fs::File;
 use std::io::{Read, Write};
-use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsFd, FromRawFd, OwnedFd};
 use std::os::unix::fs::DirBuilderExt;
 use std::time::{Duration, Instant};
 
@@ -21,14 +21,13 @@ use nestbox_cgroup::{BoxCgroup, Hierarchies};
 use nestbox_isolation::idmap::IdMap;
 use nestbox_isolation::namespaces::{fork_into, Forked, BOX_NAMESPACES};
 use nestbox_isolation::rootfs::{LayerMount, RootfsPlan};
-use nix::errno::Errno;
 use nix::fcntl::OFlag;
 use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
 use nix::sched::CloneFlags;
 use nix::sys::signal::{kill, sigprocmask, SigSet, SigmaskHow, Signal};
 use nix::sys::signalfd::{SfdFlags, SignalFd};
 use nix::sys::wait::waitpid;
-use nix::unistd::{pipe2, ForkResult, Pid};
+use nix::unistd::{pipe2, Pid};
 
 use crate::launch::{box_first_process, read_report, ChildFds, CommandPlan, LaunchPlan};
 use crate::liveness::ProcRef;
@@ -85,7 +84,8 @@ pub(crate) struct Running {
     pub(crate) cgroup: Option<BoxCgroup>,
     /// The box's mount namespace, held open so that tearing it down (and
     /// freeing the writable layer's directories) happens after the box is
-    /// gone, off the foreground caller's path: see [`release_in_background`].
+    /// gone, off the foreground caller's path: see
+    /// [`crate::process::release_in_background`].
     pub(crate) mount_ns: Option<OwnedFd>,
     /// A pooled shell: the monitor's end of the channel to its init.
     pub(crate) shell: Option<OwnedFd>,
@@ -579,52 +579,6 @@ fn move_into_cgroup(file: &std::path::Path, pid: Pid, opener: Option<u32>) -> Re
     }
 }
 
-/// Drop the last reference to a finished box's mount namespace in a child
-/// process that nobody waits for. Tearing the namespace down unmounts the
-/// box's root, which makes the kernel wait for an RCU grace period and frees
-/// the blocks of the writable layer's (already removed) directories: about
-/// 1.5 ms here that the foreground `run` need not wait for. The child keeps
-/// nothing else open (so the caller's pipes see their end at once) and exits
-/// once this process has closed its own copy of the namespace (the end of a
-/// pipe tells it), so that the child's is the last reference.
-fn release_in_background(ns: OwnedFd) {
-    let Ok((wait_r, wait_w)) = pipe2(OFlag::empty()) else {
-        return;
-    };
-    // SAFETY: the monitor is single-threaded; the child only calls dup2,
-    // close, close_range, read and _exit, all async-signal-safe.
-    match unsafe { nix::unistd::fork() } {
-        Ok(ForkResult::Child) => {
-            // SAFETY: dup2 on this process's own descriptor table; the objects
-            // owning descriptors 2 and up (`ns`, the pipe) are never used again:
-            // this child ends with _exit below.
-            let closed = unsafe {
-                libc::dup2(ns.as_raw_fd(), 0);
-                libc::dup2(wait_r.as_raw_fd(), 1);
-                nestbox_sys::fd::close_range(2, u32::MAX)
-            };
-            if closed.is_err() {
-                // Could not drop the caller's pipes: leave at once rather than
-                // hold them open (the namespace is then released by the parent).
-                nestbox_sys::process::exit_now(1);
-            }
-            // SAFETY: a one-byte read into a buffer on this stack; _exit ends the
-            // child without running the parent's exit handlers.
-            unsafe {
-                let mut byte = 0u8;
-                while libc::read(1, (&mut byte as *mut u8).cast(), 1) < 0
-                    && Errno::last() == Errno::EINTR
-                {}
-                libc::_exit(0)
-            }
-        }
-        // The parent's copies close here (the namespace first, then the
-        // pipe that lets the child go); had the fork failed, this releases
-        // the namespace in the foreground, as without this.
-        _ => drop((ns, wait_w, wait_r)),
-    }
-}
-
 /// Fork the box's first process into new namespaces (`flags`) with its pid
 /// namespace nested in template `t`'s. The kernel creates a new pid namespace only
 /// under the creator's own, so a helper is forked into the template's pid
@@ -951,7 +905,10 @@ fn launch_plan(
     }
     // A box rolled back to a snapshot: the snapshot's layer, read-only, right
     // under its (fresh) writable layer (see `snapshots`).
-    crate::snapshots::recover(record.lib_dir(), &record.layer_dirs(0).0)?;
+    // (A swap a crash interrupted is finished; the layers it replaced are
+    // left for the rollback that made them, or the next snapshot operation,
+    // to remove: not on the way to the box's start.)
+    crate::snapshots::finish_swap(record.lib_dir(), &record.layer_dirs(0).0)?;
     if let (Some(tree), Some(layer)) = (
         crate::snapshots::rollback_tree(record.lib_dir()),
         view.layers.first_mut(),
@@ -1418,7 +1375,7 @@ pub(crate) fn finish(
     }
     crate::phases::mark("monitor: record removed or updated");
     if let Some(ns) = run.mount_ns {
-        release_in_background(ns);
+        crate::process::release_in_background(ns);
     }
     crate::phases::mark("monitor: mount namespace handed off");
     Ok(Outcome {

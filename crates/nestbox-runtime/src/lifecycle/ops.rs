@@ -4,7 +4,7 @@
 
 use std::fs::File;
 use std::io::Read;
-use std::os::fd::OwnedFd;
+use std::os::fd::{AsFd, OwnedFd};
 use std::time::{Duration, Instant};
 
 use nestbox_cgroup::{Hierarchies, Stats};
@@ -266,16 +266,29 @@ fn stop_inner(reg: &Registry, rel: &dyn Relations, name: &str, timeout: Duration
     let Some(target) = signal_target(&record) else {
         return settle(reg, &record);
     };
-    // ESRCH: the box ended meanwhile, which is what stop wants.
-    let _ = kill(target, Signal::SIGTERM);
     let watched = match record.state.effective_status() {
         Status::Frozen => record.state.template.as_ref().map(|t| t.process),
         _ => record.state.init,
     };
-    if !wait_until(timeout, || !watched.is_some_and(|p| p.alive())) {
+    // Its end is seen the moment it comes through a pidfd (opened before the
+    // signal, while it is sure to run); polling is the fallback.
+    let pidfd = watched.as_ref().and_then(crate::process::pidfd_of);
+    // ESRCH: the box ended meanwhile, which is what stop wants.
+    let _ = kill(target, Signal::SIGTERM);
+    crate::phases::mark("stop: SIGTERM sent");
+    let gone = || !watched.is_some_and(|p| p.alive());
+    let ended = match &pidfd {
+        Some(fd) => match nestbox_sys::pidfd::wait_ended(fd.as_fd(), Some(timeout)) {
+            Ok(ended) => ended || gone(),
+            Err(_) => wait_until(timeout, gone),
+        },
+        None => wait_until(timeout, gone),
+    };
+    if !ended {
         // As above: ESRCH means it is gone.
         let _ = kill(target, Signal::SIGKILL);
     }
+    crate::phases::mark("stop: init ended");
     if record.state.effective_status() == Status::Frozen && rel.keeps_init(reg, &record)? {
         // Its init stays for the clones; the monitor records the end when it goes.
         return Ok(());
@@ -464,7 +477,13 @@ fn settle(reg: &Registry, record: &BoxRecord) -> Result<()> {
             .is_some_and(|m| m.alive())
     };
     let recorded = |r: &Registry| reg_status(r, name) == Some(Status::Exited);
-    if wait_until(Duration::from_secs(10), || recorded(reg) || monitor_gone()) && recorded(reg) {
+    // Checked every millisecond at first: the monitor records the end a few
+    // milliseconds after init's, and a rollback waits for it with the box down.
+    let done = || recorded(reg) || monitor_gone();
+    if (wait_every(Duration::from_millis(50), Duration::from_millis(1), &done)
+        || wait_until(Duration::from_secs(10), &done))
+        && recorded(reg)
+    {
         return Ok(());
     }
     let record = reg.load(name)?;
@@ -492,6 +511,18 @@ pub(crate) fn cleanup_dead(reg: &Registry, record: &BoxRecord) -> Result<()> {
         s.error.get_or_insert_with(|| "its monitor died".into());
     })
     .map(|_| ())
+}
+
+/// Whether `done` holds within `limit`, checked every `pause`.
+fn wait_every(limit: Duration, pause: Duration, mut done: impl FnMut() -> bool) -> bool {
+    let end = Instant::now() + limit;
+    while Instant::now() < end {
+        if done() {
+            return true;
+        }
+        std::thread::sleep(pause);
+    }
+    done()
 }
 
 pub(crate) fn wait_until(limit: Duration, mut done: impl FnMut() -> bool) -> bool {

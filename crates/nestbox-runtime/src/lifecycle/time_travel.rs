@@ -208,6 +208,7 @@ pub fn rollback(
     let record = reg.load(box_name)?;
     let _lock = snapshots::lock(&record)?;
     let snap = snapshots::load(reg, &record, name)?;
+    crate::phases::mark("rollback: snapshot record read");
     let status = record.state.effective_status();
     let wrong = |problem: &str| RuntimeError::WrongState {
         name: box_name.to_string(),
@@ -252,7 +253,10 @@ pub fn rollback(
                 ),
             )
         })
-        .and_then(|()| crate::state::write_json(&staging.join("layer.json"), &snap.layer));
+        .and_then(|()| {
+            crate::phases::mark("rollback: tree made");
+            crate::state::write_json(&staging.join("layer.json"), &snap.layer)
+        });
     if let Err(e) = made {
         crate::diag::warn_on_err(
             Some(box_name),
@@ -262,9 +266,46 @@ pub fn rollback(
         return Err(e);
     }
     let materialise_ms = started.elapsed().as_secs_f64() * 1000.0;
+    crate::phases::mark("rollback: layer materialised");
     let down = Instant::now();
+    // The box's mount namespace, held while it stops: its root overlay is
+    // then not unmounted in its last process's exit (where overlayfs syncs
+    // the whole filesystem under its upper layer, the old layer's dirty
+    // files included, and the stop waits for it), but once the box runs
+    // again, in the background (see `docs/snapshots.md`).
+    let held_ns = if running {
+        record
+            .state
+            .init
+            .as_ref()
+            .and_then(crate::process::hold_mount_ns)
+    } else {
+        None
+    };
     if running {
-        crate::lifecycle::ops::stop(reg, box_name, stop_timeout)?;
+        let stopped = crate::lifecycle::ops::stop(reg, box_name, stop_timeout).and_then(|()| {
+            // A stop returns once the monitor recorded the end or gave up
+            // waiting for it: a box whose init outlived even SIGKILL (stuck
+            // in the kernel) still uses its layer, which is not swapped then.
+            match record.state.init {
+                Some(init) if init.alive() => Err(wrong(
+                    "did not end (its init outlived SIGKILL): its files were not rolled back",
+                )),
+                _ => Ok(()),
+            }
+        });
+        if let Err(e) = stopped {
+            // Nothing changed but the layer staged: removed (what cannot be
+            // is dropped by the next `recover`); the box's files are as they
+            // were, whatever state the stop left it in.
+            crate::diag::warn_on_err(
+                Some(box_name),
+                "removing the staged rollback layer",
+                crate::registry::remove_tree(&staging),
+            );
+            return Err(e);
+        }
+        crate::phases::mark("rollback: box stopped");
     }
     let owner = std::fs::symlink_metadata(&upper)
         .map(|m| (m.uid(), m.gid()))
@@ -272,13 +313,18 @@ pub fn rollback(
     let swap_start = Instant::now();
     snapshots::swap_in(&lib, &upper, &work, owner)?;
     let swap_ms = swap_start.elapsed().as_secs_f64() * 1000.0;
+    crate::phases::mark("rollback: layers swapped");
     let restarted = if running {
         crate::lifecycle::ops::restart_detached(reg, &reg.load(box_name)?)
     } else {
         Ok(())
     };
     let downtime_ms = down.elapsed().as_secs_f64() * 1000.0;
-    snapshots::remove_replaced(&lib, &upper);
+    crate::phases::mark("rollback: box started again");
+    // The old layers (and the old root, still mounted in the held
+    // namespace) go in the background: the box runs on its new ones.
+    crate::process::discard_in_background(snapshots::set_aside_replaced(&lib, &upper), held_ns);
+    crate::phases::mark("rollback: replaced layers handed off");
     restarted?;
     Ok(RollbackReport {
         box_name: box_name.to_string(),
