@@ -27,6 +27,34 @@ fn busybox_present(test: &str) -> bool {
     )
 }
 
+/// A test root with the busybox image `bb` imported (see [`import_image`]);
+/// `None` where the test cannot run (a failure under CI).
+fn busybox_root(test: &str) -> Option<TestRoot> {
+    let root = TestRoot::new(test)?;
+    if !busybox_present(test) {
+        return None;
+    }
+    import_image(&root);
+    Some(root)
+}
+
+/// Start box `name` of the `bb` image, without a network, sleeping.
+fn run_sleeping(root: &TestRoot, name: &str) {
+    root.ok(&[
+        "run",
+        "-d",
+        "--name",
+        name,
+        "--network",
+        "none",
+        "--image",
+        "bb",
+        "--",
+        "sleep",
+        "100000",
+    ]);
+}
+
 /// Import a busybox image `bb` with /etc/hello, /etc/keep and a directory
 /// /etc/d holding one and sub/deep.
 fn import_image(root: &TestRoot) {
@@ -102,26 +130,10 @@ fn init_pid(root: &TestRoot, name: &str) -> i64 {
 #[test]
 fn snapshot_diff_rollback_round_trip() {
     let test = "snapshot_diff_rollback_round_trip";
-    let Some(root) = TestRoot::new(test) else {
+    let Some(root) = busybox_root(test) else {
         return;
     };
-    if !busybox_present(test) {
-        return;
-    }
-    import_image(&root);
-    root.ok(&[
-        "run",
-        "-d",
-        "--name",
-        "tt",
-        "--network",
-        "none",
-        "--image",
-        "bb",
-        "--",
-        "sleep",
-        "100000",
-    ]);
+    run_sleeping(&root, "tt");
     // Add, modify, delete a lower file (a whiteout), replace a lower
     // directory (an opaque one), and a new directory.
     root.ok(&[
@@ -314,27 +326,11 @@ fn snapshot_diff_rollback_round_trip() {
 #[test]
 fn bad_input_is_one_line_and_changes_nothing() {
     let test = "bad_input_is_one_line_and_changes_nothing";
-    let Some(root) = TestRoot::new(test) else {
+    let Some(root) = busybox_root(test) else {
         return;
     };
-    if !busybox_present(test) {
-        return;
-    }
-    import_image(&root);
     for name in ["a", "b"] {
-        root.ok(&[
-            "run",
-            "-d",
-            "--name",
-            name,
-            "--network",
-            "none",
-            "--image",
-            "bb",
-            "--",
-            "sleep",
-            "100000",
-        ]);
+        run_sleeping(&root, name);
     }
     root.ok(&["exec", "a", "--", "sh", "-c", "echo x > /etc/x"]);
     root.ok(&["snapshot", "a", "sa"]);
@@ -418,26 +414,10 @@ fn bad_input_is_one_line_and_changes_nothing() {
 #[test]
 fn a_killed_snapshot_leaves_a_whole_one_or_none() {
     let test = "a_killed_snapshot_leaves_a_whole_one_or_none";
-    let Some(root) = TestRoot::new(test) else {
+    let Some(root) = busybox_root(test) else {
         return;
     };
-    if !busybox_present(test) {
-        return;
-    }
-    import_image(&root);
-    root.ok(&[
-        "run",
-        "-d",
-        "--name",
-        "k",
-        "--network",
-        "none",
-        "--image",
-        "bb",
-        "--",
-        "sleep",
-        "100000",
-    ]);
+    run_sleeping(&root, "k");
     root.ok(&[
         "exec",
         "k",
@@ -558,26 +538,10 @@ fn eventually(limit: Duration, mut done: impl FnMut() -> bool) -> bool {
 #[test]
 fn rollback_of_a_running_box_leaves_nothing_of_its_old_layer() {
     let test = "rollback_of_a_running_box_leaves_nothing_of_its_old_layer";
-    let Some(root) = TestRoot::new(test) else {
+    let Some(root) = busybox_root(test) else {
         return;
     };
-    if !busybox_present(test) {
-        return;
-    }
-    import_image(&root);
-    root.ok(&[
-        "run",
-        "-d",
-        "--name",
-        "w",
-        "--network",
-        "none",
-        "--image",
-        "bb",
-        "--",
-        "sleep",
-        "100000",
-    ]);
+    run_sleeping(&root, "w");
     root.ok(&[
         "exec",
         "w",
