@@ -597,8 +597,21 @@ impl Tracee {
         if !self.attached {
             return Ok(());
         }
+        // A tracee killed meanwhile (its box stopped or removed while it
+        // was traced: SIGKILL ends a stopped tracee too) has no registers to
+        // put back and cannot be detached from (ESRCH): what was done with it
+        // before stands, and nothing is left to undo.
+        let pid = self.pid;
+        let killed = move |e: &RemoteError| {
+            matches!(e, RemoteError::Ptrace { source, .. } if source.raw_os_error() == Some(libc::ESRCH))
+                && crate::procfs::exiting(pid)
+        };
         if self.stopped {
-            self.restore_regs()?;
+            if let Err(e) = self.restore_regs() {
+                if !killed(&e) {
+                    return Err(e);
+                }
+            }
         }
         for sig in std::mem::take(&mut self.deferred) {
             // Best effort: a signal that cannot be re-sent (the process is gone)
@@ -608,7 +621,19 @@ impl Tracee {
         let result = sys_ptrace::detach(self.pid, 0).map_err(ptrace_err("PTRACE_DETACH", self.pid));
         self.attached = false;
         self.stopped = false;
-        result.map(drop)
+        match result {
+            Err(e) if killed(&e) => {
+                // Its end goes to its parent once its tracer has seen it.
+                let _ = nix::sys::wait::waitpid(
+                    nix::unistd::Pid::from_raw(self.pid),
+                    Some(
+                        nix::sys::wait::WaitPidFlag::__WALL | nix::sys::wait::WaitPidFlag::WNOHANG,
+                    ),
+                );
+                Ok(())
+            }
+            r => r.map(drop),
+        }
     }
 
     /// Kill the tracee with SIGKILL and wait for it to be gone from our side (its

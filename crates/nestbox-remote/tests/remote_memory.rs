@@ -50,6 +50,10 @@ fn main() {
         ),
         ("rebuild_into_a_forked_child", rebuild_forked),
         ("rebuild_into_an_exec_child", rebuild_exec),
+        (
+            "a_tracee_killed_while_traced_is_detached_without_error",
+            killed_tracee,
+        ),
     ];
     nestbox_testkit::run_root_cases(cases);
 }
@@ -466,4 +470,39 @@ fn partly_attached() {
         ok.ready["shmid"].parse().expect("shmid"),
     );
     ensure_memory_clonable(ok.template).expect("clonable");
+}
+
+/// A traced process killed meanwhile (its box stopped while a checkpoint had
+/// it stopped) leaves nothing to detach from: the detach succeeds, and the
+/// process's end is handed on to its parent.
+fn killed_tracee() {
+    let mut child = std::process::Command::new("sleep")
+        .arg("1000")
+        .spawn()
+        .expect("spawn sleep");
+    let pid = child.id() as i32;
+    // Its state letter, `None` once it is gone.
+    let state = || {
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+        stat.rsplit_once(')')?
+            .1
+            .split_whitespace()
+            .next()
+            .map(String::from)
+    };
+    let t = Tracee::seize_and_interrupt(pid).expect("seize");
+    // SAFETY: kill with plain integers.
+    unsafe { libc::kill(pid, libc::SIGKILL) };
+    wait_until("the tracee to die", Duration::from_secs(5), || {
+        state().is_none_or(|s| s == "Z")
+    });
+    t.detach().expect("detaching from a killed tracee");
+    // Its tracer saw its end (and, being its parent here too, reaped it);
+    // nothing of it is left.
+    let _ = child.try_wait();
+    wait_until(
+        "the killed tracee to be reaped",
+        Duration::from_secs(5),
+        || state().is_none(),
+    );
 }
