@@ -56,6 +56,19 @@ fn sys(call: &str) -> impl FnOnce(io::Error) -> NetError + '_ {
 /// (`inbound`, `INPUT`), loopback excepted, goes to queue [`QUEUE`], without
 /// bypass. Runs `iptables-nft` and `ip6tables-nft` in that namespace.
 pub fn install_rules(pid: i32, outbound: bool, inbound: bool) -> Result<()> {
+    change_rules(pid, outbound, inbound, "-A")
+}
+
+/// Take the rules [`install_rules`] put in (with the same directions) out of
+/// the network namespace of process `pid`: its packets go straight through
+/// again (`monitor detach`).
+pub fn remove_rules(pid: i32, outbound: bool, inbound: bool) -> Result<()> {
+    change_rules(pid, outbound, inbound, "-D")
+}
+
+/// Append (`-A`) or delete (`-D`) the queue rules of each direction asked
+/// for, IPv4 then IPv6.
+fn change_rules(pid: i32, outbound: bool, inbound: bool, action: &'static str) -> Result<()> {
     let path = format!("/proc/{pid}/ns/net");
     let ns: OwnedFd = std::fs::File::open(&path)
         .map_err(|source| NetError::Io {
@@ -66,10 +79,10 @@ pub fn install_rules(pid: i32, outbound: bool, inbound: bool) -> Result<()> {
         .into();
     let mut rules = Vec::new();
     if outbound {
-        rules.push(["-A", "OUTPUT", "!", "-o", "lo"]);
+        rules.push([action, "OUTPUT", "!", "-o", "lo"]);
     }
     if inbound {
-        rules.push(["-A", "INPUT", "!", "-i", "lo"]);
+        rules.push([action, "INPUT", "!", "-i", "lo"]);
     }
     for tool in ["iptables-nft", "ip6tables-nft"] {
         for rule in &rules {

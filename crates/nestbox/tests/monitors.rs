@@ -7,7 +7,9 @@
 //! fail in one line and leave nothing. Monitors attached to a running box
 //! (`monitor attach`) act from then on, on every process and thread and on
 //! later children; `monitor detach` lets every call through while the filter
-//! stays; refusals and a failure halfway say so in one line.
+//! stays; refusals and a failure halfway say so in one line. The packet
+//! inspector runs from the start or attached later, alone or with call
+//! monitors, and its rules go on `detach`.
 
 mod common;
 
@@ -1359,7 +1361,306 @@ fn packets_refusals_fail_in_one_line_and_leave_nothing() {
     assert_error(
         &root.run(&["monitor", "attach", "p", "--monitor", "packets:drop=x"]),
         125,
-        "the packet inspector is given to nestbox run only",
+        "monitor attach --monitor packets:drop=x: the packet inspector needs a box with --network bridge (box \"p\" has --network none",
     );
+    assert_eq!(attached(&root, "p"), serde_json::Value::Null);
+    assert!(servers_of(&root).is_empty(), "no server is left");
     root.rm_all(["p"]);
+}
+
+/// A UDP receiver on port 9000 that prints `udp MESSAGE` for each datagram.
+const UDP_RECEIVER: &str = "import socket\n\
+u = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); u.bind(('0.0.0.0', 9000))\n\
+print('listening', flush=True)\n\
+while True: print('udp ' + u.recv(100).decode(), flush=True)\n";
+
+/// The receiver box `rx` (bridged) started and listening; its address.
+fn start_receiver(root: &TestRoot) -> String {
+    root.ok(&[
+        "run",
+        "-d",
+        "--name",
+        "rx",
+        "--",
+        "python3",
+        "-c",
+        UDP_RECEIVER,
+    ]);
+    root.wait_logged("rx", "listening", Duration::from_secs(30));
+    root.inspect("rx")["state"]["network"]["address"]
+        .as_str()
+        .expect("rx has an address")
+        .to_string()
+}
+
+/// The datagrams `rx` printed.
+fn received(root: &TestRoot) -> Vec<String> {
+    log_lines(root, "rx")
+        .into_iter()
+        .filter_map(|l| l.strip_prefix("udp ").map(str::to_string))
+        .collect()
+}
+
+/// The lines of box `name`'s trace log that hold `what`.
+fn trace_lines(root: &TestRoot, name: &str, what: &str) -> Vec<String> {
+    std::fs::read_to_string(root.path().join(format!("run/boxes/{name}/trace.log")))
+        .unwrap_or_default()
+        .lines()
+        .filter(|l| l.contains(what))
+        .map(str::to_string)
+        .collect()
+}
+
+#[test]
+fn attach_packets_inspects_a_running_box_and_detach_takes_its_rules_out() {
+    let Some(root) =
+        TestRoot::new("attach_packets_inspects_a_running_box_and_detach_takes_its_rules_out")
+    else {
+        return;
+    };
+    let rx = start_receiver(&root);
+    root.ok(&["run", "-d", "--name", "tx", "--", "sleep", "600"]);
+    // One datagram from a process started in the box now (`exec`).
+    let send = |msg: &str| {
+        let code = format!(
+            "import socket; socket.socket(socket.AF_INET, socket.SOCK_DGRAM).sendto(b'{msg}', ('{rx}', 9000))"
+        );
+        root.ok(&["exec", "tx", "--", "python3", "-c", &code]);
+    };
+    let wait_received = |msg: &str| {
+        wait_for(
+            &format!("rx to receive {msg:?}"),
+            Duration::from_secs(20),
+            || received(&root).iter().any(|m| m == msg),
+        )
+    };
+    send("e1 SECRET");
+    wait_received("e1 SECRET");
+    assert!(
+        !box_ruleset(&root, "tx").contains("queue"),
+        "no rule before"
+    );
+
+    let out = root
+        .run(&[
+            "monitor",
+            "attach",
+            "tx",
+            "--monitor",
+            "packets:drop=SECRET,log=HELLO",
+        ])
+        .ok();
+    assert!(
+        out.stdout
+            .starts_with("attached\tpackets:drop=SECRET,log=HELLO\tprocesses []"),
+        "{out}"
+    );
+    let a = attached(&root, "tx");
+    assert_eq!(a["state"], "attached", "{a}");
+    assert_eq!(a["processes"], serde_json::json!([]), "no call filter: {a}");
+    let server = a["server_pid"].as_i64().unwrap() as i32;
+    assert!(pid_alive(server), "{a}");
+    let rules = box_ruleset(&root, "tx");
+    assert!(
+        rules.matches("queue num 0").count() == 4
+            && rules.matches("oifname != \"lo\" counter").count() == 2
+            && rules.matches("iifname != \"lo\" counter").count() == 2
+            && !rules.contains("bypass"),
+        "both ways, IPv4 and IPv6, fail closed: {rules}"
+    );
+    assert!(
+        !box_ruleset(&root, "rx").contains("queue"),
+        "the other box is not inspected"
+    );
+    assert_error(
+        &root.run(&["freeze", "tx"]),
+        125,
+        "box \"tx\" has monitors attached (nestbox monitor attach): it cannot be frozen or cloned",
+    );
+    send("e2 SECRET");
+    send("e3 HELLO");
+    send("e4 plain");
+    wait_received("e4 plain");
+    assert_eq!(
+        received(&root),
+        ["e1 SECRET", "e3 HELLO", "e4 plain"],
+        "SECRET is dropped once attached"
+    );
+    let drops = trace_lines(&root, "tx", " packet drop ");
+    let logs = trace_lines(&root, "tx", " packet log ");
+    assert!(
+        drops.len() == 1
+            && drops[0].contains("dir=out proto=udp")
+            && drops[0].contains(&format!("dst={rx}:9000"))
+            && drops[0].ends_with("pattern=\"SECRET\""),
+        "{drops:?}"
+    );
+    assert!(
+        logs.len() == 1 && logs[0].ends_with("pattern=\"HELLO\""),
+        "{logs:?}"
+    );
+
+    // Detach: the rules go, and with no call filter to keep, the server.
+    let out = root.run(&["monitor", "detach", "tx"]).ok();
+    assert!(
+        out.stdout
+            .starts_with("detached\tpackets:drop=SECRET,log=HELLO"),
+        "{out}"
+    );
+    wait_for("the server to end", Duration::from_secs(10), || {
+        !pid_alive(server)
+    });
+    assert_eq!(attached(&root, "tx"), serde_json::Value::Null);
+    assert!(
+        !box_ruleset(&root, "tx").contains("queue"),
+        "the rules are out"
+    );
+    send("e5 SECRET");
+    wait_received("e5 SECRET");
+
+    // Attached again, outbound only, a pattern in hex (SECRET).
+    root.run(&[
+        "monitor",
+        "attach",
+        "tx",
+        "--monitor",
+        "packets:hex=534543524554,dir=out",
+    ])
+    .ok();
+    // (A chain emptied by detach stays, empty.)
+    let rules = box_ruleset(&root, "tx");
+    assert!(
+        rules.matches("queue num 0").count() == 2
+            && rules.matches("oifname != \"lo\" counter").count() == 2
+            && !rules.contains("iifname"),
+        "outbound only, IPv4 and IPv6: {rules}"
+    );
+    send("e6 SECRET");
+    send("e7 plain");
+    wait_received("e7 plain");
+    assert!(
+        !received(&root).iter().any(|m| m == "e6 SECRET"),
+        "{:?}",
+        received(&root)
+    );
+    assert_eq!(trace_lines(&root, "tx", " packet drop ").len(), 2);
+    let server = attached(&root, "tx")["server_pid"].as_i64().unwrap() as i32;
+    root.rm_all(["tx", "rx"]);
+    wait_for(
+        "the attached server to end",
+        Duration::from_secs(20),
+        || !pid_alive(server),
+    );
+    assert!(root.names().is_empty());
+}
+
+#[test]
+fn attach_packets_stacks_with_call_monitors_and_detach_keeps_the_call_filter() {
+    let Some(root) =
+        TestRoot::new("attach_packets_stacks_with_call_monitors_and_detach_keeps_the_call_filter")
+    else {
+        return;
+    };
+    let rx = start_receiver(&root);
+    // The sender: a datagram holding SECRET every 0.1 s.
+    let sender = format!(
+        "import socket, time\n\
+u = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)\n\
+i = 0\n\
+while True:\n\
+\x20   i += 1; u.sendto(b'n%d SECRET' % i, ('{rx}', 9000)); time.sleep(0.1)\n"
+    );
+    root.ok(&["run", "-d", "--name", "tx", "--", "python3", "-c", &sender]);
+    let count = || received(&root).len();
+    wait_for("datagrams to arrive", Duration::from_secs(20), || {
+        count() >= 3
+    });
+    // Until `n` more `what` lines are in tx's trace log, from `from`.
+    let wait_trace = |what: &str, n: usize| {
+        let from = trace_lines(&root, "tx", what).len();
+        wait_for(
+            &format!("{n} more {what:?} lines"),
+            Duration::from_secs(20),
+            || trace_lines(&root, "tx", what).len() >= from + n,
+        );
+    };
+    // Nothing arrives while `what` lines grow by 5 in the trace log.
+    let nothing_arrives = |what: &str| {
+        wait_trace(what, 2);
+        let before = received(&root);
+        wait_trace(what, 5);
+        assert_eq!(received(&root), before, "every datagram is dropped");
+    };
+
+    let out = root
+        .run(&[
+            "monitor",
+            "attach",
+            "tx",
+            "--monitor",
+            "trace:sendto",
+            "--monitor",
+            "packets:drop=SECRET",
+        ])
+        .ok();
+    assert!(
+        out.stdout
+            .starts_with("attached\ttrace:sendto packets:drop=SECRET\t"),
+        "{out}"
+    );
+    let a = attached(&root, "tx");
+    assert_ne!(a["processes"], serde_json::json!([]), "a call filter: {a}");
+    let server = a["server_pid"].as_i64().unwrap() as i32;
+    // Both act: each sendto is logged, each datagram dropped.
+    nothing_arrives(" packet drop ");
+    assert!(
+        trace_lines(&root, "tx", " sendto(").len() >= 5,
+        "the calls are traced"
+    );
+
+    // Detach: the packets pass, the calls are let through unlogged; the
+    // server stays (the call filter cannot be removed).
+    root.run(&["monitor", "detach", "tx"]).ok();
+    assert!(pid_alive(server), "the server keeps the filter's listener");
+    assert_eq!(attached(&root, "tx")["state"], "detached");
+    assert!(!box_ruleset(&root, "tx").contains("queue"));
+    let logged = std::fs::read_to_string(root.path().join("run/boxes/tx/trace.log")).unwrap();
+    let before = count();
+    wait_for("datagrams to arrive again", Duration::from_secs(20), || {
+        count() >= before + 5
+    });
+    assert_eq!(
+        std::fs::read_to_string(root.path().join("run/boxes/tx/trace.log")).unwrap(),
+        logged,
+        "nothing is logged once detached"
+    );
+
+    // Attached again on the same filter: the inspector alone (it subscribes
+    // to no call).
+    root.run(&[
+        "monitor",
+        "attach",
+        "tx",
+        "--monitor",
+        "packets:drop=SECRET",
+    ])
+    .ok();
+    assert_eq!(
+        attached(&root, "tx")["server_pid"].as_i64(),
+        Some(server as i64)
+    );
+    let sendto = trace_lines(&root, "tx", " sendto(").len();
+    nothing_arrives(" packet drop ");
+    assert_eq!(
+        trace_lines(&root, "tx", " sendto(").len(),
+        sendto,
+        "the calls are no longer traced"
+    );
+    root.rm_all(["tx", "rx"]);
+    wait_for(
+        "the attached server to end",
+        Duration::from_secs(20),
+        || !pid_alive(server),
+    );
+    assert!(root.names().is_empty());
 }

@@ -105,8 +105,19 @@ fn running_init(name: &str, record: &BoxRecord) -> Result<i32> {
     Ok(init)
 }
 
+/// A stack given to `attach`, split: the call monitors and the packet
+/// inspector.
+struct Parsed {
+    /// The `--monitor` texts of the call monitors, in order.
+    calls: Vec<String>,
+    /// The calls they subscribe to (x86_64 numbers).
+    subscribed: Vec<u32>,
+    /// The packet inspector (`packets:`; the last one given), if any.
+    packets: Option<nestbox_interpose::MonitorSpec>,
+}
+
 /// The specs parsed: a bad one is refused before anything is done.
-fn parse_specs(specs: &[String]) -> Result<Vec<u32>> {
+fn parse_specs(specs: &[String]) -> Result<Parsed> {
     if specs.is_empty() {
         return Err(RuntimeError::InvalidInput(
             "monitor attach: give at least one --monitor".into(),
@@ -117,22 +128,40 @@ fn parse_specs(specs: &[String]) -> Result<Vec<u32>> {
         .map(|m| nestbox_interpose::MonitorSpec::parse(m))
         .collect::<std::result::Result<_, _>>()
         .map_err(|e| RuntimeError::InvalidInput(e.to_string()))?;
-    if let Some(i) = parsed.iter().position(|m| m.is_packets()) {
-        return Err(RuntimeError::InvalidInput(format!(
-            "monitor attach --monitor {}: the packet inspector is given to nestbox run only (its queue rules go in when the box's network is made)",
-            specs[i]
-        )));
+    let (packets, calls) = nestbox_interpose::split_packets(specs);
+    Ok(Parsed {
+        calls,
+        subscribed: nestbox_interpose::subscribed(&parsed),
+        packets,
+    })
+}
+
+/// The packet inspector looks at a bridged box's own network namespace:
+/// refused (in one line, naming the monitor) for any other box.
+fn check_packets(specs: &[String], record: &BoxRecord) -> Result<()> {
+    let mode = &record.spec.network.mode;
+    match specs.iter().rev().find(|t| {
+        nestbox_interpose::MonitorSpec::parse(t).is_ok_and(|m| m.is_packets())
+    }) {
+        Some(text) if *mode != crate::spec::NetworkMode::Bridge => {
+            Err(RuntimeError::InvalidInput(format!(
+                "monitor attach --monitor {text}: the packet inspector needs a box with --network bridge (box {:?} has --network {}: no network namespace of its own with a bridge to inspect)",
+                record.name(),
+                if *mode == crate::spec::NetworkMode::Host { "host" } else { "none" }
+            )))
+        }
+        _ => Ok(()),
     }
-    Ok(nestbox_interpose::subscribed(&parsed))
 }
 
 /// Attach the stack `specs` (`--monitor` texts) to the running box `name`.
 /// Returns what is attached. Forks the server: call it from a
 /// single-threaded process (the CLI).
 pub fn attach(reg: &Registry, name: &str, specs: &[String]) -> Result<Attached> {
-    let subscribed = parse_specs(specs)?;
+    let subscribed = parse_specs(specs)?.subscribed;
     let record = reg.load(name).map_err(|e| e.in_box(name))?;
     let init = running_init(name, &record)?;
+    check_packets(specs, &record)?;
     if !record.spec.monitors.is_empty() {
         return Err(RuntimeError::Unsupported {
             name: name.to_string(),
@@ -186,16 +215,25 @@ pub fn attach(reg: &Registry, name: &str, specs: &[String]) -> Result<Attached> 
         .ok_or_else(|| RuntimeError::Failed(format!("the monitor server of box {name:?} ended")))
 }
 
-/// Switch the stack attached to box `name` to pass-through.
+/// Switch the stack attached to box `name` to pass-through, and take the
+/// packet inspector's rules out. A server with no call filter to keep (the
+/// packet inspector alone) ends: what it served is returned, `detached`.
 pub fn detach(reg: &Registry, name: &str) -> Result<Attached> {
     let record = reg.load(name).map_err(|e| e.in_box(name))?;
     running_init(name, &record)?;
     match attached(&record) {
         Some(a) if a.state == "attached" => {
             ask(&record, "detach")?;
-            attached(&record).ok_or_else(|| {
-                RuntimeError::Failed(format!("the monitor server of box {name:?} ended"))
-            })
+            match attached(&record) {
+                Some(now) => Ok(now),
+                None if a.processes.is_empty() => Ok(Attached {
+                    state: "detached".into(),
+                    ..a
+                }),
+                None => Err(RuntimeError::Failed(format!(
+                    "the monitor server of box {name:?} ended"
+                ))),
+            }
         }
         _ => Err(RuntimeError::WrongState {
             name: name.to_string(),
@@ -325,12 +363,32 @@ fn server(
         };
         return fail(&mut ready, &e);
     }
-    let stack = match nestbox_interpose::Stack::open(specs, &crate::monitor::trace_log(record)) {
-        Ok(s) => s,
-        Err(e) => return fail(&mut ready, &RuntimeError::InvalidInput(e.to_string())),
+    let parsed = match parse_specs(specs) {
+        Ok(p) => p,
+        Err(e) => return fail(&mut ready, &e),
     };
+    let stack =
+        match nestbox_interpose::Stack::open(&parsed.calls, &crate::monitor::trace_log(record)) {
+            Ok(s) => s,
+            Err(e) => return fail(&mut ready, &RuntimeError::InvalidInput(e.to_string())),
+        };
     let shared = nestbox_interpose::Shared::new(stack);
-    let (listeners, error) = attach_all(record, init, &subscribed);
+    // The packet inspector first: it is undone whole (its rules taken out)
+    // if the calls cannot be attached.
+    let mut reader = None;
+    if let Some(p) = &parsed.packets {
+        if let Err(e) = inspect_packets(&mut reader, init, p, record) {
+            return fail(&mut ready, &e);
+        }
+    }
+    let (listeners, error) = if parsed.calls.is_empty() {
+        (Vec::new(), None)
+    } else {
+        attach_all(record, init, &subscribed)
+    };
+    if error.is_some() {
+        stop_packets(reader.as_ref(), record);
+    }
     if let (true, Some(e)) = (listeners.is_empty(), &error) {
         drop(lock);
         return fail(&mut ready, e);
@@ -351,6 +409,7 @@ fn server(
             // recorded as a stack that cannot be switched on again (no
             // socket to ask it).
             shared.pass_through();
+            stop_packets(reader.as_ref(), record);
             state.state = "detached".into();
             state.complete = false;
             if let Err(w) = write_state(record, &state) {
@@ -384,14 +443,60 @@ fn server(
         let _ = ready.write_all(b"ok");
     }
     drop(ready);
+    let served = Control {
+        state,
+        packets: reader,
+        init,
+    };
     serve_until_end(
         &shared,
         listeners,
-        Some((control, state)),
+        Some((control, served)),
         &init_pidfd,
         record,
     );
     0
+}
+
+/// Start judging the box's packets with `spec` (`packets:…`): on the
+/// reader in `slot`, or on one bound now in the network namespace of
+/// `init` (and kept in `slot`).
+fn inspect_packets(
+    slot: &mut Option<crate::network::packets::Reader>,
+    init: i32,
+    spec: &nestbox_interpose::MonitorSpec,
+    record: &BoxRecord,
+) -> Result<()> {
+    let inspector =
+        nestbox_interpose::packets::Inspector::open(spec, &crate::monitor::trace_log(record))
+            .map_err(|e| RuntimeError::InvalidInput(e.to_string()))?;
+    let reader = match slot {
+        Some(r) => r,
+        None => slot.insert(crate::network::packets::Reader::bind(init)?),
+    };
+    reader.inspect(spec, inspector)
+}
+
+/// Take the packet inspector's rules out, if it has any; a failure is
+/// logged (the box's packets then stay queued, and are let through).
+fn stop_packets(reader: Option<&crate::network::packets::Reader>, record: &BoxRecord) {
+    if let Some(r) = reader {
+        if let Err(e) = r.stop() {
+            tracing::error!(
+                box_name = record.name(),
+                "packet inspector: taking its rules out: {e}"
+            );
+        }
+    }
+}
+
+/// What the control socket's thread holds besides the socket.
+struct Control {
+    state: Attached,
+    /// The packet queue's reader, once a stack had the inspector.
+    packets: Option<crate::network::packets::Reader>,
+    /// The host pid of the box's init (its network namespace).
+    init: i32,
 }
 
 type Listeners = Vec<(i32, OwnedFd)>;
@@ -504,7 +609,7 @@ fn bind_control(record: &BoxRecord) -> Result<UnixListener> {
 fn serve_until_end(
     shared: &nestbox_interpose::Shared,
     listeners: Listeners,
-    control: Option<(UnixListener, Attached)>,
+    control: Option<(UnixListener, Control)>,
     init: &OwnedFd,
     record: &BoxRecord,
 ) {
@@ -519,12 +624,12 @@ fn serve_until_end(
             tracing::error!("monitors: no thread for the listener of {pid}: {e}");
         }
     }
-    if let Some((control, state)) = control {
+    if let Some((listener, control)) = control {
         let s = shared.clone();
         let rec = record.clone();
         let spawned = std::thread::Builder::new()
             .name("monitors control".into())
-            .spawn(move || control_loop(&control, &s, state, &rec));
+            .spawn(move || control_loop(&listener, control, &s, &rec));
         if let Err(e) = spawned {
             tracing::error!("monitors: no thread for the control socket (detach): {e}");
         }
@@ -547,14 +652,15 @@ fn serve_until_end(
     let _ = std::fs::remove_file(state_path(record));
 }
 
-/// Answer `detach` and `attach [SPECS…]` requests, one line each.
+/// Answer `detach` and `attach [SPECS…]` requests, one line each. After a
+/// `detach` that leaves nothing to serve (no call filter), the server ends.
 fn control_loop(
-    control: &UnixListener,
+    listener: &UnixListener,
+    mut control: Control,
     shared: &nestbox_interpose::Shared,
-    mut state: Attached,
     record: &BoxRecord,
 ) {
-    for conn in control.incoming() {
+    for conn in listener.incoming() {
         let mut conn = match conn {
             Ok(c) => c,
             Err(e) => {
@@ -570,9 +676,17 @@ fn control_loop(
             tracing::warn!("monitors: reading a request: {e}");
             continue;
         }
-        let answer = handle(line.trim_end(), shared, &mut state, record);
+        let answer = handle(line.trim_end(), shared, &mut control, record);
         if let Err(e) = &answer {
             tracing::warn!("monitors: {}: {e}", line.trim_end());
+        }
+        let ends = line.trim_end() == "detach" && control.state.processes.is_empty();
+        if ends {
+            // Nothing of the attach is left in the box: no filter, the
+            // packet rules out. Gone before the answer, so that `detach`
+            // reads that it ended.
+            let _ = std::fs::remove_file(socket_path(record));
+            let _ = std::fs::remove_file(state_path(record));
         }
         let text = match answer {
             Ok(()) => "ok\n".to_string(),
@@ -581,23 +695,40 @@ fn control_loop(
         if let Err(e) = conn.write_all(text.as_bytes()) {
             tracing::warn!("monitors: answering a request: {e}");
         }
+        if ends {
+            tracing::info!(
+                box_name = record.name(),
+                "monitors detached, nothing left to serve: the monitor server ends"
+            );
+            std::process::exit(0);
+        }
     }
 }
 
 fn handle(
     line: &str,
     shared: &nestbox_interpose::Shared,
-    state: &mut Attached,
+    control: &mut Control,
     record: &BoxRecord,
 ) -> std::result::Result<(), String> {
+    let state = &mut control.state;
     if line == "detach" {
         shared.pass_through();
         state.state = "detached".into();
+        if let Some(r) = &control.packets {
+            r.stop().map_err(|e| e.to_string())?;
+        }
         tracing::info!(box_name = record.name(), "monitors detached: pass-through");
     } else if let Some(json) = line.strip_prefix("attach ") {
         let specs: Vec<String> = serde_json::from_str(json).map_err(|e| e.to_string())?;
-        let stack = nestbox_interpose::Stack::open(&specs, &crate::monitor::trace_log(record))
-            .map_err(|e| e.to_string())?;
+        let parsed = parse_specs(&specs).map_err(|e| e.to_string())?;
+        let stack =
+            nestbox_interpose::Stack::open(&parsed.calls, &crate::monitor::trace_log(record))
+                .map_err(|e| e.to_string())?;
+        if let Some(p) = &parsed.packets {
+            inspect_packets(&mut control.packets, control.init, p, record)
+                .map_err(|e| e.to_string())?;
+        }
         shared.replace(stack);
         state.monitors = specs;
         state.state = "attached".into();
