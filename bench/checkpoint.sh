@@ -28,6 +28,5 @@ require_nestbox "$ROOT"
 SERVER=$ROOT/server.py
 # The server of bench/clone.sh (bench/lib/pyserver.py).
 cp "$BENCH_DIR/lib/pyserver.py" "$SERVER"
-mkdir -p "$RESULTS_DIR"
 log "N=$N rounds, K=$K idle restored boxes, $COLD cold-cache restores, load $(cut -d' ' -f1 /proc/loadavg)"
 python3 "$BENCH_DIR/lib/ckptbench.py" "$NESTBOX" "$ROOT" "$SERVER" "$N" "$K" "$COLD" "$RESULTS_DIR/checkpoint${POOL:+-pool$POOL}.json"

@@ -54,7 +54,6 @@ JS
 *) die "APP must be python or node, not $APP" ;;
 esac
 [[ ${KSM:-0} != 1 ]] || OUT=${OUT%.json}-ksm.json
-mkdir -p "$RESULTS_DIR"
 log "N=$N clone/cold pairs, K=$K idle clones, pool $POOL, load $(cut -d' ' -f1 /proc/loadavg)"
 "$NESTBOX" --root "$ROOT" serve --socket "$ROOT/api.sock" &
 SERVE_PID=$!

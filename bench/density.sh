@@ -31,7 +31,6 @@ cleanup() {
 }
 trap cleanup EXIT
 require_nestbox "$ROOT"
-mkdir -p "$RESULTS_DIR"
 log "K=$K clones, N=$N starts, subnet $SUBNET, load $(cut -d' ' -f1 /proc/loadavg)"
 python3 "$BENCH_DIR/lib/densitybench.py" "$NESTBOX" "$ROOT" "$K" "$N" "$SUBNET" \
     "$RESULTS_DIR/density.json" | tee "$RESULTS_DIR/density.md"

@@ -7,6 +7,7 @@
 BENCH_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 REPO_DIR=$(cd "$BENCH_DIR/.." && pwd)
 RESULTS_DIR=${RESULTS_DIR:-$BENCH_DIR/results}
+mkdir -p "$RESULTS_DIR"
 NESTBOX=${NESTBOX_BIN:-$REPO_DIR/target/release/nestbox}
 
 # Never wait on a terminal.
