@@ -798,22 +798,29 @@ impl BoxCgroup {
     /// delegated box started, to any depth): the sorted union of every
     /// `cgroup.procs` of the subtree. Directories that are gone count as empty.
     pub fn procs_tree(&self) -> Result<Vec<i32>, CgroupError> {
-        fn walk(dir: &Path, all: &mut BTreeSet<i32>) -> Result<(), CgroupError> {
-            if !add_procs(&dir.join("cgroup.procs"), all)? {
-                return Ok(());
-            }
-            if let Ok(entries) = std::fs::read_dir(dir) {
-                for e in entries.flatten() {
-                    if e.file_type().is_ok_and(|t| t.is_dir()) {
-                        walk(&e.path(), all)?;
-                    }
-                }
-            }
-            Ok(())
-        }
         let mut all = BTreeSet::new();
         for d in &self.dirs {
-            walk(&d.path, &mut all)?;
+            walk_procs(&d.path, &mut all)?;
+        }
+        Ok(all.into_iter().collect())
+    }
+
+    /// The processes in the cgroups below the box's own (the boxes a
+    /// delegated box started, to any depth), in any hierarchy. Unlike
+    /// "[`Self::procs_tree`] less [`Self::procs`]", this finds them when a
+    /// hierarchy the box does not divide (its v1 `devices` cgroup) lists
+    /// them with the box's own processes.
+    pub fn procs_below(&self) -> Result<Vec<i32>, CgroupError> {
+        let mut all = BTreeSet::new();
+        let delegated = self.delegation.is_some();
+        for d in &self.dirs {
+            // A delegated v2 box keeps its own processes in its leaf.
+            let leaf = (delegated && d.version == Version::V2).then(|| d.path.join(V2_LEAF));
+            for sub in subdirs(&d.path) {
+                if Some(&sub) != leaf.as_ref() {
+                    walk_procs(&sub, &mut all)?;
+                }
+            }
         }
         Ok(all.into_iter().collect())
     }
@@ -1187,6 +1194,30 @@ fn build(
 /// Add the pids of `cgroup.procs` file `file` to `all`; false if the cgroup
 /// is gone (a box whose last process ended may have its cgroup removed by its
 /// monitor while this reads it).
+/// The directories in `dir` (none when it is gone).
+fn subdirs(dir: &Path) -> Vec<PathBuf> {
+    std::fs::read_dir(dir)
+        .map(|entries| {
+            entries
+                .flatten()
+                .filter(|e| e.file_type().is_ok_and(|t| t.is_dir()))
+                .map(|e| e.path())
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// Add the processes of cgroup `dir` and of every cgroup below it to `all`.
+fn walk_procs(dir: &Path, all: &mut BTreeSet<i32>) -> Result<(), CgroupError> {
+    if !add_procs(&dir.join("cgroup.procs"), all)? {
+        return Ok(());
+    }
+    for sub in subdirs(dir) {
+        walk_procs(&sub, all)?;
+    }
+    Ok(())
+}
+
 fn add_procs(file: &Path, all: &mut BTreeSet<i32>) -> Result<bool, CgroupError> {
     let Some(text) = fsutil::read_if_alive(file)? else {
         return Ok(false);

@@ -1447,6 +1447,11 @@ fn delegated_v2_box_owns_its_membership_files_and_keeps_its_processes_in_a_leaf(
     fs::write(nested.join(V2_LEAF).join("cgroup.procs"), "43\n").unwrap();
     assert_eq!(cg.procs().unwrap(), vec![41]);
     assert_eq!(cg.procs_tree().unwrap(), vec![41, 42, 43]);
+    assert_eq!(
+        cg.procs_below().unwrap(),
+        vec![42, 43],
+        "the leaf's processes are the box's own"
+    );
     for f in [
         leaf.join("cgroup.procs"),
         nested.join("cgroup.procs"),
@@ -1623,4 +1628,39 @@ fn v1_cpu_cap_above_an_enclosing_cgroups_is_capped_at_it() {
     assert_eq!(read(cg.paths()["cpu"].join("cpu.cfs_quota_us")), "25000");
     assert_eq!(v1::cfs_ceiling(&parent, 100_000), Some(50_000));
     assert_eq!(v1::cfs_ceiling(tmp.path(), 100_000), None);
+}
+
+#[test]
+fn procs_below_finds_the_boxes_inside_where_a_hierarchy_is_not_divided() {
+    // A v1 nest box: its freezer cgroup has a child (a box inside), its
+    // devices cgroup has none and lists every process of the box and of the
+    // box inside together.
+    let tmp = tempfile::tempdir().unwrap();
+    let freezer = tmp.path().join("freezer/nestbox-a-b");
+    let devices = tmp.path().join("devices/nestbox-a-b");
+    let inner = freezer.join("nestbox-c-d");
+    for d in [&freezer, &devices, &inner] {
+        fs::create_dir_all(d).unwrap();
+    }
+    fs::write(freezer.join("cgroup.procs"), "10\n11\n").unwrap();
+    fs::write(inner.join("cgroup.procs"), "20\n21\n").unwrap();
+    fs::write(devices.join("cgroup.procs"), "10\n11\n20\n21\n").unwrap();
+    let dir = |path: &Path, c: &str| CgroupDir {
+        version: Version::V1,
+        controllers: vec![c.to_string()],
+        path: path.to_path_buf(),
+    };
+    let cg = BoxCgroup::from_dirs(
+        "a-b",
+        vec![dir(&freezer, "freezer"), dir(&devices, "devices")],
+    )
+    .unwrap();
+    assert_eq!(
+        cg.procs().unwrap(),
+        vec![10, 11, 20, 21],
+        "the union hides them"
+    );
+    assert_eq!(cg.procs_below().unwrap(), vec![20, 21]);
+    fs::write(inner.join("cgroup.procs"), "").unwrap();
+    assert!(cg.procs_below().unwrap().is_empty(), "none inside");
 }

@@ -27,6 +27,7 @@
 //! is the full set of operations with the templates layer's relations plugged in.
 
 pub mod api;
+pub mod copy;
 pub mod diag;
 pub mod disk;
 pub mod error;

@@ -12,6 +12,7 @@ const LAYERS: &[(&str, &[&str])] = &[
         "records",
         &[
             "error",
+            "copy",
             "diag",
             "disk",
             "paths",

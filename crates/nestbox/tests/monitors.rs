@@ -729,7 +729,9 @@ fn attach_covers_every_process_and_thread_and_later_children() {
     let v = files(&root);
     // A parent with two threads and a child process; once /v/fork exists the
     // parent forks one more child. Each loop prints its tag and what the
-    // open of /v/secret gave.
+    // open of /v/secret gave, with one unbuffered write: a child forked
+    // while another thread was inside `print` would find the lock of
+    // Python's stdout buffer taken for ever.
     let code = "import errno, os, threading, time\n\
 def loop(tag):\n\
 \x20   while True:\n\
@@ -737,7 +739,7 @@ def loop(tag):\n\
 \x20           open('/v/secret').read(); r = 'read'\n\
 \x20       except OSError as e:\n\
 \x20           r = errno.errorcode[e.errno]\n\
-\x20       print(tag, r, flush=True); time.sleep(0.1)\n\
+\x20       os.write(1, f'{tag} {r}\\n'.encode()); time.sleep(0.1)\n\
 if os.fork() == 0:\n\
 \x20   loop('child')\n\
 for t in ('t1', 't2'):\n\
@@ -781,12 +783,41 @@ loop('main')\n";
     std::fs::write(root.path().join("v/fork"), "").unwrap();
     let from = log_lines(&root, "mp").len();
     let mut after = Vec::new();
-    wait_for("every loop denied", Duration::from_secs(20), || {
+    let tags = ["main", "t1", "t2", "child", "late"];
+    let denied =
+        |after: &[String], t: &str| after.iter().filter(|l| **l == format!("{t} EPERM")).count();
+    let all_denied = wait_until(Duration::from_secs(20), || {
         after = log_lines(&root, "mp")[from..].to_vec();
-        ["main", "t1", "t2", "child", "late"]
-            .iter()
-            .all(|t| after.iter().filter(|l| **l == format!("{t} EPERM")).count() >= 2)
+        tags.iter().all(|t| denied(&after, t) >= 2)
     });
+    if !all_denied {
+        // What each process of the box is doing, to tell a stuck one.
+        let states: Vec<String> = box_pids(&root, "mp")
+            .iter()
+            .flat_map(|p| {
+                std::fs::read_dir(format!("/proc/{p}/task"))
+                    .into_iter()
+                    .flatten()
+                    .flatten()
+                    .map(move |t| {
+                        let dir = t.path();
+                        let status =
+                            std::fs::read_to_string(dir.join("status")).unwrap_or_default();
+                        let wchan = std::fs::read_to_string(dir.join("wchan")).unwrap_or_default();
+                        format!(
+                            "{p}/{}: {} {} wchan={wchan}",
+                            t.file_name().to_string_lossy(),
+                            status_field(&status, "Name").unwrap_or_default(),
+                            status_field(&status, "State").unwrap_or_default(),
+                        )
+                    })
+            })
+            .collect();
+        panic!(
+            "not every loop was denied twice within 20 s: {:?}\nthe box's threads: {states:#?}\nthe lines after the attach: {after:?}",
+            tags.map(|t| (t, denied(&after, t)))
+        );
+    }
     // Once a loop is denied it is never let through again.
     for tag in ["main", "t1", "t2", "child", "late"] {
         let mine: Vec<&String> = after

@@ -1046,3 +1046,183 @@ fn clones_inside_a_nest_box_inside_a_nest_box() {
     assert!(row(&tree(&root, true), "d1/d2/c-1").is_none());
     rm_leaves_nothing(&root, "d1");
 }
+
+/// The host cgroup directories of box `name` and of everything below them.
+fn subtree_of(root: &TestRoot, name: &str) -> Vec<PathBuf> {
+    subtree(&box_dirs(root, name))
+}
+
+/// A nest box whose command is a warmed server, with no box inside, is frozen
+/// and cloned from the host: each clone continues the server's state, is a
+/// nest box of its own (a nestbox inside runs, lists and removes boxes in
+/// it, in cgroups below the clone's, unseen by its siblings), and starts
+/// with a copy of the template's state directory that it then changes alone.
+/// A nest box with a box inside is refused (and goes on running); a clone is
+/// frozen and cloned in turn; checkpoint of a nest box is refused in one
+/// line; removing them all leaves nothing.
+#[test]
+fn a_nest_box_with_no_box_inside_is_frozen_and_cloned_and_each_clone_nests() {
+    let Some(root) =
+        TestRoot::new("a_nest_box_with_no_box_inside_is_frozen_and_cloned_and_each_clone_nests")
+    else {
+        return;
+    };
+    let out = root
+        .run_timeout(
+            &[
+                "run",
+                "-d",
+                "--name",
+                "w1",
+                "--nest",
+                "--network",
+                "none",
+                "--",
+                "python3",
+                "-c",
+                common::apps::PYTHON_POOL_SERVER,
+            ],
+            START,
+        )
+        .ok();
+    assert_eq!(out.stdout.trim(), "w1", "{out}");
+    root.wait_logged("w1", "ready", Duration::from_secs(30));
+    for i in 1..=3 {
+        assert_eq!(get_inside(&root, &[], "w1"), (i, "w1".to_string()));
+    }
+    // The nestbox inside is used (its state directory filled) and keeps a
+    // file of the user's there.
+    let out = root
+        .run_timeout(
+            &inside(&["w1"], &["run", "--rm", "--", "echo", "warm"]),
+            START,
+        )
+        .ok();
+    assert_eq!(out.stdout.trim(), "warm", "{out}");
+    root.ok(&[
+        "exec",
+        "w1",
+        "--",
+        "sh",
+        "-c",
+        "echo template > /var/lib/nestbox/mark",
+    ]);
+    // With a box inside, it is refused, and goes on as it was.
+    start(&root, &["w1"], "b1", &[]);
+    assert_error(
+        &root.run(&["freeze", "w1", "--as", "t1"]),
+        125,
+        "box \"w1\" runs boxes of its own (--nest; ",
+    );
+    assert_eq!(root.status("w1").as_deref(), Some("running"));
+    assert_eq!(
+        row(&tree(&root, false), "w1/b1").map(|r| r["status"].clone()),
+        Some(Value::from("running"))
+    );
+    assert_eq!(get_inside(&root, &[], "w1"), (4, "w1".to_string()));
+    root.run(&inside(&["w1"], &["rm", "-f", "b1"])).ok();
+    root.run(&inside(&["w1"], &["pool", "drain"])).ok();
+    let out = root.run(&["freeze", "w1", "--as", "t1"]).ok();
+    assert_eq!(out.stdout.trim(), "t1", "{out}");
+
+    for c in ["c1", "c2"] {
+        let out = root
+            .run_timeout(&["clone", "t1", "-d", "--name", c], START)
+            .ok();
+        assert_eq!(out.stdout.trim(), c, "{out}");
+        // The server continues from the template's count.
+        assert_eq!(get_inside(&root, &[], c), (5, c.to_string()));
+    }
+    // Each clone nests on its own.
+    start(&root, &["c1"], "in1", &[]);
+    assert_eq!(names_inside(&root, &["c1"], true), ["in1"]);
+    assert!(names_inside(&root, &["c2"], true).is_empty());
+    let rows = tree(&root, false);
+    assert!(
+        row(&rows, "c1/in1").is_some() && row(&rows, "c2/in1").is_none(),
+        "{rows:?}"
+    );
+    // in1's processes are in cgroups below c1's.
+    let c1_dirs = box_dirs(&root, "c1");
+    let in1 = host_pid(&root, "c1/in1");
+    let below: Vec<i32> = procs_in(
+        &subtree_of(&root, "c1")
+            .into_iter()
+            .filter(|d| !c1_dirs.contains(d))
+            .collect::<Vec<_>>(),
+    );
+    assert!(below.contains(&in1), "{in1} in {below:?}");
+    let out = root
+        .run_timeout(
+            &inside(&["c2"], &["run", "--rm", "--", "sh", "-c", "echo from-c2"]),
+            START,
+        )
+        .ok();
+    assert_eq!(out.stdout.trim(), "from-c2", "{out}");
+    // The state directory: the template's copy, then each clone's own.
+    let mark = |b: &str| {
+        root.ok(&["exec", b, "--", "cat", "/var/lib/nestbox/mark"])
+            .trim()
+            .to_string()
+    };
+    assert_eq!(mark("c1"), "template");
+    root.ok(&[
+        "exec",
+        "c1",
+        "--",
+        "sh",
+        "-c",
+        "echo c1 > /var/lib/nestbox/mark",
+    ]);
+    assert_eq!(mark("c1"), "c1");
+    assert_eq!(mark("c2"), "template");
+    let w1_id = root.inspect("w1")["state"]["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let w1_mark = root.path().join(format!("lib/boxes/{w1_id}/nest/mark"));
+    assert_eq!(
+        std::fs::read_to_string(&w1_mark).unwrap().trim(),
+        "template",
+        "the template's is untouched"
+    );
+    // A clone with a box inside is refused too; without, it is a template.
+    assert_error(
+        &root.run(&["freeze", "c1", "--as", "t2"]),
+        125,
+        "runs boxes of its own",
+    );
+    root.run(&inside(&["c1"], &["rm", "-f", "in1"])).ok();
+    root.run(&["freeze", "c1", "--as", "t2"]).ok();
+    let out = root
+        .run_timeout(&["clone", "t2", "-d", "--name", "g1"], START)
+        .ok();
+    assert_eq!(out.stdout.trim(), "g1", "{out}");
+    assert_eq!(get_inside(&root, &[], "g1"), (6, "g1".to_string()));
+    assert_eq!(mark("g1"), "c1");
+    start(&root, &["g1"], "in3", &[]);
+    assert_eq!(names_inside(&root, &["g1"], false), ["in3"]);
+    // Not checkpointed (yet): one line.
+    assert_error(
+        &root.run(&["checkpoint", "c2"]),
+        125,
+        "box \"c2\" runs boxes of its own (--nest): it cannot be checkpointed yet",
+    );
+    // All removed: nothing left.
+    let mut dirs = Vec::new();
+    for b in ["g1", "c2", "c1", "w1"] {
+        dirs.extend(subtree_of(&root, b));
+    }
+    let pids = procs_in(&dirs);
+    assert!(pids.len() > 6, "{pids:?}");
+    root.rm_all(["g1", "c2", "c1", "w1"]);
+    wait_for(
+        "every process of the boxes to end",
+        Duration::from_secs(10),
+        || pids.iter().all(|p| !pid_alive(*p)),
+    );
+    let left: Vec<&PathBuf> = dirs.iter().filter(|d| d.exists()).collect();
+    assert!(left.is_empty(), "cgroups left: {left:?}");
+    assert!(mounts_under(root.path()).is_empty());
+    assert!(tree(&root, true).is_empty());
+}

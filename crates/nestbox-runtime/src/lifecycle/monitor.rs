@@ -271,7 +271,11 @@ fn start_inner(
     let mut volumes = net_volumes;
     let nest = match (spec.nest, &cgroup) {
         (true, Some(cg)) => {
-            volumes.extend(crate::lifecycle::nest::volumes(record, owner)?);
+            volumes.extend(crate::lifecycle::nest::volumes(
+                record,
+                template.as_ref(),
+                owner,
+            )?);
             Some(crate::lifecycle::nest::mounts(cg))
         }
         _ => None,

@@ -51,14 +51,24 @@ pub fn state_dir(record: &BoxRecord) -> PathBuf {
 
 /// The binds a nest box gets: its state directory at
 /// [`STATE_DIR_IN_BOX`], owned by the box's root (`owner`), and the running
-/// nestbox binary (this process's), read-only, at [`NESTED_BINARY`].
-pub fn volumes(record: &BoxRecord, owner: Option<(u32, u32)>) -> Result<Vec<Volume>> {
+/// nestbox binary (this process's), read-only, at [`NESTED_BINARY`]. A
+/// clone's state directory starts as a copy of its template's (`template`):
+/// what the nestbox inside kept there (images, its store) is the clone's
+/// own from then on.
+pub fn volumes(
+    record: &BoxRecord,
+    template: Option<&BoxRecord>,
+    owner: Option<(u32, u32)>,
+) -> Result<Vec<Volume>> {
     let dir = state_dir(record);
-    std::fs::DirBuilder::new()
-        .recursive(true)
-        .mode(0o755)
-        .create(&dir)
-        .map_err(RuntimeError::io("mkdir", &dir))?;
+    match template.map(state_dir).filter(|t| t.is_dir()) {
+        Some(from) if !dir.exists() => crate::copy::copy_tree(&from, &dir)?,
+        _ => std::fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o755)
+            .create(&dir)
+            .map_err(RuntimeError::io("mkdir", &dir))?,
+    }
     if let Some((uid, gid)) = owner {
         nix::unistd::chown(&dir, Some(uid.into()), Some(gid.into()))
             .map_err(RuntimeError::sys(format!("chown {}", dir.display())))?;

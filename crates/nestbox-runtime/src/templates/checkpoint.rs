@@ -612,24 +612,10 @@ fn copy_layer_set(name: &str, layer: impl Fn(usize) -> PathBuf, into: &Path) -> 
 
 /// `cp -a FROM TO` (see [`copy_layers`]).
 fn cp_a(name: &str, from: &Path, to: &Path) -> Result<()> {
-    let out = std::process::Command::new("cp")
-        .arg("-a")
-        .arg("--")
-        .arg(from)
-        .arg(to)
-        .output()
-        .map_err(RuntimeError::io("running cp -a for", from))?;
-    if !out.status.success() {
-        return Err(problem(
-            name,
-            format!(
-                "copying its root layer {}: cp: {}",
-                from.display(),
-                String::from_utf8_lossy(&out.stderr).trim()
-            ),
-        ));
-    }
-    Ok(())
+    crate::copy::copy_tree(from, to).map_err(|e| match e {
+        RuntimeError::Failed(m) => problem(name, format!("copying its root layer: {m}")),
+        other => other,
+    })
 }
 
 /// Load checkpoint `name`, or the checkpoint in directory `name` when it is a

@@ -407,9 +407,9 @@ fn clone_spec(t: &BoxRecord, name: &str, req: &CloneRequest) -> BoxSpec {
     spec.hostname = name.to_string();
     spec.interactive = false;
     spec.remove_on_exit = false;
-    // A clone is no box for boxes: it is forked in its template's user
-    // namespace, whose cgroups and state directory are not its own.
-    spec.nest = false;
+    // A clone of a box for boxes (`--nest`, frozen with no box inside) is
+    // one too: its shell gets a delegated cgroup of its own and a copy of
+    // the template's state directory (`nest::volumes`).
     // A host port can be published by one box only.
     spec.network.publish.clear();
     if req.without_network {

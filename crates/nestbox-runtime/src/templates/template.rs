@@ -44,9 +44,11 @@ pub struct TemplateSummary {
 /// A box under monitors cannot be frozen, cloned, checkpointed or moved:
 /// its monitor filter's listener belongs to its monitor process, and a copy
 /// of its processes would stop at their first subscribed call with no one
-/// to answer. Nor can a box that runs boxes of its own (`--nest`), not yet.
+/// to answer. A box for boxes (`--nest`) can be frozen and cloned only with
+/// no box inside ([`refuse_boxes_inside`], checked once it is frozen), and
+/// not checkpointed or moved yet.
 pub(crate) fn refuse_monitored(record: &crate::registry::BoxRecord, what: &str) -> Result<()> {
-    if record.spec.nest {
+    if record.spec.nest && what != FROZEN_OR_CLONED {
         // Its boxes inside (their monitors, cgroups, layers in its state
         // directory) would not come along: see docs/nesting.md.
         return Err(RuntimeError::Unsupported {
@@ -105,7 +107,7 @@ fn freeze_inner(
     let _lock = crate::clone::box_lock(&record)?;
     let record = reg.load(name)?;
     crate::snapshots::refuse_rolled_back(&record, "freeze")?;
-    refuse_monitored(&record, "frozen or cloned")?;
+    refuse_monitored(&record, FROZEN_OR_CLONED)?;
     match record.state.effective_status() {
         Status::Running => {}
         Status::Frozen => {
@@ -147,13 +149,14 @@ fn freeze_inner(
             tracing::warn!(box_name = name, "thawing after a failed freeze: {e}");
         }
     };
-    let steps = match checked_tree(name, &record) {
-        Ok(steps) => steps,
-        Err(e) => {
-            thaw();
-            return Err(e);
-        }
-    };
+    let steps =
+        match refuse_boxes_inside(&record, &cgroup).and_then(|()| checked_tree(name, &record)) {
+            Ok(steps) => steps,
+            Err(e) => {
+                thaw();
+                return Err(e);
+            }
+        };
     let Some(process) = ProcRef::of(steps[0].process.host_pid) else {
         // Not a template: left as it was, running.
         thaw();
@@ -210,6 +213,30 @@ fn freeze_inner(
         });
     }
     Ok(info)
+}
+
+/// What a box is refused as in [`refuse_monitored`] by `freeze`.
+const FROZEN_OR_CLONED: &str = "frozen or cloned";
+
+/// A box for boxes (`--nest`) is a template only while no box runs inside
+/// it: the processes of its boxes (and of the nestbox inside's pooled
+/// shells) are in the cgroups below its own, and a clone re-creates only the
+/// box's own processes. Called with the box frozen, so that none can start
+/// meanwhile.
+fn refuse_boxes_inside(record: &BoxRecord, cgroup: &nestbox_cgroup::BoxCgroup) -> Result<()> {
+    if !record.spec.nest {
+        return Ok(());
+    }
+    let inside = cgroup.procs_below()?.len();
+    if inside == 0 {
+        return Ok(());
+    }
+    Err(RuntimeError::Unsupported {
+        name: record.name().to_string(),
+        problem: format!(
+            "runs boxes of its own (--nest; {inside} processes in boxes inside it, the pooled shells of its nestbox included): a box for boxes can be frozen or cloned only with none inside (`nestbox rm -f` them and `nestbox pool drain` in it first)"
+        ),
+    })
 }
 
 /// The processes of a box besides its init, in the order a clone re-creates
