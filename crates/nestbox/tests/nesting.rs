@@ -1058,8 +1058,9 @@ fn subtree_of(root: &TestRoot, name: &str) -> Vec<PathBuf> {
 /// it, in cgroups below the clone's, unseen by its siblings), and starts
 /// with a copy of the template's state directory that it then changes alone.
 /// A nest box with a box inside is refused (and goes on running); a clone is
-/// frozen and cloned in turn; checkpoint of a nest box is refused in one
-/// line; removing them all leaves nothing.
+/// frozen and cloned in turn; migration of a nest box is refused in one
+/// line, a checkpoint with a box inside too; removing them all leaves
+/// nothing.
 #[test]
 fn a_nest_box_with_no_box_inside_is_frozen_and_cloned_and_each_clone_nests() {
     let Some(root) =
@@ -1186,12 +1187,19 @@ fn a_nest_box_with_no_box_inside_is_frozen_and_cloned_and_each_clone_nests() {
         "template",
         "the template's is untouched"
     );
-    // A clone with a box inside is refused too; without, it is a template.
+    // A clone with a box inside is refused too (and not checkpointed);
+    // without, it is a template.
     assert_error(
         &root.run(&["freeze", "c1", "--as", "t2"]),
         125,
         "runs boxes of its own",
     );
+    assert_error(
+        &root.run(&["checkpoint", "c1", "--leave-running"]),
+        125,
+        "a box for boxes can be frozen, cloned or checkpointed only with none inside",
+    );
+    assert_eq!(root.status("c1").as_deref(), Some("running"));
     root.run(&inside(&["c1"], &["rm", "-f", "in1"])).ok();
     root.run(&["freeze", "c1", "--as", "t2"]).ok();
     let out = root
@@ -1202,11 +1210,11 @@ fn a_nest_box_with_no_box_inside_is_frozen_and_cloned_and_each_clone_nests() {
     assert_eq!(mark("g1"), "c1");
     start(&root, &["g1"], "in3", &[]);
     assert_eq!(names_inside(&root, &["g1"], false), ["in3"]);
-    // Not checkpointed (yet): one line.
+    // Not moved (yet): one line.
     assert_error(
-        &root.run(&["checkpoint", "c2"]),
+        &root.run(&["migrate", "c2", "--to", "exec:true"]),
         125,
-        "box \"c2\" runs boxes of its own (--nest): it cannot be checkpointed yet",
+        "box \"c2\" runs boxes of its own (--nest): it cannot be migrated yet",
     );
     // All removed: nothing left.
     let mut dirs = Vec::new();
@@ -1216,6 +1224,113 @@ fn a_nest_box_with_no_box_inside_is_frozen_and_cloned_and_each_clone_nests() {
     let pids = procs_in(&dirs);
     assert!(pids.len() > 6, "{pids:?}");
     root.rm_all(["g1", "c2", "c1", "w1"]);
+    wait_for(
+        "every process of the boxes to end",
+        Duration::from_secs(10),
+        || pids.iter().all(|p| !pid_alive(*p)),
+    );
+    let left: Vec<&PathBuf> = dirs.iter().filter(|d| d.exists()).collect();
+    assert!(left.is_empty(), "cgroups left: {left:?}");
+    assert!(mounts_under(root.path()).is_empty());
+    assert!(tree(&root, true).is_empty());
+}
+
+/// A nest box whose command is a warmed server, with no box inside, is
+/// checkpointed and restored twice after the original is gone: each restored
+/// box continues the server's count, is a nest box of its own (boxes run in
+/// it, in cgroups below its own), and starts with the checkpoint's copy of
+/// the state directory; a checkpoint with a box inside is refused and the
+/// box goes on running; removing everything leaves nothing.
+#[test]
+fn an_idle_nest_box_is_checkpointed_and_restored_as_a_nest_box() {
+    let Some(root) = TestRoot::new("an_idle_nest_box_is_checkpointed_and_restored_as_a_nest_box")
+    else {
+        return;
+    };
+    let out = root
+        .run_timeout(
+            &[
+                "run",
+                "-d",
+                "--name",
+                "w1",
+                "--nest",
+                "--network",
+                "none",
+                "--",
+                "python3",
+                "-c",
+                common::apps::PYTHON_POOL_SERVER,
+            ],
+            START,
+        )
+        .ok();
+    assert_eq!(out.stdout.trim(), "w1", "{out}");
+    root.wait_logged("w1", "ready", Duration::from_secs(30));
+    for i in 1..=2 {
+        assert_eq!(get_inside(&root, &[], "w1"), (i, "w1".to_string()));
+    }
+    root.ok(&[
+        "exec",
+        "w1",
+        "--",
+        "sh",
+        "-c",
+        "echo saved > /var/lib/nestbox/mark",
+    ]);
+    start(&root, &["w1"], "b1", &[]);
+    assert_error(
+        &root.run(&["checkpoint", "w1", "--as", "k1"]),
+        125,
+        "box \"w1\" runs boxes of its own (--nest; ",
+    );
+    assert_eq!(root.status("w1").as_deref(), Some("running"));
+    assert_eq!(get_inside(&root, &[], "w1"), (3, "w1".to_string()));
+    root.run(&inside(&["w1"], &["rm", "-f", "b1"])).ok();
+    root.run(&inside(&["w1"], &["pool", "drain"])).ok();
+    let out = root.run(&["checkpoint", "w1", "--as", "k1"]).ok();
+    assert!(out.stdout.contains("k1"), "{out}");
+    // Stopped by its checkpoint, then removed: the restore needs neither.
+    root.rm_all(["w1"]);
+    for r in ["r1", "r2"] {
+        let out = root
+            .run_timeout(&["restore", "k1", "--name", r, "-d"], START)
+            .ok();
+        assert!(out.stdout.contains(r), "{out}");
+        // The hostname is the checkpointed box's; the count goes on.
+        assert_eq!(get_inside(&root, &[], r), (4, "w1".to_string()));
+        let mark = root.ok(&["exec", r, "--", "cat", "/var/lib/nestbox/mark"]);
+        assert_eq!(mark.trim(), "saved");
+    }
+    start(&root, &["r1"], "in1", &[]);
+    assert_eq!(names_inside(&root, &["r1"], true), ["in1"]);
+    assert!(names_inside(&root, &["r2"], true).is_empty());
+    let r1_dirs = box_dirs(&root, "r1");
+    let in1 = host_pid(&root, "r1/in1");
+    let below = procs_in(
+        &subtree_of(&root, "r1")
+            .into_iter()
+            .filter(|d| !r1_dirs.contains(d))
+            .collect::<Vec<_>>(),
+    );
+    assert!(below.contains(&in1), "{in1} in {below:?}");
+    root.ok(&[
+        "exec",
+        "r1",
+        "--",
+        "sh",
+        "-c",
+        "echo r1 > /var/lib/nestbox/mark",
+    ]);
+    let mark = root.ok(&["exec", "r2", "--", "cat", "/var/lib/nestbox/mark"]);
+    assert_eq!(mark.trim(), "saved", "each restored box has its own copy");
+    let mut dirs = Vec::new();
+    for b in ["r1", "r2"] {
+        dirs.extend(subtree_of(&root, b));
+    }
+    let pids = procs_in(&dirs);
+    root.rm_all(["r1", "r2"]);
+    root.ok(&["checkpoint", "rm", "k1"]);
     wait_for(
         "every process of the boxes to end",
         Duration::from_secs(10),

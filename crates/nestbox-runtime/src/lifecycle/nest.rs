@@ -36,6 +36,8 @@ use crate::{Result, RuntimeError};
 /// Where a nest box's state directory is bound: the persistent data
 /// (`$ROOT/lib`) of the nestbox inside.
 pub const STATE_DIR_IN_BOX: &str = "/var/lib/nestbox";
+/// A nest box's state directory in a checkpoint of it.
+pub const IN_CHECKPOINT: &str = "nest";
 /// The records of the boxes of the nestbox inside a nest box, below its root.
 const RECORDS_IN_BOX: &str = "run/nestbox/boxes";
 /// The largest record file read from inside a box.
@@ -52,16 +54,22 @@ pub fn state_dir(record: &BoxRecord) -> PathBuf {
 /// The binds a nest box gets: its state directory at
 /// [`STATE_DIR_IN_BOX`], owned by the box's root (`owner`), and the running
 /// nestbox binary (this process's), read-only, at [`NESTED_BINARY`]. A
-/// clone's state directory starts as a copy of its template's (`template`):
-/// what the nestbox inside kept there (images, its store) is the clone's
-/// own from then on.
+/// clone's state directory starts as a copy of its template's (`template`),
+/// a restored box's as a copy of the one in its checkpoint
+/// ([`IN_CHECKPOINT`]): what the nestbox inside kept there (images, its
+/// store) is the box's own from then on.
 pub fn volumes(
     record: &BoxRecord,
     template: Option<&BoxRecord>,
     owner: Option<(u32, u32)>,
 ) -> Result<Vec<Volume>> {
     let dir = state_dir(record);
-    match template.map(state_dir).filter(|t| t.is_dir()) {
+    let saved = match (template, &record.spec.restore_of) {
+        (Some(t), _) => Some(state_dir(t)),
+        (None, Some(checkpoint)) => Some(Path::new(checkpoint).join(IN_CHECKPOINT)),
+        (None, None) => None,
+    };
+    match saved.filter(|t| t.is_dir()) {
         Some(from) if !dir.exists() => crate::copy::copy_tree(&from, &dir)?,
         _ => std::fs::DirBuilder::new()
             .recursive(true)

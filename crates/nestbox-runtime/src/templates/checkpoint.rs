@@ -181,7 +181,7 @@ pub fn checkpoint(reg: &Registry, box_name: &str, req: &CheckpointRequest) -> Re
     // template or removed meanwhile).
     let _lock = crate::clone::box_lock(&record)?;
     let record = reg.load(box_name)?;
-    crate::template::refuse_monitored(&record, "checkpointed")?;
+    crate::template::refuse_monitored(&record, crate::template::CHECKPOINTED)?;
     let name = req.name.clone().unwrap_or_else(|| box_name.to_string());
     nestbox_store::validate_name(&name)
         .map_err(|e| RuntimeError::InvalidInput(format!("checkpoint name: {e}")))?;
@@ -259,12 +259,14 @@ pub fn checkpoint(reg: &Registry, box_name: &str, req: &CheckpointRequest) -> Re
     let result = cgroup
         .set_frozen(true, FREEZER_TIMEOUT)
         .map_err(RuntimeError::from)
+        .and_then(|()| crate::template::refuse_boxes_inside(&record, &cgroup))
         .and_then(|()| {
             save_processes(&record, &cgroup, &mut |tracees, steps| {
                 save_all(&pool, tracees, steps, &tmp, &name)
             })
         })
-        .and_then(|saved| Ok((saved, copy_layers(reg, &record, &tmp, own_layers)?)));
+        .and_then(|saved| Ok((saved, copy_layers(reg, &record, &tmp, own_layers)?)))
+        .and_then(|done| copy_nest_state(&record, &tmp).map(|()| done));
     // A template stays frozen; so does a box stopped by its checkpoint until
     // it is killed below (run again, it could answer a request whose effect
     // the checkpoint does not hold); any other box runs again.
@@ -608,6 +610,18 @@ fn copy_layer_set(name: &str, layer: impl Fn(usize) -> PathBuf, into: &Path) -> 
         cp_a(name, &from, &into.join(format!("layer-{n}")))?;
         n += 1;
     }
+}
+
+/// A box for boxes' state directory (what the nestbox inside keeps at
+/// `/var/lib/nestbox`) copied into the checkpoint as
+/// [`crate::lifecycle::nest::IN_CHECKPOINT`]: a box restored from it starts
+/// with a copy of that (`nest::volumes`).
+fn copy_nest_state(record: &BoxRecord, dir: &Path) -> Result<()> {
+    let from = crate::lifecycle::nest::state_dir(record);
+    if !record.spec.nest || !from.is_dir() {
+        return Ok(());
+    }
+    crate::copy::copy_tree(&from, &dir.join(crate::lifecycle::nest::IN_CHECKPOINT))
 }
 
 /// `cp -a FROM TO` (see [`copy_layers`]).

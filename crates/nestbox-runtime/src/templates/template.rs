@@ -44,11 +44,11 @@ pub struct TemplateSummary {
 /// A box under monitors cannot be frozen, cloned, checkpointed or moved:
 /// its monitor filter's listener belongs to its monitor process, and a copy
 /// of its processes would stop at their first subscribed call with no one
-/// to answer. A box for boxes (`--nest`) can be frozen and cloned only with
-/// no box inside ([`refuse_boxes_inside`], checked once it is frozen), and
-/// not checkpointed or moved yet.
+/// to answer. A box for boxes (`--nest`) can be frozen, cloned and
+/// checkpointed only with no box inside ([`refuse_boxes_inside`], checked
+/// once it is frozen), and not moved yet.
 pub(crate) fn refuse_monitored(record: &crate::registry::BoxRecord, what: &str) -> Result<()> {
-    if record.spec.nest && what != FROZEN_OR_CLONED {
+    if record.spec.nest && what != FROZEN_OR_CLONED && what != CHECKPOINTED {
         // Its boxes inside (their monitors, cgroups, layers in its state
         // directory) would not come along: see docs/nesting.md.
         return Err(RuntimeError::Unsupported {
@@ -217,13 +217,18 @@ fn freeze_inner(
 
 /// What a box is refused as in [`refuse_monitored`] by `freeze`.
 const FROZEN_OR_CLONED: &str = "frozen or cloned";
+/// What a box is refused as in [`refuse_monitored`] by `checkpoint`.
+pub(crate) const CHECKPOINTED: &str = "checkpointed";
 
 /// A box for boxes (`--nest`) is a template only while no box runs inside
 /// it: the processes of its boxes (and of the nestbox inside's pooled
 /// shells) are in the cgroups below its own, and a clone re-creates only the
 /// box's own processes. Called with the box frozen, so that none can start
 /// meanwhile.
-fn refuse_boxes_inside(record: &BoxRecord, cgroup: &nestbox_cgroup::BoxCgroup) -> Result<()> {
+pub(crate) fn refuse_boxes_inside(
+    record: &BoxRecord,
+    cgroup: &nestbox_cgroup::BoxCgroup,
+) -> Result<()> {
     if !record.spec.nest {
         return Ok(());
     }
@@ -234,7 +239,7 @@ fn refuse_boxes_inside(record: &BoxRecord, cgroup: &nestbox_cgroup::BoxCgroup) -
     Err(RuntimeError::Unsupported {
         name: record.name().to_string(),
         problem: format!(
-            "runs boxes of its own (--nest; {inside} processes in boxes inside it, the pooled shells of its nestbox included): a box for boxes can be frozen or cloned only with none inside (`nestbox rm -f` them and `nestbox pool drain` in it first)"
+            "runs boxes of its own (--nest; {inside} processes in boxes inside it, the pooled shells of its nestbox included): a box for boxes can be frozen, cloned or checkpointed only with none inside (`nestbox rm -f` them and `nestbox pool drain` in it first)"
         ),
     })
 }
