@@ -59,7 +59,17 @@ pub struct PoolUsage {
 impl PagePool {
     /// Open (creating if needed) the pool in `dir` and read its index.
     pub fn open(dir: &Path) -> Result<PagePool> {
-        // Pages are boxes' memory (keys, tokens): for root only.
+        // Pages are boxes' memory (keys, tokens): for root only. The
+        // directories made above it are only traversable by others: a box
+        // in a user namespace reaches its layers through them (the pool is
+        // often the first thing made in a new root: `nestbox receive`).
+        if let Some(parent) = dir.parent() {
+            fs::DirBuilder::new()
+                .recursive(true)
+                .mode(0o711)
+                .create(parent)
+                .map_err(StoreError::io("create", parent))?;
+        }
         fs::DirBuilder::new()
             .recursive(true)
             .mode(0o700)
@@ -388,6 +398,18 @@ mod tests {
 
     fn page(byte: u8) -> Vec<u8> {
         vec![byte; PAGE_SIZE]
+    }
+
+    #[test]
+    fn a_new_pool_is_private_and_the_directories_made_above_it_traversable() {
+        use std::os::unix::fs::PermissionsExt;
+        let tmp = tempfile::tempdir().expect("tempdir");
+        let dir = tmp.path().join("root/lib/pages");
+        PagePool::open(&dir).expect("open");
+        let mode = |p: &Path| fs::metadata(p).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode(&dir), 0o700);
+        assert_eq!(mode(&tmp.path().join("root/lib")), 0o711);
+        assert_eq!(mode(&tmp.path().join("root")), 0o711);
     }
 
     #[test]

@@ -1058,9 +1058,8 @@ fn subtree_of(root: &TestRoot, name: &str) -> Vec<PathBuf> {
 /// it, in cgroups below the clone's, unseen by its siblings), and starts
 /// with a copy of the template's state directory that it then changes alone.
 /// A nest box with a box inside is refused (and goes on running); a clone is
-/// frozen and cloned in turn; migration of a nest box is refused in one
-/// line, a checkpoint with a box inside too; removing them all leaves
-/// nothing.
+/// frozen and cloned in turn; a checkpoint with a box inside is refused in
+/// one line; removing them all leaves nothing.
 #[test]
 fn a_nest_box_with_no_box_inside_is_frozen_and_cloned_and_each_clone_nests() {
     let Some(root) =
@@ -1197,7 +1196,7 @@ fn a_nest_box_with_no_box_inside_is_frozen_and_cloned_and_each_clone_nests() {
     assert_error(
         &root.run(&["checkpoint", "c1", "--leave-running"]),
         125,
-        "a box for boxes can be frozen, cloned or checkpointed only with none inside",
+        "a box for boxes can be frozen, cloned, checkpointed or migrated only with none inside",
     );
     assert_eq!(root.status("c1").as_deref(), Some("running"));
     root.run(&inside(&["c1"], &["rm", "-f", "in1"])).ok();
@@ -1210,12 +1209,6 @@ fn a_nest_box_with_no_box_inside_is_frozen_and_cloned_and_each_clone_nests() {
     assert_eq!(mark("g1"), "c1");
     start(&root, &["g1"], "in3", &[]);
     assert_eq!(names_inside(&root, &["g1"], false), ["in3"]);
-    // Not moved (yet): one line.
-    assert_error(
-        &root.run(&["migrate", "c2", "--to", "exec:true"]),
-        125,
-        "box \"c2\" runs boxes of its own (--nest): it cannot be migrated yet",
-    );
     // All removed: nothing left.
     let mut dirs = Vec::new();
     for b in ["g1", "c2", "c1", "w1"] {
@@ -1240,10 +1233,13 @@ fn a_nest_box_with_no_box_inside_is_frozen_and_cloned_and_each_clone_nests() {
 /// box continues the server's count, is a nest box of its own (boxes run in
 /// it, in cgroups below its own), and starts with the checkpoint's copy of
 /// the state directory; a checkpoint with a box inside is refused and the
-/// box goes on running; removing everything leaves nothing.
+/// box goes on running. One restored box migrates to another root (another
+/// host) and goes on there as a nest box, state directory included; one
+/// with a box inside is refused. Removing everything leaves nothing.
 #[test]
-fn an_idle_nest_box_is_checkpointed_and_restored_as_a_nest_box() {
-    let Some(root) = TestRoot::new("an_idle_nest_box_is_checkpointed_and_restored_as_a_nest_box")
+fn an_idle_nest_box_is_checkpointed_restored_and_migrated_as_a_nest_box() {
+    let Some(root) =
+        TestRoot::new("an_idle_nest_box_is_checkpointed_restored_and_migrated_as_a_nest_box")
     else {
         return;
     };
@@ -1324,12 +1320,46 @@ fn an_idle_nest_box_is_checkpointed_and_restored_as_a_nest_box() {
     ]);
     let mark = root.ok(&["exec", "r2", "--", "cat", "/var/lib/nestbox/mark"]);
     assert_eq!(mark.trim(), "saved", "each restored box has its own copy");
-    let mut dirs = Vec::new();
-    for b in ["r1", "r2"] {
-        dirs.extend(subtree_of(&root, b));
-    }
+
+    // Migrated to another root (standing for another host): refused with a
+    // box inside, the box running on; without, it continues there as a nest
+    // box, its state directory with it.
+    let there =
+        TestRoot::new("an_idle_nest_box_is_checkpointed_restored_and_migrated_as_a_nest_box-there")
+            .expect("a second root");
+    let receive = format!(
+        "exec:{NESTBOX} --root {} receive --stdio",
+        there.path().display()
+    );
+    assert_error(
+        &root.run(&["migrate", "r1", "--to", &receive]),
+        125,
+        "box \"r1\" runs boxes of its own (--nest; ",
+    );
+    assert_eq!(root.status("r1").as_deref(), Some("running"));
+    assert_eq!(get_inside(&root, &[], "r1"), (5, "w1".to_string()));
+    root.ok(&[
+        "exec",
+        "r2",
+        "--",
+        "sh",
+        "-c",
+        "echo r2 > /var/lib/nestbox/mark",
+    ]);
+    root.run_timeout(&["migrate", "r2", "--to", &receive], START)
+        .ok();
+    assert_eq!(root.status("r2"), None, "gone from here");
+    assert_eq!(get_inside(&there, &[], "r2"), (5, "w1".to_string()));
+    let mark = there.ok(&["exec", "r2", "--", "cat", "/var/lib/nestbox/mark"]);
+    assert_eq!(mark.trim(), "r2", "its state directory went with it");
+    start(&there, &["r2"], "in2", &[]);
+    assert_eq!(names_inside(&there, &["r2"], false), ["in2"]);
+    there.rm_all(["r2"]);
+    assert!(tree(&there, true).is_empty());
+
+    let dirs = subtree_of(&root, "r1");
     let pids = procs_in(&dirs);
-    root.rm_all(["r1", "r2"]);
+    root.rm_all(["r1"]);
     root.ok(&["checkpoint", "rm", "k1"]);
     wait_for(
         "every process of the boxes to end",

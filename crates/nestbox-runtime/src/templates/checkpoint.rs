@@ -181,7 +181,7 @@ pub fn checkpoint(reg: &Registry, box_name: &str, req: &CheckpointRequest) -> Re
     // template or removed meanwhile).
     let _lock = crate::clone::box_lock(&record)?;
     let record = reg.load(box_name)?;
-    crate::template::refuse_monitored(&record, crate::template::CHECKPOINTED)?;
+    crate::template::refuse_monitored(&record, "checkpointed")?;
     let name = req.name.clone().unwrap_or_else(|| box_name.to_string());
     nestbox_store::validate_name(&name)
         .map_err(|e| RuntimeError::InvalidInput(format!("checkpoint name: {e}")))?;
@@ -616,7 +616,7 @@ fn copy_layer_set(name: &str, layer: impl Fn(usize) -> PathBuf, into: &Path) -> 
 /// `/var/lib/nestbox`) copied into the checkpoint as
 /// [`crate::lifecycle::nest::IN_CHECKPOINT`]: a box restored from it starts
 /// with a copy of that (`nest::volumes`).
-fn copy_nest_state(record: &BoxRecord, dir: &Path) -> Result<()> {
+pub(crate) fn copy_nest_state(record: &BoxRecord, dir: &Path) -> Result<()> {
     let from = crate::lifecycle::nest::state_dir(record);
     if !record.spec.nest || !from.is_dir() {
         return Ok(());

@@ -38,10 +38,10 @@ use nestbox_store::{Digest, PagePool};
 use serde::{Deserialize, Serialize};
 
 use crate::checkpoint::{
-    check_compatible, checkpoints_dir, copy_layers, cpu_flags, kernel_release, now, pool_dir,
-    private_dir, remove_staging, restore_incoming, run_tar, running_cgroup, save_processes,
-    write_page_records, write_private, Checkpoint, CheckpointStats, PageRecords, Preloaded,
-    Restored, SaveError, FREEZER_TIMEOUT,
+    check_compatible, checkpoints_dir, copy_layers, copy_nest_state, cpu_flags, kernel_release,
+    now, pool_dir, private_dir, remove_staging, restore_incoming, run_tar, running_cgroup,
+    save_processes, write_page_records, write_private, Checkpoint, CheckpointStats, PageRecords,
+    Preloaded, Restored, SaveError, FREEZER_TIMEOUT,
 };
 use crate::registry::Registry;
 use crate::{Result, RuntimeError};
@@ -346,6 +346,8 @@ pub fn migrate(reg: &Registry, box_name: &str, req: &MigrateRequest) -> Result<M
         });
     }
     let cgroup = running_cgroup(&record)?;
+    // Refused before anything is sent; checked again once the box is frozen.
+    crate::template::refuse_boxes_inside(&record, &cgroup)?;
     let name = req.name.clone().unwrap_or_else(|| box_name.to_string());
     let checkpoint = format!("{box_name}-migrated-{}", now() as u64);
     nestbox_store::validate_name(&checkpoint)
@@ -454,6 +456,7 @@ pub fn migrate(reg: &Registry, box_name: &str, req: &MigrateRequest) -> Result<M
                 .set_frozen(true, FREEZER_TIMEOUT)
                 .map_err(RuntimeError::from)
         })
+        .and_then(|()| crate::template::refuse_boxes_inside(&record, &cgroup))
         .and_then(|()| {
             let sent_before = out.pages_sent;
             let saved = save_processes(&record, &cgroup, &mut |tracees, steps| {
@@ -474,6 +477,7 @@ pub fn migrate(reg: &Registry, box_name: &str, req: &MigrateRequest) -> Result<M
         .and_then(|(processes, stats)| {
             last.0 = stats.pages_written;
             let layers = copy_layers(reg, &record, &dir, true)?;
+            copy_nest_state(&record, &dir)?;
             let meta = Checkpoint {
                 version: nestbox_remote::IMAGE_VERSION,
                 name: checkpoint.clone(),

@@ -44,18 +44,9 @@ pub struct TemplateSummary {
 /// A box under monitors cannot be frozen, cloned, checkpointed or moved:
 /// its monitor filter's listener belongs to its monitor process, and a copy
 /// of its processes would stop at their first subscribed call with no one
-/// to answer. A box for boxes (`--nest`) can be frozen, cloned and
-/// checkpointed only with no box inside ([`refuse_boxes_inside`], checked
-/// once it is frozen), and not moved yet.
+/// to answer. (A box for boxes, `--nest`, is refused only with a box
+/// inside: [`refuse_boxes_inside`], checked once it is frozen.)
 pub(crate) fn refuse_monitored(record: &crate::registry::BoxRecord, what: &str) -> Result<()> {
-    if record.spec.nest && what != FROZEN_OR_CLONED && what != CHECKPOINTED {
-        // Its boxes inside (their monitors, cgroups, layers in its state
-        // directory) would not come along: see docs/nesting.md.
-        return Err(RuntimeError::Unsupported {
-            name: record.name().to_string(),
-            problem: format!("runs boxes of its own (--nest): it cannot be {what} yet"),
-        });
-    }
     if crate::templates::attach::has_attached(record) {
         return Err(RuntimeError::Unsupported {
             name: record.name().to_string(),
@@ -107,7 +98,7 @@ fn freeze_inner(
     let _lock = crate::clone::box_lock(&record)?;
     let record = reg.load(name)?;
     crate::snapshots::refuse_rolled_back(&record, "freeze")?;
-    refuse_monitored(&record, FROZEN_OR_CLONED)?;
+    refuse_monitored(&record, "frozen or cloned")?;
     match record.state.effective_status() {
         Status::Running => {}
         Status::Frozen => {
@@ -215,16 +206,12 @@ fn freeze_inner(
     Ok(info)
 }
 
-/// What a box is refused as in [`refuse_monitored`] by `freeze`.
-const FROZEN_OR_CLONED: &str = "frozen or cloned";
-/// What a box is refused as in [`refuse_monitored`] by `checkpoint`.
-pub(crate) const CHECKPOINTED: &str = "checkpointed";
-
-/// A box for boxes (`--nest`) is a template only while no box runs inside
-/// it: the processes of its boxes (and of the nestbox inside's pooled
-/// shells) are in the cgroups below its own, and a clone re-creates only the
-/// box's own processes. Called with the box frozen, so that none can start
-/// meanwhile.
+/// A box for boxes (`--nest`) is frozen, cloned, checkpointed or moved only
+/// while no box runs inside it: the processes of its boxes (and of the
+/// nestbox inside's pooled shells) are in the cgroups below its own, and a
+/// clone or a restore re-creates only the box's own processes (its state
+/// directory is copied: `nest::volumes`). Called with the box frozen, so
+/// that none can start meanwhile.
 pub(crate) fn refuse_boxes_inside(
     record: &BoxRecord,
     cgroup: &nestbox_cgroup::BoxCgroup,
@@ -239,7 +226,7 @@ pub(crate) fn refuse_boxes_inside(
     Err(RuntimeError::Unsupported {
         name: record.name().to_string(),
         problem: format!(
-            "runs boxes of its own (--nest; {inside} processes in boxes inside it, the pooled shells of its nestbox included): a box for boxes can be frozen, cloned or checkpointed only with none inside (`nestbox rm -f` them and `nestbox pool drain` in it first)"
+            "runs boxes of its own (--nest; {inside} processes in boxes inside it, the pooled shells of its nestbox included): a box for boxes can be frozen, cloned, checkpointed or migrated only with none inside (`nestbox rm -f` them and `nestbox pool drain` in it first)"
         ),
     })
 }
