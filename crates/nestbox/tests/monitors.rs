@@ -1424,6 +1424,18 @@ fn start_receiver(root: &TestRoot) -> String {
         .to_string()
 }
 
+/// `rm -f` boxes `names`: the attached server `server` ends with them and
+/// no box is left.
+fn rm_all_ends_server(root: &TestRoot, names: &[&str], server: i32) {
+    root.rm_all(names.iter().copied());
+    wait_for(
+        "the attached server to end",
+        Duration::from_secs(20),
+        || !pid_alive(server),
+    );
+    assert!(root.names().is_empty());
+}
+
 /// The datagrams `rx` printed.
 fn received(root: &TestRoot) -> Vec<String> {
     log_lines(root, "rx")
@@ -1576,13 +1588,7 @@ fn attach_packets_inspects_a_running_box_and_detach_takes_its_rules_out() {
     );
     assert_eq!(trace_lines(&root, "tx", " packet drop ").len(), 2);
     let server = attached(&root, "tx")["server_pid"].as_i64().unwrap() as i32;
-    root.rm_all(["tx", "rx"]);
-    wait_for(
-        "the attached server to end",
-        Duration::from_secs(20),
-        || !pid_alive(server),
-    );
-    assert!(root.names().is_empty());
+    rm_all_ends_server(&root, &["tx", "rx"], server);
 }
 
 #[test]
@@ -1687,11 +1693,5 @@ while True:\n\
         sendto,
         "the calls are no longer traced"
     );
-    root.rm_all(["tx", "rx"]);
-    wait_for(
-        "the attached server to end",
-        Duration::from_secs(20),
-        || !pid_alive(server),
-    );
-    assert!(root.names().is_empty());
+    rm_all_ends_server(&root, &["tx", "rx"], server);
 }

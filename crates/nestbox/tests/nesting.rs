@@ -1052,6 +1052,58 @@ fn subtree_of(root: &TestRoot, name: &str) -> Vec<PathBuf> {
     subtree(&box_dirs(root, name))
 }
 
+/// Box `name` on the host: a nest box (`--network none`) whose command is
+/// the counter server, listening.
+fn nest_server(root: &TestRoot, name: &str) {
+    let args = [
+        "run",
+        "-d",
+        "--name",
+        name,
+        "--nest",
+        "--network",
+        "none",
+        "--",
+        "python3",
+        "-c",
+        common::apps::PYTHON_POOL_SERVER,
+    ];
+    let out = root.run_timeout(&args, START).ok();
+    assert_eq!(out.stdout.trim(), name, "{out}");
+    root.wait_logged(name, "ready", Duration::from_secs(30));
+}
+
+/// Write `text` to a file of nest box `name`'s state directory.
+fn set_mark(root: &TestRoot, name: &str, text: &str) {
+    let script = format!("echo {text} > /var/lib/nestbox/mark");
+    root.ok(&["exec", name, "--", "sh", "-c", &script]);
+}
+
+/// What [`set_mark`] wrote in nest box `name`'s state directory.
+fn mark_of(root: &TestRoot, name: &str) -> String {
+    root.ok(&["exec", name, "--", "cat", "/var/lib/nestbox/mark"])
+        .trim()
+        .to_string()
+}
+
+/// `rm -f` the (top-level) boxes `names` and check that nothing of them is
+/// left: no process of their cgroup subtrees, no cgroup, no mount, no row.
+fn rm_all_leaves_nothing(root: &TestRoot, names: &[&str]) {
+    let dirs: Vec<PathBuf> = names.iter().flat_map(|b| subtree_of(root, b)).collect();
+    let pids = procs_in(&dirs);
+    assert!(pids.len() >= 2 * names.len(), "{pids:?}");
+    root.rm_all(names.iter().copied());
+    wait_for(
+        "every process of the boxes to end",
+        Duration::from_secs(10),
+        || pids.iter().all(|p| !pid_alive(*p)),
+    );
+    let left: Vec<&PathBuf> = dirs.iter().filter(|d| d.exists()).collect();
+    assert!(left.is_empty(), "cgroups left: {left:?}");
+    assert!(mounts_under(root.path()).is_empty());
+    assert!(tree(root, true).is_empty());
+}
+
 /// A nest box whose command is a warmed server, with no box inside, is frozen
 /// and cloned from the host: each clone continues the server's state, is a
 /// nest box of its own (a nestbox inside runs, lists and removes boxes in
@@ -1067,26 +1119,7 @@ fn a_nest_box_with_no_box_inside_is_frozen_and_cloned_and_each_clone_nests() {
     else {
         return;
     };
-    let out = root
-        .run_timeout(
-            &[
-                "run",
-                "-d",
-                "--name",
-                "w1",
-                "--nest",
-                "--network",
-                "none",
-                "--",
-                "python3",
-                "-c",
-                common::apps::PYTHON_POOL_SERVER,
-            ],
-            START,
-        )
-        .ok();
-    assert_eq!(out.stdout.trim(), "w1", "{out}");
-    root.wait_logged("w1", "ready", Duration::from_secs(30));
+    nest_server(&root, "w1");
     for i in 1..=3 {
         assert_eq!(get_inside(&root, &[], "w1"), (i, "w1".to_string()));
     }
@@ -1099,14 +1132,7 @@ fn a_nest_box_with_no_box_inside_is_frozen_and_cloned_and_each_clone_nests() {
         )
         .ok();
     assert_eq!(out.stdout.trim(), "warm", "{out}");
-    root.ok(&[
-        "exec",
-        "w1",
-        "--",
-        "sh",
-        "-c",
-        "echo template > /var/lib/nestbox/mark",
-    ]);
+    set_mark(&root, "w1", "template");
     // With a box inside, it is refused, and goes on as it was.
     start(&root, &["w1"], "b1", &[]);
     assert_error(
@@ -1160,20 +1186,9 @@ fn a_nest_box_with_no_box_inside_is_frozen_and_cloned_and_each_clone_nests() {
         .ok();
     assert_eq!(out.stdout.trim(), "from-c2", "{out}");
     // The state directory: the template's copy, then each clone's own.
-    let mark = |b: &str| {
-        root.ok(&["exec", b, "--", "cat", "/var/lib/nestbox/mark"])
-            .trim()
-            .to_string()
-    };
+    let mark = |b: &str| mark_of(&root, b);
     assert_eq!(mark("c1"), "template");
-    root.ok(&[
-        "exec",
-        "c1",
-        "--",
-        "sh",
-        "-c",
-        "echo c1 > /var/lib/nestbox/mark",
-    ]);
+    set_mark(&root, "c1", "c1");
     assert_eq!(mark("c1"), "c1");
     assert_eq!(mark("c2"), "template");
     let w1_id = root.inspect("w1")["state"]["id"]
@@ -1210,22 +1225,7 @@ fn a_nest_box_with_no_box_inside_is_frozen_and_cloned_and_each_clone_nests() {
     start(&root, &["g1"], "in3", &[]);
     assert_eq!(names_inside(&root, &["g1"], false), ["in3"]);
     // All removed: nothing left.
-    let mut dirs = Vec::new();
-    for b in ["g1", "c2", "c1", "w1"] {
-        dirs.extend(subtree_of(&root, b));
-    }
-    let pids = procs_in(&dirs);
-    assert!(pids.len() > 6, "{pids:?}");
-    root.rm_all(["g1", "c2", "c1", "w1"]);
-    wait_for(
-        "every process of the boxes to end",
-        Duration::from_secs(10),
-        || pids.iter().all(|p| !pid_alive(*p)),
-    );
-    let left: Vec<&PathBuf> = dirs.iter().filter(|d| d.exists()).collect();
-    assert!(left.is_empty(), "cgroups left: {left:?}");
-    assert!(mounts_under(root.path()).is_empty());
-    assert!(tree(&root, true).is_empty());
+    rm_all_leaves_nothing(&root, &["g1", "c2", "c1", "w1"]);
 }
 
 /// A nest box whose command is a warmed server, with no box inside, is
@@ -1243,37 +1243,11 @@ fn an_idle_nest_box_is_checkpointed_restored_and_migrated_as_a_nest_box() {
     else {
         return;
     };
-    let out = root
-        .run_timeout(
-            &[
-                "run",
-                "-d",
-                "--name",
-                "w1",
-                "--nest",
-                "--network",
-                "none",
-                "--",
-                "python3",
-                "-c",
-                common::apps::PYTHON_POOL_SERVER,
-            ],
-            START,
-        )
-        .ok();
-    assert_eq!(out.stdout.trim(), "w1", "{out}");
-    root.wait_logged("w1", "ready", Duration::from_secs(30));
+    nest_server(&root, "w1");
     for i in 1..=2 {
         assert_eq!(get_inside(&root, &[], "w1"), (i, "w1".to_string()));
     }
-    root.ok(&[
-        "exec",
-        "w1",
-        "--",
-        "sh",
-        "-c",
-        "echo saved > /var/lib/nestbox/mark",
-    ]);
+    set_mark(&root, "w1", "saved");
     start(&root, &["w1"], "b1", &[]);
     assert_error(
         &root.run(&["checkpoint", "w1", "--as", "k1"]),
@@ -1295,8 +1269,7 @@ fn an_idle_nest_box_is_checkpointed_restored_and_migrated_as_a_nest_box() {
         assert!(out.stdout.contains(r), "{out}");
         // The hostname is the checkpointed box's; the count goes on.
         assert_eq!(get_inside(&root, &[], r), (4, "w1".to_string()));
-        let mark = root.ok(&["exec", r, "--", "cat", "/var/lib/nestbox/mark"]);
-        assert_eq!(mark.trim(), "saved");
+        assert_eq!(mark_of(&root, r), "saved");
     }
     start(&root, &["r1"], "in1", &[]);
     assert_eq!(names_inside(&root, &["r1"], true), ["in1"]);
@@ -1310,16 +1283,12 @@ fn an_idle_nest_box_is_checkpointed_restored_and_migrated_as_a_nest_box() {
             .collect::<Vec<_>>(),
     );
     assert!(below.contains(&in1), "{in1} in {below:?}");
-    root.ok(&[
-        "exec",
-        "r1",
-        "--",
-        "sh",
-        "-c",
-        "echo r1 > /var/lib/nestbox/mark",
-    ]);
-    let mark = root.ok(&["exec", "r2", "--", "cat", "/var/lib/nestbox/mark"]);
-    assert_eq!(mark.trim(), "saved", "each restored box has its own copy");
+    set_mark(&root, "r1", "r1");
+    assert_eq!(
+        mark_of(&root, "r2"),
+        "saved",
+        "each restored box has its own copy"
+    );
 
     // Migrated to another root (standing for another host): refused with a
     // box inside, the box running on; without, it continues there as a nest
@@ -1338,36 +1307,21 @@ fn an_idle_nest_box_is_checkpointed_restored_and_migrated_as_a_nest_box() {
     );
     assert_eq!(root.status("r1").as_deref(), Some("running"));
     assert_eq!(get_inside(&root, &[], "r1"), (5, "w1".to_string()));
-    root.ok(&[
-        "exec",
-        "r2",
-        "--",
-        "sh",
-        "-c",
-        "echo r2 > /var/lib/nestbox/mark",
-    ]);
+    set_mark(&root, "r2", "r2");
     root.run_timeout(&["migrate", "r2", "--to", &receive], START)
         .ok();
     assert_eq!(root.status("r2"), None, "gone from here");
     assert_eq!(get_inside(&there, &[], "r2"), (5, "w1".to_string()));
-    let mark = there.ok(&["exec", "r2", "--", "cat", "/var/lib/nestbox/mark"]);
-    assert_eq!(mark.trim(), "r2", "its state directory went with it");
+    assert_eq!(
+        mark_of(&there, "r2"),
+        "r2",
+        "its state directory went with it"
+    );
     start(&there, &["r2"], "in2", &[]);
     assert_eq!(names_inside(&there, &["r2"], false), ["in2"]);
     there.rm_all(["r2"]);
     assert!(tree(&there, true).is_empty());
 
-    let dirs = subtree_of(&root, "r1");
-    let pids = procs_in(&dirs);
-    root.rm_all(["r1"]);
+    rm_all_leaves_nothing(&root, &["r1"]);
     root.ok(&["checkpoint", "rm", "k1"]);
-    wait_for(
-        "every process of the boxes to end",
-        Duration::from_secs(10),
-        || pids.iter().all(|p| !pid_alive(*p)),
-    );
-    let left: Vec<&PathBuf> = dirs.iter().filter(|d| d.exists()).collect();
-    assert!(left.is_empty(), "cgroups left: {left:?}");
-    assert!(mounts_under(root.path()).is_empty());
-    assert!(tree(&root, true).is_empty());
 }
