@@ -312,103 +312,143 @@ impl Ctx<'_> {
         self.install(tmp, entry)
     }
 
-    fn eventfd(&mut self, entry: &FdEntry, count: u64, semaphore: bool) -> Result<()> {
-        let mut flags = libc::EFD_CLOEXEC | Self::nonblock(entry);
-        if semaphore {
-            flags |= libc::EFD_SEMAPHORE;
-        }
-        let initial = u32::try_from(count).unwrap_or(0);
-        let tmp = self.call(
-            "eventfd2",
-            entry.fd,
-            libc::SYS_eventfd2,
-            &[u64::from(initial), flags as u64],
-        )?;
-        if u64::from(initial) != count {
-            self.scratch.reset();
-            let addr = self.scratch.put(self.tracee, &count.to_ne_bytes())?;
-            self.call("write", entry.fd, libc::SYS_write, &[tmp, addr, 8])?;
-        }
-        self.install(tmp, entry)
-    }
-
-    fn timerfd(
-        &mut self,
-        entry: &FdEntry,
-        clockid: i32,
-        ticks: u64,
-        value: (u64, u64),
-        interval: (u64, u64),
-    ) -> Result<()> {
-        let flags = libc::TFD_CLOEXEC | Self::nonblock(entry);
-        let tmp = self.call(
-            "timerfd_create",
-            entry.fd,
-            libc::SYS_timerfd_create,
-            &[clockid as u64, flags as u64],
-        )?;
-        // Expirations not yet read cannot be carried over as a count: arm the
-        // timer to expire at once so that a read still succeeds.
-        let value = if ticks > 0 { (0, 1) } else { value };
-        if value != (0, 0) {
-            let mut spec = Vec::with_capacity(32);
-            for v in [interval.0, interval.1, value.0, value.1] {
-                spec.extend_from_slice(&v.to_ne_bytes());
-            }
-            self.scratch.reset();
-            let addr = self.scratch.put(self.tracee, &spec)?;
-            self.call(
-                "timerfd_settime",
-                entry.fd,
-                libc::SYS_timerfd_settime,
-                &[tmp, 0, addr, 0],
-            )?;
-        }
-        self.install(tmp, entry)
-    }
-
-    fn signalfd(&mut self, entry: &FdEntry, mask: u64) -> Result<()> {
-        self.scratch.reset();
-        let addr = self.scratch.put(self.tracee, &mask.to_ne_bytes())?;
-        let flags = libc::SFD_CLOEXEC | Self::nonblock(entry);
-        let tmp = self.call(
-            "signalfd4",
-            entry.fd,
-            libc::SYS_signalfd4,
-            &[u64::MAX, addr, 8, flags as u64],
-        )?;
-        self.install(tmp, entry)
-    }
-
-    fn epoll(&mut self, entry: &FdEntry) -> Result<()> {
-        let tmp = self.call(
-            "epoll_create1",
-            entry.fd,
-            libc::SYS_epoll_create1,
-            &[libc::EPOLL_CLOEXEC as u64],
-        )?;
-        let FdKind::Epoll(watches) = &entry.kind else {
+    /// Every eventfd, timerfd and signalfd of `entries` re-created: made in
+    /// one batch, then given their counts and timers in a second (none with
+    /// nothing to set), each installed on its number at the next
+    /// [`Ctx::flush_moves`]. (Two resumes of the process instead of one or
+    /// two per fd: each resume is a ptrace round trip.)
+    fn counters(&mut self, entries: &[(&FdEntry, &FdKind)]) -> Result<()> {
+        if entries.is_empty() {
             return Ok(());
-        };
-        // Every registration in one batch (the events in the scratch area
-        // first, the batch's table after them).
+        }
+        // The signal masks in the scratch area first, the table after them.
         self.scratch.reset();
-        let mut batch = Batch::new();
-        for watch in watches {
-            // packed struct epoll_event on x86_64: u32 events, u64 data.
-            let mut event = Vec::with_capacity(12);
-            event.extend_from_slice(&watch.events.to_ne_bytes());
-            event.extend_from_slice(&watch.data.to_ne_bytes());
-            let addr = self.scratch.put(self.tracee, &event)?;
-            batch.push(
-                "epoll_ctl(EPOLL_CTL_ADD)",
-                format!("epoll fd {} watching fd {}", entry.fd, watch.fd),
-                libc::SYS_epoll_ctl,
-                &[tmp, libc::EPOLL_CTL_ADD as u64, watch.fd as u64, addr],
+        let mut make = Batch::new();
+        for (entry, kind) in entries {
+            let context = format!("for fd {}", entry.fd);
+            let nonblock = Self::nonblock(entry);
+            match kind {
+                FdKind::EventFd { count, semaphore } => {
+                    let mut flags = libc::EFD_CLOEXEC | nonblock;
+                    if *semaphore {
+                        flags |= libc::EFD_SEMAPHORE;
+                    }
+                    let initial = u32::try_from(*count).unwrap_or(0);
+                    make.push(
+                        "eventfd2",
+                        context,
+                        libc::SYS_eventfd2,
+                        &[u64::from(initial), flags as u64],
+                    );
+                }
+                FdKind::TimerFd { clockid, .. } => make.push(
+                    "timerfd_create",
+                    context,
+                    libc::SYS_timerfd_create,
+                    &[*clockid as u64, (libc::TFD_CLOEXEC | nonblock) as u64],
+                ),
+                FdKind::SignalFd { mask } => {
+                    let addr = self.scratch.put(self.tracee, &mask.to_ne_bytes())?;
+                    make.push(
+                        "signalfd4",
+                        context,
+                        libc::SYS_signalfd4,
+                        &[u64::MAX, addr, 8, (libc::SFD_CLOEXEC | nonblock) as u64],
+                    );
+                }
+                _ => unreachable!("counters() is given eventfds, timerfds and signalfds only"),
+            }
+        }
+        let made = make.run(self.tracee, self.scratch)?;
+        self.scratch.reset();
+        let mut set = Batch::new();
+        for ((entry, kind), &tmp) in entries.iter().zip(&made) {
+            let context = format!("for fd {}", entry.fd);
+            match kind {
+                // A count above what eventfd2 takes is written.
+                FdKind::EventFd { count, .. } if u32::try_from(*count).is_err() => {
+                    let addr = self.scratch.put(self.tracee, &count.to_ne_bytes())?;
+                    set.push("write", context, libc::SYS_write, &[tmp, addr, 8]);
+                }
+                FdKind::TimerFd {
+                    ticks,
+                    value,
+                    interval,
+                    ..
+                } => {
+                    // Expirations not yet read cannot be carried over as a
+                    // count: arm the timer to expire at once so that a read
+                    // still succeeds.
+                    let value = if *ticks > 0 { (0, 1) } else { *value };
+                    if value != (0, 0) {
+                        let mut spec = Vec::with_capacity(32);
+                        for v in [interval.0, interval.1, value.0, value.1] {
+                            spec.extend_from_slice(&v.to_ne_bytes());
+                        }
+                        let addr = self.scratch.put(self.tracee, &spec)?;
+                        set.push(
+                            "timerfd_settime",
+                            context,
+                            libc::SYS_timerfd_settime,
+                            &[tmp, 0, addr, 0],
+                        );
+                    }
+                }
+                _ => {}
+            }
+        }
+        set.run(self.tracee, self.scratch)?;
+        for ((entry, _), &tmp) in entries.iter().zip(&made) {
+            self.install(tmp, entry)?;
+        }
+        Ok(())
+    }
+
+    /// Every epoll of `entries` re-created with its registrations: the epolls
+    /// made in one batch, every registration in a second (the fds they watch
+    /// are on their final numbers by then), each installed at the next
+    /// [`Ctx::flush_moves`].
+    fn epolls(&mut self, entries: &[&FdEntry]) -> Result<()> {
+        if entries.is_empty() {
+            return Ok(());
+        }
+        self.scratch.reset();
+        let mut make = Batch::new();
+        for entry in entries {
+            make.push(
+                "epoll_create1",
+                format!("for fd {}", entry.fd),
+                libc::SYS_epoll_create1,
+                &[libc::EPOLL_CLOEXEC as u64],
             );
         }
-        batch.run(self.tracee, self.scratch)?;
-        self.install(tmp, entry)
+        let made = make.run(self.tracee, self.scratch)?;
+        // The events in the scratch area first, the batch's table after them.
+        self.scratch.reset();
+        let mut register = Batch::new();
+        for (entry, &tmp) in entries.iter().zip(&made) {
+            let FdKind::Epoll(watches) = &entry.kind else {
+                continue;
+            };
+            for watch in watches {
+                // packed struct epoll_event on x86_64: u32 events, u64 data.
+                let mut event = Vec::with_capacity(12);
+                event.extend_from_slice(&watch.events.to_ne_bytes());
+                event.extend_from_slice(&watch.data.to_ne_bytes());
+                let addr = self.scratch.put(self.tracee, &event)?;
+                register.push(
+                    "epoll_ctl(EPOLL_CTL_ADD)",
+                    format!("epoll fd {} watching fd {}", entry.fd, watch.fd),
+                    libc::SYS_epoll_ctl,
+                    &[tmp, libc::EPOLL_CTL_ADD as u64, watch.fd as u64, addr],
+                );
+            }
+        }
+        register.run(self.tracee, self.scratch)?;
+        for (entry, &tmp) in entries.iter().zip(&made) {
+            self.install(tmp, entry)?;
+        }
+        Ok(())
     }
 }
 
@@ -464,6 +504,19 @@ pub(crate) fn retarget_with(
     let mut resets = None;
     // Clients of the box's Unix datagram servers connect once those exist.
     let mut clients = Vec::new();
+    let counters: Vec<(&FdEntry, &FdKind)> = entries
+        .iter()
+        .zip(&actions)
+        .filter(|(e, a)| {
+            **a == FdAction::Recreate
+                && matches!(
+                    e.kind,
+                    FdKind::EventFd { .. } | FdKind::TimerFd { .. } | FdKind::SignalFd { .. }
+                )
+        })
+        .map(|(e, _)| (e, &e.kind))
+        .collect();
+    ctx.counters(&counters)?;
     for (entry, action) in entries.iter().zip(&actions) {
         match (action, &entry.kind) {
             (FdAction::Recreate, FdKind::Socket(sock))
@@ -476,19 +529,6 @@ pub(crate) fn retarget_with(
                 ctx.placeholder(template_pid, entry, sock, &mut resets)?
             }
             (FdAction::Recreate, FdKind::Socket(sock)) => ctx.socket(entry, sock)?,
-            (FdAction::Recreate, FdKind::EventFd { count, semaphore }) => {
-                ctx.eventfd(entry, *count, *semaphore)?
-            }
-            (
-                FdAction::Recreate,
-                FdKind::TimerFd {
-                    clockid,
-                    ticks,
-                    value,
-                    interval,
-                },
-            ) => ctx.timerfd(entry, *clockid, *ticks, *value, *interval)?,
-            (FdAction::Recreate, FdKind::SignalFd { mask }) => ctx.signalfd(entry, *mask)?,
             (FdAction::Recreate, FdKind::Inotify(watches)) => ctx.inotify(entry, watches)?,
             _ => {}
         }
@@ -508,11 +548,13 @@ pub(crate) fn retarget_with(
         }
     }
     ctx.flush_moves()?;
-    for (entry, action) in entries.iter().zip(&actions) {
-        if let (FdAction::Recreate, FdKind::Epoll(_)) = (action, &entry.kind) {
-            ctx.epoll(entry)?;
-        }
-    }
+    let epolls: Vec<&FdEntry> = entries
+        .iter()
+        .zip(&actions)
+        .filter(|(e, a)| **a == FdAction::Recreate && matches!(e.kind, FdKind::Epoll(_)))
+        .map(|(e, _)| e)
+        .collect();
+    ctx.epolls(&epolls)?;
     ctx.flush_moves()?;
     Ok(entries
         .iter()
