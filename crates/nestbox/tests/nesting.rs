@@ -1067,6 +1067,9 @@ for smac, sip, tag in FRAMES:\n\
 \x20   s.send(mac(DMAC) + mac(own if smac == 'self' else smac) + b'\\x08\\x00' + ip + udp)\n\
 print('sent')\n";
 
+/// The nftables guard inside a nest box: forged frames dropped, genuine ones
+/// arrive; then `gc` inside removes a SIGKILLed box's chain and address, and
+/// a clone of a bridged template is refused in one line.
 #[test]
 fn a_box_inside_a_nest_box_cannot_send_with_a_spoofed_address() {
     let Some(root) = TestRoot::new("a_box_inside_a_nest_box_cannot_send_with_a_spoofed_address")
@@ -1145,6 +1148,51 @@ while True:\n\
     let log = root.run(&inside(&["n"], &["logs", "r"])).ok().stdout;
     assert!(log.contains(&format!("got {s_ip} genuine")), "{log}");
     assert!(!log.contains("forged"), "a forged frame arrived:\n{log}");
+    // gc inside: a bridged box whose monitor was SIGKILLed loses its veth,
+    // its guard chain and its address.
+    let s_veth = inspect_inside(&root, &["n"], "s")["state"]["network"]["host_veth"]
+        .as_str()
+        .expect("s's host veth")
+        .to_string();
+    let bridge = inspect_inside(&root, &["n"], "s")["state"]["network"]["bridge"]
+        .as_str()
+        .expect("s's bridge")
+        .to_string();
+    let guard = |root: &TestRoot| {
+        let table = format!("nestbox-{bridge}");
+        let args = ["exec", "n", "--", "nft", "list", "table", "bridge", &table];
+        root.run(&args).ok().stdout
+    };
+    assert!(guard(&root).contains(&s_veth), "{}", guard(&root));
+    let boxes_inside = |root: &TestRoot| -> String {
+        let net = root
+            .run(&inside(&["n"], &["network", "inspect", "default"]))
+            .ok();
+        let v: Value = serde_json::from_str(&net.stdout).unwrap();
+        v["boxes"].to_string()
+    };
+    assert!(
+        boxes_inside(&root).contains(&s_ip),
+        "{}",
+        boxes_inside(&root)
+    );
+    let init = host_pid(&root, "n/s");
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(parent_of(init)),
+        nix::sys::signal::Signal::SIGKILL,
+    )
+    .unwrap();
+    wait_for("s to end", Duration::from_secs(10), || !pid_alive(init));
+    let out = root.run(&inside(&["n"], &["gc"])).ok();
+    assert!(out.stdout.contains("removed dead box s"), "{out}");
+    assert!(!guard(&root).contains(&s_veth), "{}", guard(&root));
+    assert!(guard(&root).contains("jump box_"), "{}", guard(&root));
+    assert!(!links_inside(&root, &["n"]).contains(&s_veth));
+    assert!(
+        !boxes_inside(&root).contains(&s_ip),
+        "{}",
+        boxes_inside(&root)
+    );
     // Clones of a bridged template inside are not made yet: one line.
     let out = root
         .run(&inside(&["n"], &["freeze", "v", "--as", "tv"]))
@@ -1152,7 +1200,7 @@ while True:\n\
     assert_eq!(out.stdout.trim(), "tv", "{out}");
     let out = root.run(&inside(&["n"], &["clone", "tv", "--name", "c"]));
     assert_error(&out, 125, "cannot be on a bridge network yet");
-    root.run(&inside(&["n"], &["rm", "-f", "r", "s"])).ok();
+    root.run(&inside(&["n"], &["rm", "-f", "r"])).ok();
     root.run(&["rm", "-f", "n"]).ok();
 }
 
