@@ -1046,6 +1046,71 @@ fn bridged_boxes_inside_a_nest_box_reach_each_other_the_outside_and_the_host() {
     );
 }
 
+/// An isolated network made inside a nest box: its boxes reach each other
+/// only through a published port on the gateway (the nftables guard's
+/// isolated rules), never directly.
+#[test]
+fn an_isolated_network_inside_a_nest_box_keeps_its_boxes_apart() {
+    let Some(root) = TestRoot::new("an_isolated_network_inside_a_nest_box_keeps_its_boxes_apart")
+    else {
+        return;
+    };
+    start(&root, &[], "n", &["--nest"]);
+    root.run(&inside(&["n"], &["network", "create", "iso", "--isolated"]))
+        .ok();
+    let args = [
+        "run",
+        "-d",
+        "--name",
+        "a",
+        "--network",
+        "iso",
+        "-p",
+        "9191:8080",
+        "--workdir",
+        "/tmp",
+        "--",
+        "python3",
+        "-m",
+        "http.server",
+        "8080",
+    ];
+    let out = root.run_timeout(&inside(&["n"], &args), START).ok();
+    assert_eq!(out.stdout.trim(), "a", "{out}");
+    start(&root, &["n"], "b", &["--network", "iso"]);
+    let a = address_of(&root, &["n"], "a");
+    let net: Value = serde_json::from_str(
+        &root
+            .run(&inside(&["n"], &["network", "inspect", "iso"]))
+            .ok()
+            .stdout,
+    )
+    .unwrap();
+    let gateway = net["gateway"]
+        .as_str()
+        .map(str::to_string)
+        .unwrap_or_else(|| {
+            // The subnet's first host.
+            let subnet = net["subnet"].as_str().expect("the network's subnet");
+            let base = subnet.split('/').next().unwrap();
+            let mut o: Vec<u8> = base.split('.').map(|x| x.parse().unwrap()).collect();
+            o[3] += 1;
+            format!("{}.{}.{}.{}", o[0], o[1], o[2], o[3])
+        });
+    // Through the published port on the gateway: yes.
+    wait_for(
+        "a's port through the gateway",
+        Duration::from_secs(30),
+        || get_from(&root, &["n"], "b", &format!("http://{gateway}:9191/")).starts_with("200 "),
+    );
+    // Directly: no.
+    let direct = get_from(&root, &["n"], "b", &format!("http://{a}:8080/"));
+    assert!(direct.starts_with("error:"), "{direct}");
+    root.run(&inside(&["n"], &["rm", "-f", "a", "b"])).ok();
+    root.run(&inside(&["n"], &["network", "rm", "iso"])).ok();
+    root.run(&["rm", "-f", "n"]).ok();
+}
+
 /// Python: send the Ethernet frames `FRAMES` (source MAC or 'self', source
 /// address, payload: UDP 4000 → 5555) to `DMAC`/`DIP` from eth0.
 const SEND_FORGED: &str = "import socket, struct\n\
