@@ -32,6 +32,13 @@ pub fn remount_read_only(target: &Path) -> Result<()> {
         .map_err(|e| IsolationError::at("remount read-only", target, e))
 }
 
+/// Make the mount at `target` writable, keeping its other flags (nosuid, nodev…).
+pub fn remount_writable(target: &Path) -> Result<()> {
+    let current = statvfs_flags(target)?;
+    sys::remount_bind(target, current - MsFlags::MS_RDONLY)
+        .map_err(|e| IsolationError::at("remount writable", target, e))
+}
+
 /// Add `extra` (e.g. nosuid, nodev, read-only) to the mount at `target` and to
 /// every mount below it, keeping each one's other flags. A recursive bind brings
 /// the source's submounts along with their own flags, and a bind remount

@@ -118,6 +118,23 @@ pub fn mount_hidden_for_nesting(root: &Path) -> Result<()> {
     )
 }
 
+/// Make `root/proc/sys/net` writable again under the read-only `/proc/sys`
+/// (a bind of it on itself, remounted writable), for a nest box: the nestbox
+/// inside sets its bridge's sysctls (`ip_forward`, the bridge's
+/// `forwarding`, a veth's `disable_ipv6`) there. `/proc/sys/net` shows the
+/// network namespace of whoever opens it, and the kernel lets only the root
+/// of the user namespace owning that namespace write it: in a box with its
+/// own network namespace that is the box's own; in one sharing the host's
+/// (`--network host`) the host's root's, so nothing changes there.
+pub fn open_net_sysctls(root: &Path) -> Result<()> {
+    let path = root.join("proc/sys/net");
+    if path.symlink_metadata().is_err() {
+        return Ok(());
+    }
+    mounts::bind(&path, &path, false)?;
+    mounts::remount_writable(&path)
+}
+
 /// Apply [`MASKED_PATHS`] and [`READ_ONLY_PATHS`] under `root` (needs `root/dev/null`).
 pub fn apply_masks(root: &Path) -> Result<()> {
     let null = root.join("dev/null");

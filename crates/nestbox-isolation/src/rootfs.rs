@@ -153,6 +153,7 @@ pub fn assemble(plan: &RootfsPlan) -> Result<()> {
     if let Some(nest) = &plan.nest {
         mount_cgroups(root, &nest.cgroups)?;
         procfs::mount_hidden_for_nesting(root)?;
+        procfs::open_net_sysctls(root)?;
     }
     Ok(())
 }

@@ -37,7 +37,23 @@ impl Netlink {
             call: call.to_string(),
             source: e,
         };
-        let mut sock = Socket::new(NETLINK_ROUTE).map_err(|e| sys("socket(NETLINK_ROUTE)", e))?;
+        let sock = Socket::new(NETLINK_ROUTE).map_err(|e| sys("socket(NETLINK_ROUTE)", e))?;
+        Netlink::set_up(sock)
+    }
+
+    /// Use `fd`, a `NETLINK_ROUTE` socket opened elsewhere (in another
+    /// network namespace: [`crate::netns::netlink_in`]).
+    pub fn from_fd(fd: std::os::fd::OwnedFd) -> Result<Netlink> {
+        use std::os::fd::{FromRawFd, IntoRawFd};
+        // SAFETY: `fd` is an open socket we own; the Socket takes it over.
+        Netlink::set_up(unsafe { Socket::from_raw_fd(fd.into_raw_fd()) })
+    }
+
+    fn set_up(mut sock: Socket) -> Result<Netlink> {
+        let sys = |call: &str, e: io::Error| NetError::Sys {
+            call: call.to_string(),
+            source: e,
+        };
         sock.bind_auto().map_err(|e| sys("bind(netlink)", e))?;
         sock.connect(&SocketAddr::new(0, 0))
             .map_err(|e| sys("connect(netlink)", e))?;

@@ -26,6 +26,23 @@
 //!   `SRC=` names the box). Host names in a policy are resolved before the
 //!   script is written ([`crate::egress::Egress::resolved`]).
 //!
+//! A nestbox in a user namespace (inside a nest box) cannot load the BPF
+//! guard ([`crate::guard`]), so there a third table does its work:
+//!
+//! - `bridge nestbox-BRIDGE` ([`Guards`]): in the bridge's `prerouting` hook,
+//!   which every frame a box sends passes (its veth is a bridge port and the
+//!   shortcut is not used there), a frame from a box's host veth jumps to the
+//!   box's chain, which accepts only frames with the box's source MAC that
+//!   carry IPv4 from the box's address (not UDP from port 67) or ARP for
+//!   IPv4 over Ethernet whose sender is the box (MAC and address, or 0.0.0.0
+//!   for a probe); all else is dropped (another box's or a made-up address or
+//!   MAC, IPv6, VLAN tags, other EtherTypes). On an isolated network the chain
+//!   also drops IPv4 to any address of the subnet but the gateway, to
+//!   255.255.255.255 and multicast, and ARP requests for anything but the
+//!   gateway. The same checks as the BPF program's, by nftables in the
+//!   namespace the nested nestbox owns. Written with the other two, on
+//!   every attach and detach of such a box.
+//!
 //! [`RULES_VERSION`] numbers this layout: a network whose state records an
 //! older one (made by an older nestbox) gets its tables replaced on the next
 //! attach.
@@ -71,6 +88,60 @@ pub struct Ruleset<'a> {
     /// The network's own egress policy (host names resolved) and its name,
     /// when it is not allow-all.
     pub network_egress: Option<(String, Egress)>,
+    /// The guard as nftables rules (a nestbox in a user namespace): the
+    /// `bridge` table is written (empty without boxes); `None` on the host,
+    /// where the guard is BPF and no `bridge` table is made.
+    pub guards: Option<Guards>,
+}
+
+/// The boxes whose guard is the `bridge` table (see the module documentation).
+#[derive(Debug, Clone, Default)]
+pub struct Guards {
+    /// Whether the network's policy is isolated.
+    pub isolated: bool,
+    /// Each box's host veth, MAC address (`aa:bb:…`) and IPv4 address.
+    pub boxes: Vec<(String, String, Ipv4Addr)>,
+}
+
+impl Guards {
+    /// The `bridge` table's part of the script: create, delete, create.
+    fn script(&self, t: &str, subnet: Subnet) -> String {
+        let gw = subnet.gateway();
+        let mut jumps = String::new();
+        let mut chains = String::new();
+        for (i, (veth, mac, addr)) in self.boxes.iter().enumerate() {
+            jumps.push_str(&format!("    iifname \"{veth}\" jump box_{i}\n"));
+            chains.push_str(&format!(
+                "  chain box_{i} {{\n\
+                 \x20   ether saddr != {mac} drop\n\
+                 \x20   ip saddr {addr} udp sport 67 drop\n"
+            ));
+            if self.isolated {
+                chains.push_str(&format!(
+                    "    ip daddr {subnet} ip daddr != {gw} drop\n\
+                     \x20   ip daddr {{ 255.255.255.255, 224.0.0.0/4 }} drop\n\
+                     \x20   arp operation request arp daddr ip != {gw} drop\n"
+                ));
+            }
+            chains.push_str(&format!(
+                "    ether type ip ip saddr {addr} accept\n\
+                 \x20   ether type arp arp htype 1 arp ptype ip arp hlen 6 arp plen 4 arp saddr ether {mac} arp saddr ip {{ {addr}, 0.0.0.0 }} accept\n\
+                 \x20   drop\n\
+                 \x20 }}\n"
+            ));
+        }
+        format!(
+            "table bridge {t} {{}}\n\
+             delete table bridge {t}\n\
+             table bridge {t} {{\n\
+             \x20 chain prerouting {{\n\
+             \x20   type filter hook prerouting priority -200; policy accept;\n\
+             {jumps}\
+             \x20 }}\n\
+             {chains}\
+             }}\n"
+        )
+    }
 }
 
 /// The nft match of one egress rule (host names must be resolved first).
@@ -207,21 +278,33 @@ impl Ruleset<'_> {
         )
     }
 
-    /// Replace the network's table with this ruleset, atomically.
+    /// Replace the network's tables with this ruleset, atomically.
     pub fn apply(&self, what: &str) -> Result<()> {
-        run(&self.script(), what)
+        let mut script = self.script();
+        if let Some(g) = &self.guards {
+            script.push_str(&g.script(&table_name(self.bridge), self.subnet));
+        }
+        run(&script, what)
     }
 }
 
 /// Delete the tables of the network on `bridge`, if they exist.
 pub fn delete_table(bridge: &str) -> Result<()> {
     let t = table_name(bridge);
-    run(
-        &format!(
-            "table ip {t} {{}}\ndelete table ip {t}\ntable inet {t} {{}}\ndelete table inet {t}\n"
-        ),
-        &format!("delete tables {t}"),
-    )
+    let mut script = format!(
+        "table ip {t} {{}}\ndelete table ip {t}\ntable inet {t} {{}}\ndelete table inet {t}\n"
+    );
+    if crate::netns::in_user_namespace() {
+        // The guard's table (see `Guards`).
+        script.push_str(&format!("table bridge {t} {{}}\ndelete table bridge {t}\n"));
+    }
+    run(&script, &format!("delete tables {t}"))
+}
+
+/// The guard table (`bridge` family, made only by a nestbox in a user
+/// namespace) of `bridge` as `nft list` prints it, or `None`.
+pub fn list_bridge_guard_table(bridge: &str) -> Result<Option<String>> {
+    list(bridge, "bridge")
 }
 
 /// The NAT table of `bridge` as `nft list` prints it, or `None` if there is none.
@@ -313,8 +396,62 @@ mod tests {
                 Egress::parse("192.0.2.0/24").unwrap(),
             )],
             network_egress: network.map(|p| ("net".into(), Egress::parse(p).unwrap())),
+            guards: None,
         }
         .script()
+    }
+
+    #[test]
+    fn the_nftables_guard_admits_only_each_boxs_mac_and_address() {
+        let subnet = Subnet::parse("10.64.0.0/24").unwrap();
+        let mut g = Guards {
+            isolated: false,
+            boxes: vec![(
+                "nbvaaaa".into(),
+                "02:00:00:00:00:02".into(),
+                Ipv4Addr::new(10, 64, 0, 2),
+            )],
+        };
+        let open = g.script("nestbox-nbu0", subnet);
+        assert!(
+            open.starts_with("table bridge nestbox-nbu0 {}\ndelete table bridge nestbox-nbu0\n")
+        );
+        assert!(open.contains("iifname \"nbvaaaa\" jump box_0"), "{open}");
+        assert!(
+            open.contains("ether saddr != 02:00:00:00:00:02 drop"),
+            "{open}"
+        );
+        assert!(
+            open.contains("ip saddr 10.64.0.2 udp sport 67 drop"),
+            "{open}"
+        );
+        assert!(
+            open.contains("ether type ip ip saddr 10.64.0.2 accept"),
+            "{open}"
+        );
+        assert!(
+            open.contains(
+                "arp saddr ether 02:00:00:00:00:02 arp saddr ip { 10.64.0.2, 0.0.0.0 } accept"
+            ),
+            "{open}"
+        );
+        // Everything else a box sends is dropped at the end of its chain.
+        let chain = open.split("chain box_0").nth(1).unwrap();
+        assert!(chain.trim_end().ends_with("drop\n  }\n}"), "{chain}");
+        assert!(!open.contains("ip daddr 10.64.0.0/24"), "{open}");
+        g.isolated = true;
+        let iso = g.script("nestbox-nbu0", subnet);
+        assert!(
+            iso.contains("ip daddr 10.64.0.0/24 ip daddr != 10.64.0.1 drop"),
+            "{iso}"
+        );
+        assert!(
+            iso.contains("arp operation request arp daddr ip != 10.64.0.1 drop"),
+            "{iso}"
+        );
+        // Without boxes the table is made empty (and so replaced).
+        let empty = Guards::default().script("nestbox-nbu0", subnet);
+        assert!(!empty.contains("jump"), "{empty}");
     }
 
     #[test]

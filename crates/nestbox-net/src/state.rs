@@ -43,13 +43,21 @@ pub(crate) struct AttachRecord {
     /// Where beyond the network the box may send.
     #[serde(default, skip_serializing_if = "Egress::is_allow_all")]
     pub egress: Egress,
+    /// The box's MAC address (`aa:bb:…`) when its guard is nftables rules
+    /// (a nestbox in a user namespace, which cannot load BPF: see
+    /// [`crate::nft`]) rather than the BPF program on its veth.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub nft_guard: Option<String>,
 }
 
 impl AttachRecord {
     /// Whether the box has rules of its own in the network's nftables tables
-    /// (published ports, allowed host ports, an egress policy).
+    /// (published ports, allowed host ports, an egress policy, a guard).
     pub fn has_rules(&self) -> bool {
-        !self.publish.is_empty() || !self.allow_host.is_empty() || !self.egress.is_allow_all()
+        !self.publish.is_empty()
+            || !self.allow_host.is_empty()
+            || !self.egress.is_allow_all()
+            || self.nft_guard.is_some()
     }
 }
 

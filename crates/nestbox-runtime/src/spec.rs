@@ -284,10 +284,12 @@ impl BoxSpec {
                 "-p, --allow-host-port, --egress, --net-rate, --net-reserve, --net-share and --net-ingress-rate need --network bridge",
             ));
         }
-        if self.network.mode == NetworkMode::Bridge && nestbox_isolation::idmap::in_user_namespace()
+        if self.network.mode == NetworkMode::Bridge
+            && nestbox_isolation::idmap::in_user_namespace()
+            && !nestbox_sys::ns::own_netns_is_owned_by_own_userns().unwrap_or(false)
         {
             return Err(invalid(
-                "--network bridge is not available in a box inside a box (its bridge, NAT and guard need the host's root): nested boxes get --network none",
+                "--network bridge inside a box needs the box's own network namespace, owned by its user namespace (a nest box started with --network bridge or none, not host): use --network none or host",
             ));
         }
         if self.nest {

@@ -123,6 +123,152 @@ pub fn set_hostname_from_child(
     }
 }
 
+/// `NS_GET_USERNS` (`_IO(0xb7, 0x1)`): a descriptor of the user namespace
+/// that owns a namespace.
+const NS_GET_USERNS: libc::c_ulong = 0xb701;
+
+/// The user namespace that owns namespace `ns` (`ioctl(NS_GET_USERNS)`).
+pub fn owner(ns: BorrowedFd<'_>) -> Result<OwnedFd> {
+    use std::os::fd::AsRawFd;
+    // SAFETY: NS_GET_USERNS takes no argument and returns a new descriptor
+    // (or -1); `ns` is a valid open descriptor for the call.
+    let fd = unsafe { libc::ioctl(ns.as_raw_fd(), NS_GET_USERNS as _) };
+    if fd < 0 {
+        return Err(Errno::last());
+    }
+    // SAFETY: the ioctl just returned this descriptor; nothing else owns it.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
+/// Whether the calling thread's network namespace is owned by its own user
+/// namespace (false, e.g., for a box in a user namespace that shares the
+/// host's network): only then does root of that user namespace hold
+/// `CAP_NET_ADMIN` over it.
+pub fn own_netns_is_owned_by_own_userns() -> Result<bool> {
+    let net = open_own(Namespace::Net)?;
+    let owner = owner(net.as_fd())?;
+    let a = nix::sys::stat::fstat(std::os::fd::AsRawFd::as_raw_fd(&owner))?;
+    let b = nix::sys::stat::stat("/proc/thread-self/ns/user")?;
+    Ok(a.st_ino == b.st_ino && a.st_dev == b.st_dev)
+}
+
+/// Open a socket (`socket(domain, ty | SOCK_CLOEXEC, protocol)`) in network
+/// namespace `netns`, which the caller cannot join itself: `setns` of a
+/// network namespace needs `CAP_SYS_ADMIN` in the caller's own user namespace
+/// as well as over the namespace's owner, and root of a box's user namespace
+/// (a nestbox inside a nest box) has the second only. A short-lived child
+/// joins the user namespace that owns `netns` (created by the caller's uid,
+/// so the child gets every capability there), then `netns`, opens the socket
+/// and hands it back over a socket pair (`SCM_RIGHTS`); the caller does not
+/// move. A socket stays in the namespace it was opened in, and its
+/// privileged requests are judged by the credentials it was opened with
+/// (those of the child, full over `netns`).
+///
+/// The child makes system calls only, on buffers made before the fork (no
+/// allocation, no lock), so the caller may have other threads.
+pub fn socket_in_owned_netns(
+    netns: BorrowedFd<'_>,
+    domain: libc::c_int,
+    ty: libc::c_int,
+    protocol: libc::c_int,
+) -> Result<OwnedFd> {
+    use std::os::fd::AsRawFd;
+    let (ours, theirs) = nix::sys::socket::socketpair(
+        nix::sys::socket::AddressFamily::Unix,
+        nix::sys::socket::SockType::Datagram,
+        None,
+        nix::sys::socket::SockFlag::SOCK_CLOEXEC,
+    )?;
+    let netns_raw = netns.as_raw_fd();
+    let theirs_raw = theirs.as_raw_fd();
+    // Everything the child writes into is made here, before the fork.
+    let mut byte = [0u8; 1];
+    // CMSG_SPACE(sizeof(int)) is 24 bytes on 64-bit Linux; 8-byte aligned.
+    let mut control = [0u64; 4];
+    // SAFETY: msghdr is plain data; all-zero is a valid value.
+    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+    let mut iov = libc::iovec {
+        iov_base: byte.as_mut_ptr().cast(),
+        iov_len: 1,
+    };
+    // SAFETY: CMSG_SPACE is a pure computation.
+    let space = unsafe { libc::CMSG_SPACE(std::mem::size_of::<libc::c_int>() as u32) } as usize;
+    assert!(space <= std::mem::size_of_val(&control));
+    // SAFETY: the child below only calls ioctl, setns, socket, sendmsg and
+    // _exit (raw system calls through libc on memory prepared above, no
+    // allocation and no lock), which is safe after a fork of any process; no
+    // clone flags.
+    match unsafe { crate::process::fork_into(CloneFlags::empty()) }? {
+        crate::process::Forked::Child => {
+            // SAFETY: raw system calls on descriptors valid in this process
+            // and on the stack buffers above, which outlive the calls.
+            let code = unsafe {
+                let userns = libc::ioctl(netns_raw, NS_GET_USERNS as _);
+                if userns < 0
+                    || libc::setns(userns, libc::CLONE_NEWUSER) != 0
+                    || libc::setns(netns_raw, libc::CLONE_NEWNET) != 0
+                {
+                    *libc::__errno_location()
+                } else {
+                    let sock = libc::socket(domain, ty | libc::SOCK_CLOEXEC, protocol);
+                    if sock < 0 {
+                        *libc::__errno_location()
+                    } else {
+                        msg.msg_iov = &mut iov;
+                        msg.msg_iovlen = 1;
+                        msg.msg_control = control.as_mut_ptr().cast();
+                        msg.msg_controllen = space as _;
+                        let cmsg = libc::CMSG_FIRSTHDR(&msg);
+                        (*cmsg).cmsg_level = libc::SOL_SOCKET;
+                        (*cmsg).cmsg_type = libc::SCM_RIGHTS;
+                        (*cmsg).cmsg_len =
+                            libc::CMSG_LEN(std::mem::size_of::<libc::c_int>() as u32) as _;
+                        std::ptr::write_unaligned(
+                            libc::CMSG_DATA(cmsg).cast::<libc::c_int>(),
+                            sock,
+                        );
+                        if libc::sendmsg(theirs_raw, &msg, 0) < 0 {
+                            *libc::__errno_location()
+                        } else {
+                            0
+                        }
+                    }
+                }
+            };
+            crate::process::exit_now(code)
+        }
+        crate::process::Forked::Parent(child) => {
+            drop(theirs);
+            let status = crate::process::waitpid_raw(child.as_raw(), 0)?.unwrap_or(-1);
+            match (libc::WIFEXITED(status), libc::WEXITSTATUS(status)) {
+                (true, 0) => {}
+                (true, code) => return Err(Errno::from_raw(code)),
+                (false, _) => return Err(Errno::ECHILD),
+            }
+            let mut buf = [0u8; 1];
+            let mut iov = [std::io::IoSliceMut::new(&mut buf)];
+            let mut space = nix::cmsg_space!(libc::c_int);
+            let got = nix::sys::socket::recvmsg::<()>(
+                ours.as_raw_fd(),
+                &mut iov,
+                Some(&mut space),
+                nix::sys::socket::MsgFlags::MSG_CMSG_CLOEXEC
+                    | nix::sys::socket::MsgFlags::MSG_DONTWAIT,
+            )?;
+            for c in got.cmsgs()? {
+                if let nix::sys::socket::ControlMessageOwned::ScmRights(fds) = c {
+                    if let Some(&fd) = fds.first() {
+                        // SAFETY: the kernel just installed this descriptor
+                        // for us; nothing else owns it.
+                        return Ok(unsafe { OwnedFd::from_raw_fd(fd) });
+                    }
+                }
+            }
+            Err(Errno::EBADMSG)
+        }
+    }
+}
+
 /// A thread's stay in another namespace: [`NsGuard::enter`] joins it and
 /// keeps a handle on the namespace the thread was in; [`NsGuard::leave`] (or
 /// dropping the guard) returns there.

@@ -1092,10 +1092,14 @@ fn build_spec(a: RunArgs) -> Result<BoxSpec> {
     }
     // A box for boxes needs CAP_SYS_PTRACE in its user namespace to reach
     // its boxes' first processes, which are not dumpable and whose memory
-    // belongs to its namespace (`exec`, `freeze`, `clone` inside).
+    // belongs to its namespace (`exec`, `freeze`, `clone` inside), and
+    // CAP_NET_ADMIN there for its boxes' bridge, veths, shaping and
+    // nftables in its own network namespace (which its user namespace owns;
+    // the capability reaches no other).
     let mut cap_add = a.cap_add.clone();
     if a.nest && !a.cap_drop.iter().any(|c| c.eq_ignore_ascii_case("ALL")) {
         cap_add.push("SYS_PTRACE".into());
+        cap_add.push("NET_ADMIN".into());
     }
     let capabilities = nestbox_runtime::spec::resolve_capabilities(&cap_add, &a.cap_drop)?;
     let (mode, network_name) = match a.network.as_deref() {

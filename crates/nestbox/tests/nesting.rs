@@ -515,6 +515,89 @@ c.close()"
     root.ok(&["rm", "-f", "capped", "sink"]);
 }
 
+/// A bridged box inside a nest box with `--net-rate 8mbit` sends for 3 s to
+/// another bridged box inside: the inner network's HTB tree (made by the
+/// nestbox inside, in the nest box's namespace) holds it to the cap.
+#[test]
+fn a_bridged_box_inside_a_nest_box_keeps_to_its_rate_cap() {
+    let Some(root) = TestRoot::new("a_bridged_box_inside_a_nest_box_keeps_to_its_rate_cap") else {
+        return;
+    };
+    start(&root, &[], "n", &["--nest"]);
+    let sink = "import socket, time
+s = socket.socket(); s.bind(('0.0.0.0', 7100)); s.listen(1)
+print('ready', flush=True)
+c, _ = s.accept(); b = c.recv(65536); t0 = time.time(); n = len(b)
+while b:
+    b = c.recv(65536); n += len(b)
+print('got', n, time.time() - t0, flush=True)";
+    let args = [
+        "run",
+        "-d",
+        "--name",
+        "sink",
+        "--network",
+        "bridge",
+        "--",
+        "python3",
+        "-c",
+        sink,
+    ];
+    let out = root.run_timeout(&inside(&["n"], &args), START).ok();
+    assert_eq!(out.stdout.trim(), "sink", "{out}");
+    wait_for("the sink to listen", Duration::from_secs(30), || {
+        root.run(&inside(&["n"], &["logs", "sink"]))
+            .stdout
+            .contains("ready")
+    });
+    let addr = address_of(&root, &["n"], "sink");
+    let send = format!(
+        "import socket, time
+c = socket.create_connection(('{addr}', 7100)); t0 = time.time(); b = b'x' * 65536
+while time.time() - t0 < 3:
+    c.sendall(b)
+c.shutdown(socket.SHUT_WR); c.recv(1)"
+    );
+    // The sender waits for the sink to have read everything (its end
+    // closes): a box that ends with data still queued loses its class, and
+    // what is left goes out unshaped, unclassified.
+    let args = [
+        "run",
+        "--rm",
+        "--network",
+        "bridge",
+        "--net-rate",
+        "8mbit",
+        "--",
+        "python3",
+        "-c",
+        &send,
+    ];
+    let out = root.run_timeout(&inside(&["n"], &args), START).ok();
+    assert!(out.stderr.is_empty(), "{out}");
+    wait_for("the receiver's count", Duration::from_secs(60), || {
+        root.run(&inside(&["n"], &["logs", "sink"]))
+            .stdout
+            .contains("got")
+    });
+    let logged = root.run(&inside(&["n"], &["logs", "sink"])).stdout;
+    let line = logged.lines().find(|l| l.starts_with("got")).unwrap();
+    let f: Vec<&str> = line.split_whitespace().collect();
+    let (bytes, secs): (f64, f64) = (f[1].parse().unwrap(), f[2].parse().unwrap());
+    let mbit = bytes * 8.0 / secs / 1e6;
+    eprintln!("capped box inside a nest box: {mbit:.2} Mbit/s ({line})");
+    assert!(
+        mbit <= 8.0 * 1.15,
+        "{mbit:.2} Mbit/s from a box capped at 8 inside a nest box ({logged})"
+    );
+    assert!(
+        mbit >= 4.0,
+        "the box inside sent: {mbit:.2} Mbit/s ({logged})"
+    );
+    root.run(&inside(&["n"], &["rm", "-f", "sink"])).ok();
+    root.ok(&["rm", "-f", "n"]);
+}
+
 #[test]
 fn gc_after_kill_9_at_any_level_leaves_nothing() {
     let Some(root) = TestRoot::new("gc_after_kill_9_at_any_level_leaves_nothing") else {
@@ -659,12 +742,38 @@ fn inside_a_box_the_network_defaults_to_none_and_freeze_works() {
         ["lo"],
         "{out}"
     );
-    // A bridge inside needs the host's root: one clear line.
+    // A bridge inside, in the nest box's own network namespace (here one
+    // with only its loopback): the box gets eth0 with an address of the
+    // inner network (see the bridge tests below).
+    let out = root
+        .run(&inside(
+            &["w1"],
+            &[
+                "run",
+                "--rm",
+                "--network",
+                "bridge",
+                "--",
+                "sh",
+                "-c",
+                "ls /sys/class/net; cat /sys/class/net/eth0/operstate",
+            ],
+        ))
+        .ok();
+    assert_eq!(
+        out.stdout.split_whitespace().collect::<Vec<_>>(),
+        ["eth0", "lo", "up"],
+        "{out}"
+    );
+    // A nest box sharing the host's network has no namespace of its own to
+    // make a bridge in: one clear line.
+    start(&root, &[], "w2", &["--nest", "--network", "host"]);
     let out = root.run(&inside(
-        &["w1"],
+        &["w2"],
         &["run", "--rm", "--network", "bridge", "--", "true"],
     ));
-    assert_error(&out, 125, "not available in a box inside a box");
+    assert_error(&out, 125, "needs the box's own network namespace");
+    root.run(&["rm", "-f", "w2"]).ok();
     // freeze inside: ptrace and the freezer cgroup work in the box's user
     // namespace.
     start(&root, &["w1"], "f2", &[]);
@@ -684,6 +793,480 @@ fn inside_a_box_the_network_defaults_to_none_and_freeze_works() {
     // A box with boxes inside cannot be frozen itself (yet).
     let out = root.run(&["freeze", "w1"]);
     assert_error(&out, 125, "runs boxes of its own");
+}
+
+/// `inspect NAME` by the nestbox inside the box at `path`.
+#[track_caller]
+fn inspect_inside(root: &TestRoot, path: &[&str], name: &str) -> Value {
+    let out = root.run(&inside(path, &["inspect", name])).ok();
+    serde_json::from_str(&out.stdout).unwrap_or_else(|e| panic!("inspect is not JSON: {e}\n{out}"))
+}
+
+/// The address of box `name` on its network (`inspect`), inside the box at
+/// `path` (the host for an empty path).
+#[track_caller]
+fn address_of(root: &TestRoot, path: &[&str], name: &str) -> String {
+    let v = if path.is_empty() {
+        root.inspect(name)
+    } else {
+        inspect_inside(root, path, name)
+    };
+    v["state"]["network"]["address"]
+        .as_str()
+        .unwrap_or_else(|| panic!("{path:?}/{name} has no address: {v}"))
+        .to_string()
+}
+
+/// Python: GET `URL` (argv[1]) and print the status and the first line of
+/// the body, or `error: …`.
+const HTTP_GET: &str = "import sys, urllib.request\n\
+try:\n\
+\x20   r = urllib.request.urlopen(sys.argv[1], timeout=10)\n\
+\x20   print(r.status, r.read().decode(errors='replace').splitlines()[0])\n\
+except Exception as e:\n\
+\x20   print('error:', e)\n";
+
+/// GET `url` from box `from` inside the box at `path`: what [`HTTP_GET`] printed.
+fn get_from(root: &TestRoot, path: &[&str], from: &str, url: &str) -> String {
+    let args = ["exec", from, "--", "python3", "-c", HTTP_GET, url];
+    root.run(&inside(path, &args))
+        .ok()
+        .stdout
+        .trim()
+        .to_string()
+}
+
+/// GET / from the host over TCP at `addr`: the raw answer ("" on failure).
+fn get_from_host(addr: &str) -> String {
+    use std::io::{Read, Write};
+    let Ok(mut c) = std::net::TcpStream::connect_timeout(
+        &addr.parse().expect("an address"),
+        Duration::from_secs(5),
+    ) else {
+        return String::new();
+    };
+    c.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let mut answer = String::new();
+    if c.write_all(b"GET / HTTP/1.0\r\n\r\n").is_ok() {
+        let _ = c.read_to_string(&mut answer);
+    }
+    answer
+}
+
+/// Links in the network namespace of the box at `path`.
+fn links_inside(root: &TestRoot, path: &[&str]) -> Vec<String> {
+    let args = ["ls", "/sys/class/net"];
+    let mut full = inside(&path[..path.len() - 1], &[]);
+    full.extend(["exec", path[path.len() - 1], "--"]);
+    full.extend(args);
+    let out = root.run(&full).ok();
+    out.stdout.split_whitespace().map(str::to_string).collect()
+}
+
+#[test]
+fn bridged_boxes_inside_a_nest_box_reach_each_other_the_outside_and_the_host() {
+    let Some(root) =
+        TestRoot::new("bridged_boxes_inside_a_nest_box_reach_each_other_the_outside_and_the_host")
+    else {
+        return;
+    };
+    // A server on the host's network, outside the nest box.
+    let out = root
+        .run(&[
+            "run",
+            "-d",
+            "--name",
+            "web",
+            "--workdir",
+            "/tmp",
+            "--",
+            "python3",
+            "-m",
+            "http.server",
+            "8000",
+        ])
+        .ok();
+    assert_eq!(out.stdout.trim(), "web", "{out}");
+    let web = address_of(&root, &[], "web");
+    wait_for("web to listen", Duration::from_secs(30), || {
+        get_from_host(&format!("{web}:8000")).starts_with("HTTP/1.0 200")
+    });
+    // The nest box, bridged on the host (the default as root).
+    start(&root, &[], "n", &["--nest"]);
+    let nest = address_of(&root, &[], "n");
+    let nest_veth = root.inspect("n")["state"]["network"]["host_veth"]
+        .as_str()
+        .expect("the nest box's host veth")
+        .to_string();
+    // Two bridged boxes inside: a server publishing 8080 as the nest box's
+    // 9090, and a client.
+    let args = [
+        "run",
+        "-d",
+        "--name",
+        "srv",
+        "--network",
+        "bridge",
+        "-p",
+        "9090:8080",
+        "--workdir",
+        "/tmp",
+        "--",
+        "python3",
+        "-m",
+        "http.server",
+        "8080",
+    ];
+    let out = root.run_timeout(&inside(&["n"], &args), START).ok();
+    assert_eq!(out.stdout.trim(), "srv", "{out}");
+    start(&root, &["n"], "cli", &["--network", "bridge"]);
+    let srv = address_of(&root, &["n"], "srv");
+    let cli = address_of(&root, &["n"], "cli");
+    assert_ne!(srv, cli);
+    // The inner network is the nest box's own: its own bridge and subnet,
+    // not the host's.
+    let inner = root
+        .run(&inside(&["n"], &["network", "inspect", "default"]))
+        .ok();
+    let inner: Value = serde_json::from_str(&inner.stdout).unwrap();
+    let host_net: Value =
+        serde_json::from_str(&root.ok(&["network", "inspect", "default"])).unwrap();
+    assert_ne!(inner["subnet"], host_net["subnet"], "{inner}");
+    assert!(srv.starts_with(
+        inner["subnet"]
+            .as_str()
+            .unwrap()
+            .split('.')
+            .take(2)
+            .collect::<Vec<_>>()
+            .join(".")
+            .as_str()
+    ));
+    // By address and by name, box to box.
+    wait_for("srv to listen", Duration::from_secs(30), || {
+        get_from(&root, &["n"], "cli", &format!("http://{srv}:8080/")).starts_with("200 ")
+    });
+    let by_name = get_from(&root, &["n"], "cli", "http://srv:8080/");
+    assert!(by_name.starts_with("200 "), "{by_name}");
+    // Out of the nest box, through NAT: the host-level server sees the nest
+    // box's address, not the inner box's.
+    let out = get_from(&root, &["n"], "cli", &format!("http://{web}:8000/"));
+    assert!(out.starts_with("200 "), "{out}");
+    let logs = root.run(&["logs", "web"]).ok();
+    let text = format!("{}{}", logs.stdout, logs.stderr);
+    assert!(text.contains(&format!("{nest} - - ")), "{text}");
+    assert!(!text.contains(&format!("{cli} - - ")), "{text}");
+    // The published port, on the nest box's address, from the host.
+    let answer = get_from_host(&format!("{nest}:9090"));
+    assert!(answer.starts_with("HTTP/1.0 200"), "{answer:?}");
+    // The nest box's network namespace holds the inner bridge and a veth per box;
+    // the guard is the nftables bridge table naming both veths.
+    let links = links_inside(&root, &["n"]);
+    let veths: Vec<&String> = links.iter().filter(|l| l.starts_with("nbv")).collect();
+    assert_eq!(veths.len(), 2, "{links:?}");
+    let bridge = inner["bridge"].as_str().unwrap().to_string();
+    assert!(links.contains(&bridge), "{links:?}");
+    let table = format!("nestbox-{bridge}");
+    let guard = root
+        .run(&inside(
+            &[],
+            &["exec", "n", "--", "nft", "list", "table", "bridge", &table],
+        ))
+        .ok();
+    for v in &veths {
+        assert!(guard.stdout.contains(v.as_str()), "{guard}");
+    }
+    // Bad input: a subnet that overlaps the nest box's own route, in one line.
+    let out = root.run(&inside(
+        &["n"],
+        &[
+            "network",
+            "create",
+            "clash",
+            "--subnet",
+            host_net["subnet"].as_str().unwrap(),
+        ],
+    ));
+    assert_error(&out, 125, "overlaps host route");
+    assert_eq!(out.stderr.trim().lines().count(), 1, "{out}");
+    // A network made inside goes with `network rm`, bridge and all.
+    let out = root
+        .run(&inside(&["n"], &["network", "create", "side"]))
+        .ok();
+    let side: Value = serde_json::from_str(
+        &root
+            .run(&inside(&["n"], &["network", "inspect", "side"]))
+            .ok()
+            .stdout,
+    )
+    .unwrap();
+    let side_bridge = side["bridge"].as_str().unwrap().to_string();
+    let args = [
+        "run",
+        "--rm",
+        "--network",
+        "side",
+        "--",
+        "cat",
+        "/sys/class/net/eth0/operstate",
+    ];
+    let up = root.run_timeout(&inside(&["n"], &args), START).ok();
+    assert_eq!(up.stdout.trim(), "up", "{out}\n{up}");
+    root.run(&inside(&["n"], &["network", "rm", "side"])).ok();
+    let links = links_inside(&root, &["n"]);
+    assert!(
+        !links.iter().any(|l| l.starts_with(&side_bridge)),
+        "{links:?}"
+    );
+    let tables = root
+        .run(&inside(&[], &["exec", "n", "--", "nft", "list", "tables"]))
+        .ok();
+    assert!(!tables.stdout.contains(&side_bridge), "{tables}");
+    assert!(
+        tables.stdout.contains(&format!("bridge nestbox-{bridge}")),
+        "{tables}"
+    );
+    // After rm -f inside, no inner veth is left in the nest box's namespace.
+    root.run(&inside(&["n"], &["rm", "-f", "srv", "cli"])).ok();
+    let links = links_inside(&root, &["n"]);
+    assert!(!links.iter().any(|l| l.starts_with("nbv")), "{links:?}");
+    let guard = root
+        .run(&inside(
+            &[],
+            &["exec", "n", "--", "nft", "list", "table", "bridge", &table],
+        ))
+        .ok();
+    assert!(!guard.stdout.contains("nbv"), "{guard}");
+    // And after rm -f of the nest box from the host, nothing of it is left
+    // on the host (the rest is checked when the test root is dropped).
+    root.run(&["rm", "-f", "n", "web"]).ok();
+    assert!(
+        !Path::new("/sys/class/net").join(&nest_veth).exists(),
+        "{nest_veth} is left"
+    );
+}
+
+/// An isolated network made inside a nest box: its boxes reach each other
+/// only through a published port on the gateway (the nftables guard's
+/// isolated rules), never directly.
+#[test]
+fn an_isolated_network_inside_a_nest_box_keeps_its_boxes_apart() {
+    let Some(root) = TestRoot::new("an_isolated_network_inside_a_nest_box_keeps_its_boxes_apart")
+    else {
+        return;
+    };
+    start(&root, &[], "n", &["--nest"]);
+    root.run(&inside(&["n"], &["network", "create", "iso", "--isolated"]))
+        .ok();
+    let args = [
+        "run",
+        "-d",
+        "--name",
+        "a",
+        "--network",
+        "iso",
+        "-p",
+        "9191:8080",
+        "--workdir",
+        "/tmp",
+        "--",
+        "python3",
+        "-m",
+        "http.server",
+        "8080",
+    ];
+    let out = root.run_timeout(&inside(&["n"], &args), START).ok();
+    assert_eq!(out.stdout.trim(), "a", "{out}");
+    start(&root, &["n"], "b", &["--network", "iso"]);
+    let a = address_of(&root, &["n"], "a");
+    let net: Value = serde_json::from_str(
+        &root
+            .run(&inside(&["n"], &["network", "inspect", "iso"]))
+            .ok()
+            .stdout,
+    )
+    .unwrap();
+    let gateway = net["gateway"]
+        .as_str()
+        .map(str::to_string)
+        .unwrap_or_else(|| {
+            // The subnet's first host.
+            let subnet = net["subnet"].as_str().expect("the network's subnet");
+            let base = subnet.split('/').next().unwrap();
+            let mut o: Vec<u8> = base.split('.').map(|x| x.parse().unwrap()).collect();
+            o[3] += 1;
+            format!("{}.{}.{}.{}", o[0], o[1], o[2], o[3])
+        });
+    // Through the published port on the gateway: yes.
+    wait_for(
+        "a's port through the gateway",
+        Duration::from_secs(30),
+        || get_from(&root, &["n"], "b", &format!("http://{gateway}:9191/")).starts_with("200 "),
+    );
+    // Directly: no.
+    let direct = get_from(&root, &["n"], "b", &format!("http://{a}:8080/"));
+    assert!(direct.starts_with("error:"), "{direct}");
+    root.run(&inside(&["n"], &["rm", "-f", "a", "b"])).ok();
+    root.run(&inside(&["n"], &["network", "rm", "iso"])).ok();
+    root.run(&["rm", "-f", "n"]).ok();
+}
+
+/// Python: send the Ethernet frames `FRAMES` (source MAC or 'self', source
+/// address, payload: UDP 4000 → 5555) to `DMAC`/`DIP` from eth0.
+const SEND_FORGED: &str = "import socket, struct\n\
+def csum(b):\n\
+\x20   s = sum(struct.unpack('!10H', b))\n\
+\x20   s = (s >> 16) + (s & 0xffff)\n\
+\x20   s += s >> 16\n\
+\x20   return ~s & 0xffff\n\
+def mac(m):\n\
+\x20   return bytes.fromhex(m.replace(':', ''))\n\
+own = open('/sys/class/net/eth0/address').read().strip()\n\
+s = socket.socket(socket.AF_PACKET, socket.SOCK_RAW)\n\
+s.bind(('eth0', 0))\n\
+for smac, sip, tag in FRAMES:\n\
+\x20   body = tag.encode()\n\
+\x20   udp = struct.pack('!HHHH', 4000, 5555, 8 + len(body), 0) + body\n\
+\x20   ip = struct.pack('!BBHHHBBH4s4s', 0x45, 0, 20 + len(udp), 0, 0, 64, 17, 0, socket.inet_aton(sip), socket.inet_aton(DIP))\n\
+\x20   ip = ip[:10] + struct.pack('!H', csum(ip)) + ip[12:]\n\
+\x20   s.send(mac(DMAC) + mac(own if smac == 'self' else smac) + b'\\x08\\x00' + ip + udp)\n\
+print('sent')\n";
+
+/// The nftables guard inside a nest box: forged frames dropped, genuine ones
+/// arrive; then `gc` inside removes a SIGKILLed box's chain and address, and
+/// a clone of a bridged template is refused in one line.
+#[test]
+fn a_box_inside_a_nest_box_cannot_send_with_a_spoofed_address() {
+    let Some(root) = TestRoot::new("a_box_inside_a_nest_box_cannot_send_with_a_spoofed_address")
+    else {
+        return;
+    };
+    start(&root, &[], "n", &["--nest"]);
+    let listener = "import socket\n\
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)\n\
+s.bind(('0.0.0.0', 5555))\n\
+print('ready', flush=True)\n\
+while True:\n\
+\x20   d, a = s.recvfrom(2000)\n\
+\x20   print('got', a[0], d.decode(errors='replace'), flush=True)\n";
+    let args = [
+        "run",
+        "-d",
+        "--name",
+        "r",
+        "--network",
+        "bridge",
+        "--",
+        "python3",
+        "-c",
+        listener,
+    ];
+    let out = root.run_timeout(&inside(&["n"], &args), START).ok();
+    assert_eq!(out.stdout.trim(), "r", "{out}");
+    start(&root, &["n"], "v", &["--network", "bridge"]);
+    start(&root, &["n"], "s", &["--network", "bridge"]);
+    wait_for("r to listen", Duration::from_secs(30), || {
+        root.run(&inside(&["n"], &["logs", "r"]))
+            .ok()
+            .stdout
+            .contains("ready")
+    });
+    let (r_ip, v_ip, s_ip) = (
+        address_of(&root, &["n"], "r"),
+        address_of(&root, &["n"], "v"),
+        address_of(&root, &["n"], "s"),
+    );
+    let r_mac = root
+        .run(&inside(
+            &["n"],
+            &["exec", "r", "--", "cat", "/sys/class/net/eth0/address"],
+        ))
+        .ok()
+        .stdout
+        .trim()
+        .to_string();
+    // From s: another box's address, a made-up one, a made-up MAC; then
+    // the genuine frame, sent the same way, which must arrive.
+    let frames = format!(
+        "FRAMES = [('self', '{v_ip}', 'forged-ip'), ('self', '10.1.2.3', 'forged-outside'), \
+         ('02:de:ad:be:ef:01', '{s_ip}', 'forged-mac'), ('self', '{s_ip}', 'genuine')]\n\
+         DMAC = '{r_mac}'\nDIP = '{r_ip}'\n{SEND_FORGED}"
+    );
+    let out = root
+        .run(&inside(
+            &["n"],
+            &["exec", "s", "--", "python3", "-c", &frames],
+        ))
+        .ok();
+    assert!(out.stdout.contains("sent"), "{out}");
+    wait_for(
+        "the genuine frame to arrive",
+        Duration::from_secs(10),
+        || {
+            root.run(&inside(&["n"], &["logs", "r"]))
+                .ok()
+                .stdout
+                .contains("genuine")
+        },
+    );
+    std::thread::sleep(Duration::from_millis(500));
+    let log = root.run(&inside(&["n"], &["logs", "r"])).ok().stdout;
+    assert!(log.contains(&format!("got {s_ip} genuine")), "{log}");
+    assert!(!log.contains("forged"), "a forged frame arrived:\n{log}");
+    // gc inside: a bridged box whose monitor was SIGKILLed loses its veth,
+    // its guard chain and its address.
+    let s_veth = inspect_inside(&root, &["n"], "s")["state"]["network"]["host_veth"]
+        .as_str()
+        .expect("s's host veth")
+        .to_string();
+    let bridge = inspect_inside(&root, &["n"], "s")["state"]["network"]["bridge"]
+        .as_str()
+        .expect("s's bridge")
+        .to_string();
+    let guard = |root: &TestRoot| {
+        let table = format!("nestbox-{bridge}");
+        let args = ["exec", "n", "--", "nft", "list", "table", "bridge", &table];
+        root.run(&args).ok().stdout
+    };
+    assert!(guard(&root).contains(&s_veth), "{}", guard(&root));
+    let boxes_inside = |root: &TestRoot| -> String {
+        let net = root
+            .run(&inside(&["n"], &["network", "inspect", "default"]))
+            .ok();
+        let v: Value = serde_json::from_str(&net.stdout).unwrap();
+        v["boxes"].to_string()
+    };
+    assert!(
+        boxes_inside(&root).contains(&s_ip),
+        "{}",
+        boxes_inside(&root)
+    );
+    let init = host_pid(&root, "n/s");
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(parent_of(init)),
+        nix::sys::signal::Signal::SIGKILL,
+    )
+    .unwrap();
+    wait_for("s to end", Duration::from_secs(10), || !pid_alive(init));
+    let out = root.run(&inside(&["n"], &["gc"])).ok();
+    assert!(out.stdout.contains("removed dead box s"), "{out}");
+    assert!(!guard(&root).contains(&s_veth), "{}", guard(&root));
+    assert!(guard(&root).contains("jump box_"), "{}", guard(&root));
+    assert!(!links_inside(&root, &["n"]).contains(&s_veth));
+    assert!(
+        !boxes_inside(&root).contains(&s_ip),
+        "{}",
+        boxes_inside(&root)
+    );
+    // Clones of a bridged template inside are not made yet: one line.
+    let out = root
+        .run(&inside(&["n"], &["freeze", "v", "--as", "tv"]))
+        .ok();
+    assert_eq!(out.stdout.trim(), "tv", "{out}");
+    let out = root.run(&inside(&["n"], &["clone", "tv", "--name", "c"]));
+    assert_error(&out, 125, "cannot be on a bridge network yet");
+    root.run(&inside(&["n"], &["rm", "-f", "r"])).ok();
+    root.run(&["rm", "-f", "n"]).ok();
 }
 
 /// GET / from the counter server of box `name`, a box of the nestbox inside

@@ -183,6 +183,7 @@ impl Network {
             ingress_rate: opts.ingress_rate,
             allow_host: opts.allow_host.clone(),
             egress: opts.egress.clone(),
+            nft_guard: None,
         };
         // Record first: whatever is made below has an owner even if we crash.
         locked.state.boxes.insert(
@@ -196,7 +197,14 @@ impl Network {
 
         let mut made = Made::default();
         let res = self.attach_steps(
-            &mut nl, &locked, lease, netns, &record, &infra, link_rate, &mut made,
+            &mut nl,
+            &mut locked,
+            lease,
+            netns,
+            &record,
+            &infra,
+            link_rate,
+            &mut made,
         );
         if let Err(e) = res {
             self.undo(&mut nl, id, &made);
@@ -226,7 +234,7 @@ impl Network {
     fn attach_steps(
         &self,
         nl: &mut Netlink,
-        locked: &Locked,
+        locked: &mut Locked,
         lease: &Lease,
         netns: BorrowedFd<'_>,
         record: &AttachRecord,
@@ -245,21 +253,28 @@ impl Network {
         link::disable_ipv6(veth)?;
 
         let (address, prefix, gateway) = (lease.address, lease.prefix, lease.gateway);
-        let box_mac = netns::run_in(netns, || {
-            let mut inner = Netlink::open()?;
+        // Inside a nest box (a user namespace) there is no BPF: no shortcut,
+        // and the guard is nftables rules (`crate::nft::Guards`).
+        let nested = netns::in_user_namespace();
+        let configure = |inner: &mut Netlink| -> Result<[u8; 6]> {
             let missing = |what: &str| NetError::Netlink {
                 what: format!("get link {BOX_IFNAME} in the box ({what})"),
                 source: std::io::Error::from_raw_os_error(libc::ENODEV),
                 detail: None,
             };
-            let (idx, mac) = link::index_and_mac(&mut inner, BOX_IFNAME)?
-                .ok_or_else(|| missing("no such link"))?;
+            let (idx, mac) =
+                link::index_and_mac(inner, BOX_IFNAME)?.ok_or_else(|| missing("no such link"))?;
             let mac = mac.ok_or_else(|| missing("no MAC address"))?;
-            addr::add(&mut inner, idx, BOX_IFNAME, address, prefix)?;
-            link::set_up(&mut inner, idx, BOX_IFNAME)?;
-            route::add_default(&mut inner, gateway, idx, BOX_IFNAME)?;
+            addr::add(inner, idx, BOX_IFNAME, address, prefix)?;
+            link::set_up(inner, idx, BOX_IFNAME)?;
+            route::add_default(inner, gateway, idx, BOX_IFNAME)?;
             Ok(mac)
-        })?;
+        };
+        let box_mac = if nested {
+            configure(&mut netns::netlink_in(netns)?)?
+        } else {
+            netns::run_in(netns, || configure(&mut Netlink::open()?))?
+        };
 
         // Egress: the box's class in the tree on the IFB, and the redirect of
         // what it sends there (see `redirects`).
@@ -308,7 +323,9 @@ impl Network {
         // Where BPF is not available or not permitted (a kernel without it, a
         // nested nestbox in a user namespace), traffic takes the bridge.
         let uncapped = record.rate.is_none();
-        let map = if uncapped {
+        let map = if nested {
+            None
+        } else if uncapped {
             unsupported_is_none(self.shortcut_map(nl, locked))?
         } else {
             self.existing_shortcut_map()?
@@ -336,18 +353,19 @@ impl Network {
         };
         let code = guard::program(&g, map.as_ref().filter(|_| uncapped).map(|m| m.as_fd()));
         let name = bpf::object_name(&self.config.bridge);
-        let guarded = match unsupported_is_none(bpf::load_program(&code, &name))? {
-            Some(prog) => unsupported_is_none(tc::add_bpf_filter(
-                nl,
-                vidx,
-                veth,
-                GUARD_PRIO,
-                prog.as_fd(),
-                &name,
-            ))?
-            .is_some(),
-            None => false,
-        };
+        let guarded = nested
+            || match unsupported_is_none(bpf::load_program(&code, &name))? {
+                Some(prog) => unsupported_is_none(tc::add_bpf_filter(
+                    nl,
+                    vidx,
+                    veth,
+                    GUARD_PRIO,
+                    prog.as_fd(),
+                    &name,
+                ))?
+                .is_some(),
+                None => false,
+            };
         if !guarded {
             tracing::warn!(
                 box_id = lease.box_id.as_str(),
@@ -377,7 +395,21 @@ impl Network {
             )?;
         }
 
-        if record.has_rules() {
+        if nested {
+            // The guard's rules name the box's MAC: recorded, then written
+            // with the other tables below.
+            let mac = box_mac.map(|b| format!("{b:02x}")).join(":");
+            if let Some(a) = locked
+                .state
+                .boxes
+                .get_mut(lease.box_id.as_str())
+                .and_then(|e| e.attachment.as_mut())
+            {
+                a.nft_guard = Some(mac);
+            }
+            locked.save()?;
+        }
+        if record.has_rules() || nested {
             made.nft = true;
             self.apply_rules(locked, "publish ports and allow host ports")?;
         }

@@ -313,6 +313,25 @@ impl Network {
         if let Some((ports, addr)) = extra {
             published.extend(ports.iter().map(|m| (*m, addr)));
         }
+        // Inside a user namespace the guard is the `bridge` table: one chain
+        // per box whose guard is there (see `crate::nft`), with the policy
+        // as saved now (it may have changed since this handle was opened,
+        // while the network had no box).
+        let guards = crate::netns::in_user_namespace().then(|| crate::nft::Guards {
+            isolated: crate::config::NetworkConfig::load(&self.config.state_dir)
+                .ok()
+                .flatten()
+                .map_or(self.config.isolated, |c| c.isolated),
+            boxes: locked
+                .state
+                .boxes
+                .values()
+                .filter_map(|e| {
+                    let a = e.attachment.as_ref()?;
+                    Some((a.host_veth.clone(), a.nft_guard.clone()?, e.address))
+                })
+                .collect(),
+        });
         let rules = Ruleset {
             bridge: &self.config.bridge,
             subnet: self.config.subnet,
@@ -320,6 +339,7 @@ impl Network {
             host_allowed,
             egress,
             network_egress,
+            guards,
         };
         (rules, names)
     }

@@ -47,11 +47,18 @@ fn size_file(roots: &Roots) -> PathBuf {
     roots.lib.join("network-pool-size")
 }
 
-/// The pool size of `roots`' default network.
+/// The pool size of `roots`' default network. A nestbox in a user namespace
+/// (inside a nest box) keeps none unless told to: its boxes all have user
+/// namespaces of their own, which a pooled namespace is not for.
 pub fn size(roots: &Roots) -> usize {
     match fs::read_to_string(size_file(roots)) {
         Ok(s) => s.trim().parse().unwrap_or(0),
-        Err(_) if crate::network::is_system_root(roots) => DEFAULT_SIZE_SYSTEM,
+        Err(_)
+            if crate::network::is_system_root(roots)
+                && !nestbox_isolation::idmap::in_user_namespace() =>
+        {
+            DEFAULT_SIZE_SYSTEM
+        }
         Err(_) => 0,
     }
 }
