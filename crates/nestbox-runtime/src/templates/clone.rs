@@ -1001,7 +1001,6 @@ fn set_hostname_in(pid: i32, name: &str) -> Result<()> {
     set
 }
 
-/// Bring template `template`'s pool up to its size (synchronously).
 /// Inside a nest box (a user namespace) a clone cannot be on a bridge
 /// network yet (docs/nesting.md, "Not yet"): one clear line.
 fn refuse_bridge_inside(bridged: bool) -> Result<()> {
@@ -1013,6 +1012,7 @@ fn refuse_bridge_inside(bridged: bool) -> Result<()> {
     Ok(())
 }
 
+/// Bring template `template`'s pool up to its size (synchronously).
 pub fn fill_pool(reg: &Registry, template: &str) -> Result<usize> {
     let t = crate::template::load_frozen(reg, template)?;
     refuse_bridge_inside(t.spec.network.mode == crate::spec::NetworkMode::Bridge)?;
