@@ -26,6 +26,7 @@ use std::collections::BTreeMap;
 use std::io;
 use std::os::fd::{AsRawFd, OwnedFd};
 
+use crate::batch::Batch;
 use crate::buffered::{copy_pipe, copy_queue, CopyError};
 use crate::error::{RemoteError, Result};
 use crate::fdinfo::{pidfd_getfd, pidfd_open, FdAction, FdEntry, FdKind};
@@ -179,8 +180,9 @@ impl CloneObjects {
     pub(crate) fn create(&mut self, tracee: &mut Tracee, scratch: &mut Scratch) -> Result<()> {
         let creator = pidfd_open(tracee.pid())?;
         let mut template_pidfds: BTreeMap<i32, OwnedFd> = BTreeMap::new();
-        for (key, object) in self.objects.iter_mut() {
-            let nums = make(tracee, scratch, object.kind)?;
+        let kinds: Vec<Kind> = self.objects.values().map(|o| o.kind).collect();
+        let pairs = make_all(tracee, scratch, &kinds)?;
+        for ((key, object), nums) in self.objects.iter_mut().zip(pairs) {
             object.in_creator = Some(nums);
             let made = [
                 pidfd_getfd(&creator, tracee.pid(), nums[0])?,
@@ -267,6 +269,10 @@ impl CloneObjects {
         template_pid: i32,
         creator: bool,
     ) -> Result<()> {
+        // The moves and flags of every end in one batch, after the hand-overs
+        // (each a resume of its own): a handed fd takes the lowest free
+        // number, never one of the ends' numbers, which the fork holds.
+        let mut batch = Batch::new();
         for object in self.objects.values() {
             let Some(made) = &object.made else {
                 continue;
@@ -297,50 +303,55 @@ impl CloneObjects {
                     (nums.map_or(-1, |n| n[end.side]), false)
                 };
                 let cloexec = (end.flags & libc::O_CLOEXEC) as u64;
-                tracee.syscall(
+                let context = format!("for fd {}", end.fd);
+                batch.push(
                     "dup3",
-                    || format!("for fd {}", end.fd),
+                    context.clone(),
                     libc::SYS_dup3,
                     &[from as u64, end.fd as u64, cloexec],
-                )?;
+                );
                 if handed {
-                    tracee.syscall(
-                        "close",
-                        || format!("for fd {}", end.fd),
-                        libc::SYS_close,
-                        &[from as u64],
-                    )?;
+                    batch.push("close", context.clone(), libc::SYS_close, &[from as u64]);
                 }
                 // New ends are blocking: only a non-blocking one needs a call.
                 let status = (end.flags & libc::O_NONBLOCK) as u64;
                 if status != 0 {
-                    tracee.syscall(
+                    batch.push(
                         "fcntl(F_SETFL)",
-                        || format!("for fd {}", end.fd),
+                        context,
                         libc::SYS_fcntl,
                         &[end.fd as u64, libc::F_SETFL as u64, status],
-                    )?;
+                    );
                 }
             }
         }
+        scratch.reset();
+        batch.run(tracee, scratch)?;
         Ok(())
     }
 
     /// Close the new ends in the process that created them (their numbers there
     /// were free in the template) once every end is installed.
-    pub(crate) fn close_in_creator(&mut self, tracee: &mut Tracee) -> Result<()> {
+    pub(crate) fn close_in_creator(
+        &mut self,
+        tracee: &mut Tracee,
+        scratch: &mut Scratch,
+    ) -> Result<()> {
+        let mut batch = Batch::new();
         for object in self.objects.values_mut() {
             if let Some(nums) = object.in_creator.take() {
                 for n in nums {
-                    tracee.syscall(
+                    batch.push(
                         "close",
-                        || "new object's temporary fd".into(),
+                        "new object's temporary fd".into(),
                         libc::SYS_close,
                         &[n as u64],
-                    )?;
+                    );
                 }
             }
         }
+        scratch.reset();
+        batch.run(tracee, scratch)?;
         Ok(())
     }
 }
@@ -417,11 +428,50 @@ fn fill(end: &OwnedFd, data: &[u8]) -> io::Result<()> {
     Ok(())
 }
 
-fn make(tracee: &mut Tracee, scratch: &mut Scratch, kind: Kind) -> Result<[i32; 2]> {
-    match kind {
-        Kind::Pipe => make_pair(tracee, scratch, None),
-        Kind::Unix { sock_type } => make_pair(tracee, scratch, Some(sock_type)),
+/// Make one object of each of `kinds` in `tracee` (close-on-exec), with one
+/// batch of `pipe2` and `socketpair` calls; the two fds of each, in order.
+fn make_all(tracee: &mut Tracee, scratch: &mut Scratch, kinds: &[Kind]) -> Result<Vec<[i32; 2]>> {
+    if kinds.is_empty() {
+        return Ok(Vec::new());
     }
+    // The pairs' slots first, the batch's program and table after them.
+    scratch.reset();
+    let slots = scratch.reserve(8 * kinds.len())?;
+    let mut batch = Batch::new();
+    for (i, kind) in kinds.iter().enumerate() {
+        let addr = slots + 8 * i as u64;
+        match kind {
+            Kind::Pipe => batch.push(
+                "pipe2",
+                "new pipe".into(),
+                libc::SYS_pipe2,
+                &[addr, libc::O_CLOEXEC as u64],
+            ),
+            Kind::Unix { sock_type } => batch.push(
+                "socketpair",
+                "new Unix socket pair".into(),
+                libc::SYS_socketpair,
+                &[
+                    libc::AF_UNIX as u64,
+                    (sock_type | libc::SOCK_CLOEXEC) as u64,
+                    0,
+                    addr,
+                ],
+            ),
+        }
+    }
+    batch.run(tracee, scratch)?;
+    let mut raw = vec![0u8; 8 * kinds.len()];
+    tracee.read_mem(slots, &mut raw)?;
+    Ok(raw
+        .chunks_exact(8)
+        .map(|p| {
+            [
+                i32::from_ne_bytes([p[0], p[1], p[2], p[3]]),
+                i32::from_ne_bytes([p[4], p[5], p[6], p[7]]),
+            ]
+        })
+        .collect())
 }
 
 fn reopen_rdwr(end: &OwnedFd) -> io::Result<OwnedFd> {

@@ -494,7 +494,7 @@ pub(crate) fn retarget_with(
     }
     objects.install(tracee, scratch, template_pid, creator)?;
     if creator {
-        objects.close_in_creator(tracee)?;
+        objects.close_in_creator(tracee, scratch)?;
     }
     let mut ctx = Ctx {
         tracee,
