@@ -900,25 +900,12 @@ fn bridged_boxes_inside_a_nest_box_reach_each_other_the_outside_and_the_host() {
         .to_string();
     // Two bridged boxes inside: a server publishing 8080 as the nest box's
     // 9090, and a client.
-    let args = [
-        "run",
-        "-d",
-        "--name",
+    http_server_inside(
+        &root,
+        &["n"],
         "srv",
-        "--network",
-        "bridge",
-        "-p",
-        "9090:8080",
-        "--workdir",
-        "/tmp",
-        "--",
-        "python3",
-        "-m",
-        "http.server",
-        "8080",
-    ];
-    let out = root.run_timeout(&inside(&["n"], &args), START).ok();
-    assert_eq!(out.stdout.trim(), "srv", "{out}");
+        &["--network", "bridge", "-p", "9090:8080"],
+    );
     start(&root, &["n"], "cli", &["--network", "bridge"]);
     let srv = address_of(&root, &["n"], "srv");
     let cli = address_of(&root, &["n"], "cli");
@@ -1058,25 +1045,7 @@ fn an_isolated_network_inside_a_nest_box_keeps_its_boxes_apart() {
     start(&root, &[], "n", &["--nest"]);
     root.run(&inside(&["n"], &["network", "create", "iso", "--isolated"]))
         .ok();
-    let args = [
-        "run",
-        "-d",
-        "--name",
-        "a",
-        "--network",
-        "iso",
-        "-p",
-        "9191:8080",
-        "--workdir",
-        "/tmp",
-        "--",
-        "python3",
-        "-m",
-        "http.server",
-        "8080",
-    ];
-    let out = root.run_timeout(&inside(&["n"], &args), START).ok();
-    assert_eq!(out.stdout.trim(), "a", "{out}");
+    http_server_inside(&root, &["n"], "a", &["--network", "iso", "-p", "9191:8080"]);
     start(&root, &["n"], "b", &["--network", "iso"]);
     let a = address_of(&root, &["n"], "a");
     let net: Value = serde_json::from_str(
@@ -1628,6 +1597,25 @@ fn clones_inside_a_nest_box_inside_a_nest_box() {
     root.run(&inside(&d2, &["rm", "-f", "c-1"])).ok();
     assert!(row(&tree(&root, true), "d1/d2/c-1").is_none());
     rm_leaves_nothing(&root, "d1");
+}
+
+/// Start `python3 -m http.server 8080` (in /tmp) as box `name` with `opts`,
+/// inside the box at `path`.
+#[track_caller]
+fn http_server_inside(root: &TestRoot, path: &[&str], name: &str, opts: &[&str]) {
+    let mut args = vec!["run", "-d", "--name", name];
+    args.extend_from_slice(opts);
+    args.extend([
+        "--workdir",
+        "/tmp",
+        "--",
+        "python3",
+        "-m",
+        "http.server",
+        "8080",
+    ]);
+    let out = root.run_timeout(&inside(path, &args), START).ok();
+    assert_eq!(out.stdout.trim(), name, "{out}");
 }
 
 /// The host cgroup directories of box `name` and of everything below them.
