@@ -537,7 +537,10 @@ fn e2b_sdk_forks_of_one_sandbox_end_at_the_kernels_depth_and_it_goes_on() {
 from e2b import Sandbox
 from e2b.exceptions import SandboxException
 sb = Sandbox.create(timeout=300)
-h = sb.commands.run("for i in $(seq 1 600); do echo $i > n; sleep 0.1; done", background=True)
+# The count is replaced whole (a reader between `>`'s truncation and its
+# write would see an empty file).
+h = sb.commands.run("for i in $(seq 1 600); do echo $i > n.new; mv n.new n; sleep 0.1; done",
+                    background=True)
 forks = 0
 while True:
     try:
