@@ -653,7 +653,16 @@ impl TestRoot {
             .iter()
             .filter_map(|n| n["bridge"].as_str().map(String::from))
             .collect();
-        let out = self.run_timeout(&["network", "rm"], Duration::from_secs(60));
+        // Boxes whose removal is still under way (a removed template goes
+        // once its last clone has) keep their leases a moment: a failed test
+        // can leave a chain of them. Retried for a while; what stays is told.
+        let mut out = self.run_timeout(&["network", "rm"], Duration::from_secs(60));
+        let until = Instant::now() + Duration::from_secs(20);
+        while out.code != 0 && out.stderr.contains("still has") && Instant::now() < until {
+            std::thread::sleep(Duration::from_millis(500));
+            let _ = self.run_timeout(&["gc"], Duration::from_secs(60));
+            out = self.run_timeout(&["network", "rm"], Duration::from_secs(60));
+        }
         if out.code != 0 {
             left.push(format!("network rm failed: {out}"));
         }
