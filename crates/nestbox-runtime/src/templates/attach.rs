@@ -478,7 +478,8 @@ fn inspect_packets(
 }
 
 /// Take the packet inspector's rules out, if it has any; a failure is
-/// logged (the box's packets then stay queued, and are let through).
+/// logged (the rules that could not be taken out stay, and the packets they
+/// queue are still judged by the inspector).
 fn stop_packets(reader: Option<&crate::network::packets::Reader>, record: &BoxRecord) {
     if let Some(r) = reader {
         if let Err(e) = r.stop() {
