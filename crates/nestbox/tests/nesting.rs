@@ -1644,6 +1644,28 @@ fn nest_server(root: &TestRoot, name: &str) {
     root.wait_logged(name, "ready", Duration::from_secs(30));
 }
 
+/// With box `b1` running inside nest box `nest` (whose command is the counter
+/// server), `command` is refused in one line and both go on running (the
+/// server answers with count `count`); then `b1` is removed and the pool of
+/// the nestbox inside drained.
+#[track_caller]
+fn refused_with_a_box_inside(root: &TestRoot, nest: &str, command: &[&str], count: u64) {
+    start(root, &[nest], "b1", &[]);
+    assert_error(
+        &root.run(command),
+        125,
+        &format!("box \"{nest}\" runs boxes of its own (--nest; "),
+    );
+    assert_eq!(root.status(nest).as_deref(), Some("running"));
+    assert_eq!(
+        row(&tree(root, false), &format!("{nest}/b1")).map(|r| r["status"].clone()),
+        Some(Value::from("running"))
+    );
+    assert_eq!(get_inside(root, &[], nest), (count, nest.to_string()));
+    root.run(&inside(&[nest], &["rm", "-f", "b1"])).ok();
+    root.run(&inside(&[nest], &["pool", "drain"])).ok();
+}
+
 /// Write `text` to a file of nest box `name`'s state directory.
 fn set_mark(root: &TestRoot, name: &str, text: &str) {
     let script = format!("echo {text} > /var/lib/nestbox/mark");
@@ -1705,20 +1727,7 @@ fn a_nest_box_with_no_box_inside_is_frozen_and_cloned_and_each_clone_nests() {
     assert_eq!(out.stdout.trim(), "warm", "{out}");
     set_mark(&root, "w1", "template");
     // With a box inside, it is refused, and goes on as it was.
-    start(&root, &["w1"], "b1", &[]);
-    assert_error(
-        &root.run(&["freeze", "w1", "--as", "t1"]),
-        125,
-        "box \"w1\" runs boxes of its own (--nest; ",
-    );
-    assert_eq!(root.status("w1").as_deref(), Some("running"));
-    assert_eq!(
-        row(&tree(&root, false), "w1/b1").map(|r| r["status"].clone()),
-        Some(Value::from("running"))
-    );
-    assert_eq!(get_inside(&root, &[], "w1"), (4, "w1".to_string()));
-    root.run(&inside(&["w1"], &["rm", "-f", "b1"])).ok();
-    root.run(&inside(&["w1"], &["pool", "drain"])).ok();
+    refused_with_a_box_inside(&root, "w1", &["freeze", "w1", "--as", "t1"], 4);
     let out = root.run(&["freeze", "w1", "--as", "t1"]).ok();
     assert_eq!(out.stdout.trim(), "t1", "{out}");
 
@@ -1819,16 +1828,7 @@ fn an_idle_nest_box_is_checkpointed_restored_and_migrated_as_a_nest_box() {
         assert_eq!(get_inside(&root, &[], "w1"), (i, "w1".to_string()));
     }
     set_mark(&root, "w1", "saved");
-    start(&root, &["w1"], "b1", &[]);
-    assert_error(
-        &root.run(&["checkpoint", "w1", "--as", "k1"]),
-        125,
-        "box \"w1\" runs boxes of its own (--nest; ",
-    );
-    assert_eq!(root.status("w1").as_deref(), Some("running"));
-    assert_eq!(get_inside(&root, &[], "w1"), (3, "w1".to_string()));
-    root.run(&inside(&["w1"], &["rm", "-f", "b1"])).ok();
-    root.run(&inside(&["w1"], &["pool", "drain"])).ok();
+    refused_with_a_box_inside(&root, "w1", &["checkpoint", "w1", "--as", "k1"], 3);
     let out = root.run(&["checkpoint", "w1", "--as", "k1"]).ok();
     assert!(out.stdout.contains("k1"), "{out}");
     // Stopped by its checkpoint, then removed: the restore needs neither.

@@ -38,21 +38,13 @@ fn busybox_root(test: &str) -> Option<TestRoot> {
     Some(root)
 }
 
-/// Start box `name` of the `bb` image, without a network, sleeping.
-fn run_sleeping(root: &TestRoot, name: &str) {
-    root.ok(&[
-        "run",
-        "-d",
-        "--name",
-        name,
-        "--network",
-        "none",
-        "--image",
-        "bb",
-        "--",
-        "sleep",
-        "100000",
-    ]);
+/// Start box `name` of the `bb` image, without a network, sleeping, with
+/// `opts` besides.
+fn run_sleeping(root: &TestRoot, name: &str, opts: &[&str]) {
+    let mut args = vec!["run", "-d", "--name", name, "--network", "none"];
+    args.extend_from_slice(opts);
+    args.extend(["--image", "bb", "--", "sleep", "100000"]);
+    root.ok(&args);
 }
 
 /// Import a busybox image `bb` with /etc/hello, /etc/keep and a directory
@@ -133,7 +125,7 @@ fn snapshot_diff_rollback_round_trip() {
     let Some(root) = busybox_root(test) else {
         return;
     };
-    run_sleeping(&root, "tt");
+    run_sleeping(&root, "tt", &[]);
     // Add, modify, delete a lower file (a whiteout), replace a lower
     // directory (an opaque one), and a new directory.
     root.ok(&[
@@ -330,7 +322,7 @@ fn bad_input_is_one_line_and_changes_nothing() {
         return;
     };
     for name in ["a", "b"] {
-        run_sleeping(&root, name);
+        run_sleeping(&root, name, &[]);
     }
     root.ok(&["exec", "a", "--", "sh", "-c", "echo x > /etc/x"]);
     root.ok(&["snapshot", "a", "sa"]);
@@ -381,20 +373,7 @@ fn bad_input_is_one_line_and_changes_nothing() {
     assert_eq!(diff(&root, &["a"]), ["C /etc", "A /etc/x"]);
 
     // A running --rm box would be removed by the stop of a rollback.
-    root.ok(&[
-        "run",
-        "-d",
-        "--rm",
-        "--name",
-        "r",
-        "--network",
-        "none",
-        "--image",
-        "bb",
-        "--",
-        "sleep",
-        "100000",
-    ]);
+    run_sleeping(&root, "r", &["--rm"]);
     root.ok(&["snapshot", "r", "sr"]);
     assert_error(
         &root.run(&["rollback", "r", "sr"]),
@@ -417,7 +396,7 @@ fn a_killed_snapshot_leaves_a_whole_one_or_none() {
     let Some(root) = busybox_root(test) else {
         return;
     };
-    run_sleeping(&root, "k");
+    run_sleeping(&root, "k", &[]);
     root.ok(&[
         "exec",
         "k",
@@ -541,7 +520,7 @@ fn rollback_of_a_running_box_leaves_nothing_of_its_old_layer() {
     let Some(root) = busybox_root(test) else {
         return;
     };
-    run_sleeping(&root, "w");
+    run_sleeping(&root, "w", &[]);
     root.ok(&[
         "exec",
         "w",
