@@ -551,7 +551,7 @@ impl ResourceArgs {
 enum MonitorCommand {
     /// Attach a stack of monitors (`--monitor` as `run` takes them) to every
     /// process of a running box but its init; processes it forks later are
-    /// monitored too.
+    /// monitored too. `packets:…` inspects a bridged box's packets.
     Attach {
         /// A monitor, as `run --monitor` takes it; repeat for a stack.
         #[arg(long = "monitor", value_name = "SPEC", required = true)]
@@ -560,7 +560,8 @@ enum MonitorCommand {
         name: String,
     },
     /// Switch the attached stack off: every call is let through unasked
-    /// (the filter stays until the box ends: a filter cannot be removed).
+    /// (the filter stays until the box ends: a filter cannot be removed);
+    /// the packet inspector's rules are taken out.
     Detach {
         /// Box name.
         name: String,
