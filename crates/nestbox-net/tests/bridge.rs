@@ -869,3 +869,41 @@ fn egress_policies_admit_only_what_they_list_and_log_their_decisions() {
     assert!(!table.contains("egress_"), "egress chains left:\n{table}");
     assert_no_box_leftovers(&t);
 }
+
+#[test]
+fn a_preferred_address_is_given_back_when_free_and_only_then() {
+    if !root() {
+        return;
+    }
+    // A box started again asks for the address it had (a rollback that puts
+    // its processes back keeps the address their peers know).
+    let t = TestNet::new(32);
+    let net = t.net();
+    let a = net.allocate("box-a", &[]).unwrap();
+    let b = net.allocate("box-b", &[]).unwrap();
+    net.detach("box-a").unwrap();
+    let again = net
+        .allocate_preferring("box-a", &[], Some(a.address))
+        .unwrap();
+    assert_eq!(again.address, a.address);
+    // Taken by another box, or outside the subnet: the next free address.
+    let c = net
+        .allocate_preferring("box-c", &[], Some(b.address))
+        .unwrap();
+    let d = net
+        .allocate_preferring("box-d", &[], Some(Ipv4Addr::new(192, 0, 2, 7)))
+        .unwrap();
+    let gateway = net.config().subnet.gateway();
+    let e = net
+        .allocate_preferring("box-e", &[], Some(gateway))
+        .unwrap();
+    let all: BTreeSet<Ipv4Addr> = [again.address, b.address, c.address, d.address, e.address]
+        .into_iter()
+        .collect();
+    assert_eq!(all.len(), 5, "addresses given twice: {all:?}");
+    assert!(!all.contains(&gateway));
+    for id in ["box-a", "box-b", "box-c", "box-d", "box-e"] {
+        net.detach(id).unwrap();
+    }
+    assert_no_box_leftovers(&t);
+}

@@ -64,6 +64,11 @@ pub struct SnapshotRecord {
     /// (`syncfs`, renames into `objects/`, `syncfs`).
     #[serde(default)]
     pub publish_ms: f64,
+    /// Whether the box's processes were checkpointed with it
+    /// (`snapshot --checkpoint`: [`processes_dir`]); a rollback to it then
+    /// puts them back too.
+    #[serde(default)]
+    pub processes: bool,
     /// The layer: every path of the box's writable layer.
     pub layer: LayerManifest,
 }
@@ -268,11 +273,68 @@ pub fn write_new(record: &BoxRecord, snap: &SnapshotRecord) -> Result<()> {
         .map_err(RuntimeError::io("fsync", &d))
 }
 
-/// Remove snapshot `name` of `record`.
+/// Remove snapshot `name` of `record` (the record first: a removal cut short
+/// leaves an unlisted checkpoint of processes, which [`recover`] removes).
 pub fn remove(reg: &Registry, record: &BoxRecord, name: &str) -> Result<()> {
     load(reg, record, name)?;
     let path = dir(record).join(format!("{name}.json"));
-    fs::remove_file(&path).map_err(RuntimeError::io("remove", &path))
+    fs::remove_file(&path).map_err(RuntimeError::io("remove", &path))?;
+    let processes = processes_dir(record, name);
+    if processes.exists() {
+        fs::remove_dir_all(&processes).map_err(RuntimeError::io("remove", &processes))?;
+    }
+    Ok(())
+}
+
+/// What ends the name of a snapshot's checkpoint of processes.
+const PROCESSES: &str = ".processes";
+
+/// The checkpoint of the processes of snapshot `name` of `record`, taken with
+/// it (`snapshot --checkpoint`): a checkpoint directory without layers (its
+/// files are the snapshot's layer), its pages in the host's page pool.
+pub fn processes_dir(record: &BoxRecord, name: &str) -> PathBuf {
+    dir(record).join(format!("{name}{PROCESSES}"))
+}
+
+/// The checkpoints of processes of every snapshot of every box of `reg`
+/// (`gc` keeps their pages).
+pub fn processes_dirs(reg: &Registry) -> Result<Vec<PathBuf>> {
+    let mut out = Vec::new();
+    for r in reg.list()? {
+        let Ok(entries) = fs::read_dir(dir(&r)) else {
+            continue;
+        };
+        out.extend(
+            entries
+                .flatten()
+                .filter(|e| e.file_name().to_string_lossy().ends_with(PROCESSES))
+                .map(|e| e.path()),
+        );
+    }
+    Ok(out)
+}
+
+/// Remove the checkpoints of processes in snapshot directory `snapshots`
+/// whose snapshot has no record: a snapshot killed after its checkpoint was
+/// in place, or a removal cut short (called under the snapshot lock, so no
+/// snapshot is being written).
+fn remove_orphan_processes(snapshots: &Path) {
+    let Ok(entries) = fs::read_dir(snapshots) else {
+        return;
+    };
+    for e in entries.flatten() {
+        let file = e.file_name().to_string_lossy().to_string();
+        let Some(name) = file.strip_suffix(PROCESSES) else {
+            continue;
+        };
+        if !snapshots.join(format!("{name}.json")).exists() {
+            crate::diag::warn_on_err(
+                None,
+                "removing the checkpoint of an unfinished snapshot",
+                fs::remove_dir_all(e.path()).map_err(RuntimeError::io("remove", e.path())),
+            );
+        }
+    }
 }
 
 /// Every store inode a snapshot or a rollback layer of a box of `reg` names
@@ -470,6 +532,7 @@ pub fn finish_swap(lib: &Path, upper: &Path) -> Result<()> {
 /// swap) for the box whose data directory is `lib` and layer-0 upper
 /// directory is `upper`.
 pub fn recover(lib: &Path, upper: &Path) -> Result<()> {
+    remove_orphan_processes(&lib.join("snapshots"));
     let base = upper.parent().unwrap_or(lib);
     if !has_trash(lib)
         && !has_trash(base)

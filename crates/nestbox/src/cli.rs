@@ -295,10 +295,12 @@ enum Command {
     /// Merge identical files across images and box layers into shared objects.
     Dedup(crate::store_cmd::DedupArgs),
     /// Record a box's writable layer as a snapshot (only files changed since
-    /// the last one are read); `snapshot ls|rm` manage snapshots.
+    /// the last one are read), with `--checkpoint` its processes too;
+    /// `snapshot ls|rm` manage snapshots.
     Snapshot(crate::snapshot_cmd::SnapshotArgs),
     /// Put a box's files back as a snapshot had them (a running box is
-    /// stopped and started again).
+    /// stopped and started again), and its processes when the snapshot has
+    /// them (`snapshot --checkpoint`).
     Rollback(crate::snapshot_cmd::RollbackArgs),
     /// List the paths a box changed (A added, C changed, D deleted) against
     /// its image, or against a snapshot.

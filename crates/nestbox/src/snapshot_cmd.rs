@@ -24,6 +24,10 @@ pub struct SnapshotArgs {
     /// Snapshot name (default: snap-N).
     #[arg(value_name = "NAME")]
     name: Option<String>,
+    /// Checkpoint the box's processes with its files, in one freeze (the box
+    /// must run): a rollback to this snapshot then puts them back too.
+    #[arg(long)]
+    checkpoint: bool,
 }
 
 #[derive(Debug, Subcommand)]
@@ -94,18 +98,19 @@ pub fn snapshot(reg: &Registry, a: SnapshotArgs) -> Result<i32> {
                 return Ok(0);
             }
             println!(
-                "{:<20} {:<20} {:>8} {:>10} {:>10} {:>8}",
-                "BOX", "SNAPSHOT", "FILES", "SIZE", "ADDED", "MS"
+                "{:<20} {:<20} {:>8} {:>10} {:>10} {:>8} {:<9}",
+                "BOX", "SNAPSHOT", "FILES", "SIZE", "ADDED", "MS", "PROCESSES"
             );
             for s in all {
                 println!(
-                    "{:<20} {:<20} {:>8} {:>10} {:>10} {:>8.1}",
+                    "{:<20} {:<20} {:>8} {:>10} {:>10} {:>8.1} {:<9}",
                     s.box_name,
                     s.name,
                     s.files,
                     human(s.bytes),
                     human(s.new_bytes),
-                    s.ms
+                    s.ms,
+                    if s.processes { "yes" } else { "no" }
                 );
             }
             Ok(0)
@@ -122,7 +127,7 @@ pub fn snapshot(reg: &Registry, a: SnapshotArgs) -> Result<i32> {
         }
         None => {
             let b = a.r#box.context("missing box name")?;
-            let s = time_travel::snapshot(reg, &b, a.name.as_deref())?;
+            let s = time_travel::snapshot(reg, &b, a.name.as_deref(), a.checkpoint)?;
             if a.json {
                 println!(
                     "{}",
@@ -130,13 +135,18 @@ pub fn snapshot(reg: &Registry, a: SnapshotArgs) -> Result<i32> {
                 );
             } else {
                 println!(
-                    "{} ({} files, {}; {} read, {} new objects, {} stored, {:.1} ms)",
+                    "{} ({} files, {}; {} read, {} new objects, {} stored{}, {:.1} ms)",
                     s.name,
                     s.files,
                     human(s.bytes),
                     s.files_read,
                     s.new_objects,
                     human(s.new_bytes),
+                    if s.processes {
+                        "; processes checkpointed"
+                    } else {
+                        ""
+                    },
                     s.ms
                 );
             }
@@ -156,7 +166,13 @@ pub fn rollback(reg: &Registry, a: RollbackArgs) -> Result<i32> {
             "{} rolled back to {}{} (files swapped in {:.1} ms, {:.1} ms in all)",
             r.box_name,
             r.snapshot,
-            if r.restarted { ", restarted" } else { "" },
+            if r.processes {
+                ", its processes put back"
+            } else if r.restarted {
+                ", restarted"
+            } else {
+                ""
+            },
             r.swap_ms,
             r.total_ms
         );

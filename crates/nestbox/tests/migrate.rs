@@ -9,8 +9,8 @@
 
 mod common;
 
-use std::io::{Read, Write};
-use std::net::{SocketAddr, TcpStream};
+use std::io::Read;
+use std::net::SocketAddr;
 use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -183,18 +183,6 @@ impl Drop for OtherHost {
     }
 }
 
-/// GET `path` from `addr`; the body, or `None` on any failure (refused,
-/// reset, timed out, cut).
-fn get(addr: SocketAddr, path: &str) -> Option<String> {
-    let mut s = TcpStream::connect_timeout(&addr, Duration::from_secs(2)).ok()?;
-    s.set_read_timeout(Some(Duration::from_secs(3))).ok()?;
-    write!(s, "GET {path} HTTP/1.0\r\n\r\n").ok()?;
-    let mut reply = String::new();
-    s.read_to_string(&mut reply).ok()?;
-    let (head, body) = reply.split_once("\r\n\r\n")?;
-    head.starts_with("HTTP/1.0 200").then(|| body.to_string())
-}
-
 /// Two roots for `test` (the second's directory named after it too).
 fn two_roots(test: &str) -> Option<(TestRoot, TestRoot)> {
     let here = TestRoot::new(test)?;
@@ -248,7 +236,7 @@ fn migrate_under_a_request_loop(test: &str, lazy: bool) {
     let _app = start_server(&here, Some(port));
     let source: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
     let target: SocketAddr = format!("{}:{port}", other.addr).parse().unwrap();
-    assert!(get(source, "/").is_some(), "the server answers here");
+    assert!(http_get(source, "/").is_some(), "the server answers here");
 
     // The client: request ids 0, 1, 2 … each retried until answered, to
     // this host until the migration returned, then to the other.
@@ -273,7 +261,7 @@ fn migrate_under_a_request_loop(test: &str, lazy: bool) {
                     } else {
                         to
                     };
-                    if get(to, &format!("/req/{id}")).is_some() {
+                    if http_get(to, &format!("/req/{id}")).is_some() {
                         break;
                     }
                     retries += 1;
@@ -327,7 +315,7 @@ fn migrate_under_a_request_loop(test: &str, lazy: bool) {
     );
     // Every answered request counted once, on the new host; memory intact,
     // the root's files there.
-    let body = get(target, "/").expect("the server answers on the other host");
+    let body = http_get(target, "/").expect("the server answers on the other host");
     let f: Vec<&str> = body.split_whitespace().collect();
     assert_eq!(
         f,
@@ -341,7 +329,10 @@ fn migrate_under_a_request_loop(test: &str, lazy: bool) {
     );
     assert!(answered > 20, "the client kept sending: {answered}");
     assert!(here.names().is_empty(), "the box left this host");
-    assert!(get(source, "/").is_none(), "nothing answers here any more");
+    assert!(
+        http_get(source, "/").is_none(),
+        "nothing answers here any more"
+    );
     let listed = other.ok(&there, &["checkpoint", "ls", "--json"]);
     assert!(listed.contains("web-migrated-"), "{listed}");
     other.ok(&there, &["rm", "-f", "web"]);
@@ -362,7 +353,7 @@ fn refused_migrations_leave_the_box_running_where_it_was() {
     let port = 18400 + (std::process::id() % 200) as u16;
     let _app = start_server(&here, Some(port));
     let source: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
-    assert!(get(source, "/req/1").is_some());
+    assert!(http_get(source, "/req/1").is_some());
 
     let out = here.run(&["migrate", "web", "--to", "ftp:x"]);
     assert_error(&out, 125, "expected tcp:HOST:PORT or exec:COMMAND");
@@ -392,7 +383,7 @@ fn refused_migrations_leave_the_box_running_where_it_was() {
     assert_eq!(out.stderr.trim().lines().count(), 1, "{}", out.stderr);
     assert_eq!(here.status("web").as_deref(), Some("running"));
     assert_eq!(
-        get(source, "/")
+        http_get(source, "/")
             .as_deref()
             .map(|b| b.split(' ').next().unwrap().to_string()),
         Some("1".to_string()),
@@ -404,7 +395,7 @@ fn refused_migrations_leave_the_box_running_where_it_was() {
     let out = here.run(&["migrate", "web", "--to", "tcp:127.0.0.1:1"]);
     assert_error(&out, 125, "connecting to the target");
     assert_eq!(here.status("web").as_deref(), Some("running"));
-    assert!(get(source, "/req/2").is_some());
+    assert!(http_get(source, "/req/2").is_some());
 
     there.ok(&["rm", "-f", "web"]);
     here.ok(&["rm", "-f", "web"]);

@@ -608,3 +608,256 @@ fn rollback_of_a_running_box_leaves_nothing_of_its_old_layer() {
     root.ok(&["store", "gc"]);
     assert!(objects(&root).is_empty());
 }
+
+/// A Python server on port 8080 of the box's address: a request count in
+/// memory, each count appended to /srv/log.txt, which it keeps open; the
+/// answer is the count and the file's offset.
+const COUNTER: &str = r#"
+import http.server, os
+os.makedirs('/srv', exist_ok=True)
+count = 0
+log = open('/srv/log.txt', 'a+')
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        global count
+        count += 1
+        log.write(f'{count}\n'); log.flush()
+        body = f'{count} {log.tell()}'.encode()
+        self.send_response(200)
+        self.send_header('Content-Length', str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+    def log_message(self, *a):
+        pass
+server = http.server.HTTPServer(('0.0.0.0', 8080), H)
+print('ready', flush=True)
+server.serve_forever()
+"#;
+
+/// The box's address, port 8080.
+fn counter_address(root: &TestRoot, name: &str) -> std::net::SocketAddr {
+    let ip = root.inspect(name)["state"]["network"]["address"]
+        .as_str()
+        .unwrap_or_else(|| panic!("{name} has no address"))
+        .to_string();
+    format!("{ip}:8080").parse().unwrap()
+}
+
+/// The counter's answer from the host.
+fn count(addr: std::net::SocketAddr) -> String {
+    common::http_get(addr, "/").unwrap_or_else(|| panic!("no answer from {addr}"))
+}
+
+/// `snapshot --checkpoint` records the processes with the files in one
+/// freeze; a rollback to it puts both back, whether the box runs or not,
+/// as often as asked, on the box's own address; `gc` keeps the pages a
+/// snapshot names and frees them once it is removed.
+#[test]
+fn a_snapshot_with_a_checkpoint_rolls_the_processes_back_too() {
+    let test = "a_snapshot_with_a_checkpoint_rolls_the_processes_back_too";
+    let Some(root) = TestRoot::new(test) else {
+        return;
+    };
+    root.ok(&["run", "-d", "--name", "ctr", "--", "python3", "-c", COUNTER]);
+    root.wait_logged("ctr", "ready", Duration::from_secs(30));
+    let addr = counter_address(&root, "ctr");
+    assert_eq!(count(addr), "1 2");
+    assert_eq!(count(addr), "2 4");
+    let out = root.ok(&["snapshot", "ctr", "s1", "--checkpoint"]);
+    assert!(out.contains("processes checkpointed"), "{out}");
+    let listed = json(&root.ok(&["snapshot", "ls", "ctr", "--json"]));
+    assert_eq!(listed[0]["processes"], true, "{listed}");
+    let processes = box_dir(&root, "ctr").join("snapshots/s1.processes");
+    assert!(processes.join("checkpoint.json").is_file());
+    // Later: more requests, a new file, the log grown.
+    assert_eq!(count(addr), "3 6");
+    root.ok(&["exec", "ctr", "--", "sh", "-c", "echo later > /srv/later"]);
+    let pid_before = init_pid(&root, "ctr");
+
+    let report = json(&root.ok(&["rollback", "ctr", "s1", "--json"]));
+    assert_eq!(report["processes"], true, "{report}");
+    assert_eq!(report["restarted"], true, "{report}");
+    assert_ne!(init_pid(&root, "ctr"), pid_before, "a new box around them");
+    assert_eq!(
+        counter_address(&root, "ctr"),
+        addr,
+        "the box keeps its address"
+    );
+    // The count goes on from the snapshot's 2, the open log file at its
+    // offset then, with the snapshot's contents.
+    assert_eq!(count(addr), "3 6");
+    let files = root.ok(&["exec", "ctr", "--", "sh", "-c", "cat /srv/log.txt; ls /srv"]);
+    assert_eq!(files, "1\n2\n3\nlog.txt\n");
+
+    // Again from the same snapshot, and into a box that had stopped.
+    assert_eq!(count(addr), "4 8");
+    root.ok(&["rollback", "ctr", "s1"]);
+    assert_eq!(count(addr), "3 6");
+    root.ok(&["stop", "ctr"]);
+    assert_eq!(root.status("ctr").as_deref(), Some("exited"));
+    let out = root.ok(&["rollback", "ctr", "s1"]);
+    assert!(out.contains("its processes put back"), "{out}");
+    assert_eq!(root.status("ctr").as_deref(), Some("running"));
+    assert_eq!(count(addr), "3 6");
+
+    // gc keeps what the snapshot names; its removal frees it.
+    root.ok(&["gc"]);
+    root.ok(&["rollback", "ctr", "s1"]);
+    assert_eq!(count(addr), "3 6");
+    let pages = |root: &TestRoot| {
+        let df = root.ok(&["store", "df"]);
+        df.lines()
+            .find(|l| l.starts_with("checkpoint pages:"))
+            .map(str::to_string)
+            .unwrap_or_default()
+    };
+    assert!(
+        !pages(&root).starts_with("checkpoint pages: 0 "),
+        "{}",
+        pages(&root)
+    );
+    root.ok(&["snapshot", "rm", "ctr", "s1"]);
+    assert!(
+        !processes.exists(),
+        "the snapshot's checkpoint went with it"
+    );
+    root.ok(&["gc"]);
+    assert!(
+        pages(&root).starts_with("checkpoint pages: 0 "),
+        "{}",
+        pages(&root)
+    );
+    // The box runs on, its processes its own now.
+    assert_eq!(count(addr), "4 8");
+    root.ok(&["rm", "-f", "ctr"]);
+    root.assert_no_boxes();
+}
+
+/// `snapshot --checkpoint` of what a rollback could not put back is one
+/// line and leaves no snapshot; a checkpoint left without its snapshot
+/// record (a snapshot killed after it) is removed by the next snapshot.
+#[test]
+fn a_snapshot_with_a_checkpoint_refuses_what_it_cannot_put_back() {
+    let test = "a_snapshot_with_a_checkpoint_refuses_what_it_cannot_put_back";
+    let Some(root) = busybox_root(test) else {
+        return;
+    };
+    run_sleeping(&root, "sl", &[]);
+    root.ok(&["stop", "-t", "0", "sl"]);
+    let out = root.run(&["snapshot", "sl", "s", "--checkpoint"]);
+    assert_error(&out, 125, "is not running");
+    root.ok(&[
+        "run",
+        "-d",
+        "--name",
+        "t",
+        "--network",
+        "none",
+        "--image",
+        "bb",
+        "--",
+        "sleep",
+        "100000",
+    ]);
+    root.ok(&["freeze", "t", "--as", "tpl"]);
+    let out = root.run(&["snapshot", "t", "s", "--checkpoint"]);
+    assert_error(&out, 125, "is a template");
+    root.ok(&["clone", "tpl", "--name", "c", "-d"]);
+    let out = root.run(&["snapshot", "c", "s", "--checkpoint"]);
+    assert_error(&out, 125, "is a clone or a restored box");
+    for b in ["sl", "t", "c"] {
+        assert!(
+            root.ok(&["snapshot", "ls", b]).lines().count() == 1,
+            "no snapshot of {b}"
+        );
+    }
+    let orphan = box_dir(&root, "sl").join("snapshots/gone.processes");
+    fs::create_dir_all(&orphan).unwrap();
+    root.ok(&["snapshot", "sl", "s"]);
+    assert!(
+        !orphan.exists(),
+        "a checkpoint without its snapshot is removed"
+    );
+    root.ok(&["rm", "-f", "c", "t", "sl"]);
+    root.assert_no_boxes();
+}
+
+/// `snapshot --checkpoint` killed (SIGKILL) at any point: after `gc` the box
+/// runs (thawed, its processes let go), no staging is left, a snapshot is
+/// listed whole (with its processes, and a rollback to it works) or not at
+/// all, and a checkpoint left without its record goes at the next snapshot.
+#[test]
+fn a_killed_snapshot_with_a_checkpoint_leaves_the_box_running_and_nothing_half_made() {
+    let test = "a_killed_snapshot_with_a_checkpoint_leaves_the_box_running_and_nothing_half_made";
+    let Some(root) = TestRoot::new(test) else {
+        return;
+    };
+    // 64 MiB of memory of its own makes the checkpoint long enough to be
+    // killed in each of its parts.
+    let server = COUNTER.replace("count = 0", "count = 0\nblob = os.urandom(64 << 20)");
+    root.ok(&[
+        "run",
+        "-d",
+        "--name",
+        "kc",
+        "--network",
+        "none",
+        "--",
+        "python3",
+        "-c",
+        &server,
+    ]);
+    root.wait_logged("kc", "ready", Duration::from_secs(30));
+    let answers = |root: &TestRoot| common::box_http_get(root, "kc", "/").len() == 2;
+    assert!(answers(&root));
+    let delays = [5u64, 20, 50, 100, 200, 400, 800, 3000];
+    let mut listed = Vec::new();
+    for (i, delay_ms) in delays.iter().enumerate() {
+        let name = format!("k{i}");
+        let mut child = root.spawn(&["snapshot", "kc", &name, "--checkpoint"]);
+        std::thread::sleep(Duration::from_millis(*delay_ms));
+        // Our own child, by its pid (ESRCH only if it already ended).
+        let _ = nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(child.id() as i32),
+            nix::sys::signal::Signal::SIGKILL,
+        );
+        let _ = child.wait();
+        root.ok(&["gc"]);
+        assert!(
+            answers(&root),
+            "the box answers after snapshot {name} was killed"
+        );
+        let ls = json(&root.ok(&["snapshot", "ls", "--json", "kc"]));
+        if let Some(s) = ls.as_array().unwrap().iter().find(|s| s["name"] == name) {
+            assert_eq!(s["processes"], true, "{s}");
+            listed.push(name);
+        }
+    }
+    let staging: Vec<_> = fs::read_dir(root.path().join("lib/checkpoints"))
+        .map(|d| d.flatten().map(|e| e.file_name()).collect())
+        .unwrap_or_default();
+    assert!(staging.is_empty(), "checkpoint staging left: {staging:?}");
+    root.ok(&["diff", "kc"]);
+    let snapshots = box_dir(&root, "kc").join("snapshots");
+    for e in fs::read_dir(&snapshots).unwrap().flatten() {
+        let file = e.file_name().to_string_lossy().to_string();
+        if let Some(name) = file.strip_suffix(".processes") {
+            assert!(
+                listed.iter().any(|l| l == name),
+                "{file} without its snapshot"
+            );
+        }
+    }
+    eprintln!(
+        "{test}: {} of {} killed snapshots had finished",
+        listed.len(),
+        delays.len()
+    );
+    if let Some(last) = listed.last() {
+        root.ok(&["rollback", "kc", last]);
+        assert!(answers(&root), "the box answers after a rollback to {last}");
+    }
+    root.ok(&["rm", "-f", "kc"]);
+    root.ok(&["gc"]);
+    root.assert_no_boxes();
+}

@@ -24,6 +24,18 @@ impl Network {
     /// to the hosts file under `names`, and write resolv.conf. Persistent and
     /// safe under concurrent callers.
     pub fn allocate(&self, box_id: &str, names: &[&str]) -> Result<Lease> {
+        self.allocate_preferring(box_id, names, None)
+    }
+
+    /// [`Network::allocate`], giving the box address `prefer` when it is one
+    /// of the subnet's box addresses and free (a box started again takes back
+    /// the address it had); otherwise the next free one.
+    pub fn allocate_preferring(
+        &self,
+        box_id: &str,
+        names: &[&str],
+        prefer: Option<std::net::Ipv4Addr>,
+    ) -> Result<Lease> {
         if box_id.is_empty()
             || box_id.len() > 128
             || !box_id
@@ -55,16 +67,26 @@ impl Network {
         let range = subnet.box_offsets();
         let (lo, hi) = (*range.start(), *range.end());
         let count = hi.saturating_sub(lo) + 1;
-        let start = locked.state.next.clamp(lo, hi);
-        let offset = (0..count)
-            .map(|i| lo + (start - lo + i) % count)
-            .find(|o| !used.contains(o))
-            .ok_or_else(|| NetError::PoolExhausted {
-                network: self.config.name.clone(),
-                subnet: subnet.to_string(),
-                used: used.len(),
-            })?;
-        locked.state.next = if offset == hi { lo } else { offset + 1 };
+        let preferred = prefer
+            .filter(|a| subnet.contains(*a))
+            .map(|a| subnet.offset(a))
+            .filter(|o| range.contains(o) && !used.contains(o));
+        let offset = match preferred {
+            Some(o) => o,
+            None => {
+                let start = locked.state.next.clamp(lo, hi);
+                let offset = (0..count)
+                    .map(|i| lo + (start - lo + i) % count)
+                    .find(|o| !used.contains(o))
+                    .ok_or_else(|| NetError::PoolExhausted {
+                        network: self.config.name.clone(),
+                        subnet: subnet.to_string(),
+                        used: used.len(),
+                    })?;
+                locked.state.next = if offset == hi { lo } else { offset + 1 };
+                offset
+            }
+        };
         let entry = BoxEntry {
             names: names.iter().map(|s| s.to_string()).collect(),
             address: subnet.host(offset),

@@ -249,14 +249,28 @@ fn start_inner(
     // A namespace from the pool when the box may have one. The pool being
     // empty or busy is no error, nor is a broken entry (claim removes it): the
     // box then makes its own namespace.
-    let pooled = if crate::network_pool::eligible(spec) {
+    // A box started again takes back the address it had when it is free
+    // (its peers, and processes a rollback puts back, know it): not one
+    // from the pool then.
+    let previous = record
+        .state
+        .network
+        .as_ref()
+        .and_then(|n| n.get("address")?.as_str()?.parse().ok());
+    let pooled = if previous.is_none() && crate::network_pool::eligible(spec) {
         crate::network_pool::claim(reg.roots(), &record.state.id, &host_names).unwrap_or(None)
     } else {
         None
     };
     let net = match pooled {
         Some(_) => None,
-        None => crate::network::Pending::lease(reg.roots(), &record.state.id, spec, &host_names)?,
+        None => crate::network::Pending::lease(
+            reg.roots(),
+            &record.state.id,
+            spec,
+            &host_names,
+            previous,
+        )?,
     };
     crate::phases::mark("monitor: network leased or claimed");
     let net_volumes = match (&pooled, &net) {

@@ -49,6 +49,8 @@ pub struct SnapshotInfo {
     pub ms: f64,
     /// Of which: making its new objects durable and visible in the store.
     pub publish_ms: f64,
+    /// Whether its processes were checkpointed with it (`--checkpoint`).
+    pub processes: bool,
 }
 
 impl From<&SnapshotRecord> for SnapshotInfo {
@@ -65,6 +67,7 @@ impl From<&SnapshotRecord> for SnapshotInfo {
             new_bytes: s.new_bytes,
             ms: s.ms,
             publish_ms: s.publish_ms,
+            processes: s.processes,
         }
     }
 }
@@ -79,6 +82,10 @@ pub struct RollbackReport {
     pub snapshot: String,
     /// Whether the box was running, and so was stopped and started again.
     pub restarted: bool,
+    /// Whether its processes were put back as the snapshot had them
+    /// (`snapshot --checkpoint`): the box runs them now, whether it ran
+    /// before or not.
+    pub processes: bool,
     /// Milliseconds to make the snapshot's layer (before the box is stopped).
     pub materialise_ms: f64,
     /// Milliseconds the box's files took to change (the layer swap).
@@ -108,12 +115,31 @@ fn in_store<T>(record: &BoxRecord, r: nestbox_store::Result<T>) -> Result<T> {
 
 /// Take a snapshot of box `box_name`'s writable layer, named `name` (default:
 /// `snap-N`). A running box is frozen while its layer is read, so the snapshot
-/// is one instant of it.
-pub fn snapshot(reg: &Registry, box_name: &str, name: Option<&str>) -> Result<SnapshotRecord> {
+/// is one instant of it. With `processes` (`--checkpoint`), the box's
+/// processes are checkpointed in the same freeze (the box must run, as for
+/// `checkpoint --leave-running`), and a rollback to the snapshot puts them
+/// back too.
+pub fn snapshot(
+    reg: &Registry,
+    box_name: &str,
+    name: Option<&str>,
+    processes: bool,
+) -> Result<SnapshotRecord> {
     let started = Instant::now();
     let record = reg.load(box_name)?;
     if let Some(n) = name {
         snapshots::validate_name(n)?;
+    }
+    // One at a time with the box's clones, freezes and checkpoints (taken
+    // before the snapshot lock, as `rollback` never takes it), and the box
+    // read again under it.
+    let _box_lock = match processes {
+        true => Some(crate::clone::box_lock(&record)?),
+        false => None,
+    };
+    let record = reg.load(box_name)?;
+    if processes {
+        refuse_checkpoint(&record)?;
     }
     let _lock = snapshots::lock(&record)?;
     let (upper, _) = record.layer_dirs(0);
@@ -141,35 +167,67 @@ pub fn snapshot(reg: &Registry, box_name: &str, name: Option<&str>) -> Result<Sn
     let base = snapshots::rollback_layer(record.lib_dir())?;
     let store = store(reg)?;
     let txn = in_store(&record, Txn::begin(&store))?;
-    let frozen = match (&record.state.cgroup, record.state.effective_status()) {
-        (Some(cg), Status::Running) => match cg.set_frozen(true, Duration::from_secs(5)) {
-            Ok(()) => Some(cg),
-            Err(e) => {
-                tracing::warn!(
-                    box_name,
-                    "snapshot of a running box without freezing it: {e}"
-                );
-                None
-            }
-        },
-        _ => None,
+    let scan = || {
+        let scanned = if upper.is_dir() {
+            nestbox_store::scan_upper(&upper, previous.map(|p| &p.layer), Contents::Store(&txn))
+        } else {
+            Ok((LayerManifest::empty(), Default::default()))
+        };
+        in_store(&record, scanned)
     };
-    let scanned = if upper.is_dir() {
-        nestbox_store::scan_upper(&upper, previous.map(|p| &p.layer), Contents::Store(&txn))
+    let processes_dir = snapshots::processes_dir(&record, &name);
+    let (upper_layer, scan) = if processes {
+        // The layer is read while the checkpoint has the box frozen.
+        let dir = snapshots::dir(&record);
+        std::fs::create_dir_all(&dir).map_err(RuntimeError::io("mkdir", &dir))?;
+        let mut scanned = None;
+        crate::checkpoint::checkpoint_processes(
+            reg,
+            &record,
+            &format!("{}.{name}", record.state.id),
+            &processes_dir,
+            &mut || {
+                scanned = Some(scan()?);
+                Ok(())
+            },
+        )?;
+        scanned.expect("the layer scanned in the checkpoint's freeze")
     } else {
-        Ok((LayerManifest::empty(), Default::default()))
+        let frozen = match (&record.state.cgroup, record.state.effective_status()) {
+            (Some(cg), Status::Running) => match cg.set_frozen(true, Duration::from_secs(5)) {
+                Ok(()) => Some(cg),
+                Err(e) => {
+                    tracing::warn!(
+                        box_name,
+                        "snapshot of a running box without freezing it: {e}"
+                    );
+                    None
+                }
+            },
+            _ => None,
+        };
+        let scanned = scan();
+        if let Some(cg) = frozen {
+            crate::diag::warn_on_err(
+                Some(box_name),
+                "thawing after the snapshot",
+                cg.set_frozen(false, Duration::from_secs(5)),
+            );
+        }
+        scanned?
     };
-    if let Some(cg) = frozen {
-        crate::diag::warn_on_err(
-            Some(box_name),
-            "thawing after the snapshot",
-            cg.set_frozen(false, Duration::from_secs(5)),
-        );
-    }
-    let (upper_layer, scan) = in_store(&record, scanned)?;
     let layer = base.compose(&upper_layer);
     let publish = Instant::now();
-    in_store(&record, txn.publish())?;
+    let published = in_store(&record, txn.publish());
+    if published.is_err() && processes {
+        crate::diag::warn_on_err(
+            Some(box_name),
+            "removing the checkpoint of a failed snapshot",
+            std::fs::remove_dir_all(&processes_dir)
+                .map_err(RuntimeError::io("remove", &processes_dir)),
+        );
+    }
+    published?;
     let publish_ms = publish.elapsed().as_secs_f64() * 1000.0;
     let stats = txn.stats();
     let (files, bytes) = layer.file_stats();
@@ -186,18 +244,62 @@ pub fn snapshot(reg: &Registry, box_name: &str, name: Option<&str>) -> Result<Sn
         new_bytes: stats.new_bytes,
         ms: started.elapsed().as_secs_f64() * 1000.0,
         publish_ms,
+        processes,
         layer,
     };
     // The record last, while the transaction still holds the store's shared
-    // lock: `store gc` sees either no snapshot or a whole one.
-    snapshots::write_new(&record, &snap)?;
+    // lock: `store gc` sees either no snapshot or a whole one. (A checkpoint
+    // of processes left without it is removed by the next `recover`.)
+    let written = snapshots::write_new(&record, &snap);
+    if written.is_err() && processes {
+        crate::diag::warn_on_err(
+            Some(box_name),
+            "removing the checkpoint of a failed snapshot",
+            std::fs::remove_dir_all(&processes_dir)
+                .map_err(RuntimeError::io("remove", &processes_dir)),
+        );
+    }
+    written?;
     drop(txn);
     Ok(snap)
 }
 
+/// Refuse `snapshot --checkpoint` of box `record` for what a rollback could
+/// not put back: a template (frozen: `template save` keeps it on disk), a
+/// clone or a restored box (their root stands on another box's or a
+/// checkpoint's layers, and they are not started again), a box not running.
+fn refuse_checkpoint(record: &BoxRecord) -> Result<()> {
+    let wrong = |problem: &str| RuntimeError::WrongState {
+        name: record.name().to_string(),
+        problem: problem.to_string(),
+    };
+    if record.state.template.is_some() {
+        return Err(wrong(
+            "is a template: its processes are kept by `template save`, not by a snapshot",
+        ));
+    }
+    if record.spec.clone_of.is_some() || record.spec.restore_of.is_some() {
+        return Err(wrong(
+            "is a clone or a restored box: a snapshot of it records its files only (without --checkpoint)",
+        ));
+    }
+    if record.spec.remove_on_exit {
+        return Err(wrong(
+            "was started with --rm: a rollback could not stop it without removing it",
+        ));
+    }
+    if record.state.effective_status() != Status::Running {
+        return Err(RuntimeError::NotRunning(record.name().to_string()));
+    }
+    Ok(())
+}
+
 /// Put box `box_name`'s files back as snapshot `name` had them. A running box
 /// is stopped (SIGTERM, SIGKILL after `stop_timeout`) and started again from
-/// its spec; a box that is not running stays so, its layer rolled back.
+/// its spec; a box that is not running stays so, its layer rolled back. A
+/// snapshot taken with `--checkpoint` puts the processes back too: the box's
+/// processes are killed and the snapshot's restored in their place, the box
+/// running them afterwards (also when it was not running).
 pub fn rollback(
     reg: &Registry,
     box_name: &str,
@@ -228,7 +330,10 @@ pub fn rollback(
             "was started with --rm: stopping it for the rollback would remove it",
         ));
     }
-    if running && (record.spec.clone_of.is_some() || record.spec.restore_of.is_some()) {
+    if running
+        && !snap.processes
+        && (record.spec.clone_of.is_some() || record.spec.restore_of.is_some())
+    {
         return Err(wrong(
             "is a clone or a restored box, which cannot be started again: stop it first (its files can then be rolled back)",
         ));
@@ -283,17 +388,25 @@ pub fn rollback(
         None
     };
     if running {
-        let stopped = crate::lifecycle::ops::stop(reg, box_name, stop_timeout).and_then(|()| {
-            // A stop returns once the monitor recorded the end or gave up
-            // waiting for it: a box whose init outlived even SIGKILL (stuck
-            // in the kernel) still uses its layer, which is not swapped then.
-            match record.state.init {
-                Some(init) if init.alive() => Err(wrong(
-                    "did not end (its init outlived SIGKILL): its files were not rolled back",
-                )),
-                _ => Ok(()),
-            }
-        });
+        // Processes put back from the snapshot replace the box's: nothing of
+        // their state is kept, so they are not asked to end but killed.
+        let killed = match (&record.state.cgroup, snap.processes) {
+            (Some(cg), true) => cg.kill_all().map_err(RuntimeError::from),
+            _ => Ok(()),
+        };
+        let stopped = killed
+            .and_then(|()| crate::lifecycle::ops::stop(reg, box_name, stop_timeout))
+            .and_then(|()| {
+                // A stop returns once the monitor recorded the end or gave up
+                // waiting for it: a box whose init outlived even SIGKILL (stuck
+                // in the kernel) still uses its layer, which is not swapped then.
+                match record.state.init {
+                    Some(init) if init.alive() => Err(wrong(
+                        "did not end (its init outlived SIGKILL): its files were not rolled back",
+                    )),
+                    _ => Ok(()),
+                }
+            });
         if let Err(e) = stopped {
             // Nothing changed but the layer staged: removed (what cannot be
             // is dropped by the next `recover`); the box's files are as they
@@ -314,7 +427,12 @@ pub fn rollback(
     snapshots::swap_in(&lib, &upper, &work, owner)?;
     let swap_ms = swap_start.elapsed().as_secs_f64() * 1000.0;
     crate::phases::mark("rollback: layers swapped");
-    let restarted = if running {
+    let restarted = if snap.processes {
+        // Its processes as the snapshot had them, in place of its command.
+        let processes = snapshots::processes_dir(&record, name);
+        reg.load(box_name)
+            .and_then(|r| crate::checkpoint::restore_in_place(reg, &r, &processes).map(|_| ()))
+    } else if running {
         crate::lifecycle::ops::restart_detached(reg, &reg.load(box_name)?)
     } else {
         Ok(())
@@ -330,6 +448,7 @@ pub fn rollback(
         box_name: box_name.to_string(),
         snapshot: name.to_string(),
         restarted: running,
+        processes: snap.processes,
         materialise_ms,
         swap_ms,
         downtime_ms,

@@ -229,18 +229,20 @@ pub struct Pending {
 impl Pending {
     /// Lease an address for bridge-mode box `box_id`, named `names` in the
     /// hosts file (its name and hostname; none for a pooled shell, named when
-    /// claimed); `None` for other modes.
+    /// claimed); `None` for other modes. `prefer`: the address it had (a box
+    /// started again), given when free.
     pub fn lease(
         roots: &Roots,
         box_id: &str,
         spec: &BoxSpec,
         names: &[&str],
+        prefer: Option<std::net::Ipv4Addr>,
     ) -> Result<Option<Pending>> {
         if spec.network.mode != NetworkMode::Bridge {
             return Ok(None);
         }
         let network = open_named(roots, spec.network.name.as_deref())?;
-        let lease = network.allocate(box_id, names)?;
+        let lease = network.allocate_preferring(box_id, names, prefer)?;
         Ok(Some(Pending { network, lease }))
     }
 

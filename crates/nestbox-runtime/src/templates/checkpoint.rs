@@ -212,32 +212,14 @@ pub fn checkpoint(reg: &Registry, box_name: &str, req: &CheckpointRequest) -> Re
     crate::snapshots::refuse_rolled_back(&record, "checkpoint")?;
     let cgroup = running_cgroup(&record)?;
     let template = record.state.template.is_some();
-    // A box a lazy restore still fills is refused before it is frozen.
-    let init = record.state.init.map(|i| i.pid);
-    for pid in cgroup.procs()?.into_iter().filter(|p| Some(*p) != init) {
-        nestbox_remote::ensure_not_lazily_filled(pid).map_err(|source| RuntimeError::Remote {
-            what: "checkpointing box",
-            name: box_name.to_string(),
-            source,
-        })?;
-    }
-    private_dir(&parent)?;
-    let tmp = parent.join(format!(".tmp-{name}-{}", std::process::id()));
+    refuse_lazily_filled(&record, &cgroup)?;
+    let tmp = staging_dir(&parent, &name)?;
     // A self-contained checkpoint has its own page pool.
     let pool = match &req.output {
         Some(_) => tmp.join("pages"),
         None => pool_dir(reg),
     };
     let own_layers = req.output.is_some();
-    {
-        use std::os::unix::fs::DirBuilderExt;
-        // Mode 0711: its files (registers, the box's memory map) are the
-        // owner's; a restored box's overlay reaches its layers through it.
-        fs::DirBuilder::new()
-            .mode(0o711)
-            .create(&tmp)
-            .map_err(RuntimeError::io("create", &tmp))?;
-    }
     // Which box this unfinished checkpoint froze: `gc` thaws it if we die
     // (for `-o`, a marker of its own in this host's checkpoints).
     let marker_dir = if req.output.is_some() {
@@ -281,32 +263,8 @@ pub fn checkpoint(reg: &Registry, box_name: &str, req: &CheckpointRequest) -> Re
         thawed?;
         stats.frozen_ms = frozen_ms;
         stats.total_ms = start.elapsed().as_secs_f64() * 1e3;
-        let meta = Checkpoint {
-            version: nestbox_remote::IMAGE_VERSION,
-            name: name.clone(),
-            box_name: box_name.to_string(),
-            created_at: now(),
-            spec: record.spec.clone(),
-            layers,
-            template: record.state.template.as_ref().map(|t| t.name.clone()),
-            kernel: kernel_release(),
-            cpu_flags: cpu_flags(),
-            processes,
-            stats,
-        };
-        serde_json::to_vec(&meta)
-            .map_err(|e| problem(&name, format!("encoding checkpoint.json: {e}")))
-            .and_then(|json| write_private(&tmp.join("checkpoint.json"), &json))
-            .and_then(|()| {
-                fs::rename(&tmp, &dir).map_err(|e| {
-                    if dir.exists() {
-                        RuntimeError::CheckpointExists(name.clone())
-                    } else {
-                        RuntimeError::io("rename", &dir)(e)
-                    }
-                })
-            })
-            .map(|()| meta)
+        let meta = describe(&record, &name, layers, processes, stats);
+        publish(&tmp, &dir, &meta).map(|()| meta)
     });
     if let Some(m) = &marker_dir {
         crate::diag::warn_on_err(
@@ -353,6 +311,129 @@ pub fn checkpoint(reg: &Registry, box_name: &str, req: &CheckpointRequest) -> Re
             Err(e)
         }
     }
+}
+
+/// Refuse box `record`, running in `cgroup`, while a lazy restore still fills
+/// one of its processes (checked before the box is frozen).
+fn refuse_lazily_filled(record: &BoxRecord, cgroup: &nestbox_cgroup::BoxCgroup) -> Result<()> {
+    let init = record.state.init.map(|i| i.pid);
+    for pid in cgroup.procs()?.into_iter().filter(|p| Some(*p) != init) {
+        nestbox_remote::ensure_not_lazily_filled(pid).map_err(|source| RuntimeError::Remote {
+            what: "checkpointing box",
+            name: record.name().to_string(),
+            source,
+        })?;
+    }
+    Ok(())
+}
+
+/// Make the directory a checkpoint `name` is written in, `.tmp-NAME-PID` in
+/// `parent` (made if needed): never listed, and removed by `gc` once its
+/// writer is gone.
+fn staging_dir(parent: &Path, name: &str) -> Result<PathBuf> {
+    use std::os::unix::fs::DirBuilderExt;
+    private_dir(parent)?;
+    let tmp = parent.join(format!(".tmp-{name}-{}", std::process::id()));
+    // Mode 0711: its files (registers, the box's memory map) are the
+    // owner's; a restored box's overlay reaches its layers through it.
+    fs::DirBuilder::new()
+        .mode(0o711)
+        .create(&tmp)
+        .map_err(RuntimeError::io("create", &tmp))?;
+    Ok(tmp)
+}
+
+/// The `checkpoint.json` of checkpoint `name` of box `record`.
+fn describe(
+    record: &BoxRecord,
+    name: &str,
+    layers: usize,
+    processes: Vec<ProcessImage>,
+    stats: CheckpointStats,
+) -> Checkpoint {
+    Checkpoint {
+        version: nestbox_remote::IMAGE_VERSION,
+        name: name.to_string(),
+        box_name: record.name().to_string(),
+        created_at: now(),
+        spec: record.spec.clone(),
+        layers,
+        template: record.state.template.as_ref().map(|t| t.name.clone()),
+        kernel: kernel_release(),
+        cpu_flags: cpu_flags(),
+        processes,
+        stats,
+    }
+}
+
+/// Write `meta` into the staging directory `tmp` and rename it to `dir`,
+/// which must not exist: the checkpoint is then whole.
+fn publish(tmp: &Path, dir: &Path, meta: &Checkpoint) -> Result<()> {
+    let json = serde_json::to_vec(meta)
+        .map_err(|e| problem(&meta.name, format!("encoding checkpoint.json: {e}")))?;
+    write_private(&tmp.join("checkpoint.json"), &json)?;
+    fs::rename(tmp, dir).map_err(|e| {
+        if dir.exists() {
+            RuntimeError::CheckpointExists(meta.name.clone())
+        } else {
+            RuntimeError::io("rename", dir)(e)
+        }
+    })
+}
+
+/// Save the processes of running box `record` (the caller holds its clone
+/// lock) as checkpoint `name` in directory `into`, which must not exist,
+/// without its files: `while_frozen` records them, once the box is frozen
+/// and before its processes are saved, so that both are one instant of the
+/// box (`snapshot --checkpoint`: the files are the snapshot's layer). The
+/// box runs on afterwards. Staged in the host's checkpoints directory like
+/// any checkpoint (so `gc` thaws the box and removes the staging should this
+/// process be killed); on error nothing is left and the box runs.
+pub(crate) fn checkpoint_processes(
+    reg: &Registry,
+    record: &BoxRecord,
+    name: &str,
+    into: &Path,
+    while_frozen: &mut dyn FnMut() -> Result<()>,
+) -> Result<Checkpoint> {
+    let start = Instant::now();
+    crate::template::refuse_monitored(record, "checkpointed")?;
+    let cgroup = running_cgroup(record)?;
+    refuse_lazily_filled(record, &cgroup)?;
+    let tmp = staging_dir(&checkpoints_dir(reg), name)?;
+    let marker = tmp.join("box");
+    let frozen_at = Instant::now();
+    let result = fs::write(&marker, record.name())
+        .map_err(RuntimeError::io("write", &marker))
+        .and_then(|()| {
+            cgroup
+                .set_frozen(true, FREEZER_TIMEOUT)
+                .map_err(RuntimeError::from)
+        })
+        .and_then(|()| crate::template::refuse_boxes_inside(record, &cgroup))
+        .and_then(|()| while_frozen())
+        .and_then(|()| {
+            save_processes(record, &cgroup, &mut |tracees, steps| {
+                save_all(&pool_dir(reg), tracees, steps, &tmp, name)
+            })
+        });
+    let thawed = cgroup.set_frozen(false, FREEZER_TIMEOUT);
+    let frozen_ms = frozen_at.elapsed().as_secs_f64() * 1e3;
+    let finish = result.and_then(|(processes, mut stats)| {
+        thawed?;
+        stats.frozen_ms = frozen_ms;
+        stats.total_ms = start.elapsed().as_secs_f64() * 1e3;
+        let meta = describe(record, name, 0, processes, stats);
+        publish(&tmp, into, &meta).map(|()| meta)
+    });
+    if finish.is_err() && tmp.exists() {
+        crate::diag::warn_on_err(
+            Some(record.name()),
+            "removing a failed checkpoint's directory",
+            fs::remove_dir_all(&tmp).map_err(RuntimeError::io("remove", &tmp)),
+        );
+    }
+    finish
 }
 
 /// The cgroup of box `record`, which must be running.
@@ -1109,8 +1190,9 @@ pub fn gc(reg: &Registry) -> Result<(u64, u64, u64)> {
     }
     let mut referenced = HashSet::new();
     let names: Vec<String> = list(reg)?.into_iter().map(|c| c.name).collect();
-    for name in &names {
-        let d = dir.join(name);
+    // Snapshots' checkpoints of processes (`snapshot --checkpoint`) too.
+    let snapshots = crate::snapshots::processes_dirs(reg)?;
+    for d in names.iter().map(|n| dir.join(n)).chain(snapshots) {
         for entry in fs::read_dir(&d)
             .map_err(RuntimeError::io("read", &d))?
             .flatten()
@@ -1334,30 +1416,7 @@ pub(crate) fn restore_preloaded(
     check_compatible(source, meta.version, &meta.kernel, &meta.cpu_flags)?;
     let name = name.unwrap_or(&meta.box_name).to_string();
     crate::clone::check_new_name(reg, &name)?;
-    let mut pages = Vec::with_capacity(meta.processes.len());
-    for p in &meta.processes {
-        let records = read_page_records(&dir.join(format!("pages-{}", p.ns_pid)))?;
-        pages.push(records.into_iter().collect::<HashMap<u64, Digest>>());
-    }
-    // A self-contained checkpoint (`-o DIR`) has its pages with it.
-    let pool_path = if dir.join("pages").is_dir() {
-        dir.join("pages")
-    } else {
-        pool_dir(reg)
-    };
-    let pool =
-        PagePool::open(&pool_path).map_err(|e| problem(source, format!("page pool: {e}")))?;
-    for (digest, addr) in pages.iter().flat_map(|m| m.iter().map(|(a, d)| (d, a))) {
-        if !pool.contains(digest) && !preloaded.is_some_and(|p| p.contains_key(digest)) {
-            return Err(problem(
-                source,
-                format!(
-                    "is incomplete: page {addr:#x} ({}) is not in the page pool",
-                    digest.short()
-                ),
-            ));
-        }
-    }
+    let (pages, pool) = open_pages(reg, source, &meta, &dir, preloaded)?;
     let mut spec = meta.spec.clone();
     spec.name = name.clone();
     spec.interactive = false;
@@ -1383,6 +1442,82 @@ pub(crate) fn restore_preloaded(
     if result.is_err() && reg.load(&name).is_ok() {
         let removed = crate::templates::ops::remove(reg, &name, true);
         crate::diag::warn_on_err(Some(&name), "removing a failed restore's box", removed);
+    }
+    result
+}
+
+/// The page records of every process of checkpoint `meta` (in `dir`, named
+/// `source` in errors) and the page pool that holds them, every page checked
+/// to be there (or in `preloaded`) before anything is started.
+fn open_pages(
+    reg: &Registry,
+    source: &str,
+    meta: &Checkpoint,
+    dir: &Path,
+    preloaded: Option<&Preloaded>,
+) -> Result<(Vec<HashMap<u64, Digest>>, PagePool)> {
+    let mut pages = Vec::with_capacity(meta.processes.len());
+    for p in &meta.processes {
+        let records = read_page_records(&dir.join(format!("pages-{}", p.ns_pid)))?;
+        pages.push(records.into_iter().collect::<HashMap<u64, Digest>>());
+    }
+    // A self-contained checkpoint (`-o DIR`) has its pages with it.
+    let pool_path = if dir.join("pages").is_dir() {
+        dir.join("pages")
+    } else {
+        pool_dir(reg)
+    };
+    let pool =
+        PagePool::open(&pool_path).map_err(|e| problem(source, format!("page pool: {e}")))?;
+    for (digest, addr) in pages.iter().flat_map(|m| m.iter().map(|(a, d)| (d, a))) {
+        if !pool.contains(digest) && !preloaded.is_some_and(|p| p.contains_key(digest)) {
+            return Err(problem(
+                source,
+                format!(
+                    "is incomplete: page {addr:#x} ({}) is not in the page pool",
+                    digest.short()
+                ),
+            ));
+        }
+    }
+    Ok((pages, pool))
+}
+
+/// Start box `record` again (it is not running; its files are already those
+/// of the checkpoint in `dir`, which has no layers: a snapshot's, see
+/// [`checkpoint_processes`]) with the checkpoint's processes in place of its
+/// command: the box then runs on from the checkpoint's instant. Returns the
+/// host pid of its main process.
+///
+/// # Errors
+/// A corrupt or incompatible checkpoint, a page missing or damaged, a start
+/// or rebuild that fails: one line; the box is then stopped (its files stay
+/// as they are).
+pub(crate) fn restore_in_place(reg: &Registry, record: &BoxRecord, dir: &Path) -> Result<i32> {
+    let source = dir.display().to_string();
+    let (meta, dir) = load(reg, &source)?;
+    check_compatible(&source, meta.version, &meta.kernel, &meta.cpu_flags)?;
+    let (pages, pool) = open_pages(reg, &source, &meta, &dir, None)?;
+    // The box starts as a restored box does (its init waits for the
+    // processes), from its own record: only this start's copy of its spec
+    // names the checkpoint, which has no layers to add to its root.
+    let mut shell = record.clone();
+    shell.spec.restore_of = Some(source);
+    let name = record.name();
+    let result = crate::lifecycle::ops::restart_detached(reg, &shell).and_then(|()| {
+        let mut started = reg.load(name)?;
+        started.spec = shell.spec.clone();
+        let (pids, _) = restore_into(&started, &meta.processes, &pages, &pool, None, false)?;
+        Ok(pids[0])
+    });
+    if result.is_err() {
+        let stopped = reg.load(name).and_then(|r| {
+            if let Some(cg) = &r.state.cgroup {
+                cg.kill_all()?;
+            }
+            crate::lifecycle::ops::stop(reg, name, Duration::from_secs(0))
+        });
+        crate::diag::warn_on_err(Some(name), "stopping a box whose restore failed", stopped);
     }
     result
 }

@@ -909,6 +909,19 @@ pub fn box_http_get(root: &TestRoot, name: &str, path: &str) -> Vec<String> {
     out.stdout.split_whitespace().map(str::to_string).collect()
 }
 
+/// GET `path` from `addr` over HTTP/1.0 from the host; the body, or `None`
+/// on any failure (refused, reset, timed out, cut, not 200).
+pub fn http_get(addr: std::net::SocketAddr, path: &str) -> Option<String> {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect_timeout(&addr, Duration::from_secs(2)).ok()?;
+    s.set_read_timeout(Some(Duration::from_secs(3))).ok()?;
+    write!(s, "GET {path} HTTP/1.0\r\n\r\n").ok()?;
+    let mut reply = String::new();
+    s.read_to_string(&mut reply).ok()?;
+    let (head, body) = reply.split_once("\r\n\r\n")?;
+    head.starts_with("HTTP/1.0 200").then(|| body.to_string())
+}
+
 /// Host pid of the process of template `name` (`template ls`).
 pub fn template_pid(root: &TestRoot, name: &str) -> i32 {
     let list: Value = serde_json::from_str(&root.ok(&["template", "ls", "--json"])).unwrap();
