@@ -99,21 +99,6 @@ pub fn rollback_layer(lib: &Path) -> Result<LayerManifest> {
     crate::state::read_json(&path)
 }
 
-/// Refuse `what` (an operation that copies or shares the box's writable
-/// layer by its `upper-N` directories: freeze, checkpoint) for a box rolled
-/// back to a snapshot, whose files are partly in its rollback layer.
-pub fn refuse_rolled_back(record: &BoxRecord, what: &str) -> Result<()> {
-    if rollback_tree(record.lib_dir()).is_some() {
-        return Err(RuntimeError::Unsupported {
-            name: record.name().to_string(),
-            problem: format!(
-                "was rolled back to a snapshot, whose layer {what} does not carry yet"
-            ),
-        });
-    }
-    Ok(())
-}
-
 /// Take `record`'s snapshot lock (released on drop).
 pub fn lock(record: &BoxRecord) -> Result<Flock<fs::File>> {
     let path = record.lib_dir().join("snapshot.lock");

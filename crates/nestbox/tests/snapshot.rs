@@ -211,8 +211,9 @@ fn snapshot_diff_rollback_round_trip() {
     assert!(diff(&root, &["tt", "s1"]).is_empty());
     assert_eq!(diff(&root, &["tt"]), from_image);
 
-    // A rolled-back box commits as the files it sees; checkpoint and freeze,
-    // which copy or share `upper-0` alone, refuse it with one line.
+    // A rolled-back box commits as the files it sees, and is checkpointed
+    // with them (the snapshot's layer carried under its own: see also
+    // `a_rolled_back_box_is_checkpointed_moved_and_cloned_with_its_snapshot_files`).
     root.ok(&["commit", "tt", "img2"]);
     root.ok(&[
         "run",
@@ -230,16 +231,11 @@ fn snapshot_diff_rollback_round_trip() {
     assert_eq!(view(&root, "c2"), at_s1);
     root.ok(&["rm", "-f", "c2"]);
     root.ok(&["image", "rm", "img2"]);
-    assert_error(
-        &root.run(&["checkpoint", "tt"]),
-        125,
-        "was rolled back to a snapshot",
-    );
-    assert_error(
-        &root.run(&["freeze", "tt"]),
-        125,
-        "was rolled back to a snapshot",
-    );
+    root.ok(&["checkpoint", "tt", "--as", "tt-ck", "--leave-running"]);
+    root.ok(&["restore", "tt-ck", "--name", "c3"]);
+    assert_eq!(view(&root, "c3"), at_s1);
+    root.ok(&["rm", "-f", "c3"]);
+    root.ok(&["checkpoint", "rm", "tt-ck"]);
     assert_eq!(root.status("tt").as_deref(), Some("running"));
 
     // Changes after a rollback stack on the snapshot's layer; a snapshot of
@@ -859,5 +855,82 @@ fn a_killed_snapshot_with_a_checkpoint_leaves_the_box_running_and_nothing_half_m
     }
     root.ok(&["rm", "-f", "kc"]);
     root.ok(&["gc"]);
+    root.assert_no_boxes();
+}
+
+/// A box rolled back to a snapshot has part of its files in the snapshot's
+/// layer: a checkpoint (local and self-contained, restored in another root)
+/// and a freeze carry that layer, so restored boxes and clones see the
+/// snapshot's files under what the box wrote since.
+#[test]
+fn a_rolled_back_box_is_checkpointed_moved_and_cloned_with_its_snapshot_files() {
+    let test = "a_rolled_back_box_is_checkpointed_moved_and_cloned_with_its_snapshot_files";
+    let Some(root) = TestRoot::new(test) else {
+        return;
+    };
+    let Some(other) = TestRoot::new(&format!("{test}-there")) else {
+        return;
+    };
+    root.ok(&[
+        "run",
+        "-d",
+        "--name",
+        "rb",
+        "--network",
+        "none",
+        "--",
+        "python3",
+        "-c",
+        COUNTER,
+    ]);
+    root.wait_logged("rb", "ready", Duration::from_secs(30));
+    let get = |root: &TestRoot, name: &str| common::box_http_get(root, name, "/").join(" ");
+    assert_eq!(get(&root, "rb"), "1 2");
+    root.ok(&["exec", "rb", "--", "sh", "-c", "echo A > /srv/a"]);
+    root.ok(&["snapshot", "rb", "s1", "--checkpoint"]);
+    root.ok(&["exec", "rb", "--", "sh", "-c", "rm /srv/a; echo B > /srv/b"]);
+    root.ok(&["rollback", "rb", "s1"]);
+    // Written after the rollback: in the box's own (upper) layer.
+    root.ok(&["exec", "rb", "--", "sh", "-c", "echo C > /srv/c"]);
+    assert_eq!(get(&root, "rb"), "2 4");
+    let files = "cat /srv/log.txt; ls /srv; cat /srv/a /srv/c";
+    let expected = "1\n2\nlog.txt\na\nc\nA\nC\n";
+    // `ls` order aside: the log, the names, then the contents.
+    let sorted = |s: &str| {
+        let mut lines: Vec<&str> = s.lines().collect();
+        lines[2..5].sort();
+        lines.join("\n") + "\n"
+    };
+    let seen =
+        |root: &TestRoot, name: &str| sorted(&root.ok(&["exec", name, "--", "sh", "-c", files]));
+    assert_eq!(seen(&root, "rb"), sorted(expected));
+
+    root.ok(&["checkpoint", "rb", "--as", "ck", "--leave-running"]);
+    root.ok(&["restore", "ck", "--name", "r1"]);
+    assert_eq!(seen(&root, "r1"), sorted(expected));
+    assert_eq!(get(&root, "r1"), "3 6");
+
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("ck");
+    root.ok(&[
+        "checkpoint",
+        "rb",
+        "-o",
+        out.to_str().unwrap(),
+        "--leave-running",
+    ]);
+    other.ok(&["restore", out.to_str().unwrap(), "--name", "far"]);
+    assert_eq!(seen(&other, "far"), sorted(expected));
+    assert_eq!(get(&other, "far"), "3 6");
+
+    root.ok(&["freeze", "rb", "--as", "tpl"]);
+    root.ok(&["clone", "tpl", "--name", "c1", "-d"]);
+    assert_eq!(seen(&root, "c1"), sorted(expected));
+    assert_eq!(get(&root, "c1"), "3 6");
+
+    other.ok(&["rm", "-f", "far"]);
+    other.assert_no_boxes();
+    root.ok(&["rm", "-f", "c1", "r1", "rb"]);
+    root.ok(&["checkpoint", "rm", "ck"]);
     root.assert_no_boxes();
 }

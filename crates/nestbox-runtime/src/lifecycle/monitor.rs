@@ -914,6 +914,13 @@ fn launch_plan(
         }
         for (i, layer) in view.layers.iter_mut().enumerate() {
             for rec in chain.iter().rev() {
+                // A template rolled back to a snapshot before its freeze:
+                // the snapshot's layer under its own.
+                if let Some(tree) =
+                    crate::snapshots::rollback_tree(rec.lib_dir()).filter(|_| i == 0)
+                {
+                    layer.lowers.insert(0, tree);
+                }
                 layer.lowers.insert(0, rec.layer_dirs(i).0);
             }
         }

@@ -209,7 +209,6 @@ pub fn checkpoint(reg: &Registry, box_name: &str, req: &CheckpointRequest) -> Re
             name
         }));
     }
-    crate::snapshots::refuse_rolled_back(&record, "checkpoint")?;
     let cgroup = running_cgroup(&record)?;
     let template = record.state.template.is_some();
     refuse_lazily_filled(&record, &cgroup)?;
@@ -625,6 +624,24 @@ pub(crate) fn copy_layers(
 ) -> Result<usize> {
     let mut lines: Vec<String> = Vec::new();
     let mut k = 0;
+    // Each layer set of the root below the box's own, top first, copied as
+    // `base-K` and named in `lowers`.
+    let copy_base =
+        |layer: &dyn Fn(usize) -> PathBuf, k: &mut usize, lines: &mut Vec<String>| -> Result<()> {
+            copy_layer_set(record.name(), layer, &dir.join(format!("base-{k}")))?;
+            lines.push(format!("base-{k}"));
+            *k += 1;
+            Ok(())
+        };
+    // A box rolled back to a snapshot has the snapshot's layer (its
+    // materialised tree) right under its own upper layer.
+    let rollback_tree = |lib: &Path| {
+        crate::snapshots::rollback_tree(lib)
+            .map(|tree| move |i: usize| if i == 0 { tree.clone() } else { PathBuf::new() })
+    };
+    if let Some(tree) = rollback_tree(record.lib_dir()) {
+        copy_base(&tree, &mut k, &mut lines)?;
+    }
     // A clone's root has its template's layers under its own (and, for a
     // clone of a frozen clone, every template's below, top first): copied as
     // `base-K`, as the templates may go before the checkpoint does.
@@ -635,13 +652,10 @@ pub(crate) fn copy_layers(
         .map(|s| s.template_box.clone());
     while let Some(template_box) = next.take() {
         let template = reg.load(&template_box)?;
-        copy_layer_set(
-            record.name(),
-            |i| template.layer_dirs(i).0,
-            &dir.join(format!("base-{k}")),
-        )?;
-        lines.push(format!("base-{k}"));
-        k += 1;
+        copy_base(&|i| template.layer_dirs(i).0, &mut k, &mut lines)?;
+        if let Some(tree) = rollback_tree(template.lib_dir()) {
+            copy_base(&tree, &mut k, &mut lines)?;
+        }
         if k < 64 {
             next = template
                 .spec
@@ -659,13 +673,7 @@ pub(crate) fn copy_layers(
                 lines.push(below.display().to_string());
                 continue;
             }
-            copy_layer_set(
-                record.name(),
-                |i| below.join(format!("layer-{i}")),
-                &dir.join(format!("base-{k}")),
-            )?;
-            lines.push(format!("base-{k}"));
-            k += 1;
+            copy_base(&|i| below.join(format!("layer-{i}")), &mut k, &mut lines)?;
         }
     }
     if !lines.is_empty() {

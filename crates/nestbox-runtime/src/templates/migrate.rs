@@ -333,7 +333,6 @@ pub fn migrate(reg: &Registry, box_name: &str, req: &MigrateRequest) -> Result<M
     // `checkpoint`), the box read again under the lock.
     let _lock = crate::clone::box_lock(&record)?;
     let record = reg.load(box_name)?;
-    crate::snapshots::refuse_rolled_back(&record, "migrate")?;
     crate::template::refuse_monitored(&record, "migrated")?;
     let fail = |problem: String| RuntimeError::Migrate {
         name: box_name.to_string(),

@@ -97,7 +97,6 @@ fn freeze_inner(
     // `checkpoint`), the box read again under the lock.
     let _lock = crate::clone::box_lock(&record)?;
     let record = reg.load(name)?;
-    crate::snapshots::refuse_rolled_back(&record, "freeze")?;
     refuse_monitored(&record, "frozen or cloned")?;
     match record.state.effective_status() {
         Status::Running => {}
