@@ -276,6 +276,40 @@ impl Tracee {
         &self.threads
     }
 
+    /// The state of this template process's leader and other threads, once a
+    /// fork of this stop has read it (to keep it for later stops of the same
+    /// frozen process: [`Tracee::reuse_state`]).
+    pub fn read_state(&self) -> Option<&(ThreadState, Vec<ThreadState>)> {
+        self.captured.as_ref()
+    }
+
+    /// Fork from `state`, read at an earlier stop of this same template
+    /// process, instead of reading its threads again. The caller must know
+    /// that the process ran no code of its own since (a template: frozen, and
+    /// thawed only while held under ptrace); its registers may then differ
+    /// from `state`'s only in how a system call the stop interrupted ends
+    /// (restarted or failed with `EINTR`), both of which the process could
+    /// have seen. Taken only when `state` names exactly the threads held now
+    /// (by host tid); returns whether it was.
+    ///
+    /// # Errors
+    /// Finding a `syscall` instruction in the process failed.
+    pub fn reuse_state(&mut self, state: (ThreadState, Vec<ThreadState>)) -> Result<bool> {
+        let mut held: Vec<i32> = self.threads.iter().map(|t| t.pid()).collect();
+        let mut named: Vec<i32> = state.1.iter().map(|t| t.host_tid).collect();
+        held.sort_unstable();
+        named.sort_unstable();
+        if state.0.host_tid != self.pid() || held != named || self.role != Role::Template {
+            return Ok(false);
+        }
+        let insn = self.find_syscall_insn()?;
+        for thread in &mut self.threads {
+            thread.syscall_insn = insn;
+        }
+        self.captured = Some(state);
+        Ok(true)
+    }
+
     /// The other threads of the template process, to read their state.
     pub fn threads_mut(&mut self) -> &mut [Tracee] {
         &mut self.threads

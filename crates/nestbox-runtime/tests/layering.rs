@@ -47,6 +47,7 @@ const LAYERS: &[(&str, &[&str])] = &[
         &[
             "templates",
             "clone",
+            "kept_state",
             "prepared_claim",
             "template",
             "working_set",

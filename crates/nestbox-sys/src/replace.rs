@@ -35,6 +35,17 @@ pub struct ReplaceError {
 /// content or the new, never a part. No fsync (see the module's doc). On a
 /// failure `tmp` is removed and `path` is left as it was.
 pub fn replace_file(path: &Path, tmp: &Path, data: &[u8]) -> Result<(), ReplaceError> {
+    replace_file_mode(path, tmp, data, 0o644)
+}
+
+/// [`replace_file`], the new file made with permission bits `mode` (before
+/// the umask): 0o600 for what only its owner may read.
+pub fn replace_file_mode(
+    path: &Path,
+    tmp: &Path,
+    data: &[u8],
+    mode: u32,
+) -> Result<(), ReplaceError> {
     let fail = |what: &'static str, at: PathBuf| {
         move |source| {
             // The step's error is the one to report; a temporary file left
@@ -51,7 +62,7 @@ pub fn replace_file(path: &Path, tmp: &Path, data: &[u8]) -> Result<(), ReplaceE
         .write(true)
         .create(true)
         .truncate(true)
-        .mode(0o644)
+        .mode(mode)
         .open(tmp)
         .map_err(fail("create", tmp.to_path_buf()))?;
     preallocate(&f, data.len());
@@ -106,6 +117,17 @@ mod tests {
         assert_eq!(e.path, path);
         assert!(!tmp.exists());
         assert_eq!(fs::read(path.join("inside")).unwrap(), b"kept");
+    }
+
+    #[test]
+    fn a_file_for_its_owner_only_is_made_so() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("secret");
+        replace_file_mode(&path, &dir.path().join("secret.tmp"), b"regs", 0o600).unwrap();
+        let mode = fs::metadata(&path).unwrap().permissions().mode();
+        assert_eq!(mode & 0o777, 0o600);
+        assert_eq!(fs::read(&path).unwrap(), b"regs");
     }
 
     #[test]

@@ -81,9 +81,34 @@ fn clone_twenty(root: &TestRoot, app: &App) {
     // starts from its count.
     assert!(template.alive());
     assert_eq!(threads_of(template.pid), threads);
+    // The forks kept the template's thread state (for root only); a later
+    // `clone` takes it from there rather than reading the threads again (the
+    // file is not written anew), and its clone continues all the same.
+    let kept = root
+        .path()
+        .join(format!("run/boxes/tpl/threads-{}.json", template.pid));
+    let stamp = |p: &Path| {
+        use std::os::unix::fs::MetadataExt;
+        let m = std::fs::metadata(p).unwrap_or_else(|e| panic!("{}: {e}", p.display()));
+        (m.ino(), m.mtime_nsec(), m.mode() & 0o777)
+    };
+    let before = stamp(&kept);
+    assert_eq!(before.2, 0o600, "the kept state is for root only");
     root.ok(&["clone", "tpl", "-d", "--name", "late"]);
     assert_eq!(get(root, "late"), (4, "late".to_string()));
-    let mut rm = vec!["rm", "-f", "late", "tpl"];
+    assert_eq!(
+        stamp(&kept),
+        before,
+        "the kept state was used, not read again"
+    );
+    // A damaged file is not used: the state is read again and kept anew.
+    std::fs::write(&kept, b"{not json").unwrap();
+    root.ok(&["clone", "tpl", "-d", "--name", "late2"]);
+    assert_eq!(get(root, "late2"), (4, "late2".to_string()));
+    let again: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&kept).unwrap()).expect("kept anew");
+    assert_eq!(again["process"]["pid"], template.pid);
+    let mut rm = vec!["rm", "-f", "late", "late2", "tpl"];
     rm.extend(names.iter().copied());
     root.run_timeout(&rm, Duration::from_secs(180)).ok();
 }

@@ -532,10 +532,14 @@ fn fork_into_shells(
     // again before letting go of it.
     let thawed = cgroup.set_frozen(false, FREEZER_TIMEOUT);
     let forked = thawed.map_err(RuntimeError::from).and_then(|()| {
+        let mut reused = Vec::with_capacity(tracees.len());
         for tracee in &mut tracees {
             tracee
                 .wait_stopped(Duration::from_secs(5))
                 .map_err(|e| remote_error(t.name(), e))?;
+            // Its threads' state as an earlier fork read it (it ran no code
+            // since: `kept_state`).
+            reused.push(crate::templates::kept_state::reuse(reg, t, tracee));
         }
         let inventory =
             nestbox_remote::inspect_fds(info.process.pid).map_err(|e| remote_error(t.name(), e))?;
@@ -551,6 +555,11 @@ fn fork_into_shells(
                 &inventory,
                 req,
             )?);
+        }
+        for (tracee, reused) in tracees.iter().zip(reused) {
+            if !reused {
+                crate::templates::kept_state::keep(reg, t, tracee);
+            }
         }
         Ok(out)
     });

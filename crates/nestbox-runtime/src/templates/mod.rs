@@ -11,6 +11,7 @@
 pub mod attach;
 pub mod checkpoint;
 pub mod clone;
+pub(crate) mod kept_state;
 pub mod migrate;
 pub mod nscheckpoint;
 pub mod ops;
