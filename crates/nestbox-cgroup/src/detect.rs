@@ -118,7 +118,63 @@ struct ProcCgroup {
     path: String,
 }
 
+/// The ids of the mounts of `/proc/self/mountinfo` text that no path
+/// reaches: each mount a later one covers. A mount N whose parent is P hides
+/// every mount D made before it (the kernel lists mounts in the order they
+/// were made) that is P or below P, is mounted at N's mount point or below
+/// it, and is not in N's own sub-tree. A box that binds the host's `/sys`
+/// with its cgroup mounts and mounts its own over `/sys/fs/cgroup` lists
+/// both sets; only its own are reachable.
+fn hidden_mounts(text: &str) -> BTreeSet<u64> {
+    struct M {
+        id: u64,
+        parent: u64,
+        point: String,
+    }
+    let mounts: Vec<M> = text
+        .lines()
+        .filter_map(|line| {
+            let mut f = line.split_whitespace();
+            let id = f.next()?.parse().ok()?;
+            let parent = f.next()?.parse().ok()?;
+            let point = nestbox_sys::mount::unescape_mountinfo(f.nth(2)?);
+            Some(M { id, parent, point })
+        })
+        .collect();
+    let parent_of = |id: u64| mounts.iter().find(|m| m.id == id).map(|m| m.parent);
+    // Whether `id` is `top` or below it (a bounded walk: a parent loop, or
+    // the namespace's root whose parent is outside, ends it).
+    let within = |mut id: u64, top: u64| {
+        for _ in 0..mounts.len() + 1 {
+            if id == top {
+                return true;
+            }
+            match parent_of(id) {
+                Some(p) if p != id => id = p,
+                _ => return false,
+            }
+        }
+        false
+    };
+    let at_or_below = |point: &str, top: &str| {
+        let top = top.trim_end_matches('/');
+        point == top
+            || top.is_empty()
+            || point.strip_prefix(top).is_some_and(|r| r.starts_with('/'))
+    };
+    let mut hidden = BTreeSet::new();
+    for (i, n) in mounts.iter().enumerate() {
+        for d in &mounts[..i] {
+            if at_or_below(&d.point, &n.point) && within(d.id, n.parent) && !within(d.id, n.id) {
+                hidden.insert(d.id);
+            }
+        }
+    }
+    hidden
+}
+
 fn parse_mountinfo(text: &str) -> Vec<CgroupMount> {
+    let hidden = hidden_mounts(text);
     let mut out = Vec::new();
     for line in text.lines() {
         let fields: Vec<&str> = line.split_whitespace().collect();
@@ -130,6 +186,9 @@ fn parse_mountinfo(text: &str) -> Vec<CgroupMount> {
         }
         let fstype = fields[sep + 1];
         if fstype != "cgroup" && fstype != "cgroup2" {
+            continue;
+        }
+        if fields[0].parse().is_ok_and(|id: u64| hidden.contains(&id)) {
             continue;
         }
         out.push(CgroupMount {
@@ -437,6 +496,42 @@ mod tests {
         assert_eq!(v2.invoking_dir(), p.join("sys/fs/cgroup/unified"));
         assert!(h.find("io").is_none());
         assert_eq!(h.find("hugetlb").unwrap().version(), Version::V2);
+    }
+
+    /// A nest box sharing the host's network: the host's `/sys` bound with
+    /// its cgroup mounts (whose roots are above the box's cgroup namespace),
+    /// the box's own tmpfs and cgroup mounts over `/sys/fs/cgroup`.
+    const OVER_MOUNTED: &str = "\
+595 500 0:60 / / rw - overlay overlay rw
+608 595 0:22 / /sys ro,relatime - sysfs sysfs rw
+609 608 0:28 / /sys/fs/cgroup rw,relatime - tmpfs tmpfs rw,mode=755
+610 609 0:29 /.. /sys/fs/cgroup/cpu rw,relatime - cgroup cgroup rw,cpu
+613 609 0:32 /../../.. /sys/fs/cgroup/memory rw,relatime - cgroup cgroup rw,memory
+614 609 0:33 /.. /sys/fs/cgroup/devices rw,relatime - cgroup cgroup rw,devices
+619 609 0:38 / /sys/fs/cgroup/unified rw,relatime - cgroup2 cgroup2 rw
+620 608 0:13 / /sys/kernel/tracing rw,relatime - tracefs none rw
+632 609 0:218 / /sys/fs/cgroup ro,nosuid - tmpfs tmpfs rw,size=64k
+633 632 0:29 / /sys/fs/cgroup/cpu rw,nosuid - cgroup cgroup rw,cpu
+636 632 0:32 / /sys/fs/cgroup/memory rw,nosuid - cgroup cgroup rw,memory
+";
+
+    #[test]
+    fn mounts_covered_by_a_later_mount_are_not_used() {
+        let cgroup = "5:devices:/\n4:memory:/\n1:cpu:/\n0::/\n";
+        let hidden = hidden_mounts(OVER_MOUNTED);
+        assert_eq!(
+            hidden.into_iter().collect::<Vec<_>>(),
+            [609, 610, 613, 614, 619],
+            "the first tmpfs and what was on it; /sys and tracefs stay"
+        );
+        let tmp = tempfile::tempdir().unwrap();
+        let h = Hierarchies::from_proc_text(OVER_MOUNTED, cgroup, tmp.path()).unwrap();
+        assert_eq!(h.summary(), "v1: cpu,memory");
+        assert!(h.find("devices").is_none());
+        assert_eq!(
+            h.find("memory").unwrap().invoking_dir(),
+            tmp.path().join("sys/fs/cgroup/memory")
+        );
     }
 
     #[test]

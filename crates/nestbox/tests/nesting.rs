@@ -773,6 +773,20 @@ fn inside_a_box_the_network_defaults_to_none_and_freeze_works() {
         &["run", "--rm", "--network", "bridge", "--", "true"],
     ));
     assert_error(&out, 125, "needs the box's own network namespace");
+    // Other boxes run inside it: its own cgroup mounts over the host's
+    // (bound with the host's `/sys`) are the ones used.
+    start(&root, &["w2"], "h1", &[]);
+    assert_eq!(
+        row(&tree(&root, false), "w2/h1").map(|r| r["status"].clone()),
+        Some(Value::from("running"))
+    );
+    let out = root
+        .run(&inside(
+            &["w2"],
+            &["run", "--rm", "--", "sh", "-c", "echo inside"],
+        ))
+        .ok();
+    assert_eq!(out.stdout.trim(), "inside", "{out}");
     root.run(&["rm", "-f", "w2"]).ok();
     // freeze inside: ptrace and the freezer cgroup work in the box's user
     // namespace.
