@@ -1241,15 +1241,147 @@ while True:\n\
         "{}",
         boxes_inside(&root)
     );
-    // Clones of a bridged template inside are not made yet: one line.
-    let out = root
-        .run(&inside(&["n"], &["freeze", "v", "--as", "tv"]))
-        .ok();
-    assert_eq!(out.stdout.trim(), "tv", "{out}");
-    let out = root.run(&inside(&["n"], &["clone", "tv", "--name", "c"]));
-    assert_error(&out, 125, "cannot be on a bridge network yet");
     root.run(&inside(&["n"], &["rm", "-f", "r"])).ok();
     root.run(&["rm", "-f", "n"]).ok();
+}
+
+/// Clones of a bridged template inside a nest box (forked, and claimed from
+/// its pool) each have an address of their own on the inner bridge, where
+/// another box inside reaches them with the template's count continued and
+/// their own name; the guard covers each clone's veth; their removal takes
+/// their addresses and rules out again.
+#[test]
+fn clones_of_a_bridged_template_inside_a_nest_box_have_addresses_of_their_own() {
+    let Some(root) =
+        TestRoot::new("clones_of_a_bridged_template_inside_a_nest_box_have_addresses_of_their_own")
+    else {
+        return;
+    };
+    start(&root, &[], "n", &["--nest"]);
+    let server = common::apps::PYTHON_POOL_SERVER.replace("'127.0.0.1'", "'0.0.0.0'");
+    let args = [
+        "run",
+        "-d",
+        "--name",
+        "srv",
+        "--network",
+        "bridge",
+        "--",
+        "python3",
+        "-c",
+        &server,
+    ];
+    let out = root.run_timeout(&inside(&["n"], &args), START).ok();
+    assert_eq!(out.stdout.trim(), "srv", "{out}");
+    start(&root, &["n"], "cl", &["--network", "bridge"]);
+    // GET / of `ip` from box cl, over the inner bridge: (count, hostname).
+    let get = |ip: &str| {
+        let code = format!(
+            "import urllib.request; print(urllib.request.urlopen('http://{ip}:8080/', timeout=10).read().decode().strip())"
+        );
+        let out = root
+            .run(&inside(
+                &["n"],
+                &["exec", "cl", "--", "python3", "-c", &code],
+            ))
+            .ok();
+        let fields: Vec<String> = out.stdout.split_whitespace().map(str::to_string).collect();
+        assert_eq!(fields.len(), 2, "answer of {ip}\n{out}");
+        (fields[0].parse::<u64>().unwrap(), fields[1].clone())
+    };
+    let srv_ip = address_of(&root, &["n"], "srv");
+    wait_for("srv to listen", Duration::from_secs(30), || {
+        root.run(&inside(&["n"], &["logs", "srv"]))
+            .ok()
+            .stdout
+            .contains("ready")
+    });
+    assert_eq!(get(&srv_ip).0, 1);
+    assert_eq!(get(&srv_ip).0, 2);
+    let out = root
+        .run_timeout(
+            &inside(&["n"], &["freeze", "srv", "--as", "ts", "--pool", "2"]),
+            START,
+        )
+        .ok();
+    assert_eq!(out.stdout.trim(), "ts", "{out}");
+    // Three forked at once, and one claimed from the pool once it is full.
+    let out = root
+        .run_timeout(&inside(&["n"], &["clone", "ts", "-n", "3", "-d"]), START)
+        .ok();
+    let mut names: Vec<String> = out.stdout.lines().map(str::to_string).collect();
+    assert_eq!(names.len(), 3, "{out}");
+    wait_for("the pool to fill", Duration::from_secs(30), || {
+        let v: Value = serde_json::from_str(
+            &root
+                .run(&inside(&["n"], &["template", "ls", "--json"]))
+                .ok()
+                .stdout,
+        )
+        .unwrap_or(Value::Null);
+        v.as_array()
+            .and_then(|a| a.first())
+            .is_some_and(|t| t["pooled"].as_u64() == Some(2))
+    });
+    let out = root
+        .run_timeout(
+            &inside(&["n"], &["clone", "ts", "--name", "pc", "-d"]),
+            START,
+        )
+        .ok();
+    assert_eq!(out.stdout.trim(), "pc", "{out}");
+    names.push("pc".into());
+    let bridge = inspect_inside(&root, &["n"], "srv")["state"]["network"]["bridge"]
+        .as_str()
+        .expect("srv's bridge")
+        .to_string();
+    let guard = || {
+        let table = format!("nestbox-{bridge}");
+        let args = ["exec", "n", "--", "nft", "list", "table", "bridge", &table];
+        root.run(&args).ok().stdout
+    };
+    let mut addresses = vec![srv_ip.clone()];
+    let mut veths = Vec::new();
+    for name in &names {
+        let ip = address_of(&root, &["n"], name);
+        assert!(
+            !addresses.contains(&ip),
+            "{name} has {ip}, taken: {addresses:?}"
+        );
+        addresses.push(ip.clone());
+        assert_eq!(
+            get(&ip),
+            (3, name.clone()),
+            "clone {name} at {ip} continues"
+        );
+        let veth = inspect_inside(&root, &["n"], name)["state"]["network"]["host_veth"]
+            .as_str()
+            .unwrap_or_else(|| panic!("{name} has no host veth"))
+            .to_string();
+        assert!(guard().contains(&veth), "no guard for {name}: {}", guard());
+        veths.push(veth);
+    }
+    // Each goes on alone.
+    assert_eq!(get(&addresses[1]).0, 4);
+    assert_eq!(get(&addresses[1]).0, 5);
+    assert_eq!(get(&addresses[2]).0, 4);
+    let mut rm = vec!["rm", "-f"];
+    rm.extend(names.iter().map(String::as_str));
+    root.run_timeout(&inside(&["n"], &rm), START).ok();
+    let net = root
+        .run(&inside(&["n"], &["network", "inspect", "default"]))
+        .ok()
+        .stdout;
+    for (ip, veth) in addresses[1..].iter().zip(&veths) {
+        assert!(
+            !net.contains(&format!("\"{ip}\"")),
+            "{ip} still leased: {net}"
+        );
+        assert!(!guard().contains(veth), "{veth} still guarded: {}", guard());
+        assert!(!links_inside(&root, &["n"]).contains(veth));
+    }
+    root.run(&["rm", "-f", "n"]).ok();
+    root.assert_no_boxes();
 }
 
 /// GET / from the counter server of box `name`, a box of the nestbox inside

@@ -198,9 +198,6 @@ pub fn clone_template_answer_first(
             "the clone count must be at least 1".into(),
         ));
     }
-    let bridged = !req.without_network
-        && (req.network.is_some() || t.spec.network.mode == crate::spec::NetworkMode::Bridge);
-    refuse_bridge_inside(bridged)?;
     // A single clone is checked only if it has to be forked (below): a claim
     // from the pool takes nothing new from the host.
     if req.count > 1 {
@@ -1010,21 +1007,9 @@ fn set_hostname_in(pid: i32, name: &str) -> Result<()> {
     set
 }
 
-/// Inside a nest box (a user namespace) a clone cannot be on a bridge
-/// network yet (docs/nesting.md, "Not yet"): one clear line.
-fn refuse_bridge_inside(bridged: bool) -> Result<()> {
-    if bridged && nestbox_isolation::idmap::in_user_namespace() {
-        return Err(RuntimeError::InvalidInput(
-            "a clone inside a box cannot be on a bridge network yet: clone --network none (or freeze a template started with --network none or host)".into(),
-        ));
-    }
-    Ok(())
-}
-
 /// Bring template `template`'s pool up to its size (synchronously).
 pub fn fill_pool(reg: &Registry, template: &str) -> Result<usize> {
     let t = crate::template::load_frozen(reg, template)?;
-    refuse_bridge_inside(t.spec.network.mode == crate::spec::NetworkMode::Bridge)?;
     let want = t.state.template.as_ref().map(|i| i.pool).unwrap_or(0);
     let _refill = refill_lock(&t)?;
     let have = pooled_of(reg, &t)?.len();
