@@ -4,8 +4,13 @@
 # (alone, and followed by `sync -f`: a snapshot is durable) and `tar` of the
 # same upper directory; a snapshot with nothing changed;
 # rollback of the running box (stop, swap, restart) and of the stopped box,
-# against the naive restore (`rm -rf` + `cp -a` of a saved layer).
-#   sudo N=15 FILES=1000 bench/snapshot.sh   -> bench/results/snapshot.json
+# against the naive restore (`rm -rf` + `cp -a` of a saved layer). Then the
+# rollback with the processes (`snapshot --checkpoint`) of the ~67 MiB Python
+# server of bench/clone.sh, to its first answer, against a rollback that
+# starts the command again (bench/lib/rollbackbench.py; PROC_N rounds, 0 to
+# leave it out).
+#   sudo N=15 FILES=1000 bench/snapshot.sh   -> bench/results/snapshot.json,
+#                                               bench/results/rollback-processes.json
 set -euo pipefail
 # shellcheck source=lib/common.sh
 source "$(dirname "${BASH_SOURCE[0]}")/lib/common.sh"
@@ -31,3 +36,10 @@ for a in sh cat ls rm mkdir echo sleep seq head; do ln -s busybox "$rootfs/bin/$
 mkdir -p "$RESULTS_DIR"
 log "N=$N rounds, $FILES files, load $(cut -d' ' -f1 /proc/loadavg)"
 python3 "$BENCH_DIR/lib/snapbench.py" "$NESTBOX" "$ROOT" "$N" "$FILES" "$RESULTS_DIR/snapshot.json"
+PROC_N=${PROC_N:-$N}
+if [[ $PROC_N -gt 0 ]]; then
+    cp "$BENCH_DIR/lib/pyserver.py" "$ROOT/server.py"
+    log "rollback with the processes: $PROC_N rounds, load $(cut -d' ' -f1 /proc/loadavg)"
+    python3 "$BENCH_DIR/lib/rollbackbench.py" "$NESTBOX" "$ROOT" "$ROOT/server.py" "$PROC_N" \
+        "$RESULTS_DIR/rollback-processes.json"
+fi

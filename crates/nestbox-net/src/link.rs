@@ -89,6 +89,17 @@ pub fn set_up_by_name(nl: &mut Netlink, name: &str) -> Result<()> {
     })
 }
 
+/// The MAC address of the box with IPv4 address `address` on a bridge:
+/// locally administered and unicast (`06:00:` and the address's four bytes;
+/// bridges' own start with `02:`), the same whenever a box has that address,
+/// so that the neighbour entries the host and other boxes keep for the
+/// address stay right when a box is started again with it (a rollback, a
+/// restart) instead of sending to a MAC that is gone until they expire.
+pub fn box_mac(address: std::net::Ipv4Addr) -> [u8; 6] {
+    let [a, b, c, d] = address.octets();
+    [0x06, 0x00, a, b, c, d]
+}
+
 /// Create bridge `name` with a fixed MAC address (so that it does not change as
 /// ports come and go, which would leave stale gateway entries in the boxes' ARP
 /// caches) and set it up. Returns its index.
@@ -140,6 +151,7 @@ pub fn create_veth(
     master: Option<u32>,
     peer: &str,
     peer_ns: BorrowedFd<'_>,
+    peer_mac: Option<[u8; 6]>,
 ) -> Result<u32> {
     // The peer cannot be set up in this request: the kernel opens it before
     // the pair is linked (and veth_open fails with ENOTCONN).
@@ -147,6 +159,11 @@ pub fn create_veth(
     peer_msg
         .attributes
         .push(LinkAttribute::NetNsFd(peer_ns.as_raw_fd()));
+    if let Some(mac) = peer_mac {
+        peer_msg
+            .attributes
+            .push(LinkAttribute::Address(mac.to_vec()));
+    }
     let mut msg = by_name(host);
     up(&mut msg);
     if let Some(master) = master {

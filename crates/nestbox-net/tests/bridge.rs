@@ -328,7 +328,7 @@ fn gc_removes_dead_boxes_and_orphans() {
     let mut nl = Netlink::open().unwrap();
     let br = link::index(&mut nl, &t.bridge).unwrap().unwrap();
     let orphan = format!("nbo6x{}", std::process::id() % 10000);
-    link::create_veth(&mut nl, &orphan, Some(br), "eth0", ns_o.as_fd()).unwrap();
+    link::create_veth(&mut nl, &orphan, Some(br), "eth0", ns_o.as_fd(), None).unwrap();
 
     let removed = net.gc(&["box-a"]).unwrap();
     assert_eq!(removed, vec!["box-b".to_string()]);

@@ -344,6 +344,15 @@ pub fn capture_box_incremental(
     Ok(images)
 }
 
+/// `Seccomp_filters` of a process's status (0 when the kernel does not say).
+fn seccomp_filters(status: &Status) -> u32 {
+    status
+        .get("Seccomp_filters")
+        .ok()
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(0)
+}
+
 /// One process of [`capture_box`]; `seen`: the connected objects whose
 /// buffered data an earlier process saved.
 fn capture_one(
@@ -356,14 +365,21 @@ fn capture_one(
     let pid = tracee.pid();
     ensure_all_threads_held(tracee)?;
     let status = Status::read(pid)?;
-    let filters: u32 = status
-        .get("Seccomp_filters")
-        .ok()
-        .and_then(|v| v.trim().parse().ok())
+    let filters = seccomp_filters(&status);
+    // Filters this process has too were inherited from the box that holds
+    // nestbox (a nest box's: `docs/nesting.md`); a restore made by nestbox
+    // there inherits them again, and installs the box's own on top.
+    let inherited = Status::read(std::process::id() as i32)
+        .map(|s| seccomp_filters(&s))
         .unwrap_or(0);
-    if filters > 1 {
+    if filters > inherited + 1 {
         return Err(RemoteError::Unclonable(format!(
-            "process {pid} has {filters} seccomp filters; a checkpoint restores only the box's own"
+            "process {pid} has {filters} seccomp filters; a checkpoint restores only the box's own{}",
+            if inherited > 0 {
+                format!(" (over the {inherited} nestbox runs under)")
+            } else {
+                String::new()
+            }
         )));
     }
     let buffered = ensure_restorable(pid, &fds, seen)?;

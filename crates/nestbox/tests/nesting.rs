@@ -2042,3 +2042,58 @@ fn an_idle_nest_box_is_checkpointed_restored_and_migrated_as_a_nest_box() {
     rm_all_leaves_nothing(&root, &["r1"]);
     root.ok(&["checkpoint", "rm", "k1"]);
 }
+
+/// Checkpoint and restore work inside a nest box as on a host (the box's
+/// processes there have the nest box's seccomp filter under their own,
+/// which a restore made inside inherits again), and so does a snapshot with
+/// its processes and the rollback to it.
+#[test]
+fn checkpoint_restore_and_rollback_with_processes_work_inside_a_nest_box() {
+    let Some(root) =
+        TestRoot::new("checkpoint_restore_and_rollback_with_processes_work_inside_a_nest_box")
+    else {
+        return;
+    };
+    start(&root, &[], "n", &["--nest"]);
+    warmed_server_inside(&root, &["n"], "s", 2);
+    let out = root
+        .run_timeout(
+            &inside(
+                &["n"],
+                &["checkpoint", "s", "--as", "sc", "--leave-running"],
+            ),
+            START,
+        )
+        .ok();
+    assert_eq!(out.stdout.trim(), "sc", "{out}");
+    let out = root
+        .run_timeout(&inside(&["n"], &["restore", "sc", "--name", "r"]), START)
+        .ok();
+    assert_eq!(out.stdout.trim(), "r", "{out}");
+    assert_eq!(
+        get_inside(&root, &["n"], "r").0,
+        3,
+        "the restored box continues"
+    );
+    assert_eq!(get_inside(&root, &["n"], "s").0, 3, "the box ran on");
+    let out = root
+        .run_timeout(
+            &inside(&["n"], &["snapshot", "s", "k", "--checkpoint"]),
+            START,
+        )
+        .ok();
+    assert!(out.stdout.contains("processes checkpointed"), "{out}");
+    assert_eq!(get_inside(&root, &["n"], "s").0, 4);
+    assert_eq!(get_inside(&root, &["n"], "s").0, 5);
+    root.run_timeout(&inside(&["n"], &["rollback", "s", "k"]), START)
+        .ok();
+    assert_eq!(
+        get_inside(&root, &["n"], "s").0,
+        4,
+        "back to the snapshot's 3"
+    );
+    root.run(&inside(&["n"], &["rm", "-f", "r", "s"])).ok();
+    root.run(&inside(&["n"], &["checkpoint", "rm", "sc"])).ok();
+    root.run(&["rm", "-f", "n"]).ok();
+    root.assert_no_boxes();
+}

@@ -669,6 +669,18 @@ fn a_snapshot_with_a_checkpoint_rolls_the_processes_back_too() {
     assert_eq!(count(addr), "3 6");
     root.ok(&["exec", "ctr", "--", "sh", "-c", "echo later > /srv/later"]);
     let pid_before = init_pid(&root, "ctr");
+    let mac =
+        |root: &TestRoot| root.ok(&["exec", "ctr", "--", "cat", "/sys/class/net/eth0/address"]);
+    let mac_before = mac(&root);
+    let std::net::IpAddr::V4(ip) = addr.ip() else {
+        panic!("{addr}")
+    };
+    let [a, b, c, d] = ip.octets();
+    assert_eq!(
+        mac_before.trim(),
+        format!("06:00:{a:02x}:{b:02x}:{c:02x}:{d:02x}"),
+        "the box's MAC is its address's"
+    );
 
     let report = json(&root.ok(&["rollback", "ctr", "s1", "--json"]));
     assert_eq!(report["processes"], true, "{report}");
@@ -678,6 +690,11 @@ fn a_snapshot_with_a_checkpoint_rolls_the_processes_back_too() {
         counter_address(&root, "ctr"),
         addr,
         "the box keeps its address"
+    );
+    assert_eq!(
+        mac(&root),
+        mac_before,
+        "and its MAC: neighbours' entries stay right"
     );
     // The count goes on from the snapshot's 2, the open log file at its
     // offset then, with the snapshot's contents.

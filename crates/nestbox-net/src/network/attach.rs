@@ -246,7 +246,8 @@ impl Network {
         let veth = record.host_veth.as_str();
         // Remove a stale host veth left by a crash (ours by its name).
         link::delete(nl, veth)?;
-        let vidx = link::create_veth(nl, veth, Some(bridge), BOX_IFNAME, netns)?;
+        let mac = Some(link::box_mac(lease.address));
+        let vidx = link::create_veth(nl, veth, Some(bridge), BOX_IFNAME, netns, mac)?;
         made.veth = Some(veth.to_string());
         // Before the box's end is up (the pair has no carrier until then, so
         // no link-local address has been made yet).

@@ -102,7 +102,7 @@ impl Outside {
         let link = format!("nbo{n}x{}", std::process::id() % 10000);
         let mut nl = Netlink::open().unwrap();
         let _ = link::delete(&mut nl, &link);
-        let idx = link::create_veth(&mut nl, &link, None, "eth0", ns.as_fd()).unwrap();
+        let idx = link::create_veth(&mut nl, &link, None, "eth0", ns.as_fd(), None).unwrap();
         let outside = Outside {
             ns,
             host_side: Ipv4Addr::new(10, 232, n, 1),
