@@ -338,10 +338,12 @@ struct Clone3Args {
 /// cgroups by writing `0` to each of `cgroup_files` (v1 `tasks` or v2
 /// `cgroup.procs`, opened for writing), and forks a helper into the joined
 /// pid namespace as pid `helper_pid` (`clone3` with `set_tid`), which forks
-/// the stub the same way as pid `ns_pid` and exits: an orphan goes to the
-/// reaper of its parent's pid namespace, so the stub is adopted by the box's
-/// init (not by the host's, as a child of our first child would be). The
-/// stub only waits in `pause()`. Returns the stub's host pid.
+/// the stub the same way as pid `ns_pid`; the helper is then killed, and
+/// reaped by our child, which ends: an orphan goes to the reaper of its
+/// parent's pid namespace, so the stub is adopted by the box's init (not by
+/// the host's, as a child of our first child would be), and no zombie of the
+/// helper is left in the box's pid namespace. The stub only waits in
+/// `pause()`. Returns the stub's host pid.
 ///
 /// # Safety
 /// As for [`fork_into`]: the child runs only async-signal-safe calls, but the
@@ -419,6 +421,15 @@ pub unsafe fn spawn_stub(
                 }
                 helper => {
                     report(helper as i32);
+                    // Reap the helper once our caller has killed it: left to
+                    // the host's init (the reaper of this process's pid
+                    // namespace), its zombie stayed in the box's pid
+                    // namespace until that init got to it (a second here),
+                    // and the box's init, which ends its box only once it is
+                    // alone there, waited for it.
+                    let mut status = 0;
+                    // SAFETY: waits for our own child with a live local status.
+                    unsafe { libc::waitpid(helper as libc::pid_t, &mut status, 0) };
                     exit_now(0)
                 }
             }
@@ -428,13 +439,16 @@ pub unsafe fn spawn_stub(
             let mut bytes = [0u8; 4];
             // SAFETY: reads at most 4 bytes into a live local buffer from our own pipe end.
             let n = unsafe { libc::read(read_end.as_raw_fd(), bytes.as_mut_ptr().cast(), 4) };
-            waitpid_raw(child.as_raw(), 0)?;
-            if n != 4 {
-                return Err(Errno::ECHILD);
-            }
-            let helper = match i32::from_ne_bytes(bytes) {
-                p if p > 0 => p,
-                e => return Err(Errno::from_raw(-e)),
+            let helper = match (n, i32::from_ne_bytes(bytes)) {
+                (4, p) if p > 0 => p,
+                (4, e) => {
+                    waitpid_raw(child.as_raw(), 0)?;
+                    return Err(Errno::from_raw(-e));
+                }
+                _ => {
+                    waitpid_raw(child.as_raw(), 0)?;
+                    return Err(Errno::ECHILD);
+                }
             };
             // The helper's one child is the stub; then the helper goes and the
             // box's init adopts the stub.
@@ -457,6 +471,8 @@ pub unsafe fn spawn_stub(
             };
             // SAFETY: kill with integer arguments; the helper is ours, parked in pause().
             unsafe { libc::kill(helper, libc::SIGKILL) };
+            // Our child reaps it, then ends.
+            waitpid_raw(child.as_raw(), 0)?;
             stub
         }
     }

@@ -465,6 +465,26 @@ fn restored_state_includes_files_pipes_and_only_new_pages_are_written() {
     );
     root.ok(&["rm", "st"]);
     root.ok(&["restore", "one", "--name", "a"]);
+    // Right after the restore its box holds its init and its process only:
+    // no helper of the restore is left there, not even as a zombie (one the
+    // host's init reaps late held the box's end for a second).
+    let init = root.inspect("a")["state"]["init"]["pid"]
+        .as_i64()
+        .expect("a's init");
+    let ns = std::fs::read_link(format!("/proc/{init}/ns/pid")).unwrap();
+    let mut in_box: Vec<String> = std::fs::read_dir("/proc")
+        .unwrap()
+        .flatten()
+        .filter(|e| std::fs::read_link(e.path().join("ns/pid")).is_ok_and(|n| n == ns))
+        .filter_map(|e| std::fs::read_to_string(e.path().join("comm")).ok())
+        .map(|c| c.trim().to_string())
+        .collect();
+    in_box.sort();
+    assert_eq!(
+        in_box,
+        ["nestbox-init", "python3"],
+        "processes in the restored box"
+    );
     root.ok(&["restore", "two", "--name", "b"]);
     // The log file and its offset are each checkpoint's.
     assert_eq!(box_http_get(&root, "a", "/"), ["2", "0", "4", "queued"]);
