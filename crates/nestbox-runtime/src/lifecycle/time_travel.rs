@@ -217,17 +217,21 @@ pub fn snapshot(
         scanned?
     };
     let layer = base.compose(&upper_layer);
+    // A snapshot that fails after its checkpoint of processes was put in
+    // place takes it out again.
+    let or_drop_processes = |r: Result<()>| {
+        if r.is_err() && processes {
+            crate::diag::warn_on_err(
+                Some(box_name),
+                "removing the checkpoint of a failed snapshot",
+                std::fs::remove_dir_all(&processes_dir)
+                    .map_err(RuntimeError::io("remove", &processes_dir)),
+            );
+        }
+        r
+    };
     let publish = Instant::now();
-    let published = in_store(&record, txn.publish());
-    if published.is_err() && processes {
-        crate::diag::warn_on_err(
-            Some(box_name),
-            "removing the checkpoint of a failed snapshot",
-            std::fs::remove_dir_all(&processes_dir)
-                .map_err(RuntimeError::io("remove", &processes_dir)),
-        );
-    }
-    published?;
+    or_drop_processes(in_store(&record, txn.publish()))?;
     let publish_ms = publish.elapsed().as_secs_f64() * 1000.0;
     let stats = txn.stats();
     let (files, bytes) = layer.file_stats();
@@ -250,16 +254,7 @@ pub fn snapshot(
     // The record last, while the transaction still holds the store's shared
     // lock: `store gc` sees either no snapshot or a whole one. (A checkpoint
     // of processes left without it is removed by the next `recover`.)
-    let written = snapshots::write_new(&record, &snap);
-    if written.is_err() && processes {
-        crate::diag::warn_on_err(
-            Some(box_name),
-            "removing the checkpoint of a failed snapshot",
-            std::fs::remove_dir_all(&processes_dir)
-                .map_err(RuntimeError::io("remove", &processes_dir)),
-        );
-    }
-    written?;
+    or_drop_processes(snapshots::write_new(&record, &snap))?;
     drop(txn);
     Ok(snap)
 }
