@@ -580,6 +580,7 @@ pub fn rebuild(
     )?;
     scratch.addr = moved;
     let ours = (hole, hole + len);
+    crate::marks::mark("rebuild: syscall page");
 
     // 1. Unmap what X keeps for no mapping of the target. X keeps a shared
     // mapping the target has identically, and the part of a private mapping
@@ -618,6 +619,7 @@ pub fn rebuild(
         stats.unmapped += usize::from(!pieces.is_empty());
     }
 
+    crate::marks::mark("rebuild: unmapped");
     // 2. The vDSO.
     let x_block = {
         let now = Layout {
@@ -689,6 +691,7 @@ pub fn rebuild(
         stats.shared_bytes_copied = copies.iter().map(|c| c.bytes_copied).sum();
     }
 
+    crate::marks::mark("rebuild: mapped");
     // 4. Contents.
     let mem = open_mem(pid)?;
     let own_memory = |t: &Vma| !t.shared || (from_image && t.deleted());
@@ -712,6 +715,7 @@ pub fn rebuild(
         }
     }
 
+    crate::marks::mark("rebuild: contents");
     // From an image, the file pages the process had in its page tables are
     // mapped again now (a fork of it, a clone of a restored template, then
     // shares them instead of faulting each in on its own); best effort: a
@@ -724,6 +728,7 @@ pub fn rebuild(
         }
     }
 
+    crate::marks::mark("rebuild: file pages populated");
     // 5. mm fields and exe.
     let exe_fd = if target.exe_object != base.exe_object {
         scratch.reset();

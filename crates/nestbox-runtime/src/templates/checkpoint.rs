@@ -1334,6 +1334,7 @@ pub(crate) fn restore_preloaded(
     check_compatible(source, meta.version, &meta.kernel, &meta.cpu_flags)?;
     let name = name.unwrap_or(&meta.box_name).to_string();
     crate::clone::check_new_name(reg, &name)?;
+    crate::phases::mark("restore: checkpoint loaded, checked");
     let mut pages = Vec::with_capacity(meta.processes.len());
     for p in &meta.processes {
         let records = read_page_records(&dir.join(format!("pages-{}", p.ns_pid)))?;
@@ -1345,8 +1346,10 @@ pub(crate) fn restore_preloaded(
     } else {
         pool_dir(reg)
     };
+    crate::phases::mark("restore: page records read");
     let pool =
         PagePool::open(&pool_path).map_err(|e| problem(source, format!("page pool: {e}")))?;
+    crate::phases::mark("restore: page pool index read");
     for (digest, addr) in pages.iter().flat_map(|m| m.iter().map(|(a, d)| (d, a))) {
         if !pool.contains(digest) && !preloaded.is_some_and(|p| p.contains_key(digest)) {
             return Err(problem(
@@ -1358,6 +1361,7 @@ pub(crate) fn restore_preloaded(
             ));
         }
     }
+    crate::phases::mark("restore: pages found in the pool");
     let mut spec = meta.spec.clone();
     spec.name = name.clone();
     spec.interactive = false;
@@ -1367,6 +1371,7 @@ pub(crate) fn restore_preloaded(
     let shell_at = Instant::now();
     let started = crate::lifecycle::ops::run_detached(reg, &spec);
     let shell_ms = shell_at.elapsed().as_secs_f64() * 1e3;
+    crate::phases::mark("restore: box started");
     let result = started.and_then(|()| {
         let shell = reg.load(&name)?;
         let (pids, page_server) =
@@ -1474,6 +1479,7 @@ fn restore_into(
         stubs.push((image.ns_pid, stub));
     }
     drop(cgroup_files);
+    crate::phases::mark("restore: stubs spawned");
     let stdio = crate::clone::shell_stdio(init.pid)?;
     let cookie = shell.state.setns_cookie.unwrap_or_default();
     let seccomp =
