@@ -1335,33 +1335,6 @@ pub(crate) fn restore_preloaded(
     let name = name.unwrap_or(&meta.box_name).to_string();
     crate::clone::check_new_name(reg, &name)?;
     crate::phases::mark("restore: checkpoint loaded, checked");
-    let mut pages = Vec::with_capacity(meta.processes.len());
-    for p in &meta.processes {
-        let records = read_page_records(&dir.join(format!("pages-{}", p.ns_pid)))?;
-        pages.push(records.into_iter().collect::<HashMap<u64, Digest>>());
-    }
-    // A self-contained checkpoint (`-o DIR`) has its pages with it.
-    let pool_path = if dir.join("pages").is_dir() {
-        dir.join("pages")
-    } else {
-        pool_dir(reg)
-    };
-    crate::phases::mark("restore: page records read");
-    let pool =
-        PagePool::open(&pool_path).map_err(|e| problem(source, format!("page pool: {e}")))?;
-    crate::phases::mark("restore: page pool index read");
-    for (digest, addr) in pages.iter().flat_map(|m| m.iter().map(|(a, d)| (d, a))) {
-        if !pool.contains(digest) && !preloaded.is_some_and(|p| p.contains_key(digest)) {
-            return Err(problem(
-                source,
-                format!(
-                    "is incomplete: page {addr:#x} ({}) is not in the page pool",
-                    digest.short()
-                ),
-            ));
-        }
-    }
-    crate::phases::mark("restore: pages found in the pool");
     let mut spec = meta.spec.clone();
     spec.name = name.clone();
     spec.interactive = false;
@@ -1369,10 +1342,23 @@ pub(crate) fn restore_preloaded(
     spec.clone_of = None;
     spec.restore_of = Some(dir.display().to_string());
     let shell_at = Instant::now();
-    let started = crate::lifecycle::ops::run_detached(reg, &spec);
+    // The box is started, and while its monitor makes it (a process of its
+    // own) the page records and the pool's index are read and every page
+    // looked up. (A restore is never served by the pool of box shells:
+    // `Shape::of`.) A checkpoint found incomplete there fails the restore
+    // as a failed start does: the new box is removed, nothing runs.
+    let (started, read) = match crate::lifecycle::ops::begin_detached(reg, &spec) {
+        Err(e) => (Err(e), None),
+        Ok(pending) => {
+            let read = read_pages(reg, source, &meta, &dir, preloaded);
+            crate::phases::mark("restore: pages found in the pool");
+            (pending.wait(reg).map_err(|e| e.in_box(&name)), Some(read))
+        }
+    };
     let shell_ms = shell_at.elapsed().as_secs_f64() * 1e3;
     crate::phases::mark("restore: box started");
     let result = started.and_then(|()| {
+        let (pages, pool) = read.unwrap_or_else(|| Err(problem(source, "pages not read")))?;
         let shell = reg.load(&name)?;
         let (pids, page_server) =
             restore_into(&shell, &meta.processes, &pages, &pool, preloaded, lazy)?;
@@ -1390,6 +1376,42 @@ pub(crate) fn restore_preloaded(
         crate::diag::warn_on_err(Some(&name), "removing a failed restore's box", removed);
     }
     result
+}
+
+/// The page records of the checkpoint's processes (address to digest, one
+/// map a process) and its page pool (the checkpoint's own, `-o DIR`, or the
+/// host's), every page found there or in `preloaded`.
+fn read_pages(
+    reg: &Registry,
+    source: &str,
+    meta: &Checkpoint,
+    dir: &Path,
+    preloaded: Option<&Preloaded>,
+) -> Result<(Vec<HashMap<u64, Digest>>, PagePool)> {
+    let mut pages = Vec::with_capacity(meta.processes.len());
+    for p in &meta.processes {
+        let records = read_page_records(&dir.join(format!("pages-{}", p.ns_pid)))?;
+        pages.push(records.into_iter().collect::<HashMap<u64, Digest>>());
+    }
+    let pool_path = if dir.join("pages").is_dir() {
+        dir.join("pages")
+    } else {
+        pool_dir(reg)
+    };
+    let pool =
+        PagePool::open(&pool_path).map_err(|e| problem(source, format!("page pool: {e}")))?;
+    for (digest, addr) in pages.iter().flat_map(|m| m.iter().map(|(a, d)| (d, a))) {
+        if !pool.contains(digest) && !preloaded.is_some_and(|p| p.contains_key(digest)) {
+            return Err(problem(
+                source,
+                format!(
+                    "is incomplete: page {addr:#x} ({}) is not in the page pool",
+                    digest.short()
+                ),
+            ));
+        }
+    }
+    Ok((pages, pool))
 }
 
 /// A seccomp program as the kernel reads it (`struct sock_filter` array),
