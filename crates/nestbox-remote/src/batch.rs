@@ -45,6 +45,19 @@ const PROGRAM: [u8; 58] = [
     0xff, 0x73, 0x06, 0x48, 0x83, 0xc3, 0x38, 0xeb, 0xc7, 0xcc,
 ];
 
+/// Where the program's `jae done` (after a failed call) is.
+const STOP_ON_ERROR: usize = 49;
+const _: () = assert!(PROGRAM[STOP_ON_ERROR] == 0x73 && PROGRAM[STOP_ON_ERROR + 1] == 0x06);
+
+/// The program of [`Batch::run_each`]: the same with its `jae done` made a
+/// two-byte `nop` (66 90), so a failed call does not end the batch.
+const PROGRAM_EACH: [u8; 58] = {
+    let mut p = PROGRAM;
+    p[STOP_ON_ERROR] = 0x66;
+    p[STOP_ON_ERROR + 1] = 0x90;
+    p
+};
+
 /// One call of a batch: its name and what it is for (for the error), number
 /// and arguments.
 #[derive(Debug, Clone)]
@@ -66,6 +79,11 @@ impl Batch {
         Batch::default()
     }
 
+    /// How many calls it holds.
+    pub fn len(&self) -> usize {
+        self.calls.len()
+    }
+
     /// Add a call (`args` beyond the sixth are an error in the caller's code;
     /// missing ones are 0).
     pub fn push(&mut self, name: &'static str, context: String, nr: i64, args: &[u64]) {
@@ -84,17 +102,35 @@ impl Batch {
     /// fails ends the batch with [`RemoteError::Injected`] for it. The tracee
     /// ends stopped; its registers are put back by [`Tracee::restore_regs`].
     pub fn run(self, tracee: &mut Tracee, scratch: &mut Scratch) -> Result<Vec<u64>> {
+        let results = self.run_with(tracee, scratch, &PROGRAM)?;
+        Ok(results.into_iter().map(|r| r as u64).collect())
+    }
+
+    /// As [`Batch::run`], but every call is made whatever the ones before it
+    /// returned: calls whose failure is no error (best effort). Returns each
+    /// call's result as the kernel gave it (`-errno` on failure).
+    pub fn run_each(self, tracee: &mut Tracee, scratch: &mut Scratch) -> Result<Vec<i64>> {
+        self.run_with(tracee, scratch, &PROGRAM_EACH)
+    }
+
+    fn run_with(
+        self,
+        tracee: &mut Tracee,
+        scratch: &mut Scratch,
+        code: &[u8; 58],
+    ) -> Result<Vec<i64>> {
         if self.calls.is_empty() {
             return Ok(Vec::new());
         }
-        let program = scratch.put(tracee, &PROGRAM)?;
+        let stop_on_error = code[STOP_ON_ERROR] == PROGRAM[STOP_ON_ERROR];
+        let program = scratch.put(tracee, code)?;
         // As many calls a round as the scratch area holds (a call is 56 bytes
         // of table and 8 of result).
         let per_round = (scratch.free().saturating_sub(8) / 64).max(1);
         let mut results = Vec::with_capacity(self.calls.len());
         for round in self.calls.chunks(per_round) {
             let mark = scratch.mark();
-            let got = run_round(tracee, scratch, program, round);
+            let got = run_round(tracee, scratch, program, round, stop_on_error);
             scratch.rewind(mark);
             results.extend(got?);
         }
@@ -108,7 +144,8 @@ fn run_round(
     scratch: &mut Scratch,
     program: u64,
     calls: &[Call],
-) -> Result<Vec<u64>> {
+    stop_on_error: bool,
+) -> Result<Vec<i64>> {
     let mut table = Vec::with_capacity((calls.len() * 7 + 1) * 8);
     for call in calls {
         table.extend_from_slice(&call.nr.to_ne_bytes());
@@ -167,7 +204,7 @@ fn run_round(
     if let Some((i, &rax)) = results
         .iter()
         .enumerate()
-        .find(|(_, r)| (-4095..0).contains(*r))
+        .find(|(_, r)| stop_on_error && (-4095..0).contains(*r))
     {
         let call = &calls[i];
         return Err(RemoteError::Injected {
@@ -183,5 +220,5 @@ fn run_round(
             what: "after every call of an injected batch",
         });
     }
-    Ok(results.into_iter().map(|r| r as u64).collect())
+    Ok(results)
 }

@@ -210,9 +210,12 @@ pub(crate) fn start(
             return Ok(None);
         }
     };
+    crate::marks::mark("lazy: userfaultfd registered");
     let remaining = Remaining::of(deferred, &store.held());
     let pages = remaining.len();
+    crate::marks::mark("lazy: pages to serve listed");
     let server = spawn_server(fd, remaining, store, plan.box_init, pid)?;
+    crate::marks::mark("lazy: page server ready");
     Ok(Some(LazyServer { pid: server, pages }))
 }
 

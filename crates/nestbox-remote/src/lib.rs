@@ -60,6 +60,7 @@ mod inotify;
 mod layout;
 mod lazy;
 pub mod maps;
+mod marks;
 mod memory;
 mod objects;
 mod placeholder;
@@ -87,6 +88,7 @@ pub use fdtransfer::{install_fds, MAX_FDS};
 pub use fork::{remote_fork, ForkPlan, Forked, NsKind};
 pub use hugepages::{collapse_anonymous, collapsible_ranges, Collapsed};
 pub use lazy::{LazyPlan, LazyServer};
+pub use marks::set_hook as set_phase_hook;
 pub use objects::{object_of, CloneObjects, ObjectKey, TemplateEnd};
 pub use procimage::{
     capture_box, capture_box_incremental, ensure_not_lazily_filled, restore_box, PageData,

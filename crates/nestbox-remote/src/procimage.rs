@@ -805,6 +805,7 @@ pub fn restore_box(
         pids.push(m.release(None)?);
     }
     pids.reverse();
+    crate::marks::mark("restore: released");
     Ok((pids, server))
 }
 
@@ -833,6 +834,7 @@ fn restore_root(
         x.keep_options(crate::tracee::PTRACE_O_SUSPEND_SECCOMP);
     }
     x.set_options(TRACE_OPTIONS | libc::PTRACE_O_EXITKILL)?;
+    crate::marks::mark("restore: stub seized");
     let status = Status::read(stub)?;
     if status.innermost_pid()? != image.ns_pid {
         return Err(RemoteError::Plan(format!(
@@ -862,6 +864,7 @@ fn restore_root(
         0,
         &source,
     )?;
+    crate::marks::mark("restore: rebuilt");
     let mut server = None;
     if let Some(lazy) = lazy.filter(|_| !stats.deferred.is_empty()) {
         // Before anything else touches the deferred memory (an injected call
@@ -877,9 +880,11 @@ fn restore_root(
             TRACE_OPTIONS | libc::PTRACE_O_EXITKILL,
         )?;
     }
+    crate::marks::mark("restore: lazy server");
     let mut scratch = Scratch::map(&mut x)?;
     image.state.apply(&mut x, &mut scratch)?;
     set_credentials(&mut x, &mut scratch, &image.credentials)?;
+    crate::marks::mark("restore: state, credentials");
     let creator = !tables.objects.is_created();
     let fds = restore_fds(
         &mut x,
@@ -889,6 +894,7 @@ fn restore_root(
         &mut tables.objects,
         creator,
     )?;
+    crate::marks::mark("restore: fds");
     if image.leader.caps.no_new_privs {
         x.syscall(
             "prctl(PR_SET_NO_NEW_PRIVS)",
@@ -906,6 +912,7 @@ fn restore_root(
         })?;
         install_filter(&mut x, &mut scratch, program)?;
     }
+    crate::marks::mark("restore: seccomp");
     // The stub holds every capability (in the box's user namespace, or as
     // the host's root): the bounding set is narrowed to the image's as after
     // joining a user namespace.
@@ -916,7 +923,9 @@ fn restore_root(
         securebits: image.securebits,
         set_caps: true,
     };
-    Ok((held.with_threads(image, plan.setns_cookie)?, server))
+    let made = held.with_threads(image, plan.setns_cookie)?;
+    crate::marks::mark("restore: threads");
+    Ok((made, server))
 }
 
 /// A restored process whose memory, state and fds are made: what its

@@ -41,6 +41,7 @@ use std::path::PathBuf;
 
 use serde::Serialize;
 
+use crate::batch::Batch;
 use crate::error::{RemoteError, Result};
 use crate::maps::{self, PageEntry, Pagemap, Vma, PAGE};
 use crate::memory::{Scratch, SCRATCH_LEN};
@@ -580,6 +581,7 @@ pub fn rebuild(
     )?;
     scratch.addr = moved;
     let ours = (hole, hole + len);
+    crate::marks::mark("rebuild: syscall page");
 
     // 1. Unmap what X keeps for no mapping of the target. X keeps a shared
     // mapping the target has identically, and the part of a private mapping
@@ -618,6 +620,7 @@ pub fn rebuild(
         stats.unmapped += usize::from(!pieces.is_empty());
     }
 
+    crate::marks::mark("rebuild: unmapped");
     // 2. The vDSO.
     let x_block = {
         let now = Layout {
@@ -660,6 +663,7 @@ pub fn rebuild(
     // that exists is mapped shared as it is.
     let from_image = target_pid == 0;
     let mut made_objects: Vec<((u64, u64), u64)> = Vec::new();
+    let mut private: Vec<Vma> = Vec::new();
     for t in target.vmas.iter().filter(|t| !is_special(t)) {
         let pieces = subtract((t.start, t.end), &keep);
         if from_image && t.shared && t.deleted() {
@@ -676,10 +680,11 @@ pub fn rebuild(
             continue;
         }
         for (s, e) in pieces {
-            map_private(x, &mut scratch, &sub_vma(t, s, e), target_pid)?;
+            private.push(sub_vma(t, s, e));
             stats.mapped += 1;
         }
     }
+    map_privates(x, &mut scratch, &private, target_pid)?;
     for (_, fd) in made_objects {
         x.syscall("close", String::new, libc::SYS_close, &[fd])?;
     }
@@ -689,6 +694,7 @@ pub fn rebuild(
         stats.shared_bytes_copied = copies.iter().map(|c| c.bytes_copied).sum();
     }
 
+    crate::marks::mark("rebuild: mapped");
     // 4. Contents.
     let mem = open_mem(pid)?;
     let own_memory = |t: &Vma| !t.shared || (from_image && t.deleted());
@@ -712,18 +718,28 @@ pub fn rebuild(
         }
     }
 
+    crate::marks::mark("rebuild: contents");
     // From an image, the file pages the process had in its page tables are
     // mapped again now (a fork of it, a clone of a restored template, then
     // shares them instead of faulting each in on its own); best effort: a
     // range past the end of its file is simply not populated.
     if from_image {
+        let mut populate = Batch::new();
         for t in target.vmas.iter().filter(|t| {
             t.is_file() && !t.deleted() && t.rss_kb > 0 && t.prot & libc::PROT_READ != 0
         }) {
-            x.inject_syscall(libc::SYS_madvise, &[t.start, t.len(), MADV_POPULATE_READ])?;
+            populate.push(
+                "madvise(MADV_POPULATE_READ)",
+                String::new(),
+                libc::SYS_madvise,
+                &[t.start, t.len(), MADV_POPULATE_READ],
+            );
         }
+        scratch.reset();
+        populate.run_each(x, &mut scratch)?;
     }
 
+    crate::marks::mark("rebuild: file pages populated");
     // 5. mm fields and exe.
     let exe_fd = if target.exe_object != base.exe_object {
         scratch.reset();
@@ -925,8 +941,103 @@ fn mapped_where_asked(x: &Tracee, t: &Vma, addr: u64) -> Result<()> {
     })
 }
 
-/// Map the target's private mapping (or read-only shared file mapping) `t` in X.
-fn map_private(x: &mut Tracee, scratch: &mut Scratch, t: &Vma, target_pid: i32) -> Result<()> {
+/// Map the target's private mappings (and read-only shared file mappings)
+/// `ts` in X, as [`map_private`] maps one, in two injected batches rather
+/// than a few calls each: the files opened, then the mappings made and
+/// advised and the files closed. Each file mapping gets an open file of its
+/// own, as [`map_private`] gives it: two adjacent mappings of one open file
+/// would be merged by the kernel where the target has two. A mapping of a
+/// deleted file, or a set of paths too long for the scratch area, is mapped
+/// one by one.
+fn map_privates(x: &mut Tracee, scratch: &mut Scratch, ts: &[Vma], target_pid: i32) -> Result<()> {
+    let (batched, alone): (Vec<&Vma>, Vec<&Vma>) =
+        ts.iter().partition(|t| !t.is_file() || !t.deleted());
+    let paths: Vec<&str> = batched
+        .iter()
+        .filter(|t| t.is_file())
+        .map(|t| t.path())
+        .collect();
+    // The paths, the tables of the batches (64 bytes a call) and the batch
+    // program must fit in the scratch area with room to spare.
+    let room = paths.iter().map(|p| p.len() + 1).sum::<usize>() + 64 * (5 * ts.len() + 8) + 128;
+    if room > SCRATCH_LEN {
+        for t in ts {
+            map_private(x, scratch, t, target_pid)?;
+        }
+        return Ok(());
+    }
+    scratch.reset();
+    let mut open = Batch::new();
+    for path in &paths {
+        let addr = scratch.put_path(x, path.as_bytes())?;
+        open.push(
+            "openat",
+            (*path).to_string(),
+            libc::SYS_openat,
+            &[
+                libc::AT_FDCWD as u64,
+                addr,
+                (libc::O_RDONLY | libc::O_CLOEXEC) as u64,
+                0,
+            ],
+        );
+    }
+    let fds = open.run(x, scratch)?;
+    let mut opened = fds.iter().copied();
+    scratch.reset();
+    let mut maps = Batch::new();
+    let mut mmaps = Vec::with_capacity(batched.len());
+    for t in &batched {
+        let what = format!("{} ({})", t.range_name(), t.name);
+        let fd = if t.is_file() {
+            Some(opened.next().ok_or_else(|| {
+                RemoteError::Plan(format!("no file opened for the mapping {what}"))
+            })?)
+        } else {
+            None
+        };
+        let flags = private_flags(t) | if fd.is_none() { libc::MAP_ANONYMOUS } else { 0 };
+        mmaps.push(maps.len());
+        maps.push(
+            "mmap",
+            what.clone(),
+            libc::SYS_mmap,
+            &[
+                t.start,
+                t.len(),
+                t.prot as u64,
+                flags as u64,
+                fd.unwrap_or(u64::MAX),
+                if fd.is_some() { t.offset } else { 0 },
+            ],
+        );
+        for advice in advices(t) {
+            maps.push(
+                "madvise",
+                what.clone(),
+                libc::SYS_madvise,
+                &[t.start, t.len(), advice],
+            );
+        }
+    }
+    for fd in &fds {
+        maps.push("close", String::new(), libc::SYS_close, &[*fd]);
+    }
+    let got = maps.run(x, scratch)?;
+    for (t, i) in batched.iter().zip(mmaps) {
+        mapped_where_asked(x, t, got.get(i).copied().unwrap_or(u64::MAX))?;
+    }
+    for t in &batched {
+        name_anonymous(x, scratch, t)?;
+    }
+    for t in alone {
+        map_private(x, scratch, t, target_pid)?;
+    }
+    Ok(())
+}
+
+/// The `mmap` flags of the target's mapping `t` (without `MAP_ANONYMOUS`).
+fn private_flags(t: &Vma) -> libc::c_int {
     let mut flags = libc::MAP_FIXED
         | if t.shared {
             libc::MAP_SHARED
@@ -936,6 +1047,47 @@ fn map_private(x: &mut Tracee, scratch: &mut Scratch, t: &Vma, target_pid: i32) 
     if t.has_flag("gd") {
         flags |= libc::MAP_GROWSDOWN;
     }
+    flags
+}
+
+/// The `madvise` advice the target's mapping `t` was given (its VmFlags).
+fn advices(t: &Vma) -> Vec<u64> {
+    [
+        ("dd", libc::MADV_DONTDUMP),
+        ("dc", libc::MADV_DONTFORK),
+        ("wf", libc::MADV_WIPEONFORK),
+        ("hg", libc::MADV_HUGEPAGE),
+        ("nh", libc::MADV_NOHUGEPAGE),
+    ]
+    .into_iter()
+    .filter(|(flag, _)| t.has_flag(flag))
+    .map(|(_, advice)| advice as u64)
+    .collect()
+}
+
+/// Give X's anonymous mapping `t` the name the target's has (`[anon:NAME]`).
+/// The name is bookkeeping only: a kernel without CONFIG_ANON_VMA_NAME
+/// refuses it and the mapping stays unnamed.
+fn name_anonymous(x: &mut Tracee, scratch: &mut Scratch, t: &Vma) -> Result<()> {
+    if let Some(name) = t
+        .name
+        .strip_prefix("[anon:")
+        .and_then(|n| n.strip_suffix(']'))
+        .filter(|_| !t.is_file())
+    {
+        scratch.reset();
+        let addr = scratch.put_path(x, name.as_bytes())?;
+        x.inject_syscall(
+            libc::SYS_prctl,
+            &[PR_SET_VMA, PR_SET_VMA_ANON_NAME, t.start, t.len(), addr],
+        )?;
+    }
+    Ok(())
+}
+
+/// Map the target's private mapping (or read-only shared file mapping) `t` in X.
+fn map_private(x: &mut Tracee, scratch: &mut Scratch, t: &Vma, target_pid: i32) -> Result<()> {
+    let mut flags = private_flags(t);
     let what = || format!("{} ({})", t.range_name(), t.name);
     let fd = if !t.is_file() {
         flags |= libc::MAP_ANONYMOUS;
@@ -978,36 +1130,14 @@ fn map_private(x: &mut Tracee, scratch: &mut Scratch, t: &Vma, target_pid: i32) 
         x.syscall("close", String::new, libc::SYS_close, &[fd])?;
     }
     mapped_where_asked(x, t, addr)?;
-    if let Some(name) = t
-        .name
-        .strip_prefix("[anon:")
-        .and_then(|n| n.strip_suffix(']'))
-        .filter(|_| !t.is_file())
-    {
-        // The name is bookkeeping only: a kernel without CONFIG_ANON_VMA_NAME
-        // refuses it and the mapping stays unnamed.
-        scratch.reset();
-        let addr = scratch.put_path(x, name.as_bytes())?;
-        x.inject_syscall(
-            libc::SYS_prctl,
-            &[PR_SET_VMA, PR_SET_VMA_ANON_NAME, t.start, t.len(), addr],
+    name_anonymous(x, scratch, t)?;
+    for advice in advices(t) {
+        x.syscall(
+            "madvise",
+            what,
+            libc::SYS_madvise,
+            &[t.start, t.len(), advice],
         )?;
-    }
-    for (flag, advice) in [
-        ("dd", libc::MADV_DONTDUMP),
-        ("dc", libc::MADV_DONTFORK),
-        ("wf", libc::MADV_WIPEONFORK),
-        ("hg", libc::MADV_HUGEPAGE),
-        ("nh", libc::MADV_NOHUGEPAGE),
-    ] {
-        if t.has_flag(flag) {
-            x.syscall(
-                "madvise",
-                what,
-                libc::SYS_madvise,
-                &[t.start, t.len(), advice as u64],
-            )?;
-        }
     }
     Ok(())
 }

@@ -91,6 +91,8 @@ pub fn init() {
     // SAFETY: the mapping is zero-filled, writable and of the table's size.
     unsafe { (*table).base_ns = base };
     TABLE.store(table, Ordering::Release);
+    // The rebuild engine's steps (a restore's) are marked too.
+    nestbox_remote::set_phase_hook(mark);
     mark("cli: main");
 }
 

@@ -945,6 +945,8 @@ pub fn dispatch(cli: Cli) -> Result<i32> {
             } else {
                 nestbox_runtime::checkpoint::restore_with(&reg, &checkpoint, name.as_deref(), lazy)?
             };
+            nestbox_runtime::phases::mark("cli: restored");
+            nestbox_runtime::phases::report();
             if json {
                 println!("{}", serde_json::to_string(&r)?);
             } else {

@@ -1424,7 +1424,7 @@ pub(crate) fn restore_preloaded(
     check_compatible(source, meta.version, &meta.kernel, &meta.cpu_flags)?;
     let name = name.unwrap_or(&meta.box_name).to_string();
     crate::clone::check_new_name(reg, &name)?;
-    let (pages, pool) = open_pages(reg, source, &meta, &dir, preloaded)?;
+    crate::phases::mark("restore: checkpoint loaded, checked");
     let mut spec = meta.spec.clone();
     spec.name = name.clone();
     spec.interactive = false;
@@ -1432,9 +1432,23 @@ pub(crate) fn restore_preloaded(
     spec.clone_of = None;
     spec.restore_of = Some(dir.display().to_string());
     let shell_at = Instant::now();
-    let started = crate::lifecycle::ops::run_detached(reg, &spec);
+    // The box is started, and while its monitor makes it (a process of its
+    // own) the page records and the pool's index are read and every page
+    // looked up. (A restore is never served by the pool of box shells:
+    // `Shape::of`.) A checkpoint found incomplete there fails the restore
+    // as a failed start does: the new box is removed, nothing runs.
+    let (started, read) = match crate::lifecycle::ops::begin_detached(reg, &spec) {
+        Err(e) => (Err(e), None),
+        Ok(pending) => {
+            let read = open_pages(reg, source, &meta, &dir, preloaded);
+            crate::phases::mark("restore: pages found in the pool");
+            (pending.wait(reg).map_err(|e| e.in_box(&name)), Some(read))
+        }
+    };
     let shell_ms = shell_at.elapsed().as_secs_f64() * 1e3;
+    crate::phases::mark("restore: box started");
     let result = started.and_then(|()| {
+        let (pages, pool) = read.unwrap_or_else(|| Err(problem(source, "pages not read")))?;
         let shell = reg.load(&name)?;
         let (pids, page_server) =
             restore_into(&shell, &meta.processes, &pages, &pool, preloaded, lazy)?;
@@ -1456,7 +1470,8 @@ pub(crate) fn restore_preloaded(
 
 /// The page records of every process of checkpoint `meta` (in `dir`, named
 /// `source` in errors) and the page pool that holds them, every page checked
-/// to be there (or in `preloaded`) before anything is started.
+/// to be there (or in `preloaded`) before any process of the checkpoint is
+/// made.
 fn open_pages(
     reg: &Registry,
     source: &str,
@@ -1617,6 +1632,7 @@ fn restore_into(
         stubs.push((image.ns_pid, stub));
     }
     drop(cgroup_files);
+    crate::phases::mark("restore: stubs spawned");
     let stdio = crate::clone::shell_stdio(init.pid)?;
     let cookie = shell.state.setns_cookie.unwrap_or_default();
     let seccomp =
