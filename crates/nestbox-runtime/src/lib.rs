@@ -51,10 +51,11 @@ pub use error::{Result, RuntimeError};
 
 // The modules' paths before they were grouped, kept so that callers (the CLI and
 // other crates) need not change.
-pub use lifecycle::{exec, init, ksm, launch, logs, monitor, nest, residency, shell, time_travel};
+pub use lifecycle::{exec, init, ksm, launch, logs, monitor, nest, residency, shell};
 pub use network::pool as network_pool;
 pub use templates::{
-    attach, checkpoint, clone, migrate, nscheckpoint, prepared_claim, template, working_set,
+    attach, checkpoint, clone, migrate, nscheckpoint, prepared_claim, template, time_travel,
+    working_set,
 };
 
 /// The operations the CLI offers on boxes, templates and clones included: the

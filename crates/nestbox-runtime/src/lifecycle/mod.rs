@@ -2,8 +2,9 @@
 //! of its first process, its init, `exec` into it, its logs, the residency of its
 //! idle processes, the pool of box shells made ahead (`shell`), same-page
 //! merging of its memory (ksm), and the operations on a plain box (run, stop,
-//! kill, rm, stats, inspect, gc), time travel of its writable layer (snapshot,
-//! rollback, diff), and boxes in boxes (`nest`).
+//! kill, rm, stats, inspect, gc), and boxes in boxes (`nest`). (Time travel of a
+//! box's writable layer is in [`crate::templates`]: a snapshot may hold a
+//! checkpoint of the box's processes.)
 //!
 //! This layer imports the records (spec, state, registry, …) and the network glue,
 //! never the templates layer or the API: what it needs to know about templates and
@@ -20,4 +21,3 @@ pub mod nested;
 pub mod ops;
 pub mod residency;
 pub mod shell;
-pub mod time_travel;

@@ -1,8 +1,10 @@
 //! Templates and clones: freezing a box into a template, forking clones from it
 //! by remote fork, pools of clones forked ahead of time, the working set copied
 //! into pooled clones, claims prepared ahead of a request, and checkpoints
-//! (a box saved to disk and restored from it, on the clone's rebuild engine)
-//! and migrations (a running box moved to another host by pre-copy).
+//! (a box saved to disk and restored from it, on the clone's rebuild engine),
+//! migrations (a running box moved to another host by pre-copy), and the time
+//! travel of a box's writable layer (snapshot, rollback, diff; a snapshot may
+//! hold a checkpoint of its processes: [`time_travel`]).
 //!
 //! This layer builds on the life of a box ([`crate::lifecycle`]) and the network
 //! glue; neither imports it. [`ops`] holds the box operations that must know
@@ -17,4 +19,5 @@ pub mod nscheckpoint;
 pub mod ops;
 pub mod prepared_claim;
 pub mod template;
+pub mod time_travel;
 pub mod working_set;
