@@ -3,8 +3,8 @@
 //! idle processes, the pool of box shells made ahead (`shell`), same-page
 //! merging of its memory (ksm), and the operations on a plain box (run, stop,
 //! kill, rm, stats, inspect, gc), and boxes in boxes (`nest`). (Time travel of a
-//! box's writable layer is in [`crate::templates`]: a snapshot may hold a
-//! checkpoint of the box's processes.)
+//! box's writable layer is a layer up, with templates and checkpoints: a
+//! snapshot may hold a checkpoint of the box's processes.)
 //!
 //! This layer imports the records (spec, state, registry, …) and the network glue,
 //! never the templates layer or the API: what it needs to know about templates and
