@@ -19,7 +19,7 @@
 //! read-only lower layer under the new box's own writable one (so boxes
 //! restored from one checkpoint share its files), whose init waits for its process (as a clone shell's does), makes a stub
 //! process in it with the image's pid (`nestbox_sys::process::spawn_stub`),
-//! and hands it to [`nestbox_remote::restore`], which rebuilds it from the
+//! and hands it to [`nestbox_remote::restore_box`], which rebuilds it from the
 //! image: memory from the page pool (every page checked against its digest
 //! before the process runs), threads, fds, credentials, capabilities and the
 //! box's seccomp filter.
