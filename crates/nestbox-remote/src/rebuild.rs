@@ -996,21 +996,8 @@ fn map_privates(x: &mut Tracee, scratch: &mut Scratch, ts: &[Vma], target_pid: i
         } else {
             None
         };
-        let flags = private_flags(t) | if fd.is_none() { libc::MAP_ANONYMOUS } else { 0 };
         mmaps.push(maps.len());
-        maps.push(
-            "mmap",
-            what.clone(),
-            libc::SYS_mmap,
-            &[
-                t.start,
-                t.len(),
-                t.prot as u64,
-                flags as u64,
-                fd.unwrap_or(u64::MAX),
-                if fd.is_some() { t.offset } else { 0 },
-            ],
-        );
+        maps.push("mmap", what.clone(), libc::SYS_mmap, &mmap_args(t, fd));
         for advice in advices(t) {
             maps.push(
                 "madvise",
@@ -1037,6 +1024,21 @@ fn map_privates(x: &mut Tracee, scratch: &mut Scratch, ts: &[Vma], target_pid: i
 }
 
 /// The `mmap` flags of the target's mapping `t` (without `MAP_ANONYMOUS`).
+/// The `mmap` arguments that map the target's mapping `t` in place, from
+/// file descriptor `fd` (in the process mapping it), or anonymous memory for
+/// a mapping that is not a file's.
+fn mmap_args(t: &Vma, fd: Option<u64>) -> [u64; 6] {
+    let anonymous = if t.is_file() { 0 } else { libc::MAP_ANONYMOUS };
+    [
+        t.start,
+        t.len(),
+        t.prot as u64,
+        (private_flags(t) | anonymous) as u64,
+        fd.unwrap_or(u64::MAX),
+        if fd.is_some() { t.offset } else { 0 },
+    ]
+}
+
 fn private_flags(t: &Vma) -> libc::c_int {
     let mut flags = libc::MAP_FIXED
         | if t.shared {
@@ -1087,10 +1089,8 @@ fn name_anonymous(x: &mut Tracee, scratch: &mut Scratch, t: &Vma) -> Result<()> 
 
 /// Map the target's private mapping (or read-only shared file mapping) `t` in X.
 fn map_private(x: &mut Tracee, scratch: &mut Scratch, t: &Vma, target_pid: i32) -> Result<()> {
-    let mut flags = private_flags(t);
     let what = || format!("{} ({})", t.range_name(), t.name);
     let fd = if !t.is_file() {
-        flags |= libc::MAP_ANONYMOUS;
         None
     } else if !t.deleted() {
         scratch.reset();
@@ -1113,19 +1113,7 @@ fn map_private(x: &mut Tracee, scratch: &mut Scratch, t: &Vma, target_pid: i32) 
         let got = crate::fdtransfer::install_fds_with(x, scratch, &[file.as_fd()])?;
         got.first().map(|fd| *fd as u64)
     };
-    let addr = x.syscall(
-        "mmap",
-        what,
-        libc::SYS_mmap,
-        &[
-            t.start,
-            t.len(),
-            t.prot as u64,
-            flags as u64,
-            fd.unwrap_or(u64::MAX),
-            if fd.is_some() { t.offset } else { 0 },
-        ],
-    )?;
+    let addr = x.syscall("mmap", what, libc::SYS_mmap, &mmap_args(t, fd))?;
     if let Some(fd) = fd {
         x.syscall("close", String::new, libc::SYS_close, &[fd])?;
     }
