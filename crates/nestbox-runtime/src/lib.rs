@@ -54,8 +54,8 @@ pub use error::{Result, RuntimeError};
 pub use lifecycle::{exec, init, ksm, launch, logs, monitor, nest, residency, shell};
 pub use network::pool as network_pool;
 pub use templates::{
-    attach, checkpoint, clone, migrate, nscheckpoint, prepared_claim, template, time_travel,
-    working_set,
+    attach, checkpoint, clone, migrate, nscheckpoint, prepared_claim, subtree, template,
+    time_travel, working_set,
 };
 
 /// The operations the CLI offers on boxes, templates and clones included: the

@@ -284,6 +284,15 @@ enum Command {
     /// The in-box agent of `serve --http` (run by it as a box's command).
     #[command(name = "e2b-agent", hide = true)]
     E2bAgent,
+    /// Inside a nest box, run there by the nestbox outside it around the nest
+    /// box's checkpoint, freeze or migration: suspend its running boxes
+    /// (each saved with its processes and stopped) or resume them
+    /// (docs/nesting.md).
+    #[command(hide = true)]
+    Subtree {
+        #[command(subcommand)]
+        cmd: SubtreeCommand,
+    },
     /// Manage images in the content-addressed store.
     #[command(subcommand)]
     Image(crate::store_cmd::ImageCommand),
@@ -579,6 +588,14 @@ enum MonitorCommand {
 }
 
 #[derive(Debug, Subcommand)]
+enum SubtreeCommand {
+    /// Save every running box with its processes and stop it.
+    Suspend,
+    /// Start every suspended box again with its processes as saved.
+    Resume,
+}
+
+#[derive(Debug, Subcommand)]
 enum PoolCommand {
     /// Show the pool's size and, per shape of box, the shells ready.
     Ls {
@@ -776,6 +793,16 @@ pub fn dispatch(cli: Cli) -> Result<i32> {
         Command::Stats { json, name } => output::stats(&reg, &name, json).map(|_| 0),
         Command::Gc => output::gc(&reg, &root).map(|_| 0),
         Command::Pool { cmd } => pool(&reg, cmd.unwrap_or(PoolCommand::Ls { json: false })),
+        Command::Subtree { cmd } => {
+            let names = match cmd {
+                SubtreeCommand::Suspend => nestbox_runtime::subtree::suspend_all(&reg)?,
+                SubtreeCommand::Resume => nestbox_runtime::subtree::resume_all(&reg)?,
+            };
+            for n in names {
+                println!("{n}");
+            }
+            Ok(0)
+        }
         Command::Monitor { cmd } => monitor_cmd(&reg, cmd),
         Command::Debug {
             pid,

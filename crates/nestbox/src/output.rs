@@ -316,6 +316,12 @@ pub fn gc(reg: &Registry, root: &Option<std::path::PathBuf>) -> Result<()> {
     for line in &r.nested {
         println!("{line}");
     }
+    // After the checkpoints' gc, which thawed a nest box a killed save left
+    // frozen: the boxes such a save left suspended inside it run again.
+    let resumed = nestbox_runtime::subtree::resume_left_suspended(reg)?;
+    for line in &resumed {
+        println!("{line}");
+    }
     if r.boxes.is_empty()
         && r.cgroups.is_empty()
         && r.dirs.is_empty()
@@ -324,6 +330,7 @@ pub fn gc(reg: &Registry, root: &Option<std::path::PathBuf>) -> Result<()> {
         && dirs == 0
         && packs == 0
         && revived.is_empty()
+        && resumed.is_empty()
     {
         println!("nothing to collect");
     }

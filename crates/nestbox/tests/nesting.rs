@@ -804,9 +804,18 @@ fn inside_a_box_the_network_defaults_to_none_and_freeze_works() {
         row(&tree(&root, false), "w1/c2").map(|r| r["status"].clone()),
         Some(Value::from("running"))
     );
-    // A box with boxes inside cannot be frozen itself (yet).
+    // A box with a template and a clone inside is not saved with them: one
+    // line, and they run on.
     let out = root.run(&["freeze", "w1"]);
-    assert_error(&out, 125, "runs boxes of its own");
+    assert_error(
+        &out,
+        125,
+        "box \"w1\" could not suspend the boxes inside it: box \"",
+    );
+    assert_eq!(
+        row(&tree(&root, false), "w1/c2").map(|r| r["status"].clone()),
+        Some(Value::from("running"))
+    );
 }
 
 /// `inspect NAME` by the nestbox inside the box at `path`.
@@ -1790,22 +1799,27 @@ fn nest_server(root: &TestRoot, name: &str) {
     root.wait_logged(name, "ready", Duration::from_secs(30));
 }
 
-/// With box `b1` running inside nest box `nest` (whose command is the counter
-/// server), `command` is refused in one line and both go on running (the
-/// server answers with count `count`); then `b1` is removed and the pool of
-/// the nestbox inside drained.
+/// With template `b1` inside nest box `nest` (whose command is the counter
+/// server), `command` is refused in one line naming it, before anything
+/// inside is stopped (a template inside is not saved with its nest box:
+/// `template save` keeps it), and both go on as they were (the server
+/// answers with count `count`); then `b1` is removed and the pool of the
+/// nestbox inside drained.
 #[track_caller]
-fn refused_with_a_box_inside(root: &TestRoot, nest: &str, command: &[&str], count: u64) {
+fn refused_with_a_template_inside(root: &TestRoot, nest: &str, command: &[&str], count: u64) {
     start(root, &[nest], "b1", &[]);
+    root.run(&inside(&[nest], &["freeze", "b1"])).ok();
     assert_error(
         &root.run(command),
         125,
-        &format!("box \"{nest}\" runs boxes of its own (--nest; "),
+        &format!(
+            "box \"{nest}\" could not suspend the boxes inside it: box \"b1\" is a template: remove it"
+        ),
     );
     assert_eq!(root.status(nest).as_deref(), Some("running"));
     assert_eq!(
         row(&tree(root, false), &format!("{nest}/b1")).map(|r| r["status"].clone()),
-        Some(Value::from("running"))
+        Some(Value::from("frozen"))
     );
     assert_eq!(get_inside(root, &[], nest), (count, nest.to_string()));
     root.run(&inside(&[nest], &["rm", "-f", "b1"])).ok();
@@ -1848,9 +1862,8 @@ fn rm_all_leaves_nothing(root: &TestRoot, names: &[&str]) {
 /// nest box of its own (a nestbox inside runs, lists and removes boxes in
 /// it, in cgroups below the clone's, unseen by its siblings), and starts
 /// with a copy of the template's state directory that it then changes alone.
-/// A nest box with a box inside is refused (and goes on running); a clone is
-/// frozen and cloned in turn; a checkpoint with a box inside is refused in
-/// one line; removing them all leaves nothing.
+/// A nest box with a template inside is refused (and goes on running); a
+/// clone is frozen and cloned in turn; removing them all leaves nothing.
 #[test]
 fn a_nest_box_with_no_box_inside_is_frozen_and_cloned_and_each_clone_nests() {
     let Some(root) =
@@ -1873,7 +1886,7 @@ fn a_nest_box_with_no_box_inside_is_frozen_and_cloned_and_each_clone_nests() {
     assert_eq!(out.stdout.trim(), "warm", "{out}");
     set_mark(&root, "w1", "template");
     // With a box inside, it is refused, and goes on as it was.
-    refused_with_a_box_inside(&root, "w1", &["freeze", "w1", "--as", "t1"], 4);
+    refused_with_a_template_inside(&root, "w1", &["freeze", "w1", "--as", "t1"], 4);
     let out = root.run(&["freeze", "w1", "--as", "t1"]).ok();
     assert_eq!(out.stdout.trim(), "t1", "{out}");
 
@@ -1927,19 +1940,8 @@ fn a_nest_box_with_no_box_inside_is_frozen_and_cloned_and_each_clone_nests() {
         "template",
         "the template's is untouched"
     );
-    // A clone with a box inside is refused too (and not checkpointed);
-    // without, it is a template.
-    assert_error(
-        &root.run(&["freeze", "c1", "--as", "t2"]),
-        125,
-        "runs boxes of its own",
-    );
-    assert_error(
-        &root.run(&["checkpoint", "c1", "--leave-running"]),
-        125,
-        "a box for boxes can be frozen, cloned, checkpointed or migrated only with none inside",
-    );
-    assert_eq!(root.status("c1").as_deref(), Some("running"));
+    // A clone is a template in turn (its box inside removed first: a nest
+    // box saved with its boxes is `a_nest_box_is_saved_with_its_boxes_…`).
     root.run(&inside(&["c1"], &["rm", "-f", "in1"])).ok();
     root.run(&["freeze", "c1", "--as", "t2"]).ok();
     let out = root
@@ -1958,10 +1960,11 @@ fn a_nest_box_with_no_box_inside_is_frozen_and_cloned_and_each_clone_nests() {
 /// checkpointed and restored twice after the original is gone: each restored
 /// box continues the server's count, is a nest box of its own (boxes run in
 /// it, in cgroups below its own), and starts with the checkpoint's copy of
-/// the state directory; a checkpoint with a box inside is refused and the
-/// box goes on running. One restored box migrates to another root (another
-/// host) and goes on there as a nest box, state directory included; one
-/// with a box inside is refused. Removing everything leaves nothing.
+/// the state directory; a checkpoint with a template inside is refused and
+/// the box goes on running. One restored box migrates to another root
+/// (another host) and goes on there as a nest box, state directory
+/// included; one with a template inside is refused. Removing everything
+/// leaves nothing.
 #[test]
 fn an_idle_nest_box_is_checkpointed_restored_and_migrated_as_a_nest_box() {
     let Some(root) =
@@ -1974,7 +1977,7 @@ fn an_idle_nest_box_is_checkpointed_restored_and_migrated_as_a_nest_box() {
         assert_eq!(get_inside(&root, &[], "w1"), (i, "w1".to_string()));
     }
     set_mark(&root, "w1", "saved");
-    refused_with_a_box_inside(&root, "w1", &["checkpoint", "w1", "--as", "k1"], 3);
+    refused_with_a_template_inside(&root, "w1", &["checkpoint", "w1", "--as", "k1"], 3);
     let out = root.run(&["checkpoint", "w1", "--as", "k1"]).ok();
     assert!(out.stdout.contains("k1"), "{out}");
     // Stopped by its checkpoint, then removed: the restore needs neither.
@@ -2008,8 +2011,8 @@ fn an_idle_nest_box_is_checkpointed_restored_and_migrated_as_a_nest_box() {
     );
 
     // Migrated to another root (standing for another host): refused with a
-    // box inside, the box running on; without, it continues there as a nest
-    // box, its state directory with it.
+    // template inside, the box running on; without, it continues there as a
+    // nest box, its state directory with it.
     let there =
         TestRoot::new("an_idle_nest_box_is_checkpointed_restored_and_migrated_as_a_nest_box-there")
             .expect("a second root");
@@ -2017,10 +2020,11 @@ fn an_idle_nest_box_is_checkpointed_restored_and_migrated_as_a_nest_box() {
         "exec:{NESTBOX} --root {} receive --stdio",
         there.path().display()
     );
+    root.run(&inside(&["r1"], &["freeze", "in1"])).ok();
     assert_error(
         &root.run(&["migrate", "r1", "--to", &receive]),
         125,
-        "box \"r1\" runs boxes of its own (--nest; ",
+        "box \"r1\" could not suspend the boxes inside it: box \"in1\" is a template",
     );
     assert_eq!(root.status("r1").as_deref(), Some("running"));
     assert_eq!(get_inside(&root, &[], "r1"), (5, "w1".to_string()));
@@ -2096,4 +2100,151 @@ fn checkpoint_restore_and_rollback_with_processes_work_inside_a_nest_box() {
     root.run(&inside(&["n"], &["checkpoint", "rm", "sc"])).ok();
     root.run(&["rm", "-f", "n"]).ok();
     root.assert_no_boxes();
+}
+
+/// A nest box is saved with the boxes inside it, three levels deep: the
+/// counter server `w1` on the host runs the nest box `n2`, itself a counter
+/// server, which runs the counter server `s`. Each save suspends the boxes
+/// inside (each saved with its processes and stopped, deepest first), and
+/// wherever the nest box runs again they run again, their counts going on:
+/// after `checkpoint --leave-running` in `w1` itself; in two boxes restored
+/// from a checkpoint that stopped it, after it is removed; in a clone of one
+/// of those frozen; in one moved to another root (another host). Each box
+/// inside keeps its name, its hostname and its place (`ps --tree`), and
+/// each copy's are its own. Removing everything leaves nothing.
+#[test]
+fn a_nest_box_is_saved_with_its_boxes_three_levels_deep() {
+    let Some(root) = TestRoot::new("a_nest_box_is_saved_with_its_boxes_three_levels_deep") else {
+        return;
+    };
+    nest_server(&root, "w1");
+    let args = [
+        "run",
+        "-d",
+        "--name",
+        "n2",
+        "--nest",
+        "--",
+        "python3",
+        "-c",
+        common::apps::PYTHON_POOL_SERVER,
+    ];
+    let out = root.run_timeout(&inside(&["w1"], &args), START).ok();
+    assert_eq!(out.stdout.trim(), "n2", "{out}");
+    warmed_server_inside(&root, &["w1", "n2"], "s", 2);
+    assert_eq!(get_inside(&root, &[], "w1"), (1, "w1".to_string()));
+    assert_eq!(get_inside(&root, &["w1"], "n2"), (1, "n2".to_string()));
+    // The three counts of the subtree of top-level box `top`.
+    let counts = |top: &str| {
+        (
+            get_inside(&root, &[], top).0,
+            get_inside(&root, &[top], "n2"),
+            get_inside(&root, &[top, "n2"], "s"),
+        )
+    };
+    let running = |top: &str| {
+        let rows = tree(&root, false);
+        for name in [top.to_string(), format!("{top}/n2"), format!("{top}/n2/s")] {
+            assert_eq!(
+                row(&rows, &name).map(|r| r["status"].clone()),
+                Some(Value::from("running")),
+                "{name} in {rows:?}"
+            );
+        }
+    };
+
+    // A save killed once the boxes inside were suspended leaves them
+    // stopped, each with its processes kept: `gc` runs them again.
+    root.run(&inside(&["w1"], &["subtree", "suspend"])).ok();
+    assert!(names_inside(&root, &["w1"], false).is_empty());
+    let out = root.run(&["gc"]).ok();
+    assert!(
+        out.stdout
+            .contains("w1: boxes left suspended inside resumed"),
+        "{out}"
+    );
+    running("w1");
+    assert_eq!(
+        counts("w1"),
+        (2, (2, "n2".to_string()), (3, "s".to_string()))
+    );
+
+    // Left running: the boxes inside go on from where they were.
+    let out = root
+        .run_timeout(
+            &["checkpoint", "w1", "--as", "k1", "--leave-running"],
+            START,
+        )
+        .ok();
+    assert!(out.stdout.contains("k1"), "{out}");
+    running("w1");
+    assert_eq!(
+        counts("w1"),
+        (3, (3, "n2".to_string()), (4, "s".to_string()))
+    );
+
+    // Stopped by a checkpoint, removed, restored twice.
+    let out = root
+        .run_timeout(&["checkpoint", "w1", "--as", "k2"], START)
+        .ok();
+    assert!(out.stdout.contains("k2"), "{out}");
+    assert_ne!(root.status("w1").as_deref(), Some("running"));
+    root.rm_all(["w1"]);
+    for r in ["r1", "r2"] {
+        let out = root
+            .run_timeout(&["restore", "k2", "--name", r, "-d"], START)
+            .ok();
+        assert!(out.stdout.contains(r), "{out}");
+        running(r);
+    }
+    assert_eq!(
+        counts("r1"),
+        (4, (4, "n2".to_string()), (5, "s".to_string()))
+    );
+    assert_eq!(
+        counts("r2"),
+        (4, (4, "n2".to_string()), (5, "s".to_string())),
+        "each restored box's subtree is its own"
+    );
+
+    // Frozen (its boxes inside suspended) and cloned: each clone runs them.
+    let out = root
+        .run_timeout(&["freeze", "r1", "--as", "t1"], START)
+        .ok();
+    assert_eq!(out.stdout.trim(), "t1", "{out}");
+    let out = root
+        .run_timeout(&["clone", "t1", "-d", "--name", "c1"], START)
+        .ok();
+    assert_eq!(out.stdout.trim(), "c1", "{out}");
+    running("c1");
+    assert_eq!(
+        counts("c1"),
+        (5, (5, "n2".to_string()), (6, "s".to_string()))
+    );
+
+    // Moved to another root (standing for another host).
+    let there = TestRoot::new("a_nest_box_is_saved_with_its_boxes_three_levels_deep-there")
+        .expect("a second root");
+    let receive = format!(
+        "exec:{NESTBOX} --root {} receive --stdio",
+        there.path().display()
+    );
+    root.run_timeout(&["migrate", "r2", "--to", &receive], START)
+        .ok();
+    assert_eq!(root.status("r2"), None, "gone from here");
+    let rows = tree(&there, false);
+    assert!(
+        ["r2", "r2/n2", "r2/n2/s"]
+            .iter()
+            .all(|n| row(&rows, n).is_some_and(|r| r["status"] == "running")),
+        "{rows:?}"
+    );
+    assert_eq!(get_inside(&there, &["r2", "n2"], "s"), (6, "s".to_string()));
+    assert_eq!(get_inside(&there, &["r2"], "n2"), (5, "n2".to_string()));
+    there.rm_all(["r2"]);
+    assert!(tree(&there, true).is_empty());
+
+    rm_all_leaves_nothing(&root, &["c1", "r1"]);
+    root.ok(&["checkpoint", "rm", "k1"]);
+    root.ok(&["checkpoint", "rm", "k2"]);
 }

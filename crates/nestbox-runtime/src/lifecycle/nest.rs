@@ -351,8 +351,36 @@ pub fn gc_inside(
     record: &BoxRecord,
     timeout: Duration,
 ) -> Result<Vec<String>> {
+    let (code, text) = run_nested(reg, record, &["gc"], timeout)?;
+    let mut lines: Vec<String> = text
+        .lines()
+        .filter(|l| !l.trim().is_empty() && l.trim() != "nothing to collect")
+        .map(|l| format!("{}: {}", record.name(), sanitize(l)))
+        .collect();
+    if code != 0 {
+        lines.push(format!(
+            "{}: gc inside the box failed (exit code {code})",
+            record.name()
+        ));
+    }
+    Ok(lines)
+}
+
+/// Run the nestbox inside the running nest box `record` with `args` (through
+/// `exec`, as the box's root, whose nestbox owns the boxes inside: the box's
+/// own command may run as another user). Returns its exit code and what it
+/// printed (standard output and error together, at most 1 MiB); gives up
+/// after `timeout`, killing what it ran (exit code 137 then).
+pub fn run_nested(
+    reg: &crate::registry::Registry,
+    record: &BoxRecord,
+    args: &[&str],
+    timeout: Duration,
+) -> Result<(i32, String)> {
     use nix::unistd::{fork, pipe, ForkResult};
     let (r, w) = pipe().map_err(RuntimeError::sys("pipe"))?;
+    let mut command = vec![NESTED_BINARY.to_string()];
+    command.extend(args.iter().map(|a| a.to_string()));
     // SAFETY: the CLI is single-threaded, so the child may run arbitrary code.
     match unsafe { fork() }.map_err(RuntimeError::sys("fork"))? {
         ForkResult::Child => {
@@ -367,10 +395,8 @@ pub fn gc_inside(
                 libc::dup2(w.as_raw_fd(), 2);
             }
             drop(w);
-            // As the box's root, whose nestbox owns the boxes inside (the
-            // box's own command may run as another user).
             let opts = crate::exec::ExecOptions {
-                command: vec![NESTED_BINARY.to_string(), "gc".to_string()],
+                command,
                 user: Some(crate::spec::User::default()),
                 ..Default::default()
             };
@@ -395,18 +421,7 @@ pub fn gc_inside(
                     crate::process::wait_exit_code(child)
                 }
             };
-            let mut lines: Vec<String> = text
-                .lines()
-                .filter(|l| !l.trim().is_empty() && l.trim() != "nothing to collect")
-                .map(|l| format!("{}: {}", record.name(), sanitize(l)))
-                .collect();
-            if code != 0 {
-                lines.push(format!(
-                    "{}: gc inside the box failed (exit code {code})",
-                    record.name()
-                ));
-            }
-            Ok(lines)
+            Ok((code, text))
         }
     }
 }

@@ -212,7 +212,16 @@ pub fn checkpoint(reg: &Registry, box_name: &str, req: &CheckpointRequest) -> Re
     let cgroup = running_cgroup(&record)?;
     let template = record.state.template.is_some();
     refuse_lazily_filled(&record, &cgroup)?;
-    let tmp = staging_dir(&parent, &name)?;
+    // The boxes inside a nest box are saved first, each with its processes
+    // (in the nest box's state directory, which the checkpoint copies), and
+    // stopped (`subtree`); resumed below unless the box stops.
+    let suspended = crate::subtree::suspend_inside(reg, &record)?;
+    let resume = || {
+        if suspended {
+            crate::subtree::resume_inside_or_warn(reg, box_name);
+        }
+    };
+    let tmp = staging_dir(&parent, &name).inspect_err(|_| resume())?;
     // A self-contained checkpoint has its own page pool.
     let pool = match &req.output {
         Some(_) => tmp.join("pages"),
@@ -223,7 +232,12 @@ pub fn checkpoint(reg: &Registry, box_name: &str, req: &CheckpointRequest) -> Re
     // (for `-o`, a marker of its own in this host's checkpoints).
     let marker_dir = if req.output.is_some() {
         let m = checkpoints_dir(reg).join(format!(".tmp-{name}-{}", std::process::id()));
-        fs::create_dir_all(&m).map_err(RuntimeError::io("create", &m))?;
+        fs::create_dir_all(&m)
+            .map_err(RuntimeError::io("create", &m))
+            .inspect_err(|_| {
+                let _ = fs::remove_dir_all(&tmp);
+                resume();
+            })?;
         Some(m)
     } else {
         None
@@ -234,13 +248,14 @@ pub fn checkpoint(reg: &Registry, box_name: &str, req: &CheckpointRequest) -> Re
         if let Some(m) = &marker_dir {
             let _ = fs::remove_dir_all(m);
         }
+        resume();
         return Err(RuntimeError::io("write", &marker)(e));
     }
     let frozen_at = Instant::now();
     let result = cgroup
         .set_frozen(true, FREEZER_TIMEOUT)
         .map_err(RuntimeError::from)
-        .and_then(|()| crate::template::refuse_boxes_inside(&record, &cgroup))
+        .and_then(|()| crate::template::refuse_boxes_inside(&record, &cgroup, false))
         .and_then(|()| {
             save_processes(&record, &cgroup, &mut |tracees, steps| {
                 save_all(&pool, tracees, steps, &tmp, &name)
@@ -281,6 +296,8 @@ pub fn checkpoint(reg: &Registry, box_name: &str, req: &CheckpointRequest) -> Re
                 // runs again.
                 cgroup.kill_all()?;
                 crate::templates::ops::stop(reg, box_name, Duration::from_secs(0))?;
+            } else if suspended {
+                crate::subtree::resume_inside(reg, box_name)?;
             }
             Ok(meta)
         }
@@ -299,6 +316,7 @@ pub fn checkpoint(reg: &Registry, box_name: &str, req: &CheckpointRequest) -> Re
                 "removing a failed checkpoint's directory",
                 fs::remove_dir_all(&tmp).map_err(RuntimeError::io("remove", &tmp)),
             );
+            resume();
             // The box stopped or was removed while it was being saved (a
             // racing stop or rm): what failed then (its cgroup, its
             // processes) went with it.
@@ -385,21 +403,38 @@ fn publish(tmp: &Path, dir: &Path, meta: &Checkpoint) -> Result<()> {
 /// without its files: `while_frozen` records them, once the box is frozen
 /// and before its processes are saved, so that both are one instant of the
 /// box (`snapshot --checkpoint`: the files are the snapshot's layer). The
-/// box runs on afterwards. Staged in the host's checkpoints directory like
-/// any checkpoint (so `gc` thaws the box and removes the staging should this
+/// box runs on afterwards, or, with `then_stop`, is killed while still
+/// frozen and stopped (a box suspended with the nest box it runs in:
+/// [`crate::subtree`], which then first suspends the boxes inside it, if it
+/// is a nest box). Staged in the host's checkpoints directory like any
+/// checkpoint (so `gc` thaws the box and removes the staging should this
 /// process be killed); on error nothing is left and the box runs.
 pub(crate) fn checkpoint_processes(
     reg: &Registry,
     record: &BoxRecord,
     name: &str,
     into: &Path,
+    then_stop: bool,
     while_frozen: &mut dyn FnMut() -> Result<()>,
 ) -> Result<Checkpoint> {
     let start = Instant::now();
     crate::template::refuse_monitored(record, "checkpointed")?;
     let cgroup = running_cgroup(record)?;
     refuse_lazily_filled(record, &cgroup)?;
-    let tmp = staging_dir(&checkpoints_dir(reg), name)?;
+    // The boxes inside a nest box stopped so are saved first, each with its
+    // processes, and stopped (`subtree`). (A snapshot's checkpoint of a nest
+    // box, which runs on, is refused with a box inside: its boxes' data is in
+    // its state directory, which a snapshot does not hold.)
+    let suspended = then_stop && crate::subtree::suspend_inside(reg, record)?;
+    let tmp = match staging_dir(&checkpoints_dir(reg), name) {
+        Ok(tmp) => tmp,
+        Err(e) => {
+            if suspended {
+                crate::subtree::resume_inside_or_warn(reg, record.name());
+            }
+            return Err(e);
+        }
+    };
     let marker = tmp.join("box");
     let frozen_at = Instant::now();
     let result = fs::write(&marker, record.name())
@@ -409,16 +444,23 @@ pub(crate) fn checkpoint_processes(
                 .set_frozen(true, FREEZER_TIMEOUT)
                 .map_err(RuntimeError::from)
         })
-        .and_then(|()| crate::template::refuse_boxes_inside(record, &cgroup))
+        .and_then(|()| crate::template::refuse_boxes_inside(record, &cgroup, !then_stop))
         .and_then(|()| while_frozen())
         .and_then(|()| {
             save_processes(record, &cgroup, &mut |tracees, steps| {
                 save_all(&pool_dir(reg), tracees, steps, &tmp, name)
             })
         });
+    // A box stopped by this checkpoint is killed while frozen: a killed
+    // process thawed dies before it runs again.
+    let killed = match (&result, then_stop) {
+        (Ok(_), true) => cgroup.kill_all().map_err(RuntimeError::from),
+        _ => Ok(()),
+    };
     let thawed = cgroup.set_frozen(false, FREEZER_TIMEOUT);
     let frozen_ms = frozen_at.elapsed().as_secs_f64() * 1e3;
     let finish = result.and_then(|(processes, mut stats)| {
+        killed?;
         thawed?;
         stats.frozen_ms = frozen_ms;
         stats.total_ms = start.elapsed().as_secs_f64() * 1e3;
@@ -431,6 +473,12 @@ pub(crate) fn checkpoint_processes(
             "removing a failed checkpoint's directory",
             fs::remove_dir_all(&tmp).map_err(RuntimeError::io("remove", &tmp)),
         );
+    }
+    if finish.is_ok() && then_stop {
+        crate::templates::ops::stop(reg, record.name(), Duration::from_secs(0))?;
+    } else if suspended {
+        // It runs on after a failure: so do the boxes inside it.
+        crate::subtree::resume_inside_or_warn(reg, record.name());
     }
     finish
 }
@@ -882,7 +930,7 @@ pub(crate) fn remove_staging(box_name: &str, what: &str, dir: &Path) {
 /// again, removed with `checkpoint rm`), and restore it as box `name`. If the
 /// restore fails, the checkpoint goes too.
 pub fn restore_from_stdin(reg: &Registry, name: Option<&str>) -> Result<Restored> {
-    restore_incoming(reg, name, None, false, &mut |staging| {
+    restore_incoming(reg, name, None, false, true, &mut |staging| {
         untar(staging, std::process::Stdio::inherit())
     })
 }
@@ -902,13 +950,15 @@ pub(crate) fn untar(into: &Path, from: std::process::Stdio) -> Result<()> {
 }
 
 /// Keep the checkpoint `unpack` writes into the directory it is given as
-/// the checkpoint of its name, and restore it as box `name`; if the
-/// restore fails, the checkpoint goes too.
+/// the checkpoint of its name, and restore it as box `name` (with the boxes
+/// suspended inside it running again if `boxes_inside`: see
+/// [`with_boxes_inside`]); if the restore fails, the checkpoint goes too.
 pub(crate) fn restore_incoming(
     reg: &Registry,
     name: Option<&str>,
     preloaded: Option<&Preloaded>,
     lazy: bool,
+    boxes_inside: bool,
     unpack: &mut dyn FnMut(&Path) -> Result<()>,
 ) -> Result<Restored> {
     let staging = checkpoints_dir(reg).join(format!(".tmp-incoming-{}", std::process::id()));
@@ -930,13 +980,24 @@ pub(crate) fn restore_incoming(
             return Err(e);
         }
     };
-    restore_preloaded(reg, &checkpoint, name, preloaded, lazy).inspect_err(|_| {
-        crate::diag::warn_on_err(
-            None,
-            "removing a checkpoint received for a failed restore",
-            remove(reg, &checkpoint),
-        );
-    })
+    restore_preloaded(reg, &checkpoint, name, preloaded, lazy)
+        .and_then(|r| {
+            if boxes_inside {
+                with_boxes_inside(reg, r)
+            } else {
+                Ok(r)
+            }
+        })
+        .inspect_err(|_| remove_received(reg, &checkpoint))
+}
+
+/// Remove checkpoint `checkpoint`, received for a restore that failed.
+pub(crate) fn remove_received(reg: &Registry, checkpoint: &str) {
+    crate::diag::warn_on_err(
+        None,
+        "removing a checkpoint received for a failed restore",
+        remove(reg, checkpoint),
+    );
 }
 
 /// Run GNU `tar` with `args` (xattrs kept) on our standard input and
@@ -1200,7 +1261,14 @@ pub fn gc(reg: &Registry) -> Result<(u64, u64, u64)> {
     let names: Vec<String> = list(reg)?.into_iter().map(|c| c.name).collect();
     // Snapshots' checkpoints of processes (`snapshot --checkpoint`) too.
     let snapshots = crate::snapshots::processes_dirs(reg)?;
-    for d in names.iter().map(|n| dir.join(n)).chain(snapshots) {
+    // And the boxes suspended with the nest box they run in (`subtree`).
+    let suspended = crate::subtree::suspended_dirs(reg)?;
+    for d in names
+        .iter()
+        .map(|n| dir.join(n))
+        .chain(snapshots)
+        .chain(suspended)
+    {
         for entry in fs::read_dir(&d)
             .map_err(RuntimeError::io("read", &d))?
             .flatten()
@@ -1390,7 +1458,7 @@ pub struct Restored {
 /// taken, a page whose contents do not match its digest: one line, and
 /// nothing of the new box is left.
 pub fn restore(reg: &Registry, source: &str, name: Option<&str>) -> Result<Restored> {
-    restore_preloaded(reg, source, name, None, false)
+    restore_with(reg, source, name, false)
 }
 
 /// [`restore`], lazily when `lazy` (`restore --lazy`): a box of one process
@@ -1407,7 +1475,24 @@ pub fn restore_with(
     name: Option<&str>,
     lazy: bool,
 ) -> Result<Restored> {
-    restore_preloaded(reg, source, name, None, lazy)
+    restore_preloaded(reg, source, name, None, lazy).and_then(|r| with_boxes_inside(reg, r))
+}
+
+/// Restored box `restored` with the boxes suspended inside it (a nest box
+/// saved with its boxes: [`crate::subtree`]) running again; if they cannot
+/// be, the box is removed and the restore fails.
+pub(crate) fn with_boxes_inside(reg: &Registry, restored: Restored) -> Result<Restored> {
+    match crate::subtree::resume_inside(reg, &restored.name) {
+        Ok(()) => Ok(restored),
+        Err(e) => {
+            crate::diag::warn_on_err(
+                Some(&restored.name),
+                "removing a restored box whose boxes inside could not be resumed",
+                crate::templates::ops::remove(reg, &restored.name, true),
+            );
+            Err(e)
+        }
+    }
 }
 
 /// [`restore`], with pages in memory already (checked) taken from there
@@ -1542,7 +1627,10 @@ pub(crate) fn restore_in_place(reg: &Registry, record: &BoxRecord, dir: &Path) -
         });
         crate::diag::warn_on_err(Some(name), "stopping a box whose restore failed", stopped);
     }
-    result
+    let pid = result?;
+    // A nest box suspended with its boxes (`subtree`) runs them again.
+    crate::subtree::resume_inside(reg, name)?;
+    Ok(pid)
 }
 
 /// A seccomp program as the kernel reads it (`struct sock_filter` array),

@@ -230,7 +230,7 @@ pub fn clone_template_answer_first(
         follow_up.refill.push(template.to_string());
     }
     if rest.is_empty() {
-        return Ok((made, follow_up));
+        return with_boxes_inside(reg, &t, made, follow_up);
     }
     let fresh = CloneRequest {
         names: rest.clone(),
@@ -244,6 +244,35 @@ pub fn clone_template_answer_first(
             crate::diag::warn_on_err(None, "after a clone", follow_up.finish(reg));
             return Err(e);
         }
+    }
+    with_boxes_inside(reg, &t, made, follow_up)
+}
+
+/// Clones `made` of nest template `t` with the boxes suspended inside it
+/// when it was frozen (`subtree`) running again in each. Should that fail
+/// in one, every clone made here is removed and the clone fails.
+fn with_boxes_inside(
+    reg: &Registry,
+    t: &BoxRecord,
+    made: Vec<Cloned>,
+    follow_up: FollowUp,
+) -> Result<(Vec<Cloned>, FollowUp)> {
+    if !t.spec.nest {
+        return Ok((made, follow_up));
+    }
+    let resumed = made
+        .iter()
+        .try_for_each(|c| crate::subtree::resume_inside(reg, &c.name));
+    if let Err(e) = resumed {
+        crate::diag::warn_on_err(None, "after a clone", follow_up.finish(reg));
+        for c in &made {
+            crate::diag::warn_on_err(
+                Some(&c.name),
+                "removing a clone whose boxes inside could not be resumed",
+                crate::templates::ops::remove(reg, &c.name, true),
+            );
+        }
+        return Err(e);
     }
     Ok((made, follow_up))
 }
@@ -813,6 +842,17 @@ pub(crate) fn box_lock(record: &BoxRecord) -> Result<nix::fcntl::Flock<File>> {
     })
 }
 
+/// [`box_lock`] if no one holds it now (`None` then: a freeze, checkpoint,
+/// migration or clone of the box is under way).
+pub(crate) fn try_box_lock(record: &BoxRecord) -> Option<nix::fcntl::Flock<File>> {
+    lock_file(
+        record,
+        "clone.lock",
+        nix::fcntl::FlockArg::LockExclusiveNonblock,
+    )
+    .ok()
+}
+
 /// The template's refill lock: one refill of its pool at a time, so that two
 /// refills started by two claims do not both fork the whole deficit (the
 /// clones one is forking are not counted until they have a process).
@@ -822,6 +862,15 @@ fn refill_lock(t: &BoxRecord) -> Result<nix::fcntl::Flock<File>> {
 
 /// An exclusive lock on file `name` of the template's run directory.
 fn template_lock(t: &BoxRecord, name: &str) -> Result<nix::fcntl::Flock<File>> {
+    lock_file(t, name, nix::fcntl::FlockArg::LockExclusive)
+}
+
+/// Lock file `name` of box `t`'s run directory as `how` says.
+fn lock_file(
+    t: &BoxRecord,
+    name: &str,
+    how: nix::fcntl::FlockArg,
+) -> Result<nix::fcntl::Flock<File>> {
     let path = t.run_dir().join(name);
     let file = std::fs::OpenOptions::new()
         .create(true)
@@ -836,7 +885,7 @@ fn template_lock(t: &BoxRecord, name: &str) -> Result<nix::fcntl::Flock<File>> {
                 RuntimeError::io("open", &path)(e)
             }
         })?;
-    nix::fcntl::Flock::lock(file, nix::fcntl::FlockArg::LockExclusive)
+    nix::fcntl::Flock::lock(file, how)
         .map_err(|(_, e)| RuntimeError::sys(format!("flock {}", path.display()))(e))
 }
 

@@ -334,10 +334,6 @@ pub fn migrate(reg: &Registry, box_name: &str, req: &MigrateRequest) -> Result<M
     let _lock = crate::clone::box_lock(&record)?;
     let record = reg.load(box_name)?;
     crate::template::refuse_monitored(&record, "migrated")?;
-    let fail = |problem: String| RuntimeError::Migrate {
-        name: box_name.to_string(),
-        problem,
-    };
     if record.state.template.is_some() {
         return Err(RuntimeError::Unsupported {
             name: box_name.to_string(),
@@ -345,8 +341,34 @@ pub fn migrate(reg: &Registry, box_name: &str, req: &MigrateRequest) -> Result<M
         });
     }
     let cgroup = running_cgroup(&record)?;
-    // Refused before anything is sent; checked again once the box is frozen.
-    crate::template::refuse_boxes_inside(&record, &cgroup)?;
+    // The boxes inside a nest box are saved first, each with its processes,
+    // and stopped (`subtree`): their monitors are processes of the nest box,
+    // which cannot be moved while they serve a box. They go in its state
+    // directory with the checkpoint's files and run again on the target (or
+    // here again, should the migration fail); the nest box's own processes
+    // run on until the last stop.
+    let suspended = crate::subtree::suspend_inside(reg, &record)?;
+    let moved = migrate_running(reg, &record, &cgroup, req, start);
+    if moved.is_err() && suspended {
+        crate::subtree::resume_inside_or_warn(reg, box_name);
+    }
+    moved
+}
+
+/// [`migrate`] of running box `record` (in `cgroup`), locked and checked,
+/// with no box inside it running.
+fn migrate_running(
+    reg: &Registry,
+    record: &crate::registry::BoxRecord,
+    cgroup: &nestbox_cgroup::BoxCgroup,
+    req: &MigrateRequest,
+    start: Instant,
+) -> Result<MigrateStats> {
+    let box_name = record.name();
+    let fail = |problem: String| RuntimeError::Migrate {
+        name: box_name.to_string(),
+        problem,
+    };
     let name = req.name.clone().unwrap_or_else(|| box_name.to_string());
     let checkpoint = format!("{box_name}-migrated-{}", now() as u64);
     nestbox_store::validate_name(&checkpoint)
@@ -370,7 +392,7 @@ pub fn migrate(reg: &Registry, box_name: &str, req: &MigrateRequest) -> Result<M
     answer(&mut stream, b'R').map_err(&fail)?;
 
     // Pre-copy, the box running.
-    let steps = crate::template::template_tree(&record)?;
+    let steps = crate::template::template_tree(record)?;
     let remote = |e: nestbox_remote::RemoteError| RuntimeError::Remote {
         what: "tracking the memory of box",
         name: box_name.to_string(),
@@ -455,10 +477,10 @@ pub fn migrate(reg: &Registry, box_name: &str, req: &MigrateRequest) -> Result<M
                 .set_frozen(true, FREEZER_TIMEOUT)
                 .map_err(RuntimeError::from)
         })
-        .and_then(|()| crate::template::refuse_boxes_inside(&record, &cgroup))
+        .and_then(|()| crate::template::refuse_boxes_inside(record, cgroup, false))
         .and_then(|()| {
             let sent_before = out.pages_sent;
-            let saved = save_processes(&record, &cgroup, &mut |tracees, steps| {
+            let saved = save_processes(record, cgroup, &mut |tracees, steps| {
                 last_stop(
                     box_name,
                     tracees,
@@ -475,8 +497,8 @@ pub fn migrate(reg: &Registry, box_name: &str, req: &MigrateRequest) -> Result<M
         })
         .and_then(|(processes, stats)| {
             last.0 = stats.pages_written;
-            let layers = copy_layers(reg, &record, &dir, true)?;
-            copy_nest_state(&record, &dir)?;
+            let layers = copy_layers(reg, record, &dir, true)?;
+            copy_nest_state(record, &dir)?;
             let meta = Checkpoint {
                 version: nestbox_remote::IMAGE_VERSION,
                 name: checkpoint.clone(),
@@ -654,7 +676,35 @@ fn last_stop(
 /// name in use, a damaged page, a failed restore. Nothing of the box is left.
 pub fn receive(reg: &Registry, reader: Box<dyn Read>, writer: Box<dyn Write>) -> Result<Restored> {
     let mut stream = Stream::new(reader, writer, None);
-    let result = receive_on(reg, &mut stream);
+    let result =
+        receive_on(reg, &mut stream).and_then(|(r, target_ms, unpack_ms, at, pages, received)| {
+            if !crate::subtree::holds_suspended_boxes(reg, &r.name) {
+                return Ok((r, target_ms, unpack_ms, at, Some(pages), received));
+            }
+            // A nest box saved with its boxes: they run again before the source
+            // is told (it keeps its copy until then). The nestbox inside is run
+            // from a process forked from this one, which then has no other
+            // thread: the pages are made durable first.
+            store_pages_done(&r.name, pages);
+            let checkpoint = reg
+                .load(&r.name)
+                .ok()
+                .and_then(|b| b.spec.restore_of)
+                .and_then(|d| {
+                    Path::new(&d)
+                        .file_name()
+                        .map(|n| n.to_string_lossy().into_owned())
+                });
+            match crate::checkpoint::with_boxes_inside(reg, r) {
+                Ok(r) => Ok((r, target_ms, unpack_ms, at, None, received)),
+                Err(e) => {
+                    if let Some(c) = checkpoint {
+                        crate::checkpoint::remove_received(reg, &c);
+                    }
+                    Err(e)
+                }
+            }
+        });
     let reply = match &result {
         Ok((r, target_ms, unpack_ms, arrived_at, _, _)) => serde_json::to_vec(&Arrived {
             name: r.name.clone(),
@@ -680,17 +730,26 @@ pub fn receive(reg: &Registry, reader: Box<dyn Read>, writer: Box<dyn Write>) ->
     drop(received);
     // The box runs here; what is left is to make its checkpoint's pages
     // durable (needed only to restore that checkpoint again).
+    if let Some(pages) = pages {
+        store_pages_done(&restored.name, pages);
+    }
+    Ok(restored)
+}
+
+/// Wait for the pool thread `pages` of migrated box `name` to have stored
+/// its pages; a failure is logged (the box runs: only its checkpoint cannot
+/// be restored again).
+fn store_pages_done(name: &str, pages: PoolThread) {
     let stored = pages.join().unwrap_or_else(|_| {
         Err(RuntimeError::InvalidInput(
             "page pool: its writer thread panicked".into(),
         ))
     });
     crate::diag::warn_on_err(
-        Some(&restored.name),
+        Some(name),
         "storing the pages of a migrated box's checkpoint (it cannot be restored again)",
         stored,
     );
-    Ok(restored)
 }
 
 /// The receiver's pool thread (see [`store_pages`]).
@@ -798,6 +857,7 @@ fn receive_on(
         Some(&hello.name),
         Some(&received),
         hello.lazy,
+        false,
         &mut |staging| {
             let at = Instant::now();
             let archive = staging.with_extension("tar");

@@ -44,8 +44,8 @@ pub struct TemplateSummary {
 /// A box under monitors cannot be frozen, cloned, checkpointed or moved:
 /// its monitor filter's listener belongs to its monitor process, and a copy
 /// of its processes would stop at their first subscribed call with no one
-/// to answer. (A box for boxes, `--nest`, is refused only with a box
-/// inside: [`refuse_boxes_inside`], checked once it is frozen.)
+/// to answer. (A box for boxes, `--nest`, is saved with the boxes inside
+/// it suspended: [`crate::subtree`].)
 pub(crate) fn refuse_monitored(record: &crate::registry::BoxRecord, what: &str) -> Result<()> {
     if crate::templates::attach::has_attached(record) {
         return Err(RuntimeError::Unsupported {
@@ -128,8 +128,17 @@ fn freeze_inner(
             name: name.to_string(),
             problem: "has no cgroup, so it cannot be frozen (run nestbox as root)".into(),
         })?;
+    // The boxes inside a nest box are saved first, each with its processes,
+    // and stopped: each clone runs them again (`subtree`), and so does the
+    // box should this freeze fail.
+    let suspended = crate::subtree::suspend_inside(reg, &record)?;
     let started = Instant::now();
-    cgroup.set_frozen(true, FREEZER_TIMEOUT)?;
+    if let Err(e) = cgroup.set_frozen(true, FREEZER_TIMEOUT) {
+        if suspended {
+            crate::subtree::resume_inside_or_warn(reg, name);
+        }
+        return Err(e.into());
+    }
     let freeze_ms = started.elapsed().as_secs_f64() * 1e3;
     // What is frozen is read and checked: no process of it can come or go
     // meanwhile (a command's short-lived child, which a read of the running
@@ -138,15 +147,19 @@ fn freeze_inner(
         if let Err(e) = cgroup.set_frozen(false, FREEZER_TIMEOUT) {
             tracing::warn!(box_name = name, "thawing after a failed freeze: {e}");
         }
+        if suspended {
+            crate::subtree::resume_inside_or_warn(reg, name);
+        }
     };
-    let steps =
-        match refuse_boxes_inside(&record, &cgroup).and_then(|()| checked_tree(name, &record)) {
-            Ok(steps) => steps,
-            Err(e) => {
-                thaw();
-                return Err(e);
-            }
-        };
+    let steps = match refuse_boxes_inside(&record, &cgroup, false)
+        .and_then(|()| checked_tree(name, &record))
+    {
+        Ok(steps) => steps,
+        Err(e) => {
+            thaw();
+            return Err(e);
+        }
+    };
     let Some(process) = ProcRef::of(steps[0].process.host_pid) else {
         // Not a template: left as it was, running.
         thaw();
@@ -205,15 +218,18 @@ fn freeze_inner(
     Ok(info)
 }
 
-/// A box for boxes (`--nest`) is frozen, cloned, checkpointed or moved only
+/// A box for boxes (`--nest`) is saved (frozen, checkpointed, moved) only
 /// while no box runs inside it: the processes of its boxes (and of the
-/// nestbox inside's pooled shells) are in the cgroups below its own, and a
-/// clone or a restore re-creates only the box's own processes (its state
-/// directory is copied: `nest::volumes`). Called with the box frozen, so
-/// that none can start meanwhile.
+/// nestbox inside's pooled shells) are in the cgroups below its own, and the
+/// engine re-creates only the box's own processes. Its boxes are suspended
+/// before (`subtree`), so one found here started meanwhile (`snapshot`,
+/// false: a snapshot's checkpoint does not suspend them, since their data is
+/// in the box's state directory, which a snapshot does not hold). Called
+/// with the box frozen, so that none can start meanwhile.
 pub(crate) fn refuse_boxes_inside(
     record: &BoxRecord,
     cgroup: &nestbox_cgroup::BoxCgroup,
+    snapshot: bool,
 ) -> Result<()> {
     if !record.spec.nest {
         return Ok(());
@@ -222,10 +238,15 @@ pub(crate) fn refuse_boxes_inside(
     if inside == 0 {
         return Ok(());
     }
+    let what = if snapshot {
+        "a snapshot with --checkpoint of a box for boxes is taken only with none inside (its boxes' data is in its state directory, which a snapshot does not hold): `nestbox checkpoint` saves it with its boxes"
+    } else {
+        "a box inside started while it was being saved: try again"
+    };
     Err(RuntimeError::Unsupported {
         name: record.name().to_string(),
         problem: format!(
-            "runs boxes of its own (--nest; {inside} processes in boxes inside it, the pooled shells of its nestbox included): a box for boxes can be frozen, cloned, checkpointed or migrated only with none inside (`nestbox rm -f` them and `nestbox pool drain` in it first)"
+            "runs boxes of its own (--nest; {inside} processes in boxes inside it, the pooled shells of its nestbox included): {what}"
         ),
     })
 }

@@ -186,6 +186,7 @@ pub fn snapshot(
             &record,
             &format!("{}.{name}", record.state.id),
             &processes_dir,
+            false,
             &mut || {
                 scanned = Some(scan()?);
                 Ok(())
