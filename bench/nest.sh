@@ -5,9 +5,11 @@
 # nest box inside a nest box; interleaved round-robin, the nested ones timed
 # inside their box so that `exec` is not counted (lib/nestbench.py).
 # Target: a nested start within 2x a top-level one.
+# Then a nest box saved with a box inside it against one with none inside
+# (checkpoint --leave-running, restore, freeze, clone: lib/nestsavebench.py).
 #
-# Env: N (runs per box, default 100), WARMUP (default 10), NESTBOX_BIN,
-#      RESULTS_DIR.
+# Env: N (runs per box, default 100), WARMUP (default 10), SAVE_N (rounds of
+#      the save benchmark, default 7; 0 skips it), NESTBOX_BIN, RESULTS_DIR.
 # Writes: $RESULTS_DIR/nest-samples.csv, nest-summary.json, nest.md
 set -euo pipefail
 
@@ -16,6 +18,7 @@ source "$(dirname "${BASH_SOURCE[0]}")/lib/common.sh"
 
 N=${N:-100}
 WARMUP=${WARMUP:-10}
+SAVE_N=${SAVE_N:-7}
 
 require_root
 command -v python3 >/dev/null || die "python3 missing (run bench/setup.sh)"
@@ -39,11 +42,22 @@ log "nested start latency; N=$N, warm-up $WARMUP each, interleaved"
 mkdir -p "$RESULTS_DIR"
 table=$(python3 "$BENCH_DIR/lib/nestbench.py" --nestbox "$NESTBOX" --root "$nb_root" \
     --runs "$N" --warmup "$WARMUP" --out "$RESULTS_DIR")
+saved=""
+if ((SAVE_N > 0)); then
+    log "a nest box saved with a box inside; $SAVE_N rounds"
+    saved=$(python3 "$BENCH_DIR/lib/nestsavebench.py" "$NESTBOX" "$nb_root" "$SAVE_N")
+fi
 left=$(nestbox_box_names "$nb_root" | wc -l)
 ((left == 0)) || die "the benchmark left $left box(es) behind"
 {
     echo "### Nested start latency (\`run --rm -- /bin/true\`), N=$N per box, interleaved"
     echo
     echo "$table"
+    if [[ -n $saved ]]; then
+        echo
+        echo "### A nest box saved with a box inside (medians of $SAVE_N rounds; bench/lib/pyserver.py in both)"
+        echo
+        echo "$saved"
+    fi
 } >"$RESULTS_DIR/nest.md"
 cat "$RESULTS_DIR/nest.md"
