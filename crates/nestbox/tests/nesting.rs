@@ -2108,8 +2108,9 @@ fn checkpoint_restore_and_rollback_with_processes_work_inside_a_nest_box() {
 /// inside (each saved with its processes and stopped, deepest first), and
 /// wherever the nest box runs again they run again, their counts going on:
 /// after `checkpoint --leave-running` in `w1` itself; in two boxes restored
-/// from a checkpoint that stopped it, after it is removed; in a clone of one
-/// of those frozen; in one moved to another root (another host). Each box
+/// from a checkpoint that stopped it, after it is removed; in two clones of
+/// one of those frozen with a pool (one claimed from it) and in one cloned
+/// through the API (`serve`); in one moved to another root (another host). Each box
 /// inside keeps its name, its hostname and its place (`ps --tree`), and
 /// each copy's are its own. Removing everything leaves nothing.
 #[test]
@@ -2207,20 +2208,38 @@ fn a_nest_box_is_saved_with_its_boxes_three_levels_deep() {
         "each restored box's subtree is its own"
     );
 
-    // Frozen (its boxes inside suspended) and cloned: each clone runs them.
+    // Frozen (its boxes inside suspended) with a pool, and cloned: each
+    // clone, claimed from the pool or forked, runs them.
     let out = root
-        .run_timeout(&["freeze", "r1", "--as", "t1"], START)
+        .run_timeout(&["freeze", "r1", "--as", "t1", "--pool", "1"], START)
         .ok();
     assert_eq!(out.stdout.trim(), "t1", "{out}");
-    let out = root
-        .run_timeout(&["clone", "t1", "-d", "--name", "c1"], START)
-        .ok();
-    assert_eq!(out.stdout.trim(), "c1", "{out}");
-    running("c1");
+    assert_eq!(template_inside(&root, &[], "t1")["pooled"], 1);
+    for c in ["c1", "c2"] {
+        let out = root
+            .run_timeout(&["clone", "t1", "-d", "--name", c], START)
+            .ok();
+        assert_eq!(out.stdout.trim(), c, "{out}");
+        running(c);
+        assert_eq!(counts(c), (5, (5, "n2".to_string()), (6, "s".to_string())));
+    }
+
+    // And through the API (`nestbox serve`).
+    let socket = root.path().join("api.sock");
+    let mut server = root.spawn(&["serve", "--socket", socket.to_str().unwrap()]);
+    wait_for("the socket", Duration::from_secs(20), || {
+        std::os::unix::net::UnixStream::connect(&socket).is_ok()
+    });
+    let answer = ApiClient::connect(&socket).call(r#"{"op":"clone","template":"t1","name":"c3"}"#);
+    assert_eq!(answer["ok"], true, "{answer}");
+    running("c3");
     assert_eq!(
-        counts("c1"),
+        counts("c3"),
         (5, (5, "n2".to_string()), (6, "s".to_string()))
     );
+    // SAFETY: kill has no memory-safety preconditions; the pid is our child's.
+    unsafe { libc::kill(server.id() as i32, libc::SIGTERM) };
+    assert!(server.wait().unwrap().success());
 
     // Moved to another root (standing for another host).
     let there = TestRoot::new("a_nest_box_is_saved_with_its_boxes_three_levels_deep-there")
@@ -2244,7 +2263,7 @@ fn a_nest_box_is_saved_with_its_boxes_three_levels_deep() {
     there.rm_all(["r2"]);
     assert!(tree(&there, true).is_empty());
 
-    rm_all_leaves_nothing(&root, &["c1", "r1"]);
+    rm_all_leaves_nothing(&root, &["c1", "c2", "c3", "r1"]);
     root.ok(&["checkpoint", "rm", "k1"]);
     root.ok(&["checkpoint", "rm", "k2"]);
 }

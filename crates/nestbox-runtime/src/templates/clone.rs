@@ -260,21 +260,29 @@ fn with_boxes_inside(
     if !t.spec.nest {
         return Ok((made, follow_up));
     }
+    if let Err(e) = resume_boxes_inside(reg, &made) {
+        crate::diag::warn_on_err(None, "after a clone", follow_up.finish(reg));
+        return Err(e);
+    }
+    Ok((made, follow_up))
+}
+
+/// The boxes suspended inside nest clones `made` running again in each; if
+/// that fails in one, every clone of `made` is removed.
+pub(crate) fn resume_boxes_inside(reg: &Registry, made: &[Cloned]) -> Result<()> {
     let resumed = made
         .iter()
         .try_for_each(|c| crate::subtree::resume_inside(reg, &c.name));
-    if let Err(e) = resumed {
-        crate::diag::warn_on_err(None, "after a clone", follow_up.finish(reg));
-        for c in &made {
+    if resumed.is_err() {
+        for c in made {
             crate::diag::warn_on_err(
                 Some(&c.name),
                 "removing a clone whose boxes inside could not be resumed",
                 crate::templates::ops::remove(reg, &c.name, true),
             );
         }
-        return Err(e);
     }
-    Ok((made, follow_up))
+    resumed
 }
 
 /// Fork `req.names` now (each in a new shell), under the template's clone lock.

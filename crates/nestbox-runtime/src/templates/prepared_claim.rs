@@ -123,6 +123,10 @@ impl PreparedClaim {
         if made.is_some() {
             follow_up.refill.push(self.template);
         }
+        // A clone of a nest template saved with its boxes runs them again.
+        if let (Some(c), true) = (&made, self.candidate.spec.nest) {
+            crate::clone::resume_boxes_inside(reg, std::slice::from_ref(c))?;
+        }
         Ok(made)
     }
 }
