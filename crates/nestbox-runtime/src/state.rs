@@ -220,6 +220,13 @@ pub fn lock_file(path: &Path, wait: bool) -> Result<Option<nix::fcntl::Flock<fs:
     }
 }
 
+/// [`lock_file`], waiting for it.
+pub fn wait_for_lock(path: &Path) -> Result<nix::fcntl::Flock<fs::File>> {
+    lock_file(path, true)?.ok_or_else(|| {
+        RuntimeError::Failed(format!("flock {}: not taken while waiting", path.display()))
+    })
+}
+
 /// Read JSON from `path`.
 pub fn read_json<T: DeserializeOwned>(path: &Path) -> Result<T> {
     let data = fs::read(path).map_err(RuntimeError::io("read", path))?;

@@ -1024,15 +1024,7 @@ pub(crate) fn run_tar(args: &[&str], stdin: std::process::Stdio) -> Result<()> {
 /// (one command at a time makes it).
 fn template_lock(reg: &Registry, template: &str) -> Result<nix::fcntl::Flock<fs::File>> {
     private_dir(&checkpoints_dir(reg))?;
-    let path = checkpoints_dir(reg).join(format!(".revive-{template}.lock"));
-    let file = fs::OpenOptions::new()
-        .create(true)
-        .truncate(false)
-        .write(true)
-        .open(&path)
-        .map_err(RuntimeError::io("open", &path))?;
-    nix::fcntl::Flock::lock(file, nix::fcntl::FlockArg::LockExclusive)
-        .map_err(|(_, e)| RuntimeError::sys(format!("flock {}", path.display()))(e))
+    crate::state::wait_for_lock(&checkpoints_dir(reg).join(format!(".revive-{template}.lock")))
 }
 
 /// The template name of checkpoint `name`'s template (see [`restore_shared`]).

@@ -853,12 +853,9 @@ pub(crate) fn box_lock(record: &BoxRecord) -> Result<nix::fcntl::Flock<File>> {
 /// [`box_lock`] if no one holds it now (`None` then: a freeze, checkpoint,
 /// migration or clone of the box is under way).
 pub(crate) fn try_box_lock(record: &BoxRecord) -> Option<nix::fcntl::Flock<File>> {
-    lock_file(
-        record,
-        "clone.lock",
-        nix::fcntl::FlockArg::LockExclusiveNonblock,
-    )
-    .ok()
+    crate::state::lock_file(&record.run_dir().join("clone.lock"), false)
+        .ok()
+        .flatten()
 }
 
 /// The template's refill lock: one refill of its pool at a time, so that two
@@ -870,15 +867,6 @@ fn refill_lock(t: &BoxRecord) -> Result<nix::fcntl::Flock<File>> {
 
 /// An exclusive lock on file `name` of the template's run directory.
 fn template_lock(t: &BoxRecord, name: &str) -> Result<nix::fcntl::Flock<File>> {
-    lock_file(t, name, nix::fcntl::FlockArg::LockExclusive)
-}
-
-/// Lock file `name` of box `t`'s run directory as `how` says.
-fn lock_file(
-    t: &BoxRecord,
-    name: &str,
-    how: nix::fcntl::FlockArg,
-) -> Result<nix::fcntl::Flock<File>> {
     let path = t.run_dir().join(name);
     let file = std::fs::OpenOptions::new()
         .create(true)
@@ -893,7 +881,7 @@ fn lock_file(
                 RuntimeError::io("open", &path)(e)
             }
         })?;
-    nix::fcntl::Flock::lock(file, how)
+    nix::fcntl::Flock::lock(file, nix::fcntl::FlockArg::LockExclusive)
         .map_err(|(_, e)| RuntimeError::sys(format!("flock {}", path.display()))(e))
 }
 

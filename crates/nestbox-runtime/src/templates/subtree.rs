@@ -157,15 +157,7 @@ pub fn resume_all(reg: &Registry) -> Result<Vec<String>> {
 fn subtree_lock(reg: &Registry) -> Result<nix::fcntl::Flock<fs::File>> {
     let dir = &reg.roots().run;
     fs::create_dir_all(dir).map_err(RuntimeError::io("mkdir", dir))?;
-    let path = dir.join("subtree.lock");
-    let file = fs::OpenOptions::new()
-        .create(true)
-        .truncate(false)
-        .write(true)
-        .open(&path)
-        .map_err(RuntimeError::io("open", &path))?;
-    nix::fcntl::Flock::lock(file, nix::fcntl::FlockArg::LockExclusive)
-        .map_err(|(_, e)| RuntimeError::sys(format!("flock {}", path.display()))(e))
+    crate::state::wait_for_lock(&dir.join("subtree.lock"))
 }
 
 /// [`resume_all`], the caller holding the subtree lock.
