@@ -315,6 +315,9 @@ fn read_files(
     if jobs.len() < 64 {
         return all(jobs);
     }
+    if let Contents::Store(txn) = contents {
+        txn.expect_objects(jobs.len());
+    }
     let half = jobs.len() / 2;
     let (a, b) = jobs.split_at(half);
     let (ra, rb) = std::thread::scope(|s| {

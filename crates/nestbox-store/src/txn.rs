@@ -25,7 +25,7 @@ use std::fs;
 use std::io::{Read, Write};
 use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Mutex;
 
 use nix::fcntl::{Flock, FlockArg};
@@ -72,8 +72,6 @@ enum Pending {
 struct Staged {
     /// Final object path → the object's staged file.
     pending: HashMap<PathBuf, Pending>,
-    /// How many of `pending` are unnamed (each holds a descriptor).
-    unnamed: usize,
     stats: TxnStats,
 }
 
@@ -94,8 +92,10 @@ pub struct Txn<'s> {
     /// `objects/`, open if it could be (what exists is looked up in it).
     objects_fd: Option<(PathBuf, fs::File)>,
     /// At most this many unnamed files are held open at once (the rest are
-    /// staged as named files).
+    /// staged as named files; threads staging at once may each pass it by one).
     max_unnamed: usize,
+    /// How many of the staged objects are unnamed (each holds a descriptor).
+    unnamed: AtomicUsize,
     _own: Flock<fs::File>,
     _store_lock: StoreLock,
 }
@@ -166,6 +166,7 @@ impl<'s> Txn<'s> {
             staged: Mutex::new(Staged::default()),
             seq: AtomicU64::new(0),
             max_unnamed: unnamed_budget(),
+            unnamed: AtomicUsize::new(0),
             _own: own,
             _store_lock: store_lock,
         })
@@ -225,15 +226,23 @@ impl<'s> Txn<'s> {
         Ok((digest, len))
     }
 
+    /// Make room for `objects` more objects to be staged from several threads:
+    /// each unnamed one holds a descriptor until publish, so the process's
+    /// descriptor table is grown once now (see
+    /// [`nestbox_sys::fd::reserve_table`]) rather than step by step while the
+    /// threads wait for each other's growth.
+    pub fn expect_objects(&self, objects: usize) {
+        let unnamed = objects.min(self.max_unnamed) as u32;
+        let open = self.unnamed.load(Ordering::Relaxed) as u32;
+        nestbox_sys::fd::reserve_table(&self.dir_fd, open + unnamed + 128);
+    }
+
     /// A new unnamed file in the staging directory for an object's content, if the
     /// filesystem makes them and the transaction may hold one more open; made
     /// with `meta`'s mode when the umask leaves it whole (then `true`).
     fn unnamed_file(&self, meta: &Meta) -> Option<(fs::File, bool)> {
-        {
-            let st = self.staged.lock().expect("not poisoned");
-            if st.unnamed >= self.max_unnamed {
-                return None;
-            }
+        if self.unnamed.load(Ordering::Relaxed) >= self.max_unnamed {
+            return None;
         }
         use nix::fcntl::OFlag;
         let mode_set = self
@@ -288,6 +297,11 @@ impl<'s> Txn<'s> {
 
     /// Record `out` (named `tmp` in the staging directory, or unnamed) as
     /// object `digest`, or drop it if the store or this transaction has it.
+    ///
+    /// Threads of one transaction stage at once: the store is looked up and
+    /// `out` given its metadata without the lock, which is then taken once,
+    /// only to record the object (a lookup under it made the hashing threads
+    /// of a snapshot wait on each other for every file).
     fn stage(
         &self,
         out: fs::File,
@@ -298,8 +312,15 @@ impl<'s> Txn<'s> {
         mode_set: bool,
     ) -> Result<()> {
         let fin = self.store.object_path(&digest, &meta.key());
+        let published = self.published(&fin);
+        if !published {
+            let shown = tmp.clone().unwrap_or_else(|| fin.clone());
+            meta.apply_fd_owned(&out, &shown, self.creator, mode_set)?;
+        }
         let mut st = self.staged.lock().expect("not poisoned");
-        if st.pending.contains_key(&fin) || self.published(&fin) {
+        if published || st.pending.contains_key(&fin) {
+            // In the store already, or staged meanwhile by another thread
+            // of this transaction: this copy is not needed.
             st.stats.reused_objects += 1;
             st.stats.reused_bytes += len;
             drop(st);
@@ -311,32 +332,10 @@ impl<'s> Txn<'s> {
         }
         st.stats.new_objects += 1;
         st.stats.new_bytes += len;
-        drop(st);
-        let shown = tmp.clone().unwrap_or_else(|| fin.clone());
-        if let Err(e) = meta.apply_fd_owned(&out, &shown, self.creator, mode_set) {
-            let mut st = self.staged.lock().expect("not poisoned");
-            st.stats.new_objects -= 1;
-            st.stats.new_bytes -= len;
-            return Err(e);
-        }
-        let mut st = self.staged.lock().expect("not poisoned");
-        if st.pending.contains_key(&fin) {
-            // Another thread of this transaction staged the same object meanwhile.
-            st.stats.new_objects -= 1;
-            st.stats.new_bytes -= len;
-            st.stats.reused_objects += 1;
-            st.stats.reused_bytes += len;
-            drop(st);
-            drop(out);
-            if let Some(tmp) = tmp {
-                return fs::remove_file(&tmp).map_err(StoreError::io("unlink", &tmp));
-            }
-            return Ok(());
-        }
         let pending = match tmp {
             Some(tmp) => Pending::Named(tmp),
             None => {
-                st.unnamed += 1;
+                self.unnamed.fetch_add(1, Ordering::Relaxed);
                 Pending::Unnamed(out)
             }
         };
@@ -348,7 +347,7 @@ impl<'s> Txn<'s> {
     pub fn publish(&self) -> Result<()> {
         let pending: Vec<(PathBuf, Pending)> = {
             let mut st = self.staged.lock().expect("not poisoned");
-            st.unnamed = 0;
+            self.unnamed.store(0, Ordering::Relaxed);
             st.pending.drain().collect()
         };
         if pending.is_empty() {
@@ -680,7 +679,7 @@ mod tests {
             assert_eq!(txn.stats().reused_objects, 1);
             // Never more unnamed files open than the budget; the rest named
             // in the staging directory.
-            let unnamed = txn.staged.lock().unwrap().unnamed;
+            let unnamed = txn.unnamed.load(Ordering::Relaxed);
             assert!(
                 unnamed <= budget.min(5),
                 "{unnamed} unnamed, budget {budget}"

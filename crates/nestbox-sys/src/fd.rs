@@ -29,6 +29,33 @@ pub const fn close_range_args(first: u32, last: u32, flags: libc::c_uint) -> [u6
     [first as u64, last as u64, flags as u64]
 }
 
+/// Grow this process's descriptor table so that descriptors up to number
+/// `count - 1` fit (within the soft `RLIMIT_NOFILE`), by duplicating `fd` (any
+/// open descriptor) to the highest such number and closing the copy.
+///
+/// The kernel grows the table by doubling as descriptors are opened, and in
+/// a process whose table is shared by several threads each growth waits for
+/// an RCU grace period (milliseconds on a virtual machine). A caller about to
+/// open many descriptors from several threads calls this first, so that the
+/// table grows once, while nothing else waits on it. Best effort: returns
+/// whether the table now holds `count` descriptors.
+pub fn reserve_table(fd: &impl std::os::fd::AsFd, count: u32) -> bool {
+    use std::os::fd::AsRawFd;
+    let want = count.min(fd_limit().saturating_add(1)).saturating_sub(1);
+    match nix::fcntl::fcntl(
+        fd.as_fd().as_raw_fd(),
+        nix::fcntl::FcntlArg::F_DUPFD_CLOEXEC(want as RawFd),
+    ) {
+        Ok(copy) => {
+            // SAFETY: `copy` was just made by F_DUPFD and is owned by nothing
+            // else; closing it frees the number, not the table's size.
+            unsafe { libc::close(copy) };
+            want + 1 >= count
+        }
+        Err(_) => false,
+    }
+}
+
 /// Close every descriptor of this process numbered `first..=last`.
 ///
 /// Checked: an error of the kernel other than "not supported" is returned, and
@@ -171,6 +198,24 @@ pub fn open_in_root(
 mod tests {
     use super::*;
     use std::os::fd::{AsRawFd, IntoRawFd};
+
+    #[test]
+    fn reserve_table_grows_the_table_without_keeping_a_descriptor() {
+        let table = || {
+            let status = std::fs::read_to_string("/proc/self/status").unwrap();
+            let line = status.lines().find_map(|l| l.strip_prefix("FDSize:"));
+            line.unwrap().trim().parse::<u32>().unwrap()
+        };
+        assert!(fd_limit() >= 900, "the test needs RLIMIT_NOFILE >= 900");
+        let file = std::fs::File::open("/proc/self/status").unwrap();
+        assert!(reserve_table(&file, 900));
+        assert!(table() >= 900, "table of {} descriptors", table());
+        // The copy (number 899) is closed again.
+        assert_eq!(
+            nix::fcntl::fcntl(899, nix::fcntl::FcntlArg::F_GETFD),
+            Err(Errno::EBADF)
+        );
+    }
 
     #[test]
     fn open_in_root_keeps_symlinks_and_dotdot_below_the_root() {

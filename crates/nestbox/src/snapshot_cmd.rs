@@ -128,6 +128,7 @@ pub fn snapshot(reg: &Registry, a: SnapshotArgs) -> Result<i32> {
         None => {
             let b = a.r#box.context("missing box name")?;
             let s = time_travel::snapshot(reg, &b, a.name.as_deref(), a.checkpoint)?;
+            nestbox_runtime::phases::report();
             if a.json {
                 println!(
                     "{}",

@@ -164,6 +164,7 @@ pub fn snapshot(
         None => None,
     };
     let previous = previous.as_ref();
+    crate::phases::mark("snapshot: locked, newest snapshot read");
     let base = snapshots::rollback_layer(record.lib_dir())?;
     let store = store(reg)?;
     let txn = in_store(&record, Txn::begin(&store))?;
@@ -207,7 +208,9 @@ pub fn snapshot(
             },
             _ => None,
         };
+        crate::phases::mark("snapshot: box frozen");
         let scanned = scan();
+        crate::phases::mark("snapshot: layer read and staged");
         if let Some(cg) = frozen {
             crate::diag::warn_on_err(
                 Some(box_name),
@@ -234,6 +237,7 @@ pub fn snapshot(
     let publish = Instant::now();
     or_drop_processes(in_store(&record, txn.publish()))?;
     let publish_ms = publish.elapsed().as_secs_f64() * 1000.0;
+    crate::phases::mark("snapshot: contents published");
     let stats = txn.stats();
     let (files, bytes) = layer.file_stats();
     let snap = SnapshotRecord {
@@ -256,6 +260,7 @@ pub fn snapshot(
     // lock: `store gc` sees either no snapshot or a whole one. (A checkpoint
     // of processes left without it is removed by the next `recover`.)
     or_drop_processes(snapshots::write_new(&record, &snap))?;
+    crate::phases::mark("snapshot: record written");
     drop(txn);
     Ok(snap)
 }

@@ -147,6 +147,7 @@ fn store_files(
     let failed = AtomicBool::new(false);
     let results: Mutex<Vec<Option<(Digest, u64)>>> = Mutex::new(vec![None; jobs.len()]);
     let first_error: Mutex<Option<StoreError>> = Mutex::new(None);
+    txn.expect_objects(jobs.len());
     std::thread::scope(|s| {
         for _ in 0..threads {
             s.spawn(|| loop {
