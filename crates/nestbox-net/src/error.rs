@@ -173,6 +173,15 @@ pub enum NetError {
         /// Leases held.
         used: usize,
     },
+    /// The network's bridge has as many ports as Linux lets a bridge have
+    /// (1,023: `BR_MAX_PORTS` less the reserved port 0).
+    #[error("network {network} is full: its bridge {bridge} has {} ports, the most a Linux bridge takes; put more boxes on another network (nestbox network create)", crate::link::BRIDGE_MAX_PORTS)]
+    BridgeFull {
+        /// The network.
+        network: String,
+        /// Its bridge.
+        bridge: String,
+    },
     /// The box has no lease in this network.
     #[error("box {0} has no address in this network (allocate first)")]
     NoLease(String),
@@ -233,6 +242,7 @@ impl NetError {
             | PortInUse { .. }
             | SubnetOverlap { .. }
             | PoolExhausted { .. }
+            | BridgeFull { .. }
             | AlreadyAttached(_) => NetErrorKind::Conflict,
             Box { source, .. } => source.kind(),
         }

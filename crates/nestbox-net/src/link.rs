@@ -142,6 +142,11 @@ fn must_index(nl: &mut Netlink, name: &str) -> Result<u32> {
     })
 }
 
+/// How many boxes a bridge holds at most: the kernel numbers a bridge's
+/// ports from 1 to 1,023 (`BR_MAX_PORTS` is 1,024, port 0 is reserved) and
+/// refuses one more with `EXFULL`.
+pub const BRIDGE_MAX_PORTS: u32 = 1023;
+
 /// Create the veth pair of a box: `host` in this namespace, enslaved to the
 /// bridge with index `master` (if given) and up; its peer `peer` (usually `eth0`) created
 /// directly in the namespace `peer_ns`, down. Returns the host side's index.

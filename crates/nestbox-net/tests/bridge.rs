@@ -549,6 +549,77 @@ fn exhausted_pool_is_refused() {
 }
 
 #[test]
+fn a_full_bridge_is_refused_in_one_line_and_nothing_is_left() {
+    if !root() {
+        return;
+    }
+    let t = TestNet::with(18, "10.231.18.0/24", |_| {});
+    let net = t.net();
+    let a = net.allocate("box-a", &[]).unwrap();
+    let ns = new_ns();
+    net.attach(&a, ns.as_fd(), &AttachOptions::default())
+        .unwrap();
+    // The bridge's other ports, up to what the kernel allows: veth pairs
+    // whose other ends are in a namespace of their own (gone with it).
+    let mut nl = Netlink::open().unwrap();
+    let bridge_index = link::index(&mut nl, &t.bridge).unwrap().unwrap();
+    let filler = new_ns();
+    for i in 1..link::BRIDGE_MAX_PORTS {
+        link::create_veth(
+            &mut nl,
+            &format!("nbt18f{i}"),
+            Some(bridge_index),
+            &format!("f{i}"),
+            filler.as_fd(),
+            None,
+        )
+        .unwrap();
+    }
+    let b = net.allocate("box-b", &[]).unwrap();
+    let ns_b = new_ns();
+    let err = net
+        .attach(&b, ns_b.as_fd(), &AttachOptions::default())
+        .unwrap_err();
+    // The filler ports go with their namespace.
+    drop(filler);
+    let freed = Instant::now();
+    while link::index(&mut nl, "nbt18f1").unwrap().is_some() {
+        assert!(
+            freed.elapsed() < Duration::from_secs(60),
+            "filler ports left"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert_eq!(err.kind(), NetErrorKind::Conflict);
+    assert_eq!(
+        err.to_string(),
+        format!(
+            "box box-b: network t18 is full: its bridge {} has 1023 ports, the most a Linux bridge takes; put more boxes on another network (nestbox network create)",
+            t.bridge
+        )
+    );
+    // Nothing of box-b's attachment is left: no host veth, no port on the
+    // bridge but box-a's, and it can be attached once a port is free.
+    let veth_b = nestbox_net::network::host_veth_name(&t.bridge, "box-b");
+    assert_eq!(
+        link::index(&mut nl, &veth_b).unwrap(),
+        None,
+        "{veth_b} left"
+    );
+    let ports: Vec<String> = link::list(&mut nl)
+        .unwrap()
+        .into_iter()
+        .filter(|l| l.master == Some(bridge_index))
+        .map(|l| l.name)
+        .collect();
+    assert_eq!(ports.len(), 1, "only box-a's port: {ports:?}");
+    net.attach(&b, ns_b.as_fd(), &AttachOptions::default())
+        .unwrap();
+    net.detach("box-b").unwrap();
+    net.detach("box-a").unwrap();
+}
+
+#[test]
 fn invalid_rates_and_options_are_refused_before_anything_exists() {
     if !root() {
         return;

@@ -247,7 +247,19 @@ impl Network {
         // Remove a stale host veth left by a crash (ours by its name).
         link::delete(nl, veth)?;
         let mac = Some(link::box_mac(lease.address));
-        let vidx = link::create_veth(nl, veth, Some(bridge), BOX_IFNAME, netns, mac)?;
+        let vidx = link::create_veth(nl, veth, Some(bridge), BOX_IFNAME, netns, mac).map_err(
+            |e| match e {
+                NetError::Netlink { ref source, .. }
+                    if source.raw_os_error() == Some(libc::EXFULL) =>
+                {
+                    NetError::BridgeFull {
+                        network: self.config.name.clone(),
+                        bridge: self.config.bridge.clone(),
+                    }
+                }
+                e => e,
+            },
+        )?;
         made.veth = Some(veth.to_string());
         // Before the box's end is up (the pair has no carrier until then, so
         // no link-local address has been made yet).
