@@ -606,17 +606,13 @@ fn a_full_bridge_is_refused_in_one_line_and_nothing_is_left() {
         None,
         "{veth_b} left"
     );
-    let ports: Vec<String> = link::list(&mut nl)
-        .unwrap()
-        .into_iter()
-        .filter(|l| l.master == Some(bridge_index))
-        .map(|l| l.name)
-        .collect();
+    let ports = bridge_ports(&mut nl, bridge_index);
     assert_eq!(ports.len(), 1, "only box-a's port: {ports:?}");
     net.attach(&b, ns_b.as_fd(), &AttachOptions::default())
         .unwrap();
     net.detach("box-b").unwrap();
     net.detach("box-a").unwrap();
+    assert_no_box_leftovers(&t);
 }
 
 #[test]

@@ -277,6 +277,16 @@ pub fn measure(counters: &[Arc<AtomicU64>], warmup: Duration, window: Duration) 
         .collect()
 }
 
+/// The links whose master is the bridge of index `bridge`.
+pub fn bridge_ports(nl: &mut Netlink, bridge: u32) -> Vec<String> {
+    link::list(nl)
+        .unwrap()
+        .into_iter()
+        .filter(|l| l.master == Some(bridge))
+        .map(|l| l.name)
+        .collect()
+}
+
 /// Assert that nothing of any box is left: no veth on the bridge, no class on
 /// the IFB but the link class, no published port in the NAT table, no allowed
 /// host port in the guard table.
@@ -284,12 +294,7 @@ pub fn assert_no_box_leftovers(t: &TestNet) {
     let mut nl = Netlink::open().unwrap();
     let cfg = t.net().config();
     if let Some(br) = link::index(&mut nl, &cfg.bridge).unwrap() {
-        let on_bridge: Vec<_> = link::list(&mut nl)
-            .unwrap()
-            .into_iter()
-            .filter(|l| l.master == Some(br))
-            .map(|l| l.name)
-            .collect();
+        let on_bridge = bridge_ports(&mut nl, br);
         assert!(
             on_bridge.is_empty(),
             "links left on the bridge: {on_bridge:?}"
