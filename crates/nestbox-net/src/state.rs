@@ -85,14 +85,45 @@ pub(crate) struct Locked {
     pub state: State,
 }
 
+/// The lock of a network's state, held, the state not read: for a caller
+/// that reads it only in some cases (with a thousand boxes, reading the state
+/// is most of what a lease costs).
+#[derive(Debug)]
+pub(crate) struct Held {
+    lock: Flock<File>,
+    path: PathBuf,
+}
+
+impl Held {
+    /// The state as it is now (the lock is kept).
+    pub fn state(&self) -> Result<State> {
+        read(&self.path)
+    }
+
+    /// Read the state, to change it.
+    fn read(self) -> Result<Locked> {
+        let state = read(&self.path)?;
+        Ok(Locked {
+            _lock: self.lock,
+            path: self.path,
+            state,
+        })
+    }
+}
+
 /// Lock the state of the network in `dir` and read it, making the directory
 /// if it is missing (for the calls that make a network: open and allocate).
 pub(crate) fn lock(dir: &Path) -> Result<Locked> {
+    hold(dir)?.read()
+}
+
+/// [`lock`] without reading the state.
+pub(crate) fn hold(dir: &Path) -> Result<Held> {
     loop {
         fs::create_dir_all(dir).map_err(|e| NetError::io("create", dir, e))?;
         // `None`: the network was removed while we waited; make it anew.
-        if let Some(locked) = lock_at(dir, true)? {
-            return Ok(locked);
+        if let Some(held) = hold_at(dir, true)? {
+            return Ok(held);
         }
     }
 }
@@ -101,10 +132,10 @@ pub(crate) fn lock(dir: &Path) -> Result<Locked> {
 /// does not exist (never made, or removed, also while this waited for the
 /// lock). Nothing is created.
 pub(crate) fn lock_existing(dir: &Path) -> Result<Option<Locked>> {
-    lock_at(dir, false)
+    hold_at(dir, false)?.map(Held::read).transpose()
 }
 
-fn lock_at(dir: &Path, create: bool) -> Result<Option<Locked>> {
+fn hold_at(dir: &Path, create: bool) -> Result<Option<Held>> {
     let lock_path = dir.join("lock");
     let f = match OpenOptions::new()
         .read(true)
@@ -130,12 +161,9 @@ fn lock_at(dir: &Path, create: bool) -> Result<Option<Locked>> {
     if !is_current(&lock, &lock_path)? {
         return Ok(None);
     }
-    let path = dir.join("state.json");
-    let state = read(&path)?;
-    Ok(Some(Locked {
-        _lock: lock,
-        path,
-        state,
+    Ok(Some(Held {
+        lock,
+        path: dir.join("state.json"),
     }))
 }
 

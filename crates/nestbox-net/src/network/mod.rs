@@ -156,10 +156,11 @@ impl Network {
         // Under the state lock: `ensure_infra` holds it while it creates the
         // bridge and then gives it the gateway address, so a bridge seen here
         // without its address is never one of ours half-made.
-        let locked = state::lock(&config.state_dir)?;
+        let held = state::hold(&config.state_dir)?;
         if let Some(saved) = NetworkConfig::load(&config.state_dir)? {
             if saved != config {
-                if !locked.state.boxes.is_empty()
+                let boxes = held.state()?.boxes;
+                if !boxes.is_empty()
                     && (saved.bridge != config.bridge || saved.subnet != config.subnet)
                 {
                     return Err(NetError::Conflict(format!(
@@ -167,11 +168,11 @@ impl Network {
                         saved.name, saved.bridge, saved.subnet
                     )));
                 }
-                if saved.isolated != config.isolated && !locked.state.boxes.is_empty() {
+                if saved.isolated != config.isolated && !boxes.is_empty() {
                     return Err(NetError::Conflict(format!(
                         "network {} has {} box(es) (the pool's namespaces count): its policy cannot change while boxes are on it",
                         saved.name,
-                        locked.state.boxes.len()
+                        boxes.len()
                     )));
                 }
                 config.save()?;
@@ -190,7 +191,7 @@ impl Network {
                 )));
             }
         }
-        drop(locked);
+        drop(held);
         Ok(net)
     }
 
