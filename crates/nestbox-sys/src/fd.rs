@@ -41,7 +41,8 @@ pub const fn close_range_args(first: u32, last: u32, flags: libc::c_uint) -> [u6
 /// whether the table now holds `count` descriptors.
 pub fn reserve_table(fd: &impl std::os::fd::AsFd, count: u32) -> bool {
     use std::os::fd::AsRawFd;
-    let want = count.min(fd_limit().saturating_add(1)).saturating_sub(1);
+    // The highest number wanted, and at most the highest the limit allows.
+    let want = count.saturating_sub(1).min(fd_limit());
     match nix::fcntl::fcntl(
         fd.as_fd().as_raw_fd(),
         nix::fcntl::FcntlArg::F_DUPFD_CLOEXEC(want as RawFd),
