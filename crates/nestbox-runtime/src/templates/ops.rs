@@ -52,8 +52,29 @@ pub fn remove(reg: &Registry, name: &str, force: bool) -> Result<()> {
 
 /// Remove boxes (see [`plain::remove_many_with`]): the running ones are
 /// killed together first. One result per name.
+///
+/// A template named here that still had clones when its turn came was only
+/// marked removed: it goes by itself once its last clone has. Each is waited
+/// for here once its clones are gone ([`settle_removed_template`]), in as
+/// many rounds as there are such templates, so that a chain (a template whose clone is
+/// itself a template, all named) is gone when this returns, whichever of its
+/// links left first. Waiting only from a removed clone missed a template whose
+/// clone-template had already gone by itself.
 pub fn remove_many(reg: &Registry, names: &[String], force: bool) -> Vec<Result<()>> {
-    plain::remove_many_with(reg, &TemplateRelations, names, force)
+    let results = plain::remove_many_with(reg, &TemplateRelations, names, force);
+    // Only what is still there: templates kept for their clones.
+    let kept: Vec<&String> = names
+        .iter()
+        .zip(&results)
+        .filter(|(name, r)| r.is_ok() && reg.load(name).is_ok())
+        .map(|(name, _)| name)
+        .collect();
+    for _ in 0..kept.len() {
+        for name in &kept {
+            settle_removed_template(reg, name);
+        }
+    }
+    results
 }
 
 /// Everything known about a box, as JSON (see [`plain::inspect`]).
