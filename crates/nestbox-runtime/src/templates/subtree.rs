@@ -222,14 +222,21 @@ pub(crate) fn suspend_inside(reg: &Registry, record: &BoxRecord) -> Result<bool>
 /// # Errors
 /// A box inside that could not be resumed, in one line (the others are).
 pub(crate) fn resume_inside(reg: &Registry, name: &str) -> Result<()> {
-    if !holds_suspended_boxes(reg, name) {
+    match reg.load(name) {
+        Ok(record) => resume_inside_record(reg, &record),
+        Err(_) => Ok(()),
+    }
+}
+
+/// [`resume_inside`] of the box read as `record`.
+fn resume_inside_record(reg: &Registry, record: &BoxRecord) -> Result<()> {
+    if !nest_holds_suspended(record) {
         return Ok(());
     }
-    let record = reg.load(name)?;
     crate::phases::mark("subtree: resuming the boxes inside");
     run_inside(
         reg,
-        &record,
+        record,
         "resume",
         "could not resume the boxes inside it",
     )?;
@@ -239,8 +246,13 @@ pub(crate) fn resume_inside(reg: &Registry, name: &str) -> Result<()> {
 
 /// Whether box `name` is a nest box with boxes suspended inside it.
 pub(crate) fn holds_suspended_boxes(reg: &Registry, name: &str) -> bool {
-    reg.load(name)
-        .is_ok_and(|r| r.spec.nest && holds_suspended(&crate::nest::state_dir(&r)))
+    reg.load(name).is_ok_and(|r| nest_holds_suspended(&r))
+}
+
+/// Whether the box read as `record` is a nest box with boxes suspended
+/// inside it.
+fn nest_holds_suspended(record: &BoxRecord) -> bool {
+    record.spec.nest && holds_suspended(&crate::nest::state_dir(record))
 }
 
 /// [`resume_inside`] where a failure is logged and the caller goes on (a
@@ -265,14 +277,14 @@ pub fn resume_left_suspended(reg: &Registry) -> Result<Vec<String>> {
     for r in reg.list()? {
         if r.state.template.is_some()
             || r.state.effective_status() != Status::Running
-            || !holds_suspended_boxes(reg, r.name())
+            || !nest_holds_suspended(&r)
         {
             continue;
         }
         let Some(_lock) = crate::clone::try_box_lock(&r) else {
             continue;
         };
-        match resume_inside(reg, r.name()) {
+        match resume_inside_record(reg, &r) {
             Ok(()) => lines.push(format!("{}: boxes left suspended inside resumed", r.name())),
             Err(e) => lines.push(format!("{}: {e}", r.name())),
         }
