@@ -19,7 +19,9 @@
 //! SIZE minus ext4's metadata.
 //!
 //! Cleanup: the loop device is attached with autoclear, so it detaches itself
-//! when the filesystem is unmounted; [`release`] unmounts it and is called by
+//! when the filesystem is unmounted; [`release`] unmounts it (lazily while
+//! the box's mount namespace is still being torn down), waits until the
+//! device has let the image go, and is called by
 //! every removal of a box's data directory (rm, a failed start, gc of a
 //! dead box or of a data directory no box owns). The mount is made in the
 //! host's mount namespace and kept while the box's record exists (a stopped
@@ -31,6 +33,7 @@ use std::os::fd::AsFd;
 use std::os::unix::fs::{DirBuilderExt, MetadataExt};
 use std::path::{Path, PathBuf};
 use std::process::Command;
+use std::time::{Duration, Instant};
 
 use nestbox_sys::mount::MsFlags;
 
@@ -166,13 +169,47 @@ pub fn release(lib_dir: &Path) -> Result<()> {
     if !is_mounted(&target) {
         return Ok(());
     }
+    let device = std::fs::metadata(&target).map(|m| m.dev()).ok();
     match nestbox_sys::mount::unmount(&target) {
-        Ok(()) => Ok(()),
-        // Still used (a process of a box being torn down has a file open):
-        // detached now, freed with its last user.
+        Ok(()) => {}
+        // Still used (a process of a box being torn down has a file open, or
+        // the box's mount namespace is not torn down yet): detached now,
+        // freed with its last user.
         Err(nix::errno::Errno::EBUSY) => nestbox_sys::mount::detach(&target)
-            .map_err(RuntimeError::sys(format!("umount {}", target.display()))),
-        Err(e) => Err(RuntimeError::sys(format!("umount {}", target.display()))(e)),
+            .map_err(RuntimeError::sys(format!("umount {}", target.display())))?,
+        Err(e) => return Err(RuntimeError::sys(format!("umount {}", target.display()))(e)),
+    }
+    if let Some(device) = device {
+        wait_detached(device, &lib_dir.join(IMAGE), RELEASE_WAIT);
+    }
+    Ok(())
+}
+
+/// How long a removal waits for a box's loop device to let its image go.
+const RELEASE_WAIT: Duration = Duration::from_secs(5);
+
+/// Wait until loop device `device` no longer has `image` as its backing
+/// file: it detaches itself (autoclear) once its filesystem's last user is
+/// gone, which after a lazy unmount is when the box's mount namespace has
+/// been torn down, a moment after the box's processes. So a removal returns
+/// with nothing of the disk left. A device that keeps it longer is logged
+/// (it still goes with its last user).
+fn wait_detached(device: u64, image: &Path, within: Duration) {
+    let backing = format!(
+        "/sys/dev/block/{}:{}/loop/backing_file",
+        nix::sys::stat::major(device),
+        nix::sys::stat::minor(device)
+    );
+    let image = image.to_string_lossy();
+    let deadline = Instant::now() + within;
+    // The file says the path, with " (deleted)" once it is unlinked; a
+    // device taken by another image meanwhile is not ours any more.
+    while std::fs::read_to_string(&backing).is_ok_and(|b| b.starts_with(image.as_ref())) {
+        if Instant::now() > deadline {
+            tracing::warn!("loop device {backing} still holds {image} after {within:?}");
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(5));
     }
 }
 
