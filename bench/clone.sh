@@ -9,7 +9,9 @@
 # single-threaded ~67 MiB Python server; APP=node a Node.js HTTP server (its
 # runtime has 7 threads) holding a counter and a warmed-up JIT. KSM=1 runs the
 # template with --ksm and adds the MemAvailable drop once the host's KSM scanner
-# has merged what it can (results file gets a -ksm suffix).
+# has merged what it can (results file gets a -ksm suffix). DROP_CACHES=1 drops
+# the page cache and slab caches before each MemAvailable reading of the idle
+# clones (steadier: only memory nothing can reclaim is counted).
 set -euo pipefail
 source "$(dirname "$0")/lib/common.sh"
 require_root
@@ -54,6 +56,7 @@ JS
 *) die "APP must be python or node, not $APP" ;;
 esac
 [[ ${KSM:-0} != 1 ]] || OUT=${OUT%.json}-ksm.json
+[[ ${DROP_CACHES:-0} != 1 ]] || OUT=${OUT%.json}-dropcaches.json
 log "N=$N clone/cold pairs, K=$K idle clones, pool $POOL, load $(cut -d' ' -f1 /proc/loadavg)"
 "$NESTBOX" --root "$ROOT" serve --socket "$ROOT/api.sock" &
 SERVE_PID=$!

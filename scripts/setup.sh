@@ -88,14 +88,17 @@ if [ -d "$E2B_CHECKOUT" ] && [ "$(id -u)" -eq 0 ]; then
 fi
 
 echo "setup: building nestbox (release, statically linked)"
-# The binary is linked statically (static-pie): with no shared libraries to
-# load it starts about 0.5 ms sooner (measured: docs/benchmarks.md), and it runs
-# in any image (nestbox inside a box). Cargo would apply RUSTFLAGS to
+# The binary is linked statically: with no shared libraries to load it starts
+# about 0.5 ms sooner (measured: docs/benchmarks.md), it runs in any image
+# (nestbox inside a box), and a clone's init may take a fresh image of it in
+# the box (docs/clones.md). It is not position-independent: a static-pie
+# binary relocates 120 KiB of pointers at every start, private memory each
+# box's monitor and init would pay again. Cargo would apply RUSTFLAGS to
 # proc-macros too unless a target is named, so it is built for the host's
 # triple and installed where `cargo build --release` puts it (a plain
 # `cargo build --release` still works and gives a dynamically linked binary).
 host=$(rustc -vV | sed -n 's/^host: //p')
-RUSTFLAGS="-C target-feature=+crt-static" cargo build --release --quiet --target "$host" -p nestbox
+RUSTFLAGS="-C target-feature=+crt-static -C relocation-model=static" cargo build --release --quiet --target "$host" -p nestbox
 mkdir -p target/release
 install -m 0755 "target/$host/release/nestbox" target/release/nestbox.new
 mv -f target/release/nestbox.new target/release/nestbox

@@ -31,6 +31,16 @@ inherit it) and, after the measurement above, the host's KSM scanner runs
 scans; the MemAvailable drop is then read again (`..._after_ksm`), and the
 scanner's settings are put back.
 
+With DROP_CACHES=1 the page cache and the reclaimable slab caches are dropped
+(after a sync) just before each of the two MemAvailable readings of the idle
+clones, so that what the page cache does meanwhile (files read and written by
+the benchmark and the rest of the machine) does not move the figure: the drop
+then counts only memory nothing can reclaim, which is steadier between runs
+(the default readings spread by about +-200 KiB a clone here). IDLE_WAIT=S
+waits S seconds (default 2) between the clones' creation and the second
+reading: idle boxes give memory back after a second of idleness (their
+monitor's and init's), the last ones made a few seconds after the first.
+
 Usage: clonebench.py NESTBOX ROOT SERVER_FILE N K POOL OUT_JSON API_SOCKET [COMMAND]
 """
 
@@ -139,6 +149,17 @@ def meminfo_available() -> int:
     return 0
 
 
+def settled_available(drop_caches: bool) -> int:
+    """MemAvailable; with `drop_caches`, read right after dropping the page
+    cache and reclaimable slab caches (and a second's pause)."""
+    if drop_caches:
+        os.sync()
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        time.sleep(1)
+    return meminfo_available()
+
+
 def merge_with_ksm(nestbox: str, root: str) -> dict:
     """Run the host's KSM scanner until it has merged what it can (pages_sharing
     unchanged over two full scans); MemAvailable then, and the scanner's
@@ -243,11 +264,13 @@ def main() -> None:
     kept.close()
 
     # K idle clones: private memory each, and what they take from the machine.
+    drop_caches = os.environ.get("DROP_CACHES") == "1"
     time.sleep(1)
-    before = meminfo_available()
+    before = settled_available(drop_caches)
     names = sh(nestbox, root, "clone", "tpl", "-d", "-n", str(k), "--name", "idle", timeout=900).split()
-    time.sleep(2)
-    after = meminfo_available()
+    idle_wait = float(os.environ.get("IDLE_WAIT", "2"))
+    time.sleep(idle_wait)
+    after = settled_available(drop_caches)
     after_ksm = merge_with_ksm(nestbox, root) if ksm else None
     privates = []
     for name in names:
@@ -277,6 +300,8 @@ def main() -> None:
         "private_per_clone_median_kib": statistics.median(privates) / 1024,
         "mem_available_drop_total_mib": (before - after) / 2**20,
         "mem_available_drop_per_clone_kib": (before - after) / 1024 / max(k, 1),
+        "caches_dropped_before_readings": drop_caches,
+        "idle_wait_s": idle_wait,
     }
     if after_ksm is not None:
         result["ksm"] = after_ksm["ksm"]

@@ -1,5 +1,6 @@
 //! Process creation and control: forking into new namespaces with `clone(2)`,
-//! signalling one thread (`tgkill`), raw wait statuses, and `_exit`.
+//! signalling one thread (`tgkill`), raw wait statuses, `_exit`, and a fresh
+//! image of the running binary (`exec_self`).
 
 use std::os::fd::{FromRawFd, OwnedFd};
 
@@ -202,6 +203,28 @@ pub fn exit_now(code: i32) -> ! {
     unsafe { libc::_exit(code) }
 }
 
+/// Replace the calling process's image with a fresh one of its own
+/// executable, started with `args` and `env`; returns only on failure, with
+/// its reason.
+///
+/// The executable is `/proc/self/exe`, which names the running binary's file
+/// itself: it is found from any mount namespace (a box's, after its root was
+/// pivoted away from the host's) and is the same binary even if the file at
+/// its path was replaced since (a rebuilt or upgraded nestbox), so the new
+/// image always understands what the old one hands over. `execve(2)` keeps
+/// the pid, the parent, the children, the namespaces and cgroups, the
+/// blocked signal mask and the pending signals, and every descriptor without
+/// close-on-exec; it drops every mapping, every other thread, the signal
+/// handlers (to their defaults) and the dumpable mark (set again to 1).
+/// The caller's credentials are recomputed as for any non-set-user-ID
+/// binary. The thread name becomes `exe`: the new image names itself.
+pub fn exec_self(args: &[&std::ffi::CStr], env: &[&std::ffi::CStr]) -> Errno {
+    match nix::unistd::execve(c"/proc/self/exe", args, env) {
+        Err(e) => e,
+        Ok(never) => match never {},
+    }
+}
+
 /// `MADV_COLLAPSE` (Linux 6.1): make a range of anonymous memory transparent
 /// huge pages now, copying its small pages into them.
 pub const MADV_COLLAPSE: i32 = 25;
@@ -279,6 +302,20 @@ pub fn same_open_file(pid1: i32, fd1: i32, pid2: i32, fd2: i32) -> Result<bool> 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_scheduling_class_set_is_the_one_read() {
+        // On a thread of its own: the class is the calling thread's, and a
+        // nice value raised cannot be lowered again without privilege.
+        std::thread::spawn(|| {
+            set_scheduling(Scheduling::Normal(7)).unwrap();
+            assert_eq!(scheduling().unwrap(), Scheduling::Normal(7));
+            set_scheduling(Scheduling::Idle).unwrap();
+            assert_eq!(scheduling().unwrap(), Scheduling::Idle);
+        })
+        .join()
+        .unwrap();
+    }
 
     #[test]
     fn fork_into_no_new_namespace() {
@@ -486,6 +523,27 @@ pub enum Scheduling {
     /// `SCHED_IDLE`: runs only when nothing of the ordinary class wants the
     /// CPU, and any such process it wakes preempts it at once.
     Idle,
+}
+
+/// The class the calling thread runs in: `SCHED_IDLE`, or the ordinary
+/// class at its nice value (any other policy is read as the ordinary class).
+pub fn scheduling() -> Result<Scheduling> {
+    // SAFETY: sched_getscheduler of pid 0 only reads the calling thread's policy.
+    let policy = unsafe { libc::sched_getscheduler(0) };
+    if policy < 0 {
+        return Err(Errno::last());
+    }
+    if policy == libc::SCHED_IDLE {
+        return Ok(Scheduling::Idle);
+    }
+    // getpriority returns -1 for a nice of -1 too: errno tells them apart.
+    Errno::clear();
+    // SAFETY: getpriority of PRIO_PROCESS 0 only reads the caller's nice value.
+    let nice = unsafe { libc::getpriority(libc::PRIO_PROCESS, 0) };
+    if nice == -1 && Errno::last_raw() != 0 {
+        return Err(Errno::last());
+    }
+    Ok(Scheduling::Normal(nice))
 }
 
 /// Put the calling process (its calling thread: nestbox's processes that

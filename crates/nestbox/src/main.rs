@@ -15,6 +15,8 @@ use std::process::ExitCode;
 use clap::error::ErrorKind;
 
 fn main() -> ExitCode {
+    // A box's monitor or init renewing its image goes on from here.
+    nestbox_runtime::lifecycle::lean::entry();
     nestbox_runtime::phases::init();
     let args = match cli::Cli::parse_args() {
         Ok(args) => {

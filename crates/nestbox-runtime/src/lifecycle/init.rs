@@ -39,6 +39,14 @@ pub const ADOPTED_PID: i32 = 2;
 /// Standard output and error stay open: they are the clone's log pipes, which
 /// nestbox hands to the clone's process.
 pub fn adopt(end: RawFd) -> ! {
+    // Nothing of the box runs yet: the moment to take a fresh image, which
+    // does not keep the monitor's heap (see `lean`). Returns if it may not.
+    crate::lifecycle::lean::become_lean_init(end);
+    adopt_here(end)
+}
+
+/// [`adopt`], in this process image as it is.
+pub(crate) fn adopt_here(end: RawFd) -> ! {
     serve(Pid::from_raw(ADOPTED_PID), end)
 }
 

@@ -2,7 +2,8 @@
 //! of its first process, its init, `exec` into it, its logs, the residency of its
 //! idle processes, the pool of box shells made ahead (`shell`), same-page
 //! merging of its memory (ksm), and the operations on a plain box (run, stop,
-//! kill, rm, stats, inspect, gc), and boxes in boxes (`nest`). (Time travel of a
+//! kill, rm, stats, inspect, gc), boxes in boxes (`nest`), and the fresh
+//! image a long-lived monitor or init takes (`lean`). (Time travel of a
 //! box's writable layer is a layer up, with templates and checkpoints: a
 //! snapshot may hold a checkpoint of the box's processes.)
 //!
@@ -14,6 +15,7 @@ pub mod exec;
 pub mod init;
 pub mod ksm;
 pub mod launch;
+pub mod lean;
 pub mod logs;
 pub mod monitor;
 pub mod nest;

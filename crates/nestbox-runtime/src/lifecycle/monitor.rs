@@ -136,7 +136,10 @@ fn run_box_as(reg: &Registry, record: &BoxRecord, mode: Mode, again: bool) -> Re
         // A caller that left (EPIPE) needs no answer: the box runs anyway.
         let _ = ready.write_all(b"ok");
     }
-    let (exit_code, _, _) = supervise(record, &running, signals, foreground, None, None);
+    // A detached monitor renews its image once the box is idle.
+    let renew = || crate::lifecycle::lean::become_lean_monitor(reg, record, &running);
+    let renew = (!foreground).then_some(&renew as &dyn Fn());
+    let (exit_code, _, _) = supervise(record, &running, signals, foreground, None, None, renew);
     crate::phases::mark("monitor: output drained, exit code read");
     finish(reg, record, running, exit_code)
 }
@@ -1114,7 +1117,11 @@ pub(crate) struct Later {
 /// not due yet. `claimer`: the connection of the foreground `nestbox run`
 /// that claimed a pooled shell, which sends the signals it gets; when it
 /// closes (the caller was killed) the box is killed, as a cold box dies with
-/// its foreground monitor.
+/// its foreground monitor. `renew`: called once the box has been idle for
+/// [`crate::residency::IDLE_MS_BEFORE_DROP`] with no work left for later
+/// (a detached monitor replaces its image there: see
+/// [`crate::lifecycle::lean`]); if it returns, the monitor gives back its
+/// idle memory and goes on.
 pub(crate) fn supervise(
     record: &BoxRecord,
     run: &Running,
@@ -1122,6 +1129,7 @@ pub(crate) fn supervise(
     foreground: bool,
     claimer: Option<std::os::fd::BorrowedFd<'_>>,
     mut later: Option<Later>,
+    renew: Option<&dyn Fn()>,
 ) -> (i32, bool, Option<Later>) {
     let mut claimer = claimer;
     let mut abandoned = false;
@@ -1209,6 +1217,9 @@ pub(crate) fn supervise(
                         (l.work)();
                     }
                 } else if !dropped_file_pages {
+                    if let (Some(renew), None, None) = (renew, &later, claimer) {
+                        renew();
+                    }
                     crate::residency::drop_idle_memory();
                     dropped_file_pages = true;
                 }

@@ -29,6 +29,40 @@ use serde_json::Value;
 /// The nestbox binary under test.
 pub const NESTBOX: &str = env!("CARGO_BIN_EXE_nestbox");
 
+/// The statically linked release build `scripts/setup.sh` makes (and the
+/// test command runs first), for what only such a binary does; the test
+/// fails, saying so, if it is missing or linked dynamically.
+pub fn static_release_binary() -> PathBuf {
+    let debug = Path::new(NESTBOX);
+    let path = debug
+        .parent()
+        .and_then(Path::parent)
+        .map(|target| target.join("release/nestbox"))
+        .expect("the target directory of the nestbox binary");
+    let elf = std::fs::read(&path).unwrap_or_else(|e| {
+        panic!(
+            "{}: {e}: build it with scripts/setup.sh (scripts/test.sh does)",
+            path.display()
+        )
+    });
+    // A dynamically linked executable has a program header naming its
+    // interpreter (PT_INTERP, type 3). ELF64: the table's offset at byte 32,
+    // entry size at 54, count at 56; each entry starts with its type.
+    let field = |at: usize, len: usize| -> usize {
+        elf[at..at + len]
+            .iter()
+            .rev()
+            .fold(0, |n, &b| (n << 8) | usize::from(b))
+    };
+    let (offset, size, count) = (field(32, 8), field(54, 2), field(56, 2));
+    assert!(
+        !(0..count).any(|i| field(offset + i * size, 4) == 3),
+        "{} is linked dynamically: build it with scripts/setup.sh (scripts/test.sh does)",
+        path.display()
+    );
+    path
+}
+
 /// Longest any single nestbox command may take before the test fails.
 pub const COMMAND_TIMEOUT: Duration = Duration::from_secs(60);
 
@@ -265,6 +299,8 @@ pub fn read_trimmed(path: &Path) -> String {
 pub struct TestRoot {
     dir: Option<tempfile::TempDir>,
     path: PathBuf,
+    /// The nestbox binary its commands run ([`NESTBOX`] unless told).
+    binary: PathBuf,
     user: Option<(u32, u32)>,
     test: String,
     /// Ids of every box seen (their cgroups must be gone at the end).
@@ -307,6 +343,7 @@ impl TestRoot {
         let root = TestRoot {
             dir: Some(dir),
             path,
+            binary: PathBuf::from(NESTBOX),
             user,
             test: test.to_string(),
             ids: Mutex::new(BTreeSet::new()),
@@ -325,6 +362,12 @@ impl TestRoot {
         root
     }
 
+    /// Run this root's commands with `binary` instead of [`NESTBOX`].
+    pub fn with_binary(mut self, binary: &Path) -> Self {
+        self.binary = binary.to_path_buf();
+        self
+    }
+
     /// The root directory (`--root`).
     pub fn path(&self) -> &Path {
         &self.path
@@ -332,7 +375,7 @@ impl TestRoot {
 
     /// `nestbox --root DIR ARGS...`, not started yet.
     pub fn command(&self, args: &[&str]) -> Command {
-        let mut c = Command::new(NESTBOX);
+        let mut c = Command::new(&self.binary);
         c.arg("--root")
             .arg(&self.path)
             .args(args)

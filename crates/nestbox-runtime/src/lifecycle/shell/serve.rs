@@ -461,6 +461,7 @@ fn serve_claimed(
         foreground,
         claimer.as_ref().map(|c| c.as_fd()),
         Some(refill),
+        None,
     );
     marks.mark("init exited, output relayed");
     if foreground {
