@@ -4,7 +4,7 @@
 //! (they no longer hold the heap of the command that forked them), and the
 //! box goes on exactly as before: output reaches the log, signals reach the
 //! box, `stop` records the exit code, a killed monitor takes its box with it,
-//! `rm` leaves nothing.
+//! `rm` leaves nothing. The clone test uses the Node.js server of issue 12.
 
 mod common;
 
@@ -87,32 +87,6 @@ fn an_idle_detached_monitor_renews_its_image_and_supervises_on() {
     root.ok(&["rm", "idle"]);
 }
 
-/// A small HTTP server counting its requests.
-const SERVER: &str = r#"
-import http.server
-count = 0
-class H(http.server.BaseHTTPRequestHandler):
-    def do_GET(self):
-        global count
-        count += 1
-        body = f'{count}\n'.encode()
-        self.send_response(200)
-        self.send_header('Content-Length', str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-        print('request', count, flush=True)
-    def log_message(self, *a):
-        pass
-server = http.server.HTTPServer(('127.0.0.1', 8080), H)
-print('ready', flush=True)
-server.serve_forever()
-"#;
-
-/// The count the server in box `name` answers with.
-fn count(root: &TestRoot, name: &str) -> u64 {
-    box_http_get(root, name, "/")[0].parse().unwrap()
-}
-
 #[test]
 fn a_clones_monitor_and_init_take_fresh_images_of_the_static_build() {
     let Some(root) =
@@ -123,9 +97,16 @@ fn a_clones_monitor_and_init_take_fresh_images_of_the_static_build() {
     // Only a statically linked binary may be exec'd inside a box (a dynamic
     // one would load the image's C library): the release build.
     let root = root.with_binary(&static_release_binary());
-    root.ok(&["run", "-d", "--name", "tpl", "--", "python3", "-c", SERVER]);
-    root.wait_logged("tpl", "ready", Duration::from_secs(20));
-    assert_eq!(count(&root, "tpl"), 1);
+    // The multi-threaded Node.js server of the whole-box cloning tests.
+    let app = apps::App::node();
+    let mut run = vec!["run", "-d", "--name", "tpl", "-v"];
+    let volume = app.volume();
+    run.push(&volume);
+    run.push("--");
+    run.extend(app.cmd.iter().map(String::as_str));
+    root.ok(&run);
+    root.wait_logged("tpl", "ready", Duration::from_secs(30));
+    assert_eq!(apps::get(&root, "tpl").0, 1);
     root.ok(&["freeze", "tpl"]);
     let names = root.ok(&["clone", "tpl", "-d", "-n", "3", "--name", "c"]);
     let names: Vec<&str> = names.split_whitespace().collect();
@@ -146,10 +127,10 @@ fn a_clones_monitor_and_init_take_fresh_images_of_the_static_build() {
             Duration::from_secs(10),
             || renewed_monitor(monitor),
         );
-        // The clone continues the template's state, then its own.
-        assert_eq!(count(&root, name), 2, "{name}");
-        assert_eq!(count(&root, name), 3, "{name}");
-        root.wait_logged(name, "request 3", Duration::from_secs(10));
+        // The clone continues the template's state, then its own, under
+        // its own name.
+        assert_eq!(apps::get(&root, name), (2, name.to_string()));
+        assert_eq!(apps::get(&root, name).0, 3, "{name}");
     }
     // The template is untouched.
     root.ok(&["rm", "-f", "tpl"]);
@@ -174,4 +155,5 @@ fn a_clones_monitor_and_init_take_fresh_images_of_the_static_build() {
     });
     root.ok(&["rm", "-f", names[0], names[1], names[2]]);
     root.ok(&["gc"]);
+    drop(app);
 }
