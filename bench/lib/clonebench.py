@@ -39,7 +39,9 @@ then counts only memory nothing can reclaim, which is steadier between runs
 (the default readings spread by about +-200 KiB a clone here). IDLE_WAIT=S
 waits S seconds (default 2) between the clones' creation and the second
 reading: idle boxes give memory back after a second of idleness (their
-monitor's and init's), the last ones made a few seconds after the first.
+monitor's and init's), the last ones made a few seconds after the first; and
+as long (at least 1 s) before the first reading, while the kernel frees what
+the boxes removed before it held.
 
 Usage: clonebench.py NESTBOX ROOT SERVER_FILE N K POOL OUT_JSON API_SOCKET [COMMAND]
 """
@@ -265,10 +267,13 @@ def main() -> None:
 
     # K idle clones: private memory each, and what they take from the machine.
     drop_caches = os.environ.get("DROP_CACHES") == "1"
-    time.sleep(1)
+    idle_wait = float(os.environ.get("IDLE_WAIT", "2"))
+    # What the boxes removed above still hold (network namespaces, cgroups)
+    # is freed by the kernel in the background: wait as long before the
+    # first reading as before the second.
+    time.sleep(max(1.0, idle_wait))
     before = settled_available(drop_caches)
     names = sh(nestbox, root, "clone", "tpl", "-d", "-n", str(k), "--name", "idle", timeout=900).split()
-    idle_wait = float(os.environ.get("IDLE_WAIT", "2"))
     time.sleep(idle_wait)
     after = settled_available(drop_caches)
     after_ksm = merge_with_ksm(nestbox, root) if ksm else None
