@@ -7,13 +7,15 @@
 #     empty host: N runs, median;
 #   * `clone tpl -d -n K` of the frozen server on a network of its own with
 #     room for K boxes (`network create --subnet`): wall time of the command,
-#     then the MemAvailable drop per clone (2 s after), the private memory
+#     then the MemAvailable drop per clone (IDLE_WAIT s after), the private memory
 #     (smaps_rollup) of a sample of clones' processes, and an HTTP answer from
 #     a sample of clones on their own addresses;
 #   * the same new-box start while the K clones idle: N runs, median, and the
 #     ratio to the empty host's;
 #   * `rm -f` of the K clones in one command: wall time.
 # Env: K (default 1000), N (default 20), SUBNET (default 10.201.0.0/20),
+#      IDLE_WAIT (seconds waited before each MemAvailable reading, default 2),
+#      DROP_CACHES=1 (caches dropped before each reading: see bench/clone.sh),
 #      NESTBOX_BIN, RESULTS_DIR.
 set -euo pipefail
 # shellcheck source=lib/common.sh
