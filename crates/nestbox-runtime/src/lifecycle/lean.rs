@@ -19,10 +19,11 @@
 //!   [`crate::residency::IDLE_MS_BEFORE_DROP`] ([`become_lean_monitor`]):
 //!   the box's identity, init's pid, the cgroup and the descriptors it
 //!   watches (init's pidfd, the output pipes, the end pipe) go over a pipe
-//!   as JSON; the new image (started at idle priority, so that boxes made
-//!   in a burst renew in the CPU time left over, and put back at the
-//!   monitor's priority first thing) loads the box's record, supervises the box as
-//!   before and releases it when it ends. Blocked signals stay blocked and
+//!   as JSON; the new image loads the box's record, supervises the box as
+//!   before and releases it when it ends. Run by root of the host, the
+//!   renewal starts at idle priority (boxes made in a burst renew in the CPU
+//!   time left over) and the new image goes back to the monitor's nice value
+//!   once it has loaded the record. Blocked signals stay blocked and
 //!   pending across `execve`, so none sent meanwhile is lost. A monitor with
 //!   more than one thread (one serving an interposing monitor), or whose
 //!   phases are traced, or still due to do delayed work, stays as it is.
@@ -30,10 +31,14 @@
 //!   before any process of the box exists ([`become_lean_init`]): its new
 //!   image serves as the box's pid 1 ([`crate::init::adopt`]) from the start.
 //!   No process of the box can see it between its `execve` and the moment it
-//!   makes itself non-dumpable again, since none exists yet.
+//!   makes itself non-dumpable again, since none exists yet. Only a statically
+//!   linked binary does this: a dynamic one would load the dynamic loader and
+//!   the C library of the box's image.
 //!
-//! Either way a failure to `execve` leaves the process as it was (and is
-//! logged), only larger. The figures are in `docs/clones.md`.
+//! Either way a failure to `execve` leaves the process as it was, only
+//! larger (a monitor logs why; an init has nowhere to). A fresh image's
+//! start costs about a millisecond of CPU. The figures are in
+//! `docs/clones.md`.
 
 use std::ffi::{CStr, CString};
 use std::io::{Read, Write};
