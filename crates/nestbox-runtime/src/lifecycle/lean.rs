@@ -333,9 +333,7 @@ fn supervise_to_the_end(reg: &Registry, record: &BoxRecord, running: Running) ->
             }
         }
     };
-    let (code, _, _) =
-        crate::monitor::supervise(record, &running, signals, false, None, None, None);
-    match crate::monitor::finish(reg, record, running, code) {
+    match crate::monitor::supervise_then_finish(reg, record, running, signals, false, false) {
         Ok(o) => o.exit_code,
         Err(e) => {
             tracing::error!(box_name = record.name(), "{e}");

@@ -137,8 +137,23 @@ fn run_box_as(reg: &Registry, record: &BoxRecord, mode: Mode, again: bool) -> Re
         let _ = ready.write_all(b"ok");
     }
     // A detached monitor renews its image once the box is idle.
-    let renew = || crate::lifecycle::lean::become_lean_monitor(reg, record, &running);
-    let renew = (!foreground).then_some(&renew as &dyn Fn());
+    supervise_then_finish(reg, record, running, signals, foreground, !foreground)
+}
+
+/// Supervise the started box of `record` until it ends ([`supervise`]), then
+/// record its end and release it ([`finish`]). With `renew`, the monitor
+/// replaces its image once the box is idle ([`crate::lifecycle::lean`]); the
+/// new image goes on here, without.
+pub(crate) fn supervise_then_finish(
+    reg: &Registry,
+    record: &BoxRecord,
+    running: Running,
+    signals: SignalFd,
+    foreground: bool,
+    renew: bool,
+) -> Result<Outcome> {
+    let become_lean = || crate::lifecycle::lean::become_lean_monitor(reg, record, &running);
+    let renew = renew.then_some(&become_lean as &dyn Fn());
     let (exit_code, _, _) = supervise(record, &running, signals, foreground, None, None, renew);
     crate::phases::mark("monitor: output drained, exit code read");
     finish(reg, record, running, exit_code)
