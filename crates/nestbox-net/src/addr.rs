@@ -32,12 +32,14 @@ pub fn add(nl: &mut Netlink, index: u32, name: &str, addr: Ipv4Addr, prefix: u8)
     }
 }
 
-/// IPv4 addresses (with prefix) of interface `index`.
+/// IPv4 addresses (with prefix) of interface `index`: a dump the kernel
+/// filters by interface (the messages are still checked here).
 pub fn list(nl: &mut Netlink, index: u32) -> Result<Vec<(Ipv4Addr, u8)>> {
     let mut req = AddressMessage::default();
     req.header.family = AddressFamily::Inet;
-    let msgs = nl.dump(RouteNetlinkMessage::GetAddress(req), &|| {
-        "dump addresses".to_string()
+    req.header.index = index;
+    let msgs = nl.dump_filtered(RouteNetlinkMessage::GetAddress(req), &|| {
+        format!("dump addresses of interface {index}")
     })?;
     let mut out = Vec::new();
     for m in msgs {

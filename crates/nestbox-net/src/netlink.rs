@@ -206,6 +206,38 @@ impl Netlink {
         })?;
         Ok(out)
     }
+
+    /// [`Netlink::dump`] with the kernel's strict checking of the request
+    /// (`NETLINK_GET_STRICT_CHK`) on for this one dump, so that the filter
+    /// fields of the request's header (an interface index) are applied by
+    /// the kernel: it then walks one interface instead of all of them (with
+    /// a thousand boxes, a thousand host veths). The option stays off
+    /// otherwise: strict checking refuses header fields other dumps leave
+    /// set. A kernel without the option (before 4.20) ignores the filter and
+    /// answers with everything, so the caller still checks each message.
+    pub fn dump_filtered(
+        &mut self,
+        msg: RouteNetlinkMessage,
+        what: &dyn Fn() -> String,
+    ) -> Result<Vec<RouteNetlinkMessage>> {
+        let strict = match self.sock.set_netlink_get_strict_chk(true) {
+            Ok(()) => true,
+            Err(e) => {
+                tracing::debug!("netlink: no strict checking (NETLINK_GET_STRICT_CHK): {e}");
+                false
+            }
+        };
+        let out = self.dump(msg, what);
+        if strict {
+            self.sock
+                .set_netlink_get_strict_chk(false)
+                .map_err(|e| NetError::Sys {
+                    call: "setsockopt(NETLINK_GET_STRICT_CHK, 0)".to_string(),
+                    source: e,
+                })?;
+        }
+        out
+    }
 }
 
 /// The extended-ack text in the payload of an error message: the payload is
