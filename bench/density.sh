@@ -6,7 +6,10 @@
 #   * the start of a new box (`run --rm -- /bin/true`, default network) on an
 #     empty host: N runs, median;
 #   * `clone tpl -d -n K` of the frozen server on a network of its own with
-#     room for K boxes (`network create --subnet`): wall time of the command,
+#     room for K boxes (`network create --subnet`), once the machine is quiet
+#     (the kernel frees an earlier run's namespaces in the background for a
+#     minute or more; SETTLE_MAX s at most): wall time of the command, the CPU
+#     time the whole machine was busy meanwhile (lower noise than wall time),
 #     then the MemAvailable drop per clone (IDLE_WAIT s after), the private memory
 #     (smaps_rollup) of a sample of clones' processes, and an HTTP answer from
 #     a sample of clones on their own addresses;
@@ -14,6 +17,7 @@
 #     ratio to the empty host's;
 #   * `rm -f` of the K clones in one command: wall time.
 # Env: K (default 1000), N (default 20), SUBNET (default 10.201.0.0/20),
+#      SETTLE_MAX (default 120),
 #      IDLE_WAIT (seconds waited before each MemAvailable reading, default 2),
 #      DROP_CACHES=1 (caches dropped before each reading: see bench/clone.sh),
 #      NESTBOX_BIN, RESULTS_DIR.
