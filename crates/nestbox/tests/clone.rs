@@ -398,6 +398,39 @@ fn clone_refuses_bad_counts_and_leaves_nothing() {
     root.ok(&["rm", "-f", "taken", "again", "tpl"]);
 }
 
+/// A burst whose shells cannot all start (its network runs out of addresses
+/// midway, with four shells up) fails with the network's one line and leaves
+/// no clone, no shell and no lease; the template still clones.
+#[test]
+fn a_clone_burst_that_runs_out_of_addresses_leaves_nothing() {
+    let Some(root) = TestRoot::new("a_clone_burst_that_runs_out_of_addresses_leaves_nothing")
+    else {
+        return;
+    };
+    // A /29: the gateway and five box addresses, one of them the template's.
+    root.ok(&["network", "create", "tiny", "--subnet", "10.234.17.0/29"]);
+    frozen_server_with(&root, "tpl", 1, &["--network", "tiny"]);
+    assert_error(
+        &root.run(&["clone", "tpl", "-d", "-n", "7", "--name", "b"]),
+        125,
+        "is exhausted",
+    );
+    assert_eq!(box_names(&root), ["tpl"]);
+    let state = std::fs::read_to_string(root.path().join("lib/network/tiny/state.json")).unwrap();
+    let state: serde_json::Value = serde_json::from_str(&state).unwrap();
+    assert_eq!(
+        state["boxes"].as_object().map(|b| b.len()),
+        Some(1),
+        "only the template holds an address: {state}"
+    );
+    root.ok(&["clone", "tpl", "-d", "-n", "4", "--name", "c"]);
+    for i in 1..=4 {
+        assert_eq!(get(&root, &format!("c-{i}"), "/").0, 2);
+    }
+    root.ok(&["rm", "-f", "c-1", "c-2", "c-3", "c-4", "tpl"]);
+    root.ok(&["network", "rm", "tiny"]);
+}
+
 #[test]
 fn serial_hundred_clones_then_rm_leaves_nothing() {
     let Some(root) = TestRoot::new("serial_hundred_clones_then_rm_leaves_nothing") else {
