@@ -76,7 +76,8 @@ def main() -> None:
         f.write(SERVER)
     result: dict = {"clones": k, "subnet": subnet, "load_before": os.getloadavg()[0]}
 
-    settle(float(os.environ.get("SETTLE_MAX", "120")))
+    settle_max = float(os.environ.get("SETTLE_MAX", "120"))
+    settle(settle_max)
     empty = starts(nestbox, root, n)
     sh(nestbox, root, "network", "create", "dense", "--subnet", subnet)
     sh(nestbox, root, "run", "-d", "--name", "tpl", "--network", "dense",
@@ -89,7 +90,7 @@ def main() -> None:
     drop_caches = os.environ.get("DROP_CACHES") == "1"
     time.sleep(max(1.0, idle_wait))
 
-    settled_s = settle(float(os.environ.get("SETTLE_MAX", "120")))
+    settled_s = settle(settle_max)
     before = settled_available(drop_caches)
     t, cpu0 = time.perf_counter(), busy_cpu_s()
     names = sh(nestbox, root, "clone", "tpl", "-d", "-n", str(k), "--name", "c",

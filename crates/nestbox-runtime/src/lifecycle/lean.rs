@@ -83,14 +83,9 @@ pub fn entry() {
 /// processes, and this process runs one thread (`execve` would end the
 /// others) and traces no phases (their table is a mapping of this image).
 fn may_renew() -> bool {
-    SUPPORTED.load(Ordering::Relaxed) && !crate::phases::enabled() && threads() == Some(1)
-}
-
-/// The number of threads of this process.
-fn threads() -> Option<usize> {
-    std::fs::read_dir("/proc/self/task")
-        .ok()
-        .map(|d| d.filter(|e| e.is_ok()).count())
+    SUPPORTED.load(Ordering::Relaxed)
+        && !crate::phases::enabled()
+        && crate::residency::single_threaded()
 }
 
 /// Whether this binary is linked statically: its program headers name no

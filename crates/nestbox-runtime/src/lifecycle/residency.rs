@@ -101,7 +101,7 @@ fn zero_candidates(maps: &str) -> Vec<(usize, usize)> {
 }
 
 /// Whether this process has exactly one thread (`Threads:` of its status).
-fn single_threaded() -> bool {
+pub(crate) fn single_threaded() -> bool {
     std::fs::read_to_string("/proc/self/status").is_ok_and(|s| {
         s.lines()
             .find_map(|l| l.strip_prefix("Threads:"))
